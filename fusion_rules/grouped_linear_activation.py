@@ -1,0 +1,83 @@
+"""Forward GroupGemm + Activation (+ Quantize (+ Transpose)).
+
+The fused forward keeps the pre-activation (which the activation's backward needs anyway) and
+not the activation output: the next GroupedLinear's weight gradient recomputes it (memory
+contract: less saved than the unfused chain, which keeps both).
+"""
+
+import torch
+
+from te_fused_ops import FusionRule, register_rule
+from te_fused_ops.ops import Activation, GroupedLinear, Quantize, Transpose
+
+from ._sm90 import kernel_unsupported_reason, run_grouped_gemm
+
+
+def finish_activation(act: Activation, ctx, pre: torch.Tensor, out: torch.Tensor, keep_output: bool) -> torch.Tensor:
+    """Fill the activation's ctx as its own forward would; unless ``keep_output``, let consumers
+    recompute ``out`` from the saved pre-activation instead of keeping it."""
+    if ctx.input_requires_grad or ctx.params_require_grad:
+        ctx.save_input(pre)
+        if not keep_output:
+            ctx.recompute_output = lambda: act.compute(ctx, pre)
+    return out
+
+
+def _forward_torch(ops, ctxs, x):
+    linear, act = ops[0], ops[1]
+    pre = linear.op_forward(ctxs[0], x)
+    act.check_input(pre)
+    y = finish_activation(act, ctxs[1], pre, act.compute(ctxs[1], pre), keep_output=len(ops) > 2)
+    for op, ctx in zip(ops[2:], ctxs[2:]):
+        y = op.op_forward(ctx, y)
+    return y
+
+
+def _kernel_epilogue(act: Activation, ctx) -> dict:
+    epilogue = {}
+    if act.kernel_name == "clamped_swiglu":
+        epilogue.update(limit=act.limit, alpha=act.alpha)
+    if act.kernel_name == "scaled_swiglu":
+        epilogue["probs"] = ctx.side["probs"].detach().float()
+    return epilogue
+
+
+def _forward_sm90(ops, ctxs, x):
+    linear, act = ops
+    pre, out = run_grouped_gemm(linear, ctxs[0], x, act.kernel_name, **_kernel_epilogue(act, ctxs[1]))
+    return finish_activation(act, ctxs[1], pre, out, keep_output=False)
+
+
+def _supports_sm90(ops, info, backend):
+    if backend != "sm90":
+        return None
+    act = ops[1]
+    if act.kernel_name is None:
+        return f"no kernel epilogue for {act.op_name}"
+    return kernel_unsupported_reason(ops[0], info, act.kernel_name)
+
+
+grouped_linear_activation = FusionRule(
+    "grouped_linear+activation", pattern=(GroupedLinear, Activation), passes="forward", supports=_supports_sm90
+)
+grouped_linear_activation.implementation("sm90")(_forward_sm90)
+grouped_linear_activation.implementation("torch")(_forward_torch)
+
+grouped_linear_activation_quantize = FusionRule(
+    "grouped_linear+activation+quantize", pattern=(GroupedLinear, Activation, Quantize), passes="forward"
+)
+grouped_linear_activation_quantize.implementation("torch")(_forward_torch)
+
+grouped_linear_activation_quantize_transpose = FusionRule(
+    "grouped_linear+activation+quantize+transpose",
+    pattern=(GroupedLinear, Activation, Quantize, Transpose),
+    passes="forward",
+)
+grouped_linear_activation_quantize_transpose.implementation("torch")(_forward_torch)
+
+for _rule in (
+    grouped_linear_activation,
+    grouped_linear_activation_quantize,
+    grouped_linear_activation_quantize_transpose,
+):
+    register_rule(_rule)

@@ -1,0 +1,78 @@
+"""Torch grouped matmuls over row groups: the reference path every fused kernel is checked against.
+
+All take ``offsets`` (G+1,) int32 from `splits.split_offsets`. On CUDA they never sync with the
+host: bf16 goes through ``torch._grouped_mm``; other dtypes use masked per-group products
+(G dense products, a fallback). On the CPU they slice groups with host offsets (no device to
+sync with). Padding rows (>= offsets[G]) of every row-grouped output are zero.
+"""
+
+import torch
+
+from .splits import row_group_ids, valid_rows_mask
+
+
+def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    first = tensors[0]
+    if first.device.type != "cuda" or first.dtype != torch.bfloat16:
+        return False
+    if torch.cuda.get_device_capability(first.device) < (9, 0):
+        return False
+    return all(t.dtype == first.dtype and t.shape[-1] % 8 == 0 for t in tensors)
+
+
+def _host_bounds(offsets: torch.Tensor) -> list[int]:
+    return offsets.tolist()  # CPU tensors only: no device to sync with
+
+
+def grouped_mm_nt(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of group g: ``y = x @ weight[g].T``. x (M, K), weight (G, N, K) -> y (M, N), x's dtype."""
+    num_rows, num_groups, out_features = x.shape[0], weight.shape[0], weight.shape[1]
+    if x.device.type == "cpu":
+        y = x.new_zeros(num_rows, out_features)
+        bounds = _host_bounds(offsets)
+        for g in range(num_groups):
+            lo, hi = bounds[g], bounds[g + 1]
+            if hi > lo:
+                torch.matmul(x[lo:hi], weight[g].t(), out=y[lo:hi])
+        return y
+    if _grouped_mm_ok(x, weight) and out_features % 8 == 0:
+        y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets[1:])
+        return y.masked_fill_(~valid_rows_mask(offsets, num_rows), 0)
+    group_ids = row_group_ids(offsets, num_rows).unsqueeze(1)
+    y = x.new_zeros(num_rows, out_features)
+    for g in range(num_groups):
+        y += torch.where(group_ids == g, x, 0) @ weight[g].t()
+    return y
+
+
+def grouped_mm_nn(dy: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of group g: ``dx = dy @ weight[g]``. dy (M, N), weight (G, N, K) -> dx (M, K)."""
+    return grouped_mm_nt(dy, weight.transpose(-2, -1), offsets)
+
+
+def grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per group ``dW[g] = dy_g.T @ x_g`` over the token dim. dy (M, N), x (M, K) -> (G, N, K)."""
+    num_groups = offsets.shape[0] - 1
+    if x.device.type == "cpu":
+        dw = dy.new_zeros(num_groups, dy.shape[1], x.shape[1])
+        bounds = _host_bounds(offsets)
+        for g in range(num_groups):
+            lo, hi = bounds[g], bounds[g + 1]
+            if hi > lo:
+                torch.matmul(dy[lo:hi].t(), x[lo:hi], out=dw[g])
+        return dw
+    if _grouped_mm_ok(dy, x):
+        return torch._grouped_mm(dy.t(), x, offs=offsets[1:])
+    group_ids = row_group_ids(offsets, x.shape[0]).unsqueeze(1)
+    return torch.stack([torch.where(group_ids == g, dy, 0).t() @ x for g in range(num_groups)])
+
+
+def grouped_row_sum(dy: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per-group column sums (the bias gradient): dy (M, N) -> (G, N), accumulated in float32."""
+    num_groups = offsets.shape[0] - 1
+    group_ids = row_group_ids(offsets, dy.shape[0])
+    sums = dy.new_zeros(num_groups + 1, dy.shape[1], dtype=torch.float32)
+    sums.index_add_(0, group_ids, dy.float())
+    return sums[:num_groups].to(dy.dtype)

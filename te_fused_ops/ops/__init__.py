@@ -1,0 +1,21 @@
+"""Basic ops: compose them in `te_fused_ops.Sequential` or call one on its own."""
+
+from .activation import Activation, ClampedSwiGLU, GeGLU, ScaledSwiGLU, SReLU, SwiGLU
+from .base import BasicOp, OpContext
+from .grouped_linear import GroupedLinear
+from .quantize import Quantize
+from .transpose import Transpose
+
+__all__ = [
+    "Activation",
+    "BasicOp",
+    "ClampedSwiGLU",
+    "GeGLU",
+    "GroupedLinear",
+    "OpContext",
+    "Quantize",
+    "SReLU",
+    "ScaledSwiGLU",
+    "SwiGLU",
+    "Transpose",
+]

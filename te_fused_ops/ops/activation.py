@@ -1,0 +1,195 @@
+"""Activations: SwiGLU, GeGLU, SReLU, ClampedSwiGLU (GPT-OSS), ScaledSwiGLU (router probs).
+
+GLU convention (TE's): gate = the first half of the last dim, up = the second half;
+``y = act(gate) * up`` has half the last dim. Math runs in float32 and rounds once to the
+input dtype; gradients likewise.
+"""
+
+import math
+
+import torch
+
+from .base import BasicOp, OpContext, is_quantized
+
+_GELU_K = math.sqrt(2.0 / math.pi)
+_GELU_C = 0.044715
+
+
+def _silu_and_grad(g: torch.Tensor):
+    s = torch.sigmoid(g)
+    return g * s, s * (1 + g * (1 - s))
+
+
+def _gelu_tanh_and_grad(g: torch.Tensor):
+    t = torch.tanh(_GELU_K * (g + _GELU_C * g**3))
+    value = 0.5 * g * (1 + t)
+    grad = 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * _GELU_K * (1 + 3 * _GELU_C * g * g)
+    return value, grad
+
+
+class Activation(BasicOp):
+    """Base of the activation ops. Subclasses define `act` and `act_grad` on float32 tensors.
+
+    ``kernel_name`` names the epilogue of the fused GEMM kernels that computes it.
+    """
+
+    glu = False
+    kernel_name = None
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def act_grad(self, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def check_input(self, x) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{self.op_name}: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{self.op_name}: argument 'x' must be a floating-point tensor, got {x.dtype}")
+        if x.dim() == 0:
+            raise ValueError(f"{self.op_name}: argument 'x' must have at least one dimension")
+        if self.glu and x.shape[-1] % 2:
+            raise ValueError(
+                f"{self.op_name}: argument 'x' last dimension {x.shape[-1]} is odd; a GLU needs [gate; up] halves"
+            )
+
+    def compute(self, ctx: OpContext, x: torch.Tensor) -> torch.Tensor:
+        """Forward value in x's dtype."""
+        return self.act(x.float()).to(x.dtype)
+
+    def op_forward(self, ctx: OpContext, x) -> torch.Tensor:
+        if is_quantized(x):
+            x = x.dequantize()
+        self.check_input(x)
+        if ctx.input_requires_grad or ctx.params_require_grad:
+            ctx.save_input(x)
+        return self.compute(ctx, x)
+
+    def input_grad(self, ctx: OpContext, pre: torch.Tensor, dy: torch.Tensor):
+        """(dx in pre's dtype, grads dict) from the saved pre-activation and the output gradient."""
+        return self.act_grad(pre.float(), dy.float()).to(pre.dtype), {}
+
+    def op_backward(self, ctx: OpContext, dy):
+        if not ctx.input_requires_grad and not ctx.params_require_grad:
+            return None, {}
+        dx, grads = self.input_grad(ctx, ctx.load_input(), dy)
+        return (dx if ctx.input_requires_grad else None), grads
+
+
+class _GLU(Activation):
+    glu = True
+
+    def gate_fn(self, gate: torch.Tensor):
+        """(act(gate), d act / d gate), float32."""
+        raise NotImplementedError
+
+    def act(self, x):
+        gate, up = x.chunk(2, dim=-1)
+        return self.gate_fn(gate)[0] * up
+
+    def act_grad(self, x, dy):
+        gate, up = x.chunk(2, dim=-1)
+        value, grad = self.gate_fn(gate)
+        return torch.cat([dy * up * grad, dy * value], dim=-1)
+
+
+class SwiGLU(_GLU):
+    """``silu(gate) * up``."""
+
+    kernel_name = "swiglu"
+
+    def gate_fn(self, gate):
+        return _silu_and_grad(gate)
+
+
+class GeGLU(_GLU):
+    """``gelu(gate) * up``, gelu with the tanh approximation (as TE)."""
+
+    kernel_name = "geglu"
+
+    def gate_fn(self, gate):
+        return _gelu_tanh_and_grad(gate)
+
+
+class SReLU(Activation):
+    """Squared ReLU: ``relu(x) ** 2`` (not gated; keeps the last dim)."""
+
+    kernel_name = "srelu"
+
+    def act(self, x):
+        return torch.relu(x) ** 2
+
+    def act_grad(self, x, dy):
+        return dy * 2 * torch.relu(x)
+
+
+class ClampedSwiGLU(_GLU):
+    """GPT-OSS SwiGLU: ``g * sigmoid(alpha * g) * (u + 1)`` with ``g = min(gate, limit)``,
+    ``u = clamp(up, -limit, limit)``; the clamps pass gradient inside their bounds (inclusive)."""
+
+    kernel_name = "clamped_swiglu"
+
+    def __init__(self, limit: float = 7.0, alpha: float = 1.702):
+        super().__init__()
+        if not limit > 0:
+            raise ValueError(f"ClampedSwiGLU: argument 'limit' must be positive, got {limit!r}")
+        self.limit, self.alpha = float(limit), float(alpha)
+
+    def extra_repr(self) -> str:
+        return f"limit={self.limit}, alpha={self.alpha}"
+
+    def plan_signature(self) -> tuple:
+        return (ClampedSwiGLU, self.limit, self.alpha)
+
+    def act(self, x):
+        gate, up = x.chunk(2, dim=-1)
+        g = gate.clamp(max=self.limit)
+        return g * torch.sigmoid(self.alpha * g) * (up.clamp(-self.limit, self.limit) + 1)
+
+    def act_grad(self, x, dy):
+        gate, up = x.chunk(2, dim=-1)
+        g = gate.clamp(max=self.limit)
+        u = up.clamp(-self.limit, self.limit)
+        s = torch.sigmoid(self.alpha * g)
+        glu = g * s
+        dgate = dy * (u + 1) * (s + self.alpha * glu * (1 - s)) * (gate <= self.limit)
+        dup = dy * glu * ((up >= -self.limit) & (up <= self.limit))
+        return torch.cat([dgate, dup], dim=-1)
+
+
+class ScaledSwiGLU(SwiGLU):
+    """``silu(gate) * up * probs[row]``: SwiGLU times a per-row scale (router probability).
+
+    Side input ``probs``: (M,) floating tensor on x's device; its gradient is returned too.
+    """
+
+    kernel_name = "scaled_swiglu"
+    side_inputs = ("probs",)
+
+    def bind_side_inputs(self, side: dict, x: torch.Tensor, memo: dict) -> dict:
+        probs = side["probs"]
+        if not isinstance(probs, torch.Tensor):
+            raise TypeError(f"ScaledSwiGLU: argument 'probs' must be a torch.Tensor, got {type(probs).__name__}")
+        if not probs.is_floating_point():
+            raise TypeError(f"ScaledSwiGLU: argument 'probs' must be floating point, got {probs.dtype}")
+        if probs.dim() != 1 or probs.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"ScaledSwiGLU: argument 'probs' must have shape ({x.shape[0]},) (one per row), got {tuple(probs.shape)}"
+            )
+        if probs.device != x.device:
+            raise ValueError(f"ScaledSwiGLU: argument 'probs' is on {probs.device} but the input is on {x.device}")
+        return {"probs": probs}
+
+    def compute(self, ctx: OpContext, x):
+        probs = ctx.side["probs"].float().unsqueeze(-1)
+        return (self.act(x.float()) * probs).to(x.dtype)
+
+    def input_grad(self, ctx: OpContext, pre, dy):
+        probs = ctx.side["probs"]
+        pre32, dy32 = pre.float(), dy.float()
+        dx = self.act_grad(pre32, dy32 * probs.float().unsqueeze(-1)).to(pre.dtype)
+        grads = {}
+        if probs.requires_grad:
+            grads["probs"] = (dy32 * self.act(pre32)).sum(-1).to(probs.dtype)
+        return dx, grads

@@ -1,0 +1,50 @@
+"""Quantize: cast to a low-precision recipe; straight-through backward."""
+
+import torch
+
+from .base import BasicOp, OpContext
+
+
+class Quantize(BasicOp):
+    """Cast the input to ``recipe`` (a `te_fused_ops.quantization.Recipe` or its name).
+
+    Output: a `QuantizedTensor` with row-wise data and scales (dequantize() gives the values).
+    Backward: straight-through; with ``quantize_grad=True`` the gradient is quantized with the
+    same recipe and dequantized (what an FP8 backward GEMM would see).
+    """
+
+    def __init__(self, recipe, quantize_grad: bool = False):
+        super().__init__()
+        from ..quantization import get_recipe
+
+        self.recipe = get_recipe(recipe)
+        self.quantize_grad = bool(quantize_grad)
+
+    def extra_repr(self) -> str:
+        return f"recipe={self.recipe.name}, quantize_grad={self.quantize_grad}"
+
+    def plan_signature(self) -> tuple:
+        return (Quantize, self.recipe, self.quantize_grad)
+
+    def output_quantized(self, input_quantized: bool) -> bool:
+        return True
+
+    def op_forward(self, ctx: OpContext, x):
+        from ..quantization import QuantizedTensor, quantize
+
+        if isinstance(x, QuantizedTensor):
+            x = x.dequantize()
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"Quantize: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
+        return quantize(x, self.recipe, rowwise=True)
+
+    def grad(self, dy):
+        """The straight-through gradient, quantized if ``quantize_grad``."""
+        from ..quantization import QuantizedTensor, fake_quantize
+
+        if not self.quantize_grad or isinstance(dy, QuantizedTensor):
+            return dy
+        return fake_quantize(dy, self.recipe)
+
+    def op_backward(self, ctx: OpContext, dy):
+        return self.grad(dy), {}

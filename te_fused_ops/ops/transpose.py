@@ -1,0 +1,44 @@
+"""Transpose: value identity that adds the per-group transposed (column-wise) copy."""
+
+import torch
+
+from ..splits import bind_offsets
+from .base import BasicOp, OpContext
+
+
+def with_columnwise(x: torch.Tensor, offsets: torch.Tensor):
+    """``x`` (M, K) with its per-group column-wise copy: column-wise quantized for a quantized
+    input; for a plain tensor ``x.T`` contiguous (K, M) as attribute ``te_columnwise`` (group g
+    owns columns offsets[g]:offsets[g+1])."""
+    from ..quantization import QuantizedTensor, add_columnwise
+
+    if isinstance(x, QuantizedTensor):
+        return add_columnwise(x, offsets)
+    y = x.view_as(x)
+    y.te_columnwise = x.t().contiguous()
+    return y
+
+
+class Transpose(BasicOp):
+    """Makes the column-wise layout the next GroupedLinear's weight-gradient GEMM needs.
+
+    Side input ``split_sizes`` (G,) int: column-wise scale blocks never straddle a group.
+    """
+
+    side_inputs = ("split_sizes",)
+
+    def bind_side_inputs(self, side: dict, x: torch.Tensor, memo: dict) -> dict:
+        return {"offsets": bind_offsets("Transpose", side, x, memo)}
+
+    def output_quantized(self, input_quantized: bool) -> bool:
+        return input_quantized
+
+    def op_forward(self, ctx: OpContext, x):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"Transpose: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 2:
+            raise ValueError(f"Transpose: argument 'x' must be 2-D (tokens, features), got shape {tuple(x.shape)}")
+        return with_columnwise(x, ctx.side["offsets"])
+
+    def op_backward(self, ctx: OpContext, dy):
+        return dy, {}

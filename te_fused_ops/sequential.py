@@ -1,0 +1,191 @@
+"""`Sequential` and the runner that executes a plan inside one autograd.Function."""
+
+import torch
+from torch import nn
+
+from .fusion import PlanInfo, forced_backend, fusion_enabled_by_env, make_plan, registry_version
+from .ops.base import BasicOp, OpContext, is_quantized
+
+
+def _capability(device: torch.device):
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def _plan_info(ops, device, dtype, x_requires_grad: bool, side: dict, x_quantized: bool = False) -> PlanInfo:
+    grad_on = torch.is_grad_enabled()
+    input_rg, params_rg, input_q = [], [], []
+    running = grad_on and x_requires_grad
+    for op in ops:
+        input_rg.append(running)
+        input_q.append(x_quantized)
+        x_quantized = op.output_quantized(x_quantized)
+        params = grad_on and any(p.requires_grad for p in op.parameters())
+        side_grad = grad_on and any(
+            isinstance(side.get(n), torch.Tensor) and side[n].requires_grad for n in op.side_inputs
+        )
+        params_rg.append(params or side_grad)
+        running = running or params or side_grad
+    return PlanInfo(device.type, _capability(device), dtype, tuple(input_rg), tuple(params_rg), tuple(input_q))
+
+
+def _get_plan(ops, info: PlanInfo, cache: dict, fuse: bool):
+    key = (
+        registry_version(),
+        fuse,
+        fusion_enabled_by_env(),
+        forced_backend(),
+        info,
+        tuple(op.plan_signature() for op in ops),
+    )
+    plan = cache.get(key)
+    if plan is None:
+        plan = cache[key] = make_plan(ops, info, fuse)
+    return plan
+
+
+def _check_side_inputs(owner: str, ops, side: dict) -> None:
+    consumed = {name for op in ops for name in op.side_inputs}
+    unknown = sorted(set(side) - consumed)
+    if unknown:
+        raise ValueError(
+            f"{owner}: side input(s) {', '.join(map(repr, unknown))} not consumed by any op "
+            f"(consumed: {', '.join(sorted(consumed)) or 'none'})"
+        )
+    for i, op in enumerate(ops):
+        for name in op.side_inputs:
+            if side.get(name) is None:
+                raise ValueError(f"{op.op_name} (op {i}): missing side input '{name}'")
+
+
+class _Run:
+    """One call: ops, their contexts and the plan; runs both passes."""
+
+    def __init__(self, ops, ctxs, plan, grad_side_names, params):
+        self.ops, self.ctxs, self.plan = ops, ctxs, plan
+        self.grad_side_names = grad_side_names
+        self.params = params  # unique parameters, as passed to the autograd.Function
+
+    def forward(self, x):
+        for step in self.plan.forward:
+            if step.start > 0:
+                self.ctxs[step.start].input_recompute = self.ctxs[step.start - 1].recompute_output
+            x = step.run(self.ops, self.ctxs, x, "forward")
+        return x
+
+    def backward(self, dy):
+        op_grads = [None] * len(self.ops)
+        for step in self.plan.backward:
+            dy, grads = step.run(self.ops, self.ctxs, dy, "backward")
+            op_grads[step.start : step.stop] = grads
+        side_grads = {name: None for name in self.grad_side_names}
+        param_grads = {id(p): None for p in self.params}
+        for op, grads in zip(self.ops, op_grads):
+            for name, grad in (grads or {}).items():
+                if grad is None:
+                    continue
+                if name in side_grads:
+                    side_grads[name] = grad if side_grads[name] is None else side_grads[name] + grad
+                    continue
+                param = getattr(op, name)
+                slot = param_grads.get(id(param), None)
+                param_grads[id(param)] = grad if slot is None else slot + grad
+        return dy, [side_grads[n] for n in self.grad_side_names], [param_grads[id(p)] for p in self.params]
+
+
+class _SequenceFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run: _Run, x, *flat):
+        ctx.run = run
+        return run.forward(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        run = ctx.run
+        dx, side_grads, param_grads = run.backward(dy)
+        if is_quantized(dx):
+            dx = dx.dequantize()
+        ctx.run = None
+        return (None, dx, *side_grads, *param_grads)
+
+
+def run_ops(owner: nn.Module, ops, x, side: dict, cache: dict, fuse: bool):
+    """Check inputs, plan (cached) and run ``ops`` on ``x`` with named side inputs."""
+    owner_name = type(owner).__name__
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{owner_name}: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
+    _check_side_inputs(owner_name, ops, side)
+    info = _plan_info(ops, x.device, x.dtype, x.requires_grad, side, is_quantized(x))
+    plan = _get_plan(ops, info, cache, fuse)
+
+    memo: dict = {}
+    ctxs = []
+    for i, op in enumerate(ops):
+        ctx = OpContext(op, i, info.input_requires_grad[i], info.params_require_grad[i])
+        ctx.side = op.bind_side_inputs(side, x, memo)
+        ctxs.append(ctx)
+
+    grad_needed = info.input_requires_grad[-1] or info.params_require_grad[-1] if ops else False
+    grad_side_names = sorted(
+        {n for op in ops for n in op.side_inputs if isinstance(side[n], torch.Tensor) and side[n].requires_grad}
+    )
+    params = list({id(p): p for op in ops for p in op.parameters()}.values())
+    run = _Run(ops, ctxs, plan, grad_side_names, params)
+    if not grad_needed:
+        with torch.no_grad():
+            return run.forward(x)
+    return _SequenceFunction.apply(run, x, *[side[n] for n in grad_side_names], *params)
+
+
+class Sequential(nn.Module):
+    """A container of basic ops, run through the fusion pass.
+
+    ``seq(x, split_sizes=s, probs=p)``: side inputs by name, each consumed by the ops declaring it.
+    Behaves like ``torch.nn.Sequential`` for indexing, parameters, state_dict, to(), train()/eval().
+    ``fuse=False`` (or env TE_FUSED_OPS_FUSION=0) runs every op on its own.
+    """
+
+    def __init__(self, *ops, fuse: bool = True):
+        super().__init__()
+        for i, op in enumerate(ops):
+            if not isinstance(op, BasicOp):
+                raise TypeError(f"Sequential: argument 'ops' [{i}] must be a te_fused_ops basic op, got {type(op).__name__}")
+            self.add_module(str(i), op)
+        self.fuse = fuse
+        self._plans: dict = {}
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __getitem__(self, index):
+        ops = list(self._modules.values())
+        if isinstance(index, slice):
+            return Sequential(*ops[index], fuse=self.fuse)
+        return ops[index]
+
+    def append(self, op: BasicOp) -> "Sequential":
+        if not isinstance(op, BasicOp):
+            raise TypeError(f"Sequential.append: argument 'op' must be a te_fused_ops basic op, got {type(op).__name__}")
+        self.add_module(str(len(self)), op)
+        return self
+
+    def forward(self, x, **side):
+        return run_ops(self, list(self), x, side, self._plans, self.fuse)
+
+    def plan(self, x=None, **side):
+        """The plan a call with these inputs would run (x None: the parameters' device and dtype)."""
+        ops = list(self)
+        if x is None:
+            param = next(self.parameters(), None)
+            device = param.device if param is not None else torch.device("cpu")
+            dtype = param.dtype if param is not None else torch.get_default_dtype()
+            info = _plan_info(ops, device, dtype, False, side)
+        else:
+            info = _plan_info(ops, x.device, x.dtype, x.requires_grad, side, is_quantized(x))
+        return _get_plan(ops, info, self._plans, self.fuse)
+
+    def explain(self, x=None, **side) -> str:
+        """Readable plan: which rule fired on which ops with which backend, and why others did not."""
+        return self.plan(x, **side).explain(list(self))

@@ -1,0 +1,97 @@
+"""Per-group row bookkeeping: split sizes -> clamped device offsets, checks, validation mode.
+
+Rows of a grouped tensor ``x`` of shape ``(M, K)`` are grouped contiguously: group ``g`` owns
+rows ``offsets[g]:offsets[g+1]``; rows ``offsets[G]:M`` are padding. Offsets are computed on the
+device of ``split_sizes`` and clamped, so no split value can make a kernel index out of bounds.
+"""
+
+import os
+from contextlib import contextmanager
+
+import torch
+
+_SPLIT_DTYPES = (torch.int32, torch.int64)
+_validation_override = None
+
+
+def validation_enabled() -> bool:
+    """Opt-in check of split values (costs a host sync): env TE_FUSED_OPS_VALIDATE=1 or `validation()`."""
+    if _validation_override is not None:
+        return _validation_override
+    return os.environ.get("TE_FUSED_OPS_VALIDATE", "0") not in ("", "0", "false", "False")
+
+
+@contextmanager
+def validation(enabled: bool = True):
+    """Context manager turning split-value validation on (or off) inside its block."""
+    global _validation_override
+    previous = _validation_override
+    _validation_override = enabled
+    try:
+        yield
+    finally:
+        _validation_override = previous
+
+
+def check_split_sizes(op_name: str, split_sizes, num_groups: int, device: torch.device) -> None:
+    """Type/shape/device checks (no sync): raises TypeError/ValueError naming op and argument."""
+    if not isinstance(split_sizes, torch.Tensor):
+        raise TypeError(f"{op_name}: argument 'split_sizes' must be a torch.Tensor, got {type(split_sizes).__name__}")
+    if split_sizes.dtype not in _SPLIT_DTYPES:
+        raise TypeError(f"{op_name}: argument 'split_sizes' must have dtype int32 or int64, got {split_sizes.dtype}")
+    if split_sizes.dim() != 1 or split_sizes.shape[0] != num_groups:
+        raise ValueError(
+            f"{op_name}: argument 'split_sizes' must have shape ({num_groups},), got {tuple(split_sizes.shape)}"
+        )
+    if split_sizes.device != device:
+        raise ValueError(
+            f"{op_name}: argument 'split_sizes' is on {split_sizes.device} but the input is on {device}"
+        )
+
+
+def validate_split_values(op_name: str, split_sizes: torch.Tensor, num_rows: int) -> None:
+    """Value checks for validation mode (host sync): negative sizes, sum larger than the rows."""
+    values = split_sizes.detach().to("cpu", torch.int64)
+    if bool((values < 0).any()):
+        raise ValueError(f"{op_name}: argument 'split_sizes' has negative entries: {values.tolist()}")
+    total = int(values.sum())
+    if total > num_rows:
+        raise ValueError(f"{op_name}: argument 'split_sizes' sums to {total} but the input has {num_rows} rows")
+
+
+def split_offsets(split_sizes: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """(G,) sizes -> (G+1,) int32 offsets on the same device: 0, then clamped inclusive prefix sums.
+
+    Negative sizes count as 0 and every offset is clamped to ``num_rows``, so offsets are
+    nondecreasing and within ``[0, num_rows]`` whatever the values.
+    """
+    ends = torch.cumsum(split_sizes.clamp(min=0), 0).clamp(max=num_rows).to(torch.int32)
+    return torch.cat([ends.new_zeros(1), ends])
+
+
+def row_group_ids(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """(M,) int64 group index of each row; padding rows get index G."""
+    rows = torch.arange(num_rows, device=offsets.device, dtype=torch.int32)
+    return torch.searchsorted(offsets[1:].contiguous(), rows, right=True)
+
+
+def valid_rows_mask(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """(M, 1) bool: True for rows that belong to a group (row < offsets[G])."""
+    rows = torch.arange(num_rows, device=offsets.device, dtype=torch.int32)
+    return (rows < offsets[-1]).unsqueeze(1)
+
+
+def bind_offsets(op_name: str, side: dict, x: torch.Tensor, memo: dict, num_groups=None) -> torch.Tensor:
+    """Checked ``split_sizes`` -> offsets for the rows of ``x``, computed once per call (``memo``)."""
+    if x.dim() != 2:
+        raise ValueError(f"{op_name}: argument 'x' must be 2-D (tokens, features), got shape {tuple(x.shape)}")
+    split_sizes = side["split_sizes"]
+    if num_groups is None and isinstance(split_sizes, torch.Tensor):
+        num_groups = split_sizes.shape[0] if split_sizes.dim() == 1 else -1
+    check_split_sizes(op_name, split_sizes, num_groups, x.device)
+    key = (id(split_sizes), x.shape[0])
+    if key not in memo:
+        if validation_enabled():
+            validate_split_values(op_name, split_sizes, x.shape[0])
+        memo[key] = split_offsets(split_sizes, x.shape[0])
+    return memo[key]
