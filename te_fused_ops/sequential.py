@@ -136,6 +136,33 @@ def run_ops(owner: nn.Module, ops, x, side: dict, cache: dict, fuse: bool):
     return _SequenceFunction.apply(run, x, *[side[n] for n in grad_side_names], *params)
 
 
+def saved_tensor_bytes(output: torch.Tensor) -> int:
+    """Bytes a Sequential/op call keeps for its backward (lazily recomputed tensors excluded).
+
+    ``output`` is the call's result (its grad_fn holds the run).
+    """
+    run = getattr(output.grad_fn, "run", None)
+    if run is None:
+        raise ValueError("saved_tensor_bytes: argument 'output' is not the output of a te_fused_ops call with grad")
+    seen, total = set(), 0
+
+    def count(t):
+        nonlocal total
+        for inner in (t, getattr(t, "te_columnwise", None)):
+            if isinstance(inner, torch.Tensor) and type(inner) is torch.Tensor and inner.data_ptr() not in seen:
+                seen.add(inner.data_ptr())
+                total += inner.untyped_storage().nbytes()
+
+    for ctx in run.ctxs:
+        for value in ctx.saved.values():
+            if is_quantized(value):
+                for name in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
+                    count(getattr(value, name, None))
+            elif isinstance(value, torch.Tensor):
+                count(value)
+    return total
+
+
 class Sequential(nn.Module):
     """A container of basic ops, run through the fusion pass.
 

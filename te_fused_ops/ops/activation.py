@@ -2,7 +2,7 @@
 
 GLU convention (TE's): gate = the first half of the last dim, up = the second half;
 ``y = act(gate) * up`` has half the last dim. Math runs in float32 and rounds once to the
-input dtype; gradients likewise.
+input dtype (float64 stays float64); gradients likewise.
 """
 
 import math
@@ -25,6 +25,11 @@ def _gelu_tanh_and_grad(g: torch.Tensor):
     value = 0.5 * g * (1 + t)
     grad = 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * _GELU_K * (1 + 3 * _GELU_C * g * g)
     return value, grad
+
+
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    """The tensor in the math precision: float32, or wider when it already is."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 class Activation(BasicOp):
@@ -56,7 +61,7 @@ class Activation(BasicOp):
 
     def compute(self, ctx: OpContext, x: torch.Tensor) -> torch.Tensor:
         """Forward value in x's dtype."""
-        return self.act(x.float()).to(x.dtype)
+        return self.act(_upcast(x)).to(x.dtype)
 
     def op_forward(self, ctx: OpContext, x) -> torch.Tensor:
         if is_quantized(x):
@@ -68,7 +73,7 @@ class Activation(BasicOp):
 
     def input_grad(self, ctx: OpContext, pre: torch.Tensor, dy: torch.Tensor):
         """(dx in pre's dtype, grads dict) from the saved pre-activation and the output gradient."""
-        return self.act_grad(pre.float(), dy.float()).to(pre.dtype), {}
+        return self.act_grad(_upcast(pre), _upcast(dy)).to(pre.dtype), {}
 
     def op_backward(self, ctx: OpContext, dy):
         if not ctx.input_requires_grad and not ctx.params_require_grad:
@@ -182,14 +187,14 @@ class ScaledSwiGLU(SwiGLU):
         return {"probs": probs}
 
     def compute(self, ctx: OpContext, x):
-        probs = ctx.side["probs"].float().unsqueeze(-1)
-        return (self.act(x.float()) * probs).to(x.dtype)
+        probs = _upcast(ctx.side["probs"]).unsqueeze(-1)
+        return (self.act(_upcast(x)) * probs).to(x.dtype)
 
     def input_grad(self, ctx: OpContext, pre, dy):
         probs = ctx.side["probs"]
-        pre32, dy32 = pre.float(), dy.float()
-        dx = self.act_grad(pre32, dy32 * probs.float().unsqueeze(-1)).to(pre.dtype)
+        pre_math, dy_math = _upcast(pre), _upcast(dy)
+        dx = self.act_grad(pre_math, dy_math * _upcast(probs).unsqueeze(-1)).to(pre.dtype)
         grads = {}
         if probs.requires_grad:
-            grads["probs"] = (dy32 * self.act(pre32)).sum(-1).to(probs.dtype)
+            grads["probs"] = (dy_math * self.act(pre_math)).sum(-1).to(probs.dtype)
         return dx, grads

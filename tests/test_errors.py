@@ -1,0 +1,109 @@
+"""Bad input raises ValueError/TypeError naming the op and the argument."""
+
+import pytest
+import torch
+
+from te_fused_ops import FusionRule, GroupedLinear, Quantize, ScaledSwiGLU, Sequential, SwiGLU, register_rule
+from te_fused_ops.quantization import quantize
+
+
+def seq():
+    return Sequential(GroupedLinear(3, 8, 16), SwiGLU(), GroupedLinear(3, 8, 8))
+
+
+X = torch.randn(6, 8)
+S = torch.tensor([1, 2, 3])
+
+
+@pytest.mark.parametrize(
+    "split_sizes, error, match",
+    [
+        (torch.tensor([1.0, 2.0, 3.0]), TypeError, r"GroupedLinear: argument 'split_sizes' must have dtype int32 or int64"),
+        (torch.tensor([1, 2, 3, 0]), ValueError, r"GroupedLinear: argument 'split_sizes' must have shape \(3,\)"),
+        (torch.tensor([[1, 2, 3]]), ValueError, r"GroupedLinear: argument 'split_sizes' must have shape \(3,\)"),
+        ([1, 2, 3], TypeError, r"GroupedLinear: argument 'split_sizes' must be a torch.Tensor"),
+        (torch.tensor([1, 2, 3], device="meta"), ValueError, r"GroupedLinear: argument 'split_sizes' is on meta"),
+    ],
+)
+def test_bad_split_sizes(split_sizes, error, match):
+    with pytest.raises(error, match=match):
+        seq()(X, split_sizes=split_sizes)
+
+
+def test_missing_and_unknown_side_inputs():
+    with pytest.raises(ValueError, match=r"GroupedLinear \(op 0\): missing side input 'split_sizes'"):
+        seq()(X)
+    with pytest.raises(ValueError, match=r"ScaledSwiGLU \(op 0\): missing side input 'probs'"):
+        ScaledSwiGLU()(torch.randn(4, 8))
+    with pytest.raises(ValueError, match=r"Sequential: side input\(s\) 'probs' not consumed"):
+        seq()(X, split_sizes=S, probs=torch.rand(6))
+
+
+def test_in_features_mismatch():
+    with pytest.raises(ValueError, match=r"GroupedLinear: argument 'x' must have shape \(tokens, 8\) \(in_features\)"):
+        seq()(torch.randn(6, 9), split_sizes=S)
+    with pytest.raises(ValueError, match=r"GroupedLinear: argument 'x' must be 2-D"):
+        seq()(torch.randn(6, 8, 1), split_sizes=S)
+
+
+def test_dtype_mismatch():
+    with pytest.raises(TypeError, match=r"GroupedLinear: argument 'x' has dtype torch.float64 but the weight has torch.float32"):
+        seq()(X.double(), split_sizes=S)
+
+
+def test_odd_glu_dimension():
+    with pytest.raises(ValueError, match=r"SwiGLU: argument 'x' last dimension 7 is odd"):
+        SwiGLU()(torch.randn(3, 7))
+    with pytest.raises(ValueError, match=r"SwiGLU: argument 'x' last dimension 15 is odd"):
+        Sequential(GroupedLinear(3, 8, 15), SwiGLU())(X, split_sizes=S)
+
+
+def test_bad_probs():
+    op = ScaledSwiGLU()
+    with pytest.raises(ValueError, match=r"ScaledSwiGLU: argument 'probs' must have shape \(4,\)"):
+        op(torch.randn(4, 8), probs=torch.rand(5))
+    with pytest.raises(TypeError, match=r"ScaledSwiGLU: argument 'probs' must be floating point"):
+        op(torch.randn(4, 8), probs=torch.ones(4, dtype=torch.int32))
+
+
+def test_quantize_errors():
+    with pytest.raises(TypeError, match=r"Quantize: argument 'x' has dtype torch.int32"):
+        Quantize("fp8_blockwise")(torch.ones(4, 128, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"Quantize: argument 'x' has dtype torch.int32"):
+        quantize(torch.ones(4, 128, dtype=torch.int32), "fp8_current")
+    with pytest.raises(ValueError, match=r"Quantize: unknown recipe 'fp4'.*argument 'recipe'"):
+        Quantize("fp4")
+    with pytest.raises(TypeError, match=r"argument 'recipe'"):
+        Quantize(3)
+
+
+def test_grouped_linear_constructor():
+    with pytest.raises(ValueError, match=r"GroupedLinear: argument 'in_features' must be a positive int"):
+        GroupedLinear(2, 0, 4)
+    with pytest.raises(ValueError, match=r"GroupedLinear: argument 'num_groups' must be a positive int"):
+        GroupedLinear(-1, 4, 4)
+
+
+def test_sequential_rejects_non_ops():
+    with pytest.raises(TypeError, match=r"Sequential: argument 'ops' \[1\] must be a te_fused_ops basic op"):
+        Sequential(GroupedLinear(2, 4, 4), torch.nn.ReLU())
+    with pytest.raises(TypeError, match=r"Sequential: argument 'x' must be a torch.Tensor"):
+        seq()([1.0], split_sizes=S)
+
+
+def test_rule_definition_errors():
+    with pytest.raises(ValueError, match=r"FusionRule 'empty': argument 'pattern' is empty"):
+        FusionRule("empty", pattern=(), passes="forward")
+    with pytest.raises(TypeError, match=r"FusionRule 'bad': argument 'pattern' must hold op types"):
+        FusionRule("bad", pattern=(GroupedLinear, torch.nn.ReLU), passes="forward")
+    with pytest.raises(TypeError, match=r"FusionRule 'bad': argument 'pattern' must hold op types"):
+        FusionRule("bad", pattern=("GroupedLinear",), passes="forward")
+    with pytest.raises(ValueError, match=r"FusionRule 'bad': argument 'passes'"):
+        FusionRule("bad", pattern=(SwiGLU,), passes="sideways")
+    rule = FusionRule("no_impl", pattern=(SwiGLU,), passes="forward")
+    with pytest.raises(ValueError, match=r"FusionRule 'no_impl': unknown backend 'cuda'"):
+        rule.implementation("cuda")
+    with pytest.raises(ValueError, match=r"register_rule: rule 'no_impl' has no implementation"):
+        register_rule(rule)
+    with pytest.raises(TypeError, match=r"register_rule: argument 'rule' must be a FusionRule"):
+        register_rule("no_impl")

@@ -1,0 +1,121 @@
+"""Every op, forward and backward, against a float64 reference."""
+
+import pytest
+import torch
+
+import reference as ref
+from te_fused_ops import ClampedSwiGLU, GeGLU, GroupedLinear, ScaledSwiGLU, SReLU, SwiGLU
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SPLITS = {
+    "uneven_with_padding": ([0, 9, 0, 20, 0], 37),  # zero-size first/middle/last groups, 8 padding rows
+    "one_group_all_rows": ([0, 0, 32, 0, 0], 32),
+    "exact": ([7, 1, 3, 12, 9], 32),
+}
+
+
+def leaf(t, dtype):
+    return t.to(dtype).detach().requires_grad_(True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(SPLITS))
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_linear(dtype, case, bias):
+    torch.manual_seed(hash((case, bias)) % 1000)
+    splits, rows = SPLITS[case]
+    op = GroupedLinear(5, 24, 16, bias=bias, dtype=dtype)
+    x = leaf(torch.randn(rows, 24), dtype)
+    y = op(x, split_sizes=torch.tensor(splits))
+    dy = torch.randn_like(y)
+    y.backward(dy)
+
+    x64 = leaf(x, torch.float64)
+    w64 = leaf(op.weight, torch.float64)
+    b64 = leaf(op.bias, torch.float64) if bias else None
+    y64 = ref.grouped_linear(x64, w64, b64, splits)
+    y64.backward(dy.double())
+
+    tol = ref.TOL[dtype]
+    assert y.dtype == dtype and y.shape == (rows, 16)
+    assert ref.rel_err(y, y64) <= tol
+    assert ref.rel_err(x.grad, x64.grad) <= tol
+    assert ref.rel_err(op.weight.grad, w64.grad) <= tol
+    if bias:
+        assert ref.rel_err(op.bias.grad, b64.grad) <= tol
+    padding = slice(sum(splits), rows)
+    assert torch.all(y[padding] == 0) and torch.all(x.grad[padding] == 0)
+
+
+def test_grouped_linear_int64_and_int32_splits_agree():
+    op = GroupedLinear(3, 8, 8)
+    x = torch.randn(10, 8)
+    a = op(x, split_sizes=torch.tensor([3, 0, 7], dtype=torch.int64))
+    b = op(x, split_sizes=torch.tensor([3, 0, 7], dtype=torch.int32))
+    assert torch.equal(a, b)
+
+
+def test_grouped_linear_many_groups():
+    torch.manual_seed(1)
+    splits = [int(v) for v in torch.randint(0, 4, (64,))]
+    op = GroupedLinear(64, 16, 8, dtype=torch.float64)
+    x = torch.randn(sum(splits) + 3, 16, dtype=torch.float64)
+    y = op(x, split_sizes=torch.tensor(splits))
+    assert ref.rel_err(y, ref.grouped_linear(x, op.weight.detach(), None, splits)) <= 1e-12
+
+
+def test_grouped_linear_init_like_nn_linear():
+    torch.manual_seed(0)
+    op = GroupedLinear(4, 256, 64, bias=True)
+    bound = 1 / 256**0.5
+    assert op.weight.abs().max() <= bound and op.bias.abs().max() <= bound
+    assert op.weight[0].std() > 0.4 * bound and not torch.equal(op.weight[0], op.weight[1])
+
+
+ACTIVATIONS = {
+    "swiglu": (SwiGLU, ref.swiglu),
+    "geglu": (GeGLU, ref.geglu),
+    "srelu": (SReLU, ref.srelu),
+    "clamped_swiglu": (ClampedSwiGLU, ref.clamped_swiglu),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_activation(dtype, name):
+    torch.manual_seed(3)
+    cls, fn = ACTIVATIONS[name]
+    x = leaf(torch.randn(33, 64) * 4, dtype)  # x4: reaches the GPT-OSS clamp limit
+    y = cls()(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x64 = leaf(x, torch.float64)
+    y64 = fn(x64)
+    y64.backward(dy.double())
+    assert y.shape == y64.shape and y.dtype == dtype
+    assert ref.rel_err(y, y64) <= ref.TOL[dtype]
+    assert ref.rel_err(x.grad, x64.grad) <= ref.TOL[dtype]
+
+
+def test_clamped_swiglu_options():
+    x = torch.randn(8, 16, dtype=torch.float64) * 3
+    y = ClampedSwiGLU(limit=2.0, alpha=1.0)(x)
+    assert torch.allclose(y, ref.clamped_swiglu(x, limit=2.0, alpha=1.0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scaled_swiglu(dtype):
+    torch.manual_seed(4)
+    x = leaf(torch.randn(21, 32), dtype)
+    probs = leaf(torch.rand(21), torch.float32)
+    y = ScaledSwiGLU()(x, probs=probs)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x64, p64 = leaf(x, torch.float64), leaf(probs, torch.float64)
+    y64 = ref.scaled_swiglu(x64, p64)
+    y64.backward(dy.double())
+    tol = ref.TOL[dtype]
+    assert ref.rel_err(y, y64) <= tol
+    assert ref.rel_err(x.grad, x64.grad) <= tol
+    assert ref.rel_err(probs.grad, p64.grad) <= tol
+    assert probs.grad.dtype == torch.float32

@@ -1,0 +1,93 @@
+"""Sequential behaves like torch.nn.Sequential; side inputs; padding and clamping contracts."""
+
+import pytest
+import torch
+
+import reference as ref
+from te_fused_ops import GroupedLinear, Sequential, SReLU, SwiGLU, Transpose, validation
+
+
+def mlp(**kw):
+    return Sequential(GroupedLinear(3, 16, 32, bias=True, **kw), SwiGLU(), GroupedLinear(3, 16, 16, **kw))
+
+
+def test_nn_module_conventions():
+    seq = mlp()
+    assert len(seq) == 3 and isinstance(seq[0], GroupedLinear) and isinstance(seq[1], SwiGLU)
+    assert [type(op) for op in seq] == [GroupedLinear, SwiGLU, GroupedLinear]
+    assert len(seq[0:2]) == 2
+    assert [name for name, _ in seq.named_parameters()] == ["0.weight", "0.bias", "2.weight"]
+    assert sum(p.numel() for p in seq.parameters()) == 3 * 32 * 16 + 3 * 32 + 3 * 16 * 16
+    seq.eval()
+    assert not seq.training and not seq[0].training
+    seq.train()
+    assert seq[2].training
+    seq.to(torch.float64)
+    assert seq[0].weight.dtype == torch.float64
+    seq.append(SReLU())
+    assert len(seq) == 4
+
+
+def test_state_dict_round_trip_keeps_natural_layout():
+    torch.manual_seed(0)
+    a, b = mlp(), mlp()
+    state = a.state_dict()
+    assert set(state) == {"0.weight", "0.bias", "2.weight"}
+    assert state["0.weight"].shape == (3, 32, 16)
+    b.load_state_dict(state)
+    x, s = torch.randn(10, 16), torch.tensor([4, 0, 6])
+    assert torch.equal(a(x, split_sizes=s), b(x, split_sizes=s))
+    # natural [gate; up] layout: the first half of output features is the gate
+    gate_only = Sequential(GroupedLinear(3, 16, 32, bias=True))
+    gate_only.load_state_dict({"0.weight": state["0.weight"], "0.bias": state["0.bias"]})
+    pre = gate_only(x, split_sizes=s)
+    assert torch.allclose(a[1](pre), ref.swiglu(pre.double()).float(), atol=1e-6)
+
+
+def test_op_called_alone_and_in_sequence_agree():
+    torch.manual_seed(1)
+    seq = mlp()
+    x, s = torch.randn(9, 16), torch.tensor([2, 3, 4])
+    by_hand = seq[2](seq[1](seq[0](x, split_sizes=s)), split_sizes=s)
+    assert torch.allclose(seq(x, split_sizes=s), by_hand, atol=1e-6)
+
+
+def test_out_of_range_split_values_are_clamped_without_validation():
+    torch.manual_seed(2)
+    seq = mlp(dtype=torch.float64)
+    x = torch.randn(10, 16, dtype=torch.float64, requires_grad=True)
+    y = seq(x, split_sizes=torch.tensor([6, -3, 9]))  # negative, and sum larger than rows
+    effective = [6, 0, 4]
+    w1, b1, w2 = (p.detach() for p in seq.parameters())
+    expected = ref.grouped_linear(ref.swiglu(ref.grouped_linear(x.detach(), w1, b1, effective)), w2, None, effective)
+    assert ref.rel_err(y, expected) <= 1e-12
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+def test_no_grad_path_and_eval():
+    seq = mlp()
+    with torch.no_grad():
+        y = seq(torch.randn(5, 16), split_sizes=torch.tensor([1, 1, 1]))
+    assert y.grad_fn is None and torch.all(y[3:] == 0)
+
+
+def test_transpose_plain_tensor_contents():
+    x = torch.randn(7, 5)
+    y = Transpose()(x, split_sizes=torch.tensor([3, 4]))
+    assert torch.equal(y, x)
+    assert torch.equal(y.te_columnwise, x.t()) and y.te_columnwise.is_contiguous()
+
+
+def test_validation_mode_context_and_env(monkeypatch):
+    seq = mlp()
+    x = torch.randn(10, 16)
+    with validation():
+        seq(x, split_sizes=torch.tensor([3, 3, 4]))
+        with pytest.raises(ValueError, match="GroupedLinear: argument 'split_sizes' has negative entries"):
+            seq(x, split_sizes=torch.tensor([3, -1, 4]))
+        with pytest.raises(ValueError, match="GroupedLinear: argument 'split_sizes' sums to 11 but the input has 10 rows"):
+            seq(x, split_sizes=torch.tensor([3, 4, 4]))
+    monkeypatch.setenv("TE_FUSED_OPS_VALIDATE", "1")
+    with pytest.raises(ValueError, match="sums to 11"):
+        seq(x, split_sizes=torch.tensor([3, 4, 4]))
