@@ -1,0 +1,565 @@
+"""Quantization recipes and ``QuantizedTensor`` (pure torch: CPU, CUDA, and the meta device).
+
+Every recipe stores FP8 E4M3 data (``torch.float8_e4m3fn``, max 448) and float32 dequantization
+multipliers ``scale_inv``, one per block: ``x ~= data.float() * scale_inv`` (expanded over the block).
+
+Recipes (the block size ``B`` runs along the scaled dim):
+
+- ``Float8BlockScaling`` ("fp8_blockwise"): 1x128 blocks for activations and gradients, 128x128
+  blocks per group for weights (DeepSeek-V3 / TE's Hopper recipe). ``scale_inv = amax / 448``;
+  with ``power_2_scales=True`` it is rounded up to a power of two.
+- ``Float8CurrentScaling`` ("fp8_current"): one ``scale_inv = amax / 448`` for the whole tensor.
+- ``MXFP8BlockScaling`` ("mxfp8"): 1x32 blocks (weights too), shared E8M0 exponent per OCP MX
+  v1.0: ``scale_inv = 2**(floor(log2(amax)) - 8)`` (8 = emax of E4M3), clamped to
+  ``[2**-127, 2**127]``. Since ``amax / scale_inv`` lies in ``[256, 512)``, a block's largest
+  values can exceed 448 and saturate (the spec's behaviour; TE instead rounds ``amax / 448`` up to
+  a power of two, which is ``Float8BlockScaling(power_2_scales=True)`` with 32-element blocks).
+  Scales are exact powers of two kept as float32 (``scale_inv.to(torch.float8_e8m0fnu)`` is exact).
+
+Numerics: in float32, ``data = saturating_cast(x / scale_inv)``: values beyond +-448 clamp to
++-448, then round-to-nearest-even (torch's cast). Divisions are IEEE float32 divisions, so CPU
+and CUDA give identical bits (a kernel that multiplies by reciprocals may differ by one E4M3 step
+on rare ties). A block with amax 0 (or whose ``amax / 448`` underflows to 0) gets
+``scale_inv = 1`` and data 0.
+
+Dequantization saturates to the output dtype's finite range: rounding to E4M3 may round a
+block's largest value up, which near the dtype's max (power-of-two or MX scales) would otherwise
+give Inf.
+
+Non-finite inputs: ``amax`` is taken over the finite values of the block only, so the block's
+finite values are quantized as if the non-finite ones were absent; +-Inf saturates to +-448 (it
+dequantizes to ``+-448 * scale_inv``); NaN stays NaN in the data and dequantizes to NaN.
+
+Ragged blocks: no size needs to be a multiple of the block size; the last block along a dim is
+shorter and is scaled by its own amax.
+
+Layouts, for activations/gradients ``x`` of shape ``(..., K)``, viewed as ``(M, K)`` for the
+columnwise copy:
+
+- ``rowwise_data``: ``x.shape``; ``rowwise_scale_inv``: ``(..., ceil(K / B))``, or ``()``
+  per-tensor.
+- ``columnwise_data``: ``(K, M)``, ``x^T`` quantized with blocks of ``B`` along ``M`` (the token
+  dim) that never straddle a group boundary. Rows are grouped by ``offsets`` ``(G+1,)``: group g
+  holds rows ``[offsets[g], offsets[g+1])``; rows ``>= offsets[G]`` are padding and form their own
+  trailing group. ``columnwise_scale_inv``: ``(K, ceil(M / B) + G)`` (a static bound; unused
+  blocks have scale_inv 1), ``(K, ceil(M / B))`` without offsets, ``()`` per-tensor (the rowwise
+  scale, so the copy is exactly ``rowwise_data`` transposed). ``group_block_index`` gives each
+  row's block.
+
+Weights ``(G, N, K)`` or ``(N, K)`` (``role="weight"``): ``Float8BlockScaling`` uses 128x128
+blocks per group, ``rowwise_scale_inv`` ``(G, ceil(N/128), ceil(K/128))``; the columnwise copy is
+the per-group transpose ``(G, K, N)`` with the transposed scales (exact). ``MXFP8BlockScaling``
+uses 1x32 blocks along K, and along N for the columnwise copy. Current scaling: one scale.
+
+Sync-free: quantization and dequantization do no device-to-host transfer and their output
+shapes depend only on input shapes. Offsets are sanitized on the device: ``offsets[0]`` is taken
+as 0, the others are clamped to ``[0, M]`` and made nondecreasing (running max).
+
+``quantize`` is not differentiable (it quantizes ``x.detach()``); wrap it in an
+``autograd.Function`` with a straight-through backward (see ``fake_quantize``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_map_only
+
+__all__ = [
+    "Recipe",
+    "Float8BlockScaling",
+    "Float8CurrentScaling",
+    "MXFP8BlockScaling",
+    "get_recipe",
+    "QuantizedTensor",
+    "quantize",
+    "quantize_weight",
+    "add_columnwise",
+    "fake_quantize",
+    "group_block_index",
+]
+
+FP8_DTYPE = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+E4M3_EMAX = 8  # exponent of E4M3's largest power of two (256)
+ROLES = ("activation", "gradient", "weight")
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _exp2(exponent: torch.Tensor) -> torch.Tensor:
+    """Exact float32 ``2**exponent`` for integer exponents in [-149, 127], built from the bits."""
+    exponent = exponent.to(torch.int32)
+    normal_bits = (exponent + 127).clamp(min=1) << 23
+    subnormal_bits = 1 << (exponent + 149).clamp(0, 22)
+    return torch.where(exponent >= -126, normal_bits, subnormal_bits).view(torch.float32)
+
+
+def _amax_over_e4m3_max(amax: torch.Tensor) -> torch.Tensor:
+    """IEEE float32 ``amax / 448`` on every device (CUDA turns a division by a Python scalar into
+    a multiplication by its reciprocal, which differs in the last bit)."""
+    return amax / torch.full((), E4M3_MAX, device=amax.device)
+
+
+def _finite_abs(x: torch.Tensor) -> torch.Tensor:
+    """|x| with NaN and +-Inf replaced by 0 (amax is taken over finite values)."""
+    return x.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _saturating_cast(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> E4M3, clamping to +-448 first (NaN stays NaN), round-to-nearest-even."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+
+
+def _saturate_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 dequantized values -> dtype, clamped to its finite range (NaN stays NaN)."""
+    finite_max = torch.finfo(dtype).max
+    return values.clamp(-finite_max, finite_max).to(dtype)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Base of the quantization recipes. Frozen and hashable (usable as a cache key).
+
+    ``block_size``: elements per scale along the scaled dim, None for one scale per tensor.
+    ``weight_blocks_2d``: weights use ``block_size x block_size`` blocks per group.
+    """
+
+    name: ClassVar[str] = "recipe"
+    block_size: ClassVar[int | None] = None
+    weight_blocks_2d: ClassVar[bool] = False
+
+    def scale_inv_from_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """float32 amax (any shape) -> float32 dequantization multipliers of the same shape."""
+        raise NotImplementedError(f"{type(self).__name__} does not define scale_inv_from_amax")
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling(Recipe):
+    """FP8 E4M3, 1x128 blocks (activations, gradients), 128x128 blocks (weights).
+
+    ``power_2_scales``: round each ``scale_inv`` up to a power of two (exact rescaling).
+    """
+
+    name: ClassVar[str] = "fp8_blockwise"
+    block_size: ClassVar[int] = 128
+    weight_blocks_2d: ClassVar[bool] = True
+    power_2_scales: bool = False
+
+    def scale_inv_from_amax(self, amax):
+        scale_inv = _amax_over_e4m3_max(amax)
+        if self.power_2_scales:
+            mantissa, exponent = torch.frexp(scale_inv)  # scale_inv = mantissa * 2**exponent
+            exponent = exponent - (mantissa == 0.5).to(exponent.dtype)
+            scale_inv = _exp2(exponent.clamp(-149, 127))
+        return torch.where(scale_inv > 0, scale_inv, 1.0)
+
+
+@dataclass(frozen=True)
+class Float8CurrentScaling(Recipe):
+    """FP8 E4M3, one scale per tensor from the tensor's current amax."""
+
+    name: ClassVar[str] = "fp8_current"
+
+    def scale_inv_from_amax(self, amax):
+        scale_inv = _amax_over_e4m3_max(amax)
+        return torch.where(scale_inv > 0, scale_inv, 1.0)
+
+
+@dataclass(frozen=True)
+class MXFP8BlockScaling(Recipe):
+    """MXFP8 (OCP MX v1.0): 32-element blocks, E8M0 power-of-two scales, E4M3 data."""
+
+    name: ClassVar[str] = "mxfp8"
+    block_size: ClassVar[int] = 32
+
+    def scale_inv_from_amax(self, amax):
+        _, exponent = torch.frexp(amax)  # amax = m * 2**exponent, m in [0.5, 1)
+        shared_exponent = (exponent - 1 - E4M3_EMAX).clamp(-127, 127)
+        return torch.where(amax > 0, _exp2(shared_exponent), 1.0)
+
+
+_RECIPES = {cls.name: cls for cls in (Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling)}
+
+
+def _get_recipe(recipe, op: str) -> Recipe:
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, str):
+        if recipe not in _RECIPES:
+            known = ", ".join(repr(name) for name in _RECIPES)
+            raise ValueError(f"{op}: unknown recipe {recipe!r} (argument 'recipe'); known: {known}")
+        return _RECIPES[recipe]()
+    raise TypeError(
+        f"{op}: argument 'recipe' must be a Recipe or a recipe name (str), got {type(recipe).__name__}"
+    )
+
+
+def get_recipe(recipe) -> Recipe:
+    """A Recipe, or one built with defaults from its name: "fp8_blockwise", "fp8_current", "mxfp8"."""
+    return _get_recipe(recipe, "Quantize")
+
+
+def group_block_index(offsets, num_rows: int, block_size: int, *, device=None):
+    """Block of each row for the columnwise copy; sync-free.
+
+    offsets: (G+1,) int group row offsets, or None (all rows form one group).
+    Returns ``(block_index, num_blocks)``: block_index (num_rows,) int64 on ``offsets``' device (or
+    ``device``), with ``block_index[r] = block_start[g] + (r - offsets[g]) // block_size`` for row r
+    of group g, ``block_start[g] = sum(ceil(m_h / block_size) for h < g)``; the padding rows
+    (``>= offsets[G]``) are group G. ``num_blocks`` is the static bound ``ceil(num_rows / block_size)
+    + G`` (``ceil(num_rows / block_size)`` without offsets).
+    """
+    if offsets is None:
+        rows = torch.arange(num_rows, device=device)
+        return rows // block_size, -(-num_rows // block_size)
+    num_groups = offsets.numel() - 1
+    rows = torch.arange(num_rows, device=offsets.device)
+    inner = offsets[1:].to(torch.int64).clamp(0, num_rows).cummax(0).values
+    zero = torch.zeros(1, dtype=torch.int64, device=offsets.device)
+    edges = torch.cat([zero, inner, zero + num_rows])  # (G+2,): group G is the padding rows
+    blocks_per_group = (edges.diff() + block_size - 1) // block_size
+    block_start = blocks_per_group.cumsum(0) - blocks_per_group
+    group = torch.searchsorted(edges[1:].contiguous(), rows, right=True)
+    block_index = block_start[group] + (rows - edges[group]) // block_size
+    return block_index, -(-num_rows // block_size) + num_groups
+
+
+def _expand_last(scale_inv: torch.Tensor, size: int, block_size: int) -> torch.Tensor:
+    """(..., ceil(size / block_size)) per-block scales -> (..., size) per-element scales."""
+    expanded = scale_inv.unsqueeze(-1).expand(*scale_inv.shape, block_size)
+    return expanded.flatten(-2)[..., :size]
+
+
+def _expand_2d(scale_inv: torch.Tensor, rows: int, cols: int, block_size: int) -> torch.Tensor:
+    """(..., ceil(rows / b), ceil(cols / b)) block scales -> (..., rows, cols) per-element scales."""
+    per_col = _expand_last(scale_inv, cols, block_size)
+    return _expand_last(per_col.transpose(-1, -2), rows, block_size).transpose(-1, -2)
+
+
+def _quantize_per_tensor(x32, recipe):
+    """x32 float32, any shape -> (data x32.shape, scale_inv ())."""
+    amax = _finite_abs(x32).amax() if x32.numel() else x32.new_zeros(())
+    scale_inv = recipe.scale_inv_from_amax(amax)
+    return _saturating_cast(x32 / scale_inv), scale_inv
+
+
+def _quantize_last_dim(x32, recipe):
+    """x32 (..., K) float32 -> (data (..., K), scale_inv (..., ceil(K / B))), blocks along K."""
+    block = recipe.block_size
+    size = x32.shape[-1]
+    num_blocks = -(-size // block)
+    blocks = F.pad(x32, (0, num_blocks * block - size)).unflatten(-1, (num_blocks, block))
+    scale_inv = recipe.scale_inv_from_amax(_finite_abs(blocks).amax(-1))
+    data = _saturating_cast(blocks / scale_inv.unsqueeze(-1)).flatten(-2)[..., :size]
+    return data.contiguous(), scale_inv
+
+
+def _quantize_blocks_2d(w32, recipe):
+    """w32 (G, N, K) float32 -> (data (G, N, K), scale_inv (G, ceil(N/B), ceil(K/B))), BxB blocks."""
+    block = recipe.block_size
+    groups, rows, cols = w32.shape
+    row_blocks, col_blocks = -(-rows // block), -(-cols // block)
+    padded = F.pad(w32, (0, col_blocks * block - cols, 0, row_blocks * block - rows))
+    blocks = padded.view(groups, row_blocks, block, col_blocks, block)
+    scale_inv = recipe.scale_inv_from_amax(_finite_abs(blocks).amax(dim=(2, 4)))
+    data = _saturating_cast(blocks / scale_inv[:, :, None, :, None])
+    data = data.view(groups, row_blocks * block, col_blocks * block)[:, :rows, :cols]
+    return data.contiguous(), scale_inv
+
+
+def _quantize_columnwise(x2d, recipe, offsets):
+    """x2d (M, K) float32 -> (data (K, M), scale_inv (K, num_blocks)), group-aligned blocks along M."""
+    rows, cols = x2d.shape
+    block_index, num_blocks = group_block_index(offsets, rows, recipe.block_size, device=x2d.device)
+    amax = x2d.new_zeros(num_blocks, cols).scatter_reduce_(
+        0, block_index[:, None].expand(rows, cols), _finite_abs(x2d), "amax"
+    )
+    scale_inv = recipe.scale_inv_from_amax(amax)  # (num_blocks, K)
+    data = _saturating_cast(x2d / scale_inv.index_select(0, block_index))
+    return data.t().contiguous(), scale_inv.t().contiguous()
+
+
+def _quantize_weight_copies(w32, recipe, rowwise, columnwise):
+    """w32 (G, N, K) float32 -> (rowwise data, scale) and (columnwise data (G, K, N), scale) or Nones."""
+    if recipe.block_size is None:
+        data, scale_inv = _quantize_per_tensor(w32, recipe)
+        column = (data.transpose(-1, -2).contiguous(), scale_inv) if columnwise else (None, None)
+    elif recipe.weight_blocks_2d:
+        data, scale_inv = _quantize_blocks_2d(w32, recipe)
+        column = (
+            (data.transpose(-1, -2).contiguous(), scale_inv.transpose(-1, -2).contiguous())
+            if columnwise
+            else (None, None)
+        )
+    else:
+        data, scale_inv = _quantize_last_dim(w32, recipe) if rowwise else (None, None)
+        column = _quantize_last_dim(w32.transpose(-1, -2), recipe) if columnwise else (None, None)
+    return ((data, scale_inv) if rowwise else (None, None)), column
+
+
+_ALIAS_OPS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+class QuantizedTensor(torch.Tensor):
+    """A quantized tensor that looks like the original one (shape, dtype, device).
+
+    A wrapper subclass: it can be an ``autograd.Function`` output and require grad. Holds
+    ``recipe``, ``role`` ("activation", "gradient" or "weight"), ``rowwise_data`` (the original
+    shape, E4M3) + ``rowwise_scale_inv``, optionally ``columnwise_data`` + ``columnwise_scale_inv``
+    (layouts in the module docstring), and ``offsets`` (the (G+1,) group offsets of the columnwise
+    copy, or None). Any torch op other than detach/alias (which keep the quantized data, shared)
+    runs on the dequantized values; in-place ops on a QuantizedTensor raise.
+    """
+
+    @staticmethod
+    def __new__(
+        cls,
+        shape,
+        dtype,
+        device,
+        *,
+        recipe,
+        role,
+        rowwise_data=None,
+        rowwise_scale_inv=None,
+        columnwise_data=None,
+        columnwise_scale_inv=None,
+        offsets=None,
+        requires_grad=False,
+    ):
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=dtype, device=device, requires_grad=requires_grad
+        )
+        self.recipe = recipe
+        self.role = role
+        self.rowwise_data = rowwise_data
+        self.rowwise_scale_inv = rowwise_scale_inv
+        self.columnwise_data = columnwise_data
+        self.columnwise_scale_inv = columnwise_scale_inv
+        self.offsets = offsets
+        return self
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def has_rowwise(self) -> bool:
+        return self.rowwise_data is not None
+
+    @property
+    def has_columnwise(self) -> bool:
+        return self.columnwise_data is not None
+
+    def _shallow_copy(self) -> QuantizedTensor:
+        return QuantizedTensor(
+            self.shape,
+            self.dtype,
+            self.device,
+            recipe=self.recipe,
+            role=self.role,
+            rowwise_data=self.rowwise_data,
+            rowwise_scale_inv=self.rowwise_scale_inv,
+            columnwise_data=self.columnwise_data,
+            columnwise_scale_inv=self.columnwise_scale_inv,
+            offsets=self.offsets,
+        )
+
+    def _out_dtype(self, dtype, op):
+        dtype = self.dtype if dtype is None else dtype
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"{op}: argument 'dtype' must be a floating torch.dtype, got {dtype}")
+        return dtype
+
+    def dequantize(self, dtype=None) -> torch.Tensor:
+        """The values, ``self.shape``, from the rowwise copy (else from the columnwise copy)."""
+        dtype = self._out_dtype(dtype, "QuantizedTensor.dequantize")
+        if not self.has_rowwise:
+            values = self.dequantize_columnwise(dtype).transpose(-1, -2)
+            return values.reshape(self.shape)
+        data, scale_inv, recipe = self.rowwise_data.float(), self.rowwise_scale_inv, self.recipe
+        if recipe.block_size is None:
+            values = data * scale_inv
+        elif self.role == "weight" and recipe.weight_blocks_2d:
+            values = data * _expand_2d(scale_inv, *data.shape[-2:], recipe.block_size)
+        else:
+            values = data * _expand_last(scale_inv, data.shape[-1], recipe.block_size)
+        return _saturate_to(values, dtype)
+
+    def dequantize_columnwise(self, dtype=None) -> torch.Tensor:
+        """The columnwise copy's values: (K, M) for activations/gradients, (..., K, N) for weights."""
+        dtype = self._out_dtype(dtype, "QuantizedTensor.dequantize_columnwise")
+        if not self.has_columnwise:
+            raise ValueError(
+                "QuantizedTensor.dequantize_columnwise: no columnwise copy; use "
+                "quantize(..., columnwise=True) or add_columnwise(qt, offsets)"
+            )
+        data, scale_inv, recipe = self.columnwise_data.float(), self.columnwise_scale_inv, self.recipe
+        if recipe.block_size is None:
+            values = data * scale_inv
+        elif self.role == "weight":
+            if recipe.weight_blocks_2d:
+                values = data * _expand_2d(scale_inv, *data.shape[-2:], recipe.block_size)
+            else:
+                values = data * _expand_last(scale_inv, data.shape[-1], recipe.block_size)
+        else:
+            block_index, _ = group_block_index(
+                self.offsets, data.shape[1], recipe.block_size, device=data.device
+            )
+            values = data * scale_inv.index_select(1, block_index)
+        return _saturate_to(values, dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _ALIAS_OPS:
+            return args[0]._shallow_copy()
+        for position, argument in enumerate(func._schema.arguments):
+            value = args[position] if position < len(args) else kwargs.get(argument.name)
+            written = argument.alias_info is not None and argument.alias_info.is_write
+            if written and isinstance(value, QuantizedTensor):
+                raise RuntimeError(
+                    f"QuantizedTensor is read-only: {func} would write to it; dequantize() first"
+                )
+        args, kwargs = tree_map_only(QuantizedTensor, lambda t: t.dequantize(), (args, kwargs))
+        return func(*args, **kwargs)
+
+    def __repr__(self):
+        copies = [name for name in ("rowwise", "columnwise") if getattr(self, f"has_{name}")]
+        return (
+            f"QuantizedTensor(recipe={self.recipe}, role={self.role!r}, copies={copies}, "
+            f"values={self.dequantize()})"
+        )
+
+
+def _check_input(x, name: str, op: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: argument '{name}' must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(x, QuantizedTensor):
+        raise TypeError(f"{op}: argument '{name}' is already a QuantizedTensor; dequantize() it first")
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{op}: argument '{name}' has dtype {x.dtype}; supported: float32, bfloat16, float16"
+        )
+
+
+def _check_offsets(offsets, device, op: str) -> None:
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"{op}: argument 'offsets' must be a torch.Tensor, got {type(offsets).__name__}")
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: argument 'offsets' has dtype {offsets.dtype}; supported: int32, int64")
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(
+            f"{op}: argument 'offsets' must have shape (G+1,) with G >= 0, got {tuple(offsets.shape)}"
+        )
+    if offsets.device != device:
+        raise ValueError(f"{op}: argument 'offsets' is on {offsets.device}, expected {device}")
+
+
+def _quantize(x, recipe, rowwise, columnwise, offsets, role, op, name):
+    recipe = _get_recipe(recipe, op)
+    _check_input(x, name, op)
+    if role not in ROLES:
+        raise ValueError(f"{op}: argument 'role' must be one of {ROLES}, got {role!r}")
+    if not (rowwise or columnwise):
+        raise ValueError(f"{op}: arguments 'rowwise' and 'columnwise' are both False; request a copy")
+    if role == "weight":
+        if x.dim() not in (2, 3):
+            raise ValueError(
+                f"{op}: argument '{name}' must have shape (G, N, K) or (N, K), got {tuple(x.shape)}"
+            )
+        if offsets is not None:
+            raise ValueError(f"{op}: argument 'offsets' must be None for role='weight'")
+    elif x.dim() == 0:
+        raise ValueError(f"{op}: argument '{name}' must have at least 1 dimension, got a 0-d tensor")
+    if offsets is not None:
+        _check_offsets(offsets, x.device, op)
+    with torch.no_grad():
+        x32 = x.detach().float()
+        if role == "weight":
+            w32 = x32 if x.dim() == 3 else x32.unsqueeze(0)
+            row, column = _quantize_weight_copies(w32, recipe, rowwise, columnwise)
+            if x.dim() == 2:
+                row, column = ([t if t is None else t.squeeze(0) for t in copy] for copy in (row, column))
+        else:
+            row = column = (None, None)
+            if recipe.block_size is None:
+                data, scale_inv = _quantize_per_tensor(x32, recipe)
+                row = (data, scale_inv) if rowwise else row
+                if columnwise:
+                    column = (data.reshape(-1, x.shape[-1]).t().contiguous(), scale_inv)
+            else:
+                if rowwise:
+                    row = _quantize_last_dim(x32, recipe)
+                if columnwise:
+                    column = _quantize_columnwise(x32.reshape(-1, x.shape[-1]), recipe, offsets)
+    return QuantizedTensor(
+        x.shape,
+        x.dtype,
+        x.device,
+        recipe=recipe,
+        role=role,
+        rowwise_data=row[0],
+        rowwise_scale_inv=row[1],
+        columnwise_data=column[0],
+        columnwise_scale_inv=column[1],
+        offsets=offsets,
+    )
+
+
+def quantize(x, recipe, *, rowwise=True, columnwise=False, offsets=None, role="activation"):
+    """Quantize ``x`` (..., K) with ``recipe`` (a Recipe or its name) into a QuantizedTensor.
+
+    rowwise: blocks along K; columnwise: the per-group transposed copy (K, M), rows grouped by
+    ``offsets`` (G+1,) int32/int64 on x's device (None: one group). ``role="weight"`` quantizes
+    a weight (G, N, K) or (N, K) as ``quantize_weight`` does (its columnwise copy is the per-group
+    transpose; offsets must be None).
+    """
+    return _quantize(x, recipe, rowwise, columnwise, offsets, role, "Quantize", "x")
+
+
+def quantize_weight(weight, recipe, *, columnwise=False) -> QuantizedTensor:
+    """Quantize a weight (G, N, K) or (N, K): 128x128 blocks per group for Float8BlockScaling,
+    1x32 along K for MXFP8, one scale for current scaling. ``columnwise=True`` adds the per-group
+    transpose (G, K, N) used by the data-gradient GEMM."""
+    return _quantize(weight, recipe, True, columnwise, None, "weight", "quantize_weight", "weight")
+
+
+def add_columnwise(qt: QuantizedTensor, offsets=None) -> QuantizedTensor:
+    """Add (or replace) ``qt``'s columnwise copy in place and return ``qt``.
+
+    The copy is quantized from ``qt``'s dequantized rowwise values (the original is not kept),
+    so it carries the rowwise rounding on top of its own. Where the copy's blocks are the rowwise
+    ones transposed (per-tensor current scaling; 128x128 weight blocks) it is exactly
+    ``rowwise_data`` transposed, with the same scales. offsets: (G+1,) or None (one group);
+    must be None for weights.
+    """
+    op = "add_columnwise"
+    if not isinstance(qt, QuantizedTensor):
+        raise TypeError(f"{op}: argument 'qt' must be a QuantizedTensor, got {type(qt).__name__}")
+    if offsets is not None:
+        if qt.role == "weight":
+            raise ValueError(f"{op}: argument 'offsets' must be None for a weight")
+        _check_offsets(offsets, qt.device, op)
+    transposes_blocks = qt.recipe.block_size is None or qt.recipe.weight_blocks_2d
+    if qt.has_rowwise and qt.role == "weight" and transposes_blocks:
+        scale_inv = qt.rowwise_scale_inv
+        qt.columnwise_data = qt.rowwise_data.transpose(-1, -2).contiguous()
+        qt.columnwise_scale_inv = (
+            scale_inv if scale_inv.dim() == 0 else scale_inv.transpose(-1, -2).contiguous()
+        )
+    elif qt.has_rowwise and qt.recipe.block_size is None:
+        qt.columnwise_data = qt.rowwise_data.reshape(-1, qt.shape[-1]).t().contiguous()
+        qt.columnwise_scale_inv = qt.rowwise_scale_inv
+    else:
+        source = qt.dequantize(torch.float32)
+        fresh = _quantize(source, qt.recipe, False, True, offsets, qt.role, op, "qt")
+        qt.columnwise_data, qt.columnwise_scale_inv = fresh.columnwise_data, fresh.columnwise_scale_inv
+    qt.offsets = offsets
+    return qt
+
+
+def fake_quantize(x, recipe, role="activation") -> torch.Tensor:
+    """``quantize(x, recipe, role=role).dequantize()`` in x's dtype (rowwise blocks; no grad)."""
+    return quantize(x, recipe, role=role).dequantize(x.dtype)
