@@ -1,0 +1,76 @@
+"""Device-side tile scheduler for grouped GEMMs whose group row counts live on the device.
+
+Segments 0..G-1 are the groups (rows offsets[g]..offsets[g+1], clamped to [0, M]); segment G is
+the padding rows offsets[G]..M, whose tiles the kernel fills with zeros. Segment s holds
+ceil(rows_s / tile_m) * n_tiles tiles, numbered m-tile fastest. A persistent CTA visits the
+linear tile ids blockIdx.x, blockIdx.x + gridDim.x, ... ; each warp maps its id to a segment with
+a warp-wide prefix sum over 32 segments at a time. Ids only grow, so the search resumes where the
+previous one stopped (state: first segment of the current 32-chunk and the tiles before it).
+No host sync, no global scratch; every warp computes the same answer independently.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Int32
+
+
+@cute.jit
+def segment_rows(mOffsets: cute.Tensor, seg: Int32, num_groups: Int32, m_total: Int32):
+    """Clamped (start, end) rows of segment ``seg`` (0 <= seg <= num_groups)."""
+    start = cutlass.max(cutlass.min(mOffsets[seg], m_total), Int32(0))
+    end = m_total
+    if seg < num_groups:
+        end = cutlass.max(cutlass.min(mOffsets[seg + 1], m_total), start)
+    return start, end
+
+
+@cute.jit
+def _warp_inclusive_sum(x: Int32, lane: Int32) -> Int32:
+    for i in cutlass.range_constexpr(5):
+        y = cute.arch.shuffle_sync_up(x, 1 << i)
+        if lane >= (1 << i):
+            x = x + y
+    return x
+
+
+@cute.jit
+def locate_tile(
+    tile_id: Int32,
+    chunk_start: Int32,
+    chunk_base: Int32,
+    mOffsets: cute.Tensor,
+    num_groups: Int32,
+    m_total: Int32,
+    n_tiles: Int32,
+    tile_m: cutlass.Constexpr[int],
+):
+    """Find the segment holding linear tile ``tile_id``; called by a whole warp.
+
+    Returns (found, seg, seg_first_tile, chunk_start, chunk_base); pass the last two back in on
+    the next call with a larger ``tile_id``.
+    """
+    lane = cute.arch.lane_idx()
+    found = Boolean(False)
+    searching = chunk_start <= num_groups
+    seg = Int32(0)
+    seg_first = Int32(0)
+    while searching:
+        s = chunk_start + lane
+        cnt = Int32(0)
+        if s <= num_groups:
+            start, end = segment_rows(mOffsets, s, num_groups, m_total)
+            cnt = (end - start + (tile_m - 1)) // tile_m * n_tiles
+        incl = _warp_inclusive_sum(cnt, lane)
+        total = cute.arch.shuffle_sync(incl, 31)
+        if tile_id < chunk_base + total:
+            mask = cute.arch.vote_ballot_sync(chunk_base + incl > tile_id)
+            first = Int32(cute.arch.clz(cute.arch.brev(mask)))
+            seg = chunk_start + first
+            seg_first = chunk_base + cute.arch.shuffle_sync(incl - cnt, first)
+            found = Boolean(True)
+            searching = Boolean(False)
+        else:
+            chunk_base = chunk_base + total
+            chunk_start = chunk_start + 32
+            searching = chunk_start <= num_groups
+    return found, seg, seg_first, chunk_start, chunk_base

@@ -1,0 +1,243 @@
+"""GPU tests of the sm90 grouped GEMM + activation kernel against a float64 reference."""
+
+import math
+
+import pytest
+import torch
+
+from te_fused_ops.kernels import sm90_unavailable_reason
+from te_fused_ops.kernels.grouped_gemm import (
+    ACTIVATIONS,
+    GLU_ACTIVATIONS,
+    glu_deinterleave,
+    glu_interleave,
+    grouped_gemm_sm90,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        torch.cuda.is_available() and sm90_unavailable_reason() is not None,
+        reason=str(sm90_unavailable_reason()) if torch.cuda.is_available() else "",
+    ),
+]
+
+LIMIT, ALPHA = 7.0, 1.702
+
+
+def offsets_from_splits(splits, device="cuda"):
+    off = [0]
+    for s in splits:
+        off.append(off[-1] + s)
+    return torch.tensor(off, dtype=torch.int32, device=device)
+
+
+def reference(x, w_nat, offsets, bias_nat, activation, probs):
+    """float64 (pre, act) with natural-layout weight/bias; rows past offsets[-1] are zero."""
+    off = offsets.tolist()
+    m, n = x.shape[0], w_nat.shape[1]
+    pre = torch.zeros(m, n, dtype=torch.float64, device=x.device)
+    for g in range(w_nat.shape[0]):
+        s, e = off[g], off[g + 1]
+        if e > s:
+            pre[s:e] = x[s:e].double() @ w_nat[g].double().T
+            if bias_nat is not None:
+                pre[s:e] += bias_nat[g].double()
+    if activation is None:
+        return pre, None
+    if activation == "srelu":
+        return pre, torch.relu(pre) ** 2
+    gate, up = pre[:, : n // 2], pre[:, n // 2 :]
+    if activation == "swiglu":
+        act = torch.nn.functional.silu(gate) * up
+    elif activation == "geglu":
+        act = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    elif activation == "clamped_swiglu":
+        g = gate.clamp(max=LIMIT)
+        u = up.clamp(-LIMIT, LIMIT)
+        act = g * torch.sigmoid(ALPHA * g) * (u + 1)
+    else:  # scaled_swiglu
+        act = torch.nn.functional.silu(gate) * up * probs.double()[:, None]
+    act[off[-1] :] = 0
+    return pre, act
+
+
+def rel_err(out, ref):
+    assert not torch.isnan(out).any(), "NaN in output (unwritten or wrong)"
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def poisoned_empty(shape, dtype):
+    """Leave NaNs in the caching allocator's block of this size, so that an internal
+    torch.empty of the same size sees them."""
+    t = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    del t
+
+
+def run_case(splits, m, k, n, activation, dtype, has_bias, tile_n=None, seed=0, cluster_m=2):
+    torch.manual_seed(seed)
+    g = len(splits)
+    x = torch.randn(m, k, dtype=dtype, device="cuda")
+    w = (torch.randn(g, n, k, device="cuda") / math.sqrt(k)).to(dtype)
+    b = torch.randn(g, n, device="cuda").to(dtype) if has_bias else None
+    probs = torch.rand(m, device="cuda") if activation == "scaled_swiglu" else None
+    offsets = offsets_from_splits(splits)
+    glu = activation in GLU_ACTIVATIONS
+    w_k = glu_interleave(w) if glu else w
+    b_k = glu_interleave(b) if glu and b is not None else b
+    out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+    if activation is not None:
+        poisoned_empty((m, n // 2 if glu else n), dtype)
+    pre, act = grouped_gemm_sm90(
+        x, w_k, offsets, bias=b_k, activation=activation, probs=probs, limit=LIMIT, alpha=ALPHA,
+        out=out, tile_n=tile_n, cluster_m=cluster_m,
+    )
+    assert pre.data_ptr() == out.data_ptr()
+    ref_pre, ref_act = reference(x, w, offsets, b, activation, probs)
+    end = int(offsets[-1])
+    assert rel_err(pre, ref_pre) <= 1e-2
+    assert torch.all(pre[end:] == 0)
+    if activation is None:
+        assert act is None
+    else:
+        assert act.shape == (m, n // 2 if glu else n)
+        assert rel_err(act, ref_act) <= 1e-2
+        assert torch.all(act[end:] == 0)
+
+
+UNEVEN = [0, 300, 1, 0, 517, 129, 0]  # zero-row first and last groups, partial tiles; sum 947
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_epilogues(activation, dtype, has_bias):
+    run_case(UNEVEN, 1000, 256, 384, activation, dtype, has_bias)
+
+
+@pytest.mark.parametrize("cluster_m", [1, 2])
+@pytest.mark.parametrize("tile_n", [128, 256])
+@pytest.mark.parametrize("activation", [None, "swiglu", "srelu"])
+def test_tile_n_and_partial_n_tiles(tile_n, activation, cluster_m):
+    # N=320: the second 256-wide tile is partial; GLU I=160 ends inside a tile
+    run_case(UNEVEN, 1000, 192, 320, activation, torch.bfloat16, True, tile_n, 1, cluster_m)
+
+
+@pytest.mark.parametrize(
+    "splits,m",
+    [
+        ([0, 0, 777, 0], 777),  # one group holds all rows, offsets[G] == M
+        ([333], 400),  # G = 1 with padding rows
+        ([128, 256, 384], 768),  # tile-aligned
+        ([0, 0, 0], 50),  # no rows at all: everything is padding
+    ],
+)
+@pytest.mark.parametrize("activation", [None, "swiglu"])
+def test_routings(splits, m, activation):
+    run_case(splits, m, 128, 256, activation, torch.bfloat16, False, seed=2)
+
+
+def test_many_groups():
+    gen = torch.Generator().manual_seed(3)
+    splits = torch.randint(0, 40, (256,), generator=gen)
+    splits[torch.randperm(256, generator=gen)[:64]] = 0
+    run_case(splits.tolist(), int(splits.sum()) + 77, 256, 256, "swiglu", torch.bfloat16, True)
+
+
+@pytest.mark.parametrize("activation,n", [(None, 8), ("srelu", 8), ("swiglu", 64)])
+def test_smallest_shapes(activation, n):
+    run_case([5, 0, 20], 30, 8, n, activation, torch.bfloat16, True, seed=4)
+
+
+def test_large_k_and_n():
+    run_case([1500, 700, 1900], 4200, 2048, 1536, "swiglu", torch.bfloat16, False, seed=5)
+
+
+def test_no_host_sync_and_cuda_graph():
+    torch.manual_seed(6)
+    g, m, k, n = 8, 2048, 256, 512
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    w = (torch.randn(g, n, k, device="cuda") / 16).to(torch.bfloat16)
+    w_k = glu_interleave(w)
+    offsets = offsets_from_splits([256] * 8)
+    grouped_gemm_sm90(x, w_k, offsets, activation="swiglu")  # compile outside the checks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grouped_gemm_sm90(x, w_k, offsets, activation="swiglu")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+    pre_buf = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        grouped_gemm_sm90(x, w_k, offsets, activation="swiglu", out=pre_buf)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, act_buf = grouped_gemm_sm90(x, w_k, offsets, activation="swiglu", out=pre_buf)
+    routings = [[0] * 7 + [2048], [300, 0, 17, 900, 0, 1, 500, 30], [100, 0, 0, 0, 0, 0, 0, 1]]
+    for splits in routings:
+        offsets.copy_(offsets_from_splits(splits))
+        graph.replay()
+        pre_e, act_e = grouped_gemm_sm90(x, w_k, offsets, activation="swiglu")
+        torch.cuda.synchronize()
+        assert torch.equal(pre_buf, pre_e) and torch.equal(act_buf, act_e)
+        ref_pre, ref_act = reference(x, w, offsets, None, "swiglu", None)
+        assert rel_err(pre_buf, ref_pre) <= 1e-2 and rel_err(act_buf, ref_act) <= 1e-2
+
+
+def test_guard_after_output_and_bad_offsets():
+    torch.manual_seed(7)
+    g, m, k, n, guard = 4, 1000, 128, 256, 4096
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    w = (torch.randn(g, n, k, device="cuda") / 16).to(torch.bfloat16)
+    buf = torch.full((m * n + guard,), 3.0, dtype=torch.bfloat16, device="cuda")
+    out = buf[: m * n].view(m, n)
+    for offs in ([0, 100, 500, 900, 1000], [0, 700, 300, 5000, 99999], [-50, 10, -3, 2000, 7]):
+        offsets = torch.tensor(offs, dtype=torch.int32, device="cuda")
+        grouped_gemm_sm90(x, w, offsets, out=out)
+        torch.cuda.synchronize()
+        assert torch.all(buf[m * n :] == 3.0)
+        assert not torch.isnan(out).any()
+    offsets = torch.tensor([0, 100, 500, 900, 1000], dtype=torch.int32, device="cuda")
+    pre, _ = grouped_gemm_sm90(x, w, offsets, out=out)
+    ref_pre, _ = reference(x, w, offsets, None, None, None)
+    assert rel_err(pre, ref_pre) <= 1e-2
+
+
+def test_glu_interleave_roundtrip():
+    w = torch.randn(3, 128, 16)
+    b = torch.randn(3, 128)
+    assert torch.equal(glu_deinterleave(glu_interleave(w)), w)
+    assert torch.equal(glu_deinterleave(glu_interleave(b)), b)
+    wi = glu_interleave(w)
+    assert torch.equal(wi[:, 32:64], w[:, 64:96])  # up block 0 follows gate block 0
+
+
+def test_argument_errors():
+    x = torch.randn(64, 32, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(2, 64, 32, dtype=torch.bfloat16, device="cuda")
+    off = torch.tensor([0, 32, 64], dtype=torch.int32, device="cuda")
+    with pytest.raises(TypeError, match="grouped_gemm_sm90: x"):
+        grouped_gemm_sm90(x.float(), w, off)
+    with pytest.raises(TypeError, match="grouped_gemm_sm90: weight"):
+        grouped_gemm_sm90(x, w.half(), off)
+    with pytest.raises(ValueError, match="grouped_gemm_sm90: x must be contiguous"):
+        grouped_gemm_sm90(x.t().contiguous().t(), w, off)
+    with pytest.raises(ValueError, match="grouped_gemm_sm90: x must be on a CUDA"):
+        grouped_gemm_sm90(x.cpu(), w, off)
+    with pytest.raises(ValueError, match="grouped_gemm_sm90: offsets"):
+        grouped_gemm_sm90(x, w, off[:2])
+    with pytest.raises(TypeError, match="grouped_gemm_sm90: offsets"):
+        grouped_gemm_sm90(x, w, off.long())
+    with pytest.raises(ValueError, match="K=36"):
+        grouped_gemm_sm90(x.new_zeros(64, 36), w.new_zeros(2, 64, 36), off)
+    with pytest.raises(ValueError, match="N=96"):
+        grouped_gemm_sm90(x, torch.randn(2, 96, 32, dtype=torch.bfloat16, device="cuda"), off,
+                          activation="swiglu")
+    with pytest.raises(ValueError, match="probs"):
+        grouped_gemm_sm90(x, w, off, activation="scaled_swiglu")
+    with pytest.raises(ValueError, match="activation"):
+        grouped_gemm_sm90(x, w, off, activation="relu")
