@@ -10,6 +10,7 @@ table, writes benchmarks/results/grouped_mlp_<device>.json and a bar chart PNG (
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -133,6 +134,7 @@ def run(shapes: dict, device: torch.device, dtype: torch.dtype, iters: int, warm
             rows_out.append(result)
         rows_out[-2]["plan"] = plan
         del fused, unfused, inputs, dy
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows_out

@@ -19,7 +19,8 @@ def finish_activation(act: Activation, ctx, pre: torch.Tensor, out: torch.Tensor
     if ctx.input_requires_grad or ctx.params_require_grad:
         ctx.save_input(pre)
         if not keep_output:
-            ctx.recompute_output = lambda: act.compute(ctx, pre)
+            side = ctx.side  # not ctx: a closure over ctx would be a reference cycle holding pre
+            ctx.recompute_output = lambda: act.compute(side, pre)
     return out
 
 
@@ -27,7 +28,7 @@ def _forward_torch(ops, ctxs, x):
     linear, act = ops[0], ops[1]
     pre = linear.op_forward(ctxs[0], x)
     act.check_input(pre)
-    y = finish_activation(act, ctxs[1], pre, act.compute(ctxs[1], pre), keep_output=len(ops) > 2)
+    y = finish_activation(act, ctxs[1], pre, act.compute(ctxs[1].side, pre), keep_output=len(ops) > 2)
     for op, ctx in zip(ops[2:], ctxs[2:]):
         y = op.op_forward(ctx, y)
     return y

@@ -64,9 +64,35 @@ def grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> t
                 torch.matmul(dy[lo:hi].t(), x[lo:hi], out=dw[g])
         return dw
     if _grouped_mm_ok(dy, x):
-        return torch._grouped_mm(dy.t(), x, offs=offsets[1:])
+        dy_aligned, x_aligned, aligned_ends = align_groups(offsets, dy, x)
+        return torch._grouped_mm(dy_aligned.t(), x_aligned, offs=aligned_ends)
     group_ids = row_group_ids(offsets, x.shape[0]).unsqueeze(1)
     return torch.stack([torch.where(group_ids == g, dy, 0).t() @ x for g in range(num_groups)])
+
+
+def align_groups(offsets: torch.Tensor, *tensors: torch.Tensor, align: int = 8):
+    """Copies of row-grouped ``tensors`` (M, *) where each group starts at a multiple of
+    ``align`` rows, gaps and padding rows zero; returns (*copies, aligned group ends (G,) int32).
+
+    ``torch._grouped_mm`` needs 16-byte aligned groups along a contiguous grouped dim (the
+    weight-gradient form); this meets it for any split sizes without a host sync. Capacity is
+    the static bound ``M + G * (align - 1) + 1``; the last row collects padding rows.
+    """
+    num_rows, num_groups = tensors[0].shape[0], offsets.shape[0] - 1
+    sizes = offsets[1:] - offsets[:-1]
+    aligned_ends = torch.cumsum((sizes + align - 1) // align * align, 0)
+    aligned_starts = torch.cat([aligned_ends.new_zeros(1), aligned_ends[:-1]])
+    capacity = num_rows + num_groups * (align - 1) + 1
+    group_ids = row_group_ids(offsets, num_rows)
+    shift = torch.cat([aligned_starts - offsets[:-1], aligned_starts.new_zeros(1)])
+    rows = torch.arange(num_rows, device=offsets.device)
+    dest = torch.where(group_ids < num_groups, rows + shift[group_ids], capacity - 1)
+    copies = []
+    for t in tensors:
+        copy = t.new_zeros(capacity, *t.shape[1:])
+        copy.index_copy_(0, dest, t)
+        copies.append(copy)
+    return (*copies, aligned_ends.to(torch.int32))
 
 
 def grouped_row_sum(dy: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -89,7 +89,14 @@ class _Run:
                 param = getattr(op, name)
                 slot = param_grads.get(id(param), None)
                 param_grads[id(param)] = grad if slot is None else slot + grad
+        self.release()
         return dy, [side_grads[n] for n in self.grad_side_names], [param_grads[id(p)] for p in self.params]
+
+    def release(self) -> None:
+        """Drop everything kept for the backward (after it ran)."""
+        for ctx in self.ctxs:
+            ctx.saved.clear()
+            ctx.recompute_output = ctx.input_recompute = None
 
 
 class _SequenceFunction(torch.autograd.Function):
@@ -104,7 +111,6 @@ class _SequenceFunction(torch.autograd.Function):
         dx, side_grads, param_grads = run.backward(dy)
         if is_quantized(dx):
             dx = dx.dequantize()
-        ctx.run = None
         return (None, dx, *side_grads, *param_grads)
 
 

@@ -59,8 +59,8 @@ class Activation(BasicOp):
                 f"{self.op_name}: argument 'x' last dimension {x.shape[-1]} is odd; a GLU needs [gate; up] halves"
             )
 
-    def compute(self, ctx: OpContext, x: torch.Tensor) -> torch.Tensor:
-        """Forward value in x's dtype."""
+    def compute(self, side: dict, x: torch.Tensor) -> torch.Tensor:
+        """Forward value in x's dtype; ``side`` is the op's bound side inputs (ctx.side)."""
         return self.act(_upcast(x)).to(x.dtype)
 
     def op_forward(self, ctx: OpContext, x) -> torch.Tensor:
@@ -69,7 +69,7 @@ class Activation(BasicOp):
         self.check_input(x)
         if ctx.input_requires_grad or ctx.params_require_grad:
             ctx.save_input(x)
-        return self.compute(ctx, x)
+        return self.compute(ctx.side, x)
 
     def input_grad(self, ctx: OpContext, pre: torch.Tensor, dy: torch.Tensor):
         """(dx in pre's dtype, grads dict) from the saved pre-activation and the output gradient."""
@@ -186,8 +186,8 @@ class ScaledSwiGLU(SwiGLU):
             raise ValueError(f"ScaledSwiGLU: argument 'probs' is on {probs.device} but the input is on {x.device}")
         return {"probs": probs}
 
-    def compute(self, ctx: OpContext, x):
-        probs = _upcast(ctx.side["probs"]).unsqueeze(-1)
+    def compute(self, side: dict, x):
+        probs = _upcast(side["probs"]).unsqueeze(-1)
         return (self.act(_upcast(x)) * probs).to(x.dtype)
 
     def input_grad(self, ctx: OpContext, pre, dy):
