@@ -197,7 +197,7 @@ def main():
     results = run(shapes, device, dtype, iters, args.warmup)
 
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    tag = label.split()[-1].lower() if device.type == "cuda" else "cpu"
+    tag = next((w.lower() for w in label.split() if w[:1] == "H" and w[1:].isdigit()), "cuda") if device.type == "cuda" else "cpu"
     tag += "_small" if args.small else ""
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, f"grouped_mlp_{tag}.json")
