@@ -2,10 +2,15 @@
 
 GLU convention (TE's): gate = the first half of the last dim, up = the second half;
 ``y = act(gate) * up`` has half the last dim. Math runs in float32 and rounds once to the
-input dtype (float64 stays float64); gradients likewise.
+input dtype (float64 stays float64); gradients likewise. On CUDA the math of each op runs as
+one ``torch.compile``d elementwise kernel (eager on the CPU, with TE_FUSED_OPS_COMPILE=0, or
+where compilation fails): the fastest unfused activation, also for the fused rules' torch
+backends.
 """
 
 import math
+import os
+import warnings
 
 import torch
 
@@ -25,6 +30,27 @@ def _gelu_tanh_and_grad(g: torch.Tensor):
     value = 0.5 * g * (1 + t)
     grad = 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * _GELU_K * (1 + 3 * _GELU_C * g * g)
     return value, grad
+
+
+_compiled: dict = {}  # (op class, method name) -> compiled function, or None after a failure
+
+
+def _run_math(op, name: str, *args):
+    """``type(op).<name>(op, *args)``, compiled on CUDA (one kernel per op class and config)."""
+    method = getattr(type(op), name)
+    if args[0].device.type != "cuda" or os.environ.get("TE_FUSED_OPS_COMPILE", "1") in ("0", "false", "False"):
+        return method(op, *args)
+    key = (type(op), name)
+    if key not in _compiled:
+        _compiled[key] = torch.compile(method)
+    compiled = _compiled[key]
+    if compiled is not None:
+        try:
+            return compiled(op, *args)
+        except Exception as error:  # no triton / inductor failure: eager from now on
+            warnings.warn(f"{op.op_name}: torch.compile of the activation math failed ({error}); running eager")
+            _compiled[key] = None
+    return method(op, *args)
 
 
 def _upcast(t: torch.Tensor) -> torch.Tensor:
@@ -61,7 +87,13 @@ class Activation(BasicOp):
 
     def compute(self, side: dict, x: torch.Tensor) -> torch.Tensor:
         """Forward value in x's dtype; ``side`` is the op's bound side inputs (ctx.side)."""
+        return _run_math(self, "forward_math", x)
+
+    def forward_math(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(_upcast(x)).to(x.dtype)
+
+    def backward_math(self, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        return self.act_grad(_upcast(x), _upcast(dy)).to(x.dtype)
 
     def op_forward(self, ctx: OpContext, x) -> torch.Tensor:
         if is_quantized(x):
@@ -73,7 +105,7 @@ class Activation(BasicOp):
 
     def input_grad(self, ctx: OpContext, pre: torch.Tensor, dy: torch.Tensor):
         """(dx in pre's dtype, grads dict) from the saved pre-activation and the output gradient."""
-        return self.act_grad(_upcast(pre), _upcast(dy)).to(pre.dtype), {}
+        return _run_math(self, "backward_math", pre, dy), {}
 
     def op_backward(self, ctx: OpContext, dy):
         if not ctx.input_requires_grad and not ctx.params_require_grad:
@@ -187,14 +219,18 @@ class ScaledSwiGLU(SwiGLU):
         return {"probs": probs}
 
     def compute(self, side: dict, x):
-        probs = _upcast(side["probs"]).unsqueeze(-1)
-        return (self.act(_upcast(x)) * probs).to(x.dtype)
+        return _run_math(self, "scaled_forward_math", x, side["probs"])
+
+    def scaled_forward_math(self, x, probs):
+        return (self.act(_upcast(x)) * _upcast(probs).unsqueeze(-1)).to(x.dtype)
+
+    def scaled_backward_math(self, pre, dy, probs):
+        """(d pre in pre's dtype, d probs in probs' dtype)."""
+        pre_math, dy_math = _upcast(pre), _upcast(dy)
+        dx = self.act_grad(pre_math, dy_math * _upcast(probs).unsqueeze(-1)).to(pre.dtype)
+        return dx, (dy_math * self.act(pre_math)).sum(-1).to(probs.dtype)
 
     def input_grad(self, ctx: OpContext, pre, dy):
         probs = ctx.side["probs"]
-        pre_math, dy_math = _upcast(pre), _upcast(dy)
-        dx = self.act_grad(pre_math, dy_math * _upcast(probs).unsqueeze(-1)).to(pre.dtype)
-        grads = {}
-        if probs.requires_grad:
-            grads["probs"] = (dy_math * self.act(pre_math)).sum(-1).to(probs.dtype)
-        return dx, grads
+        dx, dprobs = _run_math(self, "scaled_backward_math", pre, dy, probs.detach())
+        return dx, ({"probs": dprobs} if probs.requires_grad else {})
