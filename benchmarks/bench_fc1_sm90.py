@@ -8,6 +8,9 @@ Variants per shape (rows M, hidden H = K, expert width I, local experts E = G; N
 Median of do_bench (L2 flushed before every run), uneven routing (seeded), bf16.
 
     python benchmarks/bench_fc1_sm90.py [--out benchmarks/results] [--shapes dsv3-ep8,...]
+    python benchmarks/bench_fc1_sm90.py --sweep                  # kernel options, same run
+    ncu --profile-from-start off python benchmarks/bench_fc1_sm90.py --shapes dsv3-ep8 \
+        --profile 256x2,swiglu:256x2                              # one launch per variant
 """
 
 import argparse
@@ -54,27 +57,29 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3  # us
 
 
+def host_us_per_call(fn, calls=100, batches=30):
+    """Host time per call: min over batches of `calls` back-to-back calls, synchronized between
+    batches so the launch queue never fills (else the GPU time is measured)."""
+    best = float("inf")
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+    torch.cuda.synchronize()
+    return best
+
+
 def host_overhead_us():
-    """Per-call host time of the wrapper on a tiny problem (launch-bound)."""
+    """Per-call host time of the wrapper and of the compiled launcher alone (tiny problem)."""
     x = torch.randn(128, 64, dtype=torch.bfloat16, device="cuda")
     w = torch.randn(1, 128, 64, dtype=torch.bfloat16, device="cuda")
     off = torch.tensor([0, 128], dtype=torch.int32, device="cuda")
-    for _ in range(20):
-        grouped_gemm_sm90(x, w, off, activation="swiglu")
-    torch.cuda.synchronize()
-    n = 2000
-    t = time.perf_counter()
-    for _ in range(n):
-        grouped_gemm_sm90(x, w, off, activation="swiglu")
-    host = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
     pre, act = grouped_gemm_sm90(x, w, off, activation="swiglu")
-    fn = compile_grouped_gemm(torch.bfloat16, 128, "swiglu", False, _num_sms(0), True)
-    t = time.perf_counter()
-    for _ in range(n):
-        fn(x, w, off, pre, act, None, None, 7.0, 1.702)
-    raw = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
+    fn = compile_grouped_gemm(torch.bfloat16, 128, "swiglu", False, _num_sms(0), True, 1)
+    host = host_us_per_call(lambda: grouped_gemm_sm90(x, w, off, activation="swiglu"))
+    raw = host_us_per_call(lambda: fn(x, w, off, pre, act, None, None, 7.0, 1.702))
     return host, raw
 
 
@@ -101,7 +106,7 @@ def sweep(shapes, rounds):
         act = torch.empty(m, i, dtype=torch.bfloat16, device="cuda")
         tile_n, cluster_m = choose_config(m, n, e, _num_sms(0))
         for label, activation, a in (("fused", "swiglu", act), ("plain", None, None)):
-            fns = {}
+            fns, errs = {}, {}
             for opt, kw in SWEEP.items():
                 fn = compile_grouped_gemm(
                     torch.bfloat16, tile_n, activation, False, _num_sms(0), True, cluster_m, **kw
@@ -111,6 +116,10 @@ def sweep(shapes, rounds):
                 if activation is None:  # the scheduler options must not change the result
                     ref = torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets[1:])
                     assert torch.equal(pre, ref), f"{name} {opt}: plain result differs"
+                else:  # activation error given the kernel's own pre (fp32 SwiGLU)
+                    ref = swiglu(pre.float())
+                    errs[opt] = ((a.float() - ref).norm() / ref.norm()).item()
+                del ref
             best = {opt: float("inf") for opt in fns}
             for _ in range(rounds):
                 for opt, f in fns.items():
@@ -118,11 +127,38 @@ def sweep(shapes, rounds):
             lines.append(
                 f"| {name} | {label} {tile_n}x{cluster_m} | "
                 + " | ".join(f"{best[o]:.0f}" for o in SWEEP) + " |"
+                + "".join(f" act err {o}: {e:.2e};" for o, e in errs.items())
             )
             print(lines[-1], flush=True)
         del x, w, pre, act
         torch.cuda.empty_cache()
     print("\n".join(lines))
+
+
+def profile(name, variants):
+    """One launch per [activation:]variant inside a profiler range, for
+    ``ncu --profile-from-start off``."""
+    m, h, i, e = SHAPES[name]
+    splits = uneven_splits(m, e)
+    offsets = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
+    offsets[1:] = torch.cumsum(splits, 0).to(torch.int32).cuda()
+    x = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) / math.sqrt(h)
+    calls = []
+    for v in variants:
+        act, _, cfg = v.rpartition(":")
+        tn, cl = map(int, cfg.split("x"))
+        calls.append(functools.partial(
+            grouped_gemm_sm90, x, w, offsets, activation=act or None, tile_n=tn, cluster_m=cl
+        ))
+    for f in calls:
+        f()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for f in calls:
+        f()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
 
 
 def main():
@@ -132,7 +168,11 @@ def main():
     ap.add_argument("--variants", default="128x1,256x1,256x2", help="tile_n x cluster_m list")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sweep", action="store_true", help="time kernel options instead")
+    ap.add_argument("--profile", default=None,
+                    help="[activation:]variant list: one launch each on the first shape, for ncu")
     args = ap.parse_args()
+    if args.profile:
+        return profile(args.shapes.split(",")[0], args.profile.split(","))
     if args.sweep:
         return sweep(args.shapes.split(","), args.rounds)
     dev = torch.cuda.get_device_name()
