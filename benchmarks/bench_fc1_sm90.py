@@ -47,6 +47,17 @@ def uneven_splits(m, e, seed=0):
     return s
 
 
+def problem(name):
+    """FC1 of shape ``name``: (m, n, k, e, offsets (e+1,) int32, x (m, k), w (e, n, k)) on CUDA, bf16."""
+    m, h, i, e = SHAPES[name]
+    n, k = 2 * i, h
+    offsets = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
+    offsets[1:] = torch.cumsum(uneven_splits(m, e), 0).to(torch.int32).cuda()
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)
+    return m, n, k, e, offsets, x, w
+
+
 @torch.compile
 def swiglu(pre):
     gate, up = pre.chunk(2, dim=-1)
@@ -95,15 +106,9 @@ def sweep(shapes, rounds):
 
     lines = ["| shape | kernel | " + " | ".join(SWEEP) + " |", "|---|---|" + "---|" * len(SWEEP)]
     for name in shapes:
-        m, h, i, e = SHAPES[name]
-        n, k = 2 * i, h
-        splits = uneven_splits(m, e)
-        offsets = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
-        offsets[1:] = torch.cumsum(splits, 0).to(torch.int32).cuda()
-        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-        w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)
+        m, n, k, e, offsets, x, w = problem(name)
         pre = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-        act = torch.empty(m, i, dtype=torch.bfloat16, device="cuda")
+        act = torch.empty(m, n // 2, dtype=torch.bfloat16, device="cuda")
         tile_n, cluster_m = choose_config(m, n, e, _num_sms(0))
         for label, activation, a in (("fused", "swiglu", act), ("plain", None, None)):
             fns, errs = {}, {}
@@ -138,12 +143,7 @@ def sweep(shapes, rounds):
 def profile(name, variants):
     """One launch per [activation:]variant inside a profiler range, for
     ``ncu --profile-from-start off``."""
-    m, h, i, e = SHAPES[name]
-    splits = uneven_splits(m, e)
-    offsets = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
-    offsets[1:] = torch.cumsum(splits, 0).to(torch.int32).cuda()
-    x = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
-    w = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) / math.sqrt(h)
+    m, n, k, e, offsets, x, w = problem(name)
     calls = []
     for v in variants:
         act, _, cfg = v.rpartition(":")
@@ -179,18 +179,12 @@ def main():
     rows = []
     variants = [v for v in args.variants.split(",") if v]
     for name in args.shapes.split(","):
-        m, h, i, e = SHAPES[name]
-        n, k = 2 * i, h
-        splits = uneven_splits(m, e)
-        offsets = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
-        offsets[1:] = torch.cumsum(splits, 0).to(torch.int32).cuda()
-        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-        w = (torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k))
+        m, n, k, e, offsets, x, w = problem(name)
         w_int = glu_interleave(w)
         w_t = w.transpose(-2, -1)
         offs = offsets[1:]
         flops = 2.0 * m * n * k
-        r = {"shape": name, "M": m, "K": k, "N": n, "G": e, "max_split": int(splits.max())}
+        r = {"shape": name, "M": m, "K": k, "N": n, "G": e, "max_split": int((offsets[1:] - offsets[:-1]).max())}
         # correctness spot check against _grouped_mm (same bf16 inputs)
         ref = torch._grouped_mm(x, w_t, offs=offs)
         pre, act = grouped_gemm_sm90(x, w_int, offsets, activation="swiglu")

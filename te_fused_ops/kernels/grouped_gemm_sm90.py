@@ -402,7 +402,6 @@ class GroupedGemmSm90:
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             acc_shape = thr_mma.partition_shape_C((self.tile_m, self.tile_n))
             acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-            num_k_blocks = cute.size(tCrA, mode=[2])
 
             copy_atom_r2s = sm90_utils.get_smem_store_op(
                 LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype
@@ -458,26 +457,12 @@ class GroupedGemmSm90:
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     cute.nvgpu.warpgroup.fence()
                     ab_pipe.consumer_wait(read_state)
-                    for kb in cutlass.range_constexpr(num_k_blocks):
-                        cute.gemm(
-                            tiled_mma,
-                            acc,
-                            tCrA[(None, None, kb, read_state.index)],
-                            tCrB[(None, None, kb, read_state.index)],
-                            acc,
-                        )
+                    self._mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
                     cute.nvgpu.warpgroup.commit_group()
                     read_state.advance()
                     for k in range(1, k_tiles):
                         ab_pipe.consumer_wait(read_state)
-                        for kb in cutlass.range_constexpr(num_k_blocks):
-                            cute.gemm(
-                                tiled_mma,
-                                acc,
-                                tCrA[(None, None, kb, read_state.index)],
-                                tCrB[(None, None, kb, read_state.index)],
-                                acc,
-                            )
+                        self._mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
                         cute.nvgpu.warpgroup.commit_group()
                         cute.nvgpu.warpgroup.wait_group(1)
                         ab_pipe.consumer_release(release_state)
@@ -562,6 +547,12 @@ class GroupedGemmSm90:
                 )
             if is_store_warp:
                 store_pipe.producer_tail()
+
+    @cute.jit
+    def _mma_stage(self, tiled_mma, acc, tCrA, tCrB, stage):
+        """acc += the (tile_m, tile_n) product of the k-tile held in pipeline stage ``stage``."""
+        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc)
 
     @cute.jit
     def _activation(self, rPre, v, tRS_cD, row0, m_total, is_group, mProbs, limit, alpha):
