@@ -249,3 +249,31 @@ def test_forced_torch_backend(monkeypatch):
     plan = seq.plan(torch.randn(ROWS, H), split_sizes=SPLITS)
     assert [s.backend for s in plan.forward] == ["torch"]
     assert "sm90" not in plan.explain(list(seq))
+
+
+def _sm90_info(ops, dtype=torch.bfloat16, capability=(9, 0), quantized_input=False):
+    n = len(ops)
+    return tfo.PlanInfo("cuda", capability, dtype, (False,) * n, (True,) * n, (quantized_input,) + (False,) * (n - 1))
+
+
+def test_sm90_supports_reports_kernel_limits_in_explain(monkeypatch):
+    """What the sm90 kernel cannot do shows up as the rule's reason, and the torch backend runs."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")  # compile-only mode: CuTe DSL counts as available
+    rule = next(r for r in tfo.list_rules() if r.name == "grouped_linear+activation")
+    ok = [GroupedLinear(4, 64, 128), SwiGLU()]
+    assert rule.first_failure(ok, _sm90_info(ok), "sm90") is None
+    cases = [
+        ([GroupedLinear(4, 100, 128), SwiGLU()], {}, "K=100 not a multiple of 8"),
+        ([GroupedLinear(4, 64, 96), SwiGLU()], {}, "N=96 not a multiple of 64 for a GLU activation"),
+        (ok, {"dtype": torch.float32}, "dtype float32 not supported"),
+        (ok, {"capability": (8, 0)}, "compute capability 8.0, needs 9.0"),
+        (ok, {"quantized_input": True}, "quantized input"),
+    ]
+    for ops, kw, reason in cases:
+        assert reason in rule.first_failure(ops, _sm90_info(ops, **kw), "sm90")
+    ops = [GroupedLinear(4, 100, 128), SwiGLU(), GroupedLinear(4, 64, 96)]
+    plan = tfo.fusion.make_plan(ops, _sm90_info(ops))
+    first, second = plan.forward
+    assert (first.rule.name, first.backend) == ("grouped_linear+activation", "torch")
+    assert "sm90 backend: K=100 not a multiple of 8" in plan.explain(ops)
+    assert (second.rule.name, second.backend) == ("grouped_linear", "sm90")
