@@ -18,22 +18,16 @@ def kernel_unsupported_reason(linear: GroupedLinear, info, activation=None):
 
 
 def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=None, **epilogue):
-    """The sm90 kernel on ``linear``'s (cached, repacked for GLU) weight; fills ctx like the op.
+    """The sm90 kernel on the weight (natural layout, GLU too) this call read; fills ctx like the op.
 
     Returns (pre, act) as `grouped_gemm_sm90`.
     """
-    from te_fused_ops.kernels.grouped_gemm import GLU_ACTIVATIONS, glu_interleave, grouped_gemm_sm90
+    from te_fused_ops.kernels.grouped_gemm import grouped_gemm_sm90
 
-    linear.check_input(x)
-    weight, bias = linear.weight, linear.bias
-    if activation in GLU_ACTIVATIONS:
-        weight = linear.cached_param("glu_interleaved", glu_interleave)
-        if bias is not None:
-            bias = linear.cached_param("glu_interleaved_bias", glu_interleave, name="bias")
+    weight, bias = ctx.params["weight"], ctx.params.get("bias")
+    linear.check_input(x, weight)
     pre, act = grouped_gemm_sm90(
         x, weight.detach(), ctx.side["offsets"], bias=None if bias is None else bias.detach(), activation=activation, **epilogue
     )
-    if linear.weight.requires_grad:
-        ctx.save_input(x)
-    ctx.saved["recipe"] = None
+    linear.keep_for_backward(ctx, x, None)
     return pre, act

@@ -9,6 +9,7 @@ import torch
 
 from te_fused_ops import FusionRule, register_rule
 from te_fused_ops.ops import Activation, GroupedLinear, Quantize, Transpose
+from te_fused_ops.ops.base import Recompute
 
 from ._sm90 import kernel_unsupported_reason, run_grouped_gemm
 
@@ -19,8 +20,7 @@ def finish_activation(act: Activation, ctx, pre: torch.Tensor, out: torch.Tensor
     if ctx.input_requires_grad or ctx.params_require_grad:
         ctx.save_input(pre)
         if not keep_output:
-            side = ctx.side  # not ctx: a closure over ctx would be a reference cycle holding pre
-            ctx.recompute_output = lambda: act.compute(side, pre)
+            ctx.recompute_output = Recompute(act.compute, ctx.side, pre)
     return out
 
 

@@ -12,6 +12,7 @@ from .ops import (
     SwiGLU,
     Transpose,
 )
+from .quantization import reuse_quantized_weights
 from .sequential import Sequential
 from .splits import validation
 
@@ -33,6 +34,7 @@ __all__ = [
     "list_rules",
     "ops",
     "register_rule",
+    "reuse_quantized_weights",
     "unregister_rule",
     "validation",
 ]

@@ -61,6 +61,8 @@ as 0, the others are clamped to ``[0, M]`` and made nondecreasing (running max).
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -239,9 +241,18 @@ def _expand_2d(scale_inv: torch.Tensor, rows: int, cols: int, block_size: int) -
     return _expand_last(per_col.transpose(-1, -2), rows, block_size).transpose(-1, -2)
 
 
-def _quantize_per_tensor(x32, recipe):
-    """x32 float32, any shape -> (data x32.shape, scale_inv ())."""
-    amax = _finite_abs(x32).amax() if x32.numel() else x32.new_zeros(())
+def _quantize_per_tensor(x32, recipe, offsets=None):
+    """x32 float32, any shape -> (data x32.shape, scale_inv ()).
+
+    With ``offsets`` (G+1,) the amax covers the grouped rows of x32 viewed as (M, K) only, so
+    padding rows (>= the last offset, clamped to [0, M]) cannot change the scale."""
+    values = _finite_abs(x32)
+    if offsets is not None and x32.numel():
+        rows = values.reshape(-1, x32.shape[-1])
+        valid_end = offsets.amax().clamp(0, rows.shape[0])
+        row_ids = torch.arange(rows.shape[0], device=x32.device)
+        values = rows.masked_fill((row_ids >= valid_end).unsqueeze(1), 0)
+    amax = values.amax() if x32.numel() else x32.new_zeros(())
     scale_inv = recipe.scale_inv_from_amax(amax)
     return _saturating_cast(x32 / scale_inv), scale_inv
 
@@ -485,7 +496,7 @@ def _quantize(x, recipe, rowwise, columnwise, offsets, role, op, name):
         else:
             row = column = (None, None)
             if recipe.block_size is None:
-                data, scale_inv = _quantize_per_tensor(x32, recipe)
+                data, scale_inv = _quantize_per_tensor(x32, recipe, offsets)
                 row = (data, scale_inv) if rowwise else row
                 if columnwise:
                     column = (data.reshape(-1, x.shape[-1]).t().contiguous(), scale_inv)
@@ -512,7 +523,8 @@ def quantize(x, recipe, *, rowwise=True, columnwise=False, offsets=None, role="a
     """Quantize ``x`` (..., K) with ``recipe`` (a Recipe or its name) into a QuantizedTensor.
 
     rowwise: blocks along K; columnwise: the per-group transposed copy (K, M), rows grouped by
-    ``offsets`` (G+1,) int32/int64 on x's device (None: one group). ``role="weight"`` quantizes
+    ``offsets`` (G+1,) int32/int64 on x's device (None: one group). Rows past the last offset
+    are padding: they never affect the scales of grouped rows (per-tensor amax included). ``role="weight"`` quantizes
     a weight (G, N, K) or (N, K) as ``quantize_weight`` does (its columnwise copy is the per-group
     transpose; offsets must be None).
     """
@@ -560,6 +572,52 @@ def add_columnwise(qt: QuantizedTensor, offsets=None) -> QuantizedTensor:
     return qt
 
 
-def fake_quantize(x, recipe, role="activation") -> torch.Tensor:
-    """``quantize(x, recipe, role=role).dequantize()`` in x's dtype (rowwise blocks; no grad)."""
-    return quantize(x, recipe, role=role).dequantize(x.dtype)
+def fake_quantize(x, recipe, role="activation", offsets=None) -> torch.Tensor:
+    """``quantize(x, recipe, role=role, offsets=offsets).dequantize()`` in x's dtype (rowwise; no grad)."""
+    return quantize(x, recipe, role=role, offsets=offsets).dequantize(x.dtype)
+
+
+_reuse = threading.local()
+
+
+@contextmanager
+def reuse_quantized_weights():
+    """Opt-in scope in which each weight is quantized once and the copy reused until it closes.
+
+    By default every forward quantizes its weights afresh: fused optimizers, ``.data`` writes,
+    FSDP2 all-gathers and parametrizations change weights without a version bump, so a copy kept
+    across calls could silently train the wrong model. Inside this scope you promise the weights
+    do not change (gradient-accumulation micro-batches between two optimizer steps, inference):
+
+        with te_fused_ops.reuse_quantized_weights():
+            for micro_batch in micro_batches:
+                model(micro_batch, split_sizes=s).sum().backward()
+        optimizer.step()
+
+    Copies are keyed on the weight tensor (address, shape, dtype) and recipe, and dropped when the
+    outermost scope exits. Per thread; nested scopes share the outer one's copies.
+    """
+    outer = getattr(_reuse, "copies", None)
+    if outer is None:
+        _reuse.copies = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _reuse.copies = None
+
+
+def quantized_weight_values(weight: torch.Tensor, recipe) -> torch.Tensor:
+    """``weight`` quantized with ``recipe`` and dequantized (the values an FP8 GEMM computes with);
+    fresh on every call unless inside `reuse_quantized_weights`."""
+    copies = getattr(_reuse, "copies", None)
+
+    def make():
+        return quantize_weight(weight.detach(), recipe).dequantize()
+
+    if copies is None:
+        return make()
+    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, recipe)
+    if key not in copies:
+        copies[key] = (weight, make())  # the weight is kept so its address cannot be reused
+    return copies[key][1]

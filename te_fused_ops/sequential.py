@@ -1,10 +1,13 @@
 """`Sequential` and the runner that executes a plan inside one autograd.Function."""
 
+import copy
+
 import torch
 from torch import nn
 
 from .fusion import PlanInfo, forced_backend, fusion_enabled_by_env, make_plan, registry_version
 from .ops.base import BasicOp, OpContext, is_quantized
+from .saved import pack, unpack
 
 
 def _capability(device: torch.device):
@@ -53,17 +56,24 @@ def _check_side_inputs(owner: str, ops, side: dict) -> None:
         )
     for i, op in enumerate(ops):
         for name in op.side_inputs:
-            if side.get(name) is None:
+            if side.get(name) is None and name not in op.optional_side_inputs:
                 raise ValueError(f"{op.op_name} (op {i}): missing side input '{name}'")
 
 
 class _Run:
-    """One call: ops, their contexts and the plan; runs both passes."""
+    """One call: the ops, their contexts and the plan; runs both passes.
 
-    def __init__(self, ops, ctxs, plan, grad_side_names, params):
+    ``param_slots`` maps (op index, parameter name) to the position of that tensor among the
+    autograd.Function's parameter inputs (a parameter shared by two ops has one slot).
+    After the forward, the contexts hold a skeleton of what the backward needs (`saved.pack`);
+    the tensors themselves live in the Function's saved tensors.
+    """
+
+    def __init__(self, ops, ctxs, plan, grad_side_names, param_slots, num_params):
         self.ops, self.ctxs, self.plan = ops, ctxs, plan
         self.grad_side_names = grad_side_names
-        self.params = params  # unique parameters, as passed to the autograd.Function
+        self.param_slots = param_slots
+        self.num_params = num_params
 
     def forward(self, x):
         for step in self.plan.forward:
@@ -72,43 +82,54 @@ class _Run:
             x = step.run(self.ops, self.ctxs, x, "forward")
         return x
 
-    def backward(self, dy):
+    def pack(self) -> list:
+        """Replace the tensors the contexts keep by slots; return them (for save_for_backward)."""
+        tensors, index = [], {}
+        for ctx in self.ctxs:
+            ctx.saved = pack(ctx.saved, tensors, index)
+            ctx.side = pack(ctx.side, tensors, index)
+            ctx.params = {}
+            ctx.recompute_output = ctx.input_recompute = None
+        return tensors
+
+    def backward(self, dy, saved_tensors):
+        """(dx, side-input grads, parameter grads) from the contexts rebuilt on ``saved_tensors``."""
+        ctxs = [copy.copy(ctx) for ctx in self.ctxs]
+        for ctx in ctxs:
+            ctx.saved = unpack(ctx.saved, saved_tensors)
+            ctx.side = unpack(ctx.side, saved_tensors)
         op_grads = [None] * len(self.ops)
         for step in self.plan.backward:
-            dy, grads = step.run(self.ops, self.ctxs, dy, "backward")
+            dy, grads = step.run(self.ops, ctxs, dy, "backward")
             op_grads[step.start : step.stop] = grads
         side_grads = {name: None for name in self.grad_side_names}
-        param_grads = {id(p): None for p in self.params}
-        for op, grads in zip(self.ops, op_grads):
+        param_grads = [None] * self.num_params
+        for i, grads in enumerate(op_grads):
             for name, grad in (grads or {}).items():
                 if grad is None:
                     continue
                 if name in side_grads:
                     side_grads[name] = grad if side_grads[name] is None else side_grads[name] + grad
                     continue
-                param = getattr(op, name)
-                slot = param_grads.get(id(param), None)
-                param_grads[id(param)] = grad if slot is None else slot + grad
-        self.release()
-        return dy, [side_grads[n] for n in self.grad_side_names], [param_grads[id(p)] for p in self.params]
-
-    def release(self) -> None:
-        """Drop everything kept for the backward (after it ran)."""
-        for ctx in self.ctxs:
-            ctx.saved.clear()
-            ctx.recompute_output = ctx.input_recompute = None
+                slot = self.param_slots[(i, name)]
+                param_grads[slot] = grad if param_grads[slot] is None else param_grads[slot] + grad
+        return dy, [side_grads[n] for n in self.grad_side_names], param_grads
 
 
 class _SequenceFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, run: _Run, x, *flat):
-        ctx.run = run
-        return run.forward(x)
+    """Runs a whole plan; inputs: the run, x, side inputs needing grad, the parameters."""
 
     @staticmethod
+    def forward(ctx, run: _Run, x, *flat):
+        y = run.forward(x)
+        ctx.save_for_backward(*run.pack())
+        ctx.run = run
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        run = ctx.run
-        dx, side_grads, param_grads = run.backward(dy)
+        dx, side_grads, param_grads = ctx.run.backward(dy, ctx.saved_tensors)
         if is_quantized(dx):
             dx = dx.dequantize()
         return (None, dx, *side_grads, *param_grads)
@@ -124,18 +145,29 @@ def run_ops(owner: nn.Module, ops, x, side: dict, cache: dict, fuse: bool):
     plan = _get_plan(ops, info, cache, fuse)
 
     memo: dict = {}
-    ctxs = []
+    ctxs, params, param_slots = [], [], {}
+    slot_of = {}  # id(tensor) -> position in params
     for i, op in enumerate(ops):
         ctx = OpContext(op, i, info.input_requires_grad[i], info.params_require_grad[i])
         ctx.side = op.bind_side_inputs(side, x, memo)
+        ctx.params = op.call_params()
+        for name, param in ctx.params.items():
+            if id(param) not in slot_of:
+                slot_of[id(param)] = len(params)
+                params.append(param)
+            param_slots[(i, name)] = slot_of[id(param)]
+        if torch.is_grad_enabled():
+            ctx.grad_names = frozenset(
+                name for name, value in (*ctx.params.items(), *ctx.side.items())
+                if isinstance(value, torch.Tensor) and value.requires_grad
+            )
         ctxs.append(ctx)
 
     grad_needed = info.input_requires_grad[-1] or info.params_require_grad[-1] if ops else False
     grad_side_names = sorted(
-        {n for op in ops for n in op.side_inputs if isinstance(side[n], torch.Tensor) and side[n].requires_grad}
+        {n for op in ops for n in op.side_inputs if isinstance(side.get(n), torch.Tensor) and side[n].requires_grad}
     )
-    params = list({id(p): p for op in ops for p in op.parameters()}.values())
-    run = _Run(ops, ctxs, plan, grad_side_names, params)
+    run = _Run(ops, ctxs, plan, grad_side_names, param_slots, len(params))
     if not grad_needed:
         with torch.no_grad():
             return run.forward(x)
@@ -143,29 +175,20 @@ def run_ops(owner: nn.Module, ops, x, side: dict, cache: dict, fuse: bool):
 
 
 def saved_tensor_bytes(output: torch.Tensor) -> int:
-    """Bytes a Sequential/op call keeps for its backward (lazily recomputed tensors excluded).
+    """Bytes of activations a Sequential/op call keeps for its backward (parameters excluded,
+    lazily recomputed tensors excluded, each storage counted once).
 
-    ``output`` is the call's result (its grad_fn holds the run).
+    ``output`` is the call's result (its grad_fn is the call's autograd.Function).
     """
-    run = getattr(output.grad_fn, "run", None)
-    if run is None:
+    if getattr(output.grad_fn, "run", None) is None:
         raise ValueError("saved_tensor_bytes: argument 'output' is not the output of a te_fused_ops call with grad")
-    seen, total = set(), 0
-
-    def count(t):
-        nonlocal total
-        for inner in (t, getattr(t, "te_columnwise", None)):
-            if isinstance(inner, torch.Tensor) and type(inner) is torch.Tensor and inner.data_ptr() not in seen:
-                seen.add(inner.data_ptr())
-                total += inner.untyped_storage().nbytes()
-
-    for ctx in run.ctxs:
-        for value in ctx.saved.values():
-            if is_quantized(value):
-                for name in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
-                    count(getattr(value, name, None))
-            elif isinstance(value, torch.Tensor):
-                count(value)
+    seen = {p.untyped_storage().data_ptr() for op in output.grad_fn.run.ops for p in op.call_params().values()}
+    total = 0
+    for t in output.grad_fn.saved_tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
     return total
 
 

@@ -6,31 +6,32 @@ device of ``split_sizes`` and clamped, so no split value can make a kernel index
 """
 
 import os
+import threading
 from contextlib import contextmanager
 
 import torch
 
 _SPLIT_DTYPES = (torch.int32, torch.int64)
-_validation_override = None
+_local = threading.local()  # .validation: the innermost `validation()` setting of this thread
 
 
 def validation_enabled() -> bool:
     """Opt-in check of split values (costs a host sync): env TE_FUSED_OPS_VALIDATE=1 or `validation()`."""
-    if _validation_override is not None:
-        return _validation_override
+    override = getattr(_local, "validation", None)
+    if override is not None:
+        return override
     return os.environ.get("TE_FUSED_OPS_VALIDATE", "0") not in ("", "0", "false", "False")
 
 
 @contextmanager
 def validation(enabled: bool = True):
-    """Context manager turning split-value validation on (or off) inside its block."""
-    global _validation_override
-    previous = _validation_override
-    _validation_override = enabled
+    """Context manager turning split-value validation on (or off) inside its block, in this thread."""
+    previous = getattr(_local, "validation", None)
+    _local.validation = enabled
     try:
         yield
     finally:
-        _validation_override = previous
+        _local.validation = previous
 
 
 def check_split_sizes(op_name: str, split_sizes, num_groups: int, device: torch.device) -> None:
@@ -51,10 +52,10 @@ def check_split_sizes(op_name: str, split_sizes, num_groups: int, device: torch.
 
 def validate_split_values(op_name: str, split_sizes: torch.Tensor, num_rows: int) -> None:
     """Value checks for validation mode (host sync): negative sizes, sum larger than the rows."""
-    values = split_sizes.detach().to("cpu", torch.int64)
-    if bool((values < 0).any()):
-        raise ValueError(f"{op_name}: argument 'split_sizes' has negative entries: {values.tolist()}")
-    total = int(values.sum())
+    values = split_sizes.detach().cpu().tolist()
+    if any(v < 0 for v in values):
+        raise ValueError(f"{op_name}: argument 'split_sizes' has negative entries: {values}")
+    total = sum(values)  # Python ints: no overflow
     if total > num_rows:
         raise ValueError(f"{op_name}: argument 'split_sizes' sums to {total} but the input has {num_rows} rows")
 
@@ -62,10 +63,12 @@ def validate_split_values(op_name: str, split_sizes: torch.Tensor, num_rows: int
 def split_offsets(split_sizes: torch.Tensor, num_rows: int) -> torch.Tensor:
     """(G,) sizes -> (G+1,) int32 offsets on the same device: 0, then clamped inclusive prefix sums.
 
-    Negative sizes count as 0 and every offset is clamped to ``num_rows``, so offsets are
-    nondecreasing and within ``[0, num_rows]`` whatever the values.
+    Each size is clamped to ``[0, num_rows]`` before the int64 prefix sum (which then cannot
+    overflow for any int32/int64 values: G * num_rows < 2**63), and every offset to
+    ``num_rows``, so offsets are nondecreasing and within ``[0, num_rows]`` whatever the values.
     """
-    ends = torch.cumsum(split_sizes.clamp(min=0), 0).clamp(max=num_rows).to(torch.int32)
+    sizes = split_sizes.clamp(0, num_rows).to(torch.int64)
+    ends = torch.cumsum(sizes, 0).clamp(max=num_rows).to(torch.int32)
     return torch.cat([ends.new_zeros(1), ends])
 
 

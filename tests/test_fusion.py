@@ -139,9 +139,10 @@ def test_fused_forward_saves_less_than_unfused():
     x = torch.randn(ROWS, H, requires_grad=True)
     saved_fused = saved_tensor_bytes(fused(x, split_sizes=SPLITS))
     saved_unfused = saved_tensor_bytes(unfused(x, split_sizes=SPLITS))
-    # unfused keeps x, pre (M, 2I) and the activation output (M, I); fused recomputes the last
+    # unfused keeps x, pre (M, 2I) and the activation output (M, I); fused recomputes the last;
+    # both keep the int32 group offsets (G+1,); parameters are not counted
     assert saved_unfused - saved_fused == ROWS * I * 4
-    assert saved_fused == ROWS * H * 4 + ROWS * 2 * I * 4
+    assert saved_fused == ROWS * H * 4 + ROWS * 2 * I * 4 + (G + 1) * 4
 
 
 def test_explain_names_rules_backends_and_reasons():

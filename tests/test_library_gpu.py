@@ -1,5 +1,7 @@
 """GPU contracts of the library paths: no host sync, CUDA-graph capture, sm90 wiring."""
 
+import copy
+
 import pytest
 import torch
 
@@ -127,9 +129,19 @@ def test_sm90_backend_is_selected_and_matches_torch(monkeypatch):
     assert torch.all(y_sm90[ROWS - 32 :] == 0)
 
 
-def test_sm90_weight_repack_follows_weight_updates():
+def _require_hopper():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm90 backend needs a Hopper GPU")
+
+
+def fresh_copy(seq):
+    other = copy.deepcopy(seq)
+    other.load_state_dict({k: v.clone() for k, v in seq.state_dict().items()})
+    return other
+
+
+def test_sm90_reads_weights_as_they_are_now():
+    _require_hopper()
     seq = mlp()
     x = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16)
     split_sizes = routing(8, ROWS)
@@ -138,7 +150,72 @@ def test_sm90_weight_repack_follows_weight_updates():
         seq[0].weight.mul_(-1)  # in-place update, as an optimizer step
     second = seq(x, split_sizes=split_sizes)
     assert not torch.allclose(first, second)
+    seq[0].weight.data.mul_(0.5)  # no version bump
+    third = seq(x, split_sizes=split_sizes)
+    assert torch.equal(third, fresh_copy(seq)(x, split_sizes=split_sizes))
     reference = Sequential(*list(seq), fuse=False)
-    assert ref.rel_err(second, reference(x, split_sizes=split_sizes)) <= 1e-2
+    assert ref.rel_err(third, reference(x, split_sizes=split_sizes)) <= 1e-2
     assert set(seq.state_dict()) == {"0.weight", "2.weight"}
     assert seq.state_dict()["0.weight"].data_ptr() == seq[0].weight.data_ptr()
+
+
+@pytest.mark.parametrize("act", [SwiGLU, ScaledSwiGLU])
+def test_sm90_fused_adamw_training_matches_a_fresh_model_every_step(act):
+    _require_hopper()
+    seq = mlp(act())
+    assert "(backend sm90)" in seq.explain(
+        torch.empty(ROWS, H, device="cuda", dtype=torch.bfloat16), split_sizes=routing(0, ROWS),
+        **({"probs": torch.rand(ROWS, device="cuda")} if act is ScaledSwiGLU else {}),
+    )
+    opt = torch.optim.AdamW(seq.parameters(), lr=1e-2, fused=True)
+    for step in range(4):
+        x = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16)
+        side = {"split_sizes": routing(step, ROWS - 16)}
+        if act is ScaledSwiGLU:
+            side["probs"] = torch.rand(ROWS, device="cuda")
+        y = seq(x, **side)
+        assert torch.equal(y, fresh_copy(seq)(x, **side)), f"stale weights at step {step}"
+        y.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_overflowing_split_sizes_through_the_fused_step_keep_the_process_healthy():
+    seq = mlp()
+    x = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16)
+    for sizes in ([2**62, 2**62, 2**62, 3, 0, 0, 0, 0], [2**63 - 1] * G, [-(2**63), 5, 2**63 - 1] + [2**62] * 5):
+        split_sizes = torch.tensor(sizes, device="cuda", dtype=torch.int64)
+        y = train_step(seq, x, dy, split_sizes=split_sizes)
+        torch.cuda.synchronize()
+        assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+        x.grad = None
+    # the context is still usable and the clamped routing is what ran
+    y = seq(x.detach(), split_sizes=torch.tensor([2**62] + [0] * (G - 1), device="cuda"))
+    want = seq(x.detach(), split_sizes=torch.tensor([ROWS] + [0] * (G - 1), device="cuda"))
+    assert torch.equal(y, want)
+
+
+def test_activation_checkpointing_frees_activation_memory():
+    seq = mlp()
+    x = torch.randn(ROWS * 8, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    split_sizes = routing(9, ROWS * 8 - 64)
+    grads = []
+    used = []
+    for checkpointed in (False, True):
+        for p in [x, *seq.parameters()]:
+            p.grad = None
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        if checkpointed:
+            y = torch.utils.checkpoint.checkpoint(seq, x, split_sizes=split_sizes, use_reentrant=False)
+        else:
+            y = seq(x, split_sizes=split_sizes)
+        used.append(torch.cuda.memory_allocated() - before - y.untyped_storage().nbytes())
+        y.float().sum().backward()
+        grads.append([x.grad.clone(), *[p.grad.clone() for p in seq.parameters()]])
+        del y
+    assert used[0] >= x.shape[0] * 2 * I * 2  # the pre-activation, kept without checkpointing
+    assert used[1] < used[0] / 4, used
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

@@ -1,7 +1,7 @@
 """Basic ops: compose them in `te_fused_ops.Sequential` or call one on its own."""
 
 from .activation import Activation, ClampedSwiGLU, GeGLU, ScaledSwiGLU, SReLU, SwiGLU
-from .base import BasicOp, OpContext
+from .base import BasicOp, OpContext, Recompute
 from .grouped_linear import GroupedLinear
 from .quantize import Quantize
 from .transpose import Transpose
@@ -14,6 +14,7 @@ __all__ = [
     "GroupedLinear",
     "OpContext",
     "Quantize",
+    "Recompute",
     "SReLU",
     "ScaledSwiGLU",
     "SwiGLU",

@@ -233,4 +233,4 @@ class ScaledSwiGLU(SwiGLU):
     def input_grad(self, ctx: OpContext, pre, dy):
         probs = ctx.side["probs"]
         dx, dprobs = _run_math(self, "scaled_backward_math", pre, dy, probs.detach())
-        return dx, ({"probs": dprobs} if probs.requires_grad else {})
+        return dx, ({"probs": dprobs} if ctx.needs_grad("probs") else {})

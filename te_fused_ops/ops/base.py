@@ -4,20 +4,33 @@ import torch
 from torch import nn
 
 
-class _Recompute:
-    """Stands in for a saved tensor that its producer can recompute in the backward."""
+class Recompute:
+    """Stands in for a saved tensor that can be recomputed in the backward as ``fn(*args)``.
 
-    def __init__(self, fn):
-        self.fn = fn
+    ``args`` may hold tensors (saved through autograd like any other saved value); ``fn`` must
+    not capture tensors itself (a bound method of the op, a module-level function).
+    """
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __call__(self):
+        return self.fn(*self.args)
 
 
 class OpContext:
     """What one op's forward leaves for its backward, whichever step (op or rule) ran it.
 
+    params:               the op's parameters as this call sees them (``getattr`` at call time,
+                          so parametrizations, ``functional_call`` and FSDP2 unsharding apply);
+                          forward only, never kept for the backward
+    grad_names:           parameter and side-input names whose tensors require grad
     side:                 bound side inputs (e.g. ``offsets`` for grouped ops, ``probs``)
-    saved:                tensors for the backward, by name
-    recompute_output:     set by a fused forward that did not keep this op's output alive; a
-                          callable giving the output again (the consumer saves it lazily)
+    saved:                values for the backward, by name (tensors, QuantizedTensors,
+                          `Recompute`s, plain Python values); tensors reach the backward
+                          through ``ctx.save_for_backward`` of the Sequential's autograd.Function
+    recompute_output:     set by a fused forward that did not keep this op's output alive: a
+                          `Recompute` giving the output again (the consumer saves it lazily)
     """
 
     def __init__(self, op, index: int, input_requires_grad: bool, params_require_grad: bool):
@@ -25,6 +38,8 @@ class OpContext:
         self.index = index
         self.input_requires_grad = input_requires_grad
         self.params_require_grad = params_require_grad
+        self.params: dict = {}
+        self.grad_names: frozenset = frozenset()
         self.side: dict = {}
         self.saved: dict = {}
         self.recompute_output = None
@@ -32,20 +47,29 @@ class OpContext:
 
     def save_input(self, x) -> None:
         """Keep the op's input for the backward, lazily when its producer can recompute it."""
-        self.saved["input"] = _Recompute(self.input_recompute) if self.input_recompute is not None else x
+        self.saved["input"] = self.input_recompute if self.input_recompute is not None else x
 
     def load_input(self):
         value = self.saved["input"]
-        return value.fn() if isinstance(value, _Recompute) else value
+        return value() if isinstance(value, Recompute) else value
+
+    def needs_grad(self, name: str) -> bool:
+        """Whether parameter or side input ``name`` required grad when the forward ran."""
+        return name in self.grad_names
 
 
 class BasicOp(nn.Module):
     """A fusible op. Subclasses implement `op_forward` / `op_backward` and may declare side inputs.
 
-    ``side_inputs``: names of keyword inputs the op consumes (``split_sizes``, ``probs``).
+    ``side_inputs``: names of keyword inputs the op consumes (``split_sizes``, ``probs``);
+    ``optional_side_inputs``: those of them a call may leave out.
+    ``param_names``: attributes holding the op's parameters (None entries are skipped); each
+    call reads them once and the op's forward and backward use only what it read (``ctx.params``).
     """
 
     side_inputs: tuple = ()
+    optional_side_inputs: tuple = ()
+    param_names: tuple = ()
 
     def __init__(self):
         super().__init__()
@@ -63,9 +87,18 @@ class BasicOp(nn.Module):
         """Whether the output is a QuantizedTensor given whether the input is (plan time)."""
         return False
 
+    def call_params(self) -> dict:
+        """name -> parameter tensor as this call sees it (read once per call)."""
+        params = {}
+        for name in self.param_names:
+            value = getattr(self, name)
+            if value is not None:
+                params[name] = value
+        return params
+
     def bind_side_inputs(self, side: dict, x: torch.Tensor, memo: dict) -> dict:
         """Check this op's side inputs against the sequence input ``x``; return what ctx.side holds."""
-        return {name: side[name] for name in self.side_inputs}
+        return {name: side[name] for name in self.side_inputs if name in side}
 
     def op_forward(self, ctx: OpContext, x):
         raise NotImplementedError
@@ -87,4 +120,3 @@ def is_quantized(x) -> bool:
     from ..quantization import QuantizedTensor
 
     return isinstance(x, QuantizedTensor)
-

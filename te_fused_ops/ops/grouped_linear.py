@@ -10,6 +10,15 @@ from ..splits import bind_offsets, row_group_ids
 from .base import BasicOp, OpContext, is_quantized
 
 
+def gemm_weight(weight: torch.Tensor, recipe) -> torch.Tensor:
+    """The weight as the GEMM sees it: itself, or quantized with ``recipe`` and dequantized."""
+    if recipe is None:
+        return weight
+    from ..quantization import quantized_weight_values
+
+    return quantized_weight_values(weight, recipe)
+
+
 def columnwise_view(x) -> torch.Tensor:
     """(M, K) values of ``x`` for a weight-gradient GEMM, from its column-wise copy when it has one."""
     if is_quantized(x):
@@ -25,10 +34,11 @@ class GroupedLinear(BasicOp):
     Input x: (M, in_features), rows grouped by the side input ``split_sizes`` (G,) int tensor on
     x's device; rows past ``sum(split_sizes)`` give zero output and zero gradient.
     A quantized input (`te_fused_ops.quantization.QuantizedTensor`) computes in its format: the
-    weight is quantized with the same recipe (cached per weight version).
+    weight is quantized with the same recipe on every call (see `reuse_quantized_weights`).
     """
 
     side_inputs = ("split_sizes",)
+    param_names = ("weight", "bias")
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = False, dtype=None, device=None):
         super().__init__()
@@ -39,7 +49,6 @@ class GroupedLinear(BasicOp):
         factory = {"dtype": dtype, "device": device}
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(num_groups, out_features, **factory)) if bias else None
-        self._param_cache: dict = {}
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -63,17 +72,7 @@ class GroupedLinear(BasicOp):
     def bind_side_inputs(self, side: dict, x: torch.Tensor, memo: dict) -> dict:
         return {"offsets": bind_offsets("GroupedLinear", side, x, memo, self.num_groups)}
 
-    def cached_param(self, kind, make, name: str = "weight"):
-        """``make(param)`` computed once per version of parameter ``name`` (repacks, quantized copies)."""
-        param = getattr(self, name)
-        key = (param.data_ptr(), param._version, param.dtype, param.device)
-        hit = self._param_cache.get(kind)
-        if hit is None or hit[0] != key:
-            with torch.no_grad():
-                hit = self._param_cache[kind] = (key, make(param.detach()))
-        return hit[1]
-
-    def check_input(self, x) -> None:
+    def check_input(self, x, weight: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"GroupedLinear: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 2 or x.shape[1] != self.in_features:
@@ -81,33 +80,37 @@ class GroupedLinear(BasicOp):
                 f"GroupedLinear: argument 'x' must have shape (tokens, {self.in_features}) (in_features), "
                 f"got {tuple(x.shape)}"
             )
-        if x.dtype != self.weight.dtype:
-            raise TypeError(f"GroupedLinear: argument 'x' has dtype {x.dtype} but the weight has {self.weight.dtype}")
+        if x.dtype != weight.dtype:
+            raise TypeError(f"GroupedLinear: argument 'x' has dtype {x.dtype} but the weight has {weight.dtype}")
 
-    def compute_weight(self, recipe=None) -> torch.Tensor:
-        """The weight as the GEMM sees it: quantized with ``recipe`` and dequantized (cached), if given."""
-        if recipe is None:
-            return self.weight
-        from ..quantization import quantize_weight
-
-        return self.cached_param(("dequantized", recipe), lambda w: quantize_weight(w, recipe).dequantize())
-
-    def add_bias(self, y: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """y (M, N) += bias of each row's group; padding rows stay zero."""
-        if self.bias is None:
+    @staticmethod
+    def add_bias(y: torch.Tensor, bias, offsets: torch.Tensor) -> torch.Tensor:
+        """y (M, N) += bias (G, N) of each row's group; padding rows stay zero. bias None: y."""
+        if bias is None:
             return y
-        bias_rows = torch.cat([self.bias, self.bias.new_zeros(1, self.out_features)])
+        bias_rows = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
         return y + bias_rows[row_group_ids(offsets, y.shape[0])]
 
+    @staticmethod
+    def keep_for_backward(ctx: OpContext, x, recipe) -> None:
+        """Save what op_backward needs: the input for the weight gradient, the weight (as this
+        call read it) for the data gradient, the recipe. Every fused forward of a GroupedLinear
+        calls this so the backward can be planned independently."""
+        if ctx.needs_grad("weight"):
+            ctx.save_input(x)
+        if ctx.input_requires_grad:
+            ctx.saved["weight"] = ctx.params["weight"]
+        ctx.saved["recipe"] = recipe
+
     def op_forward(self, ctx: OpContext, x) -> torch.Tensor:
-        self.check_input(x)
+        weight = ctx.params["weight"]
+        self.check_input(x, weight)
         offsets = ctx.side["offsets"]
         x_values = x.dequantize() if is_quantized(x) else x
         recipe = x.recipe if is_quantized(x) else None
-        y = self.add_bias(grouped_mm_nt(x_values, self.compute_weight(recipe), offsets), offsets)
-        if self.weight.requires_grad:
-            ctx.save_input(x)
-        ctx.saved["recipe"] = recipe
+        y = grouped_mm_nt(x_values, gemm_weight(weight, recipe), offsets)
+        y = self.add_bias(y, ctx.params.get("bias"), offsets)
+        self.keep_for_backward(ctx, x, recipe)
         return y
 
     def grad_operands(self, ctx: OpContext, dy):
@@ -122,7 +125,9 @@ class GroupedLinear(BasicOp):
             return dy, dy
         from ..quantization import quantize
 
-        dyq = quantize(dy, ctx.saved["recipe"], rowwise=True, columnwise=self.weight.requires_grad, offsets=ctx.side["offsets"])
+        dyq = quantize(
+            dy, ctx.saved["recipe"], rowwise=True, columnwise=ctx.needs_grad("weight"), offsets=ctx.side["offsets"]
+        )
         return dyq.dequantize(), columnwise_view(dyq)
 
     def op_backward(self, ctx: OpContext, dy):
@@ -131,11 +136,9 @@ class GroupedLinear(BasicOp):
         grads = {}
         dx = None
         if ctx.input_requires_grad:
-            dx = grouped_mm_nn(dy_data, self.compute_weight(ctx.saved["recipe"]).detach(), offsets)
-        if self.weight.requires_grad:
-            x = ctx.load_input()
-            grads["weight"] = grouped_wgrad(dy_wgrad, columnwise_view(x), offsets)
-        if self.bias is not None and self.bias.requires_grad:
+            dx = grouped_mm_nn(dy_data, gemm_weight(ctx.saved["weight"], ctx.saved["recipe"]).detach(), offsets)
+        if ctx.needs_grad("weight"):
+            grads["weight"] = grouped_wgrad(dy_wgrad, columnwise_view(ctx.load_input()), offsets)
+        if ctx.needs_grad("bias"):
             grads["bias"] = grouped_row_sum(dy_data, offsets)
         return dx, grads
-

@@ -2,6 +2,7 @@
 
 import torch
 
+from ..splits import bind_offsets
 from .base import BasicOp, OpContext
 
 
@@ -11,7 +12,13 @@ class Quantize(BasicOp):
     Output: a `QuantizedTensor` with row-wise data and scales (dequantize() gives the values).
     Backward: straight-through; with ``quantize_grad=True`` the gradient is quantized with the
     same recipe and dequantized (what an FP8 backward GEMM would see).
+    Optional side input ``split_sizes`` (G,): rows past their sum are padding and never affect
+    the scales (per-tensor amax over grouped rows only); given automatically inside a Sequential
+    whose GroupedLinear consumes it.
     """
+
+    side_inputs = ("split_sizes",)
+    optional_side_inputs = ("split_sizes",)
 
     def __init__(self, recipe, quantize_grad: bool = False):
         super().__init__()
@@ -29,6 +36,11 @@ class Quantize(BasicOp):
     def output_quantized(self, input_quantized: bool) -> bool:
         return True
 
+    def bind_side_inputs(self, side: dict, x: torch.Tensor, memo: dict) -> dict:
+        if side.get("split_sizes") is None:
+            return {"offsets": None}
+        return {"offsets": bind_offsets("Quantize", side, x, memo)}
+
     def op_forward(self, ctx: OpContext, x):
         from ..quantization import QuantizedTensor, quantize
 
@@ -36,15 +48,16 @@ class Quantize(BasicOp):
             x = x.dequantize()
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"Quantize: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
-        return quantize(x, self.recipe, rowwise=True)
+        return quantize(x, self.recipe, rowwise=True, offsets=ctx.side["offsets"])
 
-    def grad(self, dy):
-        """The straight-through gradient, quantized if ``quantize_grad``."""
+    def grad(self, dy, offsets=None):
+        """The straight-through gradient, quantized if ``quantize_grad`` (padding rows past
+        ``offsets[-1]`` excluded from the scales)."""
         from ..quantization import QuantizedTensor, fake_quantize
 
         if not self.quantize_grad or isinstance(dy, QuantizedTensor):
             return dy
-        return fake_quantize(dy, self.recipe)
+        return fake_quantize(dy, self.recipe, offsets=offsets)
 
     def op_backward(self, ctx: OpContext, dy):
-        return self.grad(dy), {}
+        return self.grad(dy, ctx.side["offsets"]), {}

@@ -1,0 +1,98 @@
+"""Values kept for the backward travel through autograd's saved tensors, never around them.
+
+`pack` turns what the ops left in their contexts (tensors, QuantizedTensors, tensors carrying a
+column-wise copy, `Recompute`s, dicts, lists, plain values) into a skeleton without tensors plus
+the list of tensors, which the Sequential's autograd.Function hands to ``save_for_backward``.
+So ``saved_tensors_hooks`` see every saved tensor, activation checkpointing can drop them,
+in-place changes after the forward raise torch's usual error, and a retained graph can run its
+backward again. `unpack` rebuilds the values from the skeleton and ``ctx.saved_tensors``.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from .ops.base import Recompute
+
+_QUANTIZED_FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv", "offsets")
+
+
+@dataclass(frozen=True)
+class _Slot:
+    index: int
+
+
+@dataclass(frozen=True)
+class _WithColumnwise:
+    """A plain tensor and its ``te_columnwise`` attribute (made by `Transpose`)."""
+
+    tensor: _Slot
+    columnwise: _Slot
+
+
+@dataclass(frozen=True)
+class _Quantized:
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    recipe: object
+    role: str
+    fields: tuple  # skeletons of _QUANTIZED_FIELDS, in order
+
+
+@dataclass(frozen=True)
+class _Recomputed:
+    fn: object
+    args: tuple
+
+
+def _slot(t: torch.Tensor, tensors: list, index: dict) -> _Slot:
+    if id(t) not in index:
+        index[id(t)] = len(tensors)
+        tensors.append(t)
+    return _Slot(index[id(t)])
+
+
+def pack(value, tensors: list, index: dict):
+    """Skeleton of ``value``; its tensors are appended to ``tensors`` once each (``index``: id -> slot)."""
+    from .quantization import QuantizedTensor
+
+    if isinstance(value, QuantizedTensor):
+        fields = tuple(pack(getattr(value, name), tensors, index) for name in _QUANTIZED_FIELDS)
+        return _Quantized(value.shape, value.dtype, value.device, value.recipe, value.role, fields)
+    if isinstance(value, torch.Tensor):
+        columnwise = getattr(value, "te_columnwise", None)
+        if columnwise is not None:
+            return _WithColumnwise(_slot(value, tensors, index), _slot(columnwise, tensors, index))
+        return _slot(value, tensors, index)
+    if isinstance(value, Recompute):
+        return _Recomputed(value.fn, pack(value.args, tensors, index))
+    if isinstance(value, dict):
+        return {key: pack(item, tensors, index) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(pack(item, tensors, index) for item in value)
+    return value
+
+
+def unpack(skeleton, tensors):
+    """The value `pack` took apart, rebuilt on ``tensors`` (``ctx.saved_tensors``)."""
+    from .quantization import QuantizedTensor
+
+    if isinstance(skeleton, _Slot):
+        return tensors[skeleton.index]
+    if isinstance(skeleton, _WithColumnwise):
+        value = tensors[skeleton.tensor.index].view_as(tensors[skeleton.tensor.index])
+        value.te_columnwise = tensors[skeleton.columnwise.index]
+        return value
+    if isinstance(skeleton, _Quantized):
+        fields = {name: unpack(field, tensors) for name, field in zip(_QUANTIZED_FIELDS, skeleton.fields)}
+        return QuantizedTensor(
+            skeleton.shape, skeleton.dtype, skeleton.device, recipe=skeleton.recipe, role=skeleton.role, **fields
+        )
+    if isinstance(skeleton, _Recomputed):
+        return Recompute(skeleton.fn, *unpack(skeleton.args, tensors))
+    if isinstance(skeleton, dict):
+        return {key: unpack(item, tensors) for key, item in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(unpack(item, tensors) for item in skeleton)
+    return skeleton

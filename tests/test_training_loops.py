@@ -1,0 +1,324 @@
+"""The library inside real training loops: weights as the forward saw them, autograd-saved tensors.
+
+Each test trains or evaluates the way user code does (fused AdamW, .data writes, parametrize,
+functional_call, activation checkpointing, saved-tensor hooks, retain_graph, gradcheck) and
+compares with a fresh model or a float64 reference. The FP8 recipes are used where a quantized
+weight copy is involved: that copy is what went stale.
+"""
+
+import copy
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+from torch.nn.utils import parametrize
+
+import reference as ref
+import te_fused_ops as tfo
+from te_fused_ops import GroupedLinear, Quantize, ScaledSwiGLU, Sequential, SwiGLU
+from te_fused_ops.sequential import saved_tensor_bytes
+from te_fused_ops.splits import split_offsets, validation_enabled
+
+G, H, I, ROWS = 4, 32, 16, 40
+SPLITS = torch.tensor([9, 0, 14, 11])  # 6 padding rows
+
+
+def mlp(recipe="fp8_blockwise", bias=False, seed=0):
+    torch.manual_seed(seed)
+    ops = [GroupedLinear(G, H, 2 * I, bias=bias), SwiGLU(), GroupedLinear(G, I, H)]
+    if recipe is not None:
+        ops.insert(0, Quantize(recipe))
+    return Sequential(*ops)
+
+
+def fresh_copy(seq):
+    """A new model of the same architecture loaded from ``seq``'s state_dict (no shared caches)."""
+    other = copy.deepcopy(seq)
+    other.load_state_dict({k: v.clone() for k, v in seq.state_dict().items()})
+    return other
+
+
+def batch(seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(ROWS, H, generator=gen)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_adamw_training_matches_a_fresh_model_every_step(fused):
+    seq = mlp()
+    opt = torch.optim.AdamW(seq.parameters(), lr=1e-2, fused=fused, foreach=None if fused else False)
+    for step in range(4):
+        x = batch(step)
+        y = seq(x, split_sizes=SPLITS)
+        assert torch.equal(y, fresh_copy(seq)(x, split_sizes=SPLITS)), f"stale weights at step {step}"
+        y.square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_data_writes_and_dtype_round_trips_are_seen():
+    seq = mlp()
+    x = batch(1)
+    first = seq(x, split_sizes=SPLITS)
+    seq[1].weight.data.mul_(0.5)  # no version bump
+    second = seq(x, split_sizes=SPLITS)
+    assert not torch.equal(first, second)
+    assert torch.equal(second, fresh_copy(seq)(x, split_sizes=SPLITS))
+    seq.half().float()  # fresh parameter tensors, possibly at reused addresses, version 0
+    with torch.no_grad():
+        seq[1].weight.add_(0.01)
+    assert torch.equal(seq(x, split_sizes=SPLITS), fresh_copy(seq)(x, split_sizes=SPLITS))
+
+
+class _Scale(torch.nn.Module):
+    def forward(self, w):
+        return w * 1.5
+
+
+def test_parametrize_training_gets_gradients_and_eval_follows_updates():
+    seq = mlp()
+    parametrize.register_parametrization(seq[1], "weight", _Scale())
+    original = seq[1].parametrizations.weight.original
+    x = batch(2).requires_grad_(True)
+    seq(x, split_sizes=SPLITS).sum().backward()
+    assert original.grad is not None and original.grad.abs().sum() > 0
+
+    plain = mlp()
+    with torch.no_grad():
+        plain[1].weight.copy_(original * 1.5)
+    x2 = x.detach().clone().requires_grad_(True)
+    plain(x2, split_sizes=SPLITS).sum().backward()
+    assert ref.rel_err(original.grad, plain[1].weight.grad * 1.5) <= 1e-6
+    assert ref.rel_err(x.grad, x2.grad) <= 1e-6
+
+    seq.eval()
+    with torch.no_grad():
+        for step in range(10):
+            original.add_(torch.randn_like(original) * 0.01)
+            plain[1].weight.copy_(original * 1.5)
+            xs = batch(10 + step)
+            assert torch.equal(seq(xs, split_sizes=SPLITS), plain(xs, split_sizes=SPLITS)), f"eval call {step}"
+
+
+def test_functional_call_routes_gradients_to_the_given_weight():
+    seq = mlp(recipe=None)
+    w = (torch.randn_like(seq[0].weight) * 0.1).requires_grad_(True)
+    x = batch(3).requires_grad_(True)
+    y = torch.func.functional_call(seq, {"0.weight": w}, (x,), {"split_sizes": SPLITS})
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert seq[0].weight.grad is None
+    assert w.grad is not None
+
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = w.detach().double().requires_grad_(True)
+    w2 = seq[2].weight.detach().double()
+    splits = SPLITS.tolist()
+    y64 = ref.grouped_linear(ref.swiglu(ref.grouped_linear(x64, w64, None, splits)), w2, None, splits)
+    y64.backward(dy.double())
+    assert ref.rel_err(y, y64) <= 1e-5
+    assert ref.rel_err(w.grad, w64.grad) <= 1e-5
+    assert ref.rel_err(x.grad, x64.grad) <= 1e-5
+
+
+def test_in_place_change_after_forward_raises():
+    seq = mlp(recipe=None)
+    x = batch(4).requires_grad_(True)
+    y = seq(x, split_sizes=SPLITS)
+    with torch.no_grad():
+        seq[2].weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    y = seq(x, split_sizes=SPLITS)
+    with torch.no_grad():
+        x.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def _packed_bytes(fn):
+    """(result, bytes of distinct storages packed by autograd while fn() runs)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(storages.values())
+
+
+@pytest.mark.parametrize("recipe", [None, "fp8_blockwise"])
+def test_saved_tensor_hooks_see_every_saved_tensor(recipe):
+    seq = mlp(recipe)
+    x = batch(5).requires_grad_(True)
+    params = sum(p.untyped_storage().nbytes() for p in seq.parameters())
+    y, packed = _packed_bytes(lambda: seq(x, split_sizes=SPLITS))
+    # what the hooks see = activations (saved_tensor_bytes) + the weights saved for data gradients
+    assert packed == saved_tensor_bytes(y) + params
+    if recipe is None:
+        assert saved_tensor_bytes(y) >= ROWS * (H + 2 * I) * 4  # x and the pre-activation at least
+
+    offloaded = []
+
+    def pack(t):  # activation offloading: keep a copy, hand back the copy
+        offloaded.append(t.detach().clone())
+        return len(offloaded) - 1
+
+    x2 = x.detach().clone().requires_grad_(True)
+    seq2 = fresh_copy(seq)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda i: offloaded[i]):
+        y2 = seq2(x2, split_sizes=SPLITS)
+    y.sum().backward()
+    y2.sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+    for p, p2 in zip(seq.parameters(), seq2.parameters()):
+        assert torch.equal(p.grad, p2.grad)
+
+
+def test_activation_checkpointing_drops_saved_tensors():
+    seq = mlp(recipe=None, bias=True)
+    x = batch(6).requires_grad_(True)
+    y, plain = _packed_bytes(lambda: seq(x, split_sizes=SPLITS))
+    x2 = x.detach().clone().requires_grad_(True)
+    seq2 = fresh_copy(seq)
+    y2, checkpointed = _packed_bytes(
+        lambda: torch.utils.checkpoint.checkpoint(seq2, x2, split_sizes=SPLITS, use_reentrant=False)
+    )
+    assert plain >= ROWS * (H + 2 * I) * 4
+    assert checkpointed == x2.untyped_storage().nbytes()  # only the checkpoint's input is kept
+    y.sum().backward()
+    y2.sum().backward()
+    assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
+    for p, p2 in zip(seq.parameters(), seq2.parameters()):
+        assert torch.equal(p.grad, p2.grad)
+
+
+def test_retain_graph_twice_gives_twice_the_gradient():
+    seq = mlp()
+    x = batch(7).requires_grad_(True)
+    y = seq(x, split_sizes=SPLITS)
+    y.sum().backward(retain_graph=True)
+    once = [x.grad.clone()] + [p.grad.clone() for p in seq.parameters()]
+    y.sum().backward()
+    twice = [x.grad] + [p.grad for p in seq.parameters()]
+    for a, b in zip(once, twice):
+        assert torch.allclose(b, 2 * a, rtol=1e-6, atol=0)
+
+
+def test_gradcheck_float64():
+    torch.manual_seed(0)
+    seq = Sequential(
+        GroupedLinear(3, 6, 8, bias=True, dtype=torch.float64), ScaledSwiGLU(), GroupedLinear(3, 4, 5, dtype=torch.float64)
+    )
+    splits = torch.tensor([2, 0, 3])
+    x = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)
+    probs = torch.rand(7, dtype=torch.float64, requires_grad=True)
+    w1, b1, w2 = (p for p in seq.parameters())
+
+    def fn(x, probs, w1, b1, w2):
+        params = {"0.weight": w1, "0.bias": b1, "2.weight": w2}
+        return torch.func.functional_call(seq, params, (x,), {"split_sizes": splits, "probs": probs})
+
+    assert torch.autograd.gradcheck(fn, (x, probs, w1, b1, w2))
+
+
+def test_forward_only_call_frees_saved_tensors_without_gc():
+    seq = mlp(recipe=None)
+    x = batch(8).requires_grad_(True)
+    gc.disable()
+    try:
+        y = seq(x, split_sizes=SPLITS)
+        saved = [weakref.ref(t) for t in y.grad_fn.saved_tensors if t is not x and t.shape == (ROWS, 2 * I)]
+        assert saved
+        del y
+        assert all(r() is None for r in saved), "a reference cycle keeps the pre-activation alive"
+    finally:
+        gc.enable()
+
+
+def test_contexts_keep_no_tensors_and_backward_frees_them():
+    seq = mlp()
+    y = seq(batch(9).requires_grad_(True), split_sizes=SPLITS)
+    run = y.grad_fn.run
+
+    def tensors_in(value):
+        if isinstance(value, torch.Tensor):
+            return 1
+        if isinstance(value, dict):
+            return sum(tensors_in(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return sum(tensors_in(v) for v in value)
+        return sum(tensors_in(v) for v in getattr(value, "__dict__", {}).values())
+
+    assert tensors_in([{k: v for k, v in ctx.__dict__.items() if k != "op"} for ctx in run.ctxs]) == 0
+    y.sum().backward()
+    with pytest.raises(RuntimeError):
+        y.grad_fn.saved_tensors
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_overflowing_split_sizes_are_clamped(dtype):
+    big = 2**62 if dtype == torch.int64 else 2**30
+    sizes = torch.tensor([big, big, big, 3], dtype=dtype)
+    offsets = split_offsets(sizes, ROWS)
+    assert offsets.tolist() == [0, ROWS, ROWS, ROWS, ROWS]
+    offsets = split_offsets(torch.tensor([-(2**63), 5, 2**63 - 1, 2**63 - 1]), ROWS)
+    assert offsets.tolist() == [0, 0, 5, ROWS, ROWS]
+
+    seq = mlp(recipe=None)
+    x = batch(10).requires_grad_(True)
+    y = seq(x, split_sizes=sizes)
+    y.sum().backward()
+    want = seq(x.detach(), split_sizes=torch.tensor([ROWS, 0, 0, 0]))  # group 0 owns every row
+    assert torch.equal(y, want)
+    with tfo.validation(), pytest.raises(ValueError, match=r"GroupedLinear: argument 'split_sizes' sums to"):
+        seq(x, split_sizes=sizes)
+
+
+@pytest.mark.parametrize("recipe", [None, "fp8_blockwise", "fp8_current", "mxfp8"])
+@pytest.mark.parametrize("quantize_grad", [False, True])
+def test_padding_rows_never_change_grouped_rows(recipe, quantize_grad):
+    valid = int(SPLITS.sum())
+    seq = mlp(recipe=None)
+    if recipe is not None:
+        seq = Sequential(Quantize(recipe, quantize_grad=quantize_grad), *seq)
+    results = []
+    for garbage in (0.0, 1e4):
+        x = batch(11).clone()
+        x[valid:] = garbage
+        x.requires_grad_(True)
+        y = seq(x, split_sizes=SPLITS)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5))
+        dy[valid:] = garbage
+        y.backward(dy)
+        results.append([y[:valid], x.grad[:valid], *[p.grad for p in seq.parameters()]])
+        assert torch.all(y[valid:] == 0) and torch.all(x.grad[valid:] == 0)
+        seq.zero_grad(set_to_none=True)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_validation_is_thread_local():
+    seen = []
+    with tfo.validation():
+        thread = threading.Thread(target=lambda: seen.append(validation_enabled()))
+        thread.start()
+        thread.join()
+        assert validation_enabled()
+    assert seen == [False]
+
+
+def test_reuse_quantized_weights_is_an_explicit_scope():
+    seq = mlp()
+    x = batch(12)
+    with tfo.reuse_quantized_weights():
+        first = seq(x, split_sizes=SPLITS)
+        seq[1].weight.data.mul_(0.5)
+        assert torch.equal(seq(x, split_sizes=SPLITS), first)  # reused, as promised by the scope
+    after = seq(x, split_sizes=SPLITS)
+    assert not torch.equal(after, first)
+    assert torch.equal(after, fresh_copy(seq)(x, split_sizes=SPLITS))
