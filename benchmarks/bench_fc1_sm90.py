@@ -5,9 +5,12 @@ Variants per shape (rows M, hidden H = K, expert width I, local experts E = G; N
   unfused    torch._grouped_mm + torch.compile'd SwiGLU
   gmm        torch._grouped_mm alone (pre only)
   plain      grouped_gemm_sm90(activation=None) (the lone GroupedLinear backend)
+  old        with --compare-module PATH: that module's grouped_gemm_sm90(activation="swiglu") on
+             its glu_interleave'd weight (an earlier kernel taking interleaved GLU weights)
 Median of do_bench (L2 flushed before every run), uneven routing (seeded), bf16.
 
     python benchmarks/bench_fc1_sm90.py [--out benchmarks/results] [--shapes dsv3-ep8,...]
+    python benchmarks/bench_fc1_sm90.py --compare-module old_pkg/grouped_gemm.py
     python benchmarks/bench_fc1_sm90.py --sweep                  # kernel options, same run
     ncu --profile-from-start off python benchmarks/bench_fc1_sm90.py --shapes dsv3-ep8 \
         --profile 256x2,swiglu:256x2                              # one launch per variant
@@ -15,20 +18,17 @@ Median of do_bench (L2 flushed before every run), uneven routing (seeded), bf16.
 
 import argparse
 import functools
+import importlib
 import json
 import math
 import os
+import sys
 import time
 
 import torch
 import triton.testing
 
-from te_fused_ops.kernels.grouped_gemm import (
-    _num_sms,
-    compile_grouped_gemm,
-    glu_interleave,
-    grouped_gemm_sm90,
-)
+from te_fused_ops.kernels.grouped_gemm import _num_sms, compile_grouped_gemm, grouped_gemm_sm90
 
 SHAPES = {  # name: (M, H, I, E)
     "qwen3-30b-a3b": (65536, 2048, 768, 128),
@@ -161,6 +161,18 @@ def profile(name, variants):
     torch.cuda.profiler.stop()
 
 
+def import_from_path(path):
+    """Import a module from a file; a file in a package (folder with __init__.py) is imported as
+    package.module, so that its relative imports work."""
+    folder, file = os.path.split(os.path.abspath(path))
+    name = os.path.splitext(file)[0]
+    if os.path.exists(os.path.join(folder, "__init__.py")):
+        folder, pkg = os.path.split(folder)
+        name = f"{pkg}.{name}"
+    sys.path.insert(0, folder)
+    return importlib.import_module(name)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -170,7 +182,11 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time kernel options instead")
     ap.add_argument("--profile", default=None,
                     help="[activation:]variant list: one launch each on the first shape, for ncu")
+    ap.add_argument("--compare-module", default=None,
+                    help="file of a wrapper module with grouped_gemm_sm90 and glu_interleave (an "
+                    "interleaved-weight kernel): adds its fused time as column 'old'")
     args = ap.parse_args()
+    old = import_from_path(args.compare_module) if args.compare_module else None
     if args.profile:
         return profile(args.shapes.split(",")[0], args.profile.split(","))
     if args.sweep:
@@ -180,14 +196,13 @@ def main():
     variants = [v for v in args.variants.split(",") if v]
     for name in args.shapes.split(","):
         m, n, k, e, offsets, x, w = problem(name)
-        w_int = glu_interleave(w)
         w_t = w.transpose(-2, -1)
         offs = offsets[1:]
         flops = 2.0 * m * n * k
         r = {"shape": name, "M": m, "K": k, "N": n, "G": e, "max_split": int((offsets[1:] - offsets[:-1]).max())}
         # correctness spot check against _grouped_mm (same bf16 inputs)
         ref = torch._grouped_mm(x, w_t, offs=offs)
-        pre, act = grouped_gemm_sm90(x, w_int, offsets, activation="swiglu")
+        pre, act = grouped_gemm_sm90(x, w, offsets, activation="swiglu")
         err_pre = ((pre.float() - ref.float()).norm() / ref.float().norm()).item()
         err_act = ((act.float() - swiglu(ref).float()).norm() / swiglu(ref).float().norm()).item()
         r["err_pre"], r["err_act"] = err_pre, err_act
@@ -195,13 +210,17 @@ def main():
         fns = {
             "gmm_us": lambda: torch._grouped_mm(x, w_t, offs=offs),
             "unfused_us": lambda: swiglu(torch._grouped_mm(x, w_t, offs=offs)),
-            "fused_us": lambda: grouped_gemm_sm90(x, w_int, offsets, activation="swiglu"),
+            "fused_us": lambda: grouped_gemm_sm90(x, w, offsets, activation="swiglu"),
             "plain_us": lambda: grouped_gemm_sm90(x, w, offsets),
         }
+        if old is not None:
+            fns["old_us"] = functools.partial(
+                old.grouped_gemm_sm90, x, old.glu_interleave(w), offsets, activation="swiglu"
+            )
         for v in variants:
             tn, cl = map(int, v.split("x"))
             fns[f"fused_{v}_us"] = functools.partial(
-                grouped_gemm_sm90, x, w_int, offsets, activation="swiglu", tile_n=tn, cluster_m=cl
+                grouped_gemm_sm90, x, w, offsets, activation="swiglu", tile_n=tn, cluster_m=cl
             )
             fns[f"plain_{v}_us"] = functools.partial(
                 grouped_gemm_sm90, x, w, offsets, tile_n=tn, cluster_m=cl
@@ -221,7 +240,7 @@ def main():
         r["speedup_vs_gmm"] = r["gmm_us"] / r["fused_us"]
         rows.append(r)
         print(json.dumps(r), flush=True)
-        del x, w, w_int, w_t
+        del x, w, w_t, fns
         torch.cuda.empty_cache()
 
     geo = math.exp(sum(math.log(r["speedup_vs_unfused"]) for r in rows) / len(rows))
@@ -232,8 +251,10 @@ def main():
         "",
         "| shape | M,K,N,G | gmm | unfused | "
         + " | ".join(f"fused {c}" for c in tn_cols)
-        + " | fused (auto) | plain (auto) | fused TFLOPS | vs unfused | vs gmm | plain vs gmm |",
-        "|---|---|---|---|" + "---|" * len(tn_cols) + "---|---|---|---|---|---|",
+        + " | fused (auto) | plain (auto) | fused TFLOPS | vs unfused | vs gmm | plain vs gmm |"
+        + (" old (auto) | old / fused |" if old else ""),
+        "|---|---|---|---|" + "---|" * len(tn_cols) + "---|---|---|---|---|---|"
+        + ("---|---|" if old else ""),
     ]
     for r in rows:
         lines.append(
@@ -243,6 +264,7 @@ def main():
             + f" | {r['fused_us']:.0f} | {r['plain_us']:.0f} ({r['plain_tflops']:.0f}) | {r['fused_tflops']:.0f} | "
             f"{r['speedup_vs_unfused']:.2f}x | {r['speedup_vs_gmm']:.2f}x | "
             f"{r['gmm_us'] / r['plain_us']:.2f}x |"
+            + (f" {r['old_us']:.0f} | {r['old_us'] / r['fused_us']:.2f}x |" if old else "")
         )
     lines += ["", f"geomean fused vs unfused: {geo:.2f}x; host time per call: {host:.1f} us "
               f"(compiled launcher alone {raw:.1f} us)",

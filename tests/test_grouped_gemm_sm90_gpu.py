@@ -6,13 +6,7 @@ import pytest
 import torch
 
 from te_fused_ops.kernels import sm90_unavailable_reason
-from te_fused_ops.kernels.grouped_gemm import (
-    ACTIVATIONS,
-    GLU_ACTIVATIONS,
-    glu_deinterleave,
-    glu_interleave,
-    grouped_gemm_sm90,
-)
+from te_fused_ops.kernels.grouped_gemm import ACTIVATIONS, GLU_ACTIVATIONS, grouped_gemm_sm90
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,17 +26,17 @@ def offsets_from_splits(splits, device="cuda"):
     return torch.tensor(off, dtype=torch.int32, device=device)
 
 
-def reference(x, w_nat, offsets, bias_nat, activation, probs):
-    """float64 (pre, act) with natural-layout weight/bias; rows past offsets[-1] are zero."""
+def reference(x, w, offsets, bias, activation, probs):
+    """float64 (pre, act) from the natural [gate; up] weight/bias; rows past offsets[-1] are 0."""
     off = offsets.tolist()
-    m, n = x.shape[0], w_nat.shape[1]
+    m, n = x.shape[0], w.shape[1]
     pre = torch.zeros(m, n, dtype=torch.float64, device=x.device)
-    for g in range(w_nat.shape[0]):
+    for g in range(w.shape[0]):
         s, e = off[g], off[g + 1]
         if e > s:
-            pre[s:e] = x[s:e].double() @ w_nat[g].double().T
-            if bias_nat is not None:
-                pre[s:e] += bias_nat[g].double()
+            pre[s:e] = x[s:e].double() @ w[g].double().T
+            if bias is not None:
+                pre[s:e] += bias[g].double()
     if activation is None:
         return pre, None
     if activation == "srelu":
@@ -83,13 +77,11 @@ def run_case(splits, m, k, n, activation, dtype, has_bias, tile_n=None, seed=0, 
     probs = torch.rand(m, device="cuda") if activation == "scaled_swiglu" else None
     offsets = offsets_from_splits(splits)
     glu = activation in GLU_ACTIVATIONS
-    w_k = glu_interleave(w) if glu else w
-    b_k = glu_interleave(b) if glu and b is not None else b
     out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
     if activation is not None:
         poisoned_empty((m, n // 2 if glu else n), dtype)
     pre, act = grouped_gemm_sm90(
-        x, w_k, offsets, bias=b_k, activation=activation, probs=probs, limit=LIMIT, alpha=ALPHA,
+        x, w, offsets, bias=b, activation=activation, probs=probs, limit=LIMIT, alpha=ALPHA,
         out=out, tile_n=tile_n, cluster_m=cluster_m,
     )
     assert pre.data_ptr() == out.data_ptr()
@@ -158,13 +150,12 @@ def test_no_host_sync_and_cuda_graph():
     g, m, k, n = 8, 2048, 256, 512
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     w = (torch.randn(g, n, k, device="cuda") / 16).to(torch.bfloat16)
-    w_k = glu_interleave(w)
     offsets = offsets_from_splits([256] * 8)
-    grouped_gemm_sm90(x, w_k, offsets, activation="swiglu")  # compile outside the checks
+    grouped_gemm_sm90(x, w, offsets, activation="swiglu")  # compile outside the checks
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        grouped_gemm_sm90(x, w_k, offsets, activation="swiglu")
+        grouped_gemm_sm90(x, w, offsets, activation="swiglu")
     finally:
         torch.cuda.set_sync_debug_mode(0)
 
@@ -172,16 +163,16 @@ def test_no_host_sync_and_cuda_graph():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        grouped_gemm_sm90(x, w_k, offsets, activation="swiglu", out=pre_buf)
+        grouped_gemm_sm90(x, w, offsets, activation="swiglu", out=pre_buf)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _, act_buf = grouped_gemm_sm90(x, w_k, offsets, activation="swiglu", out=pre_buf)
+        _, act_buf = grouped_gemm_sm90(x, w, offsets, activation="swiglu", out=pre_buf)
     routings = [[0] * 7 + [2048], [300, 0, 17, 900, 0, 1, 500, 30], [100, 0, 0, 0, 0, 0, 0, 1]]
     for splits in routings:
         offsets.copy_(offsets_from_splits(splits))
         graph.replay()
-        pre_e, act_e = grouped_gemm_sm90(x, w_k, offsets, activation="swiglu")
+        pre_e, act_e = grouped_gemm_sm90(x, w, offsets, activation="swiglu")
         torch.cuda.synchronize()
         assert torch.equal(pre_buf, pre_e) and torch.equal(act_buf, act_e)
         ref_pre, ref_act = reference(x, w, offsets, None, "swiglu", None)
@@ -207,13 +198,14 @@ def test_guard_after_output_and_bad_offsets():
     assert rel_err(pre, ref_pre) <= 1e-2
 
 
-def test_glu_interleave_roundtrip():
-    w = torch.randn(3, 128, 16)
-    b = torch.randn(3, 128)
-    assert torch.equal(glu_deinterleave(glu_interleave(w)), w)
-    assert torch.equal(glu_deinterleave(glu_interleave(b)), b)
-    wi = glu_interleave(w)
-    assert torch.equal(wi[:, 32:64], w[:, 64:96])  # up block 0 follows gate block 0
+@pytest.mark.parametrize("cluster_m", [1, 2])
+@pytest.mark.parametrize("tile_n", [128, 256])
+@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
+def test_glu_half_ends_inside_n_tile(activation, tile_n, cluster_m):
+    # N=192: I=96 is not a multiple of tile_n/2, so the last n-tile of each half is partial (the
+    # only one for tile_n=256): gate rows past I are clipped (zeros), not up rows, and the gate/up
+    # pairing, bias columns and stores of that tile must still match the natural-layout reference
+    run_case(UNEVEN, 1000, 128, 192, activation, torch.bfloat16, True, tile_n, 8, cluster_m)
 
 
 def test_argument_errors():

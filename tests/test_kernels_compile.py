@@ -47,6 +47,13 @@ def test_grouped_gemm_compiles_without_cluster(activation, tile_n):
     assert fn is not None
 
 
+def test_one_activation_list():
+    from te_fused_ops.kernels import grouped_gemm, grouped_gemm_sm90
+
+    assert grouped_gemm_sm90.ACTIVATIONS is grouped_gemm.ACTIVATIONS
+    assert grouped_gemm_sm90.GLU_ACTIVATIONS is grouped_gemm.GLU_ACTIVATIONS
+
+
 def test_unsupported_reasons():
     from te_fused_ops.kernels.grouped_gemm import sm90_grouped_gemm_unsupported_reason as why
 

@@ -3,7 +3,8 @@
 Tensors cross into the kernel through TVM-FFI (``apache-tvm-ffi``) when it is installed, which keeps
 the per-call host overhead to a few microseconds; without it the classic CuTe DSL call path is used.
 Kernels are compiled once per (dtype, tile_n, activation, bias, SM count, TVM-FFI, cluster_m), with
-M, N, K and G symbolic, and kept in-process.
+M, N, K and G symbolic, and kept in-process. GLU weights (G, N, K) and biases (G, N) are read in
+their natural [gate; up] layout (gate = rows [0, N/2)); nothing is repacked.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import torch
 
 from . import sm90_unavailable_reason
 
+# also the kernel's epilogue list (grouped_gemm_sm90 imports them from here)
 ACTIVATIONS = (None, "swiglu", "geglu", "srelu", "clamped_swiglu", "scaled_swiglu")
 GLU_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu", "scaled_swiglu")
-GLU_BLOCK = 32  # gate/up interleave granularity (rows of W); equals grouped_gemm_sm90.GLU_BLOCK
+GLU_N_MULTIPLE = 64  # GLU: N/2 must be whole 32-column store chunks
 _DTYPES = (torch.bfloat16, torch.float16)
 _NAME = "grouped_gemm_sm90"
 
@@ -34,38 +36,9 @@ def sm90_grouped_gemm_unsupported_reason(dtype, n, k, activation, has_bias) -> s
         return f"sm90 backend: K={k} not a multiple of 8"
     if n % 8 != 0:
         return f"sm90 backend: N={n} not a multiple of 8"
-    if activation in GLU_ACTIVATIONS and n % (2 * GLU_BLOCK) != 0:
-        return f"sm90 backend: N={n} not a multiple of {2 * GLU_BLOCK} for a GLU activation"
+    if activation in GLU_ACTIVATIONS and n % GLU_N_MULTIPLE != 0:
+        return f"sm90 backend: N={n} not a multiple of {GLU_N_MULTIPLE} for a GLU activation"
     return None
-
-
-def glu_interleave(weight_or_bias: torch.Tensor) -> torch.Tensor:
-    """Natural [gate; up] along dim -2 of a weight (G, 2I, K) or dim -1 of a bias (G, 2I) ->
-    blocks of GLU_BLOCK interleaved as [gate_0, up_0, gate_1, up_1, ...] (what the kernel reads)."""
-    t = weight_or_bias
-    weight = t.dim() == 3
-    two_i = t.shape[-2] if weight else t.shape[-1]
-    if two_i % (2 * GLU_BLOCK) != 0:
-        raise ValueError(f"glu_interleave: size {two_i} is not a multiple of {2 * GLU_BLOCK}")
-    nb = two_i // (2 * GLU_BLOCK)
-    if weight:
-        g, _, k = t.shape
-        return t.reshape(g, 2, nb, GLU_BLOCK, k).transpose(1, 2).reshape(g, two_i, k).contiguous()
-    lead = t.shape[:-1]
-    return t.reshape(*lead, 2, nb, GLU_BLOCK).transpose(-3, -2).reshape(*lead, two_i).contiguous()
-
-
-def glu_deinterleave(weight_or_bias: torch.Tensor) -> torch.Tensor:
-    """Inverse of glu_interleave."""
-    t = weight_or_bias
-    weight = t.dim() == 3
-    two_i = t.shape[-2] if weight else t.shape[-1]
-    nb = two_i // (2 * GLU_BLOCK)
-    if weight:
-        g, _, k = t.shape
-        return t.reshape(g, nb, 2, GLU_BLOCK, k).transpose(1, 2).reshape(g, two_i, k).contiguous()
-    lead = t.shape[:-1]
-    return t.reshape(*lead, nb, 2, GLU_BLOCK).transpose(-3, -2).reshape(*lead, two_i).contiguous()
 
 
 @functools.cache
@@ -109,7 +82,7 @@ def compile_grouped_gemm(
     dt = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
     glu = activation in GLU_ACTIVATIONS
     m, g, g1 = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    k, n = cute.sym_int(divisibility=8), cute.sym_int(divisibility=8 if not glu else 64)
+    k, n = cute.sym_int(divisibility=8), cute.sym_int(divisibility=GLU_N_MULTIPLE if glu else 8)
     n_act = cute.sym_int(divisibility=8)
 
     def fake(dtype_, shape, align=16):
@@ -156,9 +129,10 @@ def grouped_gemm_sm90(
 ):
     """pre = x_g @ W[g].T (+ b[g]) per row group, act = activation(pre); see the module docstring.
 
-    x (M, K) bf16/fp16; weight (G, N, K) (GLU: interleaved by glu_interleave); offsets (G+1,)
-    int32 cumulative row starts on x's device; bias (G, N) or None; probs (M,) float32 for
-    scaled_swiglu. Returns (pre (M, N) natural layout, act (M, N/2) GLU / (M, N) srelu / None).
+    x (M, K) bf16/fp16; weight (G, N, K) (GLU: natural [gate; up], gate = rows [0, N/2));
+    offsets (G+1,) int32 cumulative row starts on x's device; bias (G, N) or None (GLU: [gate; up]);
+    probs (M,) float32 for scaled_swiglu.
+    Returns (pre (M, N) = [gate, up] for GLU, act (M, N/2) GLU / (M, N) srelu / None).
     Rows >= offsets[G] are zero. No host sync; the launch depends on shapes only.
     tile_n (128 or 256) and cluster_m (1: no W multicast, 2) override the heuristic.
     """
@@ -185,9 +159,9 @@ def grouped_gemm_sm90(
     glu = activation in GLU_ACTIVATIONS
     if k % 8:
         raise ValueError(f"{_NAME}: K={k} (x.shape[1]) must be a multiple of 8")
-    if n % (2 * GLU_BLOCK if glu else 8):
+    if n % (GLU_N_MULTIPLE if glu else 8):
         raise ValueError(
-            f"{_NAME}: N={n} (weight.shape[1]) must be a multiple of {2 * GLU_BLOCK if glu else 8}"
+            f"{_NAME}: N={n} (weight.shape[1]) must be a multiple of {GLU_N_MULTIPLE if glu else 8}"
             + (f" for activation {activation!r}" if glu else "")
         )
     if bias is not None:

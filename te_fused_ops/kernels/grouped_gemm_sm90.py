@@ -1,10 +1,11 @@
 """Hopper (sm_90a) sync-free grouped GEMM with activation epilogues, in CuTe DSL.
 
     pre[r, :] = x[r, :] @ W[g].T (+ b[g])      for offsets[g] <= r < offsets[g+1]
-    act       = activation(pre)                 (GLU: act(gate) * up, gate/up interleaved in W)
+    act       = activation(pre)                 (GLU: act(pre[:, :N/2]) * pre[:, N/2:])
     pre, act  = 0                               for offsets[G] <= r < M
 
-x (M, K) K-major, W (G, N, K) K-major, pre (M, N), act (M, N/2) for GLU or (M, N) for srelu.
+x (M, K) K-major, W (G, N, K) K-major, bias (G, N), pre (M, N), act (M, N/2) for GLU or (M, N)
+for srelu. GLU weights and biases are natural: gate = rows [0, N/2) of W[g], up = rows [N/2, N).
 Persistent, warp-specialized: warpgroup 0 is the TMA producer (one warp issues the loads),
 warpgroups 1-2 run WGMMA on a 128 x tile_n tile (64 rows each) and the epilogue
 (registers -> smem -> TMA store). Tiles come from ``group_tile_scheduler`` (device prefix sums
@@ -18,9 +19,11 @@ Triton's ragged TMA descriptors) with two extra modes whose strides wrap around 
 address space, so a tile of group g sees a tensor whose row extent ends exactly at the group's
 last row and the TMA unit clips the rest.
 
-GLU weights are interleaved in blocks of ``GLU_BLOCK`` rows ([gate_0, up_0, gate_1, up_1, ...]);
-the epilogue pairs accumulator column block 2p (gate) with 2p+1 (up) and writes ``pre`` back in
-the natural [gate; up] column order.
+For GLU, n-tile nt covers gate rows [nt * tile_n/2, (nt+1) * tile_n/2) and the same up rows: each
+B stage is filled by two TMA boxes of tile_n/2 rows (gate, then up) from a view of W with a separate
+gate/up mode, (N/2, K, 2, G), so each half is clipped at its own end. Accumulator columns
+[0, tile_n/2) are gate and [tile_n/2, tile_n) up; epilogue step s pairs 32-column sub-tile s with
+s + tile_n/64 and writes gate and up back to their halves of ``pre``.
 """
 
 import cutlass
@@ -34,10 +37,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from .group_tile_scheduler import locate_tile, segment_rows
-
-GLU_BLOCK = 32
-GLU_KINDS = ("swiglu", "geglu", "clamped_swiglu", "scaled_swiglu")
-EPILOGUES = (None, "swiglu", "geglu", "srelu", "clamped_swiglu", "scaled_swiglu")
+from .grouped_gemm import ACTIVATIONS, GLU_ACTIVATIONS
 
 _BIG = 2**30
 _HUGE = 2**31 - 1
@@ -90,7 +90,7 @@ class GroupedGemmSm90:
     """Grouped GEMM + optional bias / activation epilogue for sm_90a.
 
     Compile-time configuration: ``dtype`` (cutlass.BFloat16 / Float16), ``tile_n`` (128 or 256;
-    tile_m is 128, tile_k 64), ``epilogue`` (one of EPILOGUES), ``has_bias``, ``num_sms``
+    tile_m is 128, tile_k 64), ``epilogue`` (one of ACTIVATIONS), ``has_bias``, ``num_sms``
     (persistent grid size), ``cluster_m`` (1, or 2: a cluster of two CTAs takes vertically
     adjacent tiles of one group and multicasts the shared W tile), ``ab_stages`` / ``epi_slots``
     (None: fill shared memory).
@@ -111,7 +111,7 @@ class GroupedGemmSm90:
         ab_stages=None,
         epi_slots=None,
     ):
-        if epilogue not in EPILOGUES:
+        if epilogue not in ACTIVATIONS:
             raise ValueError(f"unknown epilogue {epilogue!r}")
         if tile_n not in (128, 256):
             raise ValueError("tile_n must be 128 or 256")
@@ -122,13 +122,16 @@ class GroupedGemmSm90:
             raise ValueError("cluster_m must be 1 or 2")
         self.cluster_m = cluster_m
         self.epilogue = epilogue
-        self.is_glu = epilogue in GLU_KINDS
+        self.is_glu = epilogue in GLU_ACTIVATIONS
+        # TMA boxes per B stage: GLU loads box_n gate rows, then the same up rows
+        self.b_boxes = 2 if self.is_glu else 1
+        self.box_n = tile_n // self.b_boxes
         self.has_act = epilogue is not None
         self.has_bias = has_bias
         self.num_sms = num_sms
         # outputs written per epilogue step: GLU (gate, up, act), srelu (pre, act), none (pre)
         self.num_epi_out = 3 if self.is_glu else (2 if self.has_act else 1)
-        self.num_steps = tile_n // (2 * self.epi_n) if self.is_glu else tile_n // self.epi_n
+        self.num_steps = self.box_n // self.epi_n
         self.num_mma_wg = 2
         self.threads = 128 * (1 + self.num_mma_wg)
         self.epi_tile = (self.tile_m, self.epi_n)
@@ -151,19 +154,28 @@ class GroupedGemmSm90:
     def __call__(
         self,
         mX: cute.Tensor,  # (M, K)
-        mW: cute.Tensor,  # (G, N, K)
+        mW: cute.Tensor,  # (G, N, K); GLU rows [gate; up]
         mOffsets: cute.Tensor,  # (G + 1,) int32
         mPre: cute.Tensor,  # (M, N)
         mAct: cute.Tensor,  # (M, N/2) GLU, (M, N) srelu, None
-        mBias: cute.Tensor,  # (G, N) or None
+        mBias: cute.Tensor,  # (G, N) or None; GLU [gate; up]
         mProbs: cute.Tensor,  # (M,) float32 or None
         limit: Float32,
         alpha: Float32,
         stream,
     ):
         dt = self.dtype
-        # B as (N, K, G)
-        mB = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=[1, 2, 0]))
+        # B as (N / b_boxes, K, b_boxes, G): GLU (N/2, K, 2, G), box h = 0 gate, 1 up
+        n = cute.size(mW, mode=[1])
+        n_box = n // self.b_boxes
+        row_stride = mW.stride[1]
+        mB = cute.make_tensor(
+            mW.iterator,
+            cute.make_layout(
+                (n_box, cute.size(mW, mode=[2]), self.b_boxes, cute.size(mW, mode=[0])),
+                stride=(row_stride, mW.stride[2], n_box * row_stride, mW.stride[0]),
+            ),
+        )
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             dt,
             dt,
@@ -174,7 +186,7 @@ class GroupedGemmSm90:
             tiler_mn=(64, self.tile_n),
         )
         tile_mk = (self.tile_m, self.tile_k)
-        tile_nk = (self.tile_n, self.tile_k)
+        box_nk = (self.box_n, self.tile_k)
         self.sA_layout = sm90_utils.make_smem_layout_a(
             LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.tile_k), dt, self.ab_stages
         )
@@ -190,13 +202,16 @@ class GroupedGemmSm90:
             cute.slice_(self.sA_layout, (None, None, 0)),
             tile_mk,
         )
+        sB_box_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (self.tile_m, self.box_n, self.tile_k), dt, 1
+        )
         tma_b, tma_mB = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
             if const_expr(self.cluster_m > 1)
             else cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
             mB,
-            cute.slice_(self.sB_layout, (None, None, 0)),
-            tile_nk,
+            cute.slice_(sB_box_layout, (None, None, 0)),
+            box_nk,
             num_multicast=self.cluster_m,
         )
         sD_one = cute.slice_(self.sD_layout, (None, None, 0))
@@ -233,7 +248,6 @@ class GroupedGemmSm90:
 
         m_total = cute.size(mX, mode=[0])
         num_groups = cute.size(mW, mode=[0])
-        n = cute.size(mW, mode=[1])
         n_tiles = (n + self.tile_n - 1) // self.tile_n
         # upper bound on the number of tiles (shape-only), to avoid idle CTAs on small problems
         rows = self.tile_m * self.cluster_m
@@ -309,10 +323,9 @@ class GroupedGemmSm90:
 
         m_total = cute.size(mA, mode=[0])
         k_tiles = (cute.size(mA, mode=[1]) + self.tile_k - 1) // self.tile_k
-        n = cute.size(mB, mode=[0])
-        num_groups = cute.size(mB, mode=[2])
-        n_tiles = (n + self.tile_n - 1) // self.tile_n
-        n_half = n // 2
+        n_box = cute.size(mB, mode=[0])  # N/2 for GLU, else N
+        num_groups = cute.size(mB, mode=[3])
+        n_tiles = (n_box + self.box_n - 1) // self.box_n
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -332,6 +345,8 @@ class GroupedGemmSm90:
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         sD = storage.sD.get_tensor(sD_layout.outer, swizzle=sD_layout.inner)
+        # ((box_n, tile_k), b_boxes, 1, stages): box h fills rows [h * box_n, (h+1) * box_n)
+        sB_boxes = cute.group_modes(cute.flat_divide(sB, (self.box_n, self.tile_k)), 0, 2)
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
 
@@ -358,8 +373,8 @@ class GroupedGemmSm90:
                             (self.tile_m, self.tile_k),
                             (mt, None),
                         )
-                        gB = cute.local_tile(
-                            mB[(None, None, seg)], (self.tile_n, self.tile_k), (nt, None)
+                        gB = cute.local_tile(  # (box_n, tile_k, k_tiles, b_boxes)
+                            mB[(None, None, None, seg)], (self.box_n, self.tile_k), (nt, None, None)
                         )
                         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
                             tma_a,
@@ -372,20 +387,21 @@ class GroupedGemmSm90:
                             tma_b,
                             rank,
                             cute.make_layout(self.cluster_m),
-                            cute.group_modes(sB, 0, 2),
+                            sB_boxes,
                             cute.group_modes(gB, 0, 2),
                         )
                         for k in range(k_tiles):
                             ab_pipe.producer_acquire(state)
                             bar = ab_pipe.producer_get_barrier(state)
                             cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                            cute.copy(
-                                tma_b,
-                                tBgB[(None, k)],
-                                tBsB[(None, state.index)],
-                                tma_bar_ptr=bar,
-                                mcast_mask=b_mcast_mask if const_expr(self.cluster_m > 1) else 0,
-                            )
+                            for h in cutlass.range_constexpr(self.b_boxes):
+                                cute.copy(
+                                    tma_b,
+                                    tBgB[(None, k, h)],
+                                    tBsB[(None, h, 0, state.index)],
+                                    tma_bar_ptr=bar,
+                                    mcast_mask=b_mcast_mask if const_expr(self.cluster_m > 1) else 0,
+                                )
                             ab_pipe.producer_commit(state)
                             state.advance()
                     tile_id = tile_id + num_clusters
@@ -493,16 +509,16 @@ class GroupedGemmSm90:
                 row0 = start + mt * self.tile_m
 
                 for step in cutlass.range_constexpr(self.num_steps):
-                    n_in = 2 if const_expr(self.is_glu) else 1
-                    for j in cutlass.range_constexpr(n_in):
-                        sub = step * n_in + j
+                    # GLU: sub-tile `step` is gate (j = 0), `step + num_steps` up (j = 1)
+                    for j in cutlass.range_constexpr(self.b_boxes):
+                        sub = step + j * self.num_steps
                         for v in cutlass.range_constexpr(frag):
                             x = tRS_rAcc[sub * frag + v]
                             if const_expr(self.has_bias):
-                                col = nt * self.tile_n + sub * self.epi_n + tRS_cD[v][1]
+                                col = nt * self.box_n + step * self.epi_n + tRS_cD[v][1]
                                 b = Float32(0.0)
-                                if is_group and col < n:
-                                    b = mBias[g_safe, col].to(Float32)
+                                if is_group and col < n_box:
+                                    b = mBias[g_safe, j * n_box + col].to(Float32)
                                 x = x + b
                             rPre[j][v] = x
                     if const_expr(self.has_act):
@@ -522,19 +538,15 @@ class GroupedGemmSm90:
                     self.epi_barrier.arrive_and_wait()
                     if is_store_warp and has_rows:
                         buf0 = slot * self.num_epi_out
-                        if const_expr(self.is_glu):
-                            chunk = nt * (self.tile_n // (2 * self.epi_n)) + step
-                            if chunk * self.epi_n < n_half:
-                                up_chunk = n_half // self.epi_n + chunk
-                                cute.copy(tma_pre, bSG_sD[(None, buf0)], bSG_gPre[(None, mt, chunk)])
+                        chunk = nt * self.num_steps + step  # 32-column chunk (of each half for GLU)
+                        if chunk * self.epi_n < n_box:
+                            cute.copy(tma_pre, bSG_sD[(None, buf0)], bSG_gPre[(None, mt, chunk)])
+                            if const_expr(self.is_glu):
+                                up_chunk = n_box // self.epi_n + chunk
                                 cute.copy(tma_pre, bSG_sD[(None, buf0 + 1)], bSG_gPre[(None, mt, up_chunk)])
-                                cute.copy(tma_act, bSG_sD[(None, buf0 + 2)], bSG_gAct[(None, mt, chunk)])
-                        else:
-                            chunk = nt * (self.tile_n // self.epi_n) + step
-                            if chunk * self.epi_n < n:
-                                cute.copy(tma_pre, bSG_sD[(None, buf0)], bSG_gPre[(None, mt, chunk)])
-                                if const_expr(self.has_act):
-                                    cute.copy(tma_act, bSG_sD[(None, buf0 + 1)], bSG_gAct[(None, mt, chunk)])
+                            if const_expr(self.has_act):
+                                act_buf = buf0 + self.num_epi_out - 1
+                                cute.copy(tma_act, bSG_sD[(None, act_buf)], bSG_gAct[(None, mt, chunk)])
                     if is_store_warp:
                         store_pipe.producer_commit()
                         store_pipe.producer_acquire()
