@@ -1,0 +1,220 @@
+"""Torch-facing wrapper of the sm90 grouped weight-gradient kernel: checks, config, compile cache.
+
+    dW[g] = dy[s:e].T @ x[s:e]      s, e = offsets[g], offsets[g+1], clamped to [0, M] on the device
+
+Importable without cutlass. Kernels are compiled once per (dtype, tile_n, main_grad, cluster_m,
+TVM-FFI) with M, N, K and G symbolic; the persistent grid size (SM count minus the SM margin) is a
+launch argument, so margins share one compiled kernel. The launch depends on tensor shapes only.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from . import sm90_unavailable_reason
+
+_DTYPES = (torch.bfloat16, torch.float16)
+_NAME = "grouped_wgrad_sm90"
+SM_MARGIN_ENV = "TE_FUSED_OPS_SM_MARGIN"
+_MAX_ROWS = 2**30  # the ragged token view's mode extent
+
+
+def sm90_wgrad_unsupported_reason(dtype, n, k) -> str | None:
+    """None if the sm90 wgrad kernel can run (dtype, N, K), else the first failing condition."""
+    reason = sm90_unavailable_reason()
+    if reason is not None:
+        return reason
+    if dtype not in _DTYPES:
+        return f"sm90 backend: dtype {str(dtype).replace('torch.', '')} not supported (bf16, fp16)"
+    if n % 8 != 0:
+        return f"sm90 backend: N={n} not a multiple of 8"
+    if k % 8 != 0:
+        return f"sm90 backend: K={k} not a multiple of 8"
+    return None
+
+
+@functools.cache
+def _tvm_ffi_available() -> bool:
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def resolve_sm_margin(sm_margin) -> int:
+    """sm_margin, or the integer in $TE_FUSED_OPS_SM_MARGIN when it is None (default 0)."""
+    if sm_margin is None:
+        env = os.environ.get(SM_MARGIN_ENV, "").strip()
+        if not env:
+            return 0
+        try:
+            sm_margin = int(env)
+        except ValueError:
+            raise ValueError(
+                f"{_NAME}: environment variable {SM_MARGIN_ENV}={env!r} is not an integer"
+            ) from None
+        if sm_margin < 0:
+            raise ValueError(f"{_NAME}: environment variable {SM_MARGIN_ENV}={env!r} is negative")
+        return sm_margin
+    if isinstance(sm_margin, bool) or not isinstance(sm_margin, int):
+        raise TypeError(
+            f"{_NAME}: sm_margin must be an int or None, got {type(sm_margin).__name__}"
+        )
+    if sm_margin < 0:
+        raise ValueError(f"{_NAME}: sm_margin must be >= 0, got {sm_margin}")
+    return sm_margin
+
+
+def choose_config(n: int, k: int, max_ctas: int) -> tuple[int, int]:
+    """(tile_n, cluster_m) from shapes only: 256-wide tiles (along K of dW) unless K fits in 128
+    columns; CTA pairs sharing the x tile when N spans more than one 128-row tile."""
+    return (128 if k <= 128 else 256), (2 if n > 128 and max_ctas >= 2 else 1)
+
+
+@functools.cache
+def compile_grouped_wgrad(dtype, tile_n, main_grad, cluster_m=1, tvm_ffi=None, **kernel_opts):
+    """Compile (once per configuration) and return the launcher. Shapes are symbolic."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .grouped_wgrad_sm90 import GroupedWgradSm90
+
+    if tvm_ffi is None:
+        tvm_ffi = _tvm_ffi_available()
+    dt = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+    m, g, g1 = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    n, k = cute.sym_int(divisibility=8), cute.sym_int(divisibility=8)
+
+    def fake(dtype_, shape, align=16):
+        order = tuple(reversed(range(len(shape))))
+        return cute.runtime.make_fake_compact_tensor(
+            dtype_, shape, stride_order=order, assumed_align=align
+        )
+
+    args = (
+        fake(dt, (m, n)),
+        fake(dt, (m, k)),
+        fake(cutlass.Int32, (g1,), 4),
+        fake(cutlass.Float32 if main_grad else dt, (g, n, k)),
+        cutlass.Int32(1),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi),
+    )
+    kernel = GroupedWgradSm90(dt, tile_n, main_grad, cluster_m, **kernel_opts)
+    return cute.compile(kernel, *args, options="--enable-tvm-ffi" if tvm_ffi else "")
+
+
+def _check_tensor(t, arg, dtype, ndim, device_index):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{_NAME}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{_NAME}: {arg} has dtype {t.dtype}, expected {dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{_NAME}: {arg} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.get_device() != device_index:
+        raise ValueError(f"{_NAME}: {arg} is on {t.device}, expected cuda:{device_index}")
+    if not t.is_contiguous():
+        raise ValueError(f"{_NAME}: {arg} must be contiguous")
+    if t.numel() and t.data_ptr() & 15:
+        raise ValueError(f"{_NAME}: {arg} data pointer must be 16-byte aligned")
+
+
+_LAUNCHERS = {}
+
+
+def grouped_wgrad_sm90(
+    dy, x, offsets, *, out=None, main_grad=None, sm_margin=None, tile_n=None, cluster_m=None
+):
+    """dW[g] = dy_g^T @ x_g over the token rows offsets[g]:offsets[g+1] of each group.
+
+    dy (M, N), x (M, K) bf16/fp16 contiguous, read in place (groups may start at any row; rows
+    >= offsets[G] are ignored); offsets (G+1,) int32 on the same device (clamped on the device).
+    Returns dW (G, N, K) in dy's dtype (written into ``out`` if given; empty groups give 0), or,
+    with ``main_grad`` (fp32 (G, N, K)), main_grad += dW in place and main_grad is returned.
+    sm_margin (int >= 0; None: $TE_FUSED_OPS_SM_MARGIN, default 0) SMs are left free.
+    tile_n (128 or 256, along K) and cluster_m (1, 2: CTA pairs multicast x) override the
+    heuristic. No host sync.
+    """
+    if not isinstance(dy, torch.Tensor):
+        raise TypeError(f"{_NAME}: dy must be a torch.Tensor, got {type(dy).__name__}")
+    if dy.dtype not in _DTYPES:
+        raise TypeError(f"{_NAME}: dy has dtype {dy.dtype}, supported: bfloat16, float16")
+    dev = dy.get_device()
+    if dev < 0:
+        raise ValueError(f"{_NAME}: dy must be on a CUDA device, got {dy.device}")
+    _check_tensor(dy, "dy", dy.dtype, 2, dev)
+    _check_tensor(x, "x", dy.dtype, 2, dev)
+    _check_tensor(offsets, "offsets", torch.int32, 1, dev)
+    m, n = dy.shape
+    k = x.shape[1]
+    if x.shape[0] != m:
+        raise ValueError(f"{_NAME}: x has {x.shape[0]} rows, dy has {m}")
+    if m > _MAX_ROWS:
+        raise ValueError(f"{_NAME}: M={m} rows exceed {_MAX_ROWS}")
+    if n % 8:
+        raise ValueError(f"{_NAME}: N={n} (dy.shape[1]) must be a multiple of 8")
+    if k % 8:
+        raise ValueError(f"{_NAME}: K={k} (x.shape[1]) must be a multiple of 8")
+    if offsets.shape[0] < 1:
+        raise ValueError(f"{_NAME}: offsets must have G+1 >= 1 entries, got shape (0,)")
+    g = offsets.shape[0] - 1
+    if out is not None and main_grad is not None:
+        raise ValueError(f"{_NAME}: pass at most one of out and main_grad")
+    if main_grad is not None:
+        _check_tensor(main_grad, "main_grad", torch.float32, 3, dev)
+        result = main_grad
+    elif out is not None:
+        _check_tensor(out, "out", dy.dtype, 3, dev)
+        result = out
+    else:
+        result = dy.new_empty((g, n, k))
+    if tuple(result.shape) != (g, n, k):
+        arg = "main_grad" if main_grad is not None else "out"
+        raise ValueError(f"{_NAME}: {arg} must have shape {(g, n, k)}, got {tuple(result.shape)}")
+    margin = resolve_sm_margin(sm_margin)
+    if tile_n not in (None, 128, 256):
+        raise ValueError(f"{_NAME}: tile_n must be 128 or 256, got {tile_n!r}")
+    if cluster_m not in (None, 1, 2):
+        raise ValueError(f"{_NAME}: cluster_m must be 1 or 2, got {cluster_m!r}")
+    if result.numel() == 0:
+        return result
+    if m == 0:  # every group is empty
+        if main_grad is None:
+            result.zero_()
+        return result
+
+    max_ctas = max(1, _num_sms(dev) - margin)
+    auto_tile_n, auto_cluster_m = choose_config(n, k, max_ctas)
+    tile_n = tile_n or auto_tile_n
+    cluster_m = cluster_m or auto_cluster_m
+    max_ctas = max(max_ctas, cluster_m)
+    tvm_ffi = _tvm_ffi_available()
+    key = (dy.dtype, tile_n, main_grad is not None, cluster_m, tvm_ffi)
+    fn = _LAUNCHERS.get(key)
+    if fn is None:
+        fn = _LAUNCHERS[key] = compile_grouped_wgrad(*key)
+    if tvm_ffi:
+        fn(dy, x, offsets, result, max_ctas)
+    else:
+        _call_classic(fn, dy, x, offsets, result, max_ctas)
+    return result
+
+
+def _call_classic(fn, dy, x, offsets, result, max_ctas):
+    import cuda.bindings.driver as cuda
+    import cutlass
+    from cutlass.cute.runtime import from_dlpack
+
+    def cv(t, align=16):
+        return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+    stream = cuda.CUstream(torch.cuda.current_stream(dy.device).cuda_stream)
+    fn(cv(dy), cv(x), cv(offsets, 4), cv(result), cutlass.Int32(max_ctas), stream)

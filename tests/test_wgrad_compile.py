@@ -1,0 +1,118 @@
+"""The sm90 grouped wgrad kernel compiles for sm_90a without a GPU; host-side checks of its wrapper."""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from te_fused_ops.kernels.grouped_wgrad import (
+    SM_MARGIN_ENV,
+    choose_config,
+    grouped_wgrad_sm90,
+    resolve_sm_margin,
+    sm90_wgrad_unsupported_reason,
+)
+
+needs_cutlass = pytest.mark.skipif(
+    importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed"
+)
+
+
+@pytest.fixture(autouse=True)
+def _sm90a(monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+
+
+@needs_cutlass
+@pytest.mark.parametrize("cluster_m", [1, 2])
+@pytest.mark.parametrize("main_grad", [False, True])
+@pytest.mark.parametrize("tile_n", [128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wgrad_compiles(dtype, tile_n, main_grad, cluster_m):
+    from te_fused_ops.kernels.grouped_wgrad import compile_grouped_wgrad
+
+    assert compile_grouped_wgrad(dtype, tile_n, main_grad, cluster_m, tvm_ffi=False) is not None
+
+
+@needs_cutlass
+def test_wgrad_compiles_unsorted():
+    from te_fused_ops.kernels.grouped_wgrad import compile_grouped_wgrad
+
+    fn = compile_grouped_wgrad(torch.bfloat16, 256, False, 2, tvm_ffi=False, sort_groups=False)
+    assert fn is not None
+
+
+@needs_cutlass
+@pytest.mark.parametrize("main_grad", [False, True])
+def test_wgrad_kernel_configs_fit(main_grad):
+    import cutlass
+
+    from te_fused_ops.kernels.grouped_wgrad_sm90 import GroupedWgradSm90
+
+    for tile_n in (128, 256):
+        kern = GroupedWgradSm90(cutlass.BFloat16, tile_n, main_grad)
+        assert kern.ab_stages >= 3 and kern.epi_slots >= 2
+        if main_grad:
+            assert kern.epi_slots == 4 <= tile_n // 32
+    with pytest.raises(ValueError, match="tile_n"):
+        GroupedWgradSm90(cutlass.BFloat16, 192, main_grad)
+    with pytest.raises(ValueError, match="cluster_m"):
+        GroupedWgradSm90(cutlass.BFloat16, 256, main_grad, cluster_m=4)
+    with pytest.raises(ValueError, match="shared memory"):
+        GroupedWgradSm90(cutlass.BFloat16, 256, main_grad, ab_stages=8)
+
+
+def test_wrapper_imports_without_cutlass():
+    code = (
+        "import sys, te_fused_ops.kernels.grouped_wgrad as w; "
+        "assert 'cutlass' not in sys.modules, 'cutlass imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@needs_cutlass
+def test_unsupported_reasons():
+    why = sm90_wgrad_unsupported_reason
+    assert why(torch.bfloat16, 4096, 7168) is None
+    assert why(torch.float16, 8, 8) is None
+    assert "dtype float32" in why(torch.float32, 64, 64)
+    assert "N=100" in why(torch.bfloat16, 100, 64)
+    assert "K=36" in why(torch.bfloat16, 64, 36)
+
+
+def test_choose_config():
+    assert choose_config(4096, 7168, 132) == (256, 2)
+    assert choose_config(128, 128, 132) == (128, 1)
+    assert choose_config(2048, 768, 1) == (256, 1)
+
+
+def test_sm_margin_resolution(monkeypatch):
+    monkeypatch.delenv(SM_MARGIN_ENV, raising=False)
+    assert resolve_sm_margin(None) == 0
+    assert resolve_sm_margin(16) == 16
+    monkeypatch.setenv(SM_MARGIN_ENV, "8")
+    assert resolve_sm_margin(None) == 8
+    assert resolve_sm_margin(0) == 0
+    for bad in ("abc", "1.5", "-2"):
+        monkeypatch.setenv(SM_MARGIN_ENV, bad)
+        with pytest.raises(ValueError, match=SM_MARGIN_ENV):
+            resolve_sm_margin(None)
+    with pytest.raises(ValueError, match="sm_margin"):
+        resolve_sm_margin(-1)
+    with pytest.raises(TypeError, match="sm_margin"):
+        resolve_sm_margin(2.0)
+    with pytest.raises(TypeError, match="sm_margin"):
+        resolve_sm_margin(True)
+
+
+def test_cpu_inputs_rejected():
+    dy = torch.zeros(16, 8, dtype=torch.bfloat16)
+    off = torch.tensor([0, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="grouped_wgrad_sm90: dy must be on a CUDA device"):
+        grouped_wgrad_sm90(dy, dy, off)
+    with pytest.raises(TypeError, match="grouped_wgrad_sm90: dy"):
+        grouped_wgrad_sm90(dy.float(), dy, off)
+    with pytest.raises(TypeError, match="grouped_wgrad_sm90: dy must be a torch.Tensor"):
+        grouped_wgrad_sm90([1.0], dy, off)
