@@ -322,3 +322,21 @@ def test_reuse_quantized_weights_is_an_explicit_scope():
     after = seq(x, split_sizes=SPLITS)
     assert not torch.equal(after, first)
     assert torch.equal(after, fresh_copy(seq)(x, split_sizes=SPLITS))
+
+
+def test_accumulate_main_grad_adds_weight_gradients_in_float32():
+    torch.manual_seed(3)
+    ops = [GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16, accumulate_main_grad=True), SwiGLU(),
+           GroupedLinear(G, I, H, dtype=torch.bfloat16)]
+    seq = Sequential(*ops)
+    x = batch(13).bfloat16().requires_grad_(True)
+    with pytest.raises(ValueError, match=r"GroupedLinear: accumulate_main_grad=True needs weight.main_grad"):
+        seq(x, split_sizes=SPLITS)
+    seq[0].weight.main_grad = torch.zeros(seq[0].weight.shape, dtype=torch.float32)
+    for _ in range(2):
+        seq(x, split_sizes=SPLITS).float().square().sum().backward()
+    assert seq[0].weight.grad is None and seq[2].weight.grad is not None
+    plain = Sequential(*[copy.deepcopy(op) for op in ops])
+    plain[0].accumulate_main_grad = False
+    plain(x.detach(), split_sizes=SPLITS).float().square().sum().backward()
+    assert ref.rel_err(seq[0].weight.main_grad, 2 * plain[0].weight.grad.float()) <= 1e-2

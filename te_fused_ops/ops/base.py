@@ -31,6 +31,8 @@ class OpContext:
                           through ``ctx.save_for_backward`` of the Sequential's autograd.Function
     recompute_output:     set by a fused forward that did not keep this op's output alive: a
                           `Recompute` giving the output again (the consumer saves it lazily)
+    main_grads:           parameter name -> fp32 buffer the backward accumulates that gradient
+                          into instead of returning it (an output, so not a saved tensor)
     """
 
     def __init__(self, op, index: int, input_requires_grad: bool, params_require_grad: bool):
@@ -44,6 +46,7 @@ class OpContext:
         self.saved: dict = {}
         self.recompute_output = None
         self.input_recompute = None
+        self.main_grads: dict = {}
 
     def save_input(self, x) -> None:
         """Keep the op's input for the backward, lazily when its producer can recompute it."""

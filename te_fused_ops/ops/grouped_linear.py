@@ -10,6 +10,18 @@ from ..splits import bind_offsets, row_group_ids
 from .base import BasicOp, OpContext, is_quantized
 
 
+def _main_grad(weight: torch.Tensor) -> torch.Tensor:
+    main_grad = getattr(weight, "main_grad", None)
+    if not isinstance(main_grad, torch.Tensor) or main_grad.dtype != torch.float32 or main_grad.shape != weight.shape:
+        raise ValueError(
+            "GroupedLinear: accumulate_main_grad=True needs weight.main_grad, a float32 tensor of shape "
+            f"{tuple(weight.shape)} on {weight.device}; got {main_grad!r:.80}"
+        )
+    if main_grad.device != weight.device or not main_grad.is_contiguous():
+        raise ValueError("GroupedLinear: argument 'weight.main_grad' must be contiguous and on the weight's device")
+    return main_grad
+
+
 def gemm_weight(weight: torch.Tensor, recipe) -> torch.Tensor:
     """The weight as the GEMM sees it: itself, or quantized with ``recipe`` and dequantized."""
     if recipe is None:
@@ -33,6 +45,9 @@ class GroupedLinear(BasicOp):
     weight: (G, out_features, in_features), natural layout (also in state_dict); bias: (G, out_features).
     Input x: (M, in_features), rows grouped by the side input ``split_sizes`` (G,) int tensor on
     x's device; rows past ``sum(split_sizes)`` give zero output and zero gradient.
+    ``accumulate_main_grad=True`` (Megatron's gradient-accumulation fusion): the weight gradient
+    is added in float32 to ``weight.main_grad`` (a float32 tensor of the weight's shape that the
+    caller owns and zeroes) and ``weight.grad`` stays None.
     A quantized input (`te_fused_ops.quantization.QuantizedTensor`) computes in its format: the
     weight is quantized with the same recipe on every call (see `reuse_quantized_weights`).
     """
@@ -40,7 +55,16 @@ class GroupedLinear(BasicOp):
     side_inputs = ("split_sizes",)
     param_names = ("weight", "bias")
 
-    def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = False, dtype=None, device=None):
+    def __init__(
+        self,
+        num_groups: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        dtype=None,
+        device=None,
+        accumulate_main_grad: bool = False,
+    ):
         super().__init__()
         for arg, value in (("num_groups", num_groups), ("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -49,6 +73,7 @@ class GroupedLinear(BasicOp):
         factory = {"dtype": dtype, "device": device}
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(num_groups, out_features, **factory)) if bias else None
+        self.accumulate_main_grad = bool(accumulate_main_grad)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -98,6 +123,8 @@ class GroupedLinear(BasicOp):
         calls this so the backward can be planned independently."""
         if ctx.needs_grad("weight"):
             ctx.save_input(x)
+            if ctx.op.accumulate_main_grad:
+                ctx.main_grads["weight"] = _main_grad(ctx.params["weight"])
         if ctx.input_requires_grad:
             ctx.saved["weight"] = ctx.params["weight"]
         ctx.saved["recipe"] = recipe
@@ -138,7 +165,11 @@ class GroupedLinear(BasicOp):
         if ctx.input_requires_grad:
             dx = grouped_mm_nn(dy_data, gemm_weight(ctx.saved["weight"], ctx.saved["recipe"]).detach(), offsets)
         if ctx.needs_grad("weight"):
-            grads["weight"] = grouped_wgrad(dy_wgrad, columnwise_view(ctx.load_input()), offsets)
+            dw = grouped_wgrad(dy_wgrad, columnwise_view(ctx.load_input()), offsets)
+            if "weight" in ctx.main_grads:
+                ctx.main_grads["weight"].add_(dw.float())
+            else:
+                grads["weight"] = dw
         if ctx.needs_grad("bias"):
             grads["bias"] = grouped_row_sum(dy_data, offsets)
         return dx, grads
