@@ -1,4 +1,8 @@
-"""Every sm90 kernel configuration compiles for sm_90a without a GPU (CUTE_DSL_ARCH=sm_90a)."""
+"""The sm90 kernel configurations compile for sm_90a without a GPU (CUTE_DSL_ARCH=sm_90a).
+
+A representative set rather than the full cross product (CI has 2 cores): every epilogue with each
+tile_n, both dtypes, with and without bias / W multicast, and both weight layouts.
+"""
 
 import importlib.util
 import os
@@ -6,9 +10,13 @@ import os
 import pytest
 import torch
 
+from te_fused_ops.kernels.activations import ACTIVATIONS
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed"
 )
+
+FORWARD = [None, *ACTIVATIONS]
 
 
 @pytest.fixture(autouse=True)
@@ -22,39 +30,78 @@ def test_package_imports_without_cutlass_use():
     assert k.sm90_unavailable_reason() is None  # with CUTE_DSL_ARCH=sm_90a
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype,has_bias", [(torch.bfloat16, True), (torch.float16, False)])
 @pytest.mark.parametrize("tile_n", [128, 256])
-@pytest.mark.parametrize("has_bias", [False, True])
-@pytest.mark.parametrize(
-    "activation", [None, "swiglu", "geglu", "srelu", "clamped_swiglu", "scaled_swiglu"]
-)
-def test_grouped_gemm_compiles(activation, has_bias, tile_n, dtype):
+@pytest.mark.parametrize("activation", FORWARD)
+def test_grouped_gemm_compiles(activation, tile_n, dtype, has_bias):
     from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm
 
     assert os.environ["CUTE_DSL_ARCH"] == "sm_90a"
-    fn = compile_grouped_gemm(dtype, tile_n, activation, has_bias, 132, tvm_ffi=False)
+    assert compile_grouped_gemm(dtype, tile_n, activation, has_bias, tvm_ffi=False) is not None
+
+
+@pytest.mark.parametrize("activation,tile_n", [(None, 128), ("swiglu", 256), ("srelu", 128)])
+def test_grouped_gemm_compiles_without_cluster(activation, tile_n):
+    from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm
+
+    assert compile_grouped_gemm(torch.bfloat16, tile_n, activation, True, False, 1) is not None
+
+
+@pytest.mark.parametrize(
+    "dtype,tile_n,activation,has_bias,cluster_m",
+    [
+        (torch.bfloat16, 128, None, False, 2),
+        (torch.bfloat16, 256, None, False, 2),
+        (torch.float16, 128, None, False, 1),
+        (torch.bfloat16, 128, "swiglu", True, 2),
+        (torch.bfloat16, 256, "srelu", True, 1),
+    ],
+)
+def test_grouped_gemm_kn_compiles(dtype, tile_n, activation, has_bias, cluster_m):
+    from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm
+
+    fn = compile_grouped_gemm(dtype, tile_n, activation, has_bias, False, cluster_m, "kn")
     assert fn is not None
 
 
 @pytest.mark.parametrize("tile_n", [128, 256])
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+def test_grouped_dgrad_dact_compiles(activation, tile_n):
+    from te_fused_ops.kernels.grouped_gemm import compile_grouped_dgrad_dact
+
+    assert compile_grouped_dgrad_dact(torch.bfloat16, tile_n, activation, False) is not None
+
+
 @pytest.mark.parametrize(
-    "activation", [None, "swiglu", "geglu", "srelu", "clamped_swiglu", "scaled_swiglu"]
+    "dtype,activation,cluster_m",
+    [(torch.float16, "swiglu", 2), (torch.float16, "srelu", 2), (torch.bfloat16, "scaled_swiglu", 1)],
 )
-def test_grouped_gemm_compiles_without_cluster(activation, tile_n):
-    from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm
+def test_grouped_dgrad_dact_compiles_fp16_and_without_cluster(dtype, activation, cluster_m):
+    from te_fused_ops.kernels.grouped_gemm import compile_grouped_dgrad_dact
 
-    fn = compile_grouped_gemm(torch.bfloat16, tile_n, activation, True, 132, False, 1)
-    assert fn is not None
+    assert compile_grouped_dgrad_dact(dtype, 128, activation, False, cluster_m) is not None
 
 
-def test_one_activation_list():
-    from te_fused_ops.kernels import grouped_gemm, grouped_gemm_sm90
+def test_device_math_covers_the_registry():
+    from te_fused_ops.kernels.activation_math_sm90 import ACTIVATION_MATH
 
-    assert grouped_gemm_sm90.ACTIVATIONS is grouped_gemm.ACTIVATIONS
-    assert grouped_gemm_sm90.GLU_ACTIVATIONS is grouped_gemm.GLU_ACTIVATIONS
+    assert set(ACTIVATION_MATH) == set(ACTIVATIONS)
+
+
+def test_unknown_epilogue_rejected():
+    import cutlass
+
+    from te_fused_ops.kernels.grouped_dact_sm90 import GroupedGemmDActSm90
+    from te_fused_ops.kernels.grouped_gemm_sm90 import GroupedGemmActSm90
+
+    with pytest.raises(ValueError, match="activation"):
+        GroupedGemmActSm90(cutlass.BFloat16, 128, "relu", False)
+    with pytest.raises(ValueError, match="needs an activation"):
+        GroupedGemmDActSm90(cutlass.BFloat16, 128, None)
 
 
 def test_unsupported_reasons():
+    from te_fused_ops.kernels.grouped_gemm import sm90_grouped_dgrad_dact_unsupported_reason as why_dact
     from te_fused_ops.kernels.grouped_gemm import sm90_grouped_gemm_unsupported_reason as why
 
     assert why(torch.bfloat16, 4096, 2048, "swiglu", True) is None
@@ -64,3 +111,10 @@ def test_unsupported_reasons():
     assert "N=100" in why(torch.bfloat16, 100, 64, None, False)
     assert "N=96" in why(torch.bfloat16, 96, 64, "swiglu", False)
     assert why(torch.bfloat16, 96, 64, "srelu", False) is None
+    assert "'relu'" in why(torch.bfloat16, 64, 64, "relu", False)
+
+    assert why_dact(torch.bfloat16, 1024, 96, "swiglu") is None
+    assert why_dact(torch.float16, 8, 8, "srelu") is None
+    assert "I=80" in why_dact(torch.bfloat16, 64, 80, "clamped_swiglu")
+    assert "H=12" in why_dact(torch.bfloat16, 12, 64, "swiglu")
+    assert "needs an activation" in why_dact(torch.bfloat16, 64, 64, None)

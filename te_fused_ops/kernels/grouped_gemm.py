@@ -1,43 +1,71 @@
-"""Torch-facing wrapper of the sm90 grouped GEMM (+ activation) kernel: checks, config, compile cache.
+"""Torch-facing wrappers of the sm90 grouped GEMM kernels: checks, config, compile cache.
 
-Tensors cross into the kernel through TVM-FFI (``apache-tvm-ffi``) when it is installed, which keeps
+``grouped_gemm_sm90``: y = x_g @ W[g].T ("nk", W (G, N, K)) or x_g @ W[g] ("kn", W (G, K, N),
+e.g. the data gradient dx = dy @ W[g] of a GroupedLinear, W read in place), + bias / activation.
+``grouped_dgrad_dact_sm90``: the backward of FC2 fused with the activation's backward.
+
+Tensors cross into the kernels through TVM-FFI (``apache-tvm-ffi``) when it is installed, which keeps
 the per-call host overhead to a few microseconds; without it the classic CuTe DSL call path is used.
-Kernels are compiled once per (dtype, tile_n, activation, bias, SM count, TVM-FFI, cluster_m), with
-M, N, K and G symbolic, and kept in-process. GLU weights (G, N, K) and biases (G, N) are read in
-their natural [gate; up] layout (gate = rows [0, N/2)); nothing is repacked.
+Kernels are compiled once per configuration (dtype, tile_n, cluster_m, epilogue, weight layout,
+TVM-FFI) with M, N, K and G symbolic, and kept in-process. The persistent grid size, which the SM
+margin sets, is a runtime argument. GLU weights and biases are read in their natural [gate; up]
+layout; nothing is repacked.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from . import sm90_unavailable_reason
+from .activations import ACTIVATIONS, GLU_N_MULTIPLE, activation_spec
 
-# also the kernel's epilogue list (grouped_gemm_sm90 imports them from here)
-ACTIVATIONS = (None, "swiglu", "geglu", "srelu", "clamped_swiglu", "scaled_swiglu")
-GLU_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu", "scaled_swiglu")
-GLU_N_MULTIPLE = 64  # GLU: N/2 must be whole 32-column store chunks
 _DTYPES = (torch.bfloat16, torch.float16)
-_NAME = "grouped_gemm_sm90"
+_FWD = "grouped_gemm_sm90"
+_DACT = "grouped_dgrad_dact_sm90"
+SM_MARGIN_ENV = "TE_FUSED_OPS_SM_MARGIN"
+DACT_GLU_I_MULTIPLE = 32  # dgrad + dActivation, GLU: I a multiple of the 32-column chunk
 
 
-def sm90_grouped_gemm_unsupported_reason(dtype, n, k, activation, has_bias) -> str | None:
-    """None if the sm90 kernel can run this configuration, else the first failing condition."""
+def _common_unsupported_reason(dtype, activation):
     reason = sm90_unavailable_reason()
     if reason is not None:
         return reason
     if dtype not in _DTYPES:
         return f"sm90 backend: dtype {str(dtype).replace('torch.', '')} not supported (bf16, fp16)"
-    if activation not in ACTIVATIONS:
-        return f"sm90 backend: activation {activation!r} not supported ({ACTIVATIONS})"
+    if activation is not None and activation not in ACTIVATIONS:
+        return f"sm90 backend: activation {activation!r} not supported ({tuple(ACTIVATIONS)})"
+    return None
+
+
+def sm90_grouped_gemm_unsupported_reason(dtype, n, k, activation, has_bias) -> str | None:
+    """None if ``grouped_gemm_sm90`` can run this configuration, else the first failing condition."""
+    reason = _common_unsupported_reason(dtype, activation)
+    if reason is not None:
+        return reason
     if k % 8 != 0:
         return f"sm90 backend: K={k} not a multiple of 8"
     if n % 8 != 0:
         return f"sm90 backend: N={n} not a multiple of 8"
-    if activation in GLU_ACTIVATIONS and n % GLU_N_MULTIPLE != 0:
+    if activation is not None and ACTIVATIONS[activation].glu and n % GLU_N_MULTIPLE != 0:
         return f"sm90 backend: N={n} not a multiple of {GLU_N_MULTIPLE} for a GLU activation"
+    return None
+
+
+def sm90_grouped_dgrad_dact_unsupported_reason(dtype, h, i, activation) -> str | None:
+    """None if ``grouped_dgrad_dact_sm90`` can run dy (M, h) @ W (G, h, i) + d``activation``."""
+    if activation is None:
+        return "sm90 backend: the dgrad + dActivation kernel needs an activation"
+    reason = _common_unsupported_reason(dtype, activation)
+    if reason is not None:
+        return reason
+    if h % 8 != 0:
+        return f"sm90 backend: H={h} not a multiple of 8"
+    multiple = DACT_GLU_I_MULTIPLE if ACTIVATIONS[activation].glu else 8
+    if i % multiple != 0:
+        return f"sm90 backend: I={i} not a multiple of {multiple} for activation {activation!r}"
     return None
 
 
@@ -55,6 +83,34 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def resolve_sm_margin(sm_margin, fn_name: str) -> int:
+    """``sm_margin`` (SMs the persistent grid leaves free), or env TE_FUSED_OPS_SM_MARGIN, or 0."""
+    if sm_margin is None:
+        raw = os.environ.get(SM_MARGIN_ENV, "").strip()
+        if not raw:
+            return 0
+        try:
+            value = int(raw)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise ValueError(
+                f"{fn_name}: environment variable {SM_MARGIN_ENV} must be an integer >= 0, "
+                f"got {raw!r}"
+            )
+        return value
+    if isinstance(sm_margin, bool) or not isinstance(sm_margin, int):
+        raise TypeError(f"{fn_name}: sm_margin must be an int or None, got {type(sm_margin).__name__}")
+    if sm_margin < 0:
+        raise ValueError(f"{fn_name}: sm_margin must be >= 0, got {sm_margin}")
+    return sm_margin
+
+
+def max_clusters(num_sms: int, sm_margin: int, cluster_m: int) -> int:
+    """Persistent grid size in clusters: num_sms - sm_margin SMs, at least one cluster."""
+    return max(1, (num_sms - sm_margin) // cluster_m)
+
+
 def choose_config(m: int, n: int, g: int, num_sms: int) -> tuple[int, int]:
     """(tile_n, cluster_m) from shapes only. 256-wide tiles unless they would leave part of the
     persistent grid idle; CTA pairs sharing W (cluster_m=2) when groups average >= 1024 rows,
@@ -64,156 +120,285 @@ def choose_config(m: int, n: int, g: int, num_sms: int) -> tuple[int, int]:
     return tile_n, 2 if m >= 1024 * g else 1
 
 
-_LAUNCHERS = {}
+def _cutlass_dtype(dtype):
+    import cutlass
+
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+
+
+def _fake(dtype, shape, align=16):
+    import cutlass.cute as cute
+
+    order = tuple(reversed(range(len(shape))))
+    return cute.runtime.make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
+
+
+def _compile(kernel, args, tvm_ffi):
+    import cutlass
+    import cutlass.cute as cute
+
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
+    args = (*args, cutlass.Float32(7.0), cutlass.Float32(1.702), cutlass.Int32(1), stream)
+    return cute.compile(kernel, *args, options="--enable-tvm-ffi" if tvm_ffi else "")
 
 
 @functools.cache
 def compile_grouped_gemm(
-    dtype, tile_n, activation, has_bias, num_sms, tvm_ffi=None, cluster_m=2, **kernel_opts
+    dtype, tile_n, activation, has_bias, tvm_ffi=None, cluster_m=2, weight_layout="nk", **kernel_opts
 ):
-    """Compile (once per configuration) and return the launcher. Shapes are symbolic."""
+    """Compile (once per configuration) and return the launcher of ``grouped_gemm_sm90``:
+    fn(x, weight, offsets, pre, act, bias, probs, limit, alpha, max_clusters[, stream])."""
     import cutlass
     import cutlass.cute as cute
 
-    from .grouped_gemm_sm90 import GroupedGemmSm90
+    from .grouped_gemm_sm90 import GroupedGemmActSm90
 
     if tvm_ffi is None:
         tvm_ffi = _tvm_ffi_available()
-    dt = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
-    glu = activation in GLU_ACTIVATIONS
+    dt = _cutlass_dtype(dtype)
+    spec = activation_spec(activation, "compile_grouped_gemm")
+    glu = spec is not None and spec.glu
     m, g, g1 = cute.sym_int(), cute.sym_int(), cute.sym_int()
     k, n = cute.sym_int(divisibility=8), cute.sym_int(divisibility=GLU_N_MULTIPLE if glu else 8)
     n_act = cute.sym_int(divisibility=8)
-
-    def fake(dtype_, shape, align=16):
-        order = tuple(reversed(range(len(shape))))
-        return cute.runtime.make_fake_compact_tensor(
-            dtype_, shape, stride_order=order, assumed_align=align
-        )
-
     args = (
-        fake(dt, (m, k)),
-        fake(dt, (g, n, k)),
-        fake(cutlass.Int32, (g1,), 4),
-        fake(dt, (m, n)),
-        fake(dt, (m, n_act if glu else n)) if activation is not None else None,
-        fake(dt, (g, n)) if has_bias else None,
-        fake(cutlass.Float32, (m,), 4) if activation == "scaled_swiglu" else None,
-        cutlass.Float32(7.0),
-        cutlass.Float32(1.702),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi),
+        _fake(dt, (m, k)),
+        _fake(dt, (g, n, k) if weight_layout == "nk" else (g, k, n)),
+        _fake(cutlass.Int32, (g1,), 4),
+        _fake(dt, (m, n)),
+        _fake(dt, (m, n_act if glu else n)) if spec is not None else None,
+        _fake(dt, (g, n)) if has_bias else None,
+        _fake(cutlass.Float32, (m,), 4) if spec is not None and spec.takes_probs else None,
     )
-    kernel = GroupedGemmSm90(dt, tile_n, activation, has_bias, num_sms, cluster_m, **kernel_opts)
-    options = "--enable-tvm-ffi" if tvm_ffi else ""
-    return cute.compile(kernel, *args, options=options)
+    b_major = {"nk": "k", "kn": "mn"}[weight_layout]
+    kernel = GroupedGemmActSm90(dt, tile_n, activation, has_bias, b_major, cluster_m, **kernel_opts)
+    return _compile(kernel, args, tvm_ffi)
 
 
-def _check_tensor(t, arg, dtype, ndim, device_index):
+@functools.cache
+def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_m=2, **kernel_opts):
+    """Compile (once per configuration) and return the launcher of ``grouped_dgrad_dact_sm90``:
+    fn(dy, weight, offsets, pre, d_pre, act, probs, d_probs_part, limit, alpha, max_clusters[, stream])."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .grouped_dact_sm90 import GroupedGemmDActSm90
+
+    if tvm_ffi is None:
+        tvm_ffi = _tvm_ffi_available()
+    dt = _cutlass_dtype(dtype)
+    spec = activation_spec(activation, "compile_grouped_dgrad_dact")
+    m, g, g1, n_tiles = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    h = cute.sym_int(divisibility=8)
+    i = cute.sym_int(divisibility=DACT_GLU_I_MULTIPLE if spec.glu else 8)
+    i_pre = cute.sym_int(divisibility=2 * DACT_GLU_I_MULTIPLE) if spec.glu else i
+    args = (
+        _fake(dt, (m, h)),
+        _fake(dt, (g, h, i)),
+        _fake(cutlass.Int32, (g1,), 4),
+        _fake(dt, (m, i_pre)),
+        _fake(dt, (m, i_pre)),
+        _fake(dt, (m, i)),
+        _fake(cutlass.Float32, (m,), 4) if spec.takes_probs else None,
+        _fake(cutlass.Float32, (n_tiles, m), 4) if spec.takes_probs else None,
+    )
+    kernel = GroupedGemmDActSm90(dt, tile_n, activation, cluster_m, **kernel_opts)
+    return _compile(kernel, args, tvm_ffi)
+
+
+def _check_tensor(fn_name, t, arg, dtype, ndim, device_index):
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{_NAME}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{fn_name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
-        raise TypeError(f"{_NAME}: {arg} has dtype {t.dtype}, expected {dtype}")
+        raise TypeError(f"{fn_name}: {arg} has dtype {t.dtype}, expected {dtype}")
     if t.dim() != ndim:
-        raise ValueError(f"{_NAME}: {arg} must be {ndim}-D, got shape {tuple(t.shape)}")
+        raise ValueError(f"{fn_name}: {arg} must be {ndim}-D, got shape {tuple(t.shape)}")
     if t.get_device() != device_index:
-        raise ValueError(f"{_NAME}: {arg} is on {t.device}, expected cuda:{device_index}")
+        raise ValueError(f"{fn_name}: {arg} is on {t.device}, expected cuda:{device_index}")
     if not t.is_contiguous():
-        raise ValueError(f"{_NAME}: {arg} must be contiguous")
+        raise ValueError(f"{fn_name}: {arg} must be contiguous")
     if t.data_ptr() & 15:
-        raise ValueError(f"{_NAME}: {arg} data pointer must be 16-byte aligned")
+        raise ValueError(f"{fn_name}: {arg} data pointer must be 16-byte aligned")
+
+
+def _check_shape(fn_name, t, arg, shape):
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{fn_name}: {arg} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _check_input(fn_name, t, arg):
+    """The first (activation) input: a bf16/fp16 tensor on a CUDA device; returns the device index."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn_name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"{fn_name}: {arg} has dtype {t.dtype}, supported: bfloat16, float16")
+    dev = t.get_device()
+    if dev < 0:
+        raise ValueError(f"{fn_name}: {arg} must be on a CUDA device, got {t.device}")
+    _check_tensor(fn_name, t, arg, t.dtype, 2, dev)
+    return dev
+
+
+def _check_probs(fn_name, spec, probs, m, dev):
+    if spec is not None and spec.takes_probs:
+        if probs is None:
+            raise ValueError(f"{fn_name}: probs is required for activation {spec.name!r}")
+        _check_tensor(fn_name, probs, "probs", torch.float32, 1, dev)
+        _check_shape(fn_name, probs, "probs", (m,))
+    elif probs is not None:
+        users = tuple(name for name, s in ACTIVATIONS.items() if s.takes_probs)
+        raise ValueError(f"{fn_name}: probs is only used by activations {users}")
+
+
+def _launch_config(fn_name, m, n, g, dev, tile_n, cluster_m, sm_margin):
+    """(tile_n, cluster_m, max_clusters) from shapes, overrides and the SM margin."""
+    margin = resolve_sm_margin(sm_margin, fn_name)
+    num_sms = _num_sms(dev)
+    auto_tile_n, auto_cluster_m = choose_config(m, n, g, num_sms)
+    tile_n = auto_tile_n if tile_n is None else tile_n
+    cluster_m = auto_cluster_m if cluster_m is None else cluster_m
+    if tile_n not in (128, 256) or cluster_m not in (1, 2):
+        raise ValueError(f"{fn_name}: tile_n must be 128 or 256 and cluster_m 1 or 2")
+    return tile_n, cluster_m, max_clusters(num_sms, margin, cluster_m)
+
+
+_LAUNCHERS = {}
 
 
 def grouped_gemm_sm90(
     x, weight, offsets, *, bias=None, activation=None, probs=None, limit=7.0, alpha=1.702, out=None,
-    tile_n=None, cluster_m=None,
+    weight_layout="nk", tile_n=None, cluster_m=None, sm_margin=None,
 ):
-    """pre = x_g @ W[g].T (+ b[g]) per row group, act = activation(pre); see the module docstring.
+    """pre = x_g @ W[g].T ("nk") or x_g @ W[g] ("kn") (+ b[g]) per row group, act = activation(pre).
 
-    x (M, K) bf16/fp16; weight (G, N, K) (GLU: natural [gate; up], gate = rows [0, N/2));
-    offsets (G+1,) int32 cumulative row starts on x's device; bias (G, N) or None (GLU: [gate; up]);
-    probs (M,) float32 for scaled_swiglu.
+    x (M, K) bf16/fp16; weight (G, N, K) for weight_layout "nk", (G, K, N) for "kn" (GLU: natural
+    [gate; up] halves of N); offsets (G+1,) int32 cumulative row starts on x's device; bias (G, N)
+    or None; probs (M,) float32 for activations that take probs (scaled_swiglu); limit / alpha for
+    clamped_swiglu; out: optional (M, N) buffer for pre.
     Returns (pre (M, N) = [gate, up] for GLU, act (M, N/2) GLU / (M, N) srelu / None).
     Rows >= offsets[G] are zero. No host sync; the launch depends on shapes only.
-    tile_n (128 or 256) and cluster_m (1: no W multicast, 2) override the heuristic.
+    tile_n (128 or 256) and cluster_m (1: no W multicast, 2) override the heuristic;
+    sm_margin: SMs to leave free (default: env TE_FUSED_OPS_SM_MARGIN, else 0).
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{_NAME}: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"{_NAME}: x has dtype {x.dtype}, supported: bfloat16, float16")
-    dev = x.get_device()
-    if dev < 0:
-        raise ValueError(f"{_NAME}: x must be on a CUDA device, got {x.device}")
-    _check_tensor(x, "x", x.dtype, 2, dev)
-    _check_tensor(weight, "weight", x.dtype, 3, dev)
-    _check_tensor(offsets, "offsets", torch.int32, 1, dev)
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{_NAME}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    dev = _check_input(_FWD, x, "x")
+    _check_tensor(_FWD, weight, "weight", x.dtype, 3, dev)
+    _check_tensor(_FWD, offsets, "offsets", torch.int32, 1, dev)
+    spec = activation_spec(activation, _FWD)
+    if weight_layout not in ("nk", "kn"):
+        raise ValueError(f"{_FWD}: weight_layout must be 'nk' or 'kn', got {weight_layout!r}")
     m, k = x.shape
-    g, n, kw = weight.shape
+    if weight_layout == "nk":
+        g, n, kw = weight.shape
+    else:
+        g, kw, n = weight.shape
     if kw != k:
-        raise ValueError(f"{_NAME}: weight has K={kw}, x has K={k}")
-    if offsets.shape[0] != g + 1:
-        raise ValueError(f"{_NAME}: offsets must have G+1={g + 1} entries, got {offsets.shape[0]}")
+        raise ValueError(f"{_FWD}: weight has K={kw} (weight_layout {weight_layout!r}), x has K={k}")
     if g < 1:
-        raise ValueError(f"{_NAME}: weight must hold at least one group")
-    glu = activation in GLU_ACTIVATIONS
+        raise ValueError(f"{_FWD}: weight must hold at least one group")
+    _check_shape(_FWD, offsets, "offsets", (g + 1,))
+    glu = spec is not None and spec.glu
     if k % 8:
-        raise ValueError(f"{_NAME}: K={k} (x.shape[1]) must be a multiple of 8")
+        raise ValueError(f"{_FWD}: K={k} (x.shape[1]) must be a multiple of 8")
     if n % (GLU_N_MULTIPLE if glu else 8):
         raise ValueError(
-            f"{_NAME}: N={n} (weight.shape[1]) must be a multiple of {GLU_N_MULTIPLE if glu else 8}"
+            f"{_FWD}: N={n} (weight's N dim) must be a multiple of {GLU_N_MULTIPLE if glu else 8}"
             + (f" for activation {activation!r}" if glu else "")
         )
     if bias is not None:
-        _check_tensor(bias, "bias", x.dtype, 2, dev)
-        if tuple(bias.shape) != (g, n):
-            raise ValueError(f"{_NAME}: bias must have shape {(g, n)}, got {tuple(bias.shape)}")
-    if activation == "scaled_swiglu":
-        if probs is None:
-            raise ValueError(f"{_NAME}: probs is required for activation 'scaled_swiglu'")
-        _check_tensor(probs, "probs", torch.float32, 1, dev)
-        if probs.shape[0] != m:
-            raise ValueError(f"{_NAME}: probs must have shape ({m},), got {tuple(probs.shape)}")
-    elif probs is not None:
-        raise ValueError(f"{_NAME}: probs is only used by activation 'scaled_swiglu'")
+        _check_tensor(_FWD, bias, "bias", x.dtype, 2, dev)
+        _check_shape(_FWD, bias, "bias", (g, n))
+    _check_probs(_FWD, spec, probs, m, dev)
     if out is not None:
-        _check_tensor(out, "out", x.dtype, 2, dev)
-        if tuple(out.shape) != (m, n):
-            raise ValueError(f"{_NAME}: out must have shape {(m, n)}, got {tuple(out.shape)}")
+        _check_tensor(_FWD, out, "out", x.dtype, 2, dev)
+        _check_shape(_FWD, out, "out", (m, n))
+    tile_n, cluster_m, clusters = _launch_config(_FWD, m, n, g, dev, tile_n, cluster_m, sm_margin)
     pre = out if out is not None else x.new_empty((m, n))
-    act = None
-    if activation is not None:
-        act = x.new_empty((m, n // 2 if glu else n))
+    act = None if spec is None else x.new_empty((m, n // 2 if glu else n))
     if m == 0:
         return pre, act
 
-    num_sms = _num_sms(dev)
-    if tile_n is None:
-        tile_n, cluster_m = choose_config(m, n, g, num_sms)
-    elif tile_n not in (128, 256) or cluster_m not in (1, 2):
-        raise ValueError(f"{_NAME}: tile_n must be 128 or 256 and cluster_m 1 or 2")
     tvm_ffi = _tvm_ffi_available()
-    key = (x.dtype, tile_n, activation, bias is not None, num_sms, tvm_ffi, cluster_m)
+    key = (_FWD, x.dtype, tile_n, activation, bias is not None, tvm_ffi, cluster_m, weight_layout)
     fn = _LAUNCHERS.get(key)
     if fn is None:
-        fn = _LAUNCHERS[key] = compile_grouped_gemm(*key)
-    if tvm_ffi:
-        fn(x, weight, offsets, pre, act, bias, probs, float(limit), float(alpha))
-    else:
-        _call_classic(fn, x, weight, offsets, pre, act, bias, probs, limit, alpha)
+        fn = _LAUNCHERS[key] = compile_grouped_gemm(*key[1:])
+    _call(fn, tvm_ffi, x, weight, offsets, pre, act, bias, probs, limit, alpha, clusters)
     return pre, act
 
 
-def _call_classic(fn, x, weight, offsets, pre, act, bias, probs, limit, alpha):
+def grouped_dgrad_dact_sm90(
+    dy, weight, offsets, pre, *, activation, probs=None, limit=7.0, alpha=1.702, sm_margin=None,
+    tile_n=None, cluster_m=None,
+):
+    """Backward of FC2 fused with the activation's backward: h = dy_g @ W[g], then dActivation.
+
+    dy (M, H) bf16/fp16; weight (G, H, I) the FC2 weight in its natural layout (read in place);
+    offsets (G+1,) int32; pre (M, 2I) [gate, up] for GLU, (M, I) for srelu, the saved
+    pre-activation; probs (M,) float32 for scaled_swiglu; limit / alpha for clamped_swiglu.
+    Returns (d_pre like pre, act (M, I) = activation(pre) (times probs for scaled_swiglu: the input
+    of FC2's weight gradient), d_probs (M,) float32 for scaled_swiglu else None).
+    Rows >= offsets[G] are zero. No host sync. H a multiple of 8; I a multiple of 32 (GLU) or 8.
+    """
+    dev = _check_input(_DACT, dy, "dy")
+    _check_tensor(_DACT, weight, "weight", dy.dtype, 3, dev)
+    _check_tensor(_DACT, offsets, "offsets", torch.int32, 1, dev)
+    spec = activation_spec(activation, _DACT)
+    if spec is None:
+        raise ValueError(f"{_DACT}: activation is required, one of {tuple(ACTIVATIONS)}")
+    m, h = dy.shape
+    g, hw, i = weight.shape
+    if hw != h:
+        raise ValueError(f"{_DACT}: weight has H={hw} (weight.shape[1]), dy has H={h}")
+    if g < 1:
+        raise ValueError(f"{_DACT}: weight must hold at least one group")
+    _check_shape(_DACT, offsets, "offsets", (g + 1,))
+    if h % 8:
+        raise ValueError(f"{_DACT}: H={h} (dy.shape[1]) must be a multiple of 8")
+    multiple = DACT_GLU_I_MULTIPLE if spec.glu else 8
+    if i % multiple:
+        raise ValueError(
+            f"{_DACT}: I={i} (weight.shape[2]) must be a multiple of {multiple} for activation "
+            f"{activation!r}"
+        )
+    _check_tensor(_DACT, pre, "pre", dy.dtype, 2, dev)
+    _check_shape(_DACT, pre, "pre", (m, 2 * i if spec.glu else i))
+    _check_probs(_DACT, spec, probs, m, dev)
+    tile_n, cluster_m, clusters = _launch_config(_DACT, m, i, g, dev, tile_n, cluster_m, sm_margin)
+    d_pre = torch.empty_like(pre)
+    act = dy.new_empty((m, i))
+    d_probs_part = None
+    if spec.takes_probs:
+        d_probs_part = torch.empty((-(-i // tile_n), m), dtype=torch.float32, device=dy.device)
+    if m == 0:
+        return d_pre, act, None if d_probs_part is None else d_probs_part.sum(0)
+
+    tvm_ffi = _tvm_ffi_available()
+    key = (_DACT, dy.dtype, tile_n, activation, tvm_ffi, cluster_m)
+    fn = _LAUNCHERS.get(key)
+    if fn is None:
+        fn = _LAUNCHERS[key] = compile_grouped_dgrad_dact(*key[1:])
+    _call(fn, tvm_ffi, dy, weight, offsets, pre, d_pre, act, probs, d_probs_part, limit, alpha,
+          clusters)
+    return d_pre, act, None if d_probs_part is None else d_probs_part.sum(0)
+
+
+def _call(fn, tvm_ffi, *args):
+    """Run a launcher: tensors (or None), then float32 scalars, then the Int32 grid size."""
+    *tensors, limit, alpha, clusters = args
+    if tvm_ffi:
+        fn(*tensors, float(limit), float(alpha), int(clusters))
+        return
     import cuda.bindings.driver as cuda
     import cutlass
     from cutlass.cute.runtime import from_dlpack
 
-    def cv(t, align=16):
+    def cv(t):
         if t is None:
             return None
+        align = 4 if t.dtype in (torch.int32, torch.float32) else 16
         return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
-    stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
-    fn(cv(x), cv(weight), cv(offsets, 4), cv(pre), cv(act), cv(bias), cv(probs, 4),
-       cutlass.Float32(limit), cutlass.Float32(alpha), stream)
+    device = next(t for t in tensors if t is not None).device
+    stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    fn(*(cv(t) for t in tensors), cutlass.Float32(limit), cutlass.Float32(alpha),
+       cutlass.Int32(clusters), stream)

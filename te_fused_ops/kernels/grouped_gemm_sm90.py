@@ -1,43 +1,51 @@
-"""Hopper (sm_90a) sync-free grouped GEMM with activation epilogues, in CuTe DSL.
+"""Hopper (sm_90a) sync-free grouped GEMM core over contiguous row groups ("varlen-M"), in CuTe DSL.
 
-    pre[r, :] = x[r, :] @ W[g].T (+ b[g])      for offsets[g] <= r < offsets[g+1]
-    act       = activation(pre)                 (GLU: act(pre[:, :N/2]) * pre[:, N/2:])
-    pre, act  = 0                               for offsets[G] <= r < M
+    acc[r, :] = A[r, :] @ B[g]        for offsets[g] <= r < offsets[g+1]      (fp32)
+    outputs   = epilogue(acc, ...)    rows >= offsets[G] get the epilogue of acc = 0 (zeros)
 
-x (M, K) K-major, W (G, N, K) K-major, bias (G, N), pre (M, N), act (M, N/2) for GLU or (M, N)
-for srelu. GLU weights and biases are natural: gate = rows [0, N/2) of W[g], up = rows [N/2, N).
+A (M, K) K-major. The weight is read in place in either major mode (``b_major``): "k": W (G, N, K),
+acc = A_g @ W[g].T; "mn": W (G, K, N), acc = A_g @ W[g] (16-bit WGMMA reads MN-major B from smem).
 Persistent, warp-specialized: warpgroup 0 is the TMA producer (one warp issues the loads),
-warpgroups 1-2 run WGMMA on a 128 x tile_n tile (64 rows each) and the epilogue
-(registers -> smem -> TMA store). Tiles come from ``group_tile_scheduler`` (device prefix sums
-over the offsets tensor); the launch depends on tensor shapes only. With cluster_m=2 a pair of
-CTAs takes two vertically adjacent tiles of one group and multicasts the shared W tile (each CTA
-loads half); a CTA whose tile lies past its group's end still runs the mainloop for its peer and
-stores nothing.
+warpgroups 1-2 run WGMMA on a 128 x tile_n tile (64 rows each) and the epilogue. Tiles come from
+``group_tile_scheduler`` (device prefix sums over the offsets tensor); the launch depends on tensor
+shapes only, the grid size (SM margin) is a runtime argument. With cluster_m=2 a pair of CTAs takes
+two vertically adjacent tiles of one group and multicasts the shared B tile (each CTA loads half);
+a CTA whose tile lies past its group's end still runs the mainloop for its peer and stores nothing.
 
-Stores never cross a group's last row: the output tensors get a "ragged" TMA view (the idea of
-Triton's ragged TMA descriptors) with two extra modes whose strides wrap around the 64-bit
-address space, so a tile of group g sees a tensor whose row extent ends exactly at the group's
-last row and the TMA unit clips the rest.
+The epilogue works on 128 x 32 sub-tiles ("chunks"), one per step: an optional C-tile load (TMA
+into smem, issued ahead by the first consumer warp, before the tile's mainloop for the first steps),
+the subclass's element-wise ``epi_visit`` in fp32 registers, registers -> smem -> TMA store.
+Subclasses declare their outputs as ``epi_stores`` and loaded inputs as ``epi_loads``: one
+(tensor index, half) pair per smem buffer, half 1 being the columns [n_box, 2 n_box) of a
+[gate, up] tensor. Stores never cross a group's last row: outputs get a "ragged" TMA view (the
+idea of Triton's ragged TMA descriptors) with two extra modes whose strides wrap around the 64-bit
+address space, so a tile of group g sees a tensor whose row extent ends exactly at the group's last
+row and the TMA unit clips the rest.
 
-For GLU, n-tile nt covers gate rows [nt * tile_n/2, (nt+1) * tile_n/2) and the same up rows: each
-B stage is filled by two TMA boxes of tile_n/2 rows (gate, then up) from a view of W with a separate
-gate/up mode, (N/2, K, 2, G), so each half is clipped at its own end. Accumulator columns
-[0, tile_n/2) are gate and [tile_n/2, tile_n) up; epilogue step s pairs 32-column sub-tile s with
-s + tile_n/64 and writes gate and up back to their halves of ``pre``.
+With ``b_boxes`` = 2 (forward GLU), n-tile nt covers B rows [nt * tile_n/2, (nt+1) * tile_n/2) and
+the same rows of the second half: each B stage is filled by two TMA boxes of tile_n/2 (gate, then
+up) from a view of W with a separate half mode, (N/2, K, 2, G), so each half is clipped at its
+own end. Accumulator columns [0, tile_n/2) are gate and [tile_n/2, tile_n) up; epilogue step s
+pairs 32-column sub-tile s with s + tile_n/64.
+
+Variants: ``GroupedGemmActSm90`` (below; bias + activation forward, and the plain GEMM in both
+weight layouts, e.g. the data gradient dx = dy_g @ W[g]) and ``GroupedGemmDActSm90``
+(``grouped_dact_sm90``; data gradient + the activation's backward, C-tile load of ``pre``).
 """
+
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, const_expr
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass import Boolean, Float32, Int32, Int64, const_expr
 from cutlass.tensor_utils import LayoutEnum
 
+from .activation_math_sm90 import ACTIVATION_MATH
+from .activations import activation_spec
 from .group_tile_scheduler import locate_tile, segment_rows
-from .grouped_gemm import ACTIVATIONS, GLU_ACTIVATIONS
 
 _BIG = 2**30
 _HUGE = 2**31 - 1
@@ -63,74 +71,53 @@ def _segment_view(mD_ragged: cute.Tensor, start: Int32, length: Int32) -> cute.T
     )
 
 
-@dsl_user_op
-def _tanh_approx(x: Float32, *, loc=None, ip=None) -> Float32:
-    """tanh.approx.f32: one SFU op (max rel. error ~2^-11)."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [Float32(x).ir_value(loc=loc, ip=ip)],
-            "tanh.approx.f32 $0, $1;",
-            "=f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+class Tile(NamedTuple):
+    """Where the current tile sits: segment ``seg`` (a group, or the padding rows when seg == G)
+    with rows [start, end); m-tile mt of the segment (first row ``row0``), n-tile nt."""
 
-
-@cute.jit
-def _silu(x: Float32) -> Float32:
-    """x sigmoid(x) = h (1 + tanh(h)), h = x / 2: one SFU op (ex2 + rcp would take two)."""
-    h = 0.5 * x
-    return h + h * _tanh_approx(h)
+    seg: Int32
+    start: Int32
+    end: Int32
+    mt: Int32
+    nt: Int32
+    row0: Int32
+    is_group: Boolean
 
 
 class GroupedGemmSm90:
-    """Grouped GEMM + optional bias / activation epilogue for sm_90a.
+    """Persistent grouped GEMM core for sm_90a; subclasses add the epilogue and ``__call__``.
 
-    Compile-time configuration: ``dtype`` (cutlass.BFloat16 / Float16), ``tile_n`` (128 or 256;
-    tile_m is 128, tile_k 64), ``epilogue`` (one of ACTIVATIONS), ``has_bias``, ``num_sms``
-    (persistent grid size), ``cluster_m`` (1, or 2: a cluster of two CTAs takes vertically
-    adjacent tiles of one group and multicasts the shared W tile), ``ab_stages`` / ``epi_slots``
-    (None: fill shared memory).
+    Compile-time configuration: ``dtype`` (cutlass.BFloat16 / Float16, A, B and all epilogue
+    tensors), ``tile_n`` (128 or 256; tile_m is 128, tile_k 64), ``b_major`` ("k": W (G, N, K);
+    "mn": W (G, K, N)), ``cluster_m`` (1, or 2: B multicast to a CTA pair), ``ab_stages`` /
+    ``epi_slots`` (None: fill shared memory). Subclasses set ``b_boxes``, ``epi_stores``,
+    ``epi_loads`` before calling this ``__init__``.
     """
 
     tile_m = 128
     tile_k = 64
     epi_n = 32
+    c_stages = 2  # C-tile load buffers (steps loaded ahead)
+    b_boxes = 1
+    epi_stores: tuple  # set by subclasses
+    epi_loads = ()
 
-    def __init__(
-        self,
-        dtype,
-        tile_n,
-        epilogue,
-        has_bias,
-        num_sms,
-        cluster_m=2,
-        ab_stages=None,
-        epi_slots=None,
-    ):
-        if epilogue not in ACTIVATIONS:
-            raise ValueError(f"unknown epilogue {epilogue!r}")
+    def __init__(self, dtype, tile_n, b_major="k", cluster_m=2, ab_stages=None, epi_slots=None):
         if tile_n not in (128, 256):
             raise ValueError("tile_n must be 128 or 256")
+        if b_major not in ("k", "mn"):
+            raise ValueError("b_major must be 'k' or 'mn'")
+        if cluster_m not in (1, 2):
+            raise ValueError("cluster_m must be 1 or 2")
         self.dtype = dtype
         self.acc_dtype = Float32
         self.tile_n = tile_n
-        if cluster_m not in (1, 2):
-            raise ValueError("cluster_m must be 1 or 2")
+        self.b_major = b_major
+        self.b_layout = LayoutEnum.ROW_MAJOR if b_major == "k" else LayoutEnum.COL_MAJOR
         self.cluster_m = cluster_m
-        self.epilogue = epilogue
-        self.is_glu = epilogue in GLU_ACTIVATIONS
-        # TMA boxes per B stage: GLU loads box_n gate rows, then the same up rows
-        self.b_boxes = 2 if self.is_glu else 1
         self.box_n = tile_n // self.b_boxes
-        self.has_act = epilogue is not None
-        self.has_bias = has_bias
-        self.num_sms = num_sms
-        # outputs written per epilogue step: GLU (gate, up, act), srelu (pre, act), none (pre)
-        self.num_epi_out = 3 if self.is_glu else (2 if self.has_act else 1)
+        self.num_out = len(self.epi_stores)
+        self.num_in = len(self.epi_loads)
         self.num_steps = self.box_n // self.epi_n
         self.num_mma_wg = 2
         self.threads = 128 * (1 + self.num_mma_wg)
@@ -139,9 +126,9 @@ class GroupedGemmSm90:
         buf_bytes = self.tile_m * self.epi_n * dtype.width // 8
         smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90") - 1024
         if epi_slots is None:
-            epi_slots = 1 if self.is_glu and tile_n == 256 else 2
+            epi_slots = 1 if self.num_out + self.num_in >= 3 and tile_n == 256 else 2
         self.epi_slots = epi_slots
-        epi_bytes = buf_bytes * self.num_epi_out * epi_slots
+        epi_bytes = buf_bytes * (self.num_out * epi_slots + self.num_in * self.c_stages)
         if ab_stages is None:
             ab_stages = (smem - epi_bytes) // stage_bytes
         if ab_stages * stage_bytes + epi_bytes > smem or ab_stages < 2:
@@ -150,60 +137,51 @@ class GroupedGemmSm90:
         self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=128 * self.num_mma_wg)
 
     # ------------------------------------------------------------------ host side (traced)
-    @cute.jit
-    def __call__(
-        self,
-        mX: cute.Tensor,  # (M, K)
-        mW: cute.Tensor,  # (G, N, K); GLU rows [gate; up]
-        mOffsets: cute.Tensor,  # (G + 1,) int32
-        mPre: cute.Tensor,  # (M, N)
-        mAct: cute.Tensor,  # (M, N/2) GLU, (M, N) srelu, None
-        mBias: cute.Tensor,  # (G, N) or None; GLU [gate; up]
-        mProbs: cute.Tensor,  # (M,) float32 or None
-        limit: Float32,
-        alpha: Float32,
-        stream,
-    ):
+    def launch(self, mA, mW, mOffsets, outputs, inputs, epi_params, max_clusters, stream):
+        """Build the TMA atoms and launch; called from a subclass's ``@cute.jit __call__``.
+
+        mA (M, K); mW (G, N, K) or (G, K, N) per ``b_major``; outputs / inputs: tuples of
+        row-major (M, cols) tensors, indexed by ``epi_stores`` / ``epi_loads``; epi_params: tuple
+        handed to the epilogue hooks; max_clusters: Int32, the persistent grid in clusters.
+        """
         dt = self.dtype
-        # B as (N / b_boxes, K, b_boxes, G): GLU (N/2, K, 2, G), box h = 0 gate, 1 up
-        n = cute.size(mW, mode=[1])
+        n_mode, k_mode = (1, 2) if const_expr(self.b_major == "k") else (2, 1)
+        n = cute.size(mW, mode=[n_mode])
         n_box = n // self.b_boxes
-        row_stride = mW.stride[1]
+        # B as (N / b_boxes, K, b_boxes, G): forward GLU (N/2, K, 2, G), box h = 0 gate, 1 up
         mB = cute.make_tensor(
             mW.iterator,
             cute.make_layout(
-                (n_box, cute.size(mW, mode=[2]), self.b_boxes, cute.size(mW, mode=[0])),
-                stride=(row_stride, mW.stride[2], n_box * row_stride, mW.stride[0]),
+                (n_box, cute.size(mW, mode=[k_mode]), self.b_boxes, cute.size(mW, mode=[0])),
+                stride=(mW.stride[n_mode], mW.stride[k_mode], n_box * mW.stride[n_mode], mW.stride[0]),
             ),
         )
-        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
             dt,
             dt,
             cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K,
+            self.b_layout.sm90_mma_major_mode(),
             self.acc_dtype,
             (self.num_mma_wg, 1, 1),
             tiler_mn=(64, self.tile_n),
         )
-        tile_mk = (self.tile_m, self.tile_k)
-        box_nk = (self.box_n, self.tile_k)
-        self.sA_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.tile_k), dt, self.ab_stages
+        tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
+        sA_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dt, self.ab_stages)
+        sB_layout = sm90_utils.make_smem_layout_b(self.b_layout, tile_mnk, dt, self.ab_stages)
+        sD_layout = sm90_utils.make_smem_layout_epi(
+            dt, LayoutEnum.ROW_MAJOR, self.epi_tile, self.num_out * self.epi_slots
         )
-        self.sB_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.tile_k), dt, self.ab_stages
-        )
-        self.sD_layout = sm90_utils.make_smem_layout_epi(
-            dt, LayoutEnum.ROW_MAJOR, self.epi_tile, self.num_epi_out * self.epi_slots
+        sC_layout = sm90_utils.make_smem_layout_epi(
+            dt, LayoutEnum.ROW_MAJOR, self.epi_tile, max(self.num_in, 1) * self.c_stages
         )
         tma_a, tma_mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-            mX,
-            cute.slice_(self.sA_layout, (None, None, 0)),
-            tile_mk,
+            mA,
+            cute.slice_(sA_layout, (None, None, 0)),
+            (self.tile_m, self.tile_k),
         )
         sB_box_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (self.tile_m, self.box_n, self.tile_k), dt, 1
+            self.b_layout, (self.tile_m, self.box_n, self.tile_k), dt, 1
         )
         tma_b, tma_mB = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
@@ -211,66 +189,64 @@ class GroupedGemmSm90:
             else cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
             mB,
             cute.slice_(sB_box_layout, (None, None, 0)),
-            box_nk,
+            (self.box_n, self.tile_k),
             num_multicast=self.cluster_m,
         )
-        sD_one = cute.slice_(self.sD_layout, (None, None, 0))
-        tma_pre, tma_mPre = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), _ragged_rows(mPre), sD_one, self.epi_tile
+        sD_one = cute.slice_(sD_layout, (None, None, 0))
+        store_tmas = tuple(
+            cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), _ragged_rows(t), sD_one, self.epi_tile
+            )
+            for t in outputs
         )
-        tma_act = None
-        tma_mAct = None
-        if const_expr(self.has_act):
-            tma_act, tma_mAct = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
-                _ragged_rows(mAct),
-                sD_one,
+        load_tmas = tuple(
+            cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+                t,
+                cute.slice_(sC_layout, (None, None, 0)),
                 self.epi_tile,
             )
-        self.tma_bytes = cute.size_in_bytes(dt, cute.slice_(self.sA_layout, (None, None, 0))) + (
-            cute.size_in_bytes(dt, cute.slice_(self.sB_layout, (None, None, 0)))
+            for t in inputs
         )
+        self.ab_bytes = cute.size_in_bytes(dt, cute.slice_(sA_layout, (None, None, 0))) + (
+            cute.size_in_bytes(dt, cute.slice_(sB_layout, (None, None, 0)))
+        )
+        self.c_bytes = self.num_in * cute.size_in_bytes(dt, cute.slice_(sC_layout, (None, None, 0)))
 
         @cute.struct
         class SharedStorage:
             ab_full_empty: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-            sA: cute.struct.Align[
-                cute.struct.MemRange[dt, cute.cosize(self.sA_layout)], 1024
-            ]
-            sB: cute.struct.Align[
-                cute.struct.MemRange[dt, cute.cosize(self.sB_layout)], 1024
-            ]
-            sD: cute.struct.Align[
-                cute.struct.MemRange[dt, cute.cosize(self.sD_layout)], 1024
+            c_full_empty: cute.struct.MemRange[cutlass.Int64, self.c_stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sA_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sB_layout)], 1024]
+            sD: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sD_layout)], 1024]
+            sC: cute.struct.Align[
+                cute.struct.MemRange[dt, cute.cosize(sC_layout) if self.num_in else 0], 1024
             ]
 
         self.shared_storage = SharedStorage
 
-        m_total = cute.size(mX, mode=[0])
+        m_total = cute.size(mA, mode=[0])
         num_groups = cute.size(mW, mode=[0])
-        n_tiles = (n + self.tile_n - 1) // self.tile_n
-        # upper bound on the number of tiles (shape-only), to avoid idle CTAs on small problems
+        n_tiles = (n_box + self.box_n - 1) // self.box_n
+        # upper bound on the number of cluster tiles (shape-only): no idle CTAs on small problems
         rows = self.tile_m * self.cluster_m
         max_tiles = ((m_total + rows - 1) // rows + num_groups + 1) * n_tiles
-        grid_x = cutlass.min(max_tiles, self.num_sms // self.cluster_m) * self.cluster_m
+        grid_x = cutlass.min(max_tiles, max_clusters) * self.cluster_m
         self.kernel(
             tma_a,
             tma_mA,
             tma_b,
             tma_mB,
-            tma_pre,
-            tma_mPre,
-            tma_act,
-            tma_mAct,
+            store_tmas,
+            load_tmas,
             mOffsets,
-            mBias,
-            mProbs,
-            limit,
-            alpha,
-            self.tiled_mma,
-            self.sA_layout,
-            self.sB_layout,
-            self.sD_layout,
+            epi_params,
+            tiled_mma,
+            sA_layout,
+            sB_layout,
+            sD_layout,
+            sC_layout,
         ).launch(
             grid=[grid_x, 1, 1],
             block=[self.threads, 1, 1],
@@ -278,6 +254,23 @@ class GroupedGemmSm90:
             min_blocks_per_mp=1,
             stream=stream,
         )
+
+    # ------------------------------------------------------------------ epilogue hooks
+    def epi_make_state(self, tiled_copy_r2s):
+        """Per-thread register state carried across the epilogue steps of a tile, or None."""
+        return None
+
+    def epi_begin_tile(self, state):
+        """Reset ``state`` at the start of each tile."""
+
+    def epi_visit(self, params, tile: Tile, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
+        """fp32 outputs of one 128 x 32 chunk: rAcc[j] the accumulator of B box j, rIn[i] the
+        loaded inputs (epi_loads order), rOut[o] to fill (epi_stores order); per-thread
+        fragments, element v at (row, col) = tRS_cD[v] of the chunk."""
+        raise NotImplementedError
+
+    def epi_end_tile(self, params, tile: Tile, n_box, tRS_cD, state):
+        """After the tile's last step (all consumer threads)."""
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -287,19 +280,15 @@ class GroupedGemmSm90:
         mA: cute.Tensor,
         tma_b: cute.CopyAtom,
         mB: cute.Tensor,
-        tma_pre: cute.CopyAtom,
-        mPre: cute.Tensor,
-        tma_act: cute.CopyAtom,
-        mAct: cute.Tensor,
+        store_tmas: tuple,
+        load_tmas: tuple,
         mOffsets: cute.Tensor,
-        mBias: cute.Tensor,
-        mProbs: cute.Tensor,
-        limit: Float32,
-        alpha: Float32,
+        epi_params: tuple,
         tiled_mma: cute.TiledMma,
         sA_layout: cute.ComposedLayout,
         sB_layout: cute.ComposedLayout,
         sD_layout: cute.ComposedLayout,
+        sC_layout: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -317,15 +306,15 @@ class GroupedGemmSm90:
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_pre)
-            if const_expr(self.has_act):
-                cute.nvgpu.cpasync.prefetch_descriptor(tma_act)
+            for atom, _ in store_tmas + load_tmas:
+                cute.nvgpu.cpasync.prefetch_descriptor(atom)
 
         m_total = cute.size(mA, mode=[0])
         k_tiles = (cute.size(mA, mode=[1]) + self.tile_k - 1) // self.tile_k
-        n_box = cute.size(mB, mode=[0])  # N/2 for GLU, else N
+        n_box = cute.size(mB, mode=[0])  # N / b_boxes
         num_groups = cute.size(mB, mode=[3])
         n_tiles = (n_box + self.box_n - 1) // self.box_n
+        half_chunks = n_box // self.epi_n  # chunk offset of half 1 in a [gate, up] tensor
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -336,15 +325,29 @@ class GroupedGemmSm90:
             consumer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, self.num_mma_wg * 4 * self.cluster_m
             ),
-            tx_count=self.tma_bytes,
+            tx_count=self.ab_bytes,
             cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
             defer_sync=True,
         )
+        c_pipe = None
+        if const_expr(self.num_in > 0):
+            # CTA-local: the first consumer warp loads, every consumer warp's lane 0 releases
+            c_pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.c_full_empty.data_ptr(),
+                num_stages=self.c_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4),
+                tx_count=self.c_bytes,
+                defer_sync=True,
+            )
         pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)
 
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         sD = storage.sD.get_tensor(sD_layout.outer, swizzle=sD_layout.inner)
+        sC = None
+        if const_expr(self.num_in > 0):
+            sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
         # ((box_n, tile_k), b_boxes, 1, stages): box h fills rows [h * box_n, (h+1) * box_n)
         sB_boxes = cute.group_modes(cute.flat_divide(sB, (self.box_n, self.tile_k)), 0, 2)
 
@@ -419,25 +422,45 @@ class GroupedGemmSm90:
             acc_shape = thr_mma.partition_shape_C((self.tile_m, self.tile_n))
             acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
 
-            copy_atom_r2s = sm90_utils.get_smem_store_op(
-                LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype
-            )
-            copy_atom_c = cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype
+            copy_atom_c = cute.make_tiled_copy_C_atom(
+                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype),
+                tiled_mma,
             )
             tiled_copy_r2s = cute.make_tiled_copy_S(
-                copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
+                sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype),
+                copy_atom_c,
             )
             thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
             tRS_sD = thr_copy_r2s.partition_D(sD)  # (R2S, R2S_M, R2S_N, buf)
             tRS_rAcc = tiled_copy_r2s.retile(acc)
-            # coordinates (row, col in the epilogue subtile) of each register value
+            # coordinates (row, col in the chunk) of each register value
             tRS_cD = thr_copy_r2s.partition_S(cute.make_identity_tensor(self.epi_tile))
             rD_shape = cute.shape(thr_copy_r2s.partition_S(sD))[:3]
             frag = cute.size(rD_shape)
-            rPre = [cute.make_rmem_tensor(rD_shape, self.acc_dtype) for _ in range(2)]
-            rAct = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
-            rOut = cute.make_rmem_tensor(rD_shape, self.dtype)
+            rAcc = [cute.make_rmem_tensor(rD_shape, self.acc_dtype) for _ in range(self.b_boxes)]
+            rOut = [cute.make_rmem_tensor(rD_shape, self.acc_dtype) for _ in range(self.num_out)]
+            rStore = cute.make_rmem_tensor(rD_shape, self.dtype)
+            rIn = [cute.make_rmem_tensor(rD_shape, self.dtype) for _ in range(self.num_in)]
+            tiled_copy_s2r = None
+            tSR_sC = None
+            tSR_rIn = None
+            c_write = None
+            c_read = None
+            if const_expr(self.num_in > 0):
+                tiled_copy_s2r = cute.make_tiled_copy_S(
+                    cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), self.dtype),
+                    copy_atom_c,
+                )
+                thr_copy_s2r = tiled_copy_s2r.get_slice(mma_tidx)
+                tSR_sC = thr_copy_s2r.partition_S(sC)
+                tSR_rIn = [thr_copy_s2r.retile(r) for r in rIn]
+                c_write = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.c_stages
+                )
+                c_read = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, self.c_stages
+                )
+            state = self.epi_make_state(tiled_copy_r2s)
 
             store_pipe = pipeline.PipelineTmaStore.create(
                 num_stages=self.epi_slots,
@@ -464,8 +487,21 @@ class GroupedGemmSm90:
                 local = tile_id - seg_first
                 mt = local % m_tiles * self.cluster_m + rank
                 nt = local // m_tiles
-                has_rows = mt * self.tile_m < length  # else only helps its peer load W
+                has_rows = mt * self.tile_m < length  # else only helps its peer load B
                 is_group = seg < num_groups
+                tile = Tile(seg, start, end, mt, nt, start + mt * self.tile_m, is_group)
+
+                # C-tile loads of the first steps run under the mainloop (padding tiles: none,
+                # their inputs read as zeros)
+                bGS_sC = None
+                bGS_gC = None
+                if const_expr(self.num_in > 0):
+                    bGS_sC, bGS_gC = self._partition_loads(load_tmas, sC, start)
+                    if is_group and is_store_warp:
+                        for step in cutlass.range_constexpr(min(self.c_stages, self.num_steps)):
+                            self._load_c(load_tmas, c_pipe, c_write, bGS_sC, bGS_gC, mt,
+                                         nt * self.num_steps + step, half_chunks)
+                            c_write.advance()
 
                 # ------------------------------------------------------ mainloop
                 acc.fill(0.0)
@@ -489,69 +525,69 @@ class GroupedGemmSm90:
                     release_state.advance()
 
                 # ------------------------------------------------------ epilogue
-                gPre = cute.local_tile(
-                    _segment_view(mPre, start, length), self.epi_tile, (None, None)
-                )
-                bSG_sD, bSG_gPre = cute.nvgpu.cpasync.tma_partition(
-                    tma_pre, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2),
-                    cute.group_modes(gPre, 0, 2),
-                )
-                bSG_gAct = bSG_gPre
-                if const_expr(self.has_act):
-                    gAct = cute.local_tile(
-                        _segment_view(mAct, start, length), self.epi_tile, (None, None)
+                bSG_sD = None
+                bSG_gD = []
+                for atom, mD in store_tmas:
+                    gD = cute.local_tile(_segment_view(mD, start, length), self.epi_tile, (None, None))
+                    bSG_sD, bSG_g = cute.nvgpu.cpasync.tma_partition(
+                        atom, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2),
+                        cute.group_modes(gD, 0, 2),
                     )
-                    _, bSG_gAct = cute.nvgpu.cpasync.tma_partition(
-                        tma_act, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2),
-                        cute.group_modes(gAct, 0, 2),
-                    )
-                g_safe = cutlass.min(seg, num_groups - 1)
-                row0 = start + mt * self.tile_m
+                    bSG_gD.append(bSG_g)
+                self.epi_begin_tile(state)
 
                 for step in cutlass.range_constexpr(self.num_steps):
-                    # GLU: sub-tile `step` is gate (j = 0), `step + num_steps` up (j = 1)
+                    chunk = nt * self.num_steps + step  # 32-column chunk (of each half)
+                    # forward GLU: sub-tile `step` is gate (j = 0), `step + num_steps` up (j = 1)
                     for j in cutlass.range_constexpr(self.b_boxes):
                         sub = step + j * self.num_steps
                         for v in cutlass.range_constexpr(frag):
-                            x = tRS_rAcc[sub * frag + v]
-                            if const_expr(self.has_bias):
-                                col = nt * self.box_n + step * self.epi_n + tRS_cD[v][1]
-                                b = Float32(0.0)
-                                if is_group and col < n_box:
-                                    b = mBias[g_safe, j * n_box + col].to(Float32)
-                                x = x + b
-                            rPre[j][v] = x
-                    if const_expr(self.has_act):
-                        for v in cutlass.range_constexpr(frag):
-                            rAct[v] = self._activation(rPre, v, tRS_cD, row0, m_total, is_group,
-                                                       mProbs, limit, alpha)
+                            rAcc[j][v] = tRS_rAcc[sub * frag + v]
+                    if const_expr(self.num_in > 0):
+                        if is_group:
+                            c_pipe.consumer_wait(c_read)
+                            for i in cutlass.range_constexpr(self.num_in):
+                                cute.copy(
+                                    tiled_copy_s2r,
+                                    tSR_sC[(None, None, None, c_read.index * self.num_in + i)],
+                                    tSR_rIn[i],
+                                )
+                            c_pipe.consumer_release(c_read)
+                            c_read.advance()
+                        else:
+                            for i in cutlass.range_constexpr(self.num_in):
+                                rIn[i].fill(0.0)
+                    self.epi_visit(epi_params, tile, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state)
                     slot = epi_count % self.epi_slots
-                    outs = [rPre[0], rPre[1], rAct] if const_expr(self.is_glu) else [rPre[0], rAct]
-                    for o in cutlass.range_constexpr(self.num_epi_out):
-                        rOut.store(outs[o].load().to(self.dtype))
+                    for o in cutlass.range_constexpr(self.num_out):
+                        rStore.store(rOut[o].load().to(self.dtype))
                         cute.copy(
                             tiled_copy_r2s,
-                            rOut,
-                            tRS_sD[(None, None, None, slot * self.num_epi_out + o)],
+                            rStore,
+                            tRS_sD[(None, None, None, slot * self.num_out + o)],
                         )
                     cute.arch.fence_proxy("async.shared", space="cta")
                     self.epi_barrier.arrive_and_wait()
+                    if const_expr(self.num_in > 0 and step + self.c_stages < self.num_steps):
+                        if is_group and is_store_warp:
+                            self._load_c(load_tmas, c_pipe, c_write, bGS_sC, bGS_gC, mt,
+                                         chunk + self.c_stages, half_chunks)
+                            c_write.advance()
                     if is_store_warp and has_rows:
-                        buf0 = slot * self.num_epi_out
-                        chunk = nt * self.num_steps + step  # 32-column chunk (of each half for GLU)
                         if chunk * self.epi_n < n_box:
-                            cute.copy(tma_pre, bSG_sD[(None, buf0)], bSG_gPre[(None, mt, chunk)])
-                            if const_expr(self.is_glu):
-                                up_chunk = n_box // self.epi_n + chunk
-                                cute.copy(tma_pre, bSG_sD[(None, buf0 + 1)], bSG_gPre[(None, mt, up_chunk)])
-                            if const_expr(self.has_act):
-                                act_buf = buf0 + self.num_epi_out - 1
-                                cute.copy(tma_act, bSG_sD[(None, act_buf)], bSG_gAct[(None, mt, chunk)])
+                            for o in cutlass.range_constexpr(self.num_out):
+                                t, half = self.epi_stores[o]
+                                cute.copy(
+                                    store_tmas[t][0],
+                                    bSG_sD[(None, slot * self.num_out + o)],
+                                    bSG_gD[t][(None, mt, chunk + half * half_chunks)],
+                                )
                     if is_store_warp:
                         store_pipe.producer_commit()
                         store_pipe.producer_acquire()
                     self.epi_barrier.arrive_and_wait()
                     epi_count = epi_count + 1
+                self.epi_end_tile(epi_params, tile, n_box, tRS_cD, state)
 
                 tile_id = tile_id + num_clusters
                 found, seg, seg_first, c_start, c_base = locate_tile(
@@ -560,35 +596,109 @@ class GroupedGemmSm90:
             if is_store_warp:
                 store_pipe.producer_tail()
 
+    def _partition_loads(self, load_tmas, sC, start):
+        """TMA partitions (smem buffers, gmem chunks) of the C-tile inputs for a segment."""
+        bGS_sC = None
+        bGS_gC = []
+        for atom, mC in load_tmas:
+            gC = cute.local_tile(cute.domain_offset((start, None), mC), self.epi_tile, (None, None))
+            bGS_sC, bGS_g = cute.nvgpu.cpasync.tma_partition(
+                atom, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), cute.group_modes(gC, 0, 2)
+            )
+            bGS_gC.append(bGS_g)
+        return bGS_sC, bGS_gC
+
+    @cute.jit
+    def _load_c(self, load_tmas, c_pipe, c_write, bGS_sC, bGS_gC, mt, chunk, half_chunks):
+        """Issue the TMA loads of every ``epi_loads`` buffer of ``chunk`` (one warp)."""
+        c_pipe.producer_acquire(c_write)
+        bar = c_pipe.producer_get_barrier(c_write)
+        for i in cutlass.range_constexpr(self.num_in):
+            t, half = self.epi_loads[i]
+            cute.copy(
+                load_tmas[t][0],
+                bGS_gC[t][(None, mt, chunk + half * half_chunks)],
+                bGS_sC[(None, c_write.index * self.num_in + i)],
+                tma_bar_ptr=bar,
+            )
+
     @cute.jit
     def _mma_stage(self, tiled_mma, acc, tCrA, tCrB, stage):
         """acc += the (tile_m, tile_n) product of the k-tile held in pipeline stage ``stage``."""
         for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
             cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc)
 
+
+@cute.jit
+def _row_value(mVec: cute.Tensor, row: Int32, tile: Tile, m_total: Int32) -> Float32:
+    """mVec[row] of a (M,) float32 tensor inside a group's tile, 0 elsewhere (padding rows)."""
+    value = Float32(0.0)
+    if tile.is_group:
+        value = mVec[cutlass.min(row, m_total - 1)]
+    return value
+
+
+class GroupedGemmActSm90(GroupedGemmSm90):
+    """pre = A_g @ B[g] (+ bias[g]), act = activation(pre) (see the module docstring).
+
+    ``activation``: None or a name of ``activations.ACTIVATIONS``; ``has_bias``. Outputs: pre
+    (M, N) (GLU: [gate, up], B rows natural [gate; up] for "k", columns for "mn"), act (M, N/2)
+    for GLU, (M, N) for srelu; bias (G, N); probs (M,) float32 when the activation takes probs.
+    """
+
+    def __init__(self, dtype, tile_n, activation, has_bias, b_major="k", cluster_m=2, **opts):
+        self.spec = activation_spec(activation, "GroupedGemmActSm90")
+        self.has_bias = has_bias
+        glu = self.spec is not None and self.spec.glu
+        self.b_boxes = 2 if glu else 1
+        # output buffers: GLU (gate, up) -> pre, act -> act; srelu pre, act; none pre
+        if self.spec is None:
+            self.epi_stores = ((0, 0),)
+        elif glu:
+            self.epi_stores = ((0, 0), (0, 1), (1, 0))
+        else:
+            self.epi_stores = ((0, 0), (1, 0))
+        super().__init__(dtype, tile_n, b_major, cluster_m, **opts)
+
     @cute.jit
-    def _activation(self, rPre, v, tRS_cD, row0, m_total, is_group, mProbs, limit, alpha):
-        """fp32 activation of fragment element v (gate = rPre[0], up = rPre[1] for GLU)."""
-        x = rPre[0][v]
-        out = Float32(0.0)
-        if const_expr(self.epilogue == "srelu"):
-            r = cutlass.max(x, Float32(0.0))
-            out = r * r
-        elif const_expr(self.epilogue == "geglu"):
-            u = rPre[1][v]
-            inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-            out = 0.5 * x * (1.0 + cute.math.tanh(inner, fastmath=True)) * u
-        elif const_expr(self.epilogue == "clamped_swiglu"):
-            g = cutlass.min(x, limit)
-            u = cutlass.min(cutlass.max(rPre[1][v], -limit), limit)
-            hg = 0.5 * g  # g sigmoid(alpha g) = hg (1 + tanh(alpha hg))
-            out = (hg + hg * _tanh_approx(alpha * hg)) * (u + 1.0)
-        else:  # swiglu, scaled_swiglu
-            out = _silu(x) * rPre[1][v]
-            if const_expr(self.epilogue == "scaled_swiglu"):
-                row = cutlass.min(row0 + tRS_cD[v][0], m_total - 1)
-                p = Float32(0.0)
-                if is_group:
-                    p = mProbs[row]
-                out = out * p
-        return out
+    def __call__(
+        self,
+        mX: cute.Tensor,  # (M, K)
+        mW: cute.Tensor,  # (G, N, K) "k" / (G, K, N) "mn"
+        mOffsets: cute.Tensor,  # (G + 1,) int32
+        mPre: cute.Tensor,  # (M, N)
+        mAct: cute.Tensor,  # (M, N/2) GLU, (M, N) srelu, None
+        mBias: cute.Tensor,  # (G, N) or None
+        mProbs: cute.Tensor,  # (M,) float32 or None
+        limit: Float32,
+        alpha: Float32,
+        max_clusters: Int32,
+        stream,
+    ):
+        outputs = (mPre,) if const_expr(self.spec is None) else (mPre, mAct)
+        m_total = cute.size(mX, mode=[0])
+        self.launch(mX, mW, mOffsets, outputs, (), (mBias, mProbs, limit, alpha, m_total),
+                    max_clusters, stream)
+
+    @cute.jit
+    def epi_visit(self, params, tile: Tile, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
+        mBias, mProbs, limit, alpha, m_total = params
+        g_safe = tile.seg
+        if const_expr(self.has_bias):
+            g_safe = cutlass.min(tile.seg, cute.size(mBias, mode=[0]) - 1)
+        for v in cutlass.range_constexpr(cute.size(rAcc[0])):
+            for j in cutlass.range_constexpr(self.b_boxes):
+                x = rAcc[j][v]
+                if const_expr(self.has_bias):
+                    col = chunk * self.epi_n + tRS_cD[v][1]
+                    b = Float32(0.0)
+                    if tile.is_group and col < n_box:
+                        b = mBias[g_safe, j * n_box + col].to(Float32)
+                    x = x + b
+                rOut[j][v] = x
+            if const_expr(self.spec is not None):
+                up = rOut[1][v] if const_expr(self.spec.glu) else None
+                value, _, _ = ACTIVATION_MATH[self.spec.name](rOut[0][v], up, limit, alpha)
+                if const_expr(self.spec.takes_probs):
+                    value = value * _row_value(mProbs, tile.row0 + tRS_cD[v][0], tile, m_total)
+                rOut[self.num_out - 1][v] = value

@@ -1,0 +1,131 @@
+"""Hopper (sm_90a) grouped data-gradient GEMM with the activation's backward in the epilogue.
+
+The backward of FC2 fused with the activation's backward (GroupGemm + dActivation), on the core of
+``grouped_gemm_sm90``:
+
+    h[r, :]  = dY[r, :] @ W[g]                 for offsets[g] <= r < offsets[g+1]   (fp32)
+    GLU:     d_pre = [h p up act'(gate), h p act(gate)],  act = act(gate) up p
+             d_probs[r] = sum_c h act(gate) up              (scaled_swiglu only; p = probs[r],
+                                                             else p = 1)
+    srelu:   d_pre = h 2 relu(pre),  act = relu(pre)^2
+    d_pre, act, d_probs = 0                    for offsets[G] <= r < M
+
+dY (M, H); W (G, H, I) the FC2 weight in its natural layout, read in place (MN-major B); pre (the
+saved pre-activation) (M, 2I) [gate, up] for GLU, (M, I) for srelu, loaded per 128 x 32 chunk with
+TMA in the epilogue; d_pre like pre; act (M, I), the FC2 input recomputed for its weight gradient;
+probs (M,) float32; d_probs as per-(n-tile, row) fp32 partials (ceil(I / tile_n), M) summed by the
+caller, so the reduction is deterministic. GLU needs I % 32 == 0 (a gate chunk never reaches into
+the up half).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from .activation_math_sm90 import ACTIVATION_MATH
+from .activations import activation_spec
+from .grouped_gemm_sm90 import GroupedGemmSm90, Tile, _row_value
+
+
+class GroupedGemmDActSm90(GroupedGemmSm90):
+    """Grouped dgrad GEMM + dActivation epilogue for sm_90a.
+
+    Compile-time configuration: ``dtype``, ``tile_n`` (over I), ``activation`` (a name of
+    ``activations.ACTIVATIONS``), ``cluster_m`` and the core's options. B is always MN-major.
+    """
+
+    def __init__(self, dtype, tile_n, activation, cluster_m=2, **opts):
+        self.spec = activation_spec(activation, "GroupedGemmDActSm90")
+        if self.spec is None:
+            raise ValueError("GroupedGemmDActSm90 needs an activation")
+        # outputs: d_pre (gate and up halves for GLU), act; input: pre (gate and up halves)
+        if self.spec.glu:
+            self.epi_stores = ((0, 0), (0, 1), (1, 0))
+            self.epi_loads = ((0, 0), (0, 1))
+        else:
+            self.epi_stores = ((0, 0), (1, 0))
+            self.epi_loads = ((0, 0),)
+        super().__init__(dtype, tile_n, "mn", cluster_m, **opts)
+
+    @cute.jit
+    def __call__(
+        self,
+        mDy: cute.Tensor,  # (M, H)
+        mW: cute.Tensor,  # (G, H, I)
+        mOffsets: cute.Tensor,  # (G + 1,) int32
+        mPre: cute.Tensor,  # (M, 2I) GLU, (M, I) srelu
+        mDPre: cute.Tensor,  # like mPre
+        mAct: cute.Tensor,  # (M, I)
+        mProbs: cute.Tensor,  # (M,) float32 or None
+        mDProbsPart: cute.Tensor,  # (ceil(I / tile_n), M) float32 or None
+        limit: Float32,
+        alpha: Float32,
+        max_clusters: Int32,
+        stream,
+    ):
+        m_total = cute.size(mDy, mode=[0])
+        self.launch(mDy, mW, mOffsets, (mDPre, mAct), (mPre,),
+                    (mProbs, mDProbsPart, limit, alpha, m_total), max_clusters, stream)
+
+    def epi_make_state(self, tiled_copy_r2s):
+        """scaled_swiglu: per-thread d_probs sums of its rows (fp32), plus a scratch fragment."""
+        if not self.spec.takes_probs:
+            return None
+        # static (thread 0) row of each fragment value; every thread's pattern is the same
+        # shifted, and the 4 lanes of a quad hold the same rows (sm90 accumulator layout)
+        def value_rows(lane):
+            coords = tiled_copy_r2s.get_slice(lane).partition_S(
+                cute.make_identity_tensor(self.epi_tile)
+            )
+            return [coords[v][0] for v in range(cute.size(coords))]
+
+        rows = value_rows(0)
+        for lane in (1, 2, 3):
+            assert value_rows(lane) == rows, "d_probs quad sum assumes the sm90 accumulator layout"
+        distinct = sorted(set(rows))
+        self.row_slot = [distinct.index(r) for r in rows]
+        self.slot_value = [rows.index(r) for r in distinct]  # a fragment value of each slot
+        frag = len(rows)
+        return (
+            cute.make_rmem_tensor((len(distinct),), Float32),
+            cute.make_rmem_tensor((frag,), Float32),
+        )
+
+    def epi_begin_tile(self, state):
+        if const_expr(self.spec.takes_probs):
+            state[0].fill(0.0)
+
+    @cute.jit
+    def epi_visit(self, params, tile: Tile, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
+        mProbs, _, limit, alpha, m_total = params
+        glu = self.spec.glu
+        for v in cutlass.range_constexpr(cute.size(rAcc[0])):
+            h = rAcc[0][v]
+            up = rIn[1][v].to(Float32) if const_expr(glu) else None
+            value, d_x, d_u = ACTIVATION_MATH[self.spec.name](rIn[0][v].to(Float32), up, limit, alpha)
+            if const_expr(self.spec.takes_probs):
+                state[1][v] = h * value
+                p = _row_value(mProbs, tile.row0 + tRS_cD[v][0], tile, m_total)
+                h = h * p
+                value = value * p
+            rOut[0][v] = h * d_x
+            if const_expr(glu):
+                rOut[1][v] = h * d_u
+            rOut[self.num_out - 1][v] = value
+        if const_expr(self.spec.takes_probs):
+            if chunk * self.epi_n < n_box:  # chunks past I hold no columns of h
+                for v in cutlass.range_constexpr(cute.size(rAcc[0])):
+                    state[0][self.row_slot[v]] = state[0][self.row_slot[v]] + state[1][v]
+
+    @cute.jit
+    def epi_end_tile(self, params, tile: Tile, n_box, tRS_cD, state):
+        if const_expr(self.spec.takes_probs):
+            mDProbsPart = params[1]
+            lane = cute.arch.lane_idx()
+            for r in cutlass.range_constexpr(len(self.slot_value)):
+                total = state[0][r]
+                total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+                total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+                row = tile.row0 + tRS_cD[self.slot_value[r]][0]
+                if lane % 4 == 0 and row < tile.end:
+                    mDProbsPart[tile.nt, row] = total

@@ -1,0 +1,48 @@
+"""CPU checks of the sm90 kernel wrappers' pure-python parts: activation registry, SM margin."""
+
+import pytest
+
+from te_fused_ops.kernels import activations, grouped_gemm
+from te_fused_ops.kernels.grouped_gemm import SM_MARGIN_ENV, max_clusters, resolve_sm_margin
+
+
+def test_one_activation_registry():
+    reg = activations.ACTIVATIONS
+    assert set(reg) == {"swiglu", "geglu", "srelu", "clamped_swiglu", "scaled_swiglu"}
+    assert [n for n, s in reg.items() if not s.glu] == ["srelu"]
+    assert [n for n, s in reg.items() if s.takes_probs] == ["scaled_swiglu"]
+    assert reg["clamped_swiglu"].constants == ("limit", "alpha")
+    assert all(name == spec.name for name, spec in reg.items())
+    # the wrapper module keeps no activation list of its own
+    assert not hasattr(grouped_gemm, "GLU_ACTIVATIONS")
+    assert grouped_gemm.ACTIVATIONS is reg
+    assert activations.activation_spec(None, "f") is None
+    with pytest.raises(ValueError, match="f: activation must be None or one of"):
+        activations.activation_spec("relu", "f")
+
+
+def test_sm_margin(monkeypatch):
+    monkeypatch.delenv(SM_MARGIN_ENV, raising=False)
+    assert resolve_sm_margin(None, "fn") == 0
+    assert resolve_sm_margin(16, "fn") == 16
+    monkeypatch.setenv(SM_MARGIN_ENV, "8")
+    assert resolve_sm_margin(None, "fn") == 8
+    assert resolve_sm_margin(0, "fn") == 0  # the argument wins over the environment
+    for bad in ("-1", "x", "1.5"):
+        monkeypatch.setenv(SM_MARGIN_ENV, bad)
+        with pytest.raises(ValueError, match=f"fn: environment variable {SM_MARGIN_ENV}"):
+            resolve_sm_margin(None, "fn")
+    with pytest.raises(ValueError, match="fn: sm_margin must be >= 0"):
+        resolve_sm_margin(-2, "fn")
+    with pytest.raises(TypeError, match="fn: sm_margin must be an int"):
+        resolve_sm_margin(1.0, "fn")
+    with pytest.raises(TypeError, match="fn: sm_margin must be an int"):
+        resolve_sm_margin(True, "fn")
+
+
+def test_max_clusters():
+    assert max_clusters(132, 0, 2) == 66
+    assert max_clusters(132, 16, 2) == 58
+    assert max_clusters(132, 17, 2) == 57
+    assert max_clusters(132, 16, 1) == 116
+    assert max_clusters(132, 200, 2) == 1  # at least one cluster
