@@ -2,7 +2,13 @@
 
 import torch
 
-from te_fused_ops.ops import GroupedLinear
+from te_fused_ops.grouped_mm import grouped_row_sum
+from te_fused_ops.ops import Activation, GroupedLinear
+from te_fused_ops.ops.base import is_quantized
+
+
+def _reason(reason):
+    return reason.removeprefix("sm90 backend: ") if reason else None
 
 
 def kernel_unsupported_reason(linear: GroupedLinear, info, activation=None):
@@ -11,10 +17,37 @@ def kernel_unsupported_reason(linear: GroupedLinear, info, activation=None):
         return "quantized input (the sm90 kernel takes bf16/fp16)"
     from te_fused_ops.kernels.grouped_gemm import sm90_grouped_gemm_unsupported_reason
 
-    reason = sm90_grouped_gemm_unsupported_reason(
-        info.dtype, linear.out_features, linear.in_features, activation, linear.bias is not None
+    return _reason(
+        sm90_grouped_gemm_unsupported_reason(
+            info.dtype, linear.out_features, linear.in_features, activation, linear.bias is not None
+        )
     )
-    return reason.removeprefix("sm90 backend: ") if reason else None
+
+
+def backward_unsupported_reason(linear: GroupedLinear, info, index: int):
+    """Why the sm90 kernels cannot run the backward of ``linear`` (op ``index`` of info's window)."""
+    if info.input_quantized[index]:
+        return "quantized input (the FP8 backward runs in torch)"
+    from te_fused_ops.kernels.grouped_gemm import sm90_grouped_gemm_unsupported_reason
+    from te_fused_ops.kernels.grouped_wgrad import sm90_wgrad_unsupported_reason
+
+    if info.input_requires_grad[index]:  # dx (M, in) = dy (M, out) @ W[g]
+        reason = sm90_grouped_gemm_unsupported_reason(info.dtype, linear.in_features, linear.out_features, None, False)
+        if reason:
+            return _reason(reason)
+    if info.params_require_grad[index]:
+        return _reason(sm90_wgrad_unsupported_reason(info.dtype, linear.out_features, linear.in_features))
+    return None
+
+
+def epilogue_args(act: Activation, ctx) -> dict:
+    """Keyword arguments of the activation's kernel epilogue (constants, router probs)."""
+    args = {}
+    if act.kernel_name == "clamped_swiglu":
+        args.update(limit=act.limit, alpha=act.alpha)
+    if act.kernel_name == "scaled_swiglu":
+        args["probs"] = ctx.side["probs"].detach().float()
+    return args
 
 
 def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=None, **epilogue):
@@ -31,3 +64,35 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
     )
     linear.keep_for_backward(ctx, x, None)
     return pre, act
+
+
+def linear_param_grads(ctx, dy: torch.Tensor, x: torch.Tensor = None) -> dict:
+    """GroupedLinear's weight gradient (varlen-K kernel, dy and x read in place; accumulated into
+    ``weight.main_grad`` when the op asks for it) and bias gradient.
+
+    ``x``: the op's input (default: what its forward saved)."""
+    from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90
+
+    offsets, grads = ctx.side["offsets"], {}
+    if ctx.needs_grad("weight"):
+        main_grad = ctx.main_grads.get("weight")  # accumulated in place by the kernel's epilogue
+        dw = grouped_wgrad_sm90(dy, ctx.load_input() if x is None else x, offsets, main_grad=main_grad)
+        if main_grad is None:
+            grads["weight"] = dw
+    if ctx.needs_grad("bias"):
+        grads["bias"] = grouped_row_sum(dy, offsets)
+    return grads
+
+
+def linear_backward(linear: GroupedLinear, ctx, dy):
+    """GroupedLinear's backward on sm90: dx = dy @ W[g] (W read in place) and the parameter grads.
+    FP8 recipes (saved recipe, quantized dy) take the torch path."""
+    if ctx.saved["recipe"] is not None or is_quantized(dy):
+        return linear.op_backward(ctx, dy)
+    from te_fused_ops.kernels.grouped_gemm import grouped_gemm_sm90
+
+    dy = dy.contiguous()
+    dx = None
+    if ctx.input_requires_grad:
+        dx = grouped_gemm_sm90(dy, ctx.saved["weight"].detach(), ctx.side["offsets"], weight_layout="kn")[0]
+    return dx, linear_param_grads(ctx, dy)

@@ -1,9 +1,9 @@
-"""GroupedLinear alone (forward): the sm90 grouped GEMM kernel, or the torch op."""
+"""GroupedLinear alone: forward and backward on the sm90 kernels, or the torch op."""
 
 from te_fused_ops import FusionRule, register_rule
 from te_fused_ops.ops import GroupedLinear
 
-from ._sm90 import kernel_unsupported_reason, run_grouped_gemm
+from ._sm90 import backward_unsupported_reason, kernel_unsupported_reason, linear_backward, run_grouped_gemm
 
 grouped_linear = FusionRule("grouped_linear", pattern=(GroupedLinear,), passes="forward")
 
@@ -23,4 +23,25 @@ def _forward_torch(ops, ctxs, x):
     return ops[0].op_forward(ctxs[0], x)
 
 
+grouped_linear_backward = FusionRule("grouped_linear_backward", pattern=(GroupedLinear,), passes="backward")
+
+
+@grouped_linear_backward.supports
+def _supports_backward(ops, info, backend):
+    return backward_unsupported_reason(ops[0], info, 0) if backend == "sm90" else None
+
+
+@grouped_linear_backward.implementation("sm90")
+def _backward_sm90(ops, ctxs, dy):
+    dx, grads = linear_backward(ops[0], ctxs[0], dy)
+    return dx, [grads]
+
+
+@grouped_linear_backward.implementation("torch")
+def _backward_torch(ops, ctxs, dy):
+    dx, grads = ops[0].op_backward(ctxs[0], dy)
+    return dx, [grads]
+
+
 register_rule(grouped_linear)
+register_rule(grouped_linear_backward)

@@ -11,7 +11,7 @@ from te_fused_ops import FusionRule, register_rule
 from te_fused_ops.ops import Activation, GroupedLinear, Quantize, Transpose
 from te_fused_ops.ops.base import Recompute
 
-from ._sm90 import kernel_unsupported_reason, run_grouped_gemm
+from ._sm90 import epilogue_args, kernel_unsupported_reason, run_grouped_gemm
 
 
 def finish_activation(act: Activation, ctx, pre: torch.Tensor, out: torch.Tensor, keep_output: bool) -> torch.Tensor:
@@ -34,18 +34,9 @@ def _forward_torch(ops, ctxs, x):
     return y
 
 
-def _kernel_epilogue(act: Activation, ctx) -> dict:
-    epilogue = {}
-    if act.kernel_name == "clamped_swiglu":
-        epilogue.update(limit=act.limit, alpha=act.alpha)
-    if act.kernel_name == "scaled_swiglu":
-        epilogue["probs"] = ctx.side["probs"].detach().float()
-    return epilogue
-
-
 def _forward_sm90(ops, ctxs, x):
     linear, act = ops
-    pre, out = run_grouped_gemm(linear, ctxs[0], x, act.kernel_name, **_kernel_epilogue(act, ctxs[1]))
+    pre, out = run_grouped_gemm(linear, ctxs[0], x, act.kernel_name, **epilogue_args(act, ctxs[1]))
     return finish_activation(act, ctxs[1], pre, out, keep_output=False)
 
 

@@ -1,0 +1,280 @@
+"""Whole training step of a grouped MLP on Hopper: te_fused_ops vs the plain-torch reference.
+
+Per shape (rows M, hidden H, expert width I, local experts E; bf16, SwiGLU, routing counts
+multiples of 8 so that torch._grouped_mm accepts them, the same splits for every variant):
+  fused      te_fused_ops Sequential(GroupedLinear, SwiGLU, GroupedLinear), fusion on
+  unfused    the same with fuse=False (torch path: _grouped_mm + compiled activation per op)
+  reference  plain torch a user could write: one autograd.Function, six torch._grouped_mm calls,
+             a torch.compile'd SwiGLU and dSwiGLU (saves x, pre and the activation output)
+Rows: forward, backward (retained graph, gradients set to None first), step (forward + backward,
+gradients set to None first), step TFLOPS (3 x forward FLOPs / step time), peak memory of the
+step above the inputs and weights; then per-kernel rows of the fused backward against their
+torch counterparts. Median of triton.testing.do_bench (L2 flushed before every run).
+Gradients of fused and reference are checked against each other (rel. Frobenius <= 1e-2) first.
+
+    python benchmarks/bench_train_step.py [--shapes qwen3-30b-a3b,...] [--out DIR] [--profile]
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import triton.testing
+
+from te_fused_ops import GroupedLinear, Sequential, SwiGLU
+
+SHAPES = {  # name: (M, H, I, E)
+    "qwen3-30b-a3b": (65536, 2048, 768, 128),
+    "dsv3-ep8": (32768, 7168, 2048, 32),
+    "mixtral-8x7b": (32768, 4096, 14336, 8),
+    "gptoss-120b-ep4": (32768, 2880, 2880, 32),
+}
+
+
+def aligned_splits(m, e, seed=0, align=8):
+    """Skewed routing (shares ~ U(0,1)^2), every count a multiple of ``align``, summing to m."""
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.rand(e, generator=gen) ** 2
+    s = torch.floor(p / p.sum() * m / align).long() * align
+    s[torch.argmax(s)] += m - int(s.sum())
+    return s
+
+
+@torch.compile
+def swiglu(pre):
+    gate, up = pre.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(pre.dtype)
+
+
+@torch.compile
+def dswiglu(pre, d_act):
+    gate, up = pre.float().chunk(2, dim=-1)
+    s = torch.sigmoid(gate)
+    d = d_act.float()
+    return torch.cat([d * up * s * (1 + gate * (1 - s)), d * gate * s], dim=-1).to(pre.dtype)
+
+
+class ReferenceMLP(torch.autograd.Function):
+    """Plain torch: y = (swiglu(x @ W1[g].T)) @ W2[g].T per group; ends = group ends (int32)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, ends):
+        pre = torch._grouped_mm(x, w1.transpose(-2, -1), offs=ends)
+        act = swiglu(pre)
+        ctx.save_for_backward(x, w1, w2, ends, pre, act)
+        return torch._grouped_mm(act, w2.transpose(-2, -1), offs=ends)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w1, w2, ends, pre, act = ctx.saved_tensors
+        dy = dy.contiguous()
+        d_act = torch._grouped_mm(dy, w2, offs=ends)
+        dw2 = torch._grouped_mm(dy.t(), act, offs=ends)
+        d_pre = dswiglu(pre, d_act)
+        dx = torch._grouped_mm(d_pre, w1, offs=ends)
+        dw1 = torch._grouped_mm(d_pre.t(), x, offs=ends)
+        return dx, dw1, dw2, None
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")  # ms
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def problem(name):
+    m, h, i, e = SHAPES[name]
+    torch.manual_seed(0)
+    splits = aligned_splits(m, e).cuda()
+    offsets = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
+    offsets[1:] = torch.cumsum(splits, 0)
+    mlp = Sequential(
+        GroupedLinear(e, h, 2 * i, dtype=torch.bfloat16, device="cuda"),
+        SwiGLU(),
+        GroupedLinear(e, i, h, dtype=torch.bfloat16, device="cuda"),
+    )
+    x = torch.randn(m, h, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    dy = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
+    return mlp, splits, offsets, x, dy
+
+
+def variants(mlp, splits, offsets, x):
+    unfused = Sequential(*mlp, fuse=False)
+    w1, w2 = mlp[0].weight, mlp[2].weight
+    return {
+        "fused": (lambda: mlp(x, split_sizes=splits), [x, w1, w2]),
+        "unfused": (lambda: unfused(x, split_sizes=splits), [x, w1, w2]),
+        "reference": (lambda: ReferenceMLP.apply(x, w1, w2, offsets[1:]), [x, w1, w2]),
+    }
+
+
+def time_variant(forward, leaves, dy):
+    def clear():
+        for t in leaves:
+            t.grad = None
+
+    def step():
+        clear()
+        forward().backward(dy)
+
+    step()
+    fwd = bench(forward)
+    graph = [forward()]  # one forward graph, its backward replayed (retain_graph)
+
+    def backward():
+        clear()
+        graph[0].backward(dy, retain_graph=True)
+
+    bwd = bench(backward)
+    graph.clear()
+    clear()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    peak = torch.cuda.max_memory_allocated() - base
+    return {"fwd_ms": fwd, "bwd_ms": bwd, "step_ms": bench(step), "peak_mib": peak / 2**20}
+
+
+def kernel_rows(mlp, offsets, x, dy):
+    """Per-kernel times of the fused backward vs the torch kernels doing the same work."""
+    from te_fused_ops.kernels.grouped_gemm import grouped_dgrad_dact_sm90, grouped_gemm_sm90
+    from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90
+
+    ends = offsets[1:]
+    w1, w2 = mlp[0].weight.detach(), mlp[2].weight.detach()
+    pre = torch._grouped_mm(x.detach(), w1.transpose(-2, -1), offs=ends)
+    act = swiglu(pre)
+    d_pre = dswiglu(pre, torch._grouped_mm(dy, w2, offs=ends))
+    rows = {
+        "FC2 dgrad + dSwiGLU (+ act)": (
+            lambda: grouped_dgrad_dact_sm90(dy, w2, offsets, pre, activation="swiglu"),
+            lambda: dswiglu(pre, torch._grouped_mm(dy, w2, offs=ends)),
+        ),
+        "FC2 wgrad": (
+            lambda: grouped_wgrad_sm90(dy, act, offsets),
+            lambda: torch._grouped_mm(dy.t(), act, offs=ends),
+        ),
+        "FC1 dgrad": (
+            lambda: grouped_gemm_sm90(d_pre, w1, offsets, weight_layout="kn"),
+            lambda: torch._grouped_mm(d_pre, w1, offs=ends),
+        ),
+        "FC1 wgrad": (
+            lambda: grouped_wgrad_sm90(d_pre, x.detach(), offsets),
+            lambda: torch._grouped_mm(d_pre.t(), x.detach(), offs=ends),
+        ),
+    }
+    return {name: {"ours_us": bench(ours) * 1e3, "torch_us": bench(theirs) * 1e3} for name, (ours, theirs) in rows.items()}
+
+
+def profile_step(mlp, splits, x, dy):
+    """Share of GPU kernel time outside the GEMM kernels in one fused step (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step():
+        x.grad = None
+        for p in mlp.parameters():
+            p.grad = None
+        mlp(x, split_sizes=splits).backward(dy)
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] = kernels.get(event.name, 0.0) + event.device_time_total
+    return kernels
+
+
+def is_gemm_kernel(name: str) -> bool:
+    lowered = name.lower()
+    return any(key in lowered for key in ("grouped", "gemm", "wgrad", "cutlass", "sm90_xmma", "kernel_cutlass"))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--out", default=None, help="folder for the JSON/markdown result (default: print only)")
+    ap.add_argument("--profile", action="store_true", help="also print the kernel breakdown of one fused step")
+    args = ap.parse_args()
+    device = torch.cuda.get_device_name()
+    results = []
+    for name in args.shapes.split(","):
+        m, h, i, e = SHAPES[name]
+        print(f"[{name}] M={m} H={h} I={i} E={e} ...", flush=True)
+        mlp, splits, offsets, x, dy = problem(name)
+        runs = variants(mlp, splits, offsets, x)
+        grads = {}
+        for label in ("fused", "reference"):
+            forward, leaves = runs[label]
+            for t in leaves:
+                t.grad = None
+            y = forward()
+            y.backward(dy)
+            grads[label] = [y.detach()] + [t.grad.clone() for t in leaves]
+        errs = [rel_err(a, b) for a, b in zip(grads["fused"], grads["reference"])]
+        assert max(errs) <= 1e-2, f"{name}: fused vs reference errors {errs}"
+        del grads
+        row = {"shape": name, "M": m, "H": h, "I": i, "E": e, "max_rel_err": max(errs)}
+        flops = 2 * m * h * 2 * i + 2 * m * i * h  # forward
+        for label, (forward, leaves) in runs.items():
+            r = time_variant(forward, leaves, dy)
+            r["step_tflops"] = 3 * flops / (r["step_ms"] * 1e-3) / 1e12
+            row[label] = r
+            print(f"  {label:9s} fwd {r['fwd_ms']:8.3f} ms  bwd {r['bwd_ms']:8.3f} ms  step {r['step_ms']:8.3f} ms"
+                  f"  {r['step_tflops']:6.0f} TFLOPS  peak {r['peak_mib']:8.0f} MiB", flush=True)
+        row["kernels"] = kernel_rows(mlp, offsets, x, dy)
+        for kname, k in row["kernels"].items():
+            print(f"  {kname:28s} ours {k['ours_us']:8.0f} us  torch {k['torch_us']:8.0f} us", flush=True)
+        if args.profile:
+            kernels = profile_step(mlp, splits, x, dy)
+            total = sum(kernels.values())
+            other = {k: v for k, v in kernels.items() if not is_gemm_kernel(k)}
+            row["non_gemm_share"] = sum(other.values()) / total
+            print(f"  non-GEMM kernel time {100 * row['non_gemm_share']:.2f}% of {total / 1e3:.2f} ms:", flush=True)
+            for k, v in sorted(other.items(), key=lambda kv: -kv[1])[:8]:
+                print(f"    {v:9.1f} us  {k[:100]}")
+        results.append(row)
+        del mlp, runs, x, dy
+        torch.cuda.empty_cache()
+
+    lines = [
+        f"Training step (fwd + bwd, grads None first), bf16 SwiGLU MLP, {device}; median ms; "
+        "TFLOPS = 3 x forward FLOPs / step",
+        "",
+        "| shape | fused step | unfused step | reference step | fused TFLOPS | fused vs reference | "
+        "bwd fused / reference | fwd fused / reference | peak MiB fused / reference |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        f, u, ref = r["fused"], r["unfused"], r["reference"]
+        lines.append(
+            f"| {r['shape']} | {f['step_ms']:.2f} | {u['step_ms']:.2f} | {ref['step_ms']:.2f} | "
+            f"{f['step_tflops']:.0f} | {ref['step_ms'] / f['step_ms']:.2f}x | "
+            f"{f['bwd_ms']:.2f} / {ref['bwd_ms']:.2f} ({ref['bwd_ms'] / f['bwd_ms']:.2f}x) | "
+            f"{f['fwd_ms']:.2f} / {ref['fwd_ms']:.2f} | {f['peak_mib']:.0f} / {ref['peak_mib']:.0f} |"
+        )
+    lines += ["", "| shape | kernel | ours us | torch us | speedup |", "|---|---|---|---|---|"]
+    for r in results:
+        for kname, k in r["kernels"].items():
+            lines.append(f"| {r['shape']} | {kname} | {k['ours_us']:.0f} | {k['torch_us']:.0f} | "
+                         f"{k['torch_us'] / k['ours_us']:.2f}x |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        tag = "h100" if "H100" in device else ("h200" if "H200" in device else "gpu")
+        with open(os.path.join(args.out, f"train_step_{tag}.json"), "w") as f:
+            json.dump({"device": device, "results": results}, f, indent=1)
+        with open(os.path.join(args.out, f"train_step_{tag}.md"), "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
