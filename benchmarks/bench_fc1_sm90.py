@@ -28,7 +28,8 @@ import time
 import torch
 import triton.testing
 
-from te_fused_ops.kernels.grouped_gemm import _num_sms, compile_grouped_gemm, grouped_gemm_sm90, max_clusters
+from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm, grouped_gemm_sm90, max_clusters
+from te_fused_ops.kernels.launch import num_sms
 
 SHAPES = {  # name: (M, H, I, E)
     "qwen3-30b-a3b": (65536, 2048, 768, 128),
@@ -89,7 +90,7 @@ def host_overhead_us():
     off = torch.tensor([0, 128], dtype=torch.int32, device="cuda")
     pre, act = grouped_gemm_sm90(x, w, off, activation="swiglu")
     fn = compile_grouped_gemm(torch.bfloat16, 128, "swiglu", False, True, 1)
-    grid = max_clusters(_num_sms(0), 0, 1)
+    grid = max_clusters(num_sms(0), 0, 1)
     host = host_us_per_call(lambda: grouped_gemm_sm90(x, w, off, activation="swiglu"))
     raw = host_us_per_call(lambda: fn(x, w, off, pre, act, None, None, 7.0, 1.702, grid))
     return host, raw
@@ -110,12 +111,12 @@ def sweep(shapes, rounds):
         m, n, k, e, offsets, x, w = problem(name)
         pre = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         act = torch.empty(m, n // 2, dtype=torch.bfloat16, device="cuda")
-        tile_n, cluster_m = choose_config(m, n, e, _num_sms(0))
+        tile_n, cluster_m = choose_config(m, n, e, num_sms(0))
         for label, activation, a in (("fused", "swiglu", act), ("plain", None, None)):
             fns, errs = {}, {}
             for opt, kw in SWEEP.items():
                 fn = compile_grouped_gemm(torch.bfloat16, tile_n, activation, False, True, cluster_m, **kw)
-                grid = max_clusters(_num_sms(0), 0, cluster_m)
+                grid = max_clusters(num_sms(0), 0, cluster_m)
                 fns[opt] = functools.partial(fn, x, w, offsets, pre, a, None, None, 7.0, 1.702, grid)
                 fns[opt]()
                 if activation is None:  # the scheduler options must not change the result

@@ -170,6 +170,35 @@ def kernel_rows(mlp, offsets, x, dy):
     return {name: {"ours_us": bench(ours) * 1e3, "torch_us": bench(theirs) * 1e3} for name, (ours, theirs) in rows.items()}
 
 
+CONFIGS = [(128, 1), (128, 2), (256, 1), (256, 2)]  # (tile_n, cluster_m) tried by --sweep
+
+
+def sweep_configs(mlp, offsets, x, dy):
+    """Median us of each sm90 kernel of the step per (tile_n, cluster_m), and with the wrapper's choice."""
+    from te_fused_ops.kernels.grouped_gemm import grouped_dgrad_dact_sm90, grouped_gemm_sm90
+    from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90
+
+    w1, w2, xd = mlp[0].weight.detach(), mlp[2].weight.detach(), x.detach()
+    pre, act = grouped_gemm_sm90(xd, w1, offsets, activation="swiglu")
+    d_pre = grouped_dgrad_dact_sm90(dy, w2, offsets, pre, activation="swiglu")[0]
+    kernels = {
+        "FC1 fwd + SwiGLU": lambda **c: grouped_gemm_sm90(xd, w1, offsets, activation="swiglu", **c),
+        "FC2 fwd": lambda **c: grouped_gemm_sm90(act, w2, offsets, **c),
+        "FC2 dgrad + dSwiGLU": lambda **c: grouped_dgrad_dact_sm90(dy, w2, offsets, pre, activation="swiglu", **c),
+        "FC2 wgrad": lambda **c: grouped_wgrad_sm90(dy, act, offsets, **c),
+        "FC1 dgrad": lambda **c: grouped_gemm_sm90(d_pre, w1, offsets, weight_layout="kn", **c),
+        "FC1 wgrad": lambda **c: grouped_wgrad_sm90(d_pre, xd, offsets, **c),
+    }
+    table = {}
+    for name, fn in kernels.items():
+        times = {"auto": bench(fn) * 1e3}
+        for tile_n, cluster_m in CONFIGS:
+            times[f"{tile_n}x{cluster_m}"] = bench(lambda: fn(tile_n=tile_n, cluster_m=cluster_m)) * 1e3
+        table[name] = times
+        print(f"  {name:22s} " + "  ".join(f"{k} {v:7.0f}" for k, v in times.items()), flush=True)
+    return table
+
+
 def profile_step(mlp, splits, x, dy):
     """Share of GPU kernel time outside the GEMM kernels in one fused step (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -202,6 +231,7 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--out", default=None, help="folder for the JSON/markdown result (default: print only)")
     ap.add_argument("--profile", action="store_true", help="also print the kernel breakdown of one fused step")
+    ap.add_argument("--sweep", action="store_true", help="only time each sm90 kernel per tile config")
     args = ap.parse_args()
     device = torch.cuda.get_device_name()
     results = []
@@ -209,6 +239,9 @@ def main():
         m, h, i, e = SHAPES[name]
         print(f"[{name}] M={m} H={h} I={i} E={e} ...", flush=True)
         mlp, splits, offsets, x, dy = problem(name)
+        if args.sweep:
+            results.append({"shape": name, "sweep_us": sweep_configs(mlp, offsets, x, dy)})
+            continue
         runs = variants(mlp, splits, offsets, x)
         grads = {}
         for label in ("fused", "reference"):
@@ -244,6 +277,8 @@ def main():
         del mlp, runs, x, dy
         torch.cuda.empty_cache()
 
+    if args.sweep:
+        return
     lines = [
         f"Training step (fwd + bwd, grads None first), bf16 SwiGLU MLP, {device}; median ms; "
         "TFLOPS = 3 x forward FLOPs / step",

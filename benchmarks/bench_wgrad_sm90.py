@@ -20,12 +20,8 @@ import argparse
 import torch
 import triton.testing
 
-from te_fused_ops.kernels.grouped_wgrad import (
-    _num_sms,
-    _tvm_ffi_available,
-    compile_grouped_wgrad,
-    grouped_wgrad_sm90,
-)
+from te_fused_ops.kernels.grouped_wgrad import compile_grouped_wgrad, grouped_wgrad_sm90
+from te_fused_ops.kernels.launch import num_sms, tvm_ffi_available
 
 SHAPES = {  # name: (M tokens, N, K, G)
     "qwen3-fc2": (65536, 2048, 768, 128),
@@ -62,9 +58,9 @@ def rel(a, b):
 
 def variant_launcher(cluster_m, sort_groups):
     """Direct launcher of one kernel variant (tile_n 256, bf16, TVM-FFI)."""
-    assert _tvm_ffi_available()
+    assert tvm_ffi_available()
     fn = compile_grouped_wgrad(torch.bfloat16, 256, False, cluster_m, True, sort_groups=sort_groups)
-    sms = _num_sms(torch.cuda.current_device())
+    sms = num_sms(torch.cuda.current_device())
     return lambda dy, x, off, out: fn(dy, x, off, out, sms)
 
 

@@ -5,6 +5,7 @@ import torch
 
 from te_fused_ops.kernels import grouped_wgrad, sm90_unavailable_reason
 from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90
+from te_fused_ops.kernels.launch import SM_MARGIN_ENV
 
 pytestmark = [
     pytest.mark.gpu,
@@ -239,7 +240,7 @@ def test_sm_margin_identical(monkeypatch):
     c = grouped_wgrad_sm90(dy, x, offsets, sm_margin=100000)  # grid clamps to 1 CTA
     d = grouped_wgrad_sm90(dy, x, offsets, sm_margin=17, cluster_m=2)  # 57 pairs
     e = grouped_wgrad_sm90(dy, x, offsets, sm_margin=100000, cluster_m=2)  # one pair
-    monkeypatch.setenv(grouped_wgrad.SM_MARGIN_ENV, "16")
+    monkeypatch.setenv(SM_MARGIN_ENV, "16")
     f = grouped_wgrad_sm90(dy, x, offsets)
     for other in (b, c, d, e, f):
         assert torch.equal(a, other)
@@ -247,7 +248,7 @@ def test_sm_margin_identical(monkeypatch):
 
 
 def test_classic_call_path(monkeypatch):
-    monkeypatch.setattr(grouped_wgrad, "_tvm_ffi_available", lambda: False)
+    monkeypatch.setattr(grouped_wgrad, "tvm_ffi_available", lambda: False)
     monkeypatch.setattr(grouped_wgrad, "_LAUNCHERS", {})
     run_case(UNEVEN, sum(UNEVEN) + 3, 128, 136, seed=10)
 
@@ -292,6 +293,6 @@ def test_argument_errors(monkeypatch):
         grouped_wgrad_sm90(dy, x, off, cluster_m=4)
     with pytest.raises(ValueError, match=f"{name}: tile_n"):
         grouped_wgrad_sm90(dy, x, off, tile_n=64)
-    monkeypatch.setenv(grouped_wgrad.SM_MARGIN_ENV, "lots")
-    with pytest.raises(ValueError, match=grouped_wgrad.SM_MARGIN_ENV):
+    monkeypatch.setenv(SM_MARGIN_ENV, "lots")
+    with pytest.raises(ValueError, match=SM_MARGIN_ENV):
         grouped_wgrad_sm90(dy, x, off)

@@ -3,7 +3,8 @@
 import pytest
 
 from te_fused_ops.kernels import activations, grouped_gemm
-from te_fused_ops.kernels.grouped_gemm import SM_MARGIN_ENV, max_clusters, resolve_sm_margin
+from te_fused_ops.kernels.grouped_gemm import max_clusters
+from te_fused_ops.kernels.launch import SM_MARGIN_ENV, resolve_sm_margin
 
 
 def test_one_activation_registry():

@@ -7,13 +7,7 @@ import sys
 import pytest
 import torch
 
-from te_fused_ops.kernels.grouped_wgrad import (
-    SM_MARGIN_ENV,
-    choose_config,
-    grouped_wgrad_sm90,
-    resolve_sm_margin,
-    sm90_wgrad_unsupported_reason,
-)
+from te_fused_ops.kernels.grouped_wgrad import choose_config, grouped_wgrad_sm90, sm90_wgrad_unsupported_reason
 
 needs_cutlass = pytest.mark.skipif(
     importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed"
@@ -86,25 +80,6 @@ def test_choose_config():
     assert choose_config(4096, 7168, 132) == (256, 2)
     assert choose_config(128, 128, 132) == (128, 1)
     assert choose_config(2048, 768, 1) == (256, 1)
-
-
-def test_sm_margin_resolution(monkeypatch):
-    monkeypatch.delenv(SM_MARGIN_ENV, raising=False)
-    assert resolve_sm_margin(None) == 0
-    assert resolve_sm_margin(16) == 16
-    monkeypatch.setenv(SM_MARGIN_ENV, "8")
-    assert resolve_sm_margin(None) == 8
-    assert resolve_sm_margin(0) == 0
-    for bad in ("abc", "1.5", "-2"):
-        monkeypatch.setenv(SM_MARGIN_ENV, bad)
-        with pytest.raises(ValueError, match=SM_MARGIN_ENV):
-            resolve_sm_margin(None)
-    with pytest.raises(ValueError, match="sm_margin"):
-        resolve_sm_margin(-1)
-    with pytest.raises(TypeError, match="sm_margin"):
-        resolve_sm_margin(2.0)
-    with pytest.raises(TypeError, match="sm_margin"):
-        resolve_sm_margin(True)
 
 
 def test_cpu_inputs_rejected():

@@ -15,17 +15,15 @@ layout; nothing is repacked.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from . import sm90_unavailable_reason
 from .activations import ACTIVATIONS, GLU_N_MULTIPLE, activation_spec
+from .launch import DTYPES, check_tensor, num_sms, resolve_sm_margin, tvm_ffi_available
 
-_DTYPES = (torch.bfloat16, torch.float16)
 _FWD = "grouped_gemm_sm90"
 _DACT = "grouped_dgrad_dact_sm90"
-SM_MARGIN_ENV = "TE_FUSED_OPS_SM_MARGIN"
 DACT_GLU_I_MULTIPLE = 32  # dgrad + dActivation, GLU: I a multiple of the 32-column chunk
 
 
@@ -33,7 +31,7 @@ def _common_unsupported_reason(dtype, activation):
     reason = sm90_unavailable_reason()
     if reason is not None:
         return reason
-    if dtype not in _DTYPES:
+    if dtype not in DTYPES:
         return f"sm90 backend: dtype {str(dtype).replace('torch.', '')} not supported (bf16, fp16)"
     if activation is not None and activation not in ACTIVATIONS:
         return f"sm90 backend: activation {activation!r} not supported ({tuple(ACTIVATIONS)})"
@@ -67,43 +65,6 @@ def sm90_grouped_dgrad_dact_unsupported_reason(dtype, h, i, activation) -> str |
     if i % multiple != 0:
         return f"sm90 backend: I={i} not a multiple of {multiple} for activation {activation!r}"
     return None
-
-
-@functools.cache
-def _tvm_ffi_available() -> bool:
-    try:
-        import tvm_ffi  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def resolve_sm_margin(sm_margin, fn_name: str) -> int:
-    """``sm_margin`` (SMs the persistent grid leaves free), or env TE_FUSED_OPS_SM_MARGIN, or 0."""
-    if sm_margin is None:
-        raw = os.environ.get(SM_MARGIN_ENV, "").strip()
-        if not raw:
-            return 0
-        try:
-            value = int(raw)
-        except ValueError:
-            value = -1
-        if value < 0:
-            raise ValueError(
-                f"{fn_name}: environment variable {SM_MARGIN_ENV} must be an integer >= 0, "
-                f"got {raw!r}"
-            )
-        return value
-    if isinstance(sm_margin, bool) or not isinstance(sm_margin, int):
-        raise TypeError(f"{fn_name}: sm_margin must be an int or None, got {type(sm_margin).__name__}")
-    if sm_margin < 0:
-        raise ValueError(f"{fn_name}: sm_margin must be >= 0, got {sm_margin}")
-    return sm_margin
 
 
 def max_clusters(num_sms: int, sm_margin: int, cluster_m: int) -> int:
@@ -154,7 +115,7 @@ def compile_grouped_gemm(
     from .grouped_gemm_sm90 import GroupedGemmActSm90
 
     if tvm_ffi is None:
-        tvm_ffi = _tvm_ffi_available()
+        tvm_ffi = tvm_ffi_available()
     dt = _cutlass_dtype(dtype)
     spec = activation_spec(activation, "compile_grouped_gemm")
     glu = spec is not None and spec.glu
@@ -185,7 +146,7 @@ def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_
     from .grouped_dact_sm90 import GroupedGemmDActSm90
 
     if tvm_ffi is None:
-        tvm_ffi = _tvm_ffi_available()
+        tvm_ffi = tvm_ffi_available()
     dt = _cutlass_dtype(dtype)
     spec = activation_spec(activation, "compile_grouped_dgrad_dact")
     m, g, g1, n_tiles = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
@@ -206,21 +167,6 @@ def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_
     return _compile(kernel, args, tvm_ffi)
 
 
-def _check_tensor(fn_name, t, arg, dtype, ndim, device_index):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn_name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{fn_name}: {arg} has dtype {t.dtype}, expected {dtype}")
-    if t.dim() != ndim:
-        raise ValueError(f"{fn_name}: {arg} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if t.get_device() != device_index:
-        raise ValueError(f"{fn_name}: {arg} is on {t.device}, expected cuda:{device_index}")
-    if not t.is_contiguous():
-        raise ValueError(f"{fn_name}: {arg} must be contiguous")
-    if t.data_ptr() & 15:
-        raise ValueError(f"{fn_name}: {arg} data pointer must be 16-byte aligned")
-
-
 def _check_shape(fn_name, t, arg, shape):
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{fn_name}: {arg} must have shape {tuple(shape)}, got {tuple(t.shape)}")
@@ -230,12 +176,12 @@ def _check_input(fn_name, t, arg):
     """The first (activation) input: a bf16/fp16 tensor on a CUDA device; returns the device index."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fn_name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _DTYPES:
+    if t.dtype not in DTYPES:
         raise TypeError(f"{fn_name}: {arg} has dtype {t.dtype}, supported: bfloat16, float16")
     dev = t.get_device()
     if dev < 0:
         raise ValueError(f"{fn_name}: {arg} must be on a CUDA device, got {t.device}")
-    _check_tensor(fn_name, t, arg, t.dtype, 2, dev)
+    check_tensor(fn_name, t, arg, t.dtype, 2, dev)
     return dev
 
 
@@ -243,7 +189,7 @@ def _check_probs(fn_name, spec, probs, m, dev):
     if spec is not None and spec.takes_probs:
         if probs is None:
             raise ValueError(f"{fn_name}: probs is required for activation {spec.name!r}")
-        _check_tensor(fn_name, probs, "probs", torch.float32, 1, dev)
+        check_tensor(fn_name, probs, "probs", torch.float32, 1, dev)
         _check_shape(fn_name, probs, "probs", (m,))
     elif probs is not None:
         users = tuple(name for name, s in ACTIVATIONS.items() if s.takes_probs)
@@ -253,13 +199,13 @@ def _check_probs(fn_name, spec, probs, m, dev):
 def _launch_config(fn_name, m, n, g, dev, tile_n, cluster_m, sm_margin):
     """(tile_n, cluster_m, max_clusters) from shapes, overrides and the SM margin."""
     margin = resolve_sm_margin(sm_margin, fn_name)
-    num_sms = _num_sms(dev)
-    auto_tile_n, auto_cluster_m = choose_config(m, n, g, num_sms)
+    sms = num_sms(dev)
+    auto_tile_n, auto_cluster_m = choose_config(m, n, g, sms)
     tile_n = auto_tile_n if tile_n is None else tile_n
     cluster_m = auto_cluster_m if cluster_m is None else cluster_m
     if tile_n not in (128, 256) or cluster_m not in (1, 2):
         raise ValueError(f"{fn_name}: tile_n must be 128 or 256 and cluster_m 1 or 2")
-    return tile_n, cluster_m, max_clusters(num_sms, margin, cluster_m)
+    return tile_n, cluster_m, max_clusters(sms, margin, cluster_m)
 
 
 _LAUNCHERS = {}
@@ -281,8 +227,8 @@ def grouped_gemm_sm90(
     sm_margin: SMs to leave free (default: env TE_FUSED_OPS_SM_MARGIN, else 0).
     """
     dev = _check_input(_FWD, x, "x")
-    _check_tensor(_FWD, weight, "weight", x.dtype, 3, dev)
-    _check_tensor(_FWD, offsets, "offsets", torch.int32, 1, dev)
+    check_tensor(_FWD, weight, "weight", x.dtype, 3, dev)
+    check_tensor(_FWD, offsets, "offsets", torch.int32, 1, dev)
     spec = activation_spec(activation, _FWD)
     if weight_layout not in ("nk", "kn"):
         raise ValueError(f"{_FWD}: weight_layout must be 'nk' or 'kn', got {weight_layout!r}")
@@ -305,11 +251,11 @@ def grouped_gemm_sm90(
             + (f" for activation {activation!r}" if glu else "")
         )
     if bias is not None:
-        _check_tensor(_FWD, bias, "bias", x.dtype, 2, dev)
+        check_tensor(_FWD, bias, "bias", x.dtype, 2, dev)
         _check_shape(_FWD, bias, "bias", (g, n))
     _check_probs(_FWD, spec, probs, m, dev)
     if out is not None:
-        _check_tensor(_FWD, out, "out", x.dtype, 2, dev)
+        check_tensor(_FWD, out, "out", x.dtype, 2, dev)
         _check_shape(_FWD, out, "out", (m, n))
     tile_n, cluster_m, clusters = _launch_config(_FWD, m, n, g, dev, tile_n, cluster_m, sm_margin)
     pre = out if out is not None else x.new_empty((m, n))
@@ -317,7 +263,7 @@ def grouped_gemm_sm90(
     if m == 0:
         return pre, act
 
-    tvm_ffi = _tvm_ffi_available()
+    tvm_ffi = tvm_ffi_available()
     key = (_FWD, x.dtype, tile_n, activation, bias is not None, tvm_ffi, cluster_m, weight_layout)
     fn = _LAUNCHERS.get(key)
     if fn is None:
@@ -340,8 +286,8 @@ def grouped_dgrad_dact_sm90(
     Rows >= offsets[G] are zero. No host sync. H a multiple of 8; I a multiple of 32 (GLU) or 8.
     """
     dev = _check_input(_DACT, dy, "dy")
-    _check_tensor(_DACT, weight, "weight", dy.dtype, 3, dev)
-    _check_tensor(_DACT, offsets, "offsets", torch.int32, 1, dev)
+    check_tensor(_DACT, weight, "weight", dy.dtype, 3, dev)
+    check_tensor(_DACT, offsets, "offsets", torch.int32, 1, dev)
     spec = activation_spec(activation, _DACT)
     if spec is None:
         raise ValueError(f"{_DACT}: activation is required, one of {tuple(ACTIVATIONS)}")
@@ -360,7 +306,7 @@ def grouped_dgrad_dact_sm90(
             f"{_DACT}: I={i} (weight.shape[2]) must be a multiple of {multiple} for activation "
             f"{activation!r}"
         )
-    _check_tensor(_DACT, pre, "pre", dy.dtype, 2, dev)
+    check_tensor(_DACT, pre, "pre", dy.dtype, 2, dev)
     _check_shape(_DACT, pre, "pre", (m, 2 * i if spec.glu else i))
     _check_probs(_DACT, spec, probs, m, dev)
     tile_n, cluster_m, clusters = _launch_config(_DACT, m, i, g, dev, tile_n, cluster_m, sm_margin)
@@ -372,7 +318,7 @@ def grouped_dgrad_dact_sm90(
     if m == 0:
         return d_pre, act, None if d_probs_part is None else d_probs_part.sum(0)
 
-    tvm_ffi = _tvm_ffi_available()
+    tvm_ffi = tvm_ffi_available()
     key = (_DACT, dy.dtype, tile_n, activation, tvm_ffi, cluster_m)
     fn = _LAUNCHERS.get(key)
     if fn is None:

@@ -10,15 +10,13 @@ launch argument, so margins share one compiled kernel. The launch depends on ten
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from . import sm90_unavailable_reason
+from .launch import DTYPES, check_tensor, num_sms, resolve_sm_margin, tvm_ffi_available
 
-_DTYPES = (torch.bfloat16, torch.float16)
 _NAME = "grouped_wgrad_sm90"
-SM_MARGIN_ENV = "TE_FUSED_OPS_SM_MARGIN"
 _MAX_ROWS = 2**30  # the ragged token view's mode extent
 
 
@@ -27,51 +25,13 @@ def sm90_wgrad_unsupported_reason(dtype, n, k) -> str | None:
     reason = sm90_unavailable_reason()
     if reason is not None:
         return reason
-    if dtype not in _DTYPES:
+    if dtype not in DTYPES:
         return f"sm90 backend: dtype {str(dtype).replace('torch.', '')} not supported (bf16, fp16)"
     if n % 8 != 0:
         return f"sm90 backend: N={n} not a multiple of 8"
     if k % 8 != 0:
         return f"sm90 backend: K={k} not a multiple of 8"
     return None
-
-
-@functools.cache
-def _tvm_ffi_available() -> bool:
-    try:
-        import tvm_ffi  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def resolve_sm_margin(sm_margin) -> int:
-    """sm_margin, or the integer in $TE_FUSED_OPS_SM_MARGIN when it is None (default 0)."""
-    if sm_margin is None:
-        env = os.environ.get(SM_MARGIN_ENV, "").strip()
-        if not env:
-            return 0
-        try:
-            sm_margin = int(env)
-        except ValueError:
-            raise ValueError(
-                f"{_NAME}: environment variable {SM_MARGIN_ENV}={env!r} is not an integer"
-            ) from None
-        if sm_margin < 0:
-            raise ValueError(f"{_NAME}: environment variable {SM_MARGIN_ENV}={env!r} is negative")
-        return sm_margin
-    if isinstance(sm_margin, bool) or not isinstance(sm_margin, int):
-        raise TypeError(
-            f"{_NAME}: sm_margin must be an int or None, got {type(sm_margin).__name__}"
-        )
-    if sm_margin < 0:
-        raise ValueError(f"{_NAME}: sm_margin must be >= 0, got {sm_margin}")
-    return sm_margin
 
 
 def choose_config(n: int, k: int, max_ctas: int) -> tuple[int, int]:
@@ -89,7 +49,7 @@ def compile_grouped_wgrad(dtype, tile_n, main_grad, cluster_m=1, tvm_ffi=None, *
     from .grouped_wgrad_sm90 import GroupedWgradSm90
 
     if tvm_ffi is None:
-        tvm_ffi = _tvm_ffi_available()
+        tvm_ffi = tvm_ffi_available()
     dt = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
     m, g, g1 = cute.sym_int(), cute.sym_int(), cute.sym_int()
     n, k = cute.sym_int(divisibility=8), cute.sym_int(divisibility=8)
@@ -112,21 +72,6 @@ def compile_grouped_wgrad(dtype, tile_n, main_grad, cluster_m=1, tvm_ffi=None, *
     return cute.compile(kernel, *args, options="--enable-tvm-ffi" if tvm_ffi else "")
 
 
-def _check_tensor(t, arg, dtype, ndim, device_index):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{_NAME}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{_NAME}: {arg} has dtype {t.dtype}, expected {dtype}")
-    if t.dim() != ndim:
-        raise ValueError(f"{_NAME}: {arg} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if t.get_device() != device_index:
-        raise ValueError(f"{_NAME}: {arg} is on {t.device}, expected cuda:{device_index}")
-    if not t.is_contiguous():
-        raise ValueError(f"{_NAME}: {arg} must be contiguous")
-    if t.numel() and t.data_ptr() & 15:
-        raise ValueError(f"{_NAME}: {arg} data pointer must be 16-byte aligned")
-
-
 _LAUNCHERS = {}
 
 
@@ -145,14 +90,14 @@ def grouped_wgrad_sm90(
     """
     if not isinstance(dy, torch.Tensor):
         raise TypeError(f"{_NAME}: dy must be a torch.Tensor, got {type(dy).__name__}")
-    if dy.dtype not in _DTYPES:
+    if dy.dtype not in DTYPES:
         raise TypeError(f"{_NAME}: dy has dtype {dy.dtype}, supported: bfloat16, float16")
     dev = dy.get_device()
     if dev < 0:
         raise ValueError(f"{_NAME}: dy must be on a CUDA device, got {dy.device}")
-    _check_tensor(dy, "dy", dy.dtype, 2, dev)
-    _check_tensor(x, "x", dy.dtype, 2, dev)
-    _check_tensor(offsets, "offsets", torch.int32, 1, dev)
+    check_tensor(_NAME, dy, "dy", dy.dtype, 2, dev)
+    check_tensor(_NAME, x, "x", dy.dtype, 2, dev)
+    check_tensor(_NAME, offsets, "offsets", torch.int32, 1, dev)
     m, n = dy.shape
     k = x.shape[1]
     if x.shape[0] != m:
@@ -169,17 +114,17 @@ def grouped_wgrad_sm90(
     if out is not None and main_grad is not None:
         raise ValueError(f"{_NAME}: pass at most one of out and main_grad")
     if main_grad is not None:
-        _check_tensor(main_grad, "main_grad", torch.float32, 3, dev)
+        check_tensor(_NAME, main_grad, "main_grad", torch.float32, 3, dev)
         result = main_grad
     elif out is not None:
-        _check_tensor(out, "out", dy.dtype, 3, dev)
+        check_tensor(_NAME, out, "out", dy.dtype, 3, dev)
         result = out
     else:
         result = dy.new_empty((g, n, k))
     if tuple(result.shape) != (g, n, k):
         arg = "main_grad" if main_grad is not None else "out"
         raise ValueError(f"{_NAME}: {arg} must have shape {(g, n, k)}, got {tuple(result.shape)}")
-    margin = resolve_sm_margin(sm_margin)
+    margin = resolve_sm_margin(sm_margin, _NAME)
     if tile_n not in (None, 128, 256):
         raise ValueError(f"{_NAME}: tile_n must be 128 or 256, got {tile_n!r}")
     if cluster_m not in (None, 1, 2):
@@ -191,12 +136,12 @@ def grouped_wgrad_sm90(
             result.zero_()
         return result
 
-    max_ctas = max(1, _num_sms(dev) - margin)
+    max_ctas = max(1, num_sms(dev) - margin)
     auto_tile_n, auto_cluster_m = choose_config(n, k, max_ctas)
     tile_n = tile_n or auto_tile_n
     cluster_m = cluster_m or auto_cluster_m
     max_ctas = max(max_ctas, cluster_m)
-    tvm_ffi = _tvm_ffi_available()
+    tvm_ffi = tvm_ffi_available()
     key = (dy.dtype, tile_n, main_grad is not None, cluster_m, tvm_ffi)
     fn = _LAUNCHERS.get(key)
     if fn is None:

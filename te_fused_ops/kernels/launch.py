@@ -1,0 +1,68 @@
+"""Host-side pieces every sm90 kernel wrapper shares: argument checks, SM count and margin, TVM-FFI.
+
+Importable without cutlass or a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+DTYPES = (torch.bfloat16, torch.float16)
+SM_MARGIN_ENV = "TE_FUSED_OPS_SM_MARGIN"
+
+
+@functools.cache
+def tvm_ffi_available() -> bool:
+    """Whether tensors can cross into the kernels through TVM-FFI (a few us per call)."""
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def resolve_sm_margin(sm_margin, fn_name: str) -> int:
+    """``sm_margin`` (SMs the persistent grid leaves free), or env TE_FUSED_OPS_SM_MARGIN, or 0."""
+    if sm_margin is None:
+        raw = os.environ.get(SM_MARGIN_ENV, "").strip()
+        if not raw:
+            return 0
+        try:
+            value = int(raw)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise ValueError(
+                f"{fn_name}: environment variable {SM_MARGIN_ENV} must be an integer >= 0, got {raw!r}"
+            )
+        return value
+    if isinstance(sm_margin, bool) or not isinstance(sm_margin, int):
+        raise TypeError(f"{fn_name}: sm_margin must be an int or None, got {type(sm_margin).__name__}")
+    if sm_margin < 0:
+        raise ValueError(f"{fn_name}: sm_margin must be >= 0, got {sm_margin}")
+    return sm_margin
+
+
+def check_tensor(fn_name: str, t, arg: str, dtype, ndim: int, device_index: int) -> None:
+    """TypeError/ValueError naming ``fn_name`` and ``arg`` unless ``t`` is a contiguous, 16-byte
+    aligned ``ndim``-D tensor of ``dtype`` on cuda:``device_index``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn_name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{fn_name}: {arg} has dtype {t.dtype}, expected {dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{fn_name}: {arg} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.get_device() != device_index:
+        raise ValueError(f"{fn_name}: {arg} is on {t.device}, expected cuda:{device_index}")
+    if not t.is_contiguous():
+        raise ValueError(f"{fn_name}: {arg} must be contiguous")
+    if t.numel() and t.data_ptr() & 15:
+        raise ValueError(f"{fn_name}: {arg} data pointer must be 16-byte aligned")
