@@ -13,6 +13,9 @@ torch counterparts. Median of triton.testing.do_bench (L2 flushed before every r
 Gradients of fused and reference are checked against each other (rel. Frobenius <= 1e-2) first.
 
     python benchmarks/bench_train_step.py [--shapes qwen3-30b-a3b,...] [--out DIR] [--profile]
+    python benchmarks/bench_train_step.py --sweep          # each kernel per tile config
+    ncu --profile-from-start off --clock-control none python benchmarks/bench_train_step.py \
+        --ncu --shapes qwen3-30b-a3b                      # each kernel once, for ncu
 """
 
 import argparse
@@ -173,15 +176,15 @@ def kernel_rows(mlp, offsets, x, dy):
 CONFIGS = [(128, 1), (128, 2), (256, 1), (256, 2)]  # (tile_n, cluster_m) tried by --sweep
 
 
-def sweep_configs(mlp, offsets, x, dy):
-    """Median us of each sm90 kernel of the step per (tile_n, cluster_m), and with the wrapper's choice."""
+def step_kernels(mlp, offsets, x, dy):
+    """name -> callable(**config) for each sm90 kernel of the fused step, on realistic operands."""
     from te_fused_ops.kernels.grouped_gemm import grouped_dgrad_dact_sm90, grouped_gemm_sm90
     from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90
 
     w1, w2, xd = mlp[0].weight.detach(), mlp[2].weight.detach(), x.detach()
     pre, act = grouped_gemm_sm90(xd, w1, offsets, activation="swiglu")
     d_pre = grouped_dgrad_dact_sm90(dy, w2, offsets, pre, activation="swiglu")[0]
-    kernels = {
+    return {
         "FC1 fwd + SwiGLU": lambda **c: grouped_gemm_sm90(xd, w1, offsets, activation="swiglu", **c),
         "FC2 fwd": lambda **c: grouped_gemm_sm90(act, w2, offsets, **c),
         "FC2 dgrad + dSwiGLU": lambda **c: grouped_dgrad_dact_sm90(dy, w2, offsets, pre, activation="swiglu", **c),
@@ -189,14 +192,31 @@ def sweep_configs(mlp, offsets, x, dy):
         "FC1 dgrad": lambda **c: grouped_gemm_sm90(d_pre, w1, offsets, weight_layout="kn", **c),
         "FC1 wgrad": lambda **c: grouped_wgrad_sm90(d_pre, xd, offsets, **c),
     }
+
+
+def sweep_configs(mlp, offsets, x, dy):
+    """Median us of each sm90 kernel of the step per (tile_n, cluster_m), and with the wrapper's choice."""
     table = {}
-    for name, fn in kernels.items():
+    for name, fn in step_kernels(mlp, offsets, x, dy).items():
         times = {"auto": bench(fn) * 1e3}
         for tile_n, cluster_m in CONFIGS:
             times[f"{tile_n}x{cluster_m}"] = bench(lambda: fn(tile_n=tile_n, cluster_m=cluster_m)) * 1e3
         table[name] = times
         print(f"  {name:22s} " + "  ".join(f"{k} {v:7.0f}" for k, v in times.items()), flush=True)
     return table
+
+
+def ncu_range(mlp, offsets, x, dy):
+    """Each sm90 kernel of the step once inside a profiler range (``ncu --profile-from-start off``)."""
+    kernels = step_kernels(mlp, offsets, x, dy)
+    for fn in kernels.values():
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for fn in kernels.values():
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
 
 
 def profile_step(mlp, splits, x, dy):
@@ -232,6 +252,7 @@ def main():
     ap.add_argument("--out", default=None, help="folder for the JSON/markdown result (default: print only)")
     ap.add_argument("--profile", action="store_true", help="also print the kernel breakdown of one fused step")
     ap.add_argument("--sweep", action="store_true", help="only time each sm90 kernel per tile config")
+    ap.add_argument("--ncu", action="store_true", help="only run each sm90 kernel once in a profiler range")
     args = ap.parse_args()
     device = torch.cuda.get_device_name()
     results = []
@@ -239,6 +260,9 @@ def main():
         m, h, i, e = SHAPES[name]
         print(f"[{name}] M={m} H={h} I={i} E={e} ...", flush=True)
         mlp, splits, offsets, x, dy = problem(name)
+        if args.ncu:
+            ncu_range(mlp, offsets, x, dy)
+            continue
         if args.sweep:
             results.append({"shape": name, "sweep_us": sweep_configs(mlp, offsets, x, dy)})
             continue
@@ -277,7 +301,7 @@ def main():
         del mlp, runs, x, dy
         torch.cuda.empty_cache()
 
-    if args.sweep:
+    if args.sweep or args.ncu:
         return
     lines = [
         f"Training step (fwd + bwd, grads None first), bf16 SwiGLU MLP, {device}; median ms; "
