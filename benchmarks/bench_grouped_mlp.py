@@ -2,11 +2,14 @@
 
 For each shape (rows M, hidden H, expert width I, local experts E) with uneven routing it times
 forward, backward and forward+backward (median over iterations, after warm-up; CUDA events on
-the GPU), and reports TFLOPS, peak memory (CUDA) and the bytes kept for backward. Prints a
-table, writes benchmarks/results/grouped_mlp_<device>.json and a bar chart PNG (if matplotlib).
+the GPU), and reports throughput (TFLOP/s on CUDA, GFLOP/s on the CPU), peak memory (CUDA) and
+the bytes kept for backward. Prints a progress line per shape, then a table; writes
+benchmarks/results/runs/grouped_mlp_<device>_<date>.json and a bar chart PNG (if matplotlib).
+The committed reference results in benchmarks/results/ are never overwritten.
 
-    python benchmarks/bench_grouped_mlp.py            # default device: CUDA if present, else CPU
-    python benchmarks/bench_grouped_mlp.py --small    # seconds on a CPU
+    python benchmarks/bench_grouped_mlp.py          # CUDA if present (full shapes), else CPU (small shapes)
+    python benchmarks/bench_grouped_mlp.py --full   # the full shapes on a CPU too (many minutes, ~9 GB)
+    python benchmarks/bench_grouped_mlp.py --small  # the small shapes on a GPU
 """
 
 import argparse
@@ -16,6 +19,7 @@ import os
 import statistics
 import sys
 import time
+from datetime import datetime
 
 import torch
 
@@ -34,7 +38,8 @@ SMALL_SHAPES = {
     "small-a": (512, 256, 128, 8),
     "small-b": (1024, 512, 256, 4),
 }
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "runs")  # git-ignored
+PROGRESS_AFTER_S = 3.0  # a shape running longer than this prints a dot per iteration
 
 
 def uneven_splits(rows: int, groups: int, seed: int = 0) -> torch.Tensor:
@@ -64,10 +69,12 @@ class Timer:
         return (stop - start) * 1e3
 
 
-def bench_one(seq, inputs, dy, split_sizes, iters: int, warmup: int, device):
+def bench_one(seq, inputs, dy, split_sizes, iters: int, warmup: int, device, started: float):
     timer = Timer(device)
     fwd, bwd, total = [], [], []
     for it in range(warmup + iters):
+        if time.perf_counter() - started > PROGRESS_AFTER_S:
+            print(".", end="", flush=True)
         x = inputs[it % len(inputs)]
         for p in seq.parameters():
             p.grad = None
@@ -103,7 +110,9 @@ def bench_one(seq, inputs, dy, split_sizes, iters: int, warmup: int, device):
 
 def run(shapes: dict, device: torch.device, dtype: torch.dtype, iters: int, warmup: int):
     rows_out = []
-    for name, (rows, hidden, width, experts) in shapes.items():
+    for n, (name, (rows, hidden, width, experts)) in enumerate(shapes.items(), 1):
+        started = time.perf_counter()
+        print(f"[{n}/{len(shapes)}] {name} (M={rows}, H={hidden}, I={width}, E={experts}):", end="", flush=True)
         torch.manual_seed(0)
         fused = Sequential(
             GroupedLinear(experts, hidden, 2 * width, dtype=dtype, device=device),
@@ -119,7 +128,8 @@ def run(shapes: dict, device: torch.device, dtype: torch.dtype, iters: int, warm
         flops_fwd = 6.0 * rows * hidden * width  # FC1 (N = 2I) + FC2
         plan = fused.explain(inputs[0], split_sizes=split_sizes)
         for mode, seq in (("fused", fused), ("unfused", unfused)):
-            result = bench_one(seq, inputs, dy, split_sizes, iters, warmup, device)
+            result = bench_one(seq, inputs, dy, split_sizes, iters, warmup, device, started)
+            print(f" {mode} {result['fwd_bwd_ms']:.3f} ms", end="", flush=True)
             result.update(
                 shape=name,
                 mode=mode,
@@ -133,6 +143,7 @@ def run(shapes: dict, device: torch.device, dtype: torch.dtype, iters: int, warm
             )
             rows_out.append(result)
         rows_out[-2]["plan"] = plan
+        print(f" ({time.perf_counter() - started:.1f} s)", flush=True)
         del fused, unfused, inputs, dy
         gc.collect()
         if device.type == "cuda":
@@ -140,20 +151,27 @@ def run(shapes: dict, device: torch.device, dtype: torch.dtype, iters: int, warm
     return rows_out
 
 
-def table(results) -> str:
-    header = (
-        f"{'shape':<17}{'mode':<9}{'fwd ms':>9}{'bwd ms':>9}{'f+b ms':>9}"
-        f"{'fwd TF':>8}{'bwd TF':>8}{'f+b TF':>8}{'saved MiB':>11}{'peak MiB':>10}"
-    )
-    lines = [header, "-" * len(header)]
-    for r in results:
-        peak = "-" if r["peak_fwd_bwd_MiB"] is None else f"{r['peak_fwd_bwd_MiB']:.0f}"
-        lines.append(
-            f"{r['shape']:<17}{r['mode']:<9}{r['forward_ms']:>9.3f}{r['backward_ms']:>9.3f}{r['fwd_bwd_ms']:>9.3f}"
-            f"{r['fwd_TFLOPS']:>8.2f}{r['bwd_TFLOPS']:>8.2f}{r['fwd_bwd_TFLOPS']:>8.2f}"
-            f"{r['saved_for_backward_MiB']:>11.1f}{peak:>10}"
-        )
-    return "\n".join(lines)
+def table(results, gflops: bool) -> str:
+    """Fixed-width columns, two spaces apart; throughput in GFLOP/s (CPU) or TFLOP/s (CUDA)."""
+    unit, scale = ("GFLOP/s", 1e3) if gflops else ("TFLOP/s", 1)
+    columns = [
+        ("shape", 17, lambda r: r["shape"]),
+        ("mode", 7, lambda r: r["mode"]),
+        ("fwd ms", 10, lambda r: f"{r['forward_ms']:.3f}"),
+        ("bwd ms", 10, lambda r: f"{r['backward_ms']:.3f}"),
+        ("f+b ms", 10, lambda r: f"{r['fwd_bwd_ms']:.3f}"),
+        (f"fwd {unit}", 12, lambda r: f"{r['fwd_TFLOPS'] * scale:.1f}"),
+        (f"bwd {unit}", 12, lambda r: f"{r['bwd_TFLOPS'] * scale:.1f}"),
+        (f"f+b {unit}", 12, lambda r: f"{r['fwd_bwd_TFLOPS'] * scale:.1f}"),
+        ("saved MiB", 10, lambda r: f"{r['saved_for_backward_MiB']:.1f}"),
+        ("peak MiB", 9, lambda r: "-" if r["peak_fwd_bwd_MiB"] is None else f"{r['peak_fwd_bwd_MiB']:.0f}"),
+    ]
+
+    def line(cells):
+        return "  ".join(f"{c:<{w}}" if i < 2 else f"{c:>{w}}" for i, (c, (_, w, _)) in enumerate(zip(cells, columns)))
+
+    header = line([title for title, _, _ in columns])
+    return "\n".join([header, "-" * len(header)] + [line([fmt(r) for _, _, fmt in columns]) for r in results])
 
 
 def chart(results, path: str) -> bool:
@@ -180,35 +198,43 @@ def chart(results, path: str) -> bool:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--small", action="store_true", help="small shapes that run in seconds on a CPU")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--small", action="store_true", help="small shapes (the default on a CPU: seconds)")
+    size.add_argument("--full", action="store_true", help="the model shapes (the default on CUDA)")
     parser.add_argument("--shapes", nargs="*", help="subset of shape names")
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--out", default=RESULTS, help="folder for the JSON and PNG")
+    parser.add_argument("--out", default=RUNS, help="folder for the JSON and PNG (default: %(default)s)")
     args = parser.parse_args()
 
     device = torch.device(args.device)
-    shapes = SMALL_SHAPES if args.small else SHAPES
+    small = args.small or (device.type == "cpu" and not args.full)
+    shapes = SMALL_SHAPES if small else SHAPES
     if args.shapes:
+        unknown = sorted(set(args.shapes) - set(shapes))
+        if unknown:
+            parser.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(shapes)}")
         shapes = {name: shapes[name] for name in args.shapes}
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     iters = args.iters or (20 if device.type == "cuda" else 5)
+    label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device: {label}, dtype {dtype}, {'small' if small else 'full'} shapes, "
+          f"median of {iters} iterations after {args.warmup} warm-up")
     results = run(shapes, device, dtype, iters, args.warmup)
 
-    label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     tag = next((w.lower() for w in label.split() if w[:1] == "H" and w[1:].isdigit()), "cuda") if device.type == "cuda" else "cpu"
-    tag += "_small" if args.small else ""
+    tag += "_small" if small else ""
     os.makedirs(args.out, exist_ok=True)
-    json_path = os.path.join(args.out, f"grouped_mlp_{tag}.json")
-    with open(json_path, "w") as f:
+    stem = os.path.join(args.out, f"grouped_mlp_{tag}_{datetime.now():%Y%m%d-%H%M%S}")
+    with open(stem + ".json", "w") as f:
         json.dump({"device": label, "dtype": str(dtype), "torch": torch.__version__, "results": results}, f, indent=1)
-    png_path = os.path.join(args.out, f"grouped_mlp_{tag}.png")
-    drew = chart(results, png_path)
+    drew = chart(results, stem + ".png")
+    print()
     print(next(r["plan"] for r in results if "plan" in r))
-    print(f"\ndevice: {label}, dtype {dtype}, median of {iters} iterations after {args.warmup} warm-up")
-    print(table(results))
-    print(f"\nwrote {json_path}" + (f" and {png_path}" if drew else " (matplotlib missing: no chart)"))
+    print()
+    print(table(results, gflops=device.type == "cpu"))
+    print(f"\nwrote {stem}.json" + (f" and {stem}.png" if drew else " (matplotlib missing: no chart)"))
 
 
 if __name__ == "__main__":

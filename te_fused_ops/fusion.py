@@ -12,11 +12,12 @@ so the other pass can be planned independently.
 """
 
 import inspect
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+
+from . import env
 
 PASSES = ("forward", "backward")
 
@@ -75,12 +76,12 @@ BACKENDS: dict = {"sm90": _sm90_backend_reason, "torch": _torch_backend_reason}
 
 def forced_backend() -> Optional[str]:
     """TE_FUSED_OPS_BACKEND=torch (or another backend name) forces that backend for every rule."""
-    value = os.environ.get("TE_FUSED_OPS_BACKEND", "").strip()
-    return value or None
+    return env.read("TE_FUSED_OPS_BACKEND")
 
 
 def fusion_enabled_by_env() -> bool:
-    return os.environ.get("TE_FUSED_OPS_FUSION", "1") not in ("0", "false", "False")
+    """TE_FUSED_OPS_FUSION=0 turns every rule off."""
+    return env.read("TE_FUSED_OPS_FUSION")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,13 +194,16 @@ def list_rules(passes: Optional[str] = None) -> list:
     return [e.rule for e in entries if passes is None or e.rule.passes == passes]
 
 
-def fusion_rule(name: str, pattern, passes: str, backend: str = "torch", supports=None, priority: int = 0):
-    """Decorator: make a one-backend rule from an implementation function and register it."""
+def fusion_rule(
+    name: str, pattern, passes: str, backend: str = "torch", supports=None, priority: int = 0, replace: bool = False
+):
+    """Decorator: make a one-backend rule from an implementation function and register it
+    (``replace=True``: over a rule of the same name, e.g. when a notebook cell runs again)."""
 
     def decorate(fn):
         rule = FusionRule(name, pattern, passes, supports=supports)
         rule.implementation(backend)(fn)
-        register_rule(rule, priority=priority)
+        register_rule(rule, priority=priority, replace=replace)
         return rule
 
     return decorate
@@ -207,6 +211,65 @@ def fusion_rule(name: str, pattern, passes: str, backend: str = "torch", support
 
 # ---------------------------------------------------------------------------------------------
 # plans
+
+
+class FusionRuleError(RuntimeError):
+    """A fusion rule's implementation raised or broke the implementation contract; names the rule.
+
+    Raised from a ValueError or TypeError (e.g. bad input met inside a rule), it is one of those too.
+    """
+
+
+class FusionRuleValueError(FusionRuleError, ValueError):
+    pass
+
+
+class FusionRuleTypeError(FusionRuleError, TypeError):
+    pass
+
+
+def _error_class(error: Exception) -> type:
+    if isinstance(error, ValueError):
+        return FusionRuleValueError
+    return FusionRuleTypeError if isinstance(error, TypeError) else FusionRuleError
+
+
+def _describe(value, depth: int = 0) -> str:
+    """Short structure of a returned value: ``tuple of 2 [Tensor, list of 1 [dict]]``."""
+    if isinstance(value, (list, tuple)) and depth < 2:
+        items = ", ".join(_describe(v, depth + 1) for v in value[:4])
+        return f"{type(value).__name__} of {len(value)} [{items}{', ...' if len(value) > 4 else ''}]"
+    return type(value).__name__
+
+
+def _is_backward_result(result, num_ops: int) -> bool:
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        return False
+    dx, grads = result
+    return (
+        (dx is None or isinstance(dx, torch.Tensor))
+        and isinstance(grads, (list, tuple))
+        and len(grads) == num_ops
+        and all(g is None or isinstance(g, dict) for g in grads)
+    )
+
+
+def _context_hint(ctxs, error: Exception) -> str:
+    """For a KeyError in a backward: what the contexts hold and which forward rule filled them."""
+    if not isinstance(error, KeyError):
+        return ""
+    hints = [
+        f"op {ctx.index} ({ctx.op.op_name}) was run by forward rule '{ctx.forward_rule}' and its context holds "
+        f"saved {sorted(ctx.saved)}, side {sorted(ctx.side)}"
+        for ctx in ctxs
+        if ctx.forward_rule
+    ]
+    if not hints:
+        return ""
+    return (
+        "; " + "; ".join(hints) + ". A forward rule must fill each op's context as the op's own forward "
+        "would (ctx.save_input(x), ctx.saved[...]); the backward sees only ctx.saved and ctx.side"
+    )
 
 
 @dataclass
@@ -220,14 +283,49 @@ class Step:
     skipped_backends: list = field(default_factory=list)  # [(backend, reason)] tried before this one
 
     def run(self, ops, ctxs, value, passes: str):
-        if self.rule is not None:
-            impl = self.rule.implementations[self.backend]
-            return impl(ops[self.start : self.stop], ctxs[self.start : self.stop], value)
-        op, ctx = ops[self.start], ctxs[self.start]
+        """The step's result; a rule's failure or wrong result raises `FusionRuleError` naming it."""
+        if self.rule is None:
+            return self._run_op(ops[self.start], ctxs[self.start], value, passes)
+        window, window_ctxs = ops[self.start : self.stop], ctxs[self.start : self.stop]
+        try:
+            result = self.rule.implementations[self.backend](window, window_ctxs, value)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:
+            hint = _context_hint(window_ctxs, error) if passes == "backward" else ""
+            message = f"raised {type(error).__name__}: {error}{hint}"
+            raise _error_class(error)(self._where(window, passes) + message) from error
+        if passes == "forward":
+            if not isinstance(result, torch.Tensor):
+                raise FusionRuleError(
+                    f"{self._where(window, passes)}returned {_describe(result)}; "
+                    "a forward implementation must return the output tensor"
+                )
+            for ctx in window_ctxs:
+                ctx.forward_rule = self.rule.name
+        elif not _is_backward_result(result, len(window)):
+            raise FusionRuleError(
+                f"{self._where(window, passes)}returned {_describe(result)}; a backward implementation must "
+                f"return (dx, grads): dx a tensor or None, grads a list of {len(window)} entries (one per op, "
+                "each a dict from parameter or side-input name to gradient, or None)"
+            )
+        return result
+
+    def _run_op(self, op, ctx, value, passes: str):
         if passes == "forward":
             return op.op_forward(ctx, value)
-        dx, grads = op.op_backward(ctx, value)
+        try:
+            dx, grads = op.op_backward(ctx, value)
+        except KeyError as error:
+            hint = _context_hint([ctx], error)
+            if not hint:
+                raise
+            raise FusionRuleError(f"{op.op_name} (op {ctx.index}) backward raised KeyError: {error}{hint}") from error
         return dx, [grads]
+
+    def _where(self, window, passes: str) -> str:
+        names = ", ".join(type(op).__name__ for op in window)
+        return f"fusion rule '{self.rule.name}' ({passes}, backend {self.backend}, ops [{self.start}:{self.stop}] {names}) "
 
 
 @dataclass

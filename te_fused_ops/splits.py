@@ -5,11 +5,12 @@ rows ``offsets[g]:offsets[g+1]``; rows ``offsets[G]:M`` are padding. Offsets are
 device of ``split_sizes`` and clamped, so no split value can make a kernel index out of bounds.
 """
 
-import os
 import threading
 from contextlib import contextmanager
 
 import torch
+
+from . import env
 
 _SPLIT_DTYPES = (torch.int32, torch.int64)
 _local = threading.local()  # .validation: the innermost `validation()` setting of this thread
@@ -20,7 +21,7 @@ def validation_enabled() -> bool:
     override = getattr(_local, "validation", None)
     if override is not None:
         return override
-    return os.environ.get("TE_FUSED_OPS_VALIDATE", "0") not in ("", "0", "false", "False")
+    return env.read("TE_FUSED_OPS_VALIDATE")
 
 
 @contextmanager

@@ -6,9 +6,10 @@ Importable without cutlass or a GPU.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from .. import env
 
 DTYPES = (torch.bfloat16, torch.float16)
 SM_MARGIN_ENV = "TE_FUSED_OPS_SM_MARGIN"
@@ -32,18 +33,7 @@ def num_sms(device_index: int) -> int:
 def resolve_sm_margin(sm_margin, fn_name: str) -> int:
     """``sm_margin`` (SMs the persistent grid leaves free), or env TE_FUSED_OPS_SM_MARGIN, or 0."""
     if sm_margin is None:
-        raw = os.environ.get(SM_MARGIN_ENV, "").strip()
-        if not raw:
-            return 0
-        try:
-            value = int(raw)
-        except ValueError:
-            value = -1
-        if value < 0:
-            raise ValueError(
-                f"{fn_name}: environment variable {SM_MARGIN_ENV} must be an integer >= 0, got {raw!r}"
-            )
-        return value
+        return env.read(SM_MARGIN_ENV, fn_name)
     if isinstance(sm_margin, bool) or not isinstance(sm_margin, int):
         raise TypeError(f"{fn_name}: sm_margin must be an int or None, got {type(sm_margin).__name__}")
     if sm_margin < 0:

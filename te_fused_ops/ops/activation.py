@@ -9,11 +9,11 @@ backends.
 """
 
 import math
-import os
 import warnings
 
 import torch
 
+from .. import env
 from .base import BasicOp, OpContext, is_quantized
 
 _GELU_K = math.sqrt(2.0 / math.pi)
@@ -38,7 +38,7 @@ _compiled: dict = {}  # (op class, method name) -> compiled function, or None af
 def _run_math(op, name: str, *args):
     """``type(op).<name>(op, *args)``, compiled on CUDA (one kernel per op class and config)."""
     method = getattr(type(op), name)
-    if args[0].device.type != "cuda" or os.environ.get("TE_FUSED_OPS_COMPILE", "1") in ("0", "false", "False"):
+    if args[0].device.type != "cuda" or not env.read("TE_FUSED_OPS_COMPILE", op.op_name):
         return method(op, *args)
     key = (type(op), name)
     if key not in _compiled:

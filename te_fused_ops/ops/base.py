@@ -33,6 +33,7 @@ class OpContext:
                           `Recompute` giving the output again (the consumer saves it lazily)
     main_grads:           parameter name -> fp32 buffer the backward accumulates that gradient
                           into instead of returning it (an output, so not a saved tensor)
+    forward_rule:         name of the fusion rule whose forward ran this op, or None (error hints)
     """
 
     def __init__(self, op, index: int, input_requires_grad: bool, params_require_grad: bool):
@@ -47,6 +48,7 @@ class OpContext:
         self.recompute_output = None
         self.input_recompute = None
         self.main_grads: dict = {}
+        self.forward_rule = None
 
     def save_input(self, x) -> None:
         """Keep the op's input for the backward, lazily when its producer can recompute it."""

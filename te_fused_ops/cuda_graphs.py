@@ -1,0 +1,49 @@
+"""Whole training steps as one CUDA graph: capture once, replay with new routing.
+
+Every te_fused_ops path is sync-free with ``split_sizes`` on the GPU and its launches depend on
+shapes only, so a step's forward and backward can be captured once over static tensors and
+replayed; routing changes by writing new values into the same ``split_sizes`` tensor.
+"""
+
+import torch
+
+
+class CudaGraphStep:
+    """``step()`` (forward + backward over static tensors, gradients set to None inside) captured
+    as one CUDA graph; calling the object replays it and returns what ``step`` returned at capture.
+
+        x, split_sizes = static input tensors (fill them before each replay)
+        def step():
+            for p in model.parameters():
+                p.grad = None
+            loss = model(x, split_sizes=split_sizes).float().square().mean()
+            loss.backward()
+            return loss
+        graphed = CudaGraphStep(step)
+        for batch, routing in loader:
+            x.copy_(batch); split_sizes.copy_(routing)
+            loss = graphed()             # gradients are in p.grad (static tensors) after this
+            optimizer.step()             # outside the graph (or capture it in ``step`` too)
+
+    ``warmup`` eager runs on a side stream first compile kernels and torch.compile'd code and let
+    autograd allocate; they change gradients and anything ``step`` updates, like the replays.
+    """
+
+    def __init__(self, step, warmup: int = 2, pool=None):
+        if not callable(step):
+            raise TypeError(f"CudaGraphStep: argument 'step' must be callable, got {type(step).__name__}")
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaGraphStep: CUDA graphs need a CUDA device")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = step()
+
+    def __call__(self):
+        self.graph.replay()
+        return self.output

@@ -1,0 +1,119 @@
+"""Environment switches: every ``TE_FUSED_OPS_*`` variable is read here, at use time, and validated.
+
+`read(name)` returns the parsed value (the default when the variable is unset or empty) or raises
+a ValueError naming the variable and listing the accepted values. `SWITCHES` is the one table
+behind the README's list and ``help(te_fused_ops)``.
+"""
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+PREFIX = "TE_FUSED_OPS_"
+_TRUE, _FALSE = ("1", "true", "on"), ("0", "false", "off")
+
+
+def _flag(raw: str) -> bool:
+    value = raw.lower()
+    if value not in _TRUE + _FALSE:
+        raise ValueError
+    return value in _TRUE
+
+
+def _backend_names() -> tuple:
+    from .fusion import BACKENDS
+
+    return tuple(BACKENDS)
+
+
+def _backend(raw: str) -> str:
+    if raw not in _backend_names():
+        raise ValueError
+    return raw
+
+
+def _count(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError
+    return value
+
+
+_FLAG_VALUES = "one of 1, 0, true, false, on, off (any case)"
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One variable: ``parse`` maps a stripped, non-empty value to the setting or raises ValueError."""
+
+    name: str
+    parse: Callable[[str], object]
+    accepted: Callable[[], str]  # for errors and docs; a function, as backend names live in fusion
+    default: object  # the setting when the variable is unset or empty
+    default_text: str
+    doc: str
+
+
+SWITCHES = {
+    s.name: s
+    for s in (
+        Switch(
+            "TE_FUSED_OPS_FUSION", _flag, lambda: _FLAG_VALUES, True, "1",
+            "0 runs every op unfused, as `Sequential(..., fuse=False)`",
+        ),
+        Switch(
+            "TE_FUSED_OPS_BACKEND", _backend, lambda: f"one of {', '.join(_backend_names())}, or empty", None,
+            "empty (the fastest available)",
+            "forces that kernel backend for every rule, e.g. `torch` for comparisons",
+        ),
+        Switch(
+            "TE_FUSED_OPS_COMPILE", _flag, lambda: _FLAG_VALUES, True, "1",
+            "0 runs the torch activation math eagerly on CUDA; by default it runs through "
+            "`torch.compile`, one elementwise kernel per activation",
+        ),
+        Switch(
+            "TE_FUSED_OPS_VALIDATE", _flag, lambda: _FLAG_VALUES, False, "0",
+            "1 checks split values (negative, sum too large) and raises, as `with tfo.validation():`; "
+            "costs a host sync (without it, out-of-range values are clamped on the device)",
+        ),
+        Switch(
+            "TE_FUSED_OPS_SM_MARGIN", _count, lambda: "an integer >= 0", 0, "0",
+            "SMs the sm90 GEMMs leave free for kernels running beside them (e.g. all-to-all); "
+            "`sm_margin=` of the kernel wrappers overrides it",
+        ),
+    )
+}
+
+
+def read(name: str, where: str = "te_fused_ops"):
+    """The current setting of switch ``name``; ValueError (prefixed by ``where``) for a bad value."""
+    switch = SWITCHES[name]
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return switch.default
+    try:
+        return switch.parse(raw)
+    except ValueError:
+        raise ValueError(
+            f"{where}: environment variable {name} must be {switch.accepted()}, got {raw!r}"
+        ) from None
+
+
+def warn_unknown() -> None:
+    """Warn about ``TE_FUSED_OPS_*`` variables that are not switches (typos are otherwise ignored)."""
+    unknown = sorted(n for n in os.environ if n.startswith(PREFIX) and n not in SWITCHES)
+    if unknown:
+        warnings.warn(
+            f"te_fused_ops: unknown environment variable(s) {', '.join(unknown)} ignored; "
+            f"known: {', '.join(SWITCHES)}",
+            stacklevel=3,
+        )
+
+
+def markdown_table() -> str:
+    """The switches as a Markdown table: name, accepted values, default, effect."""
+    lines = ["| variable | accepted values | default | effect |", "|---|---|---|---|"]
+    for s in SWITCHES.values():
+        lines.append(f"| `{s.name}` | {s.accepted()} | {s.default_text} | {s.doc} |")
+    return "\n".join(lines)

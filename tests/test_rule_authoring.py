@@ -1,0 +1,120 @@
+"""User fusion rules: replace=True, and errors that name the rule when an implementation breaks the contract."""
+
+import pytest
+import torch
+
+import te_fused_ops as tfo
+from te_fused_ops import FusionRuleError, GroupedLinear, Sequential, SReLU
+
+SPLITS = torch.tensor([3, 2])
+
+
+@pytest.fixture
+def rules():
+    """Names of the rules a test registers; unregistered afterwards."""
+    names = []
+    yield names
+    for name in names:
+        tfo.unregister_rule(name)
+
+
+def forward_rule(rules, fn, name="user_rule"):
+    if name not in rules:
+        rules.append(name)
+    return tfo.fusion_rule(name=name, pattern=(GroupedLinear, SReLU), passes="forward", priority=100, replace=True)(fn)
+
+
+def backward_rule(rules, fn, name="user_backward"):
+    rules.append(name)
+    return tfo.fusion_rule(name=name, pattern=(GroupedLinear, SReLU), passes="backward", priority=100)(fn)
+
+
+def unfused_forward(ops, ctxs, x):
+    return ops[1].op_forward(ctxs[1], ops[0].op_forward(ctxs[0], x))
+
+
+def call(backward=True):
+    torch.manual_seed(0)
+    seq = Sequential(GroupedLinear(2, 8, 8), SReLU())
+    y = seq(torch.randn(5, 8, requires_grad=True), split_sizes=SPLITS)
+    if backward:
+        y.sum().backward()
+    return seq
+
+
+def test_fusion_rule_replace(rules):
+    forward_rule(rules, unfused_forward)
+    with pytest.raises(ValueError, match="already registered"):
+        tfo.fusion_rule(name="user_rule", pattern=(SReLU,), passes="forward")(unfused_forward)
+    rule = forward_rule(rules, unfused_forward)  # a notebook cell run again
+    assert [r for r in tfo.list_rules("forward") if r.name == "user_rule"] == [rule]
+
+
+def test_forward_must_return_a_tensor(rules):
+    forward_rule(rules, lambda ops, ctxs, x: (unfused_forward(ops, ctxs, x),))
+    with pytest.raises(FusionRuleError, match=r"fusion rule 'user_rule' \(forward.*returned tuple of 1 \[Tensor\]; "
+                                              r"a forward implementation must return the output tensor"):
+        call()
+
+
+def test_raising_implementation_names_rule_and_chains(rules):
+    def broken(ops, ctxs, x):
+        raise KeyError("weight")
+
+    forward_rule(rules, broken)
+    with pytest.raises(FusionRuleError, match=r"fusion rule 'user_rule' .*raised KeyError: 'weight'") as info:
+        call()
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_bad_input_inside_a_rule_stays_a_value_error(rules):
+    forward_rule(rules, unfused_forward)
+    seq = Sequential(GroupedLinear(2, 8, 8), SReLU())
+    with pytest.raises(ValueError, match=r"fusion rule 'user_rule'.*GroupedLinear: argument 'x' must have shape"):
+        seq(torch.randn(5, 7), split_sizes=SPLITS)
+
+
+@pytest.mark.parametrize(
+    "result",
+    [None, "dx", (None,), (None, [{}]), (None, {}), (None, [{}, 3]), ([1.0], [{}, {}])],
+    ids=["none", "str", "one", "short-list", "dict", "bad-entry", "bad-dx"],
+)
+def test_backward_must_return_dx_and_grads(rules, result):
+    backward_rule(rules, lambda ops, ctxs, dy: result)
+    with pytest.raises(FusionRuleError, match=r"fusion rule 'user_backward' \(backward.*must return \(dx, grads\).*"
+                                              r"grads a list of 2 entries"):
+        call()
+
+
+def test_backward_rule_exception_names_rule(rules):
+    def broken(ops, ctxs, dy):
+        return ops[1].op_backward(ctxs[1], dy)[0] @ ctxs[0].params["weight"], [{}, {}]  # params are forward-only
+
+    backward_rule(rules, broken)
+    with pytest.raises(FusionRuleError, match=r"fusion rule 'user_backward' \(backward.*raised KeyError: 'weight'"):
+        call()
+
+
+def test_forward_rule_that_forgets_the_context(rules):
+    forward_rule(rules, lambda ops, ctxs, x: torch.relu(ops[0].op_forward(ctxs[0], x)) ** 2)  # SReLU ctx left empty
+    with pytest.raises(FusionRuleError, match=r"SReLU \(op 1\) backward raised KeyError: 'input'; op 1 \(SReLU\) "
+                                              r"was run by forward rule 'user_rule'.*ctx.save_input"):
+        call()
+
+
+def test_correct_user_rules_match_unfused(rules):
+    def backward(ops, ctxs, dy):
+        d_pre, act_grads = ops[1].op_backward(ctxs[1], dy)
+        dx, linear_grads = ops[0].op_backward(ctxs[0], d_pre)
+        return dx, [linear_grads, act_grads]
+
+    forward_rule(rules, unfused_forward)
+    backward_rule(rules, backward)
+    fused = call()
+    assert [s.rule.name for s in fused.plan(torch.randn(5, 8, requires_grad=True), split_sizes=SPLITS).backward] == [
+        "user_backward"
+    ]
+    while rules:
+        tfo.unregister_rule(rules.pop())
+    unfused = call()
+    torch.testing.assert_close(fused[0].weight.grad, unfused[0].weight.grad)
