@@ -1,6 +1,7 @@
 """`Sequential` and the runner that executes a plan inside one autograd.Function."""
 
 import copy
+import functools
 
 import torch
 from torch import nn
@@ -10,19 +11,30 @@ from .ops.base import BasicOp, OpContext, is_quantized
 from .saved import pack, unpack
 
 
+@functools.cache
+def _cuda_capability(index: int):
+    return torch.cuda.get_device_capability(index)
+
+
 def _capability(device: torch.device):
-    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if device.type != "cuda":
+        return None
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _plan_info(ops, device, dtype, x_requires_grad: bool, side: dict, x_quantized: bool = False) -> PlanInfo:
+def _plan_info(
+    ops, device, dtype, x_requires_grad: bool, side: dict, x_quantized: bool = False, op_params=None
+) -> PlanInfo:
+    """``op_params``: per op, the parameters this call reads (default: ``op.call_params()``)."""
     grad_on = torch.is_grad_enabled()
     input_rg, params_rg, input_q = [], [], []
     running = grad_on and x_requires_grad
-    for op in ops:
+    for i, op in enumerate(ops):
         input_rg.append(running)
         input_q.append(x_quantized)
         x_quantized = op.output_quantized(x_quantized)
-        params = grad_on and any(p.requires_grad for p in op.parameters())
+        op_param_values = (op_params[i] if op_params is not None else op.call_params()).values()
+        params = grad_on and any(p.requires_grad for p in op_param_values)
         side_grad = grad_on and any(
             isinstance(side.get(n), torch.Tensor) and side[n].requires_grad for n in op.side_inputs
         )
@@ -141,7 +153,8 @@ def run_ops(owner: nn.Module, ops, x, side: dict, cache: dict, fuse: bool):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{owner_name}: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
     _check_side_inputs(owner_name, ops, side)
-    info = _plan_info(ops, x.device, x.dtype, x.requires_grad, side, is_quantized(x))
+    op_params = [op.call_params() for op in ops]
+    info = _plan_info(ops, x.device, x.dtype, x.requires_grad, side, is_quantized(x), op_params)
     plan = _get_plan(ops, info, cache, fuse)
 
     memo: dict = {}
@@ -150,7 +163,7 @@ def run_ops(owner: nn.Module, ops, x, side: dict, cache: dict, fuse: bool):
     for i, op in enumerate(ops):
         ctx = OpContext(op, i, info.input_requires_grad[i], info.params_require_grad[i])
         ctx.side = op.bind_side_inputs(side, x, memo)
-        ctx.params = op.call_params()
+        ctx.params = op_params[i]
         for name, param in ctx.params.items():
             if id(param) not in slot_of:
                 slot_of[id(param)] = len(params)

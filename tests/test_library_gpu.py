@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import reference as ref
+import te_fused_ops as tfo
 from te_fused_ops import ClampedSwiGLU, GeGLU, GroupedLinear, Quantize, ScaledSwiGLU, Sequential, SReLU, SwiGLU, Transpose
 
 pytestmark = pytest.mark.gpu
@@ -85,21 +86,17 @@ def test_cuda_graph_whole_step_replays_with_new_routing():
     static_x = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     static_dy = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16)
     static_splits = routing(3, ROWS - 64)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            train_step(seq, static_x, static_dy, split_sizes=static_splits)
-    torch.cuda.current_stream().wait_stream(side)
-    for p in [static_x, *seq.parameters()]:
-        p.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = train_step(seq, static_x, static_dy, split_sizes=static_splits)
+
+    def step():
+        for p in [static_x, *seq.parameters()]:
+            p.grad = None
+        return train_step(seq, static_x, static_dy, split_sizes=static_splits)
+
+    graphed = tfo.CudaGraphStep(step)
     for seed in (4, 5, 6):
         new_splits = routing(seed, ROWS - 8 * seed)
         static_splits.copy_(new_splits)
-        graph.replay()
+        static_y = graphed()
         torch.cuda.synchronize()
         got = [static_y.clone(), static_x.grad.clone(), *[p.grad.clone() for p in seq.parameters()]]
         x = static_x.detach().clone().requires_grad_(True)

@@ -1,0 +1,208 @@
+"""Host (CPU) overhead of a grouped-MLP training step on CUDA: te_fused_ops vs plain torch, eager and
+replayed as one CUDA graph.
+
+Per shape (bf16, SwiGLU, routing counts multiples of 8, gradients set to None first):
+  reference   plain torch: 2 x torch._grouped_mm + compiled SwiGLU, autograd's own backward
+  fused       te_fused_ops Sequential(GroupedLinear, SwiGLU, GroupedLinear)
+  fused graph the fused step captured once (te_fused_ops.CudaGraphStep) and replayed, with new
+              routing copied into the static split_sizes tensor before each replay
+Columns: host time to issue one step (median over steps, synchronized between steps so the
+launch queue never fills), wall time per step (N steps back to back, synchronized at the end).
+
+    python benchmarks/bench_host_overhead.py [--shapes small,qwen3-30b-a3b] [--steps 200] [--out DIR]
+    python benchmarks/bench_host_overhead.py --pyprofile      # cProfile of the fused small step
+"""
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import time
+
+import torch
+
+import te_fused_ops as tfo
+from te_fused_ops import GroupedLinear, Sequential, SwiGLU
+
+SHAPES = {  # name: (M, H, I, E)
+    "small": (2048, 1024, 512, 8),
+    "qwen3-30b-a3b": (65536, 2048, 768, 128),
+}
+
+
+def routing(m, e, seed, align=8):
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.rand(e, generator=gen) ** 2
+    s = torch.floor(p / p.sum() * m / align).long() * align
+    s[torch.argmax(s)] += m - int(s.sum())
+    return s.cuda()
+
+
+@torch.compile
+def swiglu(pre):
+    gate, up = pre.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def setup(name):
+    m, h, i, e = SHAPES[name]
+    torch.manual_seed(0)
+    mlp = Sequential(
+        GroupedLinear(e, h, 2 * i, dtype=torch.bfloat16, device="cuda"),
+        SwiGLU(),
+        GroupedLinear(e, i, h, dtype=torch.bfloat16, device="cuda"),
+    )
+    x = torch.randn(m, h, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    dy = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
+    return mlp, x, dy, routing(m, e, 0)
+
+
+def steps(mlp, x, dy, splits):
+    """name -> (step callable, callable run before each step)."""
+    w1, w2 = mlp[0].weight, mlp[2].weight
+    leaves = [x, w1, w2]
+    offsets = torch.zeros(splits.shape[0] + 1, dtype=torch.int32, device="cuda")
+    routings = [routing(x.shape[0], splits.shape[0], seed) for seed in range(4)]
+
+    def clear():
+        for t in leaves:
+            t.grad = None
+
+    def reference():
+        clear()
+        torch.cumsum(splits, 0, out=offsets[1:])
+        ends = offsets[1:]
+        y = torch._grouped_mm(swiglu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=ends)), w2.transpose(-2, -1), offs=ends)
+        y.backward(dy)
+
+    def fused():
+        clear()
+        mlp(x, split_sizes=splits).backward(dy)
+
+    graphed = tfo.CudaGraphStep(fused)
+    counter = [0]
+
+    def new_routing():  # what a training loop does before replaying: fresh routing, same tensor
+        counter[0] += 1
+        splits.copy_(routings[counter[0] % len(routings)])
+
+    return {"reference": (reference, new_routing), "fused": (fused, new_routing), "fused graph": (graphed, new_routing)}
+
+
+def measure(step, before, n):
+    for _ in range(5):
+        before()
+        step()
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(n):
+        before()
+        t = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - t)
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        before()
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) / n
+    return {"host_us": statistics.median(host) * 1e6, "wall_us": wall * 1e6}
+
+
+def host_us_per_call(fn, calls=100, batches=30):
+    """Host time per call: min over batches of back-to-back calls, synchronized between batches."""
+    best = float("inf")
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+    torch.cuda.synchronize()
+    return best
+
+
+def wrapper_calls():
+    """Host us per call of each sm90 kernel wrapper (checks + launch) on a tiny problem."""
+    from te_fused_ops.kernels.grouped_gemm import grouped_dgrad_dact_sm90, grouped_gemm_sm90
+    from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90
+
+    x = torch.randn(128, 64, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(2, 128, 64, dtype=torch.bfloat16, device="cuda")
+    w2 = torch.randn(2, 64, 64, dtype=torch.bfloat16, device="cuda")
+    off = torch.tensor([0, 64, 128], dtype=torch.int32, device="cuda")
+    pre, _ = grouped_gemm_sm90(x, w, off, activation="swiglu")
+    calls = {
+        "FC1 fwd + SwiGLU": lambda: grouped_gemm_sm90(x, w, off, activation="swiglu"),
+        "dgrad (W in place)": lambda: grouped_gemm_sm90(x, w2, off, weight_layout="kn"),
+        "dgrad + dSwiGLU": lambda: grouped_dgrad_dact_sm90(x, w2, off, pre, activation="swiglu"),
+        "wgrad": lambda: grouped_wgrad_sm90(x, x, off),
+    }
+    return {name: host_us_per_call(fn) for name, fn in calls.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--pyprofile", action="store_true")
+    args = ap.parse_args()
+    device = torch.cuda.get_device_name()
+    if args.pyprofile:
+        mlp, x, dy, splits = setup("small")
+        fused, before = steps(mlp, x, dy, splits)["fused"]
+        measure(fused, before, 5)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(100):
+            fused()
+        prof.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        return
+    calls = wrapper_calls()
+    for name, us in calls.items():
+        print(f"  wrapper {name:20s} {us:6.1f} us per call (checks + launch)", flush=True)
+    rows = []
+    for name in args.shapes.split(","):
+        print(f"[{name}] M, H, I, E = {SHAPES[name]} ...", flush=True)
+        mlp, x, dy, splits = setup(name)
+        row = {"shape": name}
+        for label, (step, before) in steps(mlp, x, dy, splits).items():
+            row[label] = measure(step, before, args.steps)
+            print(f"  {label:12s} host {row[label]['host_us']:8.0f} us   wall {row[label]['wall_us']:8.0f} us", flush=True)
+        rows.append(row)
+        del mlp, x, dy
+        torch.cuda.empty_cache()
+    lines = [
+        f"Host overhead of a training step, bf16 SwiGLU grouped MLP, {device}; us per step",
+        "",
+        "| shape | host: reference / fused / graph | wall: reference / fused / graph | fused host vs reference |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        ref, fused, graph = r["reference"], r["fused"], r["fused graph"]
+        lines.append(
+            f"| {r['shape']} | {ref['host_us']:.0f} / {fused['host_us']:.0f} / {graph['host_us']:.0f} | "
+            f"{ref['wall_us']:.0f} / {fused['wall_us']:.0f} / {graph['wall_us']:.0f} | "
+            f"{fused['host_us'] / ref['host_us']:.2f}x |"
+        )
+    lines += ["", "| sm90 wrapper | host us per call |", "|---|---|"]
+    lines += [f"| {name} | {us:.1f} |" for name, us in calls.items()]
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        tag = "h100" if "H100" in device else ("h200" if "H200" in device else "gpu")
+        with open(os.path.join(args.out, f"host_overhead_{tag}.json"), "w") as f:
+            json.dump({"device": device, "results": rows, "wrapper_us": calls}, f, indent=1)
+        with open(os.path.join(args.out, f"host_overhead_{tag}.md"), "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
