@@ -20,7 +20,16 @@ import torch
 
 from . import sm90_unavailable_reason
 from .activations import ACTIVATIONS, GLU_N_MULTIPLE, activation_spec
-from .launch import DTYPES, check_tensor, num_sms, resolve_sm_margin, tvm_ffi_available
+from .launch import (
+    DTYPES,
+    LaunchMemo,
+    check_tensor,
+    num_sms,
+    resolve_sm_margin,
+    sm_margin_setting,
+    tensor_signature,
+    tvm_ffi_available,
+)
 
 _FWD = "grouped_gemm_sm90"
 _DACT = "grouped_dgrad_dact_sm90"
@@ -209,6 +218,7 @@ def _launch_config(fn_name, m, n, g, dev, tile_n, cluster_m, sm_margin):
 
 
 _LAUNCHERS = {}
+_MEMO = LaunchMemo()  # argument signature -> validated launch (both wrappers; keys differ)
 
 
 def grouped_gemm_sm90(
@@ -225,7 +235,26 @@ def grouped_gemm_sm90(
     Rows >= offsets[G] are zero. No host sync; the launch depends on shapes only.
     tile_n (128 or 256) and cluster_m (1: no W multicast, 2) override the heuristic;
     sm_margin: SMs to leave free (default: env TE_FUSED_OPS_SM_MARGIN, else 0).
+    Checks run once per argument signature (`launch.tensor_signature`); repeats only launch.
     """
+    key = (
+        tensor_signature(x, weight, offsets, bias, probs, out),
+        _FWD, activation, weight_layout, tile_n, cluster_m, sm_margin, sm_margin_setting(), tvm_ffi_available(),
+    )
+    launch = _MEMO.get(key) or _MEMO.put(
+        key, _forward_launch(x, weight, offsets, bias, activation, probs, out, weight_layout, tile_n, cluster_m, sm_margin)
+    )
+    fn, tvm_ffi, pre_shape, act_shape, clusters = launch
+    pre = out if out is not None else x.new_empty(pre_shape)
+    act = None if act_shape is None else x.new_empty(act_shape)
+    if fn is not None:
+        _call(fn, tvm_ffi, x, weight, offsets, pre, act, bias, probs, limit, alpha, clusters)
+    return pre, act
+
+
+def _forward_launch(x, weight, offsets, bias, activation, probs, out, weight_layout, tile_n, cluster_m, sm_margin):
+    """Every check of `grouped_gemm_sm90`; (launcher or None when M == 0, TVM-FFI, pre shape,
+    act shape or None, persistent grid in clusters)."""
     dev = _check_input(_FWD, x, "x")
     check_tensor(_FWD, weight, "weight", x.dtype, 3, dev)
     check_tensor(_FWD, offsets, "offsets", torch.int32, 1, dev)
@@ -258,18 +287,15 @@ def grouped_gemm_sm90(
         check_tensor(_FWD, out, "out", x.dtype, 2, dev)
         _check_shape(_FWD, out, "out", (m, n))
     tile_n, cluster_m, clusters = _launch_config(_FWD, m, n, g, dev, tile_n, cluster_m, sm_margin)
-    pre = out if out is not None else x.new_empty((m, n))
-    act = None if spec is None else x.new_empty((m, n // 2 if glu else n))
+    act_shape = None if spec is None else (m, n // 2 if glu else n)
     if m == 0:
-        return pre, act
-
+        return None, False, (m, n), act_shape, clusters
     tvm_ffi = tvm_ffi_available()
     key = (_FWD, x.dtype, tile_n, activation, bias is not None, tvm_ffi, cluster_m, weight_layout)
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_gemm(*key[1:])
-    _call(fn, tvm_ffi, x, weight, offsets, pre, act, bias, probs, limit, alpha, clusters)
-    return pre, act
+    return fn, tvm_ffi, (m, n), act_shape, clusters
 
 
 def grouped_dgrad_dact_sm90(
@@ -284,7 +310,27 @@ def grouped_dgrad_dact_sm90(
     Returns (d_pre like pre, act (M, I) = activation(pre) (times probs for scaled_swiglu: the input
     of FC2's weight gradient), d_probs (M,) float32 for scaled_swiglu else None).
     Rows >= offsets[G] are zero. No host sync. H a multiple of 8; I a multiple of 32 (GLU) or 8.
+    Checks run once per argument signature, as for `grouped_gemm_sm90`.
     """
+    key = (
+        tensor_signature(dy, weight, offsets, pre, probs),
+        _DACT, activation, tile_n, cluster_m, sm_margin, sm_margin_setting(), tvm_ffi_available(),
+    )
+    launch = _MEMO.get(key) or _MEMO.put(
+        key, _dact_launch(dy, weight, offsets, pre, activation, probs, tile_n, cluster_m, sm_margin)
+    )
+    fn, tvm_ffi, act_shape, partial_shape, clusters = launch
+    d_pre = torch.empty_like(pre)
+    act = dy.new_empty(act_shape)
+    d_probs_part = None if partial_shape is None else dy.new_empty(partial_shape, dtype=torch.float32)
+    if fn is not None:
+        _call(fn, tvm_ffi, dy, weight, offsets, pre, d_pre, act, probs, d_probs_part, limit, alpha, clusters)
+    return d_pre, act, None if d_probs_part is None else d_probs_part.sum(0)
+
+
+def _dact_launch(dy, weight, offsets, pre, activation, probs, tile_n, cluster_m, sm_margin):
+    """Every check of `grouped_dgrad_dact_sm90`; (launcher or None when M == 0, TVM-FFI, act
+    shape, d_probs partials shape or None, persistent grid in clusters)."""
     dev = _check_input(_DACT, dy, "dy")
     check_tensor(_DACT, weight, "weight", dy.dtype, 3, dev)
     check_tensor(_DACT, offsets, "offsets", torch.int32, 1, dev)
@@ -310,22 +356,15 @@ def grouped_dgrad_dact_sm90(
     _check_shape(_DACT, pre, "pre", (m, 2 * i if spec.glu else i))
     _check_probs(_DACT, spec, probs, m, dev)
     tile_n, cluster_m, clusters = _launch_config(_DACT, m, i, g, dev, tile_n, cluster_m, sm_margin)
-    d_pre = torch.empty_like(pre)
-    act = dy.new_empty((m, i))
-    d_probs_part = None
-    if spec.takes_probs:
-        d_probs_part = torch.empty((-(-i // tile_n), m), dtype=torch.float32, device=dy.device)
+    partial_shape = (-(-i // tile_n), m) if spec.takes_probs else None
     if m == 0:
-        return d_pre, act, None if d_probs_part is None else d_probs_part.sum(0)
-
+        return None, False, (m, i), partial_shape, clusters
     tvm_ffi = tvm_ffi_available()
     key = (_DACT, dy.dtype, tile_n, activation, tvm_ffi, cluster_m)
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_dgrad_dact(*key[1:])
-    _call(fn, tvm_ffi, dy, weight, offsets, pre, d_pre, act, probs, d_probs_part, limit, alpha,
-          clusters)
-    return d_pre, act, None if d_probs_part is None else d_probs_part.sum(0)
+    return fn, tvm_ffi, (m, i), partial_shape, clusters
 
 
 def _call(fn, tvm_ffi, *args):

@@ -14,7 +14,16 @@ import functools
 import torch
 
 from . import sm90_unavailable_reason
-from .launch import DTYPES, check_tensor, num_sms, resolve_sm_margin, tvm_ffi_available
+from .launch import (
+    DTYPES,
+    LaunchMemo,
+    check_tensor,
+    num_sms,
+    resolve_sm_margin,
+    sm_margin_setting,
+    tensor_signature,
+    tvm_ffi_available,
+)
 
 _NAME = "grouped_wgrad_sm90"
 _MAX_ROWS = 2**30  # the ragged token view's mode extent
@@ -73,6 +82,7 @@ def compile_grouped_wgrad(dtype, tile_n, main_grad, cluster_m=1, tvm_ffi=None, *
 
 
 _LAUNCHERS = {}
+_MEMO = LaunchMemo()  # argument signature -> validated launch
 
 
 def grouped_wgrad_sm90(
@@ -86,8 +96,31 @@ def grouped_wgrad_sm90(
     with ``main_grad`` (fp32 (G, N, K)), main_grad += dW in place and main_grad is returned.
     sm_margin (int >= 0; None: $TE_FUSED_OPS_SM_MARGIN, default 0) SMs are left free.
     tile_n (128 or 256, along K) and cluster_m (1, 2: CTA pairs multicast x) override the
-    heuristic. No host sync.
+    heuristic. No host sync. Checks run once per argument signature (`launch.tensor_signature`).
     """
+    key = (
+        tensor_signature(dy, x, offsets, out, main_grad),
+        tile_n, cluster_m, sm_margin, sm_margin_setting(), tvm_ffi_available(),
+    )
+    launch = _MEMO.get(key) or _MEMO.put(
+        key, _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m)
+    )
+    fn, tvm_ffi, shape, max_ctas = launch
+    result = main_grad if main_grad is not None else out if out is not None else dy.new_empty(shape)
+    if fn is None:  # no rows (every group is empty) or no output
+        if main_grad is None and result.numel():
+            result.zero_()
+        return result
+    if tvm_ffi:
+        fn(dy, x, offsets, result, max_ctas)
+    else:
+        _call_classic(fn, dy, x, offsets, result, max_ctas)
+    return result
+
+
+def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m):
+    """Every check of `grouped_wgrad_sm90`; (launcher or None when there is nothing to compute,
+    TVM-FFI, dW shape, persistent grid in CTAs)."""
     if not isinstance(dy, torch.Tensor):
         raise TypeError(f"{_NAME}: dy must be a torch.Tensor, got {type(dy).__name__}")
     if dy.dtype not in DTYPES:
@@ -115,26 +148,19 @@ def grouped_wgrad_sm90(
         raise ValueError(f"{_NAME}: pass at most one of out and main_grad")
     if main_grad is not None:
         check_tensor(_NAME, main_grad, "main_grad", torch.float32, 3, dev)
-        result = main_grad
     elif out is not None:
         check_tensor(_NAME, out, "out", dy.dtype, 3, dev)
-        result = out
-    else:
-        result = dy.new_empty((g, n, k))
-    if tuple(result.shape) != (g, n, k):
+    given = main_grad if main_grad is not None else out
+    if given is not None and tuple(given.shape) != (g, n, k):
         arg = "main_grad" if main_grad is not None else "out"
-        raise ValueError(f"{_NAME}: {arg} must have shape {(g, n, k)}, got {tuple(result.shape)}")
+        raise ValueError(f"{_NAME}: {arg} must have shape {(g, n, k)}, got {tuple(given.shape)}")
     margin = resolve_sm_margin(sm_margin, _NAME)
     if tile_n not in (None, 128, 256):
         raise ValueError(f"{_NAME}: tile_n must be 128 or 256, got {tile_n!r}")
     if cluster_m not in (None, 1, 2):
         raise ValueError(f"{_NAME}: cluster_m must be 1 or 2, got {cluster_m!r}")
-    if result.numel() == 0:
-        return result
-    if m == 0:  # every group is empty
-        if main_grad is None:
-            result.zero_()
-        return result
+    if g * n * k == 0 or m == 0:
+        return None, False, (g, n, k), 0
 
     max_ctas = max(1, num_sms(dev) - margin)
     auto_tile_n, auto_cluster_m = choose_config(n, k, max_ctas)
@@ -146,11 +172,7 @@ def grouped_wgrad_sm90(
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_wgrad(*key)
-    if tvm_ffi:
-        fn(dy, x, offsets, result, max_ctas)
-    else:
-        _call_classic(fn, dy, x, offsets, result, max_ctas)
-    return result
+    return fn, tvm_ffi, (g, n, k), max_ctas
 
 
 def _call_classic(fn, dy, x, offsets, result, max_ctas):

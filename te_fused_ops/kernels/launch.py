@@ -6,6 +6,7 @@ Importable without cutlass or a GPU.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -56,3 +57,39 @@ def check_tensor(fn_name: str, t, arg: str, dtype, ndim: int, device_index: int)
         raise ValueError(f"{fn_name}: {arg} must be contiguous")
     if t.numel() and t.data_ptr() & 15:
         raise ValueError(f"{fn_name}: {arg} data pointer must be 16-byte aligned")
+
+
+def tensor_signature(*tensors):
+    """What the wrappers' checks look at, per tensor (None stays None): shape, dtype, device,
+    contiguity, 16-byte alignment. A validated launch is memoized under it (plus the non-tensor
+    arguments and the SM-margin variable), so repeated calls skip the checks. None when an
+    argument is not a tensor (the full checks then raise)."""
+    signature = []
+    for t in tensors:
+        if t is None:
+            signature.append(None)
+        elif isinstance(t, torch.Tensor):
+            signature.append((t.shape, t.dtype, t.device, t.is_contiguous(), not t.data_ptr() & 15))
+        else:
+            return None
+    return tuple(signature)
+
+
+def sm_margin_setting():
+    """The raw TE_FUSED_OPS_SM_MARGIN value (part of the launch memo key)."""
+    return os.environ.get(SM_MARGIN_ENV)
+
+
+class LaunchMemo(dict):
+    """key -> validated launch; bounded (cleared when it grows past ``limit`` entries)."""
+
+    def __init__(self, limit: int = 1024):
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key, launch):
+        if len(self) >= self.limit:
+            self.clear()
+        if key is not None and key[0] is not None:
+            self[key] = launch
+        return launch
