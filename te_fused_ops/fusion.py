@@ -334,6 +334,7 @@ class Plan:
     forward: list
     backward: list  # in execution order (last ops first)
     not_fired: dict  # pass -> [(rule name, start, stop, reason)]
+    templates: dict = field(default_factory=dict)  # call signature -> custom_ops.RunTemplate (torch.compile)
 
     def explain(self, ops) -> str:
         lines = [f"plan for {self.info.device_label}, dtype {str(self.info.dtype).removeprefix('torch.')}"]

@@ -96,3 +96,17 @@ def unpack(skeleton, tensors):
     if isinstance(skeleton, (list, tuple)):
         return type(skeleton)(unpack(item, tensors) for item in skeleton)
     return skeleton
+
+
+def slot_indices(skeleton) -> set:
+    """Indices of the tensors a skeleton refers to."""
+    if isinstance(skeleton, _Slot):
+        return {skeleton.index}
+    if isinstance(skeleton, _WithColumnwise):
+        return {skeleton.tensor.index, skeleton.columnwise.index}
+    if isinstance(skeleton, _Quantized):
+        return slot_indices(skeleton.fields)
+    if isinstance(skeleton, _Recomputed):
+        return slot_indices(skeleton.args)
+    items = skeleton.values() if isinstance(skeleton, dict) else skeleton if isinstance(skeleton, (list, tuple)) else ()
+    return set().union(*(slot_indices(item) for item in items))

@@ -6,8 +6,9 @@ import functools
 import torch
 from torch import nn
 
+from .custom_ops import compiled_call
 from .fusion import PlanInfo, forced_backend, fusion_enabled_by_env, make_plan, registry_version
-from .ops.base import BasicOp, OpContext, is_quantized
+from .ops.base import BasicOp, OpContext, is_quantized, register_owner
 from .saved import pack, unpack
 
 
@@ -23,24 +24,29 @@ def _capability(device: torch.device):
 
 
 def _plan_info(
-    ops, device, dtype, x_requires_grad: bool, side: dict, x_quantized: bool = False, op_params=None
+    ops, device, dtype, x_requires_grad: bool, side_grad: frozenset, params_grad: list, x_quantized: bool = False
 ) -> PlanInfo:
-    """``op_params``: per op, the parameters this call reads (default: ``op.call_params()``)."""
+    """``side_grad``: names of side inputs requiring grad; ``params_grad``: per op, whether any
+    parameter this call reads requires grad."""
     grad_on = torch.is_grad_enabled()
     input_rg, params_rg, input_q = [], [], []
     running = grad_on and x_requires_grad
-    for i, op in enumerate(ops):
+    for op, param_grad in zip(ops, params_grad):
         input_rg.append(running)
         input_q.append(x_quantized)
         x_quantized = op.output_quantized(x_quantized)
-        op_param_values = (op_params[i] if op_params is not None else op.call_params()).values()
-        params = grad_on and any(p.requires_grad for p in op_param_values)
-        side_grad = grad_on and any(
-            isinstance(side.get(n), torch.Tensor) and side[n].requires_grad for n in op.side_inputs
-        )
-        params_rg.append(params or side_grad)
-        running = running or params or side_grad
+        needs = grad_on and (param_grad or not side_grad.isdisjoint(op.side_inputs))
+        params_rg.append(needs)
+        running = running or needs
     return PlanInfo(device.type, _capability(device), dtype, tuple(input_rg), tuple(params_rg), tuple(input_q))
+
+
+def _side_grad(side: dict) -> frozenset:
+    return frozenset(n for n, v in side.items() if isinstance(v, torch.Tensor) and v.requires_grad)
+
+
+def _params_grad(op_params) -> list:
+    return [any(p.requires_grad for p in params.values()) for params in op_params]
 
 
 def _get_plan(ops, info: PlanInfo, cache: dict, fuse: bool):
@@ -87,16 +93,20 @@ class _Run:
         self.param_slots = param_slots
         self.num_params = num_params
 
-    def forward(self, x):
-        for step in self.plan.forward:
+    def forward(self, x, steps=None):
+        """Run the forward steps (default: the plan's) on ``x``; returns the output."""
+        for step in self.plan.forward if steps is None else steps:
             if step.start > 0:
                 self.ctxs[step.start].input_recompute = self.ctxs[step.start - 1].recompute_output
             x = step.run(self.ops, self.ctxs, x, "forward")
         return x
 
-    def pack(self) -> list:
-        """Replace the tensors the contexts keep by slots; return them (for save_for_backward)."""
-        tensors, index = [], {}
+    def pack(self, tensors=None, index=None) -> list:
+        """Replace the tensors the contexts keep by slots; return them (for save_for_backward).
+
+        ``tensors``/``index`` (id -> slot) may come pre-filled: tensors found there keep their slot.
+        """
+        tensors, index = ([], {}) if tensors is None else (tensors, index)
         for ctx in self.ctxs:
             ctx.saved = pack(ctx.saved, tensors, index)
             ctx.side = pack(ctx.side, tensors, index)
@@ -147,14 +157,52 @@ class _SequenceFunction(torch.autograd.Function):
         return (None, dx, *side_grads, *param_grads)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a call computes in: autocast's for x's device where it is on, else x's."""
+    if torch.is_autocast_enabled(x.device.type) and _autocast_eligible(x):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _autocast_eligible(t: torch.Tensor) -> bool:
+    """What autocast casts: floating tensors other than float64 (and not quantized)."""
+    return t.is_floating_point() and t.dtype != torch.float64 and not is_quantized(t)
+
+
+def _autocast_cast(x, op_params, dtype):
+    """x and the floating parameters cast to ``dtype`` through autograd (as nn.Linear under autocast)."""
+    def cast(t):
+        return t.to(dtype) if _autocast_eligible(t) else t
+
+    return cast(x), [{name: cast(p) for name, p in params.items()} for params in op_params]
+
+
 def run_ops(owner: nn.Module, ops, x, side: dict, cache: dict, fuse: bool):
-    """Check inputs, plan (cached) and run ``ops`` on ``x`` with named side inputs."""
+    """Check inputs, plan (cached) and run ``ops`` on ``x`` with named side inputs.
+
+    Under autocast, x and the floating parameters are cast to the autocast dtype first and the
+    ops run with autocast off. Under torch.compile, the call is one custom op (`custom_ops`).
+    """
     owner_name = type(owner).__name__
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{owner_name}: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
     _check_side_inputs(owner_name, ops, side)
     op_params = [op.call_params() for op in ops]
-    info = _plan_info(ops, x.device, x.dtype, x.requires_grad, side, is_quantized(x), op_params)
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        x, op_params = _autocast_cast(x, op_params, compute_dtype(x))
+        with torch.autocast(device_type, enabled=False):
+            return _run(owner, ops, x, side, cache, fuse, op_params)
+    return _run(owner, ops, x, side, cache, fuse, op_params)
+
+
+def _run(owner, ops, x, side, cache, fuse, op_params):
+    """`run_ops` after the checks and autocast casts: the ops' parameters in ``op_params``."""
+    if torch.compiler.is_compiling():
+        return compiled_call(owner, ops, x, side, op_params)
+    side_grad = _side_grad(side)
+    params_grad = _params_grad(op_params)
+    info = _plan_info(ops, x.device, x.dtype, x.requires_grad, side_grad, params_grad, is_quantized(x))
     plan = _get_plan(ops, info, cache, fuse)
 
     memo: dict = {}
@@ -177,9 +225,7 @@ def run_ops(owner: nn.Module, ops, x, side: dict, cache: dict, fuse: bool):
         ctxs.append(ctx)
 
     grad_needed = info.input_requires_grad[-1] or info.params_require_grad[-1] if ops else False
-    grad_side_names = sorted(
-        {n for op in ops for n in op.side_inputs if isinstance(side.get(n), torch.Tensor) and side[n].requires_grad}
-    )
+    grad_side_names = sorted(side_grad)  # every side input is consumed (checked)
     run = _Run(ops, ctxs, plan, grad_side_names, param_slots, len(params))
     if not grad_needed:
         with torch.no_grad():
@@ -221,6 +267,11 @@ class Sequential(nn.Module):
             self.add_module(str(i), op)
         self.fuse = fuse
         self._plans: dict = {}
+        self._owner_id = register_owner(self)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._owner_id = register_owner(self)  # a copy is another owner
 
     def __len__(self) -> int:
         return len(self._modules)
@@ -244,15 +295,18 @@ class Sequential(nn.Module):
         return run_ops(self, list(self), x, side, self._plans, self.fuse)
 
     def plan(self, x=None, **side):
-        """The plan a call with these inputs would run (x None: the parameters' device and dtype)."""
+        """The plan a call with these inputs would run (x None: the parameters' device and dtype;
+        under autocast, the autocast dtype)."""
         ops = list(self)
+        op_params = [op.call_params() for op in ops]
         if x is None:
             param = next(self.parameters(), None)
             device = param.device if param is not None else torch.device("cpu")
-            dtype = param.dtype if param is not None else torch.get_default_dtype()
-            info = _plan_info(ops, device, dtype, False, side)
+            dtype = compute_dtype(param) if param is not None else torch.get_default_dtype()
+            info = _plan_info(ops, device, dtype, False, _side_grad(side), _params_grad(op_params))
         else:
-            info = _plan_info(ops, x.device, x.dtype, x.requires_grad, side, is_quantized(x))
+            side_grad, params_grad = _side_grad(side), _params_grad(op_params)
+            info = _plan_info(ops, x.device, compute_dtype(x), x.requires_grad, side_grad, params_grad, is_quantized(x))
         return _get_plan(ops, info, self._plans, self.fuse)
 
     def explain(self, x=None, **side) -> str:

@@ -93,7 +93,7 @@ def bind_offsets(op_name: str, side: dict, x: torch.Tensor, memo: dict, num_grou
     if num_groups is None and isinstance(split_sizes, torch.Tensor):
         num_groups = split_sizes.shape[0] if split_sizes.dim() == 1 else -1
     check_split_sizes(op_name, split_sizes, num_groups, x.device)
-    key = (id(split_sizes), x.shape[0])
+    key = (id(split_sizes), id(x))  # hashable under symbolic shapes too
     if key not in memo:
         if validation_enabled():
             validate_split_values(op_name, split_sizes, x.shape[0])

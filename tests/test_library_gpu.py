@@ -330,3 +330,58 @@ def test_fused_step_launches_only_gemm_kernels_and_bookkeeping():
     total = sum(times.values())
     assert gemm > 0.5 * total, times
     assert sum(other.values()) < 0.03 * total, sorted(other.items(), key=lambda kv: -kv[1])[:6]
+
+
+def test_sm90_fires_under_autocast_with_float32_weights():
+    _require_hopper()
+    torch.manual_seed(0)
+    seq = Sequential(GroupedLinear(G, H, 2 * I, device="cuda"), ScaledSwiGLU(), GroupedLinear(G, I, H, device="cuda"))
+    bf16 = copy.deepcopy(seq).to(torch.bfloat16)
+    x = torch.randn(ROWS, H, device="cuda")
+    probs = torch.rand(ROWS, device="cuda")
+    dy = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16)
+    split_sizes = routing(3, ROWS - 40)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        text = seq.explain(x.requires_grad_(), split_sizes=split_sizes, probs=probs.requires_grad_())
+    assert "rule 'grouped_linear+activation' (backend sm90)" in text, text
+    assert "rule 'dactivation+grouped_linear' (backend sm90)" in text, text
+    results = []
+    for model, x_in in ((seq, x), (bf16, x.bfloat16())):
+        leaves = [x_in.detach().clone().requires_grad_(), probs.detach().clone().requires_grad_()]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=model is seq):
+            y = model(leaves[0], split_sizes=split_sizes, probs=leaves[1])
+        y.backward(dy)
+        results.append([y, *(t.grad for t in leaves), *(p.grad for p in model.parameters())])
+    got, want = results
+    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32 and got[2].dtype == torch.float32
+    assert all(g.dtype == torch.float32 for g in got[3:])
+    for a, b in zip(got, want):
+        assert ref.rel_err(a, b) <= 1e-2
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_step_matches_eager_without_recompiles(backend):
+    torch._dynamo.reset()
+    seq = mlp(ScaledSwiGLU())
+    eager = fresh_copy(seq)
+
+    def step(model, x, split_sizes, probs):
+        return model(x, split_sizes=split_sizes, probs=probs).float().square().mean()
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    try:
+        for seed in range(4):
+            torch._dynamo.config.error_on_recompile = seed > 0
+            split_sizes = routing(seed, ROWS - 8 * seed)
+            x = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16)
+            probs = torch.rand(ROWS, device="cuda")
+            results = []
+            for fn, model in ((compiled, seq), (step, eager)):
+                leaves = [x.clone().requires_grad_(), probs.clone().requires_grad_()]
+                fn(model, leaves[0], split_sizes, leaves[1]).backward()
+                results.append([*(t.grad for t in leaves), *(p.grad for p in model.parameters())])
+                model.zero_grad(set_to_none=True)
+            for a, b in zip(*results):
+                assert ref.rel_err(a, b) <= 1e-2
+    finally:
+        torch._dynamo.config.error_on_recompile = False

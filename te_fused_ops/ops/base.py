@@ -1,7 +1,25 @@
 """Basic op interface and the per-op context shared by unfused ops and fused rules."""
 
+import itertools
+import weakref
+
 import torch
 from torch import nn
+
+_owners: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
+_uids = itertools.count()
+
+
+def register_owner(module: nn.Module) -> int:
+    """A new id for ``module`` (a Sequential or a BasicOp); torch.compile finds it by that id."""
+    uid = next(_uids)
+    _owners[uid] = module
+    return uid
+
+
+def registered_owner(uid: int) -> nn.Module:
+    """The module registered as ``uid``."""
+    return _owners[uid]
 
 
 class Recompute:
@@ -79,6 +97,11 @@ class BasicOp(nn.Module):
     def __init__(self):
         super().__init__()
         self._plans: dict = {}
+        self._owner_id = register_owner(self)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._owner_id = register_owner(self)  # a copy is another owner
 
     @property
     def op_name(self) -> str:

@@ -1,0 +1,314 @@
+"""torch.compile support: a call of a Sequential (or of a lone op) as two torch.library custom ops.
+
+``te_fused_ops::sequential_forward(template, x, side, params) -> [y, *saved]`` and
+``te_fused_ops::sequential_backward(template, dy, saved, grad_shapes) -> grads``, tied together by
+``register_autograd``. ``template`` is the id of a `RunTemplate`: what is fixed for one owner and
+one call signature (ops, plan, parameter positions, and after the first forward the skeleton of
+what the ops save). Dynamo does not trace into the ops, so split values never reach a guard and
+the CPU path may read offsets on the host. The fake forward runs the plan's torch backends on
+meta tensors; the fake backward allocates gradients shaped as the inputs.
+
+Eager calls do not come here: they run `sequential._SequenceFunction` directly (no dispatcher
+round trip, and saved tensors that alias inputs need no copy).
+"""
+
+import contextlib
+import dataclasses
+import itertools
+import weakref
+from typing import Optional
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from .fusion import FusionRuleError
+from .ops.base import OpContext, is_quantized, registered_owner
+from .saved import slot_indices
+from .splits import validation
+
+_templates: "weakref.WeakValueDictionary[int, RunTemplate]" = weakref.WeakValueDictionary()
+_ids = itertools.count()
+
+
+class RunTemplate:
+    """What every compiled call of one owner with one call signature runs.
+
+    ``side_names``: the side inputs the ops consume, sorted (their order in the custom op);
+    ``param_slots``: (op index, name) -> position among the parameters;
+    ``grad_positions``/``grad_meta``: positions among ``[x, *side, *params]`` that get a gradient,
+    and its (dtype, dim); ``flags``: per op (input needs grad, params need grad, grad names);
+    after the first forward: ``ctxs`` (the contexts, packed), ``saved_positions`` (positions among
+    the ``num_tensors`` tensors ``[x, *side, *params, *outputs]`` that the backward reads),
+    ``outputs_meta`` ((dtype, dim) of each output).
+    """
+
+    def __init__(self, ops, plan, key):
+        _, dtype, x_requires_grad, x_dim, grad_on, params_key, side_key = key
+        self.id = next(_ids)
+        self.ops, self.plan = ops, plan
+        self.side_names = sorted({n for op in ops for n in op.side_inputs})
+        side = dict(zip(self.side_names, side_key))
+        for i, op in enumerate(ops):
+            if getattr(op, "accumulate_main_grad", False):
+                raise ValueError(
+                    f"{op.op_name} (op {i}): accumulate_main_grad=True is not supported under torch.compile"
+                )
+            if op.output_quantized(False):
+                raise NotImplementedError(
+                    f"{op.op_name} (op {i}): quantized outputs are not supported under torch.compile yet; "
+                    "run this module eagerly (torch.compiler.disable)"
+                )
+        self.grad_side_names = sorted(n for n, v in side.items() if grad_on and v is not None and v[1])
+        inputs = [(dtype, x_requires_grad, x_dim), *side.values(), *(p[1:] for params in params_key for p in params)]
+        self.grad_positions = [i for i, v in enumerate(inputs) if grad_on and v is not None and v[1]]
+        self.grad_meta = [(inputs[i][0], inputs[i][2]) for i in self.grad_positions]
+        self.param_slots = {}
+        for i, params in enumerate(params_key):
+            for name, *_ in params:
+                self.param_slots[(i, name)] = len(self.param_slots)
+        self.flags = [
+            (
+                plan.info.input_requires_grad[i],
+                plan.info.params_require_grad[i],
+                frozenset(
+                    [name for name, _, rg, _ in params_key[i] if grad_on and rg]
+                    + [n for n in op.side_inputs if n in self.grad_side_names]
+                ),
+            )
+            for i, op in enumerate(ops)
+        ]
+        self.ctxs = self.saved_positions = self.outputs_meta = self.num_tensors = None
+
+    def run(self, params: list):
+        """A `_Run` with fresh contexts holding ``params`` (side inputs bound by `forward`)."""
+        from .sequential import _Run
+
+        ctxs = []
+        for i, (op, (input_rg, params_rg, grad_names)) in enumerate(zip(self.ops, self.flags)):
+            ctx = OpContext(op, i, input_rg, params_rg)
+            ctx.grad_names = grad_names
+            ctx.params = {name: params[slot] for (j, name), slot in self.param_slots.items() if j == i}
+            ctxs.append(ctx)
+        return _Run(self.ops, ctxs, self.plan, self.grad_side_names, self.param_slots, len(self.param_slots))
+
+    def forward(self, x, side_values: list, params: list, fake: bool) -> list:
+        """``[y, *saved]`` of one call; ``fake``: shapes only (torch backends on meta tensors)."""
+        run = self.run(params)
+        side = {n: v for n, v in zip(self.side_names, side_values) if v is not None}
+        memo: dict = {}
+        with validation(False) if fake else contextlib.nullcontext():
+            for ctx in run.ctxs:
+                ctx.side = ctx.op.bind_side_inputs(side, x, memo)
+        inputs = [x, *side_values, *params]
+        if not fake:
+            outputs = _unaliased([t.contiguous() for t in self._run_and_pack(run, inputs, None)], inputs)
+            self._record(run.ctxs, outputs, len(inputs))
+            return outputs
+        with unset_fake_temporarily():  # real meta tensors: reading their values fails loudly
+            meta: dict = {}
+            inputs = [None if t is None else _meta(t, meta) for t in inputs]
+            for ctx in run.ctxs:
+                ctx.params = {n: _meta(t, meta) for n, t in ctx.params.items()}
+                ctx.side = {n: t if t is None else _meta(t, meta) for n, t in ctx.side.items()}
+            try:
+                outputs = self._run_and_pack(run, inputs, self.fake_steps())
+            except FusionRuleError as error:
+                raise type(error)(
+                    f"{error} [under torch.compile, each rule's torch backend runs on meta tensors to learn "
+                    "what the forward saves: it may not read tensor values (.tolist(), .item())]"
+                ) from error
+        outputs = [torch.empty(t.shape, dtype=t.dtype, device=x.device) for t in outputs]
+        self._record(run.ctxs, outputs, len(inputs))
+        return outputs
+
+    def _run_and_pack(self, run, inputs: list, steps) -> list:
+        """Run the forward on ``inputs[0]``, pack the contexts; ``[y, *saved tensors not in inputs]``."""
+        y = run.forward(inputs[0], steps)
+        if not isinstance(y, torch.Tensor) or is_quantized(y):
+            raise TypeError(f"{self.ops[-1].op_name}: the output must be a plain tensor under torch.compile")
+        tensors = [*inputs, y]
+        index = {id(t): i for i, t in enumerate(inputs) if t is not None}
+        index.setdefault(id(y), len(inputs))
+        run.pack(tensors, index)
+        return tensors[len(inputs) :]
+
+    def fake_steps(self) -> list:
+        """The forward steps with every rule on its torch backend (they run on the meta device)."""
+        steps = []
+        for step in self.plan.forward:
+            if step.rule is not None and step.backend != "torch":
+                if "torch" not in step.rule.implementations:
+                    raise FusionRuleError(
+                        f"fusion rule '{step.rule.name}' has no torch backend, which torch.compile needs: its "
+                        "fake run executes each rule's torch backend on meta tensors to learn what it saves"
+                    )
+                step = dataclasses.replace(step, backend="torch")
+            steps.append(step)
+        return steps
+
+    def _record(self, ctxs, outputs, num_inputs: int) -> None:
+        """Keep the first forward's packed contexts; later forwards must save the same structure."""
+        outputs_meta = [(t.dtype, t.dim()) for t in outputs]
+        skeleton = [(c.saved, c.side) for c in ctxs]
+        if self.ctxs is None:
+            self.ctxs, self.outputs_meta = ctxs, outputs_meta
+            self.saved_positions = sorted(slot_indices(skeleton))
+            self.num_tensors = num_inputs + len(outputs)
+        elif outputs_meta != self.outputs_meta or skeleton != [(c.saved, c.side) for c in self.ctxs]:
+            rules = ", ".join(f"'{s.rule.name}' ({s.backend})" for s in self.plan.forward if s.rule is not None)
+            raise RuntimeError(
+                f"te_fused_ops under torch.compile: this call saved other values for the backward than "
+                f"the first (fake) run of the same plan (forward rules: {rules or 'none'}); each rule's "
+                "backends must save the same structure, dtypes and ranks"
+            )
+
+    def backward(self, dy, saved: list, grad_shapes: list) -> list:
+        """Gradients for ``grad_positions`` (zeros where the ops returned none)."""
+        from .sequential import _Run
+
+        tensors = [None] * self.num_tensors
+        for position, tensor in zip(self.saved_positions, saved):
+            tensors[position] = tensor
+        run = _Run(self.ops, self.ctxs, self.plan, self.grad_side_names, self.param_slots, len(self.param_slots))
+        dx, side_grads, param_grads = run.backward(dy, tensors)
+        if is_quantized(dx):
+            dx = dx.dequantize()
+        num_side = len(self.side_names)
+        by_position = {0: dx, **{1 + num_side + k: g for k, g in enumerate(param_grads)}}
+        by_position.update({1 + self.side_names.index(n): g for n, g in zip(self.grad_side_names, side_grads)})
+        grads = []
+        for position, shape, (dtype, _) in zip(self.grad_positions, self.split_shapes(grad_shapes), self.grad_meta):
+            grad = by_position.get(position)
+            grads.append(dy.new_zeros(shape, dtype=dtype) if grad is None else grad.to(dtype).contiguous())
+        return _unaliased(grads, [dy, *saved])
+
+    def split_shapes(self, flat: list) -> list:
+        """The gradient shapes, one per ``grad_positions``, from their flattened sizes."""
+        shapes, start = [], 0
+        for _, dim in self.grad_meta:
+            shapes.append(flat[start : start + dim])
+            start += dim
+        return shapes
+
+
+def _meta(t: torch.Tensor, memo: dict) -> torch.Tensor:
+    """``t`` as an empty meta tensor (one per source tensor, so identities survive)."""
+    if id(t) not in memo:
+        memo[id(t)] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return memo[id(t)]
+
+
+def _unaliased(outputs: list, inputs: list) -> list:
+    """``outputs`` with each tensor sharing storage with an input or an earlier output cloned
+    (a custom op's outputs may alias nothing)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None and t.untyped_storage().nbytes()}
+    result = []
+    for t in outputs:
+        ptr = t.untyped_storage().data_ptr()
+        if t.untyped_storage().nbytes() and ptr in seen:
+            t = t.clone()
+            ptr = t.untyped_storage().data_ptr()
+        seen.add(ptr)
+        result.append(t)
+    return result
+
+
+@torch.library.custom_op("te_fused_ops::sequential_forward", mutates_args=())
+def sequential_forward(
+    template: int, x: torch.Tensor, side: list[Optional[torch.Tensor]], params: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """One call of a template's ops: ``[y, *tensors saved for the backward]``."""
+    return _templates[template].forward(x, side, params, fake=False)
+
+
+@sequential_forward.register_fake
+def _(template, x, side, params):
+    return _templates[template].forward(x, side, params, fake=True)
+
+
+@torch.library.custom_op("te_fused_ops::sequential_backward", mutates_args=())
+def sequential_backward(
+    template: int, dy: torch.Tensor, saved: list[torch.Tensor], grad_shapes: list[int]
+) -> list[torch.Tensor]:
+    """The gradients of a template's call for its inputs that require grad."""
+    return _templates[template].backward(dy, saved, grad_shapes)
+
+
+@sequential_backward.register_fake
+def _(template, dy, saved, grad_shapes):
+    t = _templates[template]
+    return [dy.new_empty(shape, dtype=dtype) for shape, (dtype, _) in zip(t.split_shapes(grad_shapes), t.grad_meta)]
+
+
+def _setup_context(ctx, inputs, output):
+    template, x, side, params = inputs
+    t = _templates[template]
+    tensors = [x, *side, *params, *output]
+    ctx.save_for_backward(*(tensors[i] for i in t.saved_positions))
+    ctx.template = template
+    ctx.grad_shapes = [size for i in t.grad_positions for size in tensors[i].shape]
+    ctx.num_side, ctx.num_params = len(side), len(params)
+
+
+def _backward(ctx, grads):
+    t = _templates[ctx.template]
+    computed = sequential_backward(ctx.template, grads[0], list(ctx.saved_tensors), ctx.grad_shapes)
+    by_position = dict(zip(t.grad_positions, computed))
+    side_grads = [by_position.get(1 + k) for k in range(ctx.num_side)]
+    param_grads = [by_position.get(1 + ctx.num_side + k) for k in range(ctx.num_params)]
+    return None, by_position.get(0), side_grads, param_grads
+
+
+torch.library.register_autograd("te_fused_ops::sequential_forward", _backward, setup_context=_setup_context)
+
+
+def _template_id(owner_id: int, key) -> int:
+    """Id of the template for the owner registered as ``owner_id`` called with signature ``key``
+    (made and cached on first use; runs at trace time, outside the graph)."""
+    from .sequential import Sequential, _get_plan, _plan_info
+
+    owner = registered_owner(owner_id)
+    ops, fuse = (list(owner), owner.fuse) if isinstance(owner, Sequential) else ([owner], True)
+    device, dtype, x_requires_grad, _, grad_on, params_key, side_key = key
+    side_names = sorted({n for op in ops for n in op.side_inputs})
+    side_grad = frozenset(n for n, v in zip(side_names, side_key) if v is not None and v[1])
+    params_grad = [any(rg for _, _, rg, _ in params) for params in params_key]
+    with torch.set_grad_enabled(grad_on):
+        info = _plan_info(ops, device, dtype, x_requires_grad, side_grad, params_grad)
+    plan = _get_plan(ops, info, owner._plans, fuse)
+    template = plan.templates.get(key)
+    if template is None:
+        template = plan.templates[key] = RunTemplate(ops, plan, key)
+        _templates[template.id] = template
+    return template.id
+
+
+# What torch._dynamo.assume_constant_result(fn) sets; set directly because importing dynamo
+# slows every eager autograd call by ~5 us (measured on the CPU), and eager users need no dynamo.
+_template_id._dynamo_marked_constant = True
+
+
+def compiled_call(owner, ops, x, side: dict, op_params: list):
+    """``ops`` on ``x`` as one custom op (what dynamo traces; side inputs and names already checked)."""
+    if is_quantized(x):
+        raise TypeError(
+            f"{type(owner).__name__}: argument 'x' is a quantized tensor, not supported under torch.compile"
+        )
+    side_names = sorted({n for op in ops for n in op.side_inputs})
+    side_values = [side.get(n) for n in side_names]
+    for name, value in zip(side_names, side_values):
+        if value is not None and not isinstance(value, torch.Tensor):
+            op = next(op for op in ops if name in op.side_inputs)
+            raise TypeError(f"{op.op_name}: argument '{name}' must be a torch.Tensor, got {type(value).__name__}")
+    key = (
+        x.device,
+        x.dtype,
+        x.requires_grad,
+        x.dim(),
+        torch.is_grad_enabled(),
+        tuple(tuple((n, p.dtype, p.requires_grad, p.dim()) for n, p in params.items()) for params in op_params),
+        tuple(None if v is None else (v.dtype, v.requires_grad, v.dim()) for v in side_values),
+    )
+    template = _template_id(owner._owner_id, key)
+    params = [p for params in op_params for p in params.values()]
+    return sequential_forward(template, x, side_values, params)[0]

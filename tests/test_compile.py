@@ -1,0 +1,130 @@
+"""torch.compile: a Sequential is two custom ops; new routing never recompiles; results equal eager.
+
+Each test compiles a whole training step (forward and loss; the backward runs through AOT autograd)
+of a small model holding a Sequential, then runs it with fresh split tensors under
+``error_on_recompile`` and compares output and every gradient with the same step run eagerly.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import te_fused_ops as tfo
+from te_fused_ops import GroupedLinear, ScaledSwiGLU, Sequential, SwiGLU
+
+G, H, I, ROWS = 4, 16, 8, 40
+
+
+class MoeModel(nn.Module):
+    """A dense projection, then a grouped MLP over the routed rows."""
+
+    def __init__(self, act, bias):
+        super().__init__()
+        self.proj = nn.Linear(H, H)
+        self.experts = Sequential(GroupedLinear(G, H, 2 * I, bias=bias), act, GroupedLinear(G, I, H, bias=bias))
+
+    def forward(self, x, **side):
+        return self.experts(self.proj(x), **side)
+
+
+def step(model, x, side):
+    return model(x, **side).square().mean()
+
+
+def routing(seed: int) -> dict:
+    """Fresh split tensors (a padding tail of 0..7 rows, empty groups) and router probs."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(0, 12, (G,), generator=gen)
+    sizes[seed % G] = 0
+    return {"split_sizes": sizes.clamp(max=ROWS // G), "probs": torch.rand(ROWS, generator=gen, requires_grad=True)}
+
+
+def grads(model, x, side):
+    return [x.grad, *(side["probs"].grad for _ in [0] if "probs" in side), *(p.grad for p in model.parameters())]
+
+
+def check_training_matches_eager(act, bias, backend, fullgraph=True):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MoeModel(act, bias)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(step, backend=backend, fullgraph=fullgraph)
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager)]
+    try:
+        for seed in range(6):
+            torch._dynamo.config.error_on_recompile = seed > 0
+            results = []
+            for fn, m in ((compiled, model), (step, eager)):
+                x = torch.randn(ROWS, H, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+                side = routing(seed)
+                if not isinstance(act, ScaledSwiGLU):
+                    del side["probs"]
+                loss = fn(m, x, side)
+                loss.backward()
+                results.append([loss, *grads(m, x, side)])
+            for got, want in zip(*results):
+                torch.testing.assert_close(got, want)
+            for opt in optims:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+
+
+@pytest.mark.parametrize(
+    "act,bias",
+    [(SwiGLU(), False), (SwiGLU(), True), (ScaledSwiGLU(), True)],
+    ids=["swiglu", "swiglu-bias", "scaled-bias"],
+)
+def test_aot_eager_fullgraph_no_recompile_on_new_routing(act, bias):
+    check_training_matches_eager(act, bias, "aot_eager")
+
+
+def test_inductor_no_recompile_on_new_routing():
+    check_training_matches_eager(ScaledSwiGLU(), True, "inductor")
+
+
+def test_compiled_module_and_no_grad_call():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    seq = Sequential(GroupedLinear(G, H, 2 * I), SwiGLU(), GroupedLinear(G, I, H))
+    compiled = torch.compile(seq, backend="aot_eager", fullgraph=True)
+    x = torch.randn(ROWS, H)
+    for seed in range(3):
+        torch._dynamo.config.error_on_recompile = seed > 0
+        try:
+            side = {"split_sizes": routing(seed)["split_sizes"]}
+            with torch.no_grad():
+                torch.testing.assert_close(compiled(x, **side), seq(x, **side))
+        finally:
+            torch._dynamo.config.error_on_recompile = False
+
+
+def test_rule_whose_fake_run_fails_is_named():
+    @tfo.fusion_rule(name="host_only_rule", pattern=(GroupedLinear,), passes="forward", priority=10, replace=True)
+    def host_only(ops, ctxs, x):
+        ctxs[0].side["offsets"].tolist()  # fine eagerly on the CPU, impossible on meta tensors
+        return ops[0].op_forward(ctxs[0], x)
+
+    try:
+        torch._dynamo.reset()
+        seq = Sequential(GroupedLinear(G, H, H))
+        x, side = torch.randn(ROWS, H), {"split_sizes": routing(0)["split_sizes"]}
+        seq(x, **side)  # eager: runs
+        with pytest.raises(Exception, match="fusion rule 'host_only_rule'"):
+            torch.compile(seq, backend="aot_eager", fullgraph=True)(x, **side)
+    finally:
+        tfo.unregister_rule("host_only_rule")
+
+
+def test_unsupported_configurations_raise_naming_the_op():
+    torch._dynamo.reset()
+    side = {"split_sizes": routing(0)["split_sizes"]}
+    main_grad = Sequential(GroupedLinear(G, H, H, accumulate_main_grad=True))
+    main_grad[0].weight.main_grad = torch.zeros(G, H, H)
+    quantized = Sequential(GroupedLinear(G, H, H), tfo.Quantize("fp8_current"))
+    for seq, match in ((main_grad, r"GroupedLinear \(op 0\): accumulate_main_grad"), (quantized, r"Quantize \(op 1\)")):
+        with pytest.raises(Exception, match=match):
+            torch.compile(seq, backend="aot_eager", fullgraph=True)(torch.randn(ROWS, H), **side)
