@@ -23,29 +23,15 @@ import json
 import math
 import os
 import sys
-import time
 
 import torch
 import triton.testing
+from common import MODEL_SHAPES, host_us_per_call, skewed_splits
 
 from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm, grouped_gemm_sm90, max_clusters
 from te_fused_ops.kernels.launch import num_sms
 
-SHAPES = {  # name: (M, H, I, E)
-    "qwen3-30b-a3b": (65536, 2048, 768, 128),
-    "dsv3-ep8": (32768, 7168, 2048, 32),
-    "mixtral-8x7b": (32768, 4096, 14336, 8),
-    "gptoss-120b-ep4": (32768, 2880, 2880, 32),
-}
-
-
-def uneven_splits(m, e, seed=0):
-    """Skewed routing: expert shares ~ U(0,1)^2, all rows routed."""
-    gen = torch.Generator().manual_seed(seed)
-    p = torch.rand(e, generator=gen) ** 2
-    s = torch.floor(p / p.sum() * m).long()
-    s[torch.argmax(s)] += m - int(s.sum())
-    return s
+SHAPES = MODEL_SHAPES
 
 
 def problem(name):
@@ -53,7 +39,7 @@ def problem(name):
     m, h, i, e = SHAPES[name]
     n, k = 2 * i, h
     offsets = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
-    offsets[1:] = torch.cumsum(uneven_splits(m, e), 0).to(torch.int32).cuda()
+    offsets[1:] = torch.cumsum(skewed_splits(m, e), 0).to(torch.int32).cuda()
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)
     return m, n, k, e, offsets, x, w
@@ -67,20 +53,6 @@ def swiglu(pre):
 
 def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3  # us
-
-
-def host_us_per_call(fn, calls=100, batches=30):
-    """Host time per call: min over batches of `calls` back-to-back calls, synchronized between
-    batches so the launch queue never fills (else the GPU time is measured)."""
-    best = float("inf")
-    for _ in range(batches):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t) / calls * 1e6)
-    torch.cuda.synchronize()
-    return best
 
 
 def host_overhead_us():

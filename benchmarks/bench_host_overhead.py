@@ -15,29 +15,21 @@ launch queue never fills), wall time per step (N steps back to back, synchronize
 
 import argparse
 import cProfile
-import json
-import os
 import pstats
 import statistics
 import time
 
 import torch
+from common import MODEL_SHAPES, device_tag, host_us_per_call, skewed_splits, write_results
 
 import te_fused_ops as tfo
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU
 
-SHAPES = {  # name: (M, H, I, E)
-    "small": (2048, 1024, 512, 8),
-    "qwen3-30b-a3b": (65536, 2048, 768, 128),
-}
+SHAPES = {"small": (2048, 1024, 512, 8), "qwen3-30b-a3b": MODEL_SHAPES["qwen3-30b-a3b"]}  # (M, H, I, E)
 
 
-def routing(m, e, seed, align=8):
-    gen = torch.Generator().manual_seed(seed)
-    p = torch.rand(e, generator=gen) ** 2
-    s = torch.floor(p / p.sum() * m / align).long() * align
-    s[torch.argmax(s)] += m - int(s.sum())
-    return s.cuda()
+def routing(m, e, seed):
+    return skewed_splits(m, e, seed, align=8).cuda()
 
 
 @torch.compile
@@ -112,19 +104,6 @@ def measure(step, before, n):
     return {"host_us": statistics.median(host) * 1e6, "wall_us": wall * 1e6}
 
 
-def host_us_per_call(fn, calls=100, batches=30):
-    """Host time per call: min over batches of back-to-back calls, synchronized between batches."""
-    best = float("inf")
-    for _ in range(batches):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t) / calls * 1e6)
-    torch.cuda.synchronize()
-    return best
-
-
 def wrapper_calls():
     """Host us per call of each sm90 kernel wrapper (checks + launch) on a tiny problem."""
     from te_fused_ops.kernels.grouped_gemm import grouped_dgrad_dact_sm90, grouped_gemm_sm90
@@ -196,13 +175,8 @@ def main():
     table = "\n".join(lines)
     print(table)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        tag = "h100" if "H100" in device else ("h200" if "H200" in device else "gpu")
-        with open(os.path.join(args.out, f"host_overhead_{tag}.json"), "w") as f:
-            json.dump({"device": device, "results": rows, "wrapper_us": calls}, f, indent=1)
-        with open(os.path.join(args.out, f"host_overhead_{tag}.md"), "w") as f:
-            f.write(table + "\n")
-
+        payload = {"device": device, "results": rows, "wrapper_us": calls}
+        write_results(args.out, f"host_overhead_{device_tag(device)}", payload, table)
 
 if __name__ == "__main__":
     main()

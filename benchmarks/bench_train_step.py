@@ -19,29 +19,14 @@ Gradients of fused and reference are checked against each other (rel. Frobenius 
 """
 
 import argparse
-import json
-import os
 
 import torch
 import triton.testing
+from common import MODEL_SHAPES, device_tag, skewed_splits, write_results
 
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU
 
-SHAPES = {  # name: (M, H, I, E)
-    "qwen3-30b-a3b": (65536, 2048, 768, 128),
-    "dsv3-ep8": (32768, 7168, 2048, 32),
-    "mixtral-8x7b": (32768, 4096, 14336, 8),
-    "gptoss-120b-ep4": (32768, 2880, 2880, 32),
-}
-
-
-def aligned_splits(m, e, seed=0, align=8):
-    """Skewed routing (shares ~ U(0,1)^2), every count a multiple of ``align``, summing to m."""
-    gen = torch.Generator().manual_seed(seed)
-    p = torch.rand(e, generator=gen) ** 2
-    s = torch.floor(p / p.sum() * m / align).long() * align
-    s[torch.argmax(s)] += m - int(s.sum())
-    return s
+SHAPES = MODEL_SHAPES
 
 
 @torch.compile
@@ -91,7 +76,7 @@ def rel_err(a, b):
 def problem(name):
     m, h, i, e = SHAPES[name]
     torch.manual_seed(0)
-    splits = aligned_splits(m, e).cuda()
+    splits = skewed_splits(m, e, align=8).cuda()
     offsets = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
     offsets[1:] = torch.cumsum(splits, 0)
     mlp = Sequential(
@@ -327,13 +312,7 @@ def main():
     table = "\n".join(lines)
     print(table)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        tag = "h100" if "H100" in device else ("h200" if "H200" in device else "gpu")
-        with open(os.path.join(args.out, f"train_step_{tag}.json"), "w") as f:
-            json.dump({"device": device, "results": results}, f, indent=1)
-        with open(os.path.join(args.out, f"train_step_{tag}.md"), "w") as f:
-            f.write(table + "\n")
-
+        write_results(args.out, f"train_step_{device_tag(device)}", {"device": device, "results": results}, table)
 
 if __name__ == "__main__":
     main()

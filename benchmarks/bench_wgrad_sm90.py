@@ -19,6 +19,7 @@ import argparse
 
 import torch
 import triton.testing
+from common import skewed_splits
 
 from te_fused_ops.kernels.grouped_wgrad import compile_grouped_wgrad, grouped_wgrad_sm90
 from te_fused_ops.kernels.launch import num_sms, tvm_ffi_available
@@ -31,15 +32,6 @@ SHAPES = {  # name: (M tokens, N, K, G)
     "gptoss": (32768, 5760, 2880, 32),
 }
 VARIANTS = {"c1-nosort": (1, False), "c1": (1, True), "c2": (2, True)}  # (cluster_m, sort_groups)
-
-
-def uneven_splits(m, g, align=16, seed=0):
-    """Skewed routing (shares ~ U(0,1)^2) rounded to multiples of `align`, summing to m."""
-    gen = torch.Generator().manual_seed(seed)
-    p = torch.rand(g, generator=gen) ** 2
-    s = torch.floor(p / p.sum() * m / align).long() * align
-    s[torch.argmax(s)] += m - int(s.sum())
-    return s
 
 
 def offsets_of(splits):
@@ -80,7 +72,7 @@ def main():
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         out = torch.empty(g, n, k, dtype=torch.bfloat16, device="cuda")
         main_grad = torch.zeros(g, n, k, dtype=torch.float32, device="cuda")
-        off = offsets_of(uneven_splits(m, g))
+        off = offsets_of(skewed_splits(m, g, align=16))
         routings = {"uneven": off, "equal": offsets_of(torch.full((g,), m // g))}
         for routing, offs in routings.items():
             gmm = torch._grouped_mm(dy.t(), x, offs=offs[1:])

@@ -1,0 +1,52 @@
+"""Pieces the benchmarks share: model shapes, routing, host timing, result files."""
+
+import json
+import os
+import time
+
+import torch
+
+MODEL_SHAPES = {  # name: (M tokens, H hidden, I expert width, E local experts)
+    "qwen3-30b-a3b": (65536, 2048, 768, 128),
+    "dsv3-ep8": (32768, 7168, 2048, 32),
+    "mixtral-8x7b": (32768, 4096, 14336, 8),
+    "gptoss-120b-ep4": (32768, 2880, 2880, 32),
+}
+
+
+def skewed_splits(m: int, e: int, seed: int = 0, align: int = 1) -> torch.Tensor:
+    """Skewed routing on the CPU: expert shares ~ U(0,1)^2, counts multiples of ``align``
+    (the largest absorbs the rest), summing to m. int64 (e,)."""
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.rand(e, generator=gen) ** 2
+    s = torch.floor(p / p.sum() * m / align).long() * align
+    s[torch.argmax(s)] += m - int(s.sum())
+    return s
+
+
+def host_us_per_call(fn, calls: int = 100, batches: int = 30) -> float:
+    """Host time per call: min over batches of back-to-back calls, synchronized between batches so
+    the launch queue never fills (else GPU time would be measured)."""
+    best = float("inf")
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+    torch.cuda.synchronize()
+    return best
+
+
+def device_tag(device_name: str) -> str:
+    """Short tag for result file names: h100, h200 or gpu."""
+    return "h100" if "H100" in device_name else ("h200" if "H200" in device_name else "gpu")
+
+
+def write_results(out: str, stem: str, payload: dict, table: str) -> None:
+    """``out``/``stem``.json (payload) and .md (table)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
+        json.dump(payload, f, indent=1)
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write(table + "\n")
