@@ -385,3 +385,44 @@ def test_compiled_step_matches_eager_without_recompiles(backend):
                 assert ref.rel_err(a, b) <= 1e-2
     finally:
         torch._dynamo.config.error_on_recompile = False
+
+
+def test_compiled_step_is_sync_free_and_replays_as_a_cuda_graph():
+    torch._dynamo.reset()
+    seq = mlp()
+    eager = fresh_copy(seq)
+    static_x = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    static_splits = routing(1, ROWS - 16)
+
+    @torch.compile(fullgraph=True)
+    def loss_fn(x, split_sizes):
+        return seq(x, split_sizes=split_sizes).float().square().mean()
+
+    def step():
+        for t in [static_x, *seq.parameters()]:
+            t.grad = None
+        loss = loss_fn(static_x, static_splits)
+        loss.backward()
+        return loss
+
+    step()  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graphed = tfo.CudaGraphStep(step)
+    for seed in (2, 3, 4):
+        static_splits.copy_(routing(seed, ROWS - 8 * seed))
+        loss = graphed()
+        torch.cuda.synchronize()
+        got = [loss.clone(), static_x.grad.clone(), *[p.grad.clone() for p in seq.parameters()]]
+        x = static_x.detach().clone().requires_grad_(True)
+        for p in eager.parameters():
+            p.grad = None
+        want_loss = eager(x, split_sizes=static_splits.clone()).float().square().mean()
+        want_loss.backward()
+        want = [want_loss, x.grad, *[p.grad for p in eager.parameters()]]
+        for a, b in zip(got, want):
+            assert ref.rel_err(a, b) <= 1e-2
