@@ -324,7 +324,7 @@ class Step:
         return dx, [grads]
 
     def _where(self, window, passes: str) -> str:
-        names = ", ".join(type(op).__name__ for op in window)
+        names = ", ".join(op.op_name for op in window)
         return f"fusion rule '{self.rule.name}' ({passes}, backend {self.backend}, ops [{self.start}:{self.stop}] {names}) "
 
 
@@ -341,7 +341,7 @@ class Plan:
         for passes, steps in (("forward", self.forward), ("backward", self.backward)):
             lines.append(f"{passes}:")
             for step in steps:
-                names = ", ".join(type(op).__name__ for op in ops[step.start : step.stop])
+                names = ", ".join(op.op_name for op in ops[step.start : step.stop])
                 where = f"[{step.start}]" if step.stop - step.start == 1 else f"[{step.start}:{step.stop}]"
                 what = f"rule '{step.rule.name}'" if step.rule is not None else "basic op"
                 line = f"  {where} {names} -> {what} (backend {step.backend})"

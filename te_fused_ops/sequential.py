@@ -2,6 +2,7 @@
 
 import copy
 import functools
+import warnings
 
 import torch
 from torch import nn
@@ -251,6 +252,96 @@ def saved_tensor_bytes(output: torch.Tensor) -> int:
     return total
 
 
+def _run_pre_hooks(op, args: tuple, kwargs: dict):
+    """``op``'s forward pre-hooks on (args, kwargs), as ``nn.Module.__call__`` runs them."""
+    for hook_id, hook in op._forward_pre_hooks.items():
+        if hook_id in op._forward_pre_hooks_with_kwargs:
+            result = hook(op, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(
+                        f"forward pre-hook must return None or a tuple of (new_args, new_kwargs), but got {result}."
+                    )
+                args, kwargs = result
+        else:
+            result = hook(op, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+    return args, kwargs
+
+
+def _run_post_hooks(op, args: tuple, kwargs: dict, output, only_always_called: bool = False):
+    """``op``'s forward hooks on ``output``, as ``nn.Module.__call__`` runs them (after an
+    error: only those registered with ``always_call=True``, their own errors turned into warnings)."""
+    for hook_id, hook in op._forward_hooks.items():
+        if only_always_called and hook_id not in op._forward_hooks_always_called:
+            continue
+        try:
+            if hook_id in op._forward_hooks_with_kwargs:
+                result = hook(op, args, kwargs, output)
+            else:
+                result = hook(op, args, output)
+        except Exception as error:
+            if not only_always_called:
+                raise
+            warnings.warn(
+                "module forward hook with ``always_call=True`` raised an exception that was silenced "
+                f"as another error was raised in forward: {error}",
+                stacklevel=3,
+            )
+            continue
+        if result is not None:
+            output = result
+    return output
+
+
+def _run_with_op_hooks(seq: "Sequential", ops: list, x, side: dict):
+    """`Sequential.forward` when some op has forward (pre-)hooks, e.g. FSDP2's from a per-op
+    ``fully_shard``: the ops never run through ``op.__call__``, so the sequence runs them itself.
+
+    One autograd.Function runs the whole sequence (fused steps span ops), so each op's hooks see
+    the sequence's input and output: every op's pre-hooks run first, in op order, on ``(x,)`` and
+    the side inputs that op consumes (what a hook returns replaces them for the later ops and the
+    run, so FSDP2 unshards the parameters before they are read and hooks its post-backward on the
+    input); then the run; then every op's forward hooks, in op order, on the output (FSDP2
+    reshards and hooks its pre-backward on the output, i.e. before the sequence's backward).
+    Backward hooks of the ops (``register_full_backward_hook``) are not run.
+    """
+    side = dict(side)
+    entered = []  # [op, args, kwargs] of the ops whose pre-hooks ran
+    posted = 0  # how many of them had their forward hooks run
+    try:
+        for i, op in enumerate(ops):
+            if not (op._forward_pre_hooks or op._forward_hooks) or any(op is e[0] for e in entered):
+                continue  # an op placed twice: its hooks run once (FSDP2 unshards/reshards once)
+            args, kwargs = (x,), {name: side[name] for name in op.side_inputs if name in side}
+            entered.append([op, args, kwargs])
+            if op._forward_pre_hooks:
+                args, kwargs = _run_pre_hooks(op, args, kwargs)
+                if len(args) != 1:
+                    raise TypeError(
+                        f"{op.op_name} (op {i}): a forward pre-hook returned {len(args)} positional "
+                        "arguments; inside a Sequential an op takes exactly one (x)"
+                    )
+                entered[-1][1:] = args, kwargs
+                x = args[0]
+                side.update(kwargs)
+        output = run_ops(seq, ops, x, side, seq._plans, seq.fuse)
+        while posted < len(entered):
+            op, args, kwargs = entered[posted]
+            posted += 1
+            output = _run_post_hooks(op, args, kwargs, output)
+        return output
+    except Exception:
+        if torch.compiler.is_compiling():
+            raise
+        # as nn.Module.__call__: the always_call hooks of the ops whose hooks did not run yet
+        for op, args, kwargs in entered[posted:]:
+            if any(h in op._forward_hooks_always_called for h in op._forward_hooks):
+                _run_post_hooks(op, args, kwargs, None, only_always_called=True)
+        raise
+
+
 class Sequential(nn.Module):
     """A container of basic ops, run through the fusion pass.
 
@@ -292,7 +383,10 @@ class Sequential(nn.Module):
         return self
 
     def forward(self, x, **side):
-        return run_ops(self, list(self), x, side, self._plans, self.fuse)
+        ops = list(self)
+        if any(op._forward_pre_hooks or op._forward_hooks for op in ops):
+            return _run_with_op_hooks(self, ops, x, side)
+        return run_ops(self, ops, x, side, self._plans, self.fuse)
 
     def plan(self, x=None, **side):
         """The plan a call with these inputs would run (x None: the parameters' device and dtype;

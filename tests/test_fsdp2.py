@@ -81,3 +81,112 @@ def test_fully_shard_trains_like_unsharded_model(recipe, reshard_after_forward, 
     # without resharding, the unsharded parameters keep their address and version across steps:
     # a weight copy cached on (address, version) went stale there
     mp.spawn(_worker, args=(str(tmp_path / "init"), recipe, reshard_after_forward), nprocs=WORLD, join=True)
+
+
+def _shard_per_op(module, mesh, reshard_after_forward=True):
+    """``fully_shard`` on every op holding parameters, then on ``module`` (the root)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for op in module.modules():
+        if op is not module and getattr(op, "param_names", None) and any(True for _ in op.parameters()):
+            fully_shard(op, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+
+
+def _mlp():
+    from te_fused_ops import GroupedLinear, Sequential, SwiGLU
+
+    return Sequential(GroupedLinear(G, H, 2 * I, bias=True), SwiGLU(), GroupedLinear(G, I, H))
+
+
+def _per_op_worker(rank, init_file, ckpt_dir):
+    """Per-op ``fully_shard`` trains like the unsharded model; DCP save/load round trips of the
+    whole-model and the per-op sharded Sequential; the full state dict loads into a plain one."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
+
+        import reference as ref
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+
+        # 1. per-op + root sharding, resharding after forward or not, against the unsharded model
+        torch.manual_seed(0)
+        unsharded = Model(None)
+        sharded = {}
+        for reshard in (True, False):
+            sharded[reshard] = Model(None)
+            sharded[reshard].load_state_dict(unsharded.state_dict())
+            _shard_per_op(sharded[reshard], mesh, reshard)
+        calls = []
+        sharded[True].mlp[2].register_forward_hook(lambda op, args, out: calls.append(out.shape))
+        opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in sharded.items()}
+        opt_ref = torch.optim.AdamW(unsharded.parameters(), lr=1e-2)
+        for step in range(STEPS):
+            x, sizes = local_batch(step, rank)
+            for reshard, model in sharded.items():
+                full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+                fresh = Model(None)
+                fresh.load_state_dict(full)
+                y = model(x, sizes)
+                assert ref.rel_err(y, fresh(x, sizes)) <= 1e-6, f"rank {rank} step {step}: stale weights"
+                y.square().mean().backward()
+                opts[reshard].step()
+                opts[reshard].zero_grad(set_to_none=True)
+            loss = sum(unsharded(*local_batch(step, r)).square().mean() for r in range(WORLD)) / WORLD
+            loss.backward()
+            opt_ref.step()
+            opt_ref.zero_grad(set_to_none=True)
+            for reshard, model in sharded.items():
+                for op in model.mlp:
+                    assert all(isinstance(p, DTensor) for p in op.parameters())
+                for name, p in unsharded.state_dict().items():
+                    got = model.state_dict()[name].full_tensor()
+                    assert ref.rel_err(got, p) <= 1e-5, f"rank {rank} step {step} reshard {reshard}: {name} diverged"
+        assert calls == [(ROWS, H)] * STEPS, calls  # a user hook on an op: once per call, on the output
+
+        # 2. DCP round trip and full state dict, whole-model and per-op sharding of a Sequential
+        for per_op in (False, True):
+            torch.manual_seed(0)
+            model = _shard_per_op(_mlp(), mesh) if per_op else fully_shard(_mlp(), mesh=mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            for step in range(3):
+                x, sizes = local_batch(step, rank)
+                model(x, split_sizes=sizes).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            path = os.path.join(ckpt_dir, f"per_op{int(per_op)}")
+            dcp.save(get_model_state_dict(model), checkpoint_id=path)
+            torch.manual_seed(1)  # other initial weights
+            loaded = _shard_per_op(_mlp(), mesh) if per_op else fully_shard(_mlp(), mesh=mesh)
+            x, sizes = local_batch(STEPS, rank)
+            with torch.no_grad():
+                want = model(x, split_sizes=sizes)
+                assert ref.rel_err(loaded(x, split_sizes=sizes), want) > 1e-3
+                state = get_model_state_dict(loaded)
+                dcp.load(state, checkpoint_id=path)
+                set_model_state_dict(loaded, state)
+                assert torch.equal(loaded(x, split_sizes=sizes), want), f"rank {rank} per_op {per_op}: DCP load"
+            loaded(x, split_sizes=sizes).sum().backward()  # and the loaded model runs a backward
+            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+            plain = _mlp()
+            assert list(full) == list(plain.state_dict()) == ["0.weight", "0.bias", "2.weight"], list(full)
+            assert full["0.weight"].shape == (G, 2 * I, H) and not isinstance(full["0.weight"], DTensor)
+            for name, value in full.items():
+                assert torch.equal(value, model.state_dict()[name].full_tensor()), name
+            plain.load_state_dict(full)
+            with torch.no_grad():
+                assert torch.equal(plain(x, split_sizes=sizes), want), f"rank {rank} per_op {per_op}: full state dict"
+        dist.barrier()  # no rank tears gloo down while its peer still runs a collective
+    finally:
+        dist.destroy_process_group()
+
+
+def test_per_op_fully_shard_and_distributed_checkpoint(tmp_path):
+    # one spawn for both checks (each spawn costs seconds); the checkpoint directory is shared
+    mp.spawn(_per_op_worker, args=(str(tmp_path / "init"), str(tmp_path / "ckpt")), nprocs=WORLD, join=True)

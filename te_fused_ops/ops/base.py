@@ -105,6 +105,11 @@ class BasicOp(nn.Module):
 
     @property
     def op_name(self) -> str:
+        """The op's class name; a class torch makes around it (``fully_shard`` turns
+        ``GroupedLinear`` into ``FSDPGroupedLinear``) is skipped."""
+        for cls in type(self).__mro__:
+            if not cls.__module__.startswith("torch."):
+                return cls.__name__
         return type(self).__name__
 
     def plan_signature(self) -> tuple:
