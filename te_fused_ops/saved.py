@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .ops.base import Recompute
+from .quantization import QuantizedTensor
 
 _QUANTIZED_FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv", "offsets")
 
@@ -55,8 +56,6 @@ def _slot(t: torch.Tensor, tensors: list, index: dict) -> _Slot:
 
 def pack(value, tensors: list, index: dict):
     """Skeleton of ``value``; its tensors are appended to ``tensors`` once each (``index``: id -> slot)."""
-    from .quantization import QuantizedTensor
-
     if isinstance(value, QuantizedTensor):
         fields = tuple(pack(getattr(value, name), tensors, index) for name in _QUANTIZED_FIELDS)
         return _Quantized(value.shape, value.dtype, value.device, value.recipe, value.role, fields)
@@ -76,8 +75,6 @@ def pack(value, tensors: list, index: dict):
 
 def unpack(skeleton, tensors):
     """The value `pack` took apart, rebuilt on ``tensors`` (``ctx.saved_tensors``)."""
-    from .quantization import QuantizedTensor
-
     if isinstance(skeleton, _Slot):
         return tensors[skeleton.index]
     if isinstance(skeleton, _WithColumnwise):

@@ -6,6 +6,8 @@ import weakref
 import torch
 from torch import nn
 
+from ..quantization import QuantizedTensor
+
 _owners: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
 _uids = itertools.count()
 
@@ -150,6 +152,4 @@ class BasicOp(nn.Module):
 
 
 def is_quantized(x) -> bool:
-    from ..quantization import QuantizedTensor
-
     return isinstance(x, QuantizedTensor)
