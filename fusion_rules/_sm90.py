@@ -3,6 +3,8 @@
 import torch
 
 from te_fused_ops.grouped_mm import grouped_row_sum
+from te_fused_ops.kernels.grouped_gemm import grouped_gemm_sm90, sm90_grouped_gemm_unsupported_reason
+from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90, sm90_wgrad_unsupported_reason
 from te_fused_ops.ops import Activation, GroupedLinear
 from te_fused_ops.ops.base import is_quantized
 
@@ -15,8 +17,6 @@ def kernel_unsupported_reason(linear: GroupedLinear, info, activation=None):
     """Why the sm90 grouped GEMM cannot run ``linear`` (the first matched op) + ``activation``."""
     if info.input_quantized[0]:
         return "quantized input (the sm90 kernel takes bf16/fp16)"
-    from te_fused_ops.kernels.grouped_gemm import sm90_grouped_gemm_unsupported_reason
-
     return _reason(
         sm90_grouped_gemm_unsupported_reason(
             info.dtype, linear.out_features, linear.in_features, activation, linear.bias is not None
@@ -28,9 +28,6 @@ def backward_unsupported_reason(linear: GroupedLinear, info, index: int):
     """Why the sm90 kernels cannot run the backward of ``linear`` (op ``index`` of info's window)."""
     if info.input_quantized[index]:
         return "quantized input (the FP8 backward runs in torch)"
-    from te_fused_ops.kernels.grouped_gemm import sm90_grouped_gemm_unsupported_reason
-    from te_fused_ops.kernels.grouped_wgrad import sm90_wgrad_unsupported_reason
-
     if info.input_requires_grad[index]:  # dx (M, in) = dy (M, out) @ W[g]
         reason = sm90_grouped_gemm_unsupported_reason(info.dtype, linear.in_features, linear.out_features, None, False)
         if reason:
@@ -55,8 +52,6 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
 
     Returns (pre, act) as `grouped_gemm_sm90`.
     """
-    from te_fused_ops.kernels.grouped_gemm import grouped_gemm_sm90
-
     weight, bias = ctx.params["weight"], ctx.params.get("bias")
     linear.check_input(x, weight)
     pre, act = grouped_gemm_sm90(
@@ -71,8 +66,6 @@ def linear_param_grads(ctx, dy: torch.Tensor, x: torch.Tensor = None) -> dict:
     ``weight.main_grad`` when the op asks for it) and bias gradient.
 
     ``x``: the op's input (default: what its forward saved)."""
-    from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90
-
     offsets, grads = ctx.side["offsets"], {}
     if ctx.needs_grad("weight"):
         main_grad = ctx.main_grads.get("weight")  # accumulated in place by the kernel's epilogue
@@ -89,8 +82,6 @@ def linear_backward(linear: GroupedLinear, ctx, dy):
     FP8 recipes (saved recipe, quantized dy) take the torch path."""
     if ctx.saved["recipe"] is not None or is_quantized(dy):
         return linear.op_backward(ctx, dy)
-    from te_fused_ops.kernels.grouped_gemm import grouped_gemm_sm90
-
     dy = dy.contiguous()
     dx = None
     if ctx.input_requires_grad:

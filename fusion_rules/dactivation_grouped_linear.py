@@ -8,6 +8,7 @@ backend is the reference for it: the same steps in sequence, one rule, one plan 
 """
 
 from te_fused_ops import FusionRule, register_rule
+from te_fused_ops.kernels.grouped_gemm import grouped_dgrad_dact_sm90, sm90_grouped_dgrad_dact_unsupported_reason
 from te_fused_ops.ops import Activation, GroupedLinear, Quantize, Transpose
 from te_fused_ops.ops.base import is_quantized
 
@@ -35,8 +36,6 @@ def _supports_sm90(ops, info, backend):
         return f"no kernel epilogue for {act.op_name}"
     if not info.input_requires_grad[0]:
         return "the activation's input needs no gradient"
-    from te_fused_ops.kernels.grouped_gemm import sm90_grouped_dgrad_dact_unsupported_reason
-
     reason = sm90_grouped_dgrad_dact_unsupported_reason(info.dtype, linear.out_features, linear.in_features, act.kernel_name)
     if reason:
         return reason.removeprefix("sm90 backend: ")
@@ -50,8 +49,6 @@ def _backward_sm90(ops, ctxs, dy):
     act_ctx, linear_ctx = ctxs
     if linear_ctx.saved["recipe"] is not None or is_quantized(dy):
         return _backward_torch(ops, ctxs, dy)
-    from te_fused_ops.kernels.grouped_gemm import grouped_dgrad_dact_sm90
-
     dy = dy.contiguous()
     d_pre, out, d_probs = grouped_dgrad_dact_sm90(
         dy,
