@@ -23,6 +23,7 @@ from .activations import ACTIVATIONS, GLU_N_MULTIPLE, activation_spec
 from .launch import (
     DTYPES,
     LaunchMemo,
+    check_input,
     check_tensor,
     num_sms,
     resolve_sm_margin,
@@ -181,19 +182,6 @@ def _check_shape(fn_name, t, arg, shape):
         raise ValueError(f"{fn_name}: {arg} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
-def _check_input(fn_name, t, arg):
-    """The first (activation) input: a bf16/fp16 tensor on a CUDA device; returns the device index."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn_name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in DTYPES:
-        raise TypeError(f"{fn_name}: {arg} has dtype {t.dtype}, supported: bfloat16, float16")
-    dev = t.get_device()
-    if dev < 0:
-        raise ValueError(f"{fn_name}: {arg} must be on a CUDA device, got {t.device}")
-    check_tensor(fn_name, t, arg, t.dtype, 2, dev)
-    return dev
-
-
 def _check_probs(fn_name, spec, probs, m, dev):
     if spec is not None and spec.takes_probs:
         if probs is None:
@@ -255,7 +243,7 @@ def grouped_gemm_sm90(
 def _forward_launch(x, weight, offsets, bias, activation, probs, out, weight_layout, tile_n, cluster_m, sm_margin):
     """Every check of `grouped_gemm_sm90`; (launcher or None when M == 0, TVM-FFI, pre shape,
     act shape or None, persistent grid in clusters)."""
-    dev = _check_input(_FWD, x, "x")
+    dev = check_input(_FWD, x, "x")
     check_tensor(_FWD, weight, "weight", x.dtype, 3, dev)
     check_tensor(_FWD, offsets, "offsets", torch.int32, 1, dev)
     spec = activation_spec(activation, _FWD)
@@ -331,7 +319,7 @@ def grouped_dgrad_dact_sm90(
 def _dact_launch(dy, weight, offsets, pre, activation, probs, tile_n, cluster_m, sm_margin):
     """Every check of `grouped_dgrad_dact_sm90`; (launcher or None when M == 0, TVM-FFI, act
     shape, d_probs partials shape or None, persistent grid in clusters)."""
-    dev = _check_input(_DACT, dy, "dy")
+    dev = check_input(_DACT, dy, "dy")
     check_tensor(_DACT, weight, "weight", dy.dtype, 3, dev)
     check_tensor(_DACT, offsets, "offsets", torch.int32, 1, dev)
     spec = activation_spec(activation, _DACT)

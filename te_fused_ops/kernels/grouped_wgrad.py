@@ -17,6 +17,7 @@ from . import sm90_unavailable_reason
 from .launch import (
     DTYPES,
     LaunchMemo,
+    check_input,
     check_tensor,
     num_sms,
     resolve_sm_margin,
@@ -121,14 +122,7 @@ def grouped_wgrad_sm90(
 def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m):
     """Every check of `grouped_wgrad_sm90`; (launcher or None when there is nothing to compute,
     TVM-FFI, dW shape, persistent grid in CTAs)."""
-    if not isinstance(dy, torch.Tensor):
-        raise TypeError(f"{_NAME}: dy must be a torch.Tensor, got {type(dy).__name__}")
-    if dy.dtype not in DTYPES:
-        raise TypeError(f"{_NAME}: dy has dtype {dy.dtype}, supported: bfloat16, float16")
-    dev = dy.get_device()
-    if dev < 0:
-        raise ValueError(f"{_NAME}: dy must be on a CUDA device, got {dy.device}")
-    check_tensor(_NAME, dy, "dy", dy.dtype, 2, dev)
+    dev = check_input(_NAME, dy, "dy")
     check_tensor(_NAME, x, "x", dy.dtype, 2, dev)
     check_tensor(_NAME, offsets, "offsets", torch.int32, 1, dev)
     m, n = dy.shape

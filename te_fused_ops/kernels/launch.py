@@ -59,6 +59,20 @@ def check_tensor(fn_name: str, t, arg: str, dtype, ndim: int, device_index: int)
         raise ValueError(f"{fn_name}: {arg} data pointer must be 16-byte aligned")
 
 
+def check_input(fn_name: str, t, arg: str) -> int:
+    """The first (activation) input of a wrapper: a contiguous, aligned 2-D bf16/fp16 tensor on a
+    CUDA device; returns the device index."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn_name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in DTYPES:
+        raise TypeError(f"{fn_name}: {arg} has dtype {t.dtype}, supported: bfloat16, float16")
+    dev = t.get_device()
+    if dev < 0:
+        raise ValueError(f"{fn_name}: {arg} must be on a CUDA device, got {t.device}")
+    check_tensor(fn_name, t, arg, t.dtype, 2, dev)
+    return dev
+
+
 def tensor_signature(*tensors):
     """What the wrappers' checks look at, per tensor (None stays None): shape, dtype, device,
     contiguity, 16-byte alignment. A validated launch is memoized under it (plus the non-tensor
