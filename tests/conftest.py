@@ -3,9 +3,10 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    needs = {"gpu": (1, "needs a CUDA GPU"), "multigpu": (2, "needs 2 CUDA GPUs")}
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, (count, reason) in needs.items():
+            if marker in item.keywords and gpus < count:
+                item.add_marker(pytest.mark.skip(reason=reason))
+                break

@@ -1,0 +1,213 @@
+"""Expert parallelism on 2 GPUs: all-to-all overlapped with the grouped MLP, per SM margin.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_ep_overlap.py [--shapes dsv3-ep8,...] [--out DIR]
+
+Per shape (M rows = the received buffer of one micro-batch, W * C slots; H, I, E local experts
+from common.MODEL_SHAPES; bf16, SwiGLU; 90% of the slots used, skewed over the experts), each
+micro-batch i of a step has
+  pre(i)   two all_to_all_single of (M, H): the tokens to the experts (dispatch) and the output
+           gradient to the experts (the combine's backward)
+  mlp(i)   te_fused_ops Sequential(GroupedLinear, SwiGLU, GroupedLinear) forward + backward
+  post(i)  two all_to_all_single of (M, H): the output back (combine) and the input gradient back
+           (the dispatch's backward)
+Schedules over B micro-batches (weight gradients accumulate over them):
+  serial     pre(i), mlp(i), post(i) one after the other on one stream
+  overlap    mlp(i) on the compute stream while a communication stream runs pre(i+1) and post(i-1)
+  compute    mlp(i) only;  comm: pre(i), post(i) only
+The sm90 kernels are persistent: with SM margin 0 they hold every SM, and NCCL's kernels wait for
+a free one. TE_FUSED_OPS_SM_MARGIN leaves SMs free. Times: median of CUDA-event-timed steps,
+max over the ranks.
+"""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from common import MODEL_SHAPES, device_tag, skewed_splits, write_results
+
+from te_fused_ops import GroupedLinear, Sequential, SwiGLU
+from te_fused_ops.kernels.launch import SM_MARGIN_ENV
+
+
+class Step:
+    """Buffers of B micro-batches of one shape and the schedules over them."""
+
+    def __init__(self, shape, micro_batches, device, seed):
+        rows, hidden, ffn, experts = shape
+        self.mlp = Sequential(
+            GroupedLinear(experts, hidden, 2 * ffn, dtype=torch.bfloat16, device=device),
+            SwiGLU(),
+            GroupedLinear(experts, ffn, hidden, dtype=torch.bfloat16, device=device),
+        )
+        used = int(0.9 * rows)
+
+        def buffer():
+            return torch.randn(rows, hidden, dtype=torch.bfloat16, device=device)
+
+        self.send_x = [buffer() for _ in range(micro_batches)]
+        self.send_dy = [buffer() for _ in range(micro_batches)]
+        self.recv_x = [torch.empty_like(t) for t in self.send_x]
+        self.recv_dy = [torch.empty_like(t) for t in self.send_dy]
+        self.back_y = [torch.empty_like(t) for t in self.send_x]
+        self.back_dx = [torch.empty_like(t) for t in self.send_x]
+        self.splits = [skewed_splits(used, experts, seed + i).to(device) for i in range(micro_batches)]
+        self.outputs = [None] * micro_batches  # (y, dx) of mlp(i), read by post(i)
+        self.comm = torch.cuda.Stream(device)
+
+    def pre(self, i):
+        dist.all_to_all_single(self.recv_x[i], self.send_x[i])
+        dist.all_to_all_single(self.recv_dy[i], self.send_dy[i])
+
+    def run_mlp(self, i):
+        x = self.recv_x[i].detach().requires_grad_()
+        y = self.mlp(x, split_sizes=self.splits[i])
+        y.backward(self.recv_dy[i])
+        self.outputs[i] = (y.detach(), x.grad)
+
+    def post(self, i):
+        y, dx = self.outputs[i]
+        for t in (y, dx):
+            t.record_stream(torch.cuda.current_stream())
+        dist.all_to_all_single(self.back_y[i], y)
+        dist.all_to_all_single(self.back_dx[i], dx)
+
+    def clear_grads(self):
+        for p in self.mlp.parameters():
+            p.grad = None
+
+    def serial(self):
+        self.clear_grads()
+        for i in range(len(self.splits)):
+            self.pre(i)
+            self.run_mlp(i)
+            self.post(i)
+
+    def compute_only(self):
+        self.clear_grads()
+        for i in range(len(self.splits)):
+            self.run_mlp(i)
+
+    def comm_only(self):
+        for i in range(len(self.splits)):
+            self.outputs[i] = (self.send_x[i], self.send_dy[i])
+            self.pre(i)
+            self.post(i)
+
+    def overlap(self):
+        self.clear_grads()
+        compute, n = torch.cuda.current_stream(), len(self.splits)
+        pre_done = [torch.cuda.Event() for _ in range(n)]
+        mlp_done = [torch.cuda.Event() for _ in range(n)]
+        self.comm.wait_stream(compute)
+        with torch.cuda.stream(self.comm):
+            self.pre(0)
+            pre_done[0].record()
+        for i in range(n):
+            compute.wait_event(pre_done[i])
+            self.run_mlp(i)
+            mlp_done[i].record()
+            with torch.cuda.stream(self.comm):
+                if i + 1 < n:
+                    self.pre(i + 1)
+                    pre_done[i + 1].record()
+                if i >= 1:
+                    self.comm.wait_event(mlp_done[i - 1])
+                    self.post(i - 1)
+        with torch.cuda.stream(self.comm):
+            self.comm.wait_event(mlp_done[n - 1])
+            self.post(n - 1)
+        compute.wait_stream(self.comm)
+
+
+def time_ms(fn, warmup=3, iters=10):
+    """Median step time over ``iters`` CUDA-event-timed runs, max over the ranks."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    median = torch.tensor([sorted(times)[len(times) // 2]], device="cuda")
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return median.item()
+
+
+def check_overlap_matches_serial(step):
+    """The overlapped schedule computes what the serial one does (outputs, returned gradients and
+    weight gradients bit for bit: same kernels, same order per stream)."""
+    step.serial()
+    want = [t.clone() for t in step.back_y + step.back_dx] + [p.grad.clone() for p in step.mlp.parameters()]
+    for t in step.back_y + step.back_dx:
+        t.fill_(float("nan"))
+    step.overlap()
+    torch.cuda.synchronize()
+    got = step.back_y + step.back_dx + [p.grad for p in step.mlp.parameters()]
+    return all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="dsv3-ep8,qwen3-30b-a3b")
+    ap.add_argument("--margins", default="0,8,16")
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--out", default=None, help="folder for the JSON/markdown result (rank 0; default: print only)")
+    args = ap.parse_args()
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gpu = torch.cuda.get_device_name()
+    margins = [int(m) for m in args.margins.split(",")]
+    rows_out, payload = [], {"device": gpu, "world": world, "micro_batches": args.micro_batches, "shapes": {}}
+    for name in args.shapes.split(","):
+        torch.manual_seed(rank)
+        step = Step(MODEL_SHAPES[name], args.micro_batches, torch.device("cuda", local_rank), seed=rank)
+        os.environ[SM_MARGIN_ENV] = "0"
+        ok = torch.tensor([float(check_overlap_matches_serial(step))], device="cuda")
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if ok.item() != 1.0:
+            raise SystemExit(f"{name}: the overlapped schedule differs from the serial one")
+        comm = time_ms(step.comm_only)
+        result = {"comm_ms": comm, "margins": {}}
+        for margin in margins:
+            os.environ[SM_MARGIN_ENV] = str(margin)
+            serial, overlap, compute = time_ms(step.serial), time_ms(step.overlap), time_ms(step.compute_only)
+            result["margins"][margin] = {"serial_ms": serial, "overlap_ms": overlap, "compute_ms": compute}
+            rows_out.append(
+                f"| {name} | {margin} | {serial:.2f} | {overlap:.2f} | {serial / overlap:.2f}x "
+                f"| {compute:.2f} | {comm:.2f} | {max(compute, comm):.2f} |"
+            )
+            if rank == 0:
+                print(f"{name}: margin {margin}: serial {serial:.2f} ms, overlap {overlap:.2f} ms", flush=True)
+        best = min(result["margins"], key=lambda m: result["margins"][m]["overlap_ms"])
+        result["best_margin"] = best
+        payload["shapes"][name] = result
+        del step
+        torch.cuda.empty_cache()
+    os.environ.pop(SM_MARGIN_ENV, None)
+    table = "\n".join(
+        [
+            f"{world} x {gpu}, {args.micro_batches} micro-batches per step, bf16; ms per step (max over ranks)",
+            "",
+            "| shape | SM margin | serial | overlap | serial/overlap | compute only | comm only | max(compute, comm) |",
+            "|---|---|---|---|---|---|---|---|",
+            *rows_out,
+        ]
+    )
+    if rank == 0:
+        print(table)
+        if args.out:
+            write_results(args.out, f"ep_overlap_{device_tag(gpu)}x{world}", payload, table)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
