@@ -15,8 +15,9 @@ Schedules over B micro-batches (weight gradients accumulate over them):
   overlap    mlp(i) on the compute stream while a communication stream runs pre(i+1) and post(i-1)
   compute    mlp(i) only;  comm: pre(i), post(i) only
 The sm90 kernels are persistent: with SM margin 0 they hold every SM, and NCCL's kernels wait for
-a free one. TE_FUSED_OPS_SM_MARGIN leaves SMs free. Times: median of CUDA-event-timed steps,
-max over the ranks.
+a free one. TE_FUSED_OPS_SM_MARGIN leaves SMs free; the exchanges run on a high-priority stream,
+with NCCL's default CTA count or (``NCCL CTAs = margin``) in a group whose communicator is limited
+to as many CTAs as the margin frees. Times: median of CUDA-event-timed steps, max over the ranks.
 """
 
 import argparse
@@ -35,6 +36,7 @@ class Step:
 
     def __init__(self, shape, micro_batches, device, seed):
         rows, hidden, ffn, experts = shape
+        self.group = None  # the process group of the exchanges (None: the default group)
         self.mlp = Sequential(
             GroupedLinear(experts, hidden, 2 * ffn, dtype=torch.bfloat16, device=device),
             SwiGLU(),
@@ -53,11 +55,11 @@ class Step:
         self.back_dx = [torch.empty_like(t) for t in self.send_x]
         self.splits = [skewed_splits(used, experts, seed + i).to(device) for i in range(micro_batches)]
         self.outputs = [None] * micro_batches  # (y, dx) of mlp(i), read by post(i)
-        self.comm = torch.cuda.Stream(device)
+        self.comm = torch.cuda.Stream(device, priority=-1)  # high priority: NCCL first to a free SM
 
     def pre(self, i):
-        dist.all_to_all_single(self.recv_x[i], self.send_x[i])
-        dist.all_to_all_single(self.recv_dy[i], self.send_dy[i])
+        dist.all_to_all_single(self.recv_x[i], self.send_x[i], group=self.group)
+        dist.all_to_all_single(self.recv_dy[i], self.send_dy[i], group=self.group)
 
     def run_mlp(self, i):
         x = self.recv_x[i].detach().requires_grad_()
@@ -69,8 +71,8 @@ class Step:
         y, dx = self.outputs[i]
         for t in (y, dx):
             t.record_stream(torch.cuda.current_stream())
-        dist.all_to_all_single(self.back_y[i], y)
-        dist.all_to_all_single(self.back_dx[i], dx)
+        dist.all_to_all_single(self.back_y[i], y, group=self.group)
+        dist.all_to_all_single(self.back_dx[i], dx, group=self.group)
 
     def clear_grads(self):
         for p in self.mlp.parameters():
@@ -152,6 +154,36 @@ def check_overlap_matches_serial(step):
     return all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def render_table(payload: dict) -> str:
+    """The markdown table of a result. bound: what the overlap schedule can reach, compute + the
+    exchanges nothing overlaps (pre of the first and post of the last micro-batch)."""
+    b = payload["micro_batches"]
+    rows = [
+        f"{payload['world']} x {payload['device']}, {b} micro-batches per step, bf16; ms per step (max over ranks)",
+        "",
+        "| shape | SM margin | NCCL CTAs | serial | overlap | serial/overlap | compute only | comm only | bound |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, result in payload["shapes"].items():
+        for config, t in result["margins"].items():
+            margin, ctas = config.split("/")
+            rows.append(
+                f"| {name} | {margin} | {ctas} | {t['serial_ms']:.2f} | {t['overlap_ms']:.2f} "
+                f"| {t['serial_ms'] / t['overlap_ms']:.2f}x | {t['compute_ms']:.2f} | {t['comm_ms']:.2f} "
+                f"| {t['compute_ms'] + t['comm_ms'] / b:.2f} |"
+            )
+        rows.append(f"| {name} | best: {result['best_margin']} | | | | | | | |")
+    return "\n".join(rows)
+
+
+def limited_group(ctas: int):
+    """A group over every rank whose NCCL communicator uses at most ``ctas`` CTAs."""
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.min_ctas = 1
+    options.config.max_ctas = ctas
+    return dist.new_group(backend="nccl", pg_options=options)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="dsv3-ep8,qwen3-30b-a3b")
@@ -166,7 +198,8 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     gpu = torch.cuda.get_device_name()
     margins = [int(m) for m in args.margins.split(",")]
-    rows_out, payload = [], {"device": gpu, "world": world, "micro_batches": args.micro_batches, "shapes": {}}
+    configs = [(m, None) for m in margins] + [(m, limited_group(m)) for m in margins if m > 0]
+    payload = {"device": gpu, "world": world, "micro_batches": args.micro_batches, "shapes": {}}
     for name in args.shapes.split(","):
         torch.manual_seed(rank)
         step = Step(MODEL_SHAPES[name], args.micro_batches, torch.device("cuda", local_rank), seed=rank)
@@ -175,33 +208,24 @@ def main():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if ok.item() != 1.0:
             raise SystemExit(f"{name}: the overlapped schedule differs from the serial one")
-        comm = time_ms(step.comm_only)
-        result = {"comm_ms": comm, "margins": {}}
-        for margin in margins:
+        result = {"margins": {}}
+        for margin, group in configs:
             os.environ[SM_MARGIN_ENV] = str(margin)
-            serial, overlap, compute = time_ms(step.serial), time_ms(step.overlap), time_ms(step.compute_only)
-            result["margins"][margin] = {"serial_ms": serial, "overlap_ms": overlap, "compute_ms": compute}
-            rows_out.append(
-                f"| {name} | {margin} | {serial:.2f} | {overlap:.2f} | {serial / overlap:.2f}x "
-                f"| {compute:.2f} | {comm:.2f} | {max(compute, comm):.2f} |"
-            )
+            step.group = group
+            ctas = "default" if group is None else str(margin)
+            timed = [time_ms(fn) for fn in (step.serial, step.overlap, step.compute_only, step.comm_only)]
+            serial, overlap, compute, comm = timed
+            result["margins"][f"{margin}/{ctas}"] = dict(zip(("serial_ms", "overlap_ms", "compute_ms", "comm_ms"), timed))
             if rank == 0:
-                print(f"{name}: margin {margin}: serial {serial:.2f} ms, overlap {overlap:.2f} ms", flush=True)
+                print(f"{name}: margin {margin}, NCCL CTAs {ctas}: serial {serial:.2f} ms, overlap {overlap:.2f} ms", flush=True)
+        step.group = None
         best = min(result["margins"], key=lambda m: result["margins"][m]["overlap_ms"])
         result["best_margin"] = best
         payload["shapes"][name] = result
         del step
         torch.cuda.empty_cache()
     os.environ.pop(SM_MARGIN_ENV, None)
-    table = "\n".join(
-        [
-            f"{world} x {gpu}, {args.micro_batches} micro-batches per step, bf16; ms per step (max over ranks)",
-            "",
-            "| shape | SM margin | serial | overlap | serial/overlap | compute only | comm only | max(compute, comm) |",
-            "|---|---|---|---|---|---|---|---|",
-            *rows_out,
-        ]
-    )
+    table = render_table(payload)
     if rank == 0:
         print(table)
         if args.out:
