@@ -25,11 +25,12 @@ def _capability(device: torch.device):
 
 
 def _plan_info(
-    ops, device, dtype, x_requires_grad: bool, side_grad: frozenset, params_grad: list, x_quantized: bool = False
+    ops, device, dtype, x_requires_grad: bool, side_grad: frozenset, params_grad: list, x_quantized: bool = False,
+    grad_on: bool = None,
 ) -> PlanInfo:
     """``side_grad``: names of side inputs requiring grad; ``params_grad``: per op, whether any
-    parameter this call reads requires grad."""
-    grad_on = torch.is_grad_enabled()
+    parameter this call reads requires grad; ``grad_on``: gradients wanted (default: grad mode)."""
+    grad_on = torch.is_grad_enabled() if grad_on is None else grad_on
     input_rg, params_rg, input_q = [], [], []
     running = grad_on and x_requires_grad
     for op, param_grad in zip(ops, params_grad):
@@ -201,9 +202,25 @@ def _run(owner, ops, x, side, cache, fuse, op_params):
     """`run_ops` after the checks and autocast casts: the ops' parameters in ``op_params``."""
     if torch.compiler.is_compiling():
         return compiled_call(owner, ops, x, side, op_params)
-    side_grad = _side_grad(side)
+    run, params, grad_needed = prepare_run(ops, x, side, op_params, cache, fuse, torch.is_grad_enabled())
+    if not grad_needed:
+        with torch.no_grad():
+            return run.forward(x)
+    return _SequenceFunction.apply(run, x, *[side[n] for n in run.grad_side_names], *params)
+
+
+def prepare_run(ops, x, side: dict, op_params: list, cache: dict, fuse: bool, grad_on: bool):
+    """The plan (cached in ``cache``) and the contexts of one call, outside autograd.
+
+    ``op_params``: per op, name -> tensor; ``grad_on``: whether gradients are wanted (then the
+    tensors' requires_grad say which). Returns (run, the distinct parameter tensors in slot order,
+    whether any gradient is needed). The caller runs ``run.forward(x)``, keeps ``run.pack()``
+    and later calls ``run.backward(dy, kept)``: this is what `_SequenceFunction` does, and what
+    an integration running inside another autograd.Function does itself.
+    """
+    side_grad = _side_grad(side) if grad_on else frozenset()
     params_grad = _params_grad(op_params)
-    info = _plan_info(ops, x.device, x.dtype, x.requires_grad, side_grad, params_grad, is_quantized(x))
+    info = _plan_info(ops, x.device, x.dtype, x.requires_grad, side_grad, params_grad, is_quantized(x), grad_on)
     plan = _get_plan(ops, info, cache, fuse)
 
     memo: dict = {}
@@ -218,7 +235,7 @@ def _run(owner, ops, x, side, cache, fuse, op_params):
                 slot_of[id(param)] = len(params)
                 params.append(param)
             param_slots[(i, name)] = slot_of[id(param)]
-        if torch.is_grad_enabled():
+        if grad_on:
             ctx.grad_names = frozenset(
                 name for name, value in (*ctx.params.items(), *ctx.side.items())
                 if isinstance(value, torch.Tensor) and value.requires_grad
@@ -227,11 +244,7 @@ def _run(owner, ops, x, side, cache, fuse, op_params):
 
     grad_needed = info.input_requires_grad[-1] or info.params_require_grad[-1] if ops else False
     grad_side_names = sorted(side_grad)  # every side input is consumed (checked)
-    run = _Run(ops, ctxs, plan, grad_side_names, param_slots, len(params))
-    if not grad_needed:
-        with torch.no_grad():
-            return run.forward(x)
-    return _SequenceFunction.apply(run, x, *[side[n] for n in grad_side_names], *params)
+    return _Run(ops, ctxs, plan, grad_side_names, param_slots, len(params)), params, grad_needed
 
 
 def saved_tensor_bytes(output: torch.Tensor) -> int:

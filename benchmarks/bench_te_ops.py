@@ -1,0 +1,110 @@
+"""Transformer Engine's te.ops grouped MLP with and without te_fused_ops' integration (H100/H200).
+
+    python benchmarks/bench_te_ops.py [--shapes qwen3-30b-a3b,...] [--out DIR]
+
+Per shape (common.MODEL_SHAPES; bf16, SwiGLU, no bias, skewed routing with counts multiples of 8,
+the same splits for every variant), a training step (forward + backward, gradients set to None
+first; median of triton.testing.do_bench) of
+  te          te.ops.Sequential(GroupedLinear, SwiGLU, GroupedLinear), TE 2.20 alone
+  te+tfo      the same module after te_fused_ops.integrations.transformer_engine.install()
+  tfo         te_fused_ops' own Sequential(GroupedLinear, SwiGLU, GroupedLinear)
+Gradients of te+tfo are checked against te first (rel. Frobenius <= 2e-2).
+"""
+
+import argparse
+import copy
+
+import torch
+import transformer_engine.pytorch as te
+import triton.testing
+from common import MODEL_SHAPES, device_tag, skewed_splits, write_results
+
+from te_fused_ops import GroupedLinear, Sequential, SwiGLU
+from te_fused_ops.integrations import transformer_engine as tfo_te
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def te_mlp(h, i, e):
+    return te.ops.Sequential(
+        te.ops.GroupedLinear(e, h, 2 * i, bias=False, device="cuda", dtype=torch.bfloat16),
+        te.ops.SwiGLU(),
+        te.ops.GroupedLinear(e, i, h, bias=False, device="cuda", dtype=torch.bfloat16),
+    )
+
+
+def timed_step(call, leaves, dy):
+    def run():
+        for t in leaves:
+            t.grad = None
+        call().backward(dy)
+
+    return triton.testing.do_bench(run, warmup=10, rep=100, return_mode="median")
+
+
+def grads(call, leaves, dy):
+    for t in leaves:
+        t.grad = None
+    call().backward(dy)
+    return [t.grad.clone() for t in leaves]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(MODEL_SHAPES))
+    ap.add_argument("--out", default=None, help="folder for the JSON/markdown result (default: print only)")
+    args = ap.parse_args()
+    gpu = torch.cuda.get_device_name()
+    rows, payload = [], {"device": gpu, "te": te.__version__, "shapes": {}}
+    for name in args.shapes.split(","):
+        m, h, i, e = MODEL_SHAPES[name]
+        torch.manual_seed(0)
+        splits = skewed_splits(m, e, align=8).cuda()
+        x = torch.randn(m, h, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        dy = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
+        tfo_te.uninstall()
+        plain = te_mlp(h, i, e)
+        fused = copy.deepcopy(plain)
+        want = grads(lambda: plain(x, splits, splits), [x, *plain.parameters()], dy)  # fuses without tfo
+        tfo_te.install(fused)
+        ours = Sequential(
+            GroupedLinear(e, h, 2 * i, dtype=torch.bfloat16, device="cuda"), SwiGLU(),
+            GroupedLinear(e, i, h, dtype=torch.bfloat16, device="cuda"),
+        )
+        calls = {
+            "te": (lambda: plain(x, splits, splits), [x, *plain.parameters()]),
+            "te+tfo": (lambda: fused(x, splits, splits), [x, *fused.parameters()]),
+            "tfo": (lambda: ours(x, split_sizes=splits), [x, *ours.parameters()]),
+        }
+        fused(x, splits, splits)  # fuse (with the integration installed) before checking
+        assert "-> te_fused_ops" in tfo_te.explain(fused), tfo_te.explain(fused)
+        got = grads(*calls["te+tfo"], dy)
+        err = max(rel_err(a, b) for a, b in zip(got, want))
+        assert err <= 2e-2, f"{name}: te+tfo gradients differ from te's by {err:.3e}"
+        flops = 3 * 2 * m * h * 3 * i  # forward: 2*m*h*2i + 2*m*i*h; step: 3x
+        times = {k: timed_step(*v, dy) for k, v in calls.items()}
+        payload["shapes"][name] = {"ms": times, "max_grad_rel_err": err}
+        rows.append(
+            f"| {name} | {times['te']:.2f} ({flops / times['te'] / 1e9:.0f}) | {times['te+tfo']:.2f} "
+            f"({flops / times['te+tfo'] / 1e9:.0f}) | {times['tfo']:.2f} | {times['te'] / times['te+tfo']:.2f}x "
+            f"| {times['te+tfo'] / times['tfo']:.3f} |"
+        )
+        print(f"{name}: te {times['te']:.2f} ms, te+tfo {times['te+tfo']:.2f} ms, tfo {times['tfo']:.2f} ms", flush=True)
+    table = "\n".join(
+        [
+            f"{gpu}, TE {te.__version__}, bf16 SwiGLU MLP training step, ms (TFLOPS)",
+            "",
+            "| shape | te.ops | te.ops + install() | te_fused_ops Sequential | speedup | (te+tfo)/tfo |",
+            "|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
+    print(table)
+    if args.out:
+        write_results(args.out, f"te_ops_{device_tag(gpu)}", payload, table)
+
+
+if __name__ == "__main__":
+    main()
