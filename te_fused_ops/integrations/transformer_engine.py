@@ -31,7 +31,6 @@ from ..fusion import PlanInfo, make_plan
 from ..ops import ClampedSwiGLU, GeGLU, GroupedLinear, ScaledSwiGLU, SReLU, SwiGLU
 from ..sequential import prepare_run
 
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 # first TE op of a window -> {window length: Decision} of the latest fusion
 _decisions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -89,10 +88,6 @@ def _linear(fc):
     weight = fc.weight if fc.single_grouped_weight else fc.weight0
     if is_distributed_weight(weight):
         return "distributed weights (TE materializes them per pass)"
-    if weight.dtype not in _KERNEL_DTYPES:
-        return f"weights in {weight.dtype} (the sm90 kernels take bfloat16/float16)"
-    if weight.device.type != "cuda":
-        return f"weights on {weight.device}"
     return GroupedLinear(
         fc.num_groups, fc.in_features, fc.out_features, bias=fc.use_bias, device="meta",
         accumulate_main_grad=fc._accumulate_into_main_grad,
@@ -306,7 +301,8 @@ def _fused_class():
                 )
             x, side, op_params, grad_on = args
             run, _, grad_needed = prepare_run(self._ours, x, side, op_params, self._plans, True, grad_on)
-            y = run.forward(x)
+            with torch.no_grad():  # gradients are this op's job (TE's fuser runs it inside its Function)
+                y = run.forward(x)
             if grad_needed:
                 first.save_for_backward(*run.pack())
                 first.tfo_run = run
@@ -324,7 +320,8 @@ def _fused_class():
                 if main_grad is not None and not common.get_accumulate_flag_in_param(self._weights(op)[0]):
                     main_grad.zero_()  # overwrite_main_grad: the kernel accumulates into zeros
             dy = grad_output.reshape(-1, grad_output.shape[-1])
-            dx, side_grads, param_grads = run.backward(dy, first.saved_tensors)
+            with torch.no_grad():
+                dx, side_grads, param_grads = run.backward(dy, first.saved_tensors)
             first.tfo_run = None
             side_grads = dict(zip(run.grad_side_names, side_grads))
             grad_params, grad_extra = [], []
