@@ -64,10 +64,15 @@ def inputs(m, splits, seed=1):
     return x, torch.tensor(splits, device="cuda"), probs, dy
 
 
-def compare(got, want, tol=2e-2):
+def compare(got, want, tol=2e-2, empty_groups=()):
+    """Outputs and gradients within ``tol``. The weight gradients of ``empty_groups`` (no rows) are
+    zero here and not compared: TE's split path leaves them uninitialized (torch.empty) on Hopper."""
     (y, dx, dp, grads), (y_ref, dx_ref, dp_ref, grads_ref) = got, want
     pairs = [("y", y, y_ref), ("dx", dx, dx_ref)] + ([("dprobs", dp, dp_ref)] if dp_ref is not None else [])
-    pairs += [(n, grads[n], g) for n, g in grads_ref.items()]
+    empty = {f"{k}.{kind}{g}" for k in (0, 2) for kind in ("weight", "bias") for g in empty_groups}
+    for name in empty & set(grads):
+        assert torch.count_nonzero(grads[name]) == 0, f"{name}: a group without rows must get a zero gradient"
+    pairs += [(n, grads[n], g) for n, g in grads_ref.items() if n not in empty]
     for name, a, b in pairs:
         assert a is not None and b is not None, name
         assert rel_err(a, b) <= tol, f"{name}: {rel_err(a, b):.3e}"
@@ -81,12 +86,13 @@ def test_fused_window_matches_te(act, bias, splits):
     reference = copy.deepcopy(model)
     x, s, probs, dy = inputs(sum(splits), splits)
     got = step(model, act, x, s, probs, dy)
+    empty = [g for g, rows in enumerate(splits) if rows == 0]
     explanation = tfo_te.explain(model)
     assert "[0:3]" in explanation and "-> te_fused_ops" in explanation, explanation
     tfo_te.uninstall(reference)
     want = step(reference, act, x, s, probs, dy)
     assert "[0:3]" in tfo_te.explain(reference) and "not installed" in tfo_te.explain(reference)
-    compare(got, want)
+    compare(got, want, empty_groups=empty)
 
 
 def test_lone_grouped_linear_and_main_grad():
@@ -126,12 +132,13 @@ def test_padding_rows_and_runtime_fallback():
     y, dx, _, _ = step(model, "swiglu", x, s, probs, dy)
     assert torch.count_nonzero(y[100:]) == 0 and torch.count_nonzero(dx[100:]) == 0
     # different split tensors for FC1 and FC2: TE's ops run inside the fused op, and explain says why
-    s2 = s.clone()
-    y2 = model(x, s, s2)
+    # (TE's own path needs the splits to cover every row)
+    s1, s2 = torch.tensor([50, 0, 30, 80], device="cuda"), torch.tensor([50, 0, 30, 80], device="cuda")
+    y2 = model(x, s1, s2)
     assert "the latest call ran TE's ops: FC1 and FC2 got different split_sizes tensors" in tfo_te.explain(model)
     reference = copy.deepcopy(model)
     tfo_te.uninstall(reference)
-    assert rel_err(y2[:100], reference(x, s, s2)[:100]) <= 2e-2
+    assert torch.equal(y2, reference(x, s1, s2))
 
 
 def test_window_not_taken_names_the_reason():
@@ -196,7 +203,7 @@ def test_no_host_sync_and_cuda_graph_with_three_routings():
         graph.replay()
         want = step(reference, "scaled_swiglu", x, s, probs, dy)
         got = (y_static, static_x.grad, static_p.grad, {n: p.grad for n, p in model.named_parameters()})
-        compare(got, want)
+        compare(got, want, empty_groups=[g for g, rows in enumerate(routing) if rows == 0])
 
 
 def test_uninstall_restores_te_behaviour():
