@@ -52,10 +52,22 @@ def grads(call, leaves, dy):
     return [t.grad.clone() for t in leaves]
 
 
+def profile_table(call, leaves, dy, rows=12) -> str:
+    """The kernels of one step by total CUDA time (torch.profiler), after a warm-up step."""
+    timed_step(call, leaves, dy)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for t in leaves:
+            t.grad = None
+        call().backward(dy)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(MODEL_SHAPES))
     ap.add_argument("--out", default=None, help="folder for the JSON/markdown result (default: print only)")
+    ap.add_argument("--profile", action="store_true", help="also print the kernels of a te+tfo and a tfo step")
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
     rows, payload = [], {"device": gpu, "te": transformer_engine.__version__, "shapes": {}}
@@ -86,6 +98,9 @@ def main():
         assert err <= 2e-2, f"{name}: te+tfo gradients differ from te's by {err:.3e}"
         flops = 3 * 2 * m * h * 3 * i  # forward: 2*m*h*2i + 2*m*i*h; step: 3x
         times = {k: timed_step(*v, dy) for k, v in calls.items()}
+        if args.profile:
+            for variant in ("te+tfo", "tfo"):
+                print(f"--- {name}: {variant}\n{profile_table(*calls[variant], dy)}", flush=True)
         payload["shapes"][name] = {"ms": times, "max_grad_rel_err": err}
         rows.append(
             f"| {name} | {times['te']:.2f} ({flops / times['te'] / 1e9:.0f}) | {times['te+tfo']:.2f} "
