@@ -12,7 +12,6 @@ Gradients of te+tfo are checked against te first (rel. Frobenius <= 2e-2).
 """
 
 import argparse
-import copy
 
 import torch
 import transformer_engine
@@ -79,7 +78,8 @@ def main():
         dy = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
         tfo_te.uninstall()
         plain = te_mlp(h, i, e)
-        fused = copy.deepcopy(plain)
+        fused = te_mlp(h, i, e)  # not deepcopy: nn.Parameter's deepcopy unpacks TE's (G, out, in) buffer
+        fused.load_state_dict(plain.state_dict())  # in place: the packed buffers stay
         want = grads(lambda: plain(x, splits, splits), [x, *plain.parameters()], dy)  # fuses without tfo
         tfo_te.install(fused)
         ours = Sequential(

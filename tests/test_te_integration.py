@@ -229,6 +229,7 @@ def test_fused_op_forward_backward_in_te_conventions(act, ours, bias):
         for got, want in zip(grad_params[k], grads_ref[k]):
             torch.testing.assert_close(got, want)
     assert grad_extra[0] == (None,) and grad_extra[2] == (None,)
+    assert "stacked" not in tfo_te.explain(Sequential(*ops))  # TE's weights are views of one buffer
     if act is ScaledSwiGLU:
         torch.testing.assert_close(grad_extra[1][0], dprobs_ref)
     else:
@@ -273,3 +274,18 @@ def test_runtime_fallback_runs_te_ops_and_is_explained():
                         prev_op_grad_output_quantizer=None, next_op_input_quantizer=None, basic_op_kwargs=[{}, {}, {}])
     assert calls == ["GroupedLinear", "SwiGLU", "GroupedLinear"]
     assert "the latest call ran TE's ops: FC1 and FC2 got different split_sizes tensors" in tfo_te.explain(Sequential(*ops))
+
+
+def test_weights_not_in_one_buffer_are_stacked_and_explained():
+    ops = ops_of(SwiGLU(), bias=False)
+    with torch.no_grad():  # what copy.deepcopy does to TE's parameters: one storage each
+        for i, w in enumerate(ops[0]._get_weight_tensors()):
+            setattr(ops[0], f"weight{i}", nn.Parameter(w.clone()))
+    (fused,) = tfo_te.fuse(ops, recipe=None)
+    splits = torch.tensor([4, 4, 5])
+    x, dy = torch.randn(13, 8), torch.randn(13, 8)
+    ctxs = [Ctx(), Ctx(), Ctx()]
+    y, _ = fused.fuser_forward(ctxs, x, basic_op_extra_inputs=[(splits,), (), (splits,)], prev_op_grad_output_quantizer=None,
+                               next_op_input_quantizer=None, basic_op_kwargs=[{}, {}, {}])
+    torch.testing.assert_close(y, reference(ops, tfo.SwiGLU(), x, splits, torch.rand(13), dy)[0])
+    assert "stacked the per-group weights" in tfo_te.explain(Sequential(*ops))

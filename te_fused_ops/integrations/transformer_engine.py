@@ -116,6 +116,7 @@ class Decision:
     def __init__(self, names, ops=None, reason=None):
         self.names, self.ops, self.reason = names, ops, reason
         self.fallback = None  # the reason of the latest run-time fallback to TE, if any
+        self.copied_weights = False  # the latest call stacked per-group weights (not one buffer)
 
 
 def _decide(window, recipe) -> Decision:
@@ -270,6 +271,7 @@ def _fused_class():
                 if isinstance(op, te_ops.GroupedLinear):
                     weight = op.weight if op.single_grouped_weight else op.weight0
                     params["weight"] = _packed_weight(op).requires_grad_(ctx.requires_grad and weight.requires_grad)
+                    self._decision.copied_weights |= params["weight"].data_ptr() != weight.data_ptr()
                     if op._accumulate_into_main_grad and params["weight"].requires_grad:
                         main_grad = _main_grads(op)
                         if isinstance(main_grad, str):
@@ -290,6 +292,7 @@ def _fused_class():
             self, basic_op_ctxs, input_, *, basic_op_extra_inputs, prev_op_grad_output_quantizer,
             next_op_input_quantizer, basic_op_kwargs,
         ):
+            self._decision.copied_weights = False
             args = self._call_args(basic_op_ctxs, input_, basic_op_extra_inputs, basic_op_kwargs)
             first = basic_op_ctxs[0]
             first.tfo_run = None
@@ -462,6 +465,11 @@ def explain(module) -> str:
                 line += "te_fused_ops (sm90 kernels, forward + backward)"
                 if decision.fallback:
                     line += f"; the latest call ran TE's ops: {decision.fallback}"
+                elif decision.copied_weights:
+                    line += (
+                        "; the latest call stacked the per-group weights (they are not views of one buffer, "
+                        "e.g. after copy.deepcopy): a copy per call"
+                    )
             else:
                 line += f"TE: {decision.reason}"
             lines.append(line + (" (not run yet)" if decision in pending else ""))
