@@ -85,7 +85,7 @@ def _linear(fc):
         return "scale_bias=True"
     if fc.single_grouped_weight and fc.use_bias and not fc.single_grouped_bias:
         return "single_grouped_weight with per-group biases"
-    weight = fc.weight if fc.single_grouped_weight else fc.weight0
+    weight = fc._get_weight_tensors()[0]
     if is_distributed_weight(weight):
         return "distributed weights (TE materializes them per pass)"
     return GroupedLinear(
@@ -130,7 +130,7 @@ def _decide(window, recipe) -> Decision:
             return Decision(names, reason=item)
     if len(window) == 3 and window[0].num_groups != window[2].num_groups:
         return Decision(names, reason=f"FC1 has {window[0].num_groups} groups, FC2 {window[2].num_groups}")
-    weight = window[0].weight if window[0].single_grouped_weight else window[0].weight0
+    weight = window[0]._get_weight_tensors()[0]
     reason = _plan_reason(ours, weight.dtype, weight.device)
     return Decision(names, ours, reason) if reason else Decision(names, ours)
 
@@ -211,7 +211,7 @@ def _packed(tensors, shape) -> torch.Tensor:
         and t.data_ptr() == first.data_ptr() + i * step
         for i, t in enumerate(tensors)
     ):
-        return first.detach().as_strided(shape, torch.empty(shape, device="meta").stride())
+        return first.detach().as_strided(shape, (first.numel(), *first.stride()))
     return torch.stack([t.detach() for t in tensors])
 
 
@@ -257,7 +257,7 @@ def _fused_class():
                 return "FC1 and FC2 got different split_sizes tensors"
             if split_sizes.device != x.device or split_sizes.numel() != linears[0].num_groups:
                 return f"split_sizes on {split_sizes.device} with {split_sizes.numel()} entries"
-            if x.dtype != (linears[0].weight if linears[0].single_grouped_weight else linears[0].weight0).dtype:
+            if x.dtype != linears[0]._get_weight_tensors()[0].dtype:
                 return f"input dtype {x.dtype} differs from the weights' (autocast: TE casts)"
             if torch.is_autocast_enabled(x.device.type):
                 return "autocast is on (TE casts the weights)"
@@ -269,7 +269,7 @@ def _fused_class():
             for op, ctx in zip(self.basic_ops, ctxs):
                 params = {}
                 if isinstance(op, te_ops.GroupedLinear):
-                    weight = op.weight if op.single_grouped_weight else op.weight0
+                    weight = op._get_weight_tensors()[0]
                     params["weight"] = _packed_weight(op).requires_grad_(ctx.requires_grad and weight.requires_grad)
                     self._decision.copied_weights |= params["weight"].data_ptr() != weight.data_ptr()
                     if op._accumulate_into_main_grad and params["weight"].requires_grad:
@@ -320,7 +320,7 @@ def _fused_class():
             run = first.tfo_run
             for op, ctx in zip(self.basic_ops, run.ctxs):
                 main_grad = ctx.main_grads.get("weight")
-                if main_grad is not None and not common.get_accumulate_flag_in_param(self._weights(op)[0]):
+                if main_grad is not None and not common.get_accumulate_flag_in_param(op._get_weight_tensors()[0]):
                     main_grad.zero_()  # overwrite_main_grad: the kernel accumulates into zeros
             dy = grad_output.reshape(-1, grad_output.shape[-1])
             with torch.no_grad():
@@ -340,13 +340,9 @@ def _fused_class():
                 dx = dx.view(first.tfo_in_shape)
             return dx, grad_params, grad_extra
 
-        @staticmethod
-        def _weights(op):
-            return op._get_weight_tensors()
-
         def _te_param_grads(self, op, ctx, grads):
             """te_fused_ops' (G, out, in)/(G, out) gradients in TE's parameter order and form."""
-            weights = self._weights(op)
+            weights = op._get_weight_tensors()
             if "weight" in ctx.grad_names and op._accumulate_into_main_grad:
                 weight_grads = common.get_dummy_wgrads_for_params(weights)  # main_grad holds it (TE's way)
             elif grads.get("weight") is None:
