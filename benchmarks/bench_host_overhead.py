@@ -105,7 +105,8 @@ def measure(step, before, n):
 
 
 def wrapper_calls():
-    """Host us per call of each sm90 kernel wrapper (checks + launch) on a tiny problem."""
+    """Host us per call of each sm90 kernel wrapper (checks + launch) on a tiny problem, allocating
+    its outputs and into preallocated ones, next to one torch launch (this machine's unit)."""
     from te_fused_ops.kernels.grouped_gemm import grouped_dgrad_dact_sm90, grouped_gemm_sm90
     from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90
 
@@ -113,12 +114,17 @@ def wrapper_calls():
     w = torch.randn(2, 128, 64, dtype=torch.bfloat16, device="cuda")
     w2 = torch.randn(2, 64, 64, dtype=torch.bfloat16, device="cuda")
     off = torch.tensor([0, 64, 128], dtype=torch.int32, device="cuda")
-    pre, _ = grouped_gemm_sm90(x, w, off, activation="swiglu")
+    pre, act = grouped_gemm_sm90(x, w, off, activation="swiglu")
+    dx = torch.empty_like(x)
+    dw = torch.empty(2, 64, 64, dtype=torch.bfloat16, device="cuda")
+    sum_out = torch.empty_like(x)
     calls = {
+        "torch.add(out=), one launch": lambda: torch.add(x, x, out=sum_out),
         "FC1 fwd + SwiGLU": lambda: grouped_gemm_sm90(x, w, off, activation="swiglu"),
-        "dgrad (W in place)": lambda: grouped_gemm_sm90(x, w2, off, weight_layout="kn"),
+        "FC1 fwd + SwiGLU, preallocated": lambda: grouped_gemm_sm90(x, w, off, activation="swiglu", out=pre, act_out=act),
+        "dgrad (W in place), preallocated": lambda: grouped_gemm_sm90(x, w2, off, weight_layout="kn", out=dx),
         "dgrad + dSwiGLU": lambda: grouped_dgrad_dact_sm90(x, w2, off, pre, activation="swiglu"),
-        "wgrad": lambda: grouped_wgrad_sm90(x, x, off),
+        "wgrad, preallocated": lambda: grouped_wgrad_sm90(x, x, off, out=dw),
     }
     return {name: host_us_per_call(fn) for name, fn in calls.items()}
 
@@ -127,6 +133,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved repeats; medians reported")
     ap.add_argument("--out", default=None)
     ap.add_argument("--pyprofile", action="store_true")
     args = ap.parse_args()
@@ -151,27 +158,37 @@ def main():
         print(f"[{name}] M, H, I, E = {SHAPES[name]} ...", flush=True)
         mlp, x, dy, splits = setup(name)
         row = {"shape": name}
-        for label, (step, before) in steps(mlp, x, dy, splits).items():
-            row[label] = measure(step, before, args.steps)
+        steps_of = steps(mlp, x, dy, splits)
+        runs = {}
+        for _ in range(args.rounds):  # interleaved, so drift of the machine hits every variant
+            for label, (step, before) in steps_of.items():
+                runs.setdefault(label, []).append(measure(step, before, args.steps))
+        for label, results in runs.items():
+            row[label] = {key: statistics.median(r[key] for r in results) for key in results[0]}
             print(f"  {label:12s} host {row[label]['host_us']:8.0f} us   wall {row[label]['wall_us']:8.0f} us", flush=True)
+        row["host_ratio_per_round"] = [
+            f["host_us"] / r["host_us"] for f, r in zip(runs["fused"], runs["reference"])
+        ]
         rows.append(row)
         del mlp, x, dy
         torch.cuda.empty_cache()
     lines = [
         f"Host overhead of a training step, bf16 SwiGLU grouped MLP, {device}; us per step",
         "",
-        "| shape | host: reference / fused / graph | wall: reference / fused / graph | fused host vs reference |",
+        "| shape | host: reference / fused / graph | wall: reference / fused / graph | fused host vs reference (median; per round) |",
         "|---|---|---|---|",
     ]
     for r in rows:
         ref, fused, graph = r["reference"], r["fused"], r["fused graph"]
+        per_round = ", ".join(f"{v:.2f}" for v in r["host_ratio_per_round"])
         lines.append(
             f"| {r['shape']} | {ref['host_us']:.0f} / {fused['host_us']:.0f} / {graph['host_us']:.0f} | "
             f"{ref['wall_us']:.0f} / {fused['wall_us']:.0f} / {graph['wall_us']:.0f} | "
-            f"{fused['host_us'] / ref['host_us']:.2f}x |"
+            f"{statistics.median(r['host_ratio_per_round']):.2f}x ({per_round}) |"
         )
-    lines += ["", "| sm90 wrapper | host us per call |", "|---|---|"]
-    lines += [f"| {name} | {us:.1f} |" for name, us in calls.items()]
+    unit = calls["torch.add(out=), one launch"]
+    lines += ["", "| call | host us per call | vs one torch launch |", "|---|---|---|"]
+    lines += [f"| {name} | {us:.1f} | {us / unit:.2f}x |" for name, us in calls.items()]
     table = "\n".join(lines)
     print(table)
     if args.out:

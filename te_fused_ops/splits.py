@@ -5,6 +5,7 @@ rows ``offsets[g]:offsets[g+1]``; rows ``offsets[G]:M`` are padding. Offsets are
 device of ``split_sizes`` and clamped, so no split value can make a kernel index out of bounds.
 """
 
+import functools
 import threading
 from contextlib import contextmanager
 
@@ -67,10 +68,22 @@ def split_offsets(split_sizes: torch.Tensor, num_rows: int) -> torch.Tensor:
     Each size is clamped to ``[0, num_rows]`` before the int64 prefix sum (which then cannot
     overflow for any int32/int64 values: G * num_rows < 2**63), and every offset to
     ``num_rows``, so offsets are nondecreasing and within ``[0, num_rows]`` whatever the values.
+    Plain CUDA tensors on sm90 take one kernel launch (`kernels.split_offsets`), others six torch ops.
     """
+    if type(split_sizes) is torch.Tensor and split_sizes.is_cuda and num_rows < 2**31 and _offsets_kernel():
+        from .kernels.split_offsets import split_offsets_sm90
+
+        return split_offsets_sm90(split_sizes.contiguous(), num_rows)
     sizes = split_sizes.clamp(0, num_rows).to(torch.int64)
     ends = torch.cumsum(sizes, 0).clamp(max=num_rows).to(torch.int32)
     return torch.cat([ends.new_zeros(1), ends])
+
+
+@functools.cache
+def _offsets_kernel() -> bool:
+    from .kernels.split_offsets import kernel_available
+
+    return kernel_available()
 
 
 def row_group_ids(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:

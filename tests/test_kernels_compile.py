@@ -118,3 +118,10 @@ def test_unsupported_reasons():
     assert "I=80" in why_dact(torch.bfloat16, 64, 80, "clamped_swiglu")
     assert "H=12" in why_dact(torch.bfloat16, 12, 64, "swiglu")
     assert "needs an activation" in why_dact(torch.bfloat16, 64, 64, None)
+
+
+@pytest.mark.parametrize("size_dtype", [torch.int32, torch.int64])
+def test_split_offsets_compiles(size_dtype):
+    from te_fused_ops.kernels.split_offsets import compile_split_offsets
+
+    assert compile_split_offsets(size_dtype, tvm_ffi=False) is not None

@@ -27,8 +27,8 @@ from .launch import (
     check_tensor,
     num_sms,
     resolve_sm_margin,
+    call_signature,
     sm_margin_setting,
-    tensor_signature,
     tvm_ffi_available,
 )
 
@@ -211,38 +211,44 @@ _MEMO = LaunchMemo()  # argument signature -> validated launch (both wrappers; k
 
 def grouped_gemm_sm90(
     x, weight, offsets, *, bias=None, activation=None, probs=None, limit=7.0, alpha=1.702, out=None,
-    weight_layout="nk", tile_n=None, cluster_m=None, sm_margin=None,
+    act_out=None, weight_layout="nk", tile_n=None, cluster_m=None, sm_margin=None,
 ):
     """pre = x_g @ W[g].T ("nk") or x_g @ W[g] ("kn") (+ b[g]) per row group, act = activation(pre).
 
     x (M, K) bf16/fp16; weight (G, N, K) for weight_layout "nk", (G, K, N) for "kn" (GLU: natural
     [gate; up] halves of N); offsets (G+1,) int32 cumulative row starts on x's device; bias (G, N)
     or None; probs (M,) float32 for activations that take probs (scaled_swiglu); limit / alpha for
-    clamped_swiglu; out: optional (M, N) buffer for pre.
+    clamped_swiglu; out / act_out: optional preallocated buffers for pre / act.
     Returns (pre (M, N) = [gate, up] for GLU, act (M, N/2) GLU / (M, N) srelu / None).
     Rows >= offsets[G] are zero. No host sync; the launch depends on shapes only.
     tile_n (128 or 256) and cluster_m (1: no W multicast, 2) override the heuristic;
     sm_margin: SMs to leave free (default: env TE_FUSED_OPS_SM_MARGIN, else 0).
-    Checks run once per argument signature (`launch.tensor_signature`); repeats only launch.
+    Checks run once per argument signature (`launch.call_signature`); repeats only launch.
     """
+    tvm_ffi = tvm_ffi_available()
     key = (
-        tensor_signature(x, weight, offsets, bias, probs, out),
-        _FWD, activation, weight_layout, tile_n, cluster_m, sm_margin, sm_margin_setting(), tvm_ffi_available(),
+        call_signature(tvm_ffi, x, weight, offsets, bias, probs, out, act_out),
+        _FWD, activation, weight_layout, tile_n, cluster_m, sm_margin, sm_margin_setting(),
     )
-    launch = _MEMO.get(key) or _MEMO.put(
-        key, _forward_launch(x, weight, offsets, bias, activation, probs, out, weight_layout, tile_n, cluster_m, sm_margin)
-    )
-    fn, tvm_ffi, pre_shape, act_shape, clusters = launch
+    args = (x, weight, offsets, bias, activation, probs, out, act_out, weight_layout, tile_n, cluster_m, sm_margin)
+    launch = _MEMO.get(key) or _MEMO.put(key, _forward_launch(*args))
+    fn, pre_shape, act_shape, clusters = launch
     pre = out if out is not None else x.new_empty(pre_shape)
-    act = None if act_shape is None else x.new_empty(act_shape)
+    act = act_out if act_out is not None or act_shape is None else x.new_empty(act_shape)
     if fn is not None:
-        _call(fn, tvm_ffi, x, weight, offsets, pre, act, bias, probs, limit, alpha, clusters)
+        try:
+            _call(fn, tvm_ffi, x, weight, offsets, pre, act, bias, probs, limit, alpha, clusters)
+        except Exception:
+            _forward_launch(*args)  # raises the error naming the argument the kernel rejected
+            raise
     return pre, act
 
 
-def _forward_launch(x, weight, offsets, bias, activation, probs, out, weight_layout, tile_n, cluster_m, sm_margin):
-    """Every check of `grouped_gemm_sm90`; (launcher or None when M == 0, TVM-FFI, pre shape,
-    act shape or None, persistent grid in clusters)."""
+def _forward_launch(
+    x, weight, offsets, bias, activation, probs, out, act_out, weight_layout, tile_n, cluster_m, sm_margin
+):
+    """Every check of `grouped_gemm_sm90`; (launcher or None when M == 0, pre shape, act shape or
+    None, persistent grid in clusters)."""
     dev = check_input(_FWD, x, "x")
     check_tensor(_FWD, weight, "weight", x.dtype, 3, dev)
     check_tensor(_FWD, offsets, "offsets", torch.int32, 1, dev)
@@ -276,14 +282,18 @@ def _forward_launch(x, weight, offsets, bias, activation, probs, out, weight_lay
         _check_shape(_FWD, out, "out", (m, n))
     tile_n, cluster_m, clusters = _launch_config(_FWD, m, n, g, dev, tile_n, cluster_m, sm_margin)
     act_shape = None if spec is None else (m, n // 2 if glu else n)
+    if act_out is not None:
+        if act_shape is None:
+            raise ValueError(f"{_FWD}: act_out given but there is no activation")
+        check_tensor(_FWD, act_out, "act_out", x.dtype, 2, dev)
+        _check_shape(_FWD, act_out, "act_out", act_shape)
     if m == 0:
-        return None, False, (m, n), act_shape, clusters
-    tvm_ffi = tvm_ffi_available()
-    key = (_FWD, x.dtype, tile_n, activation, bias is not None, tvm_ffi, cluster_m, weight_layout)
+        return None, (m, n), act_shape, clusters
+    key = (_FWD, x.dtype, tile_n, activation, bias is not None, tvm_ffi_available(), cluster_m, weight_layout)
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_gemm(*key[1:])
-    return fn, tvm_ffi, (m, n), act_shape, clusters
+    return fn, (m, n), act_shape, clusters
 
 
 def grouped_dgrad_dact_sm90(
@@ -300,25 +310,29 @@ def grouped_dgrad_dact_sm90(
     Rows >= offsets[G] are zero. No host sync. H a multiple of 8; I a multiple of 32 (GLU) or 8.
     Checks run once per argument signature, as for `grouped_gemm_sm90`.
     """
+    tvm_ffi = tvm_ffi_available()
     key = (
-        tensor_signature(dy, weight, offsets, pre, probs),
-        _DACT, activation, tile_n, cluster_m, sm_margin, sm_margin_setting(), tvm_ffi_available(),
+        call_signature(tvm_ffi, dy, weight, offsets, pre, probs),
+        _DACT, activation, tile_n, cluster_m, sm_margin, sm_margin_setting(),
     )
-    launch = _MEMO.get(key) or _MEMO.put(
-        key, _dact_launch(dy, weight, offsets, pre, activation, probs, tile_n, cluster_m, sm_margin)
-    )
-    fn, tvm_ffi, act_shape, partial_shape, clusters = launch
+    args = (dy, weight, offsets, pre, activation, probs, tile_n, cluster_m, sm_margin)
+    launch = _MEMO.get(key) or _MEMO.put(key, _dact_launch(*args))
+    fn, act_shape, partial_shape, clusters = launch
     d_pre = torch.empty_like(pre)
     act = dy.new_empty(act_shape)
     d_probs_part = None if partial_shape is None else dy.new_empty(partial_shape, dtype=torch.float32)
     if fn is not None:
-        _call(fn, tvm_ffi, dy, weight, offsets, pre, d_pre, act, probs, d_probs_part, limit, alpha, clusters)
+        try:
+            _call(fn, tvm_ffi, dy, weight, offsets, pre, d_pre, act, probs, d_probs_part, limit, alpha, clusters)
+        except Exception:
+            _dact_launch(*args)  # raises the error naming the argument the kernel rejected
+            raise
     return d_pre, act, None if d_probs_part is None else d_probs_part.sum(0)
 
 
 def _dact_launch(dy, weight, offsets, pre, activation, probs, tile_n, cluster_m, sm_margin):
-    """Every check of `grouped_dgrad_dact_sm90`; (launcher or None when M == 0, TVM-FFI, act
-    shape, d_probs partials shape or None, persistent grid in clusters)."""
+    """Every check of `grouped_dgrad_dact_sm90`; (launcher or None when M == 0, act shape,
+    d_probs partials shape or None, persistent grid in clusters)."""
     dev = check_input(_DACT, dy, "dy")
     check_tensor(_DACT, weight, "weight", dy.dtype, 3, dev)
     check_tensor(_DACT, offsets, "offsets", torch.int32, 1, dev)
@@ -346,13 +360,12 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, tile_n, cluster_m,
     tile_n, cluster_m, clusters = _launch_config(_DACT, m, i, g, dev, tile_n, cluster_m, sm_margin)
     partial_shape = (-(-i // tile_n), m) if spec.takes_probs else None
     if m == 0:
-        return None, False, (m, i), partial_shape, clusters
-    tvm_ffi = tvm_ffi_available()
-    key = (_DACT, dy.dtype, tile_n, activation, tvm_ffi, cluster_m)
+        return None, (m, i), partial_shape, clusters
+    key = (_DACT, dy.dtype, tile_n, activation, tvm_ffi_available(), cluster_m)
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_dgrad_dact(*key[1:])
-    return fn, tvm_ffi, (m, i), partial_shape, clusters
+    return fn, (m, i), partial_shape, clusters
 
 
 def _call(fn, tvm_ffi, *args):

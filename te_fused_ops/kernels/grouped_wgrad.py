@@ -21,8 +21,8 @@ from .launch import (
     check_tensor,
     num_sms,
     resolve_sm_margin,
+    call_signature,
     sm_margin_setting,
-    tensor_signature,
     tvm_ffi_available,
 )
 
@@ -97,31 +97,35 @@ def grouped_wgrad_sm90(
     with ``main_grad`` (fp32 (G, N, K)), main_grad += dW in place and main_grad is returned.
     sm_margin (int >= 0; None: $TE_FUSED_OPS_SM_MARGIN, default 0) SMs are left free.
     tile_n (128 or 256, along K) and cluster_m (1, 2: CTA pairs multicast x) override the
-    heuristic. No host sync. Checks run once per argument signature (`launch.tensor_signature`).
+    heuristic. No host sync. Checks run once per argument signature (`launch.call_signature`).
     """
+    tvm_ffi = tvm_ffi_available()
     key = (
-        tensor_signature(dy, x, offsets, out, main_grad),
-        tile_n, cluster_m, sm_margin, sm_margin_setting(), tvm_ffi_available(),
+        call_signature(tvm_ffi, dy, x, offsets, out, main_grad),
+        tile_n, cluster_m, sm_margin, sm_margin_setting(),
     )
-    launch = _MEMO.get(key) or _MEMO.put(
-        key, _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m)
-    )
-    fn, tvm_ffi, shape, max_ctas = launch
+    args = (dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m)
+    launch = _MEMO.get(key) or _MEMO.put(key, _launch(*args))
+    fn, shape, max_ctas = launch
     result = main_grad if main_grad is not None else out if out is not None else dy.new_empty(shape)
     if fn is None:  # no rows (every group is empty) or no output
         if main_grad is None and result.numel():
             result.zero_()
         return result
-    if tvm_ffi:
-        fn(dy, x, offsets, result, max_ctas)
-    else:
-        _call_classic(fn, dy, x, offsets, result, max_ctas)
+    try:
+        if tvm_ffi:
+            fn(dy, x, offsets, result, max_ctas)
+        else:
+            _call_classic(fn, dy, x, offsets, result, max_ctas)
+    except Exception:
+        _launch(*args)  # raises the error naming the argument the kernel rejected
+        raise
     return result
 
 
 def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m):
     """Every check of `grouped_wgrad_sm90`; (launcher or None when there is nothing to compute,
-    TVM-FFI, dW shape, persistent grid in CTAs)."""
+    dW shape, persistent grid in CTAs)."""
     dev = check_input(_NAME, dy, "dy")
     check_tensor(_NAME, x, "x", dy.dtype, 2, dev)
     check_tensor(_NAME, offsets, "offsets", torch.int32, 1, dev)
@@ -154,19 +158,18 @@ def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m):
     if cluster_m not in (None, 1, 2):
         raise ValueError(f"{_NAME}: cluster_m must be 1 or 2, got {cluster_m!r}")
     if g * n * k == 0 or m == 0:
-        return None, False, (g, n, k), 0
+        return None, (g, n, k), 0
 
     max_ctas = max(1, num_sms(dev) - margin)
     auto_tile_n, auto_cluster_m = choose_config(n, k, max_ctas)
     tile_n = tile_n or auto_tile_n
     cluster_m = cluster_m or auto_cluster_m
     max_ctas = max(max_ctas, cluster_m)
-    tvm_ffi = tvm_ffi_available()
-    key = (dy.dtype, tile_n, main_grad is not None, cluster_m, tvm_ffi)
+    key = (dy.dtype, tile_n, main_grad is not None, cluster_m, tvm_ffi_available())
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_wgrad(*key)
-    return fn, tvm_ffi, (g, n, k), max_ctas
+    return fn, (g, n, k), max_ctas
 
 
 def _call_classic(fn, dy, x, offsets, result, max_ctas):

@@ -75,9 +75,8 @@ def check_input(fn_name: str, t, arg: str) -> int:
 
 def tensor_signature(*tensors):
     """What the wrappers' checks look at, per tensor (None stays None): shape, dtype, device,
-    contiguity, 16-byte alignment. A validated launch is memoized under it (plus the non-tensor
-    arguments and the SM-margin variable), so repeated calls skip the checks. None when an
-    argument is not a tensor (the full checks then raise)."""
+    contiguity, 16-byte alignment; None when an argument is not a tensor (the full checks then
+    raise)."""
     signature = []
     for t in tensors:
         if t is None:
@@ -87,6 +86,29 @@ def tensor_signature(*tensors):
         else:
             return None
     return tuple(signature)
+
+
+def call_signature(tvm_ffi: bool, *tensors):
+    """The per-tensor part of a wrapper's launch memo key; a validated launch is memoized under it
+    (plus the non-tensor arguments and the SM-margin variable), so repeated calls skip the checks.
+
+    Through TVM-FFI the compiled function checks every tensor on every call (dtype, rank, device,
+    contiguity, alignment, the extents its shape symbols tie together) before it launches, so the
+    key holds only the first tensor's dtype and device and every tensor's shape: the checks that
+    depend on nothing else ran when the entry was made, and a call the compiled function rejects
+    reruns the wrapper's checks for an error naming the argument. The classic path
+    checks nothing itself: its key is the full `tensor_signature`. None when an argument is not a
+    tensor (the full checks then raise).
+    """
+    if not tvm_ffi:
+        return tensor_signature(*tensors)
+    first = tensors[0]
+    if not isinstance(first, torch.Tensor):
+        return None
+    try:
+        return (first.dtype, first.device, *(None if t is None else t.shape for t in tensors))
+    except AttributeError:
+        return None
 
 
 def sm_margin_setting():

@@ -1,0 +1,46 @@
+"""Torch-facing wrapper of the one-launch split-offsets kernel (`split_offsets_sm90`).
+
+Used by `te_fused_ops.splits.split_offsets` for plain CUDA tensors when the sm90 kernels and
+TVM-FFI are available: one launch instead of six small torch ops, which is most of a small MoE
+layer's per-call bookkeeping on the host. Compiled once per size dtype, G symbolic.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import sm90_unavailable_reason
+from .launch import tvm_ffi_available
+
+
+@functools.cache
+def kernel_available() -> bool:
+    """Whether `split_offsets_sm90` can run here (sm90 kernels and TVM-FFI importable)."""
+    return sm90_unavailable_reason() is None and tvm_ffi_available()
+
+
+@functools.cache
+def compile_split_offsets(size_dtype, tvm_ffi=True):
+    """Compile (once per size dtype) and return the launcher fn(sizes, offsets, num_rows)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .split_offsets_sm90 import SplitOffsetsSm90
+
+    element = {torch.int32: cutlass.Int32, torch.int64: cutlass.Int64}[size_dtype]
+    g, g1 = cute.sym_int(), cute.sym_int()
+    sizes = cute.runtime.make_fake_compact_tensor(element, (g,), assumed_align=element.width // 8)
+    offsets = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (g1,), assumed_align=4)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
+    options = "--enable-tvm-ffi" if tvm_ffi else ""
+    return cute.compile(SplitOffsetsSm90(), sizes, offsets, cutlass.Int32(1), stream, options=options)
+
+
+def split_offsets_sm90(split_sizes: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """(G,) int32/int64 contiguous CUDA sizes -> (G+1,) int32 offsets, as `splits.split_offsets`
+    (the caller has checked dtype, shape and device; ``num_rows`` < 2**31)."""
+    offsets = torch.empty(split_sizes.shape[0] + 1, dtype=torch.int32, device=split_sizes.device)
+    compile_split_offsets(split_sizes.dtype)(split_sizes, offsets, num_rows)
+    return offsets
