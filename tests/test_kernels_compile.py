@@ -125,3 +125,14 @@ def test_split_offsets_compiles(size_dtype):
     from te_fused_ops.kernels.split_offsets import compile_split_offsets
 
     assert compile_split_offsets(size_dtype, tvm_ffi=False) is not None
+
+
+@pytest.mark.parametrize(
+    "activation,dtype,has_bias,cluster_m",
+    [(None, torch.bfloat16, False, 2), ("swiglu", torch.bfloat16, True, 1), ("scaled_swiglu", torch.float16, False, 2),
+     ("srelu", torch.bfloat16, False, 2)],
+)
+def test_grouped_gemm_fp8_compiles(activation, dtype, has_bias, cluster_m):
+    from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm_fp8
+
+    assert compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=False, cluster_m=cluster_m) is not None

@@ -3,6 +3,7 @@
 ``grouped_gemm_sm90``: y = x_g @ W[g].T ("nk", W (G, N, K)) or x_g @ W[g] ("kn", W (G, K, N),
 e.g. the data gradient dx = dy @ W[g] of a GroupedLinear, W read in place), + bias / activation.
 ``grouped_dgrad_dact_sm90``: the backward of FC2 fused with the activation's backward.
+``grouped_gemm_fp8_sm90``: the forward on block-scaled FP8 operands (x 1x128, W 128x128 blocks).
 
 Tensors cross into the kernels through TVM-FFI (``apache-tvm-ffi``) when it is installed, which keeps
 the per-call host overhead to a few microseconds; without it the classic CuTe DSL call path is used.
@@ -35,6 +36,8 @@ from .launch import (
 _FWD = "grouped_gemm_sm90"
 _DACT = "grouped_dgrad_dact_sm90"
 DACT_GLU_I_MULTIPLE = 32  # dgrad + dActivation, GLU: I a multiple of the 32-column chunk
+FP8_GLU_N_MULTIPLE = 128  # FP8 GLU: each half's 64-row boxes inside one 128-row scale block
+_FP8 = "grouped_gemm_fp8_sm90"
 
 
 def _common_unsupported_reason(dtype, activation):
@@ -177,6 +180,38 @@ def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_
     return _compile(kernel, args, tvm_ffi)
 
 
+@functools.cache
+def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_m=2, **kernel_opts):
+    """Compile (once per configuration) and return the launcher of ``grouped_gemm_fp8_sm90``:
+    fn(x, x_scale, weight, weight_scale, offsets, pre, act, bias, probs, limit, alpha, max_clusters)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .grouped_gemm_sm90 import GroupedGemmActFp8Sm90
+
+    if tvm_ffi is None:
+        tvm_ffi = tvm_ffi_available()
+    dt, f8 = _cutlass_dtype(dtype), cutlass.Float8E4M3FN
+    spec = activation_spec(activation, "compile_grouped_gemm_fp8")
+    glu = spec is not None and spec.glu
+    m, g, g1, k_blocks, n_blocks = (cute.sym_int() for _ in range(5))
+    k, n = cute.sym_int(divisibility=16), cute.sym_int(divisibility=FP8_GLU_N_MULTIPLE if glu else 8)
+    n_act = cute.sym_int(divisibility=8)
+    args = (
+        _fake(f8, (m, k)),
+        _fake(cutlass.Float32, (m, k_blocks), 4),
+        _fake(f8, (g, n, k)),
+        _fake(cutlass.Float32, (g, n_blocks, k_blocks), 4),
+        _fake(cutlass.Int32, (g1,), 4),
+        _fake(dt, (m, n)),
+        _fake(dt, (m, n_act if glu else n)) if spec is not None else None,
+        _fake(dt, (g, n)) if has_bias else None,
+        _fake(cutlass.Float32, (m,), 4) if spec is not None and spec.takes_probs else None,
+    )
+    kernel = GroupedGemmActFp8Sm90(dt, activation, has_bias, cluster_m, **kernel_opts)
+    return _compile(kernel, args, tvm_ffi)
+
+
 def _check_shape(fn_name, t, arg, shape):
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{fn_name}: {arg} must have shape {tuple(shape)}, got {tuple(t.shape)}")
@@ -293,6 +328,102 @@ def _forward_launch(
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_gemm(*key[1:])
+    return fn, (m, n), act_shape, clusters
+
+
+def grouped_gemm_fp8_sm90(
+    x, x_scale_inv, weight, weight_scale_inv, offsets, *, bias=None, activation=None, probs=None,
+    limit=7.0, alpha=1.702, out_dtype=torch.bfloat16, out=None, act_out=None, cluster_m=None,
+    sm_margin=None,
+):
+    """`grouped_gemm_sm90` ("nk" layout) on block-scaled FP8 operands, outputs in ``out_dtype``.
+
+    x (M, K) float8_e4m3fn with x_scale_inv (M, ceil(K/128)) float32, the multiplier of each 1x128
+    block (x ~= x.float() * scale); weight (G, N, K) float8_e4m3fn with weight_scale_inv
+    (G, ceil(N/128), ceil(K/128)) float32 per 128x128 block (`quantization.quantize` /
+    `quantize_weight` with "fp8_blockwise" make both). K a multiple of 16; N of 8 (128 for GLU).
+    bias (G, N), out (M, N), act_out in ``out_dtype`` (bf16/fp16); probs, limit, alpha as for
+    `grouped_gemm_sm90`. Returns (pre, act). Each 128-deep block's product is accumulated in fp32
+    and scaled on the CUDA cores. No host sync; checks run once per argument signature.
+    """
+    tvm_ffi = tvm_ffi_available()
+    key = (
+        call_signature(tvm_ffi, x, x_scale_inv, weight, weight_scale_inv, offsets, bias, probs, out, act_out),
+        _FP8, activation, out_dtype, cluster_m, sm_margin, sm_margin_setting(),
+    )
+    args = (x, x_scale_inv, weight, weight_scale_inv, offsets, bias, activation, probs, out_dtype, out,
+            act_out, cluster_m, sm_margin)
+    launch = _MEMO.get(key) or _MEMO.put(key, _fp8_launch(*args))
+    fn, pre_shape, act_shape, clusters = launch
+    pre = out if out is not None else torch.empty(pre_shape, dtype=out_dtype, device=x.device)
+    act = act_out
+    if act is None and act_shape is not None:
+        act = torch.empty(act_shape, dtype=out_dtype, device=x.device)
+    if fn is not None:
+        try:
+            _call(fn, tvm_ffi, x, x_scale_inv, weight, weight_scale_inv, offsets, pre, act, bias, probs,
+                  limit, alpha, clusters)
+        except Exception:
+            _fp8_launch(*args)  # raises the error naming the argument the kernel rejected
+            raise
+    return pre, act
+
+
+def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, probs, out_dtype, out, act_out,
+                cluster_m, sm_margin):
+    """Every check of `grouped_gemm_fp8_sm90`; (launcher or None when M == 0, pre shape, act shape
+    or None, persistent grid in clusters)."""
+    fp8 = torch.float8_e4m3fn
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{_FP8}: x must be a torch.Tensor, got {type(x).__name__}")
+    dev = x.get_device()
+    if dev < 0:
+        raise ValueError(f"{_FP8}: x must be on a CUDA device, got {x.device}")
+    if out_dtype not in DTYPES:
+        raise TypeError(f"{_FP8}: out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
+    check_tensor(_FP8, x, "x", fp8, 2, dev)
+    check_tensor(_FP8, weight, "weight", fp8, 3, dev)
+    check_tensor(_FP8, x_scale, "x_scale_inv", torch.float32, 2, dev)
+    check_tensor(_FP8, weight_scale, "weight_scale_inv", torch.float32, 3, dev)
+    check_tensor(_FP8, offsets, "offsets", torch.int32, 1, dev)
+    spec = activation_spec(activation, _FP8)
+    glu = spec is not None and spec.glu
+    m, k = x.shape
+    g, n, kw = weight.shape
+    if kw != k:
+        raise ValueError(f"{_FP8}: weight has K={kw}, x has K={k}")
+    if g < 1:
+        raise ValueError(f"{_FP8}: weight must hold at least one group")
+    if k % 16:
+        raise ValueError(f"{_FP8}: K={k} (x.shape[1]) must be a multiple of 16")
+    multiple = FP8_GLU_N_MULTIPLE if glu else 8
+    if n % multiple:
+        raise ValueError(f"{_FP8}: N={n} (weight.shape[1]) must be a multiple of {multiple}"
+                         + (f" for activation {activation!r}" if glu else ""))
+    k_blocks, n_blocks = -(-k // 128), -(-n // 128)
+    _check_shape(_FP8, x_scale, "x_scale_inv", (m, k_blocks))
+    _check_shape(_FP8, weight_scale, "weight_scale_inv", (g, n_blocks, k_blocks))
+    _check_shape(_FP8, offsets, "offsets", (g + 1,))
+    if bias is not None:
+        check_tensor(_FP8, bias, "bias", out_dtype, 2, dev)
+        _check_shape(_FP8, bias, "bias", (g, n))
+    _check_probs(_FP8, spec, probs, m, dev)
+    act_shape = None if spec is None else (m, n // 2 if glu else n)
+    if out is not None:
+        check_tensor(_FP8, out, "out", out_dtype, 2, dev)
+        _check_shape(_FP8, out, "out", (m, n))
+    if act_out is not None:
+        if act_shape is None:
+            raise ValueError(f"{_FP8}: act_out given but there is no activation")
+        check_tensor(_FP8, act_out, "act_out", out_dtype, 2, dev)
+        _check_shape(_FP8, act_out, "act_out", act_shape)
+    _, cluster_m, clusters = _launch_config(_FP8, m, n, g, dev, 128, cluster_m, sm_margin)
+    if m == 0:
+        return None, (m, n), act_shape, clusters
+    key = (_FP8, out_dtype, activation, bias is not None, tvm_ffi_available(), cluster_m)
+    fn = _LAUNCHERS.get(key)
+    if fn is None:
+        fn = _LAUNCHERS[key] = compile_grouped_gemm_fp8(*key[1:])
     return fn, (m, n), act_shape, clusters
 
 

@@ -102,7 +102,9 @@ class GroupedGemmSm90:
     epi_stores: tuple  # set by subclasses
     epi_loads = ()
 
-    def __init__(self, dtype, tile_n, b_major="k", cluster_m=2, ab_stages=None, epi_slots=None):
+    def __init__(
+        self, dtype, tile_n, b_major="k", cluster_m=2, ab_stages=None, epi_slots=None, ab_dtype=None
+    ):
         if tile_n not in (128, 256):
             raise ValueError("tile_n must be 128 or 256")
         if b_major not in ("k", "mn"):
@@ -110,6 +112,14 @@ class GroupedGemmSm90:
         if cluster_m not in (1, 2):
             raise ValueError("cluster_m must be 1 or 2")
         self.dtype = dtype
+        self.ab_dtype = dtype if ab_dtype is None else ab_dtype
+        # FP8 operands are block-scaled: one k-tile is one 128-deep scale block, promoted into
+        # the fp32 accumulator after its WGMMAs (a second accumulator: tile_n 128 fits registers)
+        self.block_scaled = self.ab_dtype.width == 8
+        if self.block_scaled:
+            if tile_n != 128 or b_major != "k":
+                raise ValueError("FP8 operands need tile_n=128 and a K-major weight (b_major='k')")
+            self.tile_k = 128
         self.acc_dtype = Float32
         self.tile_n = tile_n
         self.b_major = b_major
@@ -122,7 +132,7 @@ class GroupedGemmSm90:
         self.num_mma_wg = 2
         self.threads = 128 * (1 + self.num_mma_wg)
         self.epi_tile = (self.tile_m, self.epi_n)
-        stage_bytes = (self.tile_m + tile_n) * self.tile_k * dtype.width // 8
+        stage_bytes = (self.tile_m + tile_n) * self.tile_k * self.ab_dtype.width // 8
         buf_bytes = self.tile_m * self.epi_n * dtype.width // 8
         smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90") - 1024
         if epi_slots is None:
@@ -137,14 +147,16 @@ class GroupedGemmSm90:
         self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=128 * self.num_mma_wg)
 
     # ------------------------------------------------------------------ host side (traced)
-    def launch(self, mA, mW, mOffsets, outputs, inputs, epi_params, max_clusters, stream):
+    def launch(self, mA, mW, mOffsets, outputs, inputs, epi_params, max_clusters, stream, scales=None):
         """Build the TMA atoms and launch; called from a subclass's ``@cute.jit __call__``.
 
         mA (M, K); mW (G, N, K) or (G, K, N) per ``b_major``; outputs / inputs: tuples of
         row-major (M, cols) tensors, indexed by ``epi_stores`` / ``epi_loads``; epi_params: tuple
-        handed to the epilogue hooks; max_clusters: Int32, the persistent grid in clusters.
+        handed to the epilogue hooks; max_clusters: Int32, the persistent grid in clusters;
+        scales (FP8 operands): (mSFA (M, ceil(K/128)), mSFB (G, ceil(N/128), ceil(K/128))) float32
+        dequantization multipliers of A's 1x128 and W's 128x128 blocks.
         """
-        dt = self.dtype
+        dt = self.ab_dtype
         n_mode, k_mode = (1, 2) if const_expr(self.b_major == "k") else (2, 1)
         n = cute.size(mW, mode=[n_mode])
         n_box = n // self.b_boxes
@@ -169,10 +181,10 @@ class GroupedGemmSm90:
         sA_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dt, self.ab_stages)
         sB_layout = sm90_utils.make_smem_layout_b(self.b_layout, tile_mnk, dt, self.ab_stages)
         sD_layout = sm90_utils.make_smem_layout_epi(
-            dt, LayoutEnum.ROW_MAJOR, self.epi_tile, self.num_out * self.epi_slots
+            self.dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.num_out * self.epi_slots
         )
         sC_layout = sm90_utils.make_smem_layout_epi(
-            dt, LayoutEnum.ROW_MAJOR, self.epi_tile, max(self.num_in, 1) * self.c_stages
+            self.dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, max(self.num_in, 1) * self.c_stages
         )
         tma_a, tma_mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
@@ -211,7 +223,7 @@ class GroupedGemmSm90:
         self.ab_bytes = cute.size_in_bytes(dt, cute.slice_(sA_layout, (None, None, 0))) + (
             cute.size_in_bytes(dt, cute.slice_(sB_layout, (None, None, 0)))
         )
-        self.c_bytes = self.num_in * cute.size_in_bytes(dt, cute.slice_(sC_layout, (None, None, 0)))
+        self.c_bytes = self.num_in * cute.size_in_bytes(self.dtype, cute.slice_(sC_layout, (None, None, 0)))
 
         @cute.struct
         class SharedStorage:
@@ -219,9 +231,9 @@ class GroupedGemmSm90:
             c_full_empty: cute.struct.MemRange[cutlass.Int64, self.c_stages * 2]
             sA: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sB_layout)], 1024]
-            sD: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sD_layout)], 1024]
+            sD: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sD_layout)], 1024]
             sC: cute.struct.Align[
-                cute.struct.MemRange[dt, cute.cosize(sC_layout) if self.num_in else 0], 1024
+                cute.struct.MemRange[self.dtype, cute.cosize(sC_layout) if self.num_in else 0], 1024
             ]
 
         self.shared_storage = SharedStorage
@@ -242,6 +254,7 @@ class GroupedGemmSm90:
             load_tmas,
             mOffsets,
             epi_params,
+            scales,
             tiled_mma,
             sA_layout,
             sB_layout,
@@ -284,6 +297,7 @@ class GroupedGemmSm90:
         load_tmas: tuple,
         mOffsets: cute.Tensor,
         epi_params: tuple,
+        scales,
         tiled_mma: cute.TiledMma,
         sA_layout: cute.ComposedLayout,
         sB_layout: cute.ComposedLayout,
@@ -421,6 +435,11 @@ class GroupedGemmSm90:
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             acc_shape = thr_mma.partition_shape_C((self.tile_m, self.tile_n))
             acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            acc_block = None  # FP8: one scale block's product, before promotion into acc
+            tCcAcc = None
+            if const_expr(self.block_scaled):
+                acc_block = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+                tCcAcc = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
 
             copy_atom_c = cute.make_tiled_copy_C_atom(
                 cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype),
@@ -505,7 +524,22 @@ class GroupedGemmSm90:
 
                 # ------------------------------------------------------ mainloop
                 acc.fill(0.0)
-                if is_group:
+                if const_expr(self.block_scaled):
+                    # no k-tiles for padding tiles (a loop, not an `if`: the MMA's accumulate
+                    # flag changes inside it and must stay loop-carried)
+                    for k in range(k_tiles if is_group else 0):
+                        ab_pipe.consumer_wait(read_state)
+                        block_scale = self._block_scales(scales, tile, tCcAcc, k, n_box, m_total)
+                        cute.nvgpu.warpgroup.fence()
+                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                        self._mma_block(tiled_mma, acc_block, tCrA, tCrB, read_state.index)
+                        cute.nvgpu.warpgroup.commit_group()
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        ab_pipe.consumer_release(release_state)
+                        release_state.advance()
+                        read_state.advance()
+                        self._promote(acc, acc_block, block_scale)
+                elif is_group:
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     cute.nvgpu.warpgroup.fence()
                     ab_pipe.consumer_wait(read_state)
@@ -628,6 +662,39 @@ class GroupedGemmSm90:
         for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
             cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc)
 
+    @cute.jit
+    def _mma_block(self, tiled_mma, acc_block, tCrA, tCrB, stage):
+        """acc_block = the product of the k-tile (one FP8 scale block) in stage ``stage``; the
+        caller turns ACCUMULATE off first, in its loop body (so the MMA stays loop-carried)."""
+        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+            cute.gemm(tiled_mma, acc_block, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc_block)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+
+    @cute.jit
+    def _block_scales(self, scales, tile: Tile, tCcAcc, k, n_box, m_total):
+        """FP8: the four products sA[row r] * sB[box h] this thread applies to scale block ``k``
+        of its accumulator, as [[r0 h0, r0 h1], [r1 h0, r1 h1]].
+
+        The WGMMA accumulator of one thread holds values (i, r, j) at row row0 + 8 r and column
+        col0 + i + 8 j (``tCcAcc``): two rows; B box h = 0 covers columns [0, box_n), h = 1 (GLU)
+        [box_n, tile_n), each inside one 128-row block of W (n_box a multiple of 64)."""
+        mSFA, mSFB = scales
+        row0 = tile.row0 + tCcAcc[0][0]
+        row_scale = [mSFA[cutlass.min(row0 + 8 * r, m_total - 1), k] for r in range(2)]
+        box_scale = [
+            mSFB[tile.seg, (h * n_box + tile.nt * self.box_n) // 128, k] for h in range(self.b_boxes)
+        ]
+        return [[a * b for b in box_scale] for a in row_scale]
+
+    @cute.jit
+    def _promote(self, acc, acc_block, block_scale):
+        """acc += acc_block scaled per (row, box) (see `_block_scales` for the register order)."""
+        cols_per_box = self.box_n // 8  # j values per B box
+        for v in cutlass.range_constexpr(cute.size(acc)):
+            r = v // 2 % 2
+            h = v // 4 // cols_per_box
+            acc[v] = acc[v] + acc_block[v] * block_scale[r][h]
+
 
 @cute.jit
 def _row_value(mVec: cute.Tensor, row: Int32, tile: Tile, m_total: Int32) -> Float32:
@@ -675,10 +742,16 @@ class GroupedGemmActSm90(GroupedGemmSm90):
         max_clusters: Int32,
         stream,
     ):
+        self._launch_forward(mX, mW, mOffsets, mPre, mAct, mBias, mProbs, limit, alpha, max_clusters, stream)
+
+    @cute.jit
+    def _launch_forward(
+        self, mX, mW, mOffsets, mPre, mAct, mBias, mProbs, limit, alpha, max_clusters, stream, scales=None
+    ):
         outputs = (mPre,) if const_expr(self.spec is None) else (mPre, mAct)
         m_total = cute.size(mX, mode=[0])
         self.launch(mX, mW, mOffsets, outputs, (), (mBias, mProbs, limit, alpha, m_total),
-                    max_clusters, stream)
+                    max_clusters, stream, scales)
 
     @cute.jit
     def epi_visit(self, params, tile: Tile, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
@@ -702,3 +775,36 @@ class GroupedGemmActSm90(GroupedGemmSm90):
                 if const_expr(self.spec.takes_probs):
                     value = value * _row_value(mProbs, tile.row0 + tRS_cD[v][0], tile, m_total)
                 rOut[self.num_out - 1][v] = value
+
+
+class GroupedGemmActFp8Sm90(GroupedGemmActSm90):
+    """`GroupedGemmActSm90` on block-scaled FP8 operands (the DeepSeek-V3 recipe).
+
+    x (M, K) and W (G, N, K) E4M3 with float32 dequantization multipliers: xScale (M, ceil(K/128))
+    per 1x128 block of x, wScale (G, ceil(N/128), ceil(K/128)) per 128x128 block of W[g]; each
+    128-deep k-tile's product is scaled on the CUDA cores and added to the fp32 accumulator.
+    Outputs and bias in ``dtype``; tile_n is 128; GLU: N/2 a multiple of 64.
+    """
+
+    def __init__(self, dtype, activation, has_bias, cluster_m=2, **opts):
+        super().__init__(dtype, 128, activation, has_bias, "k", cluster_m, ab_dtype=cutlass.Float8E4M3FN, **opts)
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # (M, K) E4M3
+        mXScale: cute.Tensor,  # (M, ceil(K/128)) float32
+        mW: cute.Tensor,  # (G, N, K) E4M3
+        mWScale: cute.Tensor,  # (G, ceil(N/128), ceil(K/128)) float32
+        mOffsets: cute.Tensor,  # (G + 1,) int32
+        mPre: cute.Tensor,  # (M, N)
+        mAct: cute.Tensor,  # (M, N/2) GLU, (M, N) srelu, None
+        mBias: cute.Tensor,  # (G, N) or None
+        mProbs: cute.Tensor,  # (M,) float32 or None
+        limit: Float32,
+        alpha: Float32,
+        max_clusters: Int32,
+        stream,
+    ):
+        self._launch_forward(mX, mW, mOffsets, mPre, mAct, mBias, mProbs, limit, alpha, max_clusters, stream,
+                             (mXScale, mWScale))

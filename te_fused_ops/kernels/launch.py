@@ -106,7 +106,7 @@ def call_signature(tvm_ffi: bool, *tensors):
     if not isinstance(first, torch.Tensor):
         return None
     try:
-        return (first.dtype, first.device, *(None if t is None else t.shape for t in tensors))
+        return (first.dtype, first.device, *[None if t is None else t.shape for t in tensors])
     except AttributeError:
         return None
 
