@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn import spawn
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "moe_expert_parallel.py"
@@ -119,4 +119,4 @@ def _worker(rank, init_file):
 
 
 def test_layer_forward_and_backward_read_nothing_on_the_host(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "init"),), nprocs=2, join=True)
+    spawn(_worker, (str(tmp_path / "init"),), 2)

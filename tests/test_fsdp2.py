@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn import spawn
 
 WORLD, STEPS, G, H, I, ROWS = 2, 20, 4, 16, 16, 24
 
@@ -80,7 +80,7 @@ def _worker(rank, init_file, recipe, reshard_after_forward):
 def test_fully_shard_trains_like_unsharded_model(recipe, reshard_after_forward, tmp_path):
     # without resharding, the unsharded parameters keep their address and version across steps:
     # a weight copy cached on (address, version) went stale there
-    mp.spawn(_worker, args=(str(tmp_path / "init"), recipe, reshard_after_forward), nprocs=WORLD, join=True)
+    spawn(_worker, (str(tmp_path / "init"), recipe, reshard_after_forward), WORLD)
 
 
 def _shard_per_op(module, mesh, reshard_after_forward=True):
@@ -189,4 +189,4 @@ def _per_op_worker(rank, init_file, ckpt_dir):
 
 def test_per_op_fully_shard_and_distributed_checkpoint(tmp_path):
     # one spawn for both checks (each spawn costs seconds); the checkpoint directory is shared
-    mp.spawn(_per_op_worker, args=(str(tmp_path / "init"), str(tmp_path / "ckpt")), nprocs=WORLD, join=True)
+    spawn(_per_op_worker, (str(tmp_path / "init"), str(tmp_path / "ckpt")), WORLD)

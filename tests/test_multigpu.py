@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn import spawn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -130,7 +130,7 @@ def _fsdp_worker(rank, init_file, ckpt_dir):
 
 
 def test_fsdp2_bf16_mixed_precision_trains_like_unsharded_model_on_two_gpus(tmp_path):
-    mp.spawn(_fsdp_worker, args=(str(tmp_path / "init"), str(tmp_path / "ckpt")), nprocs=WORLD, join=True)
+    spawn(_fsdp_worker, (str(tmp_path / "init"), str(tmp_path / "ckpt")), WORLD)
 
 
 def test_expert_parallel_example_under_torchrun_with_nccl_and_cuda_graph():
