@@ -5,13 +5,13 @@ rows ``offsets[g]:offsets[g+1]``; rows ``offsets[G]:M`` are padding. Offsets are
 device of ``split_sizes`` and clamped, so no split value can make a kernel index out of bounds.
 """
 
-import functools
 import threading
 from contextlib import contextmanager
 
 import torch
 
 from . import env
+from .kernels.split_offsets import kernel_available, split_offsets_sm90
 
 _SPLIT_DTYPES = (torch.int32, torch.int64)
 _local = threading.local()  # .validation: the innermost `validation()` setting of this thread
@@ -70,20 +70,11 @@ def split_offsets(split_sizes: torch.Tensor, num_rows: int) -> torch.Tensor:
     ``num_rows``, so offsets are nondecreasing and within ``[0, num_rows]`` whatever the values.
     Plain CUDA tensors on sm90 take one kernel launch (`kernels.split_offsets`), others six torch ops.
     """
-    if type(split_sizes) is torch.Tensor and split_sizes.is_cuda and num_rows < 2**31 and _offsets_kernel():
-        from .kernels.split_offsets import split_offsets_sm90
-
+    if type(split_sizes) is torch.Tensor and split_sizes.is_cuda and num_rows < 2**31 and kernel_available():
         return split_offsets_sm90(split_sizes.contiguous(), num_rows)
     sizes = split_sizes.clamp(0, num_rows).to(torch.int64)
     ends = torch.cumsum(sizes, 0).clamp(max=num_rows).to(torch.int32)
     return torch.cat([ends.new_zeros(1), ends])
-
-
-@functools.cache
-def _offsets_kernel() -> bool:
-    from .kernels.split_offsets import kernel_available
-
-    return kernel_available()
 
 
 def row_group_ids(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
