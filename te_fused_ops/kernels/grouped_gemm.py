@@ -228,6 +228,25 @@ def _check_probs(fn_name, spec, probs, m, dev):
         raise ValueError(f"{fn_name}: probs is only used by activations {users}")
 
 
+def _check_epilogue_tensors(fn_name, spec, dtype, bias, probs, out, act_out, m, n, g, dev):
+    """Checks of a forward's epilogue tensors (bias (G, N), probs, out (M, N), act_out in
+    ``dtype``); returns the act shape, or None without an activation."""
+    if bias is not None:
+        check_tensor(fn_name, bias, "bias", dtype, 2, dev)
+        _check_shape(fn_name, bias, "bias", (g, n))
+    _check_probs(fn_name, spec, probs, m, dev)
+    if out is not None:
+        check_tensor(fn_name, out, "out", dtype, 2, dev)
+        _check_shape(fn_name, out, "out", (m, n))
+    act_shape = None if spec is None else (m, n // 2 if spec.glu else n)
+    if act_out is not None:
+        if act_shape is None:
+            raise ValueError(f"{fn_name}: act_out given but there is no activation")
+        check_tensor(fn_name, act_out, "act_out", dtype, 2, dev)
+        _check_shape(fn_name, act_out, "act_out", act_shape)
+    return act_shape
+
+
 def _launch_config(fn_name, m, n, g, dev, tile_n, cluster_m, sm_margin):
     """(tile_n, cluster_m, max_clusters) from shapes, overrides and the SM margin."""
     margin = resolve_sm_margin(sm_margin, fn_name)
@@ -308,20 +327,8 @@ def _forward_launch(
             f"{_FWD}: N={n} (weight's N dim) must be a multiple of {GLU_N_MULTIPLE if glu else 8}"
             + (f" for activation {activation!r}" if glu else "")
         )
-    if bias is not None:
-        check_tensor(_FWD, bias, "bias", x.dtype, 2, dev)
-        _check_shape(_FWD, bias, "bias", (g, n))
-    _check_probs(_FWD, spec, probs, m, dev)
-    if out is not None:
-        check_tensor(_FWD, out, "out", x.dtype, 2, dev)
-        _check_shape(_FWD, out, "out", (m, n))
+    act_shape = _check_epilogue_tensors(_FWD, spec, x.dtype, bias, probs, out, act_out, m, n, g, dev)
     tile_n, cluster_m, clusters = _launch_config(_FWD, m, n, g, dev, tile_n, cluster_m, sm_margin)
-    act_shape = None if spec is None else (m, n // 2 if glu else n)
-    if act_out is not None:
-        if act_shape is None:
-            raise ValueError(f"{_FWD}: act_out given but there is no activation")
-        check_tensor(_FWD, act_out, "act_out", x.dtype, 2, dev)
-        _check_shape(_FWD, act_out, "act_out", act_shape)
     if m == 0:
         return None, (m, n), act_shape, clusters
     key = (_FWD, x.dtype, tile_n, activation, bias is not None, tvm_ffi_available(), cluster_m, weight_layout)
@@ -404,19 +411,7 @@ def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, pro
     _check_shape(_FP8, x_scale, "x_scale_inv", (m, k_blocks))
     _check_shape(_FP8, weight_scale, "weight_scale_inv", (g, n_blocks, k_blocks))
     _check_shape(_FP8, offsets, "offsets", (g + 1,))
-    if bias is not None:
-        check_tensor(_FP8, bias, "bias", out_dtype, 2, dev)
-        _check_shape(_FP8, bias, "bias", (g, n))
-    _check_probs(_FP8, spec, probs, m, dev)
-    act_shape = None if spec is None else (m, n // 2 if glu else n)
-    if out is not None:
-        check_tensor(_FP8, out, "out", out_dtype, 2, dev)
-        _check_shape(_FP8, out, "out", (m, n))
-    if act_out is not None:
-        if act_shape is None:
-            raise ValueError(f"{_FP8}: act_out given but there is no activation")
-        check_tensor(_FP8, act_out, "act_out", out_dtype, 2, dev)
-        _check_shape(_FP8, act_out, "act_out", act_shape)
+    act_shape = _check_epilogue_tensors(_FP8, spec, out_dtype, bias, probs, out, act_out, m, n, g, dev)
     _, cluster_m, clusters = _launch_config(_FP8, m, n, g, dev, 128, cluster_m, sm_margin)
     if m == 0:
         return None, (m, n), act_shape, clusters
