@@ -8,6 +8,7 @@ import torch
 import te_fused_ops as tfo
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU, env
 from te_fused_ops.fusion import BACKENDS, forced_backend, fusion_enabled_by_env
+from te_fused_ops.kernels import launch
 from te_fused_ops.splits import validation_enabled
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
@@ -89,3 +90,15 @@ def test_library_reads_only_known_switches():
     for path in root.rglob("*.py"):
         named |= set(re.findall(r"TE_FUSED_OPS_[A-Z_]+[A-Z]", path.read_text()))
     assert named <= set(env.SWITCHES), named - set(env.SWITCHES)
+
+
+def test_sm_margin_setting_follows_os_environ(monkeypatch):
+    # the launch memo keys on this raw value: every change through os.environ must show
+    monkeypatch.delenv("TE_FUSED_OPS_SM_MARGIN", raising=False)
+    assert launch.sm_margin_setting() is None
+    monkeypatch.setenv("TE_FUSED_OPS_SM_MARGIN", "8")
+    first = launch.sm_margin_setting()
+    monkeypatch.setenv("TE_FUSED_OPS_SM_MARGIN", "16")
+    assert launch.sm_margin_setting() not in (None, first)
+    monkeypatch.delenv("TE_FUSED_OPS_SM_MARGIN")
+    assert launch.sm_margin_setting() is None
