@@ -524,21 +524,25 @@ class GroupedGemmSm90:
 
                 # ------------------------------------------------------ mainloop
                 acc.fill(0.0)
+                # FP8: each block's WGMMAs, then its promotion; the multipliers of the next
+                # block are loaded right after the current block's WGMMAs are issued and carried
+                # into the next iteration. No k-tiles for padding tiles (a loop, not an `if`: the
+                # MMA's accumulate flag changes inside it and must stay loop-carried)
                 if const_expr(self.block_scaled):
-                    # no k-tiles for padding tiles (a loop, not an `if`: the MMA's accumulate
-                    # flag changes inside it and must stay loop-carried)
+                    row_0, row_1, box_0, box_1 = self._block_scales(scales, tile, tCcAcc, 0, n_box, m_total)
                     for k in range(k_tiles if is_group else 0):
                         ab_pipe.consumer_wait(read_state)
-                        block_scale = self._block_scales(scales, tile, tCcAcc, k, n_box, m_total)
                         cute.nvgpu.warpgroup.fence()
                         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
                         self._mma_block(tiled_mma, acc_block, tCrA, tCrB, read_state.index)
                         cute.nvgpu.warpgroup.commit_group()
+                        read_state.advance()
+                        ahead = self._block_scales(scales, tile, tCcAcc, k + 1, n_box, m_total)
                         cute.nvgpu.warpgroup.wait_group(0)
                         ab_pipe.consumer_release(release_state)
                         release_state.advance()
-                        read_state.advance()
-                        self._promote(acc, acc_block, block_scale)
+                        self._promote(acc, acc_block, (row_0, row_1, box_0, box_1))
+                        row_0, row_1, box_0, box_1 = ahead
                 elif is_group:
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     cute.nvgpu.warpgroup.fence()
@@ -672,28 +676,34 @@ class GroupedGemmSm90:
 
     @cute.jit
     def _block_scales(self, scales, tile: Tile, tCcAcc, k, n_box, m_total):
-        """FP8: the four products sA[row r] * sB[box h] this thread applies to scale block ``k``
-        of its accumulator, as [[r0 h0, r0 h1], [r1 h0, r1 h1]].
+        """FP8: the multipliers (row 0, row 1, box 0, box 1) this thread applies to scale block
+        ``k`` of its accumulator (`_promote` pairs them).
 
         The WGMMA accumulator of one thread holds values (i, r, j) at row row0 + 8 r and column
         col0 + i + 8 j (``tCcAcc``): two rows; B box h = 0 covers columns [0, box_n), h = 1 (GLU)
-        [box_n, tile_n), each inside one 128-row block of W (n_box a multiple of 64)."""
+        [box_n, tile_n), each inside one 128-row block of W (n_box a multiple of 64); one box:
+        box 1 repeats box 0. Indices are clamped to what exists: the mainloop loads one block
+        ahead, and padding tiles load before their empty loop."""
         mSFA, mSFB = scales
+        k = cutlass.min(k, cute.size(mSFA, mode=[1]) - 1)
+        seg = cutlass.min(tile.seg, cute.size(mSFB, mode=[0]) - 1)
         row0 = tile.row0 + tCcAcc[0][0]
-        row_scale = [mSFA[cutlass.min(row0 + 8 * r, m_total - 1), k] for r in range(2)]
-        box_scale = [
-            mSFB[tile.seg, (h * n_box + tile.nt * self.box_n) // 128, k] for h in range(self.b_boxes)
-        ]
-        return [[a * b for b in box_scale] for a in row_scale]
+        row_0 = mSFA[cutlass.min(row0, m_total - 1), k]
+        row_1 = mSFA[cutlass.min(row0 + 8, m_total - 1), k]
+        box_0 = mSFB[seg, tile.nt * self.box_n // 128, k]
+        box_1 = box_0
+        if const_expr(self.b_boxes == 2):
+            box_1 = mSFB[seg, (n_box + tile.nt * self.box_n) // 128, k]
+        return row_0, row_1, box_0, box_1
 
     @cute.jit
-    def _promote(self, acc, acc_block, block_scale):
-        """acc += acc_block scaled per (row, box) (see `_block_scales` for the register order)."""
+    def _promote(self, acc, acc_block, multipliers):
+        """acc += acc_block scaled per (row, box) (`_block_scales` gives the multipliers)."""
+        row_0, row_1, box_0, box_1 = multipliers
+        block_scale = [[row_0 * box_0, row_0 * box_1], [row_1 * box_0, row_1 * box_1]]
         cols_per_box = self.box_n // 8  # j values per B box
         for v in cutlass.range_constexpr(cute.size(acc)):
-            r = v // 2 % 2
-            h = v // 4 // cols_per_box
-            acc[v] = acc[v] + acc_block[v] * block_scale[r][h]
+            acc[v] = acc[v] + acc_block[v] * block_scale[v // 2 % 2][v // 4 // cols_per_box]
 
 
 @cute.jit
