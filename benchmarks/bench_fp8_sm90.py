@@ -7,15 +7,25 @@ Per shape (uneven seeded routing; FC1: x (M, H) @ W (E, 2I, H) with SwiGLU and w
 Each kernel is first checked against a float64 reference of its own operands (fresh random
 inputs, NaN-poisoned outputs); times are do_bench medians with L2 flushed; TFLOPS count 2*M*N*K.
 
-    python benchmarks/bench_fp8_sm90.py [--shapes dsv3-ep8,mixtral-8x7b] [--out DIR]
+Then the training step of the MLP (forward, and forward + backward with gradients set to None
+first); the two FP8 variants are checked against each other first (output and gradients, rel.
+Frobenius <= 2e-2), and the FP8 step's distance from bf16 is recorded:
+  bf16 fused     Sequential(GroupedLinear, SwiGLU, GroupedLinear), sm90 kernels
+  fp8 sm90       Sequential(Quantize, GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear)
+                 "fp8_blockwise": forward GEMMs on the FP8 kernel, the rest as its backend has it
+  fp8 emulated   the same with TE_FUSED_OPS_BACKEND=torch (quantize, dequantize, bf16 GEMMs)
+
+    python benchmarks/bench_fp8_sm90.py [--shapes dsv3-ep8,mixtral-8x7b] [--out DIR] [--no-step]
 """
 
 import argparse
+import os
 
 import torch
 import triton.testing
 from common import MODEL_SHAPES, device_tag, skewed_splits, write_results
 
+from te_fused_ops import GroupedLinear, Quantize, Sequential, SwiGLU, Transpose
 from te_fused_ops.kernels.grouped_gemm import grouped_gemm_fp8_sm90, grouped_gemm_sm90
 from te_fused_ops.quantization import quantize, quantize_weight
 from te_fused_ops.splits import split_offsets
@@ -69,10 +79,56 @@ def run_shape(name):
     return {"shape": name, "us": times, "tflops": {k: flops / t / 1e6 for k, t in times.items()}, "rel_err": errors}
 
 
+def run_step(name):
+    """Forward and step times of the bf16 fused, FP8 sm90 and FP8 emulated MLPs (one shape)."""
+    m, h, i, e = MODEL_SHAPES[name]
+    torch.manual_seed(0)
+    splits = skewed_splits(m, e, 0, align=8).cuda()
+    fc1 = GroupedLinear(e, h, 2 * i, dtype=torch.bfloat16, device="cuda")
+    fc2 = GroupedLinear(e, i, h, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(m, h, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    dy = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
+    models = {
+        "bf16 fused": Sequential(fc1, SwiGLU(), fc2),
+        "fp8 sm90": Sequential(Quantize("fp8_blockwise"), fc1, SwiGLU(), Quantize("fp8_blockwise"), Transpose(), fc2),
+    }
+    models["fp8 emulated"] = models["fp8 sm90"]
+    leaves = [x, fc1.weight, fc2.weight]
+
+    def step(model):
+        for t in leaves:
+            t.grad = None
+        y = model(x, split_sizes=splits)
+        y.backward(dy)
+        return [y.detach(), *[t.grad for t in leaves]]
+
+    outputs, times = {}, {}
+    for label, model in models.items():
+        if label == "fp8 emulated":
+            os.environ["TE_FUSED_OPS_BACKEND"] = "torch"
+        try:
+            outputs[label] = step(model)
+            times[label] = {
+                "forward": bench_us(lambda: model(x, split_sizes=splits)),
+                "step": bench_us(lambda: step(model)),
+            }
+        finally:
+            os.environ.pop("TE_FUSED_OPS_BACKEND", None)
+    def errors(label, against):
+        return [((a.float() - b.float()).norm() / b.float().norm()).item()
+                for a, b in zip(outputs[label], outputs[against])]
+
+    same_recipe = errors("fp8 sm90", "fp8 emulated")  # output, dx, dW1, dW2
+    assert max(same_recipe) <= 2e-2, f"{name}: fp8 sm90 vs fp8 emulated, relative errors {same_recipe}"
+    return {"shape": name, "us": times, "rel_err_vs_emulated": same_recipe,
+            "rel_err_fp8_vs_bf16": errors("fp8 sm90", "bf16 fused")}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(MODEL_SHAPES))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-step", action="store_true", help="kernels only")
     args = ap.parse_args()
     device = torch.cuda.get_device_name()
     rows = []
@@ -89,10 +145,28 @@ def main():
     for r in rows:
         cells = [f"{r['us'][k]:.0f} ({r['tflops'][k]:.0f})" for k in labels]
         lines.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {r['us']['sm90 bf16'] / r['us']['sm90 fp8']:.2f}x |")
+    steps = []
+    if not args.no_step:
+        for name in args.shapes.split(","):
+            steps.append(run_step(name))
+            print(name, steps[-1]["us"], flush=True)
+        labels = list(steps[0]["us"])
+        lines += [
+            "",
+            f"Training step, SwiGLU MLP, {device}; median us, forward / forward + backward",
+            "",
+            "| shape | " + " | ".join(labels) + " | fp8 sm90 step vs bf16 |",
+            "|---|" + "---|" * (len(labels) + 1),
+        ]
+        for r in steps:
+            cells = [f"{r['us'][k]['forward']:.0f} / {r['us'][k]['step']:.0f}" for k in labels]
+            ratio = r["us"]["bf16 fused"]["step"] / r["us"]["fp8 sm90"]["step"]
+            lines.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
     table = "\n".join(lines)
     print(table)
     if args.out:
-        write_results(args.out, f"fp8_sm90_{device_tag(device)}", {"device": device, "results": rows}, table)
+        payload = {"device": device, "results": rows, "steps": steps}
+        write_results(args.out, f"fp8_sm90_{device_tag(device)}", payload, table)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,16 @@
 import torch
 
 from te_fused_ops.grouped_mm import grouped_row_sum
-from te_fused_ops.kernels.grouped_gemm import grouped_gemm_sm90, sm90_grouped_gemm_unsupported_reason
+from te_fused_ops.kernels.grouped_gemm import (
+    grouped_gemm_fp8_sm90,
+    grouped_gemm_sm90,
+    sm90_grouped_gemm_fp8_unsupported_reason,
+    sm90_grouped_gemm_unsupported_reason,
+)
 from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90, sm90_wgrad_unsupported_reason
 from te_fused_ops.ops import Activation, GroupedLinear
 from te_fused_ops.ops.base import is_quantized
+from te_fused_ops.quantization import Float8BlockScaling, quantize_weight
 
 
 def _reason(reason):
@@ -14,9 +20,15 @@ def _reason(reason):
 
 
 def kernel_unsupported_reason(linear: GroupedLinear, info, activation=None):
-    """Why the sm90 grouped GEMM cannot run ``linear`` (the first matched op) + ``activation``."""
-    if info.input_quantized[0]:
-        return "quantized input (the sm90 kernel takes bf16/fp16)"
+    """Why the sm90 grouped GEMM cannot run ``linear`` (the first matched op) + ``activation``.
+    An fp8_blockwise input runs the block-scaled FP8 kernel; other recipes stay emulated."""
+    recipe = info.input_recipe[0]
+    if recipe is not None:
+        if not isinstance(recipe, Float8BlockScaling):
+            return f"{recipe.name} input (the sm90 FP8 kernel takes fp8_blockwise)"
+        return _reason(
+            sm90_grouped_gemm_fp8_unsupported_reason(info.dtype, linear.out_features, linear.in_features, activation)
+        )
     return _reason(
         sm90_grouped_gemm_unsupported_reason(
             info.dtype, linear.out_features, linear.in_features, activation, linear.bias is not None
@@ -26,7 +38,7 @@ def kernel_unsupported_reason(linear: GroupedLinear, info, activation=None):
 
 def backward_unsupported_reason(linear: GroupedLinear, info, index: int):
     """Why the sm90 kernels cannot run the backward of ``linear`` (op ``index`` of info's window)."""
-    if info.input_quantized[index]:
+    if info.input_recipe[index] is not None:
         return "quantized input (the FP8 backward runs in torch)"
     if info.input_requires_grad[index]:  # dx (M, in) = dy (M, out) @ W[g]
         reason = sm90_grouped_gemm_unsupported_reason(info.dtype, linear.in_features, linear.out_features, None, False)
@@ -50,13 +62,21 @@ def epilogue_args(act: Activation, ctx) -> dict:
 def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=None, **epilogue):
     """The sm90 kernel on the weight (natural layout, GLU too) this call read; fills ctx like the op.
 
-    Returns (pre, act) as `grouped_gemm_sm90`.
+    A quantized (fp8_blockwise) ``x`` runs the block-scaled FP8 kernel on the weight quantized
+    in 128 x 128 blocks on this call. Returns (pre, act) as `grouped_gemm_sm90`.
     """
     weight, bias = ctx.params["weight"], ctx.params.get("bias")
     linear.check_input(x, weight)
-    pre, act = grouped_gemm_sm90(
-        x, weight.detach(), ctx.side["offsets"], bias=None if bias is None else bias.detach(), activation=activation, **epilogue
-    )
+    bias = None if bias is None else bias.detach()
+    if is_quantized(x):
+        qw = quantize_weight(weight.detach(), x.recipe)
+        pre, act = grouped_gemm_fp8_sm90(
+            x.rowwise_data, x.rowwise_scale_inv, qw.rowwise_data, qw.rowwise_scale_inv, ctx.side["offsets"],
+            bias=bias, activation=activation, out_dtype=x.dtype, **epilogue,
+        )
+        linear.keep_for_backward(ctx, x, x.recipe)
+        return pre, act
+    pre, act = grouped_gemm_sm90(x, weight.detach(), ctx.side["offsets"], bias=bias, activation=activation, **epilogue)
     linear.keep_for_backward(ctx, x, None)
     return pre, act
 

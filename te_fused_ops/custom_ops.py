@@ -53,7 +53,7 @@ class RunTemplate:
                 raise ValueError(
                     f"{op.op_name} (op {i}): accumulate_main_grad=True is not supported under torch.compile"
                 )
-            if op.output_quantized(False):
+            if op.output_recipe(None) is not None:
                 raise NotImplementedError(
                     f"{op.op_name} (op {i}): quantized outputs are not supported under torch.compile yet; "
                     "run this module eagerly (torch.compiler.disable)"

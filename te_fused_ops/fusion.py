@@ -31,7 +31,7 @@ class PlanInfo:
     dtype: torch.dtype
     input_requires_grad: tuple  # per op: does the op's input need a gradient
     params_require_grad: tuple  # per op: does any of its parameters need a gradient
-    input_quantized: tuple  # per op: is the op's input a QuantizedTensor
+    input_recipe: tuple  # per op: the Recipe of a QuantizedTensor input, else None
 
     def window(self, start: int, stop: int) -> "PlanInfo":
         """The same info with the per-op fields cut to ops[start:stop] (what a rule's supports() sees)."""
@@ -41,7 +41,7 @@ class PlanInfo:
             self.dtype,
             self.input_requires_grad[start:stop],
             self.params_require_grad[start:stop],
-            self.input_quantized[start:stop],
+            self.input_recipe[start:stop],
         )
 
     @property
@@ -371,8 +371,13 @@ def _choose_backend(rule: FusionRule, ops, info: PlanInfo):
 
 
 def _plan_pass(ops, info: PlanInfo, passes: str, fuse: bool):
-    """Greedy cover of the ops by rules (forward from the first op, backward from the last)."""
+    """Greedy cover of the ops by rules (forward from the first op, backward from the last).
+
+    Of the rules that match at a position and can run, the planner takes the highest priority,
+    then the best backend (BACKENDS order: a shorter rule on the sm90 kernels beats a longer one
+    in torch), then the longer pattern, then the older rule."""
     rules = list_rules(passes) if fuse else []
+    backend_rank = {name: i for i, name in enumerate(BACKENDS)}
     steps, not_fired = [], []
     n = len(ops)
     covered_until = 0 if passes == "forward" else n
@@ -380,22 +385,25 @@ def _plan_pass(ops, info: PlanInfo, passes: str, fuse: bool):
     for pos in positions:
         if (passes == "forward" and pos < covered_until) or (passes == "backward" and pos >= covered_until):
             continue
-        chosen = None
+        candidates = []
         for rule in rules:
             size = len(rule.pattern)
             start = pos if passes == "forward" else pos - size + 1
             if start < 0 or start + size > n or not rule.matches(ops[start : start + size]):
-                continue
-            if chosen is not None:
-                not_fired.append((rule.name, start, start + size, f"overlaps rule '{chosen.rule.name}' chosen first"))
                 continue
             backend, skipped = _choose_backend(rule, ops[start : start + size], info.window(start, start + size))
             if backend is None:
                 reason = "; ".join(f"{b} backend: {r}" for b, r in skipped)
                 not_fired.append((rule.name, start, start + size, reason))
                 continue
-            chosen = Step(start, start + size, rule, backend, skipped)
-        if chosen is None:
+            candidates.append(Step(start, start + size, rule, backend, skipped))
+        if candidates:  # min() keeps list_rules' order among equals
+            chosen = min(candidates, key=lambda s: (-_registry[s.rule.name].priority, backend_rank[s.backend]))
+            for step in candidates:
+                if step is not chosen:
+                    reason = f"overlaps rule '{chosen.rule.name}' chosen first"
+                    not_fired.append((step.rule.name, step.start, step.stop, reason))
+        else:
             chosen = Step(pos, pos + 1)
         steps.append(chosen)
         covered_until = chosen.stop if passes == "forward" else chosen.start

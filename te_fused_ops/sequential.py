@@ -25,22 +25,27 @@ def _capability(device: torch.device):
 
 
 def _plan_info(
-    ops, device, dtype, x_requires_grad: bool, side_grad: frozenset, params_grad: list, x_quantized: bool = False,
+    ops, device, dtype, x_requires_grad: bool, side_grad: frozenset, params_grad: list, x_recipe=None,
     grad_on: bool = None,
 ) -> PlanInfo:
     """``side_grad``: names of side inputs requiring grad; ``params_grad``: per op, whether any
-    parameter this call reads requires grad; ``grad_on``: gradients wanted (default: grad mode)."""
+    parameter this call reads requires grad; ``x_recipe``: the input's Recipe if it is a
+    QuantizedTensor; ``grad_on``: gradients wanted (default: grad mode)."""
     grad_on = torch.is_grad_enabled() if grad_on is None else grad_on
-    input_rg, params_rg, input_q = [], [], []
+    input_rg, params_rg, input_recipe = [], [], []
     running = grad_on and x_requires_grad
     for op, param_grad in zip(ops, params_grad):
         input_rg.append(running)
-        input_q.append(x_quantized)
-        x_quantized = op.output_quantized(x_quantized)
+        input_recipe.append(x_recipe)
+        x_recipe = op.output_recipe(x_recipe)
         needs = grad_on and (param_grad or not side_grad.isdisjoint(op.side_inputs))
         params_rg.append(needs)
         running = running or needs
-    return PlanInfo(device.type, _capability(device), dtype, tuple(input_rg), tuple(params_rg), tuple(input_q))
+    return PlanInfo(device.type, _capability(device), dtype, tuple(input_rg), tuple(params_rg), tuple(input_recipe))
+
+
+def _recipe_of(x):
+    return x.recipe if is_quantized(x) else None
 
 
 def _side_grad(side: dict) -> frozenset:
@@ -220,7 +225,7 @@ def prepare_run(ops, x, side: dict, op_params: list, cache: dict, fuse: bool, gr
     """
     side_grad = _side_grad(side) if grad_on else frozenset()
     params_grad = _params_grad(op_params)
-    info = _plan_info(ops, x.device, x.dtype, x.requires_grad, side_grad, params_grad, is_quantized(x), grad_on)
+    info = _plan_info(ops, x.device, x.dtype, x.requires_grad, side_grad, params_grad, _recipe_of(x), grad_on)
     plan = _get_plan(ops, info, cache, fuse)
 
     memo: dict = {}
@@ -413,7 +418,7 @@ class Sequential(nn.Module):
             info = _plan_info(ops, device, dtype, False, _side_grad(side), _params_grad(op_params))
         else:
             side_grad, params_grad = _side_grad(side), _params_grad(op_params)
-            info = _plan_info(ops, x.device, compute_dtype(x), x.requires_grad, side_grad, params_grad, is_quantized(x))
+            info = _plan_info(ops, x.device, compute_dtype(x), x.requires_grad, side_grad, params_grad, _recipe_of(x))
         return _get_plan(ops, info, self._plans, self.fuse)
 
     def explain(self, x=None, **side) -> str:

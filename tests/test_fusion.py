@@ -19,6 +19,7 @@ from te_fused_ops import (
     SwiGLU,
     Transpose,
 )
+from te_fused_ops.quantization import get_recipe
 from te_fused_ops.sequential import saved_tensor_bytes
 
 G, H, I = 4, 32, 16
@@ -252,9 +253,33 @@ def test_forced_torch_backend(monkeypatch):
     assert "sm90" not in plan.explain(list(seq))
 
 
-def _sm90_info(ops, dtype=torch.bfloat16, capability=(9, 0), quantized_input=False):
+def _sm90_info(ops, dtype=torch.bfloat16, capability=(9, 0), input_recipe=None):
     n = len(ops)
-    return tfo.PlanInfo("cuda", capability, dtype, (False,) * n, (True,) * n, (quantized_input,) + (False,) * (n - 1))
+    recipe = None if input_recipe is None else get_recipe(input_recipe)
+    return tfo.PlanInfo("cuda", capability, dtype, (False,) * n, (True,) * n, (recipe,) + (None,) * (n - 1))
+
+
+def test_planner_prefers_a_shorter_sm90_rule_over_a_longer_torch_one(monkeypatch):
+    """fp8_blockwise chain: GroupGemm + activation + quantize + transpose has only a torch
+    implementation; GroupGemm + activation on the FP8 kernel wins; a priority still overrides."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")  # compile-only mode: CuTe DSL counts as available
+    ops = [Quantize("fp8_blockwise"), GroupedLinear(4, 64, 256), SwiGLU(), Quantize("fp8_blockwise"), Transpose(),
+           GroupedLinear(4, 128, 64)]
+    recipe = get_recipe("fp8_blockwise")
+    info = tfo.PlanInfo("cuda", (9, 0), torch.bfloat16, (True,) * 6, (True,) * 6, (None, recipe, recipe, None, recipe, recipe))
+    plan = tfo.fusion.make_plan(ops, info)
+    chosen = [(s.rule.name if s.rule else None, s.start, s.backend) for s in plan.forward]
+    assert chosen == [(None, 0, "torch"), ("grouped_linear+activation", 1, "sm90"), (None, 3, "torch"),
+                      (None, 4, "torch"), ("grouped_linear", 5, "sm90")]
+    assert "rule 'grouped_linear+activation+quantize+transpose' on [1:5]: overlaps rule 'grouped_linear+activation'" in (
+        plan.explain(ops))
+    pattern = (GroupedLinear, SwiGLU, Quantize, Transpose)
+    tfo.fusion_rule("preferred_torch", pattern, "forward", priority=1)(lambda ops, ctxs, x: x)
+    try:
+        first = tfo.fusion.make_plan(ops, info).forward[1]
+        assert (first.rule.name, first.backend) == ("preferred_torch", "torch")
+    finally:
+        tfo.unregister_rule("preferred_torch")
 
 
 def test_sm90_supports_reports_kernel_limits_in_explain(monkeypatch):
@@ -268,8 +293,12 @@ def test_sm90_supports_reports_kernel_limits_in_explain(monkeypatch):
         ([GroupedLinear(4, 64, 96), SwiGLU()], {}, "N=96 not a multiple of 64 for a GLU activation"),
         (ok, {"dtype": torch.float32}, "dtype float32 not supported"),
         (ok, {"capability": (8, 0)}, "compute capability 8.0, needs 9.0"),
-        (ok, {"quantized_input": True}, "quantized input"),
+        (ok, {"input_recipe": "mxfp8"}, "mxfp8 input (the sm90 FP8 kernel takes fp8_blockwise)"),
+        ([GroupedLinear(4, 64, 192), SwiGLU()], {"input_recipe": "fp8_blockwise"},
+         "N=192 not a multiple of 128 (FP8, activation 'swiglu')"),
+        ([GroupedLinear(4, 72, 128), SwiGLU()], {"input_recipe": "fp8_blockwise"}, "K=72 not a multiple of 16"),
     ]
+    assert rule.first_failure(ok, _sm90_info(ok, input_recipe="fp8_blockwise"), "sm90") is None
     for ops, kw, reason in cases:
         assert reason in rule.first_failure(ops, _sm90_info(ops, **kw), "sm90")
     ops = [GroupedLinear(4, 100, 128), SwiGLU(), GroupedLinear(4, 64, 96)]

@@ -99,7 +99,7 @@ def _plan_reason(ops, dtype, device) -> str | None:
     everything requiring grad), or None."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     n = len(ops)
-    info = PlanInfo(device.type, capability, dtype, (True,) * n, (True,) * n, (False,) * n)
+    info = PlanInfo(device.type, capability, dtype, (True,) * n, (True,) * n, (None,) * n)
     plan = make_plan(ops, info)
     for passes, steps in (("forward", plan.forward), ("backward", plan.backward)):
         for step in steps:

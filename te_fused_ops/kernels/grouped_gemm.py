@@ -65,6 +65,20 @@ def sm90_grouped_gemm_unsupported_reason(dtype, n, k, activation, has_bias) -> s
     return None
 
 
+def sm90_grouped_gemm_fp8_unsupported_reason(out_dtype, n, k, activation) -> str | None:
+    """None if ``grouped_gemm_fp8_sm90`` can run (M, k) @ (G, n, k) FP8 operands + ``activation``
+    into ``out_dtype``, else the first failing condition."""
+    reason = _common_unsupported_reason(out_dtype, activation)
+    if reason is not None:
+        return reason
+    if k % 16 != 0:
+        return f"sm90 backend: K={k} not a multiple of 16 (FP8)"
+    multiple = FP8_GLU_N_MULTIPLE if activation is not None and ACTIVATIONS[activation].glu else 8
+    if n % multiple != 0:
+        return f"sm90 backend: N={n} not a multiple of {multiple} (FP8, activation {activation!r})"
+    return None
+
+
 def sm90_grouped_dgrad_dact_unsupported_reason(dtype, h, i, activation) -> str | None:
     """None if ``grouped_dgrad_dact_sm90`` can run dy (M, h) @ W (G, h, i) + d``activation``."""
     if activation is None:

@@ -118,9 +118,10 @@ class BasicOp(nn.Module):
         """Configuration that changes which rules apply (part of the plan cache key)."""
         return (type(self),)
 
-    def output_quantized(self, input_quantized: bool) -> bool:
-        """Whether the output is a QuantizedTensor given whether the input is (plan time)."""
-        return False
+    def output_recipe(self, input_recipe):
+        """The Recipe of the output if it is a QuantizedTensor, else None, given the input's
+        (plan time)."""
+        return None
 
     def call_params(self) -> dict:
         """name -> parameter tensor as this call sees it (read once per call)."""

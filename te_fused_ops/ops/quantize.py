@@ -33,8 +33,8 @@ class Quantize(BasicOp):
     def plan_signature(self) -> tuple:
         return (Quantize, self.recipe, self.quantize_grad)
 
-    def output_quantized(self, input_quantized: bool) -> bool:
-        return True
+    def output_recipe(self, input_recipe):
+        return self.recipe
 
     def bind_side_inputs(self, side: dict, x: torch.Tensor, memo: dict) -> dict:
         if side.get("split_sizes") is None:

@@ -30,8 +30,8 @@ class Transpose(BasicOp):
     def bind_side_inputs(self, side: dict, x: torch.Tensor, memo: dict) -> dict:
         return {"offsets": bind_offsets("Transpose", side, x, memo)}
 
-    def output_quantized(self, input_quantized: bool) -> bool:
-        return input_quantized
+    def output_recipe(self, input_recipe):
+        return input_recipe
 
     def op_forward(self, ctx: OpContext, x):
         if not isinstance(x, torch.Tensor):
