@@ -9,7 +9,8 @@ inputs, NaN-poisoned outputs); times are do_bench medians with L2 flushed; TFLOP
 
 Then the training step of the MLP (forward, and forward + backward with gradients set to None
 first); the two FP8 variants are checked against each other first (output and gradients, rel.
-Frobenius <= 2e-2), and the FP8 step's distance from bf16 is recorded:
+Frobenius <= 5e-2: the re-quantized activation differs by whole E4M3 steps where the two round
+apart), and the FP8 step's distance from bf16 is recorded:
   bf16 fused     Sequential(GroupedLinear, SwiGLU, GroupedLinear), sm90 kernels
   fp8 sm90       Sequential(Quantize, GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear)
                  "fp8_blockwise": forward GEMMs on the FP8 kernel, the rest as its backend has it
@@ -119,7 +120,8 @@ def run_step(name):
                 for a, b in zip(outputs[label], outputs[against])]
 
     same_recipe = errors("fp8 sm90", "fp8 emulated")  # output, dx, dW1, dW2
-    assert max(same_recipe) <= 2e-2, f"{name}: fp8 sm90 vs fp8 emulated, relative errors {same_recipe}"
+    # the second quantization turns last-bit differences of the activation into whole E4M3 steps
+    assert max(same_recipe) <= 5e-2, f"{name}: fp8 sm90 vs fp8 emulated, relative errors {same_recipe}"
     return {"shape": name, "us": times, "rel_err_vs_emulated": same_recipe,
             "rel_err_fp8_vs_bf16": errors("fp8 sm90", "bf16 fused")}
 
