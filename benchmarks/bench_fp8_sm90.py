@@ -27,6 +27,7 @@ import triton.testing
 from common import MODEL_SHAPES, device_tag, skewed_splits, write_results
 
 from te_fused_ops import GroupedLinear, Quantize, Sequential, SwiGLU, Transpose
+from te_fused_ops.kernels.block_quantize import block_quantize_sm90
 from te_fused_ops.kernels.grouped_gemm import grouped_gemm_fp8_sm90, grouped_gemm_sm90
 from te_fused_ops.quantization import quantize, quantize_weight
 from te_fused_ops.splits import split_offsets
@@ -77,7 +78,14 @@ def run_shape(name):
     }
     flops = 2 * int(offsets[-1]) * n * h
     times = {label: bench_us(fn) for label, fn in variants.items()}
-    return {"shape": name, "us": times, "tflops": {k: flops / t / 1e6 for k, t in times.items()}, "rel_err": errors}
+    quantize_us = {  # the forward's casts: x in 1 x 128 blocks, W in 128 x 128 (bf16 inputs)
+        "x sm90": bench_us(lambda: block_quantize_sm90(xb, 1)),
+        "x torch": bench_us(lambda: quantize(xb, "fp8_blockwise")),
+        "W sm90": bench_us(lambda: block_quantize_sm90(wb, 128)),
+        "W torch": bench_us(lambda: quantize_weight(wb, "fp8_blockwise")),
+    }
+    return {"shape": name, "us": times, "tflops": {k: flops / t / 1e6 for k, t in times.items()}, "rel_err": errors,
+            "quantize_us": quantize_us, "quantize_bytes": {"x": 3 * xb.numel(), "W": 3 * wb.numel()}}
 
 
 def run_step(name):
@@ -147,6 +155,17 @@ def main():
     for r in rows:
         cells = [f"{r['us'][k]:.0f} ({r['tflops'][k]:.0f})" for k in labels]
         lines.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {r['us']['sm90 bf16'] / r['us']['sm90 fp8']:.2f}x |")
+    lines += [
+        "",
+        "Quantization of the FC1 operands (bf16 in, E4M3 + float32 scales out); median us (GB/s, 3 bytes per element)",
+        "",
+        "| shape | x 1x128 sm90 | x 1x128 torch | W 128x128 sm90 | W 128x128 torch |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        q, b = r["quantize_us"], r["quantize_bytes"]
+        cells = [f"{q[k]:.0f} ({b[k.split()[0]] / q[k] / 1e3:.0f})" for k in ("x sm90", "x torch", "W sm90", "W torch")]
+        lines.append(f"| {r['shape']} | " + " | ".join(cells) + " |")
     steps = []
     if not args.no_step:
         for name in args.shapes.split(","):

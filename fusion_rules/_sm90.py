@@ -3,6 +3,7 @@
 import torch
 
 from te_fused_ops.grouped_mm import grouped_row_sum
+from te_fused_ops.kernels.block_quantize import block_quantize_sm90
 from te_fused_ops.kernels.grouped_gemm import (
     grouped_gemm_fp8_sm90,
     grouped_gemm_sm90,
@@ -69,9 +70,9 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
     linear.check_input(x, weight)
     bias = None if bias is None else bias.detach()
     if is_quantized(x):
-        qw = quantize_weight(weight.detach(), x.recipe)
+        w_data, w_scale_inv = quantize_weight_blocks(weight.detach(), x.recipe)
         pre, act = grouped_gemm_fp8_sm90(
-            x.rowwise_data, x.rowwise_scale_inv, qw.rowwise_data, qw.rowwise_scale_inv, ctx.side["offsets"],
+            x.rowwise_data, x.rowwise_scale_inv, w_data, w_scale_inv, ctx.side["offsets"],
             bias=bias, activation=activation, out_dtype=x.dtype, **epilogue,
         )
         linear.keep_for_backward(ctx, x, x.recipe)
@@ -79,6 +80,15 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
     pre, act = grouped_gemm_sm90(x, weight.detach(), ctx.side["offsets"], bias=bias, activation=activation, **epilogue)
     linear.keep_for_backward(ctx, x, None)
     return pre, act
+
+
+def quantize_weight_blocks(weight: torch.Tensor, recipe: Float8BlockScaling):
+    """(data (G, N, K) E4M3, scale_inv (G, N/128, K/128)) of ``weight`` in 128 x 128 blocks, made
+    on every call: one kernel launch, or torch for power-of-two scales."""
+    if recipe.power_2_scales:
+        qw = quantize_weight(weight, recipe)
+        return qw.rowwise_data, qw.rowwise_scale_inv
+    return block_quantize_sm90(weight.contiguous(), 128)
 
 
 def linear_param_grads(ctx, dy: torch.Tensor, x: torch.Tensor = None) -> dict:

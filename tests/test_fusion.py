@@ -269,7 +269,7 @@ def test_planner_prefers_a_shorter_sm90_rule_over_a_longer_torch_one(monkeypatch
     info = tfo.PlanInfo("cuda", (9, 0), torch.bfloat16, (True,) * 6, (True,) * 6, (None, recipe, recipe, None, recipe, recipe))
     plan = tfo.fusion.make_plan(ops, info)
     chosen = [(s.rule.name if s.rule else None, s.start, s.backend) for s in plan.forward]
-    assert chosen == [(None, 0, "torch"), ("grouped_linear+activation", 1, "sm90"), (None, 3, "torch"),
+    assert chosen == [("quantize", 0, "sm90"), ("grouped_linear+activation", 1, "sm90"), ("quantize", 3, "sm90"),
                       (None, 4, "torch"), ("grouped_linear", 5, "sm90")]
     assert "rule 'grouped_linear+activation+quantize+transpose' on [1:5]: overlaps rule 'grouped_linear+activation'" in (
         plan.explain(ops))

@@ -136,3 +136,10 @@ def test_grouped_gemm_fp8_compiles(activation, dtype, has_bias, cluster_m):
     from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm_fp8
 
     assert compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=False, cluster_m=cluster_m) is not None
+
+
+@pytest.mark.parametrize("dtype,block_rows", [(torch.bfloat16, 1), (torch.float16, 128)])
+def test_block_quantize_compiles(dtype, block_rows):
+    from te_fused_ops.kernels.block_quantize import compile_block_quantize
+
+    assert compile_block_quantize(dtype, block_rows, tvm_ffi=False) is not None

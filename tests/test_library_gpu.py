@@ -188,6 +188,7 @@ def test_sm90_fp8_blockwise_chain_runs_both_gemms_on_the_fp8_kernel(monkeypatch)
         GroupedLinear(G, I, H, dtype=torch.bfloat16, device="cuda"),
     )
     text = _fp8_step_matches_torch_backend(seq, 5e-2, 5e-2, monkeypatch, seed=9)
+    assert "[0] Quantize -> rule 'quantize' (backend sm90)" in text, text
     assert "rule 'grouped_linear+activation' (backend sm90)" in text, text
     assert "[5] GroupedLinear -> rule 'grouped_linear' (backend sm90)" in text, text
 

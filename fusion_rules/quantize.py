@@ -1,0 +1,44 @@
+"""Quantize alone: the "fp8_blockwise" row-wise cast (1 x 128 blocks) in one sm90 kernel launch,
+or the torch op."""
+
+import torch
+
+from te_fused_ops import FusionRule, register_rule
+from te_fused_ops.kernels.block_quantize import block_quantize_sm90
+from te_fused_ops.ops import Quantize
+from te_fused_ops.quantization import Float8BlockScaling, QuantizedTensor
+
+quantize_rule = FusionRule("quantize", pattern=(Quantize,), passes="forward")
+
+
+@quantize_rule.supports
+def _supports(ops, info, backend):
+    if backend != "sm90":
+        return None
+    recipe = ops[0].recipe
+    if not isinstance(recipe, Float8BlockScaling) or recipe.power_2_scales:
+        return f"recipe {recipe} (the sm90 kernel makes fp8_blockwise scales without power_2_scales)"
+    if info.input_recipe[0] is not None:
+        return "quantized input (dequantized and requantized in torch)"
+    if info.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {str(info.dtype).removeprefix('torch.')} not supported (bf16, fp16)"
+    return None
+
+
+@quantize_rule.implementation("sm90")
+def _forward_sm90(ops, ctxs, x):
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    data, scale_inv = block_quantize_sm90(rows, 1)
+    return QuantizedTensor(
+        x.shape, x.dtype, x.device, recipe=ops[0].recipe, role="activation",
+        rowwise_data=data.view(x.shape), rowwise_scale_inv=scale_inv.view(*x.shape[:-1], -1),
+        offsets=ctxs[0].side["offsets"],
+    )
+
+
+@quantize_rule.implementation("torch")
+def _forward_torch(ops, ctxs, x):
+    return ops[0].op_forward(ctxs[0], x)
+
+
+register_rule(quantize_rule)
