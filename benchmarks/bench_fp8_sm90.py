@@ -13,7 +13,8 @@ Frobenius <= 5e-2: the re-quantized activation differs by whole E4M3 steps where
 apart), and the FP8 step's distance from bf16 is recorded:
   bf16 fused     Sequential(GroupedLinear, SwiGLU, GroupedLinear), sm90 kernels
   fp8 sm90       Sequential(Quantize, GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear)
-                 "fp8_blockwise": forward GEMMs on the FP8 kernel, the rest as its backend has it
+                 "fp8_blockwise": casts on the quantization kernel, forward and data-gradient
+                 GEMMs on the FP8 kernel, weight gradients bf16, Transpose's copy in torch
   fp8 emulated   the same with TE_FUSED_OPS_BACKEND=torch (quantize, dequantize, bf16 GEMMs)
 
     python benchmarks/bench_fp8_sm90.py [--shapes dsv3-ep8,mixtral-8x7b] [--out DIR] [--no-step]

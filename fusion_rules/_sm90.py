@@ -37,10 +37,20 @@ def kernel_unsupported_reason(linear: GroupedLinear, info, activation=None):
     )
 
 
-def backward_unsupported_reason(linear: GroupedLinear, info, index: int):
-    """Why the sm90 kernels cannot run the backward of ``linear`` (op ``index`` of info's window)."""
-    if info.input_recipe[index] is not None:
-        return "quantized input (the FP8 backward runs in torch)"
+def backward_unsupported_reason(linear: GroupedLinear, info, index: int, fp8: bool = False):
+    """Why the sm90 kernels cannot run the backward of ``linear`` (op ``index`` of info's window).
+    ``fp8``: the caller runs `linear_backward`, which takes fp8_blockwise inputs."""
+    recipe = info.input_recipe[index]
+    if recipe is not None:
+        if not fp8 or not isinstance(recipe, Float8BlockScaling) or recipe.power_2_scales:
+            return "quantized input (this FP8 backward runs in torch)"
+        if info.input_requires_grad[index]:  # dx = dy (1x128 E4M3) @ W[g] (128x128 E4M3)
+            reason = sm90_grouped_gemm_fp8_unsupported_reason(info.dtype, linear.in_features, linear.out_features, None)
+            if reason:
+                return _reason(reason)
+        if info.params_require_grad[index]:
+            return _reason(sm90_wgrad_unsupported_reason(info.dtype, linear.out_features, linear.in_features))
+        return None
     if info.input_requires_grad[index]:  # dx (M, in) = dy (M, out) @ W[g]
         reason = sm90_grouped_gemm_unsupported_reason(info.dtype, linear.in_features, linear.out_features, None, False)
         if reason:
@@ -109,11 +119,27 @@ def linear_param_grads(ctx, dy: torch.Tensor, x: torch.Tensor = None) -> dict:
 
 def linear_backward(linear: GroupedLinear, ctx, dy):
     """GroupedLinear's backward on sm90: dx = dy @ W[g] (W read in place) and the parameter grads.
-    FP8 recipes (saved recipe, quantized dy) take the torch path."""
-    if ctx.saved["recipe"] is not None or is_quantized(dy):
+
+    After an fp8_blockwise forward the data gradient is an FP8 GEMM: dy cast in 1 x 128 blocks,
+    W in 128 x 128 blocks (re-cast on this call, then transposed: the kernel reads K-major
+    operands); the weight gradient stays bf16 (dy as it came, x dequantized). A quantized dy
+    takes the torch path."""
+    recipe = ctx.saved["recipe"]
+    if is_quantized(dy):
         return linear.op_backward(ctx, dy)
     dy = dy.contiguous()
+    offsets = ctx.side["offsets"]
     dx = None
+    if recipe is None:
+        if ctx.input_requires_grad:
+            dx = grouped_gemm_sm90(dy, ctx.saved["weight"].detach(), offsets, weight_layout="kn")[0]
+        return dx, linear_param_grads(ctx, dy)
     if ctx.input_requires_grad:
-        dx = grouped_gemm_sm90(dy, ctx.saved["weight"].detach(), ctx.side["offsets"], weight_layout="kn")[0]
-    return dx, linear_param_grads(ctx, dy)
+        dy_data, dy_scale_inv = block_quantize_sm90(dy, 1)
+        w_data, w_scale_inv = quantize_weight_blocks(ctx.saved["weight"].detach(), recipe)
+        dx = grouped_gemm_fp8_sm90(
+            dy_data, dy_scale_inv, w_data.transpose(1, 2).contiguous(), w_scale_inv.transpose(1, 2).contiguous(),
+            offsets, out_dtype=dy.dtype,
+        )[0]
+    x = ctx.load_input().dequantize() if ctx.needs_grad("weight") else None
+    return dx, linear_param_grads(ctx, dy, x)

@@ -28,7 +28,7 @@ grouped_linear_backward = FusionRule("grouped_linear_backward", pattern=(Grouped
 
 @grouped_linear_backward.supports
 def _supports_backward(ops, info, backend):
-    return backward_unsupported_reason(ops[0], info, 0) if backend == "sm90" else None
+    return backward_unsupported_reason(ops[0], info, 0, fp8=True) if backend == "sm90" else None
 
 
 @grouped_linear_backward.implementation("sm90")

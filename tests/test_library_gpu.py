@@ -158,9 +158,9 @@ def _fp8_step_matches_torch_backend(seq, out_tol, grad_tol, monkeypatch, seed):
 
 @pytest.mark.parametrize("act", [SwiGLU, SReLU])
 def test_sm90_fp8_blockwise_forward_runs_the_fp8_kernel_and_matches_emulation(act, monkeypatch):
-    """An fp8_blockwise input takes the block-scaled FP8 kernel forward (backward emulated in
-    torch); against the torch backend's emulation (dequantized bf16 operands) the output differs
-    only by rounding."""
+    """An fp8_blockwise input takes the block-scaled FP8 kernel forward and for its data
+    gradient (its weight gradient in bf16); against the torch backend's emulation (dequantized
+    bf16 operands, FP8 dy for the weight gradient too) the output differs only by rounding."""
     _require_hopper()
     torch.manual_seed(0)
     seq = Sequential(
@@ -171,6 +171,7 @@ def test_sm90_fp8_blockwise_forward_runs_the_fp8_kernel_and_matches_emulation(ac
     )
     text = _fp8_step_matches_torch_backend(seq, 1e-2, 5e-2, monkeypatch, seed=8)
     assert "rule 'grouped_linear+activation' (backend sm90)" in text, text
+    assert "[1] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)" in text, text
 
 
 def test_sm90_fp8_blockwise_chain_runs_both_gemms_on_the_fp8_kernel(monkeypatch):
@@ -189,6 +190,8 @@ def test_sm90_fp8_blockwise_chain_runs_both_gemms_on_the_fp8_kernel(monkeypatch)
     )
     text = _fp8_step_matches_torch_backend(seq, 5e-2, 5e-2, monkeypatch, seed=9)
     assert "[0] Quantize -> rule 'quantize' (backend sm90)" in text, text
+    for linear in (1, 5):
+        assert f"[{linear}] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)" in text, text
     assert "rule 'grouped_linear+activation' (backend sm90)" in text, text
     assert "[5] GroupedLinear -> rule 'grouped_linear' (backend sm90)" in text, text
 
