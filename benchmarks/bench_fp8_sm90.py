@@ -17,7 +17,7 @@ apart), and the FP8 step's distance from bf16 is recorded:
                  GEMMs on the FP8 kernel, weight gradients bf16, Transpose's copy in torch
   fp8 emulated   the same with TE_FUSED_OPS_BACKEND=torch (quantize, dequantize, bf16 GEMMs)
 
-    python benchmarks/bench_fp8_sm90.py [--shapes dsv3-ep8,mixtral-8x7b] [--out DIR] [--no-step]
+    python benchmarks/bench_fp8_sm90.py [--shapes dsv3-ep8,mixtral-8x7b] [--out DIR] [--part kernels|steps]
 """
 
 import argparse
@@ -135,17 +135,7 @@ def run_step(name):
             "rel_err_fp8_vs_bf16": errors("fp8 sm90", "bf16 fused")}
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default=",".join(MODEL_SHAPES))
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--no-step", action="store_true", help="kernels only")
-    args = ap.parse_args()
-    device = torch.cuda.get_device_name()
-    rows = []
-    for name in args.shapes.split(","):
-        rows.append(run_shape(name))
-        print(name, {k: f"{v:.0f} us" for k, v in rows[-1]["us"].items()}, flush=True)
+def kernel_tables(rows, device):
     labels = list(rows[0]["us"])
     lines = [
         f"FC1 forward, block-scaled FP8 vs bf16, {device}; median us (TFLOPS)",
@@ -167,28 +157,48 @@ def main():
         q, b = r["quantize_us"], r["quantize_bytes"]
         cells = [f"{q[k]:.0f} ({b[k.split()[0]] / q[k] / 1e3:.0f})" for k in ("x sm90", "x torch", "W sm90", "W torch")]
         lines.append(f"| {r['shape']} | " + " | ".join(cells) + " |")
-    steps = []
-    if not args.no_step:
-        for name in args.shapes.split(","):
+    return lines
+
+
+def step_table(steps, device):
+    labels = list(steps[0]["us"])
+    lines = [
+        f"Training step, SwiGLU MLP, {device}; median us, forward / forward + backward",
+        "",
+        "| shape | " + " | ".join(labels) + " | fp8 sm90 step vs bf16 |",
+        "|---|" + "---|" * (len(labels) + 1),
+    ]
+    for r in steps:
+        cells = [f"{r['us'][k]['forward']:.0f} / {r['us'][k]['step']:.0f}" for k in labels]
+        ratio = r["us"]["bf16 fused"]["step"] / r["us"]["fp8 sm90"]["step"]
+        lines.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(MODEL_SHAPES))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--part", choices=("all", "kernels", "steps"), default="all")
+    args = ap.parse_args()
+    device = torch.cuda.get_device_name()
+    shapes = args.shapes.split(",")
+    rows, steps, lines = [], [], []
+    if args.part != "steps":
+        for name in shapes:
+            rows.append(run_shape(name))
+            print(name, {k: f"{v:.0f} us" for k, v in rows[-1]["us"].items()}, flush=True)
+        lines += kernel_tables(rows, device) + [""]
+    if args.part != "kernels":
+        for name in shapes:
             steps.append(run_step(name))
             print(name, steps[-1]["us"], flush=True)
-        labels = list(steps[0]["us"])
-        lines += [
-            "",
-            f"Training step, SwiGLU MLP, {device}; median us, forward / forward + backward",
-            "",
-            "| shape | " + " | ".join(labels) + " | fp8 sm90 step vs bf16 |",
-            "|---|" + "---|" * (len(labels) + 1),
-        ]
-        for r in steps:
-            cells = [f"{r['us'][k]['forward']:.0f} / {r['us'][k]['step']:.0f}" for k in labels]
-            ratio = r["us"]["bf16 fused"]["step"] / r["us"]["fp8 sm90"]["step"]
-            lines.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
-    table = "\n".join(lines)
+        lines += step_table(steps, device)
+    table = "\n".join(lines).strip()
     print(table)
     if args.out:
-        payload = {"device": device, "results": rows, "steps": steps}
-        write_results(args.out, f"fp8_sm90_{device_tag(device)}", payload, table)
+        stem = "fp8_sm90" if args.part == "all" else f"fp8_{args.part}_sm90"
+        write_results(args.out, f"{stem}_{device_tag(device)}", {"device": device, "results": rows, "steps": steps}, table)
 
 
 if __name__ == "__main__":
