@@ -143,3 +143,11 @@ def test_block_quantize_compiles(dtype, block_rows):
     from te_fused_ops.kernels.block_quantize import compile_block_quantize
 
     assert compile_block_quantize(dtype, block_rows, tvm_ffi=False) is not None
+
+
+@pytest.mark.parametrize("activation,has_bias,weight_layout", [("swiglu", True, "nk"), ("scaled_swiglu", False, "kn")])
+def test_grouped_gemm_act_quant_compiles(activation, has_bias, weight_layout):
+    from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm_act_quant
+
+    fn = compile_grouped_gemm_act_quant(torch.bfloat16, activation, has_bias, tvm_ffi=False, weight_layout=weight_layout)
+    assert fn is not None

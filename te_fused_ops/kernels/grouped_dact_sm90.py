@@ -24,7 +24,7 @@ from cutlass import Float32, Int32, const_expr
 
 from .activation_math_sm90 import ACTIVATION_MATH
 from .activations import activation_spec
-from .grouped_gemm_sm90 import GroupedGemmSm90, Tile, _row_value
+from .grouped_gemm_sm90 import GroupedGemmSm90, Tile, _row_value, fragment_row_slots
 
 
 class GroupedGemmDActSm90(GroupedGemmSm90):
@@ -71,27 +71,13 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
         """scaled_swiglu: per-thread d_probs sums of its rows (fp32), plus a scratch fragment."""
         if not self.spec.takes_probs:
             return None
-        # static (thread 0) row of each fragment value; every thread's pattern is the same
-        # shifted, and the 4 lanes of a quad hold the same rows (sm90 accumulator layout)
-        def value_rows(lane):
-            coords = tiled_copy_r2s.get_slice(lane).partition_S(
-                cute.make_identity_tensor(self.epi_tile)
-            )
-            return [coords[v][0] for v in range(cute.size(coords))]
-
-        rows = value_rows(0)
-        for lane in (1, 2, 3):
-            assert value_rows(lane) == rows, "d_probs quad sum assumes the sm90 accumulator layout"
-        distinct = sorted(set(rows))
-        self.row_slot = [distinct.index(r) for r in rows]
-        self.slot_value = [rows.index(r) for r in distinct]  # a fragment value of each slot
-        frag = len(rows)
+        self.row_slot, self.slot_value = fragment_row_slots(tiled_copy_r2s, self.epi_tile)
         return (
-            cute.make_rmem_tensor((len(distinct),), Float32),
-            cute.make_rmem_tensor((frag,), Float32),
+            cute.make_rmem_tensor((len(self.slot_value),), Float32),
+            cute.make_rmem_tensor((len(self.row_slot),), Float32),
         )
 
-    def epi_begin_tile(self, state):
+    def epi_begin_tile(self, params, tile: Tile, n_box, tRS_rAcc, tRS_cD, state):
         if const_expr(self.spec.takes_probs):
             state[0].fill(0.0)
 

@@ -4,6 +4,8 @@
 e.g. the data gradient dx = dy @ W[g] of a GroupedLinear, W read in place), + bias / activation.
 ``grouped_dgrad_dact_sm90``: the backward of FC2 fused with the activation's backward.
 ``grouped_gemm_fp8_sm90``: the forward on block-scaled FP8 operands (x 1x128, W 128x128 blocks).
+``grouped_gemm_act_quant_sm90``: the forward + GLU activation with the activation cast to E4M3 in
+1x128 blocks in the epilogue (FC2's fp8_blockwise input, no bf16 round trip).
 
 Tensors cross into the kernels through TVM-FFI (``apache-tvm-ffi``) when it is installed, which keeps
 the per-call host overhead to a few microseconds; without it the classic CuTe DSL call path is used.
@@ -38,6 +40,7 @@ _DACT = "grouped_dgrad_dact_sm90"
 DACT_GLU_I_MULTIPLE = 32  # dgrad + dActivation, GLU: I a multiple of the 32-column chunk
 FP8_GLU_N_MULTIPLE = 128  # FP8 GLU: each half's 64-row boxes inside one 128-row scale block
 _FP8 = "grouped_gemm_fp8_sm90"
+_ACT_QUANT = "grouped_gemm_act_quant_sm90"
 
 
 def _common_unsupported_reason(dtype, activation):
@@ -160,6 +163,38 @@ def compile_grouped_gemm(
     )
     b_major = {"nk": "k", "kn": "mn"}[weight_layout]
     kernel = GroupedGemmActSm90(dt, tile_n, activation, has_bias, b_major, cluster_m, **kernel_opts)
+    return _compile(kernel, args, tvm_ffi)
+
+
+@functools.cache
+def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cluster_m=2, weight_layout="nk",
+                                   **kernel_opts):
+    """Compile (once per configuration) and return the launcher of ``grouped_gemm_act_quant_sm90``:
+    fn(x, weight, offsets, pre, act_data, act_scale_inv, bias, probs, limit, alpha, max_clusters)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .grouped_gemm_sm90 import GroupedGemmActQuantSm90
+
+    if tvm_ffi is None:
+        tvm_ffi = tvm_ffi_available()
+    dt = _cutlass_dtype(dtype)
+    spec = activation_spec(activation, "compile_grouped_gemm_act_quant")
+    m, g, g1, i_blocks = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    k, n = cute.sym_int(divisibility=8), cute.sym_int(divisibility=GLU_N_MULTIPLE)
+    i = cute.sym_int(divisibility=8)
+    args = (
+        _fake(dt, (m, k)),
+        _fake(dt, (g, n, k) if weight_layout == "nk" else (g, k, n)),
+        _fake(cutlass.Int32, (g1,), 4),
+        _fake(dt, (m, n)),
+        _fake(cutlass.Float8E4M3FN, (m, i), 1),
+        _fake(cutlass.Float32, (m, i_blocks), 4),
+        _fake(dt, (g, n)) if has_bias else None,
+        _fake(cutlass.Float32, (m,), 4) if spec.takes_probs else None,
+    )
+    b_major = {"nk": "k", "kn": "mn"}[weight_layout]
+    kernel = GroupedGemmActQuantSm90(dt, activation, has_bias, b_major, cluster_m, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -317,38 +352,98 @@ def _forward_launch(
 ):
     """Every check of `grouped_gemm_sm90`; (launcher or None when M == 0, pre shape, act shape or
     None, persistent grid in clusters)."""
-    dev = check_input(_FWD, x, "x")
-    check_tensor(_FWD, weight, "weight", x.dtype, 3, dev)
-    check_tensor(_FWD, offsets, "offsets", torch.int32, 1, dev)
-    spec = activation_spec(activation, _FWD)
-    if weight_layout not in ("nk", "kn"):
-        raise ValueError(f"{_FWD}: weight_layout must be 'nk' or 'kn', got {weight_layout!r}")
-    m, k = x.shape
-    if weight_layout == "nk":
-        g, n, kw = weight.shape
-    else:
-        g, kw, n = weight.shape
-    if kw != k:
-        raise ValueError(f"{_FWD}: weight has K={kw} (weight_layout {weight_layout!r}), x has K={k}")
-    if g < 1:
-        raise ValueError(f"{_FWD}: weight must hold at least one group")
-    _check_shape(_FWD, offsets, "offsets", (g + 1,))
-    glu = spec is not None and spec.glu
-    if k % 8:
-        raise ValueError(f"{_FWD}: K={k} (x.shape[1]) must be a multiple of 8")
-    if n % (GLU_N_MULTIPLE if glu else 8):
-        raise ValueError(
-            f"{_FWD}: N={n} (weight's N dim) must be a multiple of {GLU_N_MULTIPLE if glu else 8}"
-            + (f" for activation {activation!r}" if glu else "")
-        )
-    act_shape = _check_epilogue_tensors(_FWD, spec, x.dtype, bias, probs, out, act_out, m, n, g, dev)
-    tile_n, cluster_m, clusters = _launch_config(_FWD, m, n, g, dev, tile_n, cluster_m, sm_margin)
+    m, n, act_shape, tile_n, cluster_m, clusters = _forward_checks(
+        _FWD, x, weight, offsets, bias, activation, probs, out, act_out, weight_layout, tile_n, cluster_m, sm_margin
+    )
     if m == 0:
         return None, (m, n), act_shape, clusters
     key = (_FWD, x.dtype, tile_n, activation, bias is not None, tvm_ffi_available(), cluster_m, weight_layout)
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_gemm(*key[1:])
+    return fn, (m, n), act_shape, clusters
+
+
+def _forward_checks(
+    fn_name, x, weight, offsets, bias, activation, probs, out, act_out, weight_layout, tile_n, cluster_m, sm_margin
+):
+    """The checks of a bf16/fp16 forward; (M, N, act shape or None, tile_n, cluster_m, grid)."""
+    dev = check_input(fn_name, x, "x")
+    check_tensor(fn_name, weight, "weight", x.dtype, 3, dev)
+    check_tensor(fn_name, offsets, "offsets", torch.int32, 1, dev)
+    spec = activation_spec(activation, fn_name)
+    if weight_layout not in ("nk", "kn"):
+        raise ValueError(f"{fn_name}: weight_layout must be 'nk' or 'kn', got {weight_layout!r}")
+    m, k = x.shape
+    if weight_layout == "nk":
+        g, n, kw = weight.shape
+    else:
+        g, kw, n = weight.shape
+    if kw != k:
+        raise ValueError(f"{fn_name}: weight has K={kw} (weight_layout {weight_layout!r}), x has K={k}")
+    if g < 1:
+        raise ValueError(f"{fn_name}: weight must hold at least one group")
+    _check_shape(fn_name, offsets, "offsets", (g + 1,))
+    glu = spec is not None and spec.glu
+    if k % 8:
+        raise ValueError(f"{fn_name}: K={k} (x.shape[1]) must be a multiple of 8")
+    if n % (GLU_N_MULTIPLE if glu else 8):
+        raise ValueError(
+            f"{fn_name}: N={n} (weight's N dim) must be a multiple of {GLU_N_MULTIPLE if glu else 8}"
+            + (f" for activation {activation!r}" if glu else "")
+        )
+    act_shape = _check_epilogue_tensors(fn_name, spec, x.dtype, bias, probs, out, act_out, m, n, g, dev)
+    tile_n, cluster_m, clusters = _launch_config(fn_name, m, n, g, dev, tile_n, cluster_m, sm_margin)
+    return m, n, act_shape, tile_n, cluster_m, clusters
+
+
+def grouped_gemm_act_quant_sm90(
+    x, weight, offsets, *, activation, bias=None, probs=None, limit=7.0, alpha=1.702, out=None, weight_layout="nk",
+    cluster_m=None, sm_margin=None,
+):
+    """`grouped_gemm_sm90` with a GLU ``activation`` whose output is cast to E4M3 in 1 x 128 blocks
+    in the epilogue ("fp8_blockwise"): bit for bit `quantization.quantize` of the bf16/fp16 act
+    that `grouped_gemm_sm90` returns, without writing it.
+
+    Returns (pre (M, N), act_data (M, N/2) float8_e4m3fn, act_scale_inv (M, ceil(N/256)) float32).
+    Rows >= offsets[G]: pre and data zero, scale_inv 1. tile_n is 256. No host sync.
+    """
+    tvm_ffi = tvm_ffi_available()
+    key = (
+        call_signature(tvm_ffi, x, weight, offsets, bias, probs, out),
+        _ACT_QUANT, activation, weight_layout, cluster_m, sm_margin, sm_margin_setting(),
+    )
+    args = (x, weight, offsets, bias, activation, probs, out, weight_layout, cluster_m, sm_margin)
+    launch = _MEMO.get(key) or _MEMO.put(key, _act_quant_launch(*args))
+    fn, pre_shape, act_shape, clusters = launch
+    pre = out if out is not None else x.new_empty(pre_shape)
+    act_data = torch.empty(act_shape, dtype=torch.float8_e4m3fn, device=x.device)
+    act_scale_inv = torch.empty(act_shape[0], -(-act_shape[1] // 128), dtype=torch.float32, device=x.device)
+    if fn is not None:
+        try:
+            _call(fn, tvm_ffi, x, weight, offsets, pre, act_data, act_scale_inv, bias, probs, limit, alpha, clusters)
+        except Exception:
+            _act_quant_launch(*args)  # raises the error naming the argument the kernel rejected
+            raise
+    return pre, act_data, act_scale_inv
+
+
+def _act_quant_launch(x, weight, offsets, bias, activation, probs, out, weight_layout, cluster_m, sm_margin):
+    """Every check of `grouped_gemm_act_quant_sm90`; (launcher or None when M == 0, pre shape, act
+    shape, persistent grid in clusters)."""
+    spec = activation_spec(activation, _ACT_QUANT)
+    if spec is None or not spec.glu:
+        glus = tuple(name for name, s in ACTIVATIONS.items() if s.glu)
+        raise ValueError(f"{_ACT_QUANT}: activation must be a GLU activation {glus}, got {activation!r}")
+    m, n, act_shape, _, cluster_m, clusters = _forward_checks(
+        _ACT_QUANT, x, weight, offsets, bias, activation, probs, out, None, weight_layout, 256, cluster_m, sm_margin
+    )
+    if m == 0:
+        return None, (m, n), act_shape, clusters
+    key = (_ACT_QUANT, x.dtype, activation, bias is not None, tvm_ffi_available(), cluster_m, weight_layout)
+    fn = _LAUNCHERS.get(key)
+    if fn is None:
+        fn = _LAUNCHERS[key] = compile_grouped_gemm_act_quant(*key[1:])
     return fn, (m, n), act_shape, clusters
 
 

@@ -273,8 +273,10 @@ class GroupedGemmSm90:
         """Per-thread register state carried across the epilogue steps of a tile, or None."""
         return None
 
-    def epi_begin_tile(self, state):
-        """Reset ``state`` at the start of each tile."""
+    def epi_begin_tile(self, params, tile: Tile, n_box, tRS_rAcc, tRS_cD, state):
+        """Before the tile's first step (all consumer threads): reset ``state``, or read the
+        whole accumulator (``tRS_rAcc``: chunk s of B box j at values [(s + j num_steps) frag,
+        ...))."""
 
     def epi_visit(self, params, tile: Tile, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
         """fp32 outputs of one 128 x 32 chunk: rAcc[j] the accumulator of B box j, rIn[i] the
@@ -572,7 +574,7 @@ class GroupedGemmSm90:
                         cute.group_modes(gD, 0, 2),
                     )
                     bSG_gD.append(bSG_g)
-                self.epi_begin_tile(state)
+                self.epi_begin_tile(epi_params, tile, n_box, tRS_rAcc, tRS_cD, state)
 
                 for step in cutlass.range_constexpr(self.num_steps):
                     chunk = nt * self.num_steps + step  # 32-column chunk (of each half)
@@ -706,6 +708,22 @@ class GroupedGemmSm90:
             acc[v] = acc[v] + acc_block[v] * block_scale[v // 2 % 2][v // 4 // cols_per_box]
 
 
+def fragment_row_slots(tiled_copy_r2s, epi_tile):
+    """(row_slot, slot_value) of a thread's epilogue fragment: the slot (distinct row) of each
+    value v, and one value of each slot. Static: every thread's pattern is thread 0's shifted,
+    and the 4 lanes of a quad hold the same rows (sm90 accumulator layout; asserted)."""
+
+    def value_rows(lane):
+        coords = tiled_copy_r2s.get_slice(lane).partition_S(cute.make_identity_tensor(epi_tile))
+        return [coords[v][0] for v in range(cute.size(coords))]
+
+    rows = value_rows(0)
+    for lane in (1, 2, 3):
+        assert value_rows(lane) == rows, "row slots assume the sm90 accumulator layout"
+    distinct = sorted(set(rows))
+    return [distinct.index(r) for r in rows], [rows.index(r) for r in distinct]
+
+
 @cute.jit
 def _row_value(mVec: cute.Tensor, row: Int32, tile: Tile, m_total: Int32) -> Float32:
     """mVec[row] of a (M,) float32 tensor inside a group's tile, 0 elsewhere (padding rows)."""
@@ -723,6 +741,8 @@ class GroupedGemmActSm90(GroupedGemmSm90):
     for GLU, (M, N) for srelu; bias (G, N); probs (M,) float32 when the activation takes probs.
     """
 
+    stores_act = True  # False: a subclass writes the activation itself
+
     def __init__(self, dtype, tile_n, activation, has_bias, b_major="k", cluster_m=2, **opts):
         self.spec = activation_spec(activation, "GroupedGemmActSm90")
         self.has_bias = has_bias
@@ -732,7 +752,7 @@ class GroupedGemmActSm90(GroupedGemmSm90):
         if self.spec is None:
             self.epi_stores = ((0, 0),)
         elif glu:
-            self.epi_stores = ((0, 0), (0, 1), (1, 0))
+            self.epi_stores = ((0, 0), (0, 1), (1, 0)) if self.stores_act else ((0, 0), (0, 1))
         else:
             self.epi_stores = ((0, 0), (1, 0))
         super().__init__(dtype, tile_n, b_major, cluster_m, **opts)
@@ -765,26 +785,137 @@ class GroupedGemmActSm90(GroupedGemmSm90):
 
     @cute.jit
     def epi_visit(self, params, tile: Tile, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
-        mBias, mProbs, limit, alpha, m_total = params
+        for v in cutlass.range_constexpr(cute.size(rAcc[0])):
+            self._pre_act(params, tile, chunk, n_box, rAcc, rOut, tRS_cD, v)
+
+    @cute.jit
+    def _pre_act(self, params, tile: Tile, chunk, n_box, rAcc, rOut, tRS_cD, v):
+        """Value v of the chunk: rOut[j][v] = pre of B box j (acc + bias); returns the activation
+        (times probs), also written to rOut[-1][v] when this class stores it; None without one."""
+        mBias, mProbs, limit, alpha, m_total = params[:5]
         g_safe = tile.seg
         if const_expr(self.has_bias):
             g_safe = cutlass.min(tile.seg, cute.size(mBias, mode=[0]) - 1)
-        for v in cutlass.range_constexpr(cute.size(rAcc[0])):
-            for j in cutlass.range_constexpr(self.b_boxes):
-                x = rAcc[j][v]
-                if const_expr(self.has_bias):
-                    col = chunk * self.epi_n + tRS_cD[v][1]
-                    b = Float32(0.0)
-                    if tile.is_group and col < n_box:
-                        b = mBias[g_safe, j * n_box + col].to(Float32)
-                    x = x + b
-                rOut[j][v] = x
-            if const_expr(self.spec is not None):
-                up = rOut[1][v] if const_expr(self.spec.glu) else None
-                value, _, _ = ACTIVATION_MATH[self.spec.name](rOut[0][v], up, limit, alpha)
-                if const_expr(self.spec.takes_probs):
-                    value = value * _row_value(mProbs, tile.row0 + tRS_cD[v][0], tile, m_total)
+        for j in cutlass.range_constexpr(self.b_boxes):
+            x = rAcc[j][v]
+            if const_expr(self.has_bias):
+                col = chunk * self.epi_n + tRS_cD[v][1]
+                b = Float32(0.0)
+                if tile.is_group and col < n_box:
+                    b = mBias[g_safe, j * n_box + col].to(Float32)
+                x = x + b
+            rOut[j][v] = x
+        value = None
+        if const_expr(self.spec is not None):
+            up = rOut[1][v] if const_expr(self.spec.glu) else None
+            value, _, _ = ACTIVATION_MATH[self.spec.name](rOut[0][v], up, limit, alpha)
+            if const_expr(self.spec.takes_probs):
+                value = value * _row_value(mProbs, tile.row0 + tRS_cD[v][0], tile, m_total)
+            if const_expr(self.stores_act):
                 rOut[self.num_out - 1][v] = value
+        return value
+
+
+class GroupedGemmActQuantSm90(GroupedGemmActSm90):
+    """`GroupedGemmActSm90` with a GLU activation whose output leaves as E4M3 in 1 x 128 blocks
+    ("fp8_blockwise") instead of bf16: act_data (M, I) float8_e4m3fn and act_scale_inv
+    (M, ceil(I / 128)) float32, bit for bit the torch quantizer applied to the act that
+    `GroupedGemmActSm90` writes (its bf16 rounding included); pre (M, 2I) as before.
+
+    tile_n is 256, so a tile's 128 act columns are one block of each of its rows: before the
+    steps, a pass over the whole accumulator takes each row's amax (a quad holds a row; two
+    shuffles), then each step recomputes its chunk's act, divides by the row's scale_inv and
+    stores the E4M3 bytes straight from registers (rows of the tile's group only).
+    """
+
+    stores_act = False
+
+    def __init__(self, dtype, activation, has_bias, b_major="k", cluster_m=2, **opts):
+        spec = activation_spec(activation, "GroupedGemmActQuantSm90")
+        if spec is None or not spec.glu:
+            raise ValueError("GroupedGemmActQuantSm90 needs a GLU activation")
+        super().__init__(dtype, 256, activation, has_bias, b_major, cluster_m, **opts)
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # (M, K)
+        mW: cute.Tensor,  # (G, N, K) "k" / (G, K, N) "mn"
+        mOffsets: cute.Tensor,  # (G + 1,) int32
+        mPre: cute.Tensor,  # (M, N)
+        mActData: cute.Tensor,  # (M, N/2) float8_e4m3fn
+        mActScale: cute.Tensor,  # (M, ceil(N/256)) float32
+        mBias: cute.Tensor,  # (G, N) or None
+        mProbs: cute.Tensor,  # (M,) float32 or None
+        limit: Float32,
+        alpha: Float32,
+        max_clusters: Int32,
+        stream,
+    ):
+        m_total = cute.size(mX, mode=[0])
+        self.launch(mX, mW, mOffsets, (mPre,), (), (mBias, mProbs, limit, alpha, m_total, mActData, mActScale),
+                    max_clusters, stream)
+
+    def epi_make_state(self, tiled_copy_r2s):
+        """(scale_inv per row slot, fp32 and E4M3 scratch of one chunk)."""
+        self.row_slot, self.slot_value = fragment_row_slots(tiled_copy_r2s, self.epi_tile)
+        frag = len(self.row_slot)
+        return (
+            cute.make_rmem_tensor((len(self.slot_value),), Float32),
+            cute.make_rmem_tensor((frag,), Float32),
+            cute.make_rmem_tensor((frag,), cutlass.Float8E4M3FN),
+        )
+
+    @cute.jit
+    def _act_as_stored(self, params, tile: Tile, chunk, n_box, rAcc, rPre, tRS_cD, v) -> Float32:
+        """The act of value v as the bf16/fp16 output would hold it, in fp32 (rPre[j][v]: pre)."""
+        value = self._pre_act(params, tile, chunk, n_box, rAcc, rPre, tRS_cD, v)
+        return value.to(self.dtype).to(Float32)
+
+    @cute.jit
+    def epi_begin_tile(self, params, tile: Tile, n_box, tRS_rAcc, tRS_cD, state):
+        m_total, mActScale = params[4], params[6]
+        scale_inv, frag = state[0], cute.size(state[1])
+        rAcc = [cute.make_rmem_tensor((frag,), Float32) for _ in range(self.b_boxes)]
+        rPre = [cute.make_rmem_tensor((frag,), Float32) for _ in range(self.b_boxes)]
+        scale_inv.fill(0.0)  # the row amax first
+        for step in cutlass.range_constexpr(self.num_steps):
+            chunk = tile.nt * self.num_steps + step
+            for v in cutlass.range_constexpr(frag):
+                for j in cutlass.range_constexpr(self.b_boxes):
+                    rAcc[j][v] = tRS_rAcc[(step + j * self.num_steps) * frag + v]
+            for v in cutlass.range_constexpr(frag):
+                value = self._act_as_stored(params, tile, chunk, n_box, rAcc, rPre, tRS_cD, v)
+                magnitude = cutlass.max(value, -value)
+                slot = self.row_slot[v]
+                if magnitude < Float32(float("inf")) and chunk * self.epi_n + tRS_cD[v][1] < n_box:
+                    scale_inv[slot] = cutlass.max(scale_inv[slot], magnitude)  # NaN, Inf count as 0
+        lane = cute.arch.lane_idx()
+        for r in cutlass.range_constexpr(len(self.slot_value)):
+            amax = scale_inv[r]
+            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
+            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=2))
+            value = amax / Float32(448.0)  # IEEE division, as the torch quantizer
+            if value == Float32(0.0):
+                value = Float32(1.0)
+            scale_inv[r] = value
+            row = tile.row0 + tRS_cD[self.slot_value[r]][0]
+            if lane % 4 == 0 and row < tile.end and row < m_total:
+                mActScale[row, tile.nt] = value
+
+    @cute.jit
+    def epi_visit(self, params, tile: Tile, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
+        m_total, mActData = params[4], params[5]
+        scale_inv, scaled, data = state
+        for v in cutlass.range_constexpr(cute.size(rAcc[0])):
+            value = self._act_as_stored(params, tile, chunk, n_box, rAcc, rOut, tRS_cD, v)
+            scaled[v] = value / scale_inv[self.row_slot[v]]
+        data.store(scaled.load().to(cutlass.Float8E4M3FN))  # round to nearest even, saturating
+        for v in cutlass.range_constexpr(cute.size(rAcc[0])):
+            row = tile.row0 + tRS_cD[v][0]
+            col = chunk * self.epi_n + tRS_cD[v][1]
+            if row < tile.end and row < m_total and col < n_box:
+                mActData[row, col] = data[v]
 
 
 class GroupedGemmActFp8Sm90(GroupedGemmActSm90):

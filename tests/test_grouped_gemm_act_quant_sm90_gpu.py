@@ -1,0 +1,106 @@
+"""GPU tests of the forward GroupGemm + GLU activation + E4M3 cast epilogue: the E4M3 activation
+and its 1x128 scales equal, bit for bit, the torch quantizer applied to the bf16/fp16 activation
+that the plain kernel writes; pre equals the plain kernel's."""
+
+import pytest
+import torch
+from test_block_quantize_sm90_gpu import assert_same_bytes
+from test_grouped_gemm_sm90_gpu import ALPHA, LIMIT, offsets_from_splits
+
+from te_fused_ops.kernels import sm90_unavailable_reason
+from te_fused_ops.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_sm90
+from te_fused_ops.quantization import quantize
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        torch.cuda.is_available() and sm90_unavailable_reason() is not None,
+        reason=str(sm90_unavailable_reason()) if torch.cuda.is_available() else "",
+    ),
+]
+
+
+def run_case(splits, m, k, n, activation, dtype=torch.bfloat16, has_bias=False, weight_layout="nk", cluster_m=None,
+             seed=0):
+    torch.manual_seed(seed)
+    g = len(splits)
+    x = (torch.randn(m, k, device="cuda") * torch.rand(m, 1, device="cuda") * 4).to(dtype)
+    w = (torch.randn(g, n, k, device="cuda") / k**0.5).to(dtype)
+    if weight_layout == "kn":
+        w = w.transpose(1, 2).contiguous()
+    bias = torch.randn(g, n, device="cuda").to(dtype) if has_bias else None
+    probs = torch.rand(m, device="cuda") if activation == "scaled_swiglu" else None
+    offsets = offsets_from_splits(splits)
+    kwargs = dict(bias=bias, activation=activation, probs=probs, limit=LIMIT, alpha=ALPHA, weight_layout=weight_layout,
+                  cluster_m=cluster_m)
+    pre_out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+    pre, data, scale_inv = grouped_gemm_act_quant_sm90(x, w, offsets, out=pre_out, **kwargs)
+    want_pre, want_act = grouped_gemm_sm90(x, w, offsets, tile_n=256, **kwargs)
+    assert torch.equal(pre, want_pre)
+    want = quantize(want_act, "fp8_blockwise")
+    assert torch.equal(scale_inv, want.rowwise_scale_inv)
+    assert_same_bytes(data, want.rowwise_data)
+    end = int(offsets[-1])
+    assert torch.all(data[end:].float() == 0) and torch.all(scale_inv[end:] == 1)
+
+
+UNEVEN = [130, 0, 257, 1, 300, 312]
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "scaled_swiglu", "clamped_swiglu", "geglu"])
+@pytest.mark.parametrize("cluster_m", [1, 2])
+def test_epilogues(activation, cluster_m):
+    run_case(UNEVEN, 1000, 256, 512, activation, has_bias=activation == "swiglu", cluster_m=cluster_m)
+
+
+@pytest.mark.parametrize("n", [192, 320])  # I = 96: one partial block; I = 160: a full and a partial one
+def test_partial_blocks(n):
+    run_case([200, 0, 300], 600, 128, n, "swiglu")
+
+
+def test_fp16_and_weight_in_place_layout():
+    run_case(UNEVEN, 1000, 128, 256, "swiglu", dtype=torch.float16, weight_layout="kn")
+
+
+def test_large_values_and_padding_rows():
+    # activations far above E4M3's 448 before scaling, and 100 padding rows
+    run_case([400, 500], 1000, 64, 256, "swiglu", seed=3)
+
+
+def test_no_host_sync_and_cuda_graph():
+    torch.manual_seed(1)
+    m, k, n = 512, 128, 256
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4, n, k, device="cuda", dtype=torch.bfloat16) / 8
+    offsets = offsets_from_splits([100, 200, 0, 150])
+    grouped_gemm_act_quant_sm90(x, w, offsets, activation="swiglu")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grouped_gemm_act_quant_sm90(x, w, offsets, activation="swiglu")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = grouped_gemm_act_quant_sm90(x, w, offsets, activation="swiglu")
+    for splits in ([100, 200, 0, 150], [0, 0, 512, 0], [10, 20, 30, 40]):
+        offsets.copy_(offsets_from_splits(splits))
+        graph.replay()
+        eager = grouped_gemm_act_quant_sm90(x, w, offsets, activation="swiglu")
+        torch.cuda.synchronize()
+        for a, b in zip(outputs, eager):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
+def test_argument_errors():
+    x = torch.zeros(64, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.zeros(2, 256, 128, device="cuda", dtype=torch.bfloat16)
+    off = torch.tensor([0, 32, 64], dtype=torch.int32, device="cuda")
+    name = "grouped_gemm_act_quant_sm90"
+    with pytest.raises(ValueError, match=f"{name}: activation must be a GLU activation"):
+        grouped_gemm_act_quant_sm90(x, w, off, activation="srelu")
+    with pytest.raises(TypeError, match=f"{name}: weight has dtype"):
+        grouped_gemm_act_quant_sm90(x, w.half(), off, activation="swiglu")
+    with pytest.raises(ValueError, match=f"{name}: out must have shape"):
+        grouped_gemm_act_quant_sm90(x, w, off, activation="swiglu", out=x.new_zeros(64, 128))
