@@ -124,6 +124,17 @@ def _fake(dtype, shape, align=16):
     return cute.runtime.make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
 
 
+def _forward_fakes(dt, weight_layout, n_divisibility):
+    """((M, G, N) symbols, fake (x (M, K), weight, offsets (G+1,), pre (M, N))) of a forward."""
+    import cutlass
+    import cutlass.cute as cute
+
+    m, g, g1 = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    k, n = cute.sym_int(divisibility=8), cute.sym_int(divisibility=n_divisibility)
+    weight = _fake(dt, (g, n, k) if weight_layout == "nk" else (g, k, n))
+    return (m, g, n), (_fake(dt, (m, k)), weight, _fake(cutlass.Int32, (g1,), 4), _fake(dt, (m, n)))
+
+
 def _compile(kernel, args, tvm_ffi):
     import cutlass
     import cutlass.cute as cute
@@ -149,14 +160,10 @@ def compile_grouped_gemm(
     dt = _cutlass_dtype(dtype)
     spec = activation_spec(activation, "compile_grouped_gemm")
     glu = spec is not None and spec.glu
-    m, g, g1 = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    k, n = cute.sym_int(divisibility=8), cute.sym_int(divisibility=GLU_N_MULTIPLE if glu else 8)
+    (m, g, n), operands = _forward_fakes(dt, weight_layout, GLU_N_MULTIPLE if glu else 8)
     n_act = cute.sym_int(divisibility=8)
     args = (
-        _fake(dt, (m, k)),
-        _fake(dt, (g, n, k) if weight_layout == "nk" else (g, k, n)),
-        _fake(cutlass.Int32, (g1,), 4),
-        _fake(dt, (m, n)),
+        *operands,
         _fake(dt, (m, n_act if glu else n)) if spec is not None else None,
         _fake(dt, (g, n)) if has_bias else None,
         _fake(cutlass.Float32, (m,), 4) if spec is not None and spec.takes_probs else None,
@@ -180,14 +187,10 @@ def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cl
         tvm_ffi = tvm_ffi_available()
     dt = _cutlass_dtype(dtype)
     spec = activation_spec(activation, "compile_grouped_gemm_act_quant")
-    m, g, g1, i_blocks = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
-    k, n = cute.sym_int(divisibility=8), cute.sym_int(divisibility=GLU_N_MULTIPLE)
-    i = cute.sym_int(divisibility=8)
+    (m, g, n), operands = _forward_fakes(dt, weight_layout, GLU_N_MULTIPLE)
+    i, i_blocks = cute.sym_int(divisibility=8), cute.sym_int()
     args = (
-        _fake(dt, (m, k)),
-        _fake(dt, (g, n, k) if weight_layout == "nk" else (g, k, n)),
-        _fake(cutlass.Int32, (g1,), 4),
-        _fake(dt, (m, n)),
+        *operands,
         _fake(cutlass.Float8E4M3FN, (m, i), 1),
         _fake(cutlass.Float32, (m, i_blocks), 4),
         _fake(dt, (g, n)) if has_bias else None,
