@@ -73,6 +73,8 @@ CASES = {
         GroupedLinear(G, I, H),
     ),
     "grouped_linear+quantize": lambda: (GroupedLinear(G, H, 2 * I), Quantize("fp8_current"), SwiGLU()),
+    "transpose+grouped_linear": lambda: (Quantize("fp8_blockwise"), Transpose(), GroupedLinear(G, H, I)),
+    "quantize": lambda: (Quantize("fp8_blockwise"), GroupedLinear(G, H, I)),
     "grouped_linear+quantize+transpose": lambda: (
         GroupedLinear(G, H, I),
         Quantize("fp8_blockwise"),
@@ -270,7 +272,7 @@ def test_planner_prefers_a_shorter_sm90_rule_over_a_longer_torch_one(monkeypatch
     plan = tfo.fusion.make_plan(ops, info)
     chosen = [(s.rule.name if s.rule else None, s.start, s.backend) for s in plan.forward]
     assert chosen == [("quantize", 0, "sm90"), ("grouped_linear+activation", 1, "sm90"), ("quantize", 3, "sm90"),
-                      (None, 4, "torch"), ("grouped_linear", 5, "sm90")]
+                      ("transpose+grouped_linear", 4, "sm90")]
     assert "rule 'grouped_linear+activation+quantize+transpose' on [1:5]: overlaps rule 'grouped_linear+activation'" in (
         plan.explain(ops))
     backward = [(s.rule.name, s.start, s.backend) for s in plan.backward if s.rule is not None]

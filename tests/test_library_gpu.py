@@ -193,7 +193,7 @@ def test_sm90_fp8_blockwise_chain_runs_both_gemms_on_the_fp8_kernel(monkeypatch)
     for linear in (1, 5):
         assert f"[{linear}] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)" in text, text
     assert "rule 'grouped_linear+activation' (backend sm90)" in text, text
-    assert "[5] GroupedLinear -> rule 'grouped_linear' (backend sm90)" in text, text
+    assert "[4:6] Transpose, GroupedLinear -> rule 'transpose+grouped_linear' (backend sm90)" in text, text
 
 
 def fresh_copy(seq):
