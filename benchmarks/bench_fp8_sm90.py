@@ -4,6 +4,8 @@ Per shape (uneven seeded routing; FC1: x (M, H) @ W (E, 2I, H) with SwiGLU and w
   gmm bf16     torch._grouped_mm on bf16 operands (no activation)
   sm90 bf16    grouped_gemm_sm90, bf16 operands
   sm90 fp8     grouped_gemm_fp8_sm90, E4M3 operands with 1x128 / 128x128 multipliers
+  + cast       the act cast to E4M3 1x128 blocks: after the kernel (block_quantize_sm90) or in its
+               epilogue (grouped_gemm_act_quant_sm90; checked byte for byte against the former)
 Each kernel is first checked against a float64 reference of its own operands (fresh random
 inputs, NaN-poisoned outputs); times are do_bench medians with L2 flushed; TFLOPS count 2*M*N*K.
 
@@ -29,7 +31,7 @@ from common import MODEL_SHAPES, device_tag, skewed_splits, write_results
 
 from te_fused_ops import GroupedLinear, Quantize, Sequential, SwiGLU, Transpose
 from te_fused_ops.kernels.block_quantize import block_quantize_sm90
-from te_fused_ops.kernels.grouped_gemm import grouped_gemm_fp8_sm90, grouped_gemm_sm90
+from te_fused_ops.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_fp8_sm90, grouped_gemm_sm90
 from te_fused_ops.quantization import quantize, quantize_weight
 from te_fused_ops.splits import split_offsets
 
@@ -69,6 +71,12 @@ def run_shape(name):
         "sm90 bf16": check(grouped_gemm_sm90(xb, wb, offsets, out=poisoned.clone())[0], xb.double(), wb.double(), offsets, "bf16"),
         "sm90 fp8": check(grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, out=poisoned.clone())[0], x8, w8, offsets, "fp8"),
     }
+    # FC1 + SwiGLU + E4M3 cast, fused: the same bytes as the plain kernel's act cast afterwards
+    _, act = grouped_gemm_sm90(xb, wb, offsets, activation="swiglu", tile_n=256)
+    cast = block_quantize_sm90(act, 1)
+    fused = grouped_gemm_act_quant_sm90(xb, wb, offsets, activation="swiglu")[1:]
+    assert torch.equal(fused[1], cast[1]) and torch.equal(fused[0].view(torch.uint8), cast[0].view(torch.uint8)), (
+        f"{name}: fused act cast differs from the cast of the bf16 act")
     ends = offsets[1:]
     variants = {
         "gmm bf16": lambda: torch._grouped_mm(xb, wb.transpose(-2, -1), offs=ends),
@@ -76,6 +84,9 @@ def run_shape(name):
         "sm90 bf16 + swiglu": lambda: grouped_gemm_sm90(xb, wb, offsets, activation="swiglu"),
         "sm90 fp8": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets),
         "sm90 fp8 + swiglu": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu"),
+        "sm90 bf16 + swiglu, then cast": lambda: block_quantize_sm90(
+            grouped_gemm_sm90(xb, wb, offsets, activation="swiglu", tile_n=256)[1], 1),
+        "sm90 bf16 + swiglu + cast": lambda: grouped_gemm_act_quant_sm90(xb, wb, offsets, activation="swiglu"),
     }
     flops = 2 * int(offsets[-1]) * n * h
     times = {label: bench_us(fn) for label, fn in variants.items()}
