@@ -13,23 +13,10 @@ import functools
 
 import torch
 
-from . import sm90_unavailable_reason
 from .launch import DTYPES, num_sms, tvm_ffi_available
 
 _NAME = "block_quantize_sm90"
 CTAS_PER_SM = 8
-
-
-def block_quantize_unsupported_reason(x) -> str | None:
-    """None if the kernel can quantize ``x``, else why not."""
-    reason = sm90_unavailable_reason()
-    if reason is not None:
-        return reason
-    if x.device.type != "cuda":
-        return "sm90 backend: input not on a CUDA device"
-    if x.dtype not in DTYPES:
-        return f"sm90 backend: dtype {str(x.dtype).replace('torch.', '')} not supported (bf16, fp16)"
-    return None
 
 
 @functools.cache
