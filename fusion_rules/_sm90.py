@@ -26,7 +26,7 @@ def kernel_unsupported_reason(linear: GroupedLinear, info, activation=None):
     recipe = info.input_recipe[0]
     if recipe is not None:
         if not isinstance(recipe, Float8BlockScaling):
-            return f"{recipe.name} input (the sm90 FP8 kernel takes fp8_blockwise)"
+            return emulated_recipe_reason(recipe)
         return _reason(
             sm90_grouped_gemm_fp8_unsupported_reason(info.dtype, linear.out_features, linear.in_features, activation)
         )
@@ -37,13 +37,22 @@ def kernel_unsupported_reason(linear: GroupedLinear, info, activation=None):
     )
 
 
+def emulated_recipe_reason(recipe) -> str:
+    """Why a quantized input of ``recipe`` (not fp8_blockwise) runs emulated on sm90."""
+    if recipe.name == "mxfp8":
+        return "mxfp8 input: emulated on Hopper, which has no MX block-scaling hardware (quantize, dequantize, bf16 GEMM)"
+    return f"{recipe.name} input: emulated (the sm90 FP8 kernels take fp8_blockwise)"
+
+
 def backward_unsupported_reason(linear: GroupedLinear, info, index: int, fp8: bool = False):
     """Why the sm90 kernels cannot run the backward of ``linear`` (op ``index`` of info's window).
     ``fp8``: the caller runs `linear_backward`, which takes fp8_blockwise inputs."""
     recipe = info.input_recipe[index]
     if recipe is not None:
-        if not fp8 or not isinstance(recipe, Float8BlockScaling) or recipe.power_2_scales:
-            return "quantized input (this FP8 backward runs in torch)"
+        if not isinstance(recipe, Float8BlockScaling):
+            return emulated_recipe_reason(recipe)
+        if not fp8 or recipe.power_2_scales:
+            return "fp8_blockwise input: this backward runs in torch (sm90: grouped_linear_backward, no power_2_scales)"
         if info.input_requires_grad[index]:  # dx = dy (1x128 E4M3) @ W[g] (128x128 E4M3)
             reason = sm90_grouped_gemm_fp8_unsupported_reason(info.dtype, linear.in_features, linear.out_features, None)
             if reason:

@@ -17,7 +17,7 @@ def _supports(ops, info, backend):
         return None
     recipe = ops[0].recipe
     if not isinstance(recipe, Float8BlockScaling) or recipe.power_2_scales:
-        return f"recipe {recipe} (the sm90 kernel makes fp8_blockwise scales without power_2_scales)"
+        return f"{recipe.name} cast runs in torch (the sm90 kernel makes fp8_blockwise scales, no power_2_scales)"
     if info.input_recipe[0] is not None:
         return "quantized input (dequantized and requantized in torch)"
     if info.dtype not in (torch.bfloat16, torch.float16):
