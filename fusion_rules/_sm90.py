@@ -13,7 +13,7 @@ from te_fused_ops.kernels.grouped_gemm import (
 from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90, sm90_wgrad_unsupported_reason
 from te_fused_ops.ops import Activation, GroupedLinear
 from te_fused_ops.ops.base import is_quantized
-from te_fused_ops.quantization import Float8BlockScaling, quantize_weight
+from te_fused_ops.quantization import Float8BlockScaling, quantize_weight, reuse_or_make
 
 
 def _reason(reason):
@@ -101,13 +101,22 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
     return pre, act
 
 
-def quantize_weight_blocks(weight: torch.Tensor, recipe: Float8BlockScaling):
-    """(data (G, N, K) E4M3, scale_inv (G, N/128, K/128)) of ``weight`` in 128 x 128 blocks, made
-    on every call: one kernel launch, or torch for power-of-two scales."""
-    if recipe.power_2_scales:
-        qw = quantize_weight(weight, recipe)
-        return qw.rowwise_data, qw.rowwise_scale_inv
-    return block_quantize_sm90(weight.contiguous(), 128)
+def quantize_weight_blocks(weight: torch.Tensor, recipe: Float8BlockScaling, transposed: bool = False):
+    """(data (G, N, K) E4M3, scale_inv (G, N/128, K/128)) of ``weight`` in 128 x 128 blocks, or
+    with ``transposed`` both per-group transposed ((G, K, N), (G, K/128, N/128): the data
+    gradient's K-major operand). Made on every call (one kernel launch, or torch for power-of-two
+    scales), unless inside `reuse_quantized_weights`."""
+
+    def make():
+        if transposed:
+            data, scale_inv = quantize_weight_blocks(weight, recipe)
+            return data.transpose(1, 2).contiguous(), scale_inv.transpose(1, 2).contiguous()
+        if recipe.power_2_scales:
+            qw = quantize_weight(weight, recipe)
+            return qw.rowwise_data, qw.rowwise_scale_inv
+        return block_quantize_sm90(weight.contiguous(), 128)
+
+    return reuse_or_make(weight, recipe, "blocks transposed" if transposed else "blocks", make)
 
 
 def linear_param_grads(ctx, dy: torch.Tensor, x: torch.Tensor = None) -> dict:
@@ -130,8 +139,8 @@ def linear_backward(linear: GroupedLinear, ctx, dy):
     """GroupedLinear's backward on sm90: dx = dy @ W[g] (W read in place) and the parameter grads.
 
     After an fp8_blockwise forward the data gradient is an FP8 GEMM: dy cast in 1 x 128 blocks,
-    W in 128 x 128 blocks (re-cast on this call, then transposed: the kernel reads K-major
-    operands); the weight gradient stays bf16 (dy as it came, x dequantized). A quantized dy
+    W in 128 x 128 blocks, transposed (the kernel reads K-major operands; cast again on this call,
+    or once per `reuse_quantized_weights` scope); the weight gradient stays bf16 (dy as it came, x dequantized). A quantized dy
     takes the torch path."""
     recipe = ctx.saved["recipe"]
     if is_quantized(dy):
@@ -145,10 +154,7 @@ def linear_backward(linear: GroupedLinear, ctx, dy):
         return dx, linear_param_grads(ctx, dy)
     if ctx.input_requires_grad:
         dy_data, dy_scale_inv = block_quantize_sm90(dy, 1)
-        w_data, w_scale_inv = quantize_weight_blocks(ctx.saved["weight"].detach(), recipe)
-        dx = grouped_gemm_fp8_sm90(
-            dy_data, dy_scale_inv, w_data.transpose(1, 2).contiguous(), w_scale_inv.transpose(1, 2).contiguous(),
-            offsets, out_dtype=dy.dtype,
-        )[0]
+        w_data, w_scale_inv = quantize_weight_blocks(ctx.saved["weight"].detach(), recipe, transposed=True)
+        dx = grouped_gemm_fp8_sm90(dy_data, dy_scale_inv, w_data, w_scale_inv, offsets, out_dtype=dy.dtype)[0]
     x = ctx.load_input().dequantize() if ctx.needs_grad("weight") else None
     return dx, linear_param_grads(ctx, dy, x)

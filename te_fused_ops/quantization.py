@@ -607,17 +607,19 @@ def reuse_quantized_weights():
             _reuse.copies = None
 
 
-def quantized_weight_values(weight: torch.Tensor, recipe) -> torch.Tensor:
-    """``weight`` quantized with ``recipe`` and dequantized (the values an FP8 GEMM computes with);
-    fresh on every call unless inside `reuse_quantized_weights`."""
+def reuse_or_make(weight: torch.Tensor, recipe, kind: str, make):
+    """``make()`` (a copy derived from ``weight``), or inside `reuse_quantized_weights` the one
+    made earlier in the scope for the same weight, recipe and ``kind`` of copy."""
     copies = getattr(_reuse, "copies", None)
-
-    def make():
-        return quantize_weight(weight.detach(), recipe).dequantize()
-
     if copies is None:
         return make()
-    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, recipe)
+    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, recipe, kind)
     if key not in copies:
         copies[key] = (weight, make())  # the weight is kept so its address cannot be reused
     return copies[key][1]
+
+
+def quantized_weight_values(weight: torch.Tensor, recipe) -> torch.Tensor:
+    """``weight`` quantized with ``recipe`` and dequantized (the values an FP8 GEMM computes with);
+    fresh on every call unless inside `reuse_quantized_weights`."""
+    return reuse_or_make(weight, recipe, "values", lambda: quantize_weight(weight.detach(), recipe).dequantize())

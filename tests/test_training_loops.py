@@ -340,3 +340,35 @@ def test_accumulate_main_grad_adds_weight_gradients_in_float32():
     plain[0].accumulate_main_grad = False
     plain(x.detach(), split_sizes=SPLITS).float().square().sum().backward()
     assert ref.rel_err(seq[0].weight.main_grad, 2 * plain[0].weight.grad.float()) <= 1e-2
+
+
+def test_sm90_fp8_weight_casts_are_made_once_per_reuse_scope(monkeypatch):
+    """The sm90 FP8 path's weight casts (forward and the data gradient's transposed copy) are
+    fresh on every call, and made once inside `reuse_quantized_weights` (the kernel is stood in
+    for by the torch quantizer it equals bit for bit)."""
+    import fusion_rules._sm90 as sm90
+    from te_fused_ops.quantization import get_recipe, quantize_weight
+
+    casts = []
+
+    def torch_cast(weight, block_rows):
+        casts.append(block_rows)
+        q = quantize_weight(weight, "fp8_blockwise")
+        return q.rowwise_data, q.rowwise_scale_inv
+
+    monkeypatch.setattr(sm90, "block_quantize_sm90", torch_cast)
+    recipe = get_recipe("fp8_blockwise")
+    w = torch.randn(2, 256, 128, dtype=torch.bfloat16)
+    sm90.quantize_weight_blocks(w, recipe)
+    sm90.quantize_weight_blocks(w, recipe, transposed=True)
+    assert casts == [128, 128]
+    with tfo.reuse_quantized_weights():
+        first = sm90.quantize_weight_blocks(w, recipe)
+        transposed = sm90.quantize_weight_blocks(w, recipe, transposed=True)
+        again = sm90.quantize_weight_blocks(w, recipe)
+        assert sm90.quantize_weight_blocks(w, recipe, transposed=True)[0] is transposed[0]
+    assert casts == [128, 128, 128] and again[0] is first[0]
+    assert torch.equal(transposed[0].view(torch.uint8), first[0].transpose(1, 2).view(torch.uint8))
+    assert torch.equal(transposed[1], first[1].transpose(1, 2))
+    sm90.quantize_weight_blocks(w, recipe)
+    assert len(casts) == 4  # fresh again once the scope closed
