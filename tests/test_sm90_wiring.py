@@ -1,0 +1,106 @@
+"""The sm90 rules' glue on the CPU: the FP8 plan of a grouped MLP with every kernel wrapper stood
+in for by a torch function of the same contract (the GPU tests check the kernels against those
+contracts), against the torch backend's emulation. Weights get 128 x 128 blocks of very
+different magnitudes, so a scale handed over in the wrong layout (the data gradient's transposed
+weight, the casts' row-wise scales) shows as an O(1) error."""
+
+import pytest
+import torch
+
+import reference as ref
+import te_fused_ops as tfo
+from te_fused_ops import GroupedLinear, Quantize, Sequential, SwiGLU, Transpose
+from te_fused_ops.grouped_mm import grouped_wgrad
+from te_fused_ops.quantization import quantize, quantize_weight
+
+G, H, I, ROWS = 4, 256, 128, 300
+SPLITS = torch.tensor([70, 0, 130, 60])  # 40 padding rows
+ACTIVATIONS = {"swiglu": ref.swiglu}
+
+
+def _expand(scale_inv, sizes):
+    """Block multipliers repeated over their 128-wide blocks along the last len(sizes) dims."""
+    for i, size in enumerate(sizes):
+        dim = scale_inv.dim() - len(sizes) + i
+        scale_inv = scale_inv.repeat_interleave(128, dim=dim).narrow(dim, 0, size)
+    return scale_inv
+
+
+def fp8_gemm(x, x_scale_inv, weight, weight_scale_inv, offsets, *, bias=None, activation=None, probs=None,
+             limit=7.0, alpha=1.702, out_dtype=torch.bfloat16, **_):
+    """`grouped_gemm_fp8_sm90`'s contract in float32: dequantized operands, act from fp32 pre."""
+    assert probs is None and activation in (None, *ACTIVATIONS)
+    x32 = x.float() * _expand(x_scale_inv, x.shape[-1:])
+    w32 = weight.float() * _expand(weight_scale_inv, weight.shape[-2:])
+    pre = x32.new_zeros(x.shape[0], weight.shape[1])
+    bounds = offsets.tolist()
+    for g in range(weight.shape[0]):
+        rows = slice(bounds[g], bounds[g + 1])
+        pre[rows] = x32[rows] @ w32[g].t() + (0 if bias is None else bias[g].float())
+    act = None if activation is None else ACTIVATIONS[activation](pre).to(out_dtype)
+    return pre.to(out_dtype), act
+
+
+def block_cast(x, block_rows):
+    """`block_quantize_sm90`'s contract: the torch quantizer's data and scales."""
+    q = quantize(x, "fp8_blockwise") if block_rows == 1 else quantize_weight(x, "fp8_blockwise")
+    return q.rowwise_data, q.rowwise_scale_inv
+
+
+def wgrad(dy, x, offsets, main_grad=None):
+    dw = grouped_wgrad(dy, x, offsets)
+    if main_grad is not None:
+        main_grad.add_(dw.float())
+    return dw
+
+
+@pytest.fixture
+def sm90_stand_ins(monkeypatch):
+    import fusion_rules._sm90 as sm90
+    import fusion_rules.quantize as quantize_rule
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")  # compile-only mode: the kernels count as available
+    monkeypatch.setitem(tfo.fusion.BACKENDS, "sm90", lambda info: None)  # any device
+    monkeypatch.setattr(sm90, "grouped_gemm_fp8_sm90", fp8_gemm)
+    monkeypatch.setattr(sm90, "block_quantize_sm90", block_cast)
+    monkeypatch.setattr(sm90, "grouped_wgrad_sm90", wgrad)
+    monkeypatch.setattr(quantize_rule, "block_quantize_sm90", block_cast)
+
+
+def fp8_mlp():
+    torch.manual_seed(0)
+    fc1 = GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16)
+    fc2 = GroupedLinear(G, I, H, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for fc in (fc1, fc2):  # block (i, j) of group g scaled by 2**(3 (i - j) + g): no symmetry
+            g, i, j = torch.meshgrid(*(torch.arange(n) for n in (G, fc.weight.shape[1] // 128, fc.weight.shape[2] // 128)),
+                                     indexing="ij")
+            fc.weight.mul_(_expand(torch.exp2(3.0 * (i - j) + g), fc.weight.shape[-2:]).bfloat16())
+    return Sequential(Quantize("fp8_blockwise"), fc1, SwiGLU(), Quantize("fp8_blockwise"), Transpose(), fc2)
+
+
+def step(seq, x, dy):
+    for t in (x, *seq.parameters()):
+        t.grad = None
+    y = seq(x, split_sizes=SPLITS)
+    y.backward(dy)
+    return [y.detach(), x.grad, *[p.grad for p in seq.parameters()]]
+
+
+def test_fp8_plan_glue_matches_the_emulation(sm90_stand_ins, monkeypatch):
+    seq = fp8_mlp()
+    x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
+    text = seq.explain(x, split_sizes=SPLITS)
+    for step_text in ("[0] Quantize -> rule 'quantize' (backend sm90)",
+                      "[1:3] GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend sm90)",
+                      "[4:6] Transpose, GroupedLinear -> rule 'transpose+grouped_linear' (backend sm90)",
+                      "[5] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)",
+                      "[1] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)"):
+        assert step_text in text, text
+    got = step(seq, x, dy)
+    monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
+    want = step(seq, x, dy)
+    for name, a, b in zip(("y", "dx", "dW1", "dW2"), got, want):
+        assert ref.rel_err(a, b) <= 5e-2, name
+    assert torch.all(got[0][SPLITS.sum():] == 0)
