@@ -73,8 +73,8 @@ def fp8_mlp():
     fc2 = GroupedLinear(G, I, H, dtype=torch.bfloat16)
     with torch.no_grad():
         for fc in (fc1, fc2):  # block (i, j) of group g scaled by 2**(3 (i - j) + g): no symmetry
-            g, i, j = torch.meshgrid(*(torch.arange(n) for n in (G, fc.weight.shape[1] // 128, fc.weight.shape[2] // 128)),
-                                     indexing="ij")
+            grid = (G, fc.weight.shape[1] // 128, fc.weight.shape[2] // 128)
+            g, i, j = torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij")
             fc.weight.mul_(_expand(torch.exp2(3.0 * (i - j) + g), fc.weight.shape[-2:]).bfloat16())
     return Sequential(Quantize("fp8_blockwise"), fc1, SwiGLU(), Quantize("fp8_blockwise"), Transpose(), fc2)
 
