@@ -13,7 +13,15 @@ from te_fused_ops.kernels.grouped_gemm import (
 from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90, sm90_wgrad_unsupported_reason
 from te_fused_ops.ops import Activation, GroupedLinear
 from te_fused_ops.ops.base import is_quantized
-from te_fused_ops.quantization import Float8BlockScaling, quantize_weight, reuse_or_make
+from te_fused_ops.quantization import (
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    quantize,
+    quantize_weight,
+    reuse_or_make,
+)
+
+FP8_KERNEL_RECIPES = (Float8BlockScaling, Float8CurrentScaling)  # what the FP8 GEMM computes in
 
 
 def _reason(reason):
@@ -22,10 +30,11 @@ def _reason(reason):
 
 def kernel_unsupported_reason(linear: GroupedLinear, info, activation=None):
     """Why the sm90 grouped GEMM cannot run ``linear`` (the first matched op) + ``activation``.
-    An fp8_blockwise input runs the block-scaled FP8 kernel; other recipes stay emulated."""
+    An fp8_blockwise or fp8_current input runs the block-scaled FP8 kernel (per-tensor
+    multipliers broadcast to its blocks); mxfp8 stays emulated."""
     recipe = info.input_recipe[0]
     if recipe is not None:
-        if not isinstance(recipe, Float8BlockScaling):
+        if not isinstance(recipe, FP8_KERNEL_RECIPES):
             return emulated_recipe_reason(recipe)
         return _reason(
             sm90_grouped_gemm_fp8_unsupported_reason(info.dtype, linear.out_features, linear.in_features, activation)
@@ -38,22 +47,22 @@ def kernel_unsupported_reason(linear: GroupedLinear, info, activation=None):
 
 
 def emulated_recipe_reason(recipe) -> str:
-    """Why a quantized input of ``recipe`` (not fp8_blockwise) runs emulated on sm90."""
+    """Why a quantized input of ``recipe`` (not one of FP8_KERNEL_RECIPES) runs emulated on sm90."""
     if recipe.name == "mxfp8":
         return "mxfp8 input: emulated on Hopper, which has no MX block-scaling hardware (quantize, dequantize, bf16 GEMM)"
-    return f"{recipe.name} input: emulated (the sm90 FP8 kernels take fp8_blockwise)"
+    return f"{recipe.name} input: emulated (the sm90 FP8 kernels take fp8_blockwise and fp8_current)"
 
 
 def backward_unsupported_reason(linear: GroupedLinear, info, index: int, fp8: bool = False):
     """Why the sm90 kernels cannot run the backward of ``linear`` (op ``index`` of info's window).
-    ``fp8``: the caller runs `linear_backward`, which takes fp8_blockwise inputs."""
+    ``fp8``: the caller runs `linear_backward`, which takes FP8_KERNEL_RECIPES inputs."""
     recipe = info.input_recipe[index]
     if recipe is not None:
-        if not isinstance(recipe, Float8BlockScaling):
+        if not isinstance(recipe, FP8_KERNEL_RECIPES):
             return emulated_recipe_reason(recipe)
-        if not fp8 or recipe.power_2_scales:
-            return "fp8_blockwise input: this backward runs in torch (sm90: grouped_linear_backward, no power_2_scales)"
-        if info.input_requires_grad[index]:  # dx = dy (1x128 E4M3) @ W[g] (128x128 E4M3)
+        if not fp8:
+            return f"{recipe.name} input: this backward runs in torch (on sm90: grouped_linear_backward)"
+        if info.input_requires_grad[index]:  # dx = dy (E4M3) @ W[g] (E4M3)
             reason = sm90_grouped_gemm_fp8_unsupported_reason(info.dtype, linear.in_features, linear.out_features, None)
             if reason:
                 return _reason(reason)
@@ -82,16 +91,17 @@ def epilogue_args(act: Activation, ctx) -> dict:
 def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=None, **epilogue):
     """The sm90 kernel on the weight (natural layout, GLU too) this call read; fills ctx like the op.
 
-    A quantized (fp8_blockwise) ``x`` runs the block-scaled FP8 kernel on the weight quantized
-    in 128 x 128 blocks on this call. Returns (pre, act) as `grouped_gemm_sm90`.
+    A quantized ``x`` (FP8_KERNEL_RECIPES) runs the block-scaled FP8 kernel on the weight cast
+    with the same recipe on this call. Returns (pre, act) as `grouped_gemm_sm90`.
     """
     weight, bias = ctx.params["weight"], ctx.params.get("bias")
     linear.check_input(x, weight)
     bias = None if bias is None else bias.detach()
     if is_quantized(x):
         w_data, w_scale_inv = quantize_weight_blocks(weight.detach(), x.recipe)
+        x_scale_inv = block_multipliers(x.rowwise_scale_inv, x.shape)
         pre, act = grouped_gemm_fp8_sm90(
-            x.rowwise_data, x.rowwise_scale_inv, w_data, w_scale_inv, ctx.side["offsets"],
+            x.rowwise_data, x_scale_inv, w_data, w_scale_inv, ctx.side["offsets"],
             bias=bias, activation=activation, out_dtype=x.dtype, **epilogue,
         )
         linear.keep_for_backward(ctx, x, x.recipe)
@@ -101,20 +111,43 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
     return pre, act
 
 
-def quantize_weight_blocks(weight: torch.Tensor, recipe: Float8BlockScaling, transposed: bool = False):
-    """(data (G, N, K) E4M3, scale_inv (G, N/128, K/128)) of ``weight`` in 128 x 128 blocks, or
-    with ``transposed`` both per-group transposed ((G, K, N), (G, K/128, N/128): the data
-    gradient's K-major operand). Made on every call (one kernel launch, or torch for power-of-two
-    scales), unless inside `reuse_quantized_weights`."""
+def block_multipliers(scale_inv: torch.Tensor, shape) -> torch.Tensor:
+    """The FP8 kernel's multipliers for an operand of ``shape``: (M, ceil(K/128)) for (M, K),
+    (G, ceil(N/128), ceil(K/128)) for (G, N, K). Block scales pass as they are; a per-tensor
+    scale is broadcast to that grid."""
+    if scale_inv.dim():
+        return scale_inv
+    if len(shape) == 2:
+        grid = (shape[0], -(-shape[1] // 128))
+    else:
+        grid = (shape[0], -(-shape[1] // 128), -(-shape[2] // 128))
+    return scale_inv.expand(grid).contiguous()
+
+
+def cast_rows(x: torch.Tensor, recipe, offsets):
+    """(data, multipliers) of a gradient or activation (M, K) for the FP8 kernel: fp8_blockwise
+    1x128 blocks on the cast kernel; other scales in torch (per-tensor amax over the grouped rows)."""
+    if isinstance(recipe, Float8BlockScaling) and not recipe.power_2_scales:
+        return block_quantize_sm90(x, 1)
+    q = quantize(x, recipe, offsets=offsets)
+    return q.rowwise_data, block_multipliers(q.rowwise_scale_inv, x.shape)
+
+
+def quantize_weight_blocks(weight: torch.Tensor, recipe, transposed: bool = False):
+    """(data (G, N, K) E4M3, multipliers (G, N/128, K/128)) of ``weight`` cast with ``recipe``
+    (128 x 128 blocks, or one scale broadcast to them), or with ``transposed`` both per-group
+    transposed ((G, K, N), (G, K/128, N/128): the data gradient's K-major operand). Made on every
+    call (one kernel launch for fp8_blockwise, else torch), unless inside
+    `reuse_quantized_weights`."""
 
     def make():
         if transposed:
             data, scale_inv = quantize_weight_blocks(weight, recipe)
             return data.transpose(1, 2).contiguous(), scale_inv.transpose(1, 2).contiguous()
-        if recipe.power_2_scales:
-            qw = quantize_weight(weight, recipe)
-            return qw.rowwise_data, qw.rowwise_scale_inv
-        return block_quantize_sm90(weight.contiguous(), 128)
+        if isinstance(recipe, Float8BlockScaling) and not recipe.power_2_scales:
+            return block_quantize_sm90(weight.contiguous(), 128)
+        qw = quantize_weight(weight, recipe)
+        return qw.rowwise_data, block_multipliers(qw.rowwise_scale_inv, weight.shape)
 
     return reuse_or_make(weight, recipe, "blocks transposed" if transposed else "blocks", make)
 
@@ -138,10 +171,10 @@ def linear_param_grads(ctx, dy: torch.Tensor, x: torch.Tensor = None) -> dict:
 def linear_backward(linear: GroupedLinear, ctx, dy):
     """GroupedLinear's backward on sm90: dx = dy @ W[g] (W read in place) and the parameter grads.
 
-    After an fp8_blockwise forward the data gradient is an FP8 GEMM: dy cast in 1 x 128 blocks,
-    W in 128 x 128 blocks, transposed (the kernel reads K-major operands; cast again on this call,
-    or once per `reuse_quantized_weights` scope); the weight gradient stays bf16 (dy as it came, x dequantized). A quantized dy
-    takes the torch path."""
+    After an FP8 forward the data gradient is an FP8 GEMM: dy cast with the forward's recipe, W
+    too and transposed (the kernel reads K-major operands; cast again on this call, or once per
+    `reuse_quantized_weights` scope); the weight gradient stays bf16 (dy as it came, x
+    dequantized). A quantized dy takes the torch path."""
     recipe = ctx.saved["recipe"]
     if is_quantized(dy):
         return linear.op_backward(ctx, dy)
@@ -153,7 +186,7 @@ def linear_backward(linear: GroupedLinear, ctx, dy):
             dx = grouped_gemm_sm90(dy, ctx.saved["weight"].detach(), offsets, weight_layout="kn")[0]
         return dx, linear_param_grads(ctx, dy)
     if ctx.input_requires_grad:
-        dy_data, dy_scale_inv = block_quantize_sm90(dy, 1)
+        dy_data, dy_scale_inv = cast_rows(dy, recipe, offsets)
         w_data, w_scale_inv = quantize_weight_blocks(ctx.saved["weight"].detach(), recipe, transposed=True)
         dx = grouped_gemm_fp8_sm90(dy_data, dy_scale_inv, w_data, w_scale_inv, offsets, out_dtype=dy.dtype)[0]
     x = ctx.load_input().dequantize() if ctx.needs_grad("weight") else None

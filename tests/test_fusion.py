@@ -298,12 +298,12 @@ def test_sm90_supports_reports_kernel_limits_in_explain(monkeypatch):
         (ok, {"dtype": torch.float32}, "dtype float32 not supported"),
         (ok, {"capability": (8, 0)}, "compute capability 8.0, needs 9.0"),
         (ok, {"input_recipe": "mxfp8"}, "mxfp8 input: emulated on Hopper, which has no MX block-scaling hardware"),
-        (ok, {"input_recipe": "fp8_current"}, "fp8_current input: emulated (the sm90 FP8 kernels take fp8_blockwise)"),
         ([GroupedLinear(4, 64, 192), SwiGLU()], {"input_recipe": "fp8_blockwise"},
          "N=192 not a multiple of 128 (FP8, activation 'swiglu')"),
         ([GroupedLinear(4, 72, 128), SwiGLU()], {"input_recipe": "fp8_blockwise"}, "K=72 not a multiple of 16"),
     ]
-    assert rule.first_failure(ok, _sm90_info(ok, input_recipe="fp8_blockwise"), "sm90") is None
+    for recipe in ("fp8_blockwise", "fp8_current"):
+        assert rule.first_failure(ok, _sm90_info(ok, input_recipe=recipe), "sm90") is None
     for ops, kw, reason in cases:
         assert reason in rule.first_failure(ops, _sm90_info(ops, **kw), "sm90")
     ops = [GroupedLinear(4, 100, 128), SwiGLU(), GroupedLinear(4, 64, 96)]

@@ -156,15 +156,17 @@ def _fp8_step_matches_torch_backend(seq, out_tol, grad_tol, monkeypatch, seed):
     return text
 
 
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_current"])
 @pytest.mark.parametrize("act", [SwiGLU, SReLU])
-def test_sm90_fp8_blockwise_forward_runs_the_fp8_kernel_and_matches_emulation(act, monkeypatch):
-    """An fp8_blockwise input takes the block-scaled FP8 kernel forward and for its data
-    gradient (its weight gradient in bf16); against the torch backend's emulation (dequantized
-    bf16 operands, FP8 dy for the weight gradient too) the output differs only by rounding."""
+def test_sm90_fp8_forward_runs_the_fp8_kernel_and_matches_emulation(act, recipe, monkeypatch):
+    """An fp8_blockwise or fp8_current input takes the block-scaled FP8 kernel forward and for its
+    data gradient (its weight gradient in bf16); against the torch backend's emulation
+    (dequantized bf16 operands, FP8 dy for the weight gradient too) the output differs only by
+    rounding."""
     _require_hopper()
     torch.manual_seed(0)
     seq = Sequential(
-        Quantize("fp8_blockwise"),
+        Quantize(recipe),
         GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16, device="cuda"),
         act(),
         GroupedLinear(G, 2 * I if act is SReLU else I, H, dtype=torch.bfloat16, device="cuda"),

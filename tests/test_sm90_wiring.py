@@ -67,7 +67,7 @@ def sm90_stand_ins(monkeypatch):
     monkeypatch.setattr(quantize_rule, "block_quantize_sm90", block_cast)
 
 
-def fp8_mlp():
+def fp8_mlp(recipe):
     torch.manual_seed(0)
     fc1 = GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16)
     fc2 = GroupedLinear(G, I, H, dtype=torch.bfloat16)
@@ -76,7 +76,7 @@ def fp8_mlp():
             grid = (G, fc.weight.shape[1] // 128, fc.weight.shape[2] // 128)
             g, i, j = torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij")
             fc.weight.mul_(_expand(torch.exp2(3.0 * (i - j) + g), fc.weight.shape[-2:]).bfloat16())
-    return Sequential(Quantize("fp8_blockwise"), fc1, SwiGLU(), Quantize("fp8_blockwise"), Transpose(), fc2)
+    return Sequential(Quantize(recipe), fc1, SwiGLU(), Quantize(recipe), Transpose(), fc2)
 
 
 def step(seq, x, dy):
@@ -87,12 +87,14 @@ def step(seq, x, dy):
     return [y.detach(), x.grad, *[p.grad for p in seq.parameters()]]
 
 
-def test_fp8_plan_glue_matches_the_emulation(sm90_stand_ins, monkeypatch):
-    seq = fp8_mlp()
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_current"])
+def test_fp8_plan_glue_matches_the_emulation(recipe, sm90_stand_ins, monkeypatch):
+    seq = fp8_mlp(recipe)
     x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
     text = seq.explain(x, split_sizes=SPLITS)
-    for step_text in ("[0] Quantize -> rule 'quantize' (backend sm90)",
+    cast = "sm90" if recipe == "fp8_blockwise" else "torch"  # fp8_current: the torch cast
+    for step_text in (f"[0] Quantize -> rule 'quantize' (backend {cast})",
                       "[1:3] GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend sm90)",
                       "[4:6] Transpose, GroupedLinear -> rule 'transpose+grouped_linear' (backend sm90)",
                       "[5] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)",
