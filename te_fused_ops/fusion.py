@@ -167,7 +167,8 @@ def registry_version() -> int:
 
 
 def register_rule(rule: FusionRule, priority: int = 0, replace: bool = False) -> FusionRule:
-    """Add ``rule``; higher ``priority`` is tried first, then longer patterns, then older rules."""
+    """Add ``rule``. Where rules match at the same position the planner takes the higher
+    ``priority``, then the better backend, then the longer pattern, then the older rule."""
     if not isinstance(rule, FusionRule):
         raise TypeError(f"register_rule: argument 'rule' must be a FusionRule, got {type(rule).__name__}")
     if not rule.implementations:
