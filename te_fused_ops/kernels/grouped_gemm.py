@@ -341,12 +341,7 @@ def grouped_gemm_sm90(
     fn, pre_shape, act_shape, clusters = launch
     pre = out if out is not None else x.new_empty(pre_shape)
     act = act_out if act_out is not None or act_shape is None else x.new_empty(act_shape)
-    if fn is not None:
-        try:
-            _call(fn, tvm_ffi, x, weight, offsets, pre, act, bias, probs, limit, alpha, clusters)
-        except Exception:
-            _forward_launch(*args)  # raises the error naming the argument the kernel rejected
-            raise
+    _run(fn, tvm_ffi, _forward_launch, args, x, weight, offsets, pre, act, bias, probs, limit, alpha, clusters)
     return pre, act
 
 
@@ -422,12 +417,8 @@ def grouped_gemm_act_quant_sm90(
     pre = out if out is not None else x.new_empty(pre_shape)
     act_data = torch.empty(act_shape, dtype=torch.float8_e4m3fn, device=x.device)
     act_scale_inv = torch.empty(act_shape[0], -(-act_shape[1] // 128), dtype=torch.float32, device=x.device)
-    if fn is not None:
-        try:
-            _call(fn, tvm_ffi, x, weight, offsets, pre, act_data, act_scale_inv, bias, probs, limit, alpha, clusters)
-        except Exception:
-            _act_quant_launch(*args)  # raises the error naming the argument the kernel rejected
-            raise
+    _run(fn, tvm_ffi, _act_quant_launch, args, x, weight, offsets, pre, act_data, act_scale_inv, bias, probs, limit,
+         alpha, clusters)
     return pre, act_data, act_scale_inv
 
 
@@ -478,13 +469,8 @@ def grouped_gemm_fp8_sm90(
     act = act_out
     if act is None and act_shape is not None:
         act = torch.empty(act_shape, dtype=out_dtype, device=x.device)
-    if fn is not None:
-        try:
-            _call(fn, tvm_ffi, x, x_scale_inv, weight, weight_scale_inv, offsets, pre, act, bias, probs,
-                  limit, alpha, clusters)
-        except Exception:
-            _fp8_launch(*args)  # raises the error naming the argument the kernel rejected
-            raise
+    _run(fn, tvm_ffi, _fp8_launch, args, x, x_scale_inv, weight, weight_scale_inv, offsets, pre, act, bias, probs,
+         limit, alpha, clusters)
     return pre, act
 
 
@@ -559,12 +545,8 @@ def grouped_dgrad_dact_sm90(
     d_pre = torch.empty_like(pre)
     act = dy.new_empty(act_shape)
     d_probs_part = None if partial_shape is None else dy.new_empty(partial_shape, dtype=torch.float32)
-    if fn is not None:
-        try:
-            _call(fn, tvm_ffi, dy, weight, offsets, pre, d_pre, act, probs, d_probs_part, limit, alpha, clusters)
-        except Exception:
-            _dact_launch(*args)  # raises the error naming the argument the kernel rejected
-            raise
+    _run(fn, tvm_ffi, _dact_launch, args, dy, weight, offsets, pre, d_pre, act, probs, d_probs_part, limit, alpha,
+         clusters)
     return d_pre, act, None if d_probs_part is None else d_probs_part.sum(0)
 
 
@@ -604,6 +586,19 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, tile_n, cluster_m,
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_dgrad_dact(*key[1:])
     return fn, (m, i), partial_shape, clusters
+
+
+def _run(fn, tvm_ffi, checks, check_args, *launch_args):
+    """Launch ``fn`` (None: M == 0, nothing to launch). When the compiled entry rejects an
+    argument, rerun the wrapper's ``checks(*check_args)``: they raise the error naming it (else
+    the entry's own error propagates)."""
+    if fn is None:
+        return
+    try:
+        _call(fn, tvm_ffi, *launch_args)
+    except Exception:
+        checks(*check_args)
+        raise
 
 
 def _call(fn, tvm_ffi, *args):
