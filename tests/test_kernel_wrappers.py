@@ -1,6 +1,8 @@
-"""CPU checks of the sm90 kernel wrappers' pure-python parts: activation registry, SM margin."""
+"""CPU checks of the sm90 kernel wrappers' pure-python parts: activation registry, SM margin,
+the launch that reruns the checks when the compiled entry rejects an argument."""
 
 import pytest
+import torch
 
 from te_fused_ops.kernels import activations, grouped_gemm
 from te_fused_ops.kernels.grouped_gemm import max_clusters
@@ -49,22 +51,19 @@ def test_max_clusters():
     assert max_clusters(132, 200, 2) == 1  # at least one cluster
 
 
-def test_a_rejected_launch_reruns_the_checks_for_a_named_error(monkeypatch):
-    import te_fused_ops.kernels.grouped_gemm as gg
-
+def test_a_rejected_launch_reruns_the_checks_for_a_named_error():
     def rejecting_entry(*args):
         raise RuntimeError("Mismatched type on argument #3")
-
-    monkeypatch.setattr(gg, "_call", lambda fn, tvm_ffi, *args: fn(*args))
 
     def named_checks(arg):
         raise ValueError(f"grouped_gemm_sm90: {arg} must be contiguous")
 
+    x = torch.zeros(2)
     with pytest.raises(ValueError, match="grouped_gemm_sm90: out must be contiguous"):
-        gg._run(rejecting_entry, True, named_checks, ("out",), 1, 2)
+        grouped_gemm._run(rejecting_entry, True, named_checks, ("out",), x, None, 7, 1, 132)
     with pytest.raises(RuntimeError, match="argument #3"):  # checks pass: the entry's own error
-        gg._run(rejecting_entry, True, lambda: None, (), 1, 2)
+        grouped_gemm._run(rejecting_entry, True, lambda: None, (), x, None, 7, 1, 132)
     launched = []
-    gg._run(lambda *args: launched.append(args), True, named_checks, ("x",), 1, 2)
-    gg._run(None, True, named_checks, ("x",))  # M == 0: nothing launched, nothing checked
-    assert launched == [(1, 2)]
+    grouped_gemm._run(lambda *args: launched.append(args), True, named_checks, ("x",), x, None, 7, 1, 132)
+    grouped_gemm._run(None, True, named_checks, ("x",))  # M == 0: nothing launched, nothing checked
+    assert launched == [(x, None, 7.0, 1.0, 132)] and isinstance(launched[0][2], float)

@@ -588,25 +588,26 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, tile_n, cluster_m,
     return fn, (m, i), partial_shape, clusters
 
 
-def _run(fn, tvm_ffi, checks, check_args, *launch_args):
-    """Launch ``fn`` (None: M == 0, nothing to launch). When the compiled entry rejects an
-    argument, rerun the wrapper's ``checks(*check_args)``: they raise the error naming it (else
-    the entry's own error propagates)."""
+def _run(fn, tvm_ffi, checks, check_args, *args):
+    """Launch ``fn`` (None: M == 0, nothing to launch) on ``args``: tensors (or None), then the
+    float32 scalars, then the Int32 grid size. When the compiled entry rejects an argument, rerun
+    the wrapper's ``checks(*check_args)``: they raise the error naming it (else the entry's own
+    error propagates)."""
     if fn is None:
         return
     try:
-        _call(fn, tvm_ffi, *launch_args)
+        *tensors, limit, alpha, clusters = args
+        if tvm_ffi:
+            fn(*tensors, float(limit), float(alpha), int(clusters))
+        else:
+            _launch_classic(fn, tensors, limit, alpha, clusters)
     except Exception:
         checks(*check_args)
         raise
 
 
-def _call(fn, tvm_ffi, *args):
-    """Run a launcher: tensors (or None), then float32 scalars, then the Int32 grid size."""
-    *tensors, limit, alpha, clusters = args
-    if tvm_ffi:
-        fn(*tensors, float(limit), float(alpha), int(clusters))
-        return
+def _launch_classic(fn, tensors, limit, alpha, clusters):
+    """The CuTe DSL call path without TVM-FFI (tensors through DLPack, explicit stream)."""
     import cuda.bindings.driver as cuda
     import cutlass
     from cutlass.cute.runtime import from_dlpack
