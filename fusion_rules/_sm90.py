@@ -105,6 +105,8 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
             bias=bias, activation=activation, out_dtype=x.dtype, **epilogue,
         )
         linear.keep_for_backward(ctx, x, x.recipe)
+        if ctx.input_requires_grad:  # the data gradient transposes this cast instead of casting again
+            ctx.saved["weight_fp8"] = (w_data, w_scale_inv)
         return pre, act
     pre, act = grouped_gemm_sm90(x, weight.detach(), ctx.side["offsets"], bias=bias, activation=activation, **epilogue)
     linear.keep_for_backward(ctx, x, None)
@@ -133,16 +135,16 @@ def cast_rows(x: torch.Tensor, recipe, offsets):
     return q.rowwise_data, block_multipliers(q.rowwise_scale_inv, x.shape)
 
 
-def quantize_weight_blocks(weight: torch.Tensor, recipe, transposed: bool = False):
+def quantize_weight_blocks(weight: torch.Tensor, recipe, transposed: bool = False, cast=None):
     """(data (G, N, K) E4M3, multipliers (G, N/128, K/128)) of ``weight`` cast with ``recipe``
     (128 x 128 blocks, or one scale broadcast to them), or with ``transposed`` both per-group
-    transposed ((G, K, N), (G, K/128, N/128): the data gradient's K-major operand). Made on every
-    call (one kernel launch for fp8_blockwise, else torch), unless inside
-    `reuse_quantized_weights`."""
+    transposed ((G, K, N), (G, K/128, N/128): the data gradient's K-major operand), from ``cast``
+    (the forward's (data, multipliers)) when given. Made on every call (one kernel launch for
+    fp8_blockwise, else torch), unless inside `reuse_quantized_weights`."""
 
     def make():
         if transposed:
-            data, scale_inv = quantize_weight_blocks(weight, recipe)
+            data, scale_inv = cast if cast is not None else quantize_weight_blocks(weight, recipe)
             return data.transpose(1, 2).contiguous(), scale_inv.transpose(1, 2).contiguous()
         if isinstance(recipe, Float8BlockScaling) and not recipe.power_2_scales:
             return block_quantize_sm90(weight.contiguous(), 128)
@@ -172,9 +174,8 @@ def linear_backward(linear: GroupedLinear, ctx, dy):
     """GroupedLinear's backward on sm90: dx = dy @ W[g] (W read in place) and the parameter grads.
 
     After an FP8 forward the data gradient is an FP8 GEMM: dy cast with the forward's recipe, W
-    too and transposed (the kernel reads K-major operands; cast again on this call, or once per
-    `reuse_quantized_weights` scope); the weight gradient stays bf16 (dy as it came, x
-    dequantized). A quantized dy takes the torch path."""
+    as the forward cast it, transposed (the kernel reads K-major operands); the weight gradient
+    stays bf16 (dy as it came, x dequantized). A quantized dy takes the torch path."""
     recipe = ctx.saved["recipe"]
     if is_quantized(dy):
         return linear.op_backward(ctx, dy)
@@ -187,7 +188,9 @@ def linear_backward(linear: GroupedLinear, ctx, dy):
         return dx, linear_param_grads(ctx, dy)
     if ctx.input_requires_grad:
         dy_data, dy_scale_inv = cast_rows(dy, recipe, offsets)
-        w_data, w_scale_inv = quantize_weight_blocks(ctx.saved["weight"].detach(), recipe, transposed=True)
+        w_data, w_scale_inv = quantize_weight_blocks(
+            ctx.saved["weight"].detach(), recipe, transposed=True, cast=ctx.saved.get("weight_fp8")
+        )
         dx = grouped_gemm_fp8_sm90(dy_data, dy_scale_inv, w_data, w_scale_inv, offsets, out_dtype=dy.dtype)[0]
     x = ctx.load_input().dequantize() if ctx.needs_grad("weight") else None
     return dx, linear_param_grads(ctx, dy, x)

@@ -41,8 +41,12 @@ def fp8_gemm(x, x_scale_inv, weight, weight_scale_inv, offsets, *, bias=None, ac
     return pre.to(out_dtype), act
 
 
+CASTS = []  # block_rows of each stood-in cast
+
+
 def block_cast(x, block_rows):
     """`block_quantize_sm90`'s contract: the torch quantizer's data and scales."""
+    CASTS.append(block_rows)
     q = quantize(x, "fp8_blockwise") if block_rows == 1 else quantize_weight(x, "fp8_blockwise")
     return q.rowwise_data, q.rowwise_scale_inv
 
@@ -100,7 +104,10 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, sm90_stand_ins, monkeypatch
                       "[5] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)",
                       "[1] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)"):
         assert step_text in text, text
+    CASTS.clear()
     got = step(seq, x, dy)
+    if recipe == "fp8_blockwise":  # x, act, dy of FC2 and FC1; each weight once (forward)
+        assert sorted(CASTS) == [1, 1, 1, 1, 128, 128], CASTS
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
     want = step(seq, x, dy)
     for name, a, b in zip(("y", "dx", "dW1", "dW2"), got, want):
