@@ -1,21 +1,76 @@
-"""The sm90 rules' glue on the CPU: the FP8 plan of a grouped MLP with every kernel wrapper stood
-in for by a torch function of the same contract (the GPU tests check the kernels against those
-contracts), against the torch backend's emulation. Weights get 128 x 128 blocks of very
-different magnitudes, so a scale handed over in the wrong layout (the data gradient's transposed
-weight, the casts' row-wise scales) shows as an O(1) error."""
+"""The sm90 rules' glue on the CPU: plans of a grouped MLP with every kernel wrapper stood in for
+by a torch function of the same contract (the GPU tests check the kernels against those
+contracts), against the torch backend. bf16: every activation, bias, router probabilities. FP8:
+weights get 128 x 128 blocks of very different magnitudes, so a scale handed over in the wrong
+layout (the data gradient's transposed weight, the casts' row-wise scales) shows as an O(1)
+error."""
 
 import pytest
 import torch
 
 import reference as ref
 import te_fused_ops as tfo
-from te_fused_ops import GroupedLinear, Quantize, Sequential, SwiGLU, Transpose
+from te_fused_ops import (
+    ClampedSwiGLU,
+    GeGLU,
+    GroupedLinear,
+    Quantize,
+    ScaledSwiGLU,
+    Sequential,
+    SReLU,
+    SwiGLU,
+    Transpose,
+)
 from te_fused_ops.grouped_mm import grouped_wgrad
 from te_fused_ops.quantization import quantize, quantize_weight
 
 G, H, I, ROWS = 4, 256, 128, 300
 SPLITS = torch.tensor([70, 0, 130, 60])  # 40 padding rows
-ACTIVATIONS = {"swiglu": ref.swiglu}
+ACTIVATIONS = {"swiglu": ref.swiglu, "geglu": ref.geglu, "srelu": ref.srelu}
+
+
+def activation(name, pre, probs, limit, alpha):
+    """The kernels' activation epilogue in float32 (scaled_swiglu: times probs)."""
+    if name == "clamped_swiglu":
+        return ref.clamped_swiglu(pre, limit, alpha)
+    if name == "scaled_swiglu":
+        return ref.swiglu(pre) * probs[:, None]
+    return ACTIVATIONS[name](pre)
+
+
+def grouped_rows(offsets):
+    bounds = offsets.tolist()
+    return [slice(bounds[g], bounds[g + 1]) for g in range(len(bounds) - 1)]
+
+
+def gemm(x, weight, offsets, *, bias=None, activation=None, probs=None, limit=7.0, alpha=1.702, out=None,
+         act_out=None, weight_layout="nk", **_):
+    """`grouped_gemm_sm90`'s contract in float32 (rows past offsets[G] zero)."""
+    w = weight if weight_layout == "nk" else weight.transpose(1, 2)
+    pre = x.new_zeros(x.shape[0], w.shape[1], dtype=torch.float32)
+    for g, rows in enumerate(grouped_rows(offsets)):
+        pre[rows] = x[rows].float() @ w[g].float().t() + (0 if bias is None else bias[g].float())
+    act = None if activation is None else globals()["activation"](activation, pre, probs, limit, alpha)
+    results = []
+    for value, buffer in ((pre, out), (act, act_out)):
+        value = None if value is None else value.to(x.dtype)
+        results.append(value if buffer is None or value is None else buffer.copy_(value))
+    return tuple(results)
+
+
+def dgrad_dact(dy, weight, offsets, pre, *, activation, probs=None, limit=7.0, alpha=1.702, **_):
+    """`grouped_dgrad_dact_sm90`'s contract: (d_pre, act(pre) (times probs), d_probs or None)."""
+    h = dy.new_zeros(dy.shape[0], weight.shape[2], dtype=torch.float32)
+    for g, rows in enumerate(grouped_rows(offsets)):
+        h[rows] = dy[rows].float() @ weight[g].float()
+    scaled = activation == "scaled_swiglu"
+    with torch.enable_grad():
+        pre32 = pre.float().requires_grad_(True)
+        unscaled = globals()["activation"]("swiglu" if scaled else activation, pre32, None, limit, alpha)
+        act = unscaled * probs[:, None] if scaled else unscaled
+        (d_pre,) = torch.autograd.grad(act, pre32, h)
+    d_probs = (h * unscaled.detach()).sum(1) if scaled else None
+    return d_pre.to(dy.dtype), act.detach().to(dy.dtype), d_probs
 
 
 def _expand(scale_inv, sizes):
@@ -61,6 +116,7 @@ def wgrad(dy, x, offsets, main_grad=None):
 @pytest.fixture
 def sm90_stand_ins(monkeypatch):
     import fusion_rules._sm90 as sm90
+    import fusion_rules.dactivation_grouped_linear as dact_rule
     import fusion_rules.quantize as quantize_rule
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")  # compile-only mode: the kernels count as available
@@ -69,6 +125,8 @@ def sm90_stand_ins(monkeypatch):
     monkeypatch.setattr(sm90, "block_quantize_sm90", block_cast)
     monkeypatch.setattr(sm90, "grouped_wgrad_sm90", wgrad)
     monkeypatch.setattr(quantize_rule, "block_quantize_sm90", block_cast)
+    monkeypatch.setattr(sm90, "grouped_gemm_sm90", gemm)
+    monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_sm90", dgrad_dact)
 
 
 def fp8_mlp(recipe):
@@ -83,12 +141,36 @@ def fp8_mlp(recipe):
     return Sequential(Quantize(recipe), fc1, SwiGLU(), Quantize(recipe), Transpose(), fc2)
 
 
-def step(seq, x, dy):
-    for t in (x, *seq.parameters()):
+def step(seq, x, dy, **side):
+    leaves = (x, *side.values(), *seq.parameters())
+    for t in leaves:
         t.grad = None
-    y = seq(x, split_sizes=SPLITS)
+    y = seq(x, split_sizes=SPLITS, **side)
     y.backward(dy)
-    return [y.detach(), x.grad, *[p.grad for p in seq.parameters()]]
+    return [y.detach(), *[t.grad for t in leaves]]
+
+
+@pytest.mark.parametrize("act", [SwiGLU, ScaledSwiGLU, SReLU, ClampedSwiGLU, GeGLU])
+def test_bf16_plan_glue_matches_the_torch_backend(act, sm90_stand_ins, monkeypatch):
+    torch.manual_seed(0)
+    glu = act is not SReLU
+    seq = Sequential(GroupedLinear(G, H, 2 * I if glu else I, bias=True, dtype=torch.bfloat16), act(),
+                     GroupedLinear(G, I, H, dtype=torch.bfloat16))
+    x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
+    side = {"probs": torch.rand(ROWS, requires_grad=True)} if act is ScaledSwiGLU else {}
+    text = seq.explain(x, split_sizes=SPLITS, **side)
+    for step_text in ("[0:2] GroupedLinear, " + act.__name__ + " -> rule 'grouped_linear+activation' (backend sm90)",
+                      "[2] GroupedLinear -> rule 'grouped_linear' (backend sm90)",
+                      "[1:3] " + act.__name__ + ", GroupedLinear -> rule 'dactivation+grouped_linear' (backend sm90)",
+                      "[0] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)"):
+        assert step_text in text, text
+    got = step(seq, x, dy, **side)
+    monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
+    want = step(seq, x, dy, **side)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert ref.rel_err(a, b) <= 1e-2, i
+    assert torch.all(got[0][SPLITS.sum():] == 0)
 
 
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_current"])
