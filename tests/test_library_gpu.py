@@ -176,14 +176,16 @@ def test_sm90_fp8_forward_runs_the_fp8_kernel_and_matches_emulation(act, recipe,
     assert "[1] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)" in text, text
 
 
-def test_sm90_fp8_blockwise_chain_runs_both_gemms_on_the_fp8_kernel(monkeypatch):
-    """Quantize, GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear: both forward GEMMs on
-    the FP8 kernel. The second quantization turns last-bit differences of the activation into
-    whole E4M3 steps for a few percent of the values, hence the looser bound."""
+@pytest.mark.parametrize("quantize_x", [True, False])  # False: the recipe's MLP, FC1 in bf16
+def test_sm90_fp8_blockwise_chain_runs_on_the_kernels(quantize_x, monkeypatch):
+    """[Quantize,] GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear: FC2 (and FC1 after
+    a Quantize of x) on the FP8 kernel, every step on sm90 kernels but the activation's backward.
+    The quantization of the activation turns last-bit differences into whole E4M3 steps for a
+    few percent of the values, hence the looser bound."""
     _require_hopper()
     torch.manual_seed(0)
     seq = Sequential(
-        Quantize("fp8_blockwise"),
+        *([Quantize("fp8_blockwise")] if quantize_x else []),
         GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16, device="cuda"),
         SwiGLU(),
         Quantize("fp8_blockwise"),
@@ -191,11 +193,15 @@ def test_sm90_fp8_blockwise_chain_runs_both_gemms_on_the_fp8_kernel(monkeypatch)
         GroupedLinear(G, I, H, dtype=torch.bfloat16, device="cuda"),
     )
     text = _fp8_step_matches_torch_backend(seq, 5e-2, 5e-2, monkeypatch, seed=9)
-    assert "[0] Quantize -> rule 'quantize' (backend sm90)" in text, text
-    for linear in (1, 5):
+    first = int(quantize_x)
+    if quantize_x:
+        assert "[0] Quantize -> rule 'quantize' (backend sm90)" in text, text
+    for linear in (first, first + 4):
         assert f"[{linear}] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)" in text, text
     assert "rule 'grouped_linear+activation' (backend sm90)" in text, text
-    assert "[4:6] Transpose, GroupedLinear -> rule 'transpose+grouped_linear' (backend sm90)" in text, text
+    assert f"[{first + 2}] Quantize -> rule 'quantize' (backend sm90)" in text, text
+    assert (f"[{first + 3}:{first + 5}] Transpose, GroupedLinear -> rule 'transpose+grouped_linear' (backend sm90)"
+            in text), text
 
 
 def fresh_copy(seq):

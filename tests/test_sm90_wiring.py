@@ -129,7 +129,7 @@ def sm90_stand_ins(monkeypatch):
     monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_sm90", dgrad_dact)
 
 
-def fp8_mlp(recipe):
+def fp8_mlp(recipe, quantize_x=True):
     torch.manual_seed(0)
     fc1 = GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16)
     fc2 = GroupedLinear(G, I, H, dtype=torch.bfloat16)
@@ -138,7 +138,8 @@ def fp8_mlp(recipe):
             grid = (G, fc.weight.shape[1] // 128, fc.weight.shape[2] // 128)
             g, i, j = torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij")
             fc.weight.mul_(_expand(torch.exp2(3.0 * (i - j) + g), fc.weight.shape[-2:]).bfloat16())
-    return Sequential(Quantize(recipe), fc1, SwiGLU(), Quantize(recipe), Transpose(), fc2)
+    ops = [fc1, SwiGLU(), Quantize(recipe), Transpose(), fc2]
+    return Sequential(*([Quantize(recipe)] if quantize_x else []), *ops)
 
 
 def step(seq, x, dy, **side):
@@ -173,23 +174,30 @@ def test_bf16_plan_glue_matches_the_torch_backend(act, sm90_stand_ins, monkeypat
     assert torch.all(got[0][SPLITS.sum():] == 0)
 
 
+@pytest.mark.parametrize("quantize_x", [True, False])  # False: the recipe's MLP, FC1 in bf16
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_current"])
-def test_fp8_plan_glue_matches_the_emulation(recipe, sm90_stand_ins, monkeypatch):
-    seq = fp8_mlp(recipe)
+def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins, monkeypatch):
+    seq = fp8_mlp(recipe, quantize_x)
     x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
     text = seq.explain(x, split_sizes=SPLITS)
     cast = "sm90" if recipe == "fp8_blockwise" else "torch"  # fp8_current: the torch cast
-    for step_text in (f"[0] Quantize -> rule 'quantize' (backend {cast})",
-                      "[1:3] GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend sm90)",
-                      "[4:6] Transpose, GroupedLinear -> rule 'transpose+grouped_linear' (backend sm90)",
-                      "[5] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)",
-                      "[1] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)"):
+    first = int(quantize_x)  # index of FC1
+    expected = [
+        f"[{first}:{first + 2}] GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend sm90)",
+        f"[{first + 2}] Quantize -> rule 'quantize' (backend {cast})",
+        f"[{first + 3}:{first + 5}] Transpose, GroupedLinear -> rule 'transpose+grouped_linear' (backend sm90)",
+        f"[{first + 4}] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)",
+        f"[{first}] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)",
+    ]
+    if quantize_x:
+        expected.append(f"[0] Quantize -> rule 'quantize' (backend {cast})")
+    for step_text in expected:
         assert step_text in text, text
     CASTS.clear()
     got = step(seq, x, dy)
-    if recipe == "fp8_blockwise":  # x, act, dy of FC2 and FC1; each weight once (forward)
-        assert sorted(CASTS) == [1, 1, 1, 1, 128, 128], CASTS
+    if recipe == "fp8_blockwise":  # the activation and FC2's dy, with x: x and FC1's dy; each weight once
+        assert sorted(CASTS) == [1] * (2 + 2 * quantize_x) + [128] * (1 + quantize_x), CASTS
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
     want = step(seq, x, dy)
     for name, a, b in zip(("y", "dx", "dW1", "dW2"), got, want):
