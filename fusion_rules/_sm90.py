@@ -126,10 +126,16 @@ def block_multipliers(scale_inv: torch.Tensor, shape) -> torch.Tensor:
     return scale_inv.expand(grid).contiguous()
 
 
+def casts_on_kernel(recipe) -> bool:
+    """Whether `block_quantize_sm90` makes ``recipe``'s data and scales (fp8_blockwise without
+    power-of-two scales); other recipes cast in torch."""
+    return isinstance(recipe, Float8BlockScaling) and not recipe.power_2_scales
+
+
 def cast_rows(x: torch.Tensor, recipe, offsets):
     """(data, multipliers) of a gradient or activation (M, K) for the FP8 kernel: fp8_blockwise
     1x128 blocks on the cast kernel; other scales in torch (per-tensor amax over the grouped rows)."""
-    if isinstance(recipe, Float8BlockScaling) and not recipe.power_2_scales:
+    if casts_on_kernel(recipe):
         return block_quantize_sm90(x, 1)
     q = quantize(x, recipe, offsets=offsets)
     return q.rowwise_data, block_multipliers(q.rowwise_scale_inv, x.shape)
@@ -146,7 +152,7 @@ def quantize_weight_blocks(weight: torch.Tensor, recipe, transposed: bool = Fals
         if transposed:
             data, scale_inv = cast if cast is not None else quantize_weight_blocks(weight, recipe)
             return data.transpose(1, 2).contiguous(), scale_inv.transpose(1, 2).contiguous()
-        if isinstance(recipe, Float8BlockScaling) and not recipe.power_2_scales:
+        if casts_on_kernel(recipe):
             return block_quantize_sm90(weight.contiguous(), 128)
         qw = quantize_weight(weight, recipe)
         return qw.rowwise_data, block_multipliers(qw.rowwise_scale_inv, weight.shape)

@@ -6,7 +6,9 @@ import torch
 from te_fused_ops import FusionRule, register_rule
 from te_fused_ops.kernels.block_quantize import block_quantize_sm90
 from te_fused_ops.ops import Quantize
-from te_fused_ops.quantization import Float8BlockScaling, QuantizedTensor
+from te_fused_ops.quantization import QuantizedTensor
+
+from ._sm90 import casts_on_kernel
 
 quantize_rule = FusionRule("quantize", pattern=(Quantize,), passes="forward")
 
@@ -16,7 +18,7 @@ def _supports(ops, info, backend):
     if backend != "sm90":
         return None
     recipe = ops[0].recipe
-    if not isinstance(recipe, Float8BlockScaling) or recipe.power_2_scales:
+    if not casts_on_kernel(recipe):
         return f"{recipe.name} cast runs in torch (the sm90 kernel makes fp8_blockwise scales, no power_2_scales)"
     if info.input_recipe[0] is not None:
         return "quantized input (dequantized and requantized in torch)"

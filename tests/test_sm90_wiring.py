@@ -29,7 +29,7 @@ SPLITS = torch.tensor([70, 0, 130, 60])  # 40 padding rows
 ACTIVATIONS = {"swiglu": ref.swiglu, "geglu": ref.geglu, "srelu": ref.srelu}
 
 
-def activation(name, pre, probs, limit, alpha):
+def activation_math(name, pre, probs, limit, alpha):
     """The kernels' activation epilogue in float32 (scaled_swiglu: times probs)."""
     if name == "clamped_swiglu":
         return ref.clamped_swiglu(pre, limit, alpha)
@@ -50,7 +50,7 @@ def gemm(x, weight, offsets, *, bias=None, activation=None, probs=None, limit=7.
     pre = x.new_zeros(x.shape[0], w.shape[1], dtype=torch.float32)
     for g, rows in enumerate(grouped_rows(offsets)):
         pre[rows] = x[rows].float() @ w[g].float().t() + (0 if bias is None else bias[g].float())
-    act = None if activation is None else globals()["activation"](activation, pre, probs, limit, alpha)
+    act = None if activation is None else activation_math(activation, pre, probs, limit, alpha)
     results = []
     for value, buffer in ((pre, out), (act, act_out)):
         value = None if value is None else value.to(x.dtype)
@@ -66,7 +66,7 @@ def dgrad_dact(dy, weight, offsets, pre, *, activation, probs=None, limit=7.0, a
     scaled = activation == "scaled_swiglu"
     with torch.enable_grad():
         pre32 = pre.float().requires_grad_(True)
-        unscaled = globals()["activation"]("swiglu" if scaled else activation, pre32, None, limit, alpha)
+        unscaled = activation_math("swiglu" if scaled else activation, pre32, None, limit, alpha)
         act = unscaled * probs[:, None] if scaled else unscaled
         (d_pre,) = torch.autograd.grad(act, pre32, h)
     d_probs = (h * unscaled.detach()).sum(1) if scaled else None
