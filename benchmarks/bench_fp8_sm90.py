@@ -4,6 +4,7 @@ Per shape (uneven seeded routing; FC1: x (M, H) @ W (E, 2I, H) with SwiGLU and w
   gmm bf16     torch._grouped_mm on bf16 operands (no activation)
   sm90 bf16    grouped_gemm_sm90, bf16 operands
   sm90 fp8     grouped_gemm_fp8_sm90, E4M3 operands with 1x128 / 128x128 multipliers
+  casts        block_quantize_sm90 / block_dequantize_sm90 vs the torch quantizer (bit for bit)
   + cast       the act cast to E4M3 1x128 blocks: after the kernel (block_quantize_sm90) or in its
                epilogue (grouped_gemm_act_quant_sm90; checked byte for byte against the former)
 Each kernel is first checked against a float64 reference of its own operands (fresh random
@@ -22,6 +23,7 @@ apart), and each FP8 step's distance from bf16 is recorded:
   fc2 fp8 emulated  "fc2 fp8 sm90" with TE_FUSED_OPS_BACKEND=torch (quantize, dequantize, bf16)
 
     python benchmarks/bench_fp8_sm90.py [--shapes dsv3-ep8,mixtral-8x7b] [--out DIR] [--part kernels|steps]
+    python benchmarks/bench_fp8_sm90.py --part steps --profile --shapes qwen3-30b-a3b   # GPU time per kernel
 """
 
 import argparse
@@ -32,7 +34,7 @@ import triton.testing
 from common import MODEL_SHAPES, device_tag, skewed_splits, write_results
 
 from te_fused_ops import GroupedLinear, Quantize, Sequential, SwiGLU, Transpose
-from te_fused_ops.kernels.block_quantize import block_quantize_sm90
+from te_fused_ops.kernels.block_quantize import block_dequantize_sm90, block_quantize_sm90
 from te_fused_ops.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_fp8_sm90, grouped_gemm_sm90
 from te_fused_ops.quantization import quantize, quantize_weight
 from te_fused_ops.splits import split_offsets
@@ -79,6 +81,9 @@ def run_shape(name):
     fused = grouped_gemm_act_quant_sm90(xb, wb, offsets, activation="swiglu")[1:]
     assert torch.equal(fused[1], cast[1]) and torch.equal(fused[0].view(torch.uint8), cast[0].view(torch.uint8)), (
         f"{name}: fused act cast differs from the cast of the bf16 act")
+    qxb = quantize(xb, "fp8_blockwise")
+    assert torch.equal(block_dequantize_sm90(qxb.rowwise_data, qxb.rowwise_scale_inv, torch.bfloat16),
+                       qxb.dequantize()), f"{name}: dequantize kernel differs from torch"
     ends = offsets[1:]
     variants = {
         "gmm bf16": lambda: torch._grouped_mm(xb, wb.transpose(-2, -1), offs=ends),
@@ -97,12 +102,30 @@ def run_shape(name):
         "x torch": bench_us(lambda: quantize(xb, "fp8_blockwise")),
         "W sm90": bench_us(lambda: block_quantize_sm90(wb, 128)),
         "W torch": bench_us(lambda: quantize_weight(wb, "fp8_blockwise")),
+        "x dequant sm90": bench_us(lambda: block_dequantize_sm90(qxb.rowwise_data, qxb.rowwise_scale_inv, xb.dtype)),
+        "x dequant torch": bench_us(lambda: qxb.dequantize()),
     }
     return {"shape": name, "us": times, "tflops": {k: flops / t / 1e6 for k, t in times.items()}, "rel_err": errors,
             "quantize_us": quantize_us, "quantize_bytes": {"x": 3 * xb.numel(), "W": 3 * wb.numel()}}
 
 
-def run_step(name):
+def kernel_breakdown(fn, top=12):
+    """GPU microseconds per kernel name in one call of ``fn`` (torch.profiler), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name[:90]] = kernels.get(event.name[:90], 0.0) + event.device_time_total
+    return dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:top])
+
+
+def run_step(name, profile=False):
     """Forward and step times of the bf16 fused, FP8 sm90 and FP8 emulated MLPs (one shape)."""
     m, h, i, e = MODEL_SHAPES[name]
     torch.manual_seed(0)
@@ -133,6 +156,11 @@ def run_step(name):
             os.environ["TE_FUSED_OPS_BACKEND"] = "torch"
         try:
             outputs[label] = step(model)
+            if profile and not label.endswith("emulated"):
+                breakdown = kernel_breakdown(lambda: step(model))
+                print(f"{name} / {label}: {sum(breakdown.values()):.0f} us in the top kernels", flush=True)
+                for kernel, us in breakdown.items():
+                    print(f"  {us:9.0f}  {kernel}", flush=True)
             times[label] = {
                 "forward": bench_us(lambda: model(x, split_sizes=splits)),
                 "step": bench_us(lambda: step(model)),
@@ -163,14 +191,15 @@ def kernel_tables(rows, device):
         lines.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {r['us']['sm90 bf16'] / r['us']['sm90 fp8']:.2f}x |")
     lines += [
         "",
-        "Quantization of the FC1 operands (bf16 in, E4M3 + float32 scales out); median us (GB/s, 3 bytes per element)",
+        "Casts of the FC1 operands (bf16 <-> E4M3 + float32 scales); median us (GB/s, 3 bytes per element)",
         "",
-        "| shape | x 1x128 sm90 | x 1x128 torch | W 128x128 sm90 | W 128x128 torch |",
-        "|---|---|---|---|---|",
+        "| shape | x 1x128 sm90 | x 1x128 torch | W 128x128 sm90 | W 128x128 torch | x dequant sm90 | x dequant torch |",
+        "|---|---|---|---|---|---|---|",
     ]
+    casts = ("x sm90", "x torch", "W sm90", "W torch", "x dequant sm90", "x dequant torch")
     for r in rows:
         q, b = r["quantize_us"], r["quantize_bytes"]
-        cells = [f"{q[k]:.0f} ({b[k.split()[0]] / q[k] / 1e3:.0f})" for k in ("x sm90", "x torch", "W sm90", "W torch")]
+        cells = [f"{q[k]:.0f} ({b[k.split()[0]] / q[k] / 1e3:.0f})" for k in casts]
         lines.append(f"| {r['shape']} | " + " | ".join(cells) + " |")
     return lines
 
@@ -195,6 +224,7 @@ def main():
     ap.add_argument("--shapes", default=",".join(MODEL_SHAPES))
     ap.add_argument("--out", default=None)
     ap.add_argument("--part", choices=("all", "kernels", "steps"), default="all")
+    ap.add_argument("--profile", action="store_true", help="print each step's GPU time per kernel first")
     args = ap.parse_args()
     device = torch.cuda.get_device_name()
     shapes = args.shapes.split(",")
@@ -206,7 +236,7 @@ def main():
         lines += kernel_tables(rows, device) + [""]
     if args.part != "kernels":
         for name in shapes:
-            steps.append(run_step(name))
+            steps.append(run_step(name, args.profile))
             print(name, steps[-1]["us"], flush=True)
         lines += step_table(steps, device)
     table = "\n".join(lines).strip()

@@ -3,7 +3,7 @@
 import torch
 
 from te_fused_ops.grouped_mm import grouped_row_sum
-from te_fused_ops.kernels.block_quantize import block_quantize_sm90
+from te_fused_ops.kernels.block_quantize import block_dequantize_sm90, block_quantize_sm90
 from te_fused_ops.kernels.grouped_gemm import (
     grouped_gemm_fp8_sm90,
     grouped_gemm_sm90,
@@ -141,6 +141,15 @@ def cast_rows(x: torch.Tensor, recipe, offsets):
     return q.rowwise_data, block_multipliers(q.rowwise_scale_inv, x.shape)
 
 
+def dequantize_rows(x):
+    """The bf16/fp16 values of a quantized activation or gradient x (M, K), as
+    `QuantizedTensor.dequantize` gives them: on the dequantize kernel from the row-wise copy of
+    an FP8_KERNEL_RECIPES tensor, else in torch."""
+    if isinstance(x.recipe, FP8_KERNEL_RECIPES) and x.has_rowwise and x.dim() == 2 and x.shape[-1] % 8 == 0:
+        return block_dequantize_sm90(x.rowwise_data, block_multipliers(x.rowwise_scale_inv, x.shape), x.dtype)
+    return x.dequantize()
+
+
 def quantize_weight_blocks(weight: torch.Tensor, recipe, transposed: bool = False, cast=None):
     """(data (G, N, K) E4M3, multipliers (G, N/128, K/128)) of ``weight`` cast with ``recipe``
     (128 x 128 blocks, or one scale broadcast to them), or with ``transposed`` both per-group
@@ -181,7 +190,7 @@ def linear_backward(linear: GroupedLinear, ctx, dy):
 
     After an FP8 forward the data gradient is an FP8 GEMM: dy cast with the forward's recipe, W
     as the forward cast it, transposed (the kernel reads K-major operands); the weight gradient
-    stays bf16 (dy as it came, x dequantized). A quantized dy takes the torch path."""
+    stays bf16 (dy as it came, x dequantized on a kernel). A quantized dy takes the torch path."""
     recipe = ctx.saved["recipe"]
     if is_quantized(dy):
         return linear.op_backward(ctx, dy)
@@ -198,5 +207,5 @@ def linear_backward(linear: GroupedLinear, ctx, dy):
             ctx.saved["weight"].detach(), recipe, transposed=True, cast=ctx.saved.get("weight_fp8")
         )
         dx = grouped_gemm_fp8_sm90(dy_data, dy_scale_inv, w_data, w_scale_inv, offsets, out_dtype=dy.dtype)[0]
-    x = ctx.load_input().dequantize() if ctx.needs_grad("weight") else None
+    x = dequantize_rows(ctx.load_input()) if ctx.needs_grad("weight") else None
     return dx, linear_param_grads(ctx, dy, x)

@@ -1,11 +1,12 @@
-"""GPU tests of the E4M3 block-quantization kernel: bit for bit the torch quantizer of the
-"fp8_blockwise" recipe (data bytes and scales), edge blocks, non-finite values, no host sync."""
+"""GPU tests of the E4M3 block-quantization kernels: bit for bit the torch quantizer of the
+"fp8_blockwise" recipe (data bytes and scales) and `QuantizedTensor.dequantize`, edge blocks,
+non-finite values, no host sync."""
 
 import pytest
 import torch
 
 from te_fused_ops.kernels import sm90_unavailable_reason
-from te_fused_ops.kernels.block_quantize import block_quantize_sm90
+from te_fused_ops.kernels.block_quantize import block_dequantize_sm90, block_quantize_sm90
 from te_fused_ops.quantization import quantize, quantize_weight
 
 pytestmark = [
@@ -57,9 +58,34 @@ def test_weight_blocks_match_torch_bit_for_bit(shape):
     assert_same_bytes(data, want.rowwise_data)
 
 
+def assert_same_values(out, expected):
+    both_nan = torch.isnan(out) & torch.isnan(expected)
+    bits = out.view(torch.int16) != expected.view(torch.int16)
+    assert ((bits & ~both_nan).sum().item()) == 0, "dequantized values differ from QuantizedTensor.dequantize"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_blockwise_pow2", "fp8_current"])
+@pytest.mark.parametrize("shape", [(1, 128), (301, 200), (1000, 2048), (33, 8)])
+def test_dequantize_matches_torch_bit_for_bit(shape, recipe, dtype):
+    """Poisoned output; per-tensor (fp8_current) scales go in broadcast to the 1 x 128 grid. fp16
+    output saturates where the values pass 65504 (the sample spans 2**-20 .. 2**12 per row)."""
+    from fusion_rules._sm90 import block_multipliers
+    from te_fused_ops.quantization import Float8BlockScaling
+
+    name = {"fp8_blockwise_pow2": Float8BlockScaling(power_2_scales=True)}.get(recipe, recipe)
+    x = sample(shape, torch.float32, seed=shape[0] + len(recipe)) * 32.0
+    q = quantize(x, name)
+    expected = q.dequantize(dtype)
+    out = block_dequantize_sm90(q.rowwise_data, block_multipliers(q.rowwise_scale_inv, q.shape), dtype)
+    assert out.dtype == dtype and out.shape == shape
+    assert_same_values(out, expected)
+
+
 def test_empty_and_no_host_sync():
     data, scale_inv = block_quantize_sm90(torch.zeros(0, 256, dtype=torch.bfloat16, device="cuda"), 1)
     assert data.shape == (0, 256) and scale_inv.shape == (0, 2)
+    assert block_dequantize_sm90(data, scale_inv, torch.bfloat16).shape == (0, 256)
     x = sample((512, 512), torch.bfloat16, seed=3)
     block_quantize_sm90(x, 1)
     torch.cuda.synchronize()
@@ -67,6 +93,7 @@ def test_empty_and_no_host_sync():
     try:
         block_quantize_sm90(x, 1)
         block_quantize_sm90(x.view(4, 128, 512), 128)
+        block_dequantize_sm90(*block_quantize_sm90(x, 1), torch.bfloat16)
     finally:
         torch.cuda.set_sync_debug_mode(0)
 
@@ -83,3 +110,14 @@ def test_argument_errors():
         block_quantize_sm90(x.t(), 1)
     with pytest.raises(ValueError, match="block_quantize_sm90: x must be on a CUDA device"):
         block_quantize_sm90(x.cpu(), 1)
+    with pytest.raises(ValueError, match="block_quantize_sm90: x needs a last dim that is a multiple of 8"):
+        block_quantize_sm90(torch.zeros(64, 100, dtype=torch.bfloat16, device="cuda"), 1)
+    data, scale_inv = block_quantize_sm90(x, 1)
+    with pytest.raises(TypeError, match="block_dequantize_sm90: dtype must be bfloat16 or float16"):
+        block_dequantize_sm90(data, scale_inv, torch.float32)
+    with pytest.raises(TypeError, match="block_dequantize_sm90: data has dtype torch.uint8"):
+        block_dequantize_sm90(data.view(torch.uint8), scale_inv, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"block_dequantize_sm90: scale_inv must have shape \(64, 2\)"):
+        block_dequantize_sm90(data, scale_inv[:, :1].contiguous(), torch.bfloat16)
+    with pytest.raises(ValueError, match="block_dequantize_sm90: scale_inv must be on data's CUDA device"):
+        block_dequantize_sm90(data, scale_inv.cpu(), torch.bfloat16)

@@ -145,6 +145,13 @@ def test_block_quantize_compiles(dtype, block_rows):
     assert compile_block_quantize(dtype, block_rows, tvm_ffi=False) is not None
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_block_dequantize_compiles(dtype):
+    from te_fused_ops.kernels.block_quantize import compile_block_dequantize
+
+    assert compile_block_dequantize(dtype, tvm_ffi=False) is not None
+
+
 @pytest.mark.parametrize("activation,has_bias,weight_layout", [("swiglu", True, "nk"), ("scaled_swiglu", False, "kn")])
 def test_grouped_gemm_act_quant_compiles(activation, has_bias, weight_layout):
     from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm_act_quant

@@ -106,6 +106,16 @@ def block_cast(x, block_rows):
     return q.rowwise_data, q.rowwise_scale_inv
 
 
+UNCASTS = []  # shapes of each stood-in dequantization
+
+
+def block_uncast(data, scale_inv, dtype):
+    """`block_dequantize_sm90`'s contract: float32 data times its 1 x 128 multipliers, saturated to dtype."""
+    UNCASTS.append(tuple(data.shape))
+    finite_max = torch.finfo(dtype).max
+    return (data.float() * _expand(scale_inv, data.shape[-1:])).clamp(-finite_max, finite_max).to(dtype)
+
+
 def wgrad(dy, x, offsets, main_grad=None):
     dw = grouped_wgrad(dy, x, offsets)
     if main_grad is not None:
@@ -123,6 +133,7 @@ def sm90_stand_ins(monkeypatch):
     monkeypatch.setitem(tfo.fusion.BACKENDS, "sm90", lambda info: None)  # any device
     monkeypatch.setattr(sm90, "grouped_gemm_fp8_sm90", fp8_gemm)
     monkeypatch.setattr(sm90, "block_quantize_sm90", block_cast)
+    monkeypatch.setattr(sm90, "block_dequantize_sm90", block_uncast)
     monkeypatch.setattr(sm90, "grouped_wgrad_sm90", wgrad)
     monkeypatch.setattr(quantize_rule, "block_quantize_sm90", block_cast)
     monkeypatch.setattr(sm90, "grouped_gemm_sm90", gemm)
@@ -195,9 +206,12 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
     for step_text in expected:
         assert step_text in text, text
     CASTS.clear()
+    UNCASTS.clear()
     got = step(seq, x, dy)
     if recipe == "fp8_blockwise":  # the activation and FC2's dy, with x: x and FC1's dy; each weight once
         assert sorted(CASTS) == [1] * (2 + 2 * quantize_x) + [128] * (1 + quantize_x), CASTS
+    # the bf16 weight gradients read the quantized inputs through the dequantize kernel
+    assert sorted(UNCASTS) == [(ROWS, I)] + [(ROWS, H)] * quantize_x, UNCASTS
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
     want = step(seq, x, dy)
     for name, a, b in zip(("y", "dx", "dW1", "dW2"), got, want):

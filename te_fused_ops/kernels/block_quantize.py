@@ -1,10 +1,16 @@
-"""Torch-facing wrapper of the E4M3 block-quantization kernel (`block_quantize_sm90`).
+"""Torch-facing wrappers of the E4M3 block-quantization kernels (`block_quantize_sm90`).
 
 ``block_quantize_sm90(x, block_rows)``: x (M, K) with 1 x 128 blocks (block_rows=1, activations)
 or (G, N, K) with 128 x 128 blocks (block_rows=128, weights) -> (data like x in E4M3, scale_inv
 float32 (M, ceil(K/128)) or (G, ceil(N/128), ceil(K/128))), bit for bit the "fp8_blockwise"
-recipe's torch quantizer (power_2_scales=False). One launch, no host sync. Compiled once per
-(input dtype, block_rows), all extents symbolic.
+recipe's torch quantizer (power_2_scales=False).
+
+``block_dequantize_sm90(data, scale_inv, dtype)``: the inverse for 1 x 128 blocks, data (M, K)
+E4M3 and multipliers (M, ceil(K/128)) -> (M, K) ``dtype``, bit for bit
+`QuantizedTensor.dequantize` (any recipe whose multipliers are given per 1 x 128 block).
+
+K is a multiple of 8. One launch each, no host sync. Compiled once per (dtype, block_rows), all
+extents symbolic.
 """
 
 from __future__ import annotations
@@ -16,33 +22,56 @@ import torch
 from .launch import DTYPES, num_sms, tvm_ffi_available
 
 _NAME = "block_quantize_sm90"
+_DEQUANT_NAME = "block_dequantize_sm90"
 CTAS_PER_SM = 8
+WARPS_PER_CTA = 8
+VEC = 8  # columns per lane: the kernels' 16-byte accesses need K % 8 == 0
+
+
+def _compile(kernel, dtype, data_first: bool, tvm_ffi):
+    """cute.compile ``kernel`` on symbolic (G, R, C) operands: (x, data, scale_inv) or, with
+    ``data_first``, (data, scale_inv, out)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    if tvm_ffi is None:
+        tvm_ffi = tvm_ffi_available()
+    element = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+    g, r, rb, cb = (cute.sym_int() for _ in range(4))
+    c = cute.sym_int(divisibility=VEC)
+
+    def fake(dt, shape, align=16):
+        return cute.runtime.make_fake_compact_tensor(dt, shape, stride_order=(2, 1, 0), assumed_align=align)
+
+    x, data = fake(element, (g, r, c)), fake(cutlass.Float8E4M3FN, (g, r, c))
+    scale_inv = fake(cutlass.Float32, (g, rb, cb), 4)
+    tensors = (data, scale_inv, x) if data_first else (x, data, scale_inv)
+    args = (*tensors, cutlass.Int32(1), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
+    return cute.compile(kernel, *args, options="--enable-tvm-ffi" if tvm_ffi else "")
 
 
 @functools.cache
 def compile_block_quantize(dtype, block_rows, tvm_ffi=None):
     """Compile (once per configuration) and return fn(x (G, R, C), data, scale_inv, max_ctas)."""
-    import cutlass
-    import cutlass.cute as cute
-
     from .block_quantize_sm90 import BlockQuantizeSm90
 
-    if tvm_ffi is None:
-        tvm_ffi = tvm_ffi_available()
-    element = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
-    g, r, c, rb, cb = (cute.sym_int() for _ in range(5))
+    return _compile(BlockQuantizeSm90(block_rows), dtype, False, tvm_ffi)
 
-    def fake(dt, shape, align):
-        return cute.runtime.make_fake_compact_tensor(dt, shape, stride_order=(2, 1, 0), assumed_align=align)
 
-    args = (
-        fake(element, (g, r, c), element.width // 8),
-        fake(cutlass.Float8E4M3FN, (g, r, c), 1),
-        fake(cutlass.Float32, (g, rb, cb), 4),
-        cutlass.Int32(1),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi),
-    )
-    return cute.compile(BlockQuantizeSm90(block_rows), *args, options="--enable-tvm-ffi" if tvm_ffi else "")
+@functools.cache
+def compile_block_dequantize(dtype, tvm_ffi=None):
+    """Compile (once per output dtype) and return fn(data (G, R, C), scale_inv, out, max_ctas)."""
+    from .block_quantize_sm90 import BlockDequantizeSm90
+
+    return _compile(BlockDequantizeSm90(torch.finfo(dtype).max), dtype, True, tvm_ffi)
+
+
+def _ctas(work_items: int, device_index: int) -> int:
+    return max(1, min(-(-work_items // WARPS_PER_CTA), num_sms(device_index) * CTAS_PER_SM))
+
+
+def _launch(fn, tensors, ctas):
+    fn(*tensors, ctas) if tvm_ffi_available() else _call_classic(fn, tensors, ctas)
 
 
 def block_quantize_sm90(x: torch.Tensor, block_rows: int):
@@ -60,27 +89,51 @@ def block_quantize_sm90(x: torch.Tensor, block_rows: int):
         raise ValueError(f"{_NAME}: x must be {ndim}-D for block_rows={block_rows}, got shape {tuple(x.shape)}")
     if not x.is_contiguous():
         raise ValueError(f"{_NAME}: x must be contiguous")
+    if x.shape[-1] % VEC or (x.numel() and x.data_ptr() % 16):
+        raise ValueError(f"{_NAME}: x needs a last dim that is a multiple of 8 and a 16-byte aligned start, got "
+                         f"shape {tuple(x.shape)}")
     x3 = x if ndim == 3 else x.unsqueeze(0)
     g, r, c = x3.shape
     data = torch.empty(x3.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale_inv = torch.empty(g, -(-r // block_rows), -(-c // 128), dtype=torch.float32, device=x.device)
     if x3.numel():
-        fn = compile_block_quantize(x.dtype, block_rows)
-        blocks = scale_inv.numel()
-        ctas = min(-(-blocks // 4), num_sms(x.get_device()) * CTAS_PER_SM)
-        fn(x3, data, scale_inv, ctas) if tvm_ffi_available() else _call_classic(fn, x3, data, scale_inv, ctas)
+        items = g * -(-r // (2 if block_rows == 1 else block_rows)) * scale_inv.shape[2]
+        _launch(compile_block_quantize(x.dtype, block_rows), (x3, data, scale_inv), _ctas(items, x.get_device()))
     if ndim == 2:
         return data[0], scale_inv[0]
     return data, scale_inv
 
 
-def _call_classic(fn, x3, data, scale_inv, ctas):
+def block_dequantize_sm90(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(M, K) ``dtype`` values of E4M3 ``data`` (M, K) with float32 multipliers (M, ceil(K/128))."""
+    if dtype not in DTYPES:
+        raise TypeError(f"{_DEQUANT_NAME}: dtype must be bfloat16 or float16, got {dtype}")
+    for arg, t, want in (("data", data, torch.float8_e4m3fn), ("scale_inv", scale_inv, torch.float32)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{_DEQUANT_NAME}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != want:
+            raise TypeError(f"{_DEQUANT_NAME}: {arg} has dtype {t.dtype}, expected {want}")
+        if t.get_device() < 0 or t.device != data.device:
+            raise ValueError(f"{_DEQUANT_NAME}: {arg} must be on data's CUDA device, got {t.device}")
+        if t.dim() != 2 or not t.is_contiguous():
+            raise ValueError(f"{_DEQUANT_NAME}: {arg} must be a contiguous 2-D tensor, got shape {tuple(t.shape)}")
+    m, k = data.shape
+    if scale_inv.shape != (m, -(-k // 128)):
+        raise ValueError(f"{_DEQUANT_NAME}: scale_inv must have shape {(m, -(-k // 128))}, got {tuple(scale_inv.shape)}")
+    if k % VEC or (data.numel() and data.data_ptr() % 16):
+        raise ValueError(f"{_DEQUANT_NAME}: data needs a last dim that is a multiple of 8 and a 16-byte aligned start")
+    out = torch.empty(m, k, dtype=dtype, device=data.device)
+    if data.numel():
+        tensors = (data.unsqueeze(0), scale_inv.unsqueeze(0), out.unsqueeze(0))
+        _launch(compile_block_dequantize(dtype), tensors, _ctas(-(-m // 2) * scale_inv.shape[1], data.get_device()))
+    return out
+
+
+def _call_classic(fn, tensors, ctas):
     import cuda.bindings.driver as cuda
     import cutlass
     from cutlass.cute.runtime import from_dlpack
 
-    def cv(t, align):
-        return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=2)
-
-    stream = cuda.CUstream(torch.cuda.current_stream(x3.device).cuda_stream)
-    fn(cv(x3, 2), cv(data, 1), cv(scale_inv, 4), cutlass.Int32(ctas), stream)
+    stream = cuda.CUstream(torch.cuda.current_stream(tensors[0].device).cuda_stream)
+    converted = (from_dlpack(t, assumed_align=4 if t.dtype == torch.float32 else 16) for t in tensors)
+    fn(*(t.mark_layout_dynamic(leading_dim=2) for t in converted), cutlass.Int32(ctas), stream)

@@ -1,25 +1,47 @@
-"""E4M3 block quantization ("fp8_blockwise"): 1 x 128 blocks of activations, 128 x 128 of weights.
+"""E4M3 block quantization ("fp8_blockwise") and its inverse: 1 x 128 blocks of activations,
+128 x 128 of weights.
 
-For each block of ``block_rows`` x 128 elements of x (G, R, C), bf16/fp16:
+Quantize, for each block of ``block_rows`` x 128 elements of x (G, R, C), bf16/fp16:
 
     amax      = max |x| over the block's finite values (NaN and +-Inf count as 0)
     scale_inv = amax / 448 (IEEE division), 1 where that is 0
     data      = E4M3(x / scale_inv), round to nearest even, saturating to +-448 (NaN stays NaN)
 
-bit for bit what `te_fused_ops.quantization` computes in torch for Float8BlockScaling with
-power_2_scales=False. One warp per block: lane l holds columns 4l..4l+3 of each block row;
-the amax is a butterfly over the warp. Blocks at the right / bottom edge are partial (a block
-never crosses from one group g into the next). Grid-stride over blocks.
+Dequantize, for data (G, R, C) E4M3 and 1 x 128 multipliers scale_inv (G, R, ceil(C / 128)):
+
+    out = (float32(data) * scale_inv) clamped to out's finite range (NaN stays NaN), rounded to nearest even
+
+both bit for bit what `te_fused_ops.quantization` computes in torch (Float8BlockScaling with
+power_2_scales=False; `QuantizedTensor.dequantize`). C is a multiple of 8.
+
+Work split: a warp covers two rows of one 128-column block at a time, lanes 0-15 the first and
+16-31 the second; lane l holds 8 consecutive columns (one 16-byte load of bf16). 1 x 128 blocks
+keep their values in registers between the amax and the cast; a 128 x 128 block is read twice
+(its amax pass leaves it in L2). Blocks at the right / bottom edge are partial (a block never
+crosses from one group g into the next). Grid-stride over warp work items.
 """
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32
 
 WARP = 32
-WARPS = 4
+WARPS = 8
 COLS = 128
+VEC = 8  # elements per lane per row
 E4M3_MAX = 448.0
+
+
+def _lane_split():
+    """(warp index, row of the pair (0 or 1), first column of this lane within the block)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    lane = tidx % WARP
+    return cute.arch.make_warp_uniform(tidx // WARP), lane // (WARP // 2), lane % (WARP // 2) * VEC
+
+
+def _segment(mT: cute.Tensor, g, r, col):
+    """The VEC elements of mT (G, R, C) at row (g, r), columns col..col+VEC-1 (col a multiple of VEC)."""
+    return cute.local_tile(mT[g, r, None], (VEC,), (col // VEC,))
 
 
 class BlockQuantizeSm90:
@@ -30,9 +52,11 @@ class BlockQuantizeSm90:
         if block_rows not in (1, 128):
             raise ValueError("block_rows must be 1 or 128")
         self.block_rows = block_rows
+        # a warp work item: two 1 x 128 blocks (one per half-warp), or one 128 x 128 block
+        self.item_rows = 2 if block_rows == 1 else block_rows
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor, max_ctas: Int32, stream):
+    def __call__(self, mX: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor, max_ctas: cutlass.Int32, stream):
         self.kernel(mX, mData, mScaleInv).launch(grid=(max_ctas, 1, 1), block=(WARP * WARPS, 1, 1), stream=stream)
 
     @cute.jit
@@ -43,49 +67,113 @@ class BlockQuantizeSm90:
             result = magnitude
         return result
 
+    @cute.jit
+    def _segment_amax(self, mX: cute.Tensor, g, r, col, values: cute.Tensor) -> Float32:
+        """Loads the lane's segment into ``values`` (float32) and returns its finite amax."""
+        values.store(_segment(mX, g, r, col).load().to(Float32))
+        amax = Float32(0.0)
+        for i in cutlass.range_constexpr(VEC):
+            amax = cutlass.max(amax, self._finite_abs(values[i]))
+        return amax
+
+    @cute.jit
+    def _store_cast(self, mData: cute.Tensor, g, r, col, values: cute.Tensor, scale_inv: Float32):
+        quantized = cute.make_rmem_tensor(cute.make_layout(VEC), cutlass.Float8E4M3FN)
+        for i in cutlass.range_constexpr(VEC):
+            values[i] = values[i] / scale_inv
+        quantized.store(values.load().to(cutlass.Float8E4M3FN))
+        _segment(mData, g, r, col).store(quantized.load())
+
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
-        lane = tidx % WARP
-        warp = cute.arch.make_warp_uniform(tidx // WARP)
-        groups = cute.size(mX, mode=[0])
+        warp, half, lane_col = _lane_split()
         rows = cute.size(mX, mode=[1])
         cols = cute.size(mX, mode=[2])
-        row_blocks = cute.size(mScaleInv, mode=[1])
         col_blocks = cute.size(mScaleInv, mode=[2])
-        num_blocks = groups * row_blocks * col_blocks
-        values = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-        quantized = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float8E4M3FN)
+        row_items = (rows + self.item_rows - 1) // self.item_rows
+        num_items = cute.size(mX, mode=[0]) * row_items * col_blocks
+        values = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+        # a half-warp reduces its own 1 x 128 block; a whole warp its 128 x 128 block
+        reduce_steps = 4 if self.block_rows == 1 else 5
 
-        block = bidx * WARPS + warp
-        while block < num_blocks:
-            g = block // (row_blocks * col_blocks)
-            rb = block // col_blocks % row_blocks
-            cb = block % col_blocks
-            row0 = rb * self.block_rows
-            row_end = cutlass.min(row0 + self.block_rows, rows)
-            col0 = cb * COLS + lane * 4
+        item = bidx * WARPS + warp
+        while item < num_items:
+            g = item // (row_items * col_blocks)
+            row0 = item // col_blocks % row_items * self.item_rows
+            cb = item % col_blocks
+            col = cb * COLS + lane_col
+            row_end = cutlass.min(row0 + self.item_rows, rows)
+            in_cols = col < cols
             amax = Float32(0.0)
-            for r in range(row0, row_end):
-                for i in cutlass.range_constexpr(4):
-                    if col0 + i < cols:
-                        amax = cutlass.max(amax, self._finite_abs(Float32(mX[g, r, col0 + i])))
-            for step in cutlass.range_constexpr(5):
+            if cutlass.const_expr(self.block_rows == 1):
+                if row0 + half < row_end and in_cols:
+                    amax = self._segment_amax(mX, g, row0 + half, col, values)
+            else:
+                for r in cutlass.range(row0 + half, row_end, 2, unroll=4):
+                    if in_cols:
+                        amax = cutlass.max(amax, self._segment_amax(mX, g, r, col, values))
+            for step in cutlass.range_constexpr(reduce_steps):
                 amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << step))
             scale_inv = amax / Float32(E4M3_MAX)
             if scale_inv == Float32(0.0):  # amax is finite: only 0 needs replacing
                 scale_inv = Float32(1.0)
-            for r in range(row0, row_end):
-                for i in cutlass.range_constexpr(4):
-                    values[i] = Float32(0.0)
-                    if col0 + i < cols:
-                        values[i] = Float32(mX[g, r, col0 + i]) / scale_inv
-                quantized.store(values.load().to(cutlass.Float8E4M3FN))
-                for i in cutlass.range_constexpr(4):
-                    if col0 + i < cols:
-                        mData[g, r, col0 + i] = quantized[i]
-            if lane == 0:
-                mScaleInv[g, rb, cb] = scale_inv
-            block = block + gdim * WARPS
+            if cutlass.const_expr(self.block_rows == 1):
+                if row0 + half < row_end:
+                    if in_cols:
+                        self._store_cast(mData, g, row0 + half, col, values, scale_inv)
+                    if lane_col == 0:
+                        mScaleInv[g, row0 + half, cb] = scale_inv
+            else:
+                for r in cutlass.range(row0 + half, row_end, 2, unroll=4):
+                    if in_cols:
+                        values.store(_segment(mX, g, r, col).load().to(Float32))
+                        self._store_cast(mData, g, r, col, values, scale_inv)
+                if half == 0 and lane_col == 0:
+                    mScaleInv[g, row0 // self.block_rows, cb] = scale_inv
+            item = item + gdim * WARPS
+
+
+class BlockDequantizeSm90:
+    """mData (G, R, C) E4M3 and mScaleInv (G, R, ceil(C / 128)) float32 multipliers of its 1 x 128
+    blocks -> mOut (G, R, C) bf16/fp16; ``out_max``: the largest finite value of mOut's type."""
+
+    def __init__(self, out_max: float):
+        self.out_max = out_max
+
+    @cute.jit
+    def __call__(self, mData: cute.Tensor, mScaleInv: cute.Tensor, mOut: cute.Tensor, max_ctas: cutlass.Int32, stream):
+        self.kernel(mData, mScaleInv, mOut).launch(grid=(max_ctas, 1, 1), block=(WARP * WARPS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mData: cute.Tensor, mScaleInv: cute.Tensor, mOut: cute.Tensor):
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp, half, lane_col = _lane_split()
+        rows = cute.size(mData, mode=[1])
+        cols = cute.size(mData, mode=[2])
+        col_blocks = cute.size(mScaleInv, mode=[2])
+        row_items = (rows + 1) // 2
+        num_items = cute.size(mData, mode=[0]) * row_items * col_blocks
+        finite_max = Float32(self.out_max)
+        values = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+
+        item = bidx * WARPS + warp
+        while item < num_items:
+            g = item // (row_items * col_blocks)
+            r = item // col_blocks % row_items * 2 + half
+            cb = item % col_blocks
+            col = cb * COLS + lane_col
+            if r < rows and col < cols:
+                scale_inv = mScaleInv[g, r, cb]
+                values.store(_segment(mData, g, r, col).load().to(Float32))
+                for i in cutlass.range_constexpr(VEC):
+                    v = values[i] * scale_inv
+                    if v > finite_max:  # false for NaN
+                        v = finite_max
+                    if v < -finite_max:
+                        v = -finite_max
+                    values[i] = v
+                _segment(mOut, g, r, col).store(values.load().to(mOut.element_type))
+            item = item + gdim * WARPS
