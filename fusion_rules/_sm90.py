@@ -3,7 +3,7 @@
 import torch
 
 from te_fused_ops.grouped_mm import grouped_row_sum
-from te_fused_ops.kernels.block_quantize import block_dequantize_sm90, block_quantize_sm90
+from te_fused_ops.kernels.block_quantize import block_dequantize_sm90, block_quantize_sm90, transpose_fp8_sm90
 from te_fused_ops.kernels.grouped_gemm import (
     grouped_gemm_fp8_sm90,
     grouped_gemm_sm90,
@@ -155,12 +155,12 @@ def quantize_weight_blocks(weight: torch.Tensor, recipe, transposed: bool = Fals
     (128 x 128 blocks, or one scale broadcast to them), or with ``transposed`` both per-group
     transposed ((G, K, N), (G, K/128, N/128): the data gradient's K-major operand), from ``cast``
     (the forward's (data, multipliers)) when given. Made on every call (one kernel launch for
-    fp8_blockwise, else torch), unless inside `reuse_quantized_weights`."""
+    fp8_blockwise, else torch; the transpose on a kernel), unless inside `reuse_quantized_weights`."""
 
     def make():
         if transposed:
             data, scale_inv = cast if cast is not None else quantize_weight_blocks(weight, recipe)
-            return data.transpose(1, 2).contiguous(), scale_inv.transpose(1, 2).contiguous()
+            return transpose_fp8_sm90(data), scale_inv.transpose(1, 2).contiguous()
         if casts_on_kernel(recipe):
             return block_quantize_sm90(weight.contiguous(), 128)
         qw = quantize_weight(weight, recipe)

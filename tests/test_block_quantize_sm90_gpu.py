@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from te_fused_ops.kernels import sm90_unavailable_reason
-from te_fused_ops.kernels.block_quantize import block_dequantize_sm90, block_quantize_sm90
+from te_fused_ops.kernels.block_quantize import block_dequantize_sm90, block_quantize_sm90, transpose_fp8_sm90
 from te_fused_ops.quantization import quantize, quantize_weight
 
 pytestmark = [
@@ -82,6 +82,16 @@ def test_dequantize_matches_torch_bit_for_bit(shape, recipe, dtype):
     assert_same_values(out, expected)
 
 
+@pytest.mark.parametrize("shape", [(1, 16, 16), (3, 48, 272), (2, 512, 96), (4, 1536, 2048)])
+def test_transpose_matches_torch(shape):
+    """Every byte pattern (NaN encodings too) lands at its transposed place; poisoned output."""
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape))
+    data = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=gen).view(torch.float8_e4m3fn)
+    out = transpose_fp8_sm90(data)
+    assert out.shape == (shape[0], shape[2], shape[1]) and out.is_contiguous()
+    assert torch.equal(out.view(torch.uint8), data.view(torch.uint8).transpose(1, 2))
+
+
 def test_empty_and_no_host_sync():
     data, scale_inv = block_quantize_sm90(torch.zeros(0, 256, dtype=torch.bfloat16, device="cuda"), 1)
     assert data.shape == (0, 256) and scale_inv.shape == (0, 2)
@@ -94,6 +104,7 @@ def test_empty_and_no_host_sync():
         block_quantize_sm90(x, 1)
         block_quantize_sm90(x.view(4, 128, 512), 128)
         block_dequantize_sm90(*block_quantize_sm90(x, 1), torch.bfloat16)
+        transpose_fp8_sm90(block_quantize_sm90(x.view(4, 128, 512), 128)[0])
     finally:
         torch.cuda.set_sync_debug_mode(0)
 
@@ -121,3 +132,8 @@ def test_argument_errors():
         block_dequantize_sm90(data, scale_inv[:, :1].contiguous(), torch.bfloat16)
     with pytest.raises(ValueError, match="block_dequantize_sm90: scale_inv must be on data's CUDA device"):
         block_dequantize_sm90(data, scale_inv.cpu(), torch.bfloat16)
+    w8 = block_quantize_sm90(torch.zeros(2, 64, 128, dtype=torch.bfloat16, device="cuda"), 128)[0]
+    with pytest.raises(ValueError, match=r"transpose_fp8_sm90: data must be contiguous \(G, R, C\) with R and C multiples of 16"):
+        transpose_fp8_sm90(w8[:, :, :120])
+    with pytest.raises(TypeError, match="transpose_fp8_sm90: data must be a float8_e4m3fn tensor"):
+        transpose_fp8_sm90(w8.view(torch.uint8))

@@ -152,6 +152,12 @@ def test_block_dequantize_compiles(dtype):
     assert compile_block_dequantize(dtype, tvm_ffi=False) is not None
 
 
+def test_transpose_fp8_compiles():
+    from te_fused_ops.kernels.block_quantize import compile_transpose_fp8
+
+    assert compile_transpose_fp8(tvm_ffi=False) is not None
+
+
 @pytest.mark.parametrize("activation,has_bias,weight_layout", [("swiglu", True, "nk"), ("scaled_swiglu", False, "kn")])
 def test_grouped_gemm_act_quant_compiles(activation, has_bias, weight_layout):
     from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm_act_quant

@@ -134,6 +134,7 @@ def sm90_stand_ins(monkeypatch):
     monkeypatch.setattr(sm90, "grouped_gemm_fp8_sm90", fp8_gemm)
     monkeypatch.setattr(sm90, "block_quantize_sm90", block_cast)
     monkeypatch.setattr(sm90, "block_dequantize_sm90", block_uncast)
+    monkeypatch.setattr(sm90, "transpose_fp8_sm90", lambda data: data.transpose(1, 2).contiguous())
     monkeypatch.setattr(sm90, "grouped_wgrad_sm90", wgrad)
     monkeypatch.setattr(quantize_rule, "block_quantize_sm90", block_cast)
     monkeypatch.setattr(sm90, "grouped_gemm_sm90", gemm)

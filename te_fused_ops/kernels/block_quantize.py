@@ -9,6 +9,9 @@ recipe's torch quantizer (power_2_scales=False).
 E4M3 and multipliers (M, ceil(K/128)) -> (M, K) ``dtype``, bit for bit
 `QuantizedTensor.dequantize` (any recipe whose multipliers are given per 1 x 128 block).
 
+``transpose_fp8_sm90(data)``: (G, R, C) E4M3 -> (G, C, R) contiguous, R and C multiples of 16
+(the K-major weight of the FP8 data gradient, from the forward's cast).
+
 K is a multiple of 8. One launch each, no host sync. Compiled once per (dtype, block_rows), all
 extents symbolic.
 """
@@ -64,6 +67,26 @@ def compile_block_dequantize(dtype, tvm_ffi=None):
     from .block_quantize_sm90 import BlockDequantizeSm90
 
     return _compile(BlockDequantizeSm90(torch.finfo(dtype).max), dtype, True, tvm_ffi)
+
+
+@functools.cache
+def compile_transpose_fp8(tvm_ffi=None):
+    """Compile (once) and return fn(data (G, R, C) uint8, out (G, C, R) uint8, max_ctas)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .block_quantize_sm90 import ByteTransposeSm90
+
+    if tvm_ffi is None:
+        tvm_ffi = tvm_ffi_available()
+    g = cute.sym_int()
+    r, c = cute.sym_int(divisibility=16), cute.sym_int(divisibility=16)
+
+    def fake(shape):
+        return cute.runtime.make_fake_compact_tensor(cutlass.Uint8, shape, stride_order=(2, 1, 0), assumed_align=16)
+
+    args = (fake((g, r, c)), fake((g, c, r)), cutlass.Int32(1), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
+    return cute.compile(ByteTransposeSm90(), *args, options="--enable-tvm-ffi" if tvm_ffi else "")
 
 
 def _ctas(work_items: int, device_index: int) -> int:
@@ -129,11 +152,31 @@ def block_dequantize_sm90(data: torch.Tensor, scale_inv: torch.Tensor, dtype: to
     return out
 
 
+def transpose_fp8_sm90(data: torch.Tensor) -> torch.Tensor:
+    """(G, C, R) contiguous copy of E4M3 ``data`` (G, R, C), each group transposed."""
+    name = "transpose_fp8_sm90"
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{name}: data must be a float8_e4m3fn tensor, got {getattr(data, 'dtype', type(data).__name__)}")
+    if data.get_device() < 0:
+        raise ValueError(f"{name}: data must be on a CUDA device, got {data.device}")
+    if data.dim() != 3 or not data.is_contiguous() or data.shape[1] % 16 or data.shape[2] % 16:
+        raise ValueError(f"{name}: data must be contiguous (G, R, C) with R and C multiples of 16, got shape "
+                         f"{tuple(data.shape)}")
+    if data.numel() and data.data_ptr() % 16:
+        raise ValueError(f"{name}: data must start 16-byte aligned")
+    g, r, c = data.shape
+    out = torch.empty(g, c, r, dtype=data.dtype, device=data.device)
+    if data.numel():
+        items = g * -(-r // 256) * -(-c // 32)
+        _launch(compile_transpose_fp8(), (data.view(torch.uint8), out.view(torch.uint8)), _ctas(items, data.get_device()))
+    return out
+
+
 def _call_classic(fn, tensors, ctas):
     import cuda.bindings.driver as cuda
     import cutlass
     from cutlass.cute.runtime import from_dlpack
 
     stream = cuda.CUstream(torch.cuda.current_stream(tensors[0].device).cuda_stream)
-    converted = (from_dlpack(t, assumed_align=4 if t.dtype == torch.float32 else 16) for t in tensors)
+    converted = (from_dlpack(t, assumed_align=4 if t.dtype == torch.float32 else 16) for t in tensors)  # uint8 too
     fn(*(t.mark_layout_dynamic(leading_dim=2) for t in converted), cutlass.Int32(ctas), stream)

@@ -177,3 +177,43 @@ class BlockDequantizeSm90:
                     values[i] = v
                 _segment(mOut, g, r, col).store(values.load().to(mOut.element_type))
             item = item + gdim * WARPS
+
+
+class ByteTransposeSm90:
+    """mIn (G, R, C) -> mOut (G, C, R), 1-byte elements (E4M3 data viewed as uint8); R and C
+    multiples of 16 (the FP8 data gradient's K-major weight from the forward's cast).
+
+    A thread moves a 16 x 16 byte block: 16 row loads of 16 bytes, the transpose in registers, 16
+    row stores. A warp covers 256 rows x 32 columns (lane l: row block l % 16, column block l // 16),
+    so each load instruction reads whole 32-byte sectors and each store writes 256 contiguous bytes
+    of two output rows."""
+
+    @cute.jit
+    def __call__(self, mIn: cute.Tensor, mOut: cute.Tensor, max_ctas: cutlass.Int32, stream):
+        self.kernel(mIn, mOut).launch(grid=(max_ctas, 1, 1), block=(WARP * WARPS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mIn: cute.Tensor, mOut: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(tidx // WARP)
+        lane = tidx % WARP
+        rows = cute.size(mIn, mode=[1])
+        cols = cute.size(mIn, mode=[2])
+        row_tiles = (rows + 255) // 256
+        col_tiles = (cols + 31) // 32
+        num_items = cute.size(mIn, mode=[0]) * row_tiles * col_tiles
+        block = cute.make_rmem_tensor(cute.make_layout((16, 16), stride=(16, 1)), mIn.element_type)
+
+        item = bidx * WARPS + warp
+        while item < num_items:
+            g = item // (row_tiles * col_tiles)
+            row = item // col_tiles % row_tiles * 256 + lane % 16 * 16
+            col = item % col_tiles * 32 + lane // 16 * 16
+            if row < rows and col < cols:
+                for i in cutlass.range_constexpr(16):
+                    block[i, None].store(cute.local_tile(mIn[g, row + i, None], (16,), (col // 16,)).load())
+                for j in cutlass.range_constexpr(16):
+                    cute.local_tile(mOut[g, col + j, None], (16,), (row // 16,)).store(block[None, j].load())
+            item = item + gdim * WARPS
