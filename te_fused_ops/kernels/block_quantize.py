@@ -120,8 +120,11 @@ def block_quantize_sm90(x: torch.Tensor, block_rows: int):
     data = torch.empty(x3.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale_inv = torch.empty(g, -(-r // block_rows), -(-c // 128), dtype=torch.float32, device=x.device)
     if x3.numel():
-        items = g * -(-r // (2 if block_rows == 1 else block_rows)) * scale_inv.shape[2]
-        _launch(compile_block_quantize(x.dtype, block_rows), (x3, data, scale_inv), _ctas(items, x.get_device()))
+        if block_rows == 1:  # a warp per 8 rows of a 128-column block
+            ctas = _ctas(g * -(-r // 8) * scale_inv.shape[2], x.get_device())
+        else:  # a CTA per block
+            ctas = min(scale_inv.numel(), num_sms(x.get_device()) * CTAS_PER_SM)
+        _launch(compile_block_quantize(x.dtype, block_rows), (x3, data, scale_inv), ctas)
     if ndim == 2:
         return data[0], scale_inv[0]
     return data, scale_inv

@@ -14,11 +14,10 @@ Dequantize, for data (G, R, C) E4M3 and 1 x 128 multipliers scale_inv (G, R, cei
 both bit for bit what `te_fused_ops.quantization` computes in torch (Float8BlockScaling with
 power_2_scales=False; `QuantizedTensor.dequantize`). C is a multiple of 8.
 
-Work split: a warp covers two rows of one 128-column block at a time, lanes 0-15 the first and
-16-31 the second; lane l holds 8 consecutive columns (one 16-byte load of bf16). 1 x 128 blocks
-keep their values in registers between the amax and the cast; a 128 x 128 block is read twice
-(its amax pass leaves it in L2). Blocks at the right / bottom edge are partial (a block never
-crosses from one group g into the next). Grid-stride over warp work items.
+Work split: a warp covers rows of one 128-column block two at a time, lanes 0-15 the even and
+16-31 the odd ones; lane l holds 8 consecutive columns (one 16-byte access). Blocks at the right
+/ bottom edge are partial (a block never crosses from one group g into the next). Grid-stride
+over work items.
 """
 
 import cutlass
@@ -46,14 +45,18 @@ def _segment(mT: cute.Tensor, g, r, col):
 
 class BlockQuantizeSm90:
     """mX (G, R, C) -> mData (G, R, C) E4M3, mScaleInv (G, ceil(R / block_rows), ceil(C / 128))
-    float32. ``block_rows``: 1 (activations, 1 x 128) or 128 (weights, 128 x 128)."""
+    float32. ``block_rows``: 1 (activations, 1 x 128) or 128 (weights, 128 x 128).
+
+    A lane loads all its row segments before reducing (several 16-byte loads in flight) and casts
+    from registers, so x is read once: 1 x 128 blocks, a warp item of 8 rows (4 per half-warp,
+    one scale per row); 128 x 128, a CTA item of one block (warp w rows 16w..16w+15, 8 per lane),
+    its amax across the warps through shared memory."""
 
     def __init__(self, block_rows: int):
         if block_rows not in (1, 128):
             raise ValueError("block_rows must be 1 or 128")
         self.block_rows = block_rows
-        # a warp work item: two 1 x 128 blocks (one per half-warp), or one 128 x 128 block
-        self.item_rows = 2 if block_rows == 1 else block_rows
+        self.segments = 4 if block_rows == 1 else 128 // WARPS // 2  # row segments per lane
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor, max_ctas: cutlass.Int32, stream):
@@ -68,21 +71,33 @@ class BlockQuantizeSm90:
         return result
 
     @cute.jit
-    def _segment_amax(self, mX: cute.Tensor, g, r, col, values: cute.Tensor) -> Float32:
-        """Loads the lane's segment into ``values`` (float32) and returns its finite amax."""
-        values.store(_segment(mX, g, r, col).load().to(Float32))
-        amax = Float32(0.0)
-        for i in cutlass.range_constexpr(VEC):
-            amax = cutlass.max(amax, self._finite_abs(values[i]))
-        return amax
+    def _load(self, mX: cute.Tensor, g, first_row, row_end, col, cols, tXr: cute.Tensor, tAmax: cute.Tensor):
+        """Rows first_row + 2k (k < segments) at the lane's columns into tXr[k, :] (zeros out of
+        bounds), their finite amax into tAmax[k]."""
+        for k in cutlass.range_constexpr(self.segments):
+            tXr[k, None].fill(0.0)
+            if first_row + 2 * k < row_end and col < cols:
+                tXr[k, None].store(_segment(mX, g, first_row + 2 * k, col).load())
+        for k in cutlass.range_constexpr(self.segments):
+            amax = Float32(0.0)
+            for i in cutlass.range_constexpr(VEC):
+                amax = cutlass.max(amax, self._finite_abs(Float32(tXr[k, i])))
+            tAmax[k] = amax
 
     @cute.jit
-    def _store_cast(self, mData: cute.Tensor, g, r, col, values: cute.Tensor, scale_inv: Float32):
-        quantized = cute.make_rmem_tensor(cute.make_layout(VEC), cutlass.Float8E4M3FN)
-        for i in cutlass.range_constexpr(VEC):
-            values[i] = values[i] / scale_inv
-        quantized.store(values.load().to(cutlass.Float8E4M3FN))
-        _segment(mData, g, r, col).store(quantized.load())
+    def _scale_inv(self, amax: Float32) -> Float32:
+        scale_inv = amax / Float32(E4M3_MAX)
+        if scale_inv == Float32(0.0):  # amax is finite: only 0 needs replacing
+            scale_inv = Float32(1.0)
+        return scale_inv
+
+    @cute.jit
+    def _store_cast(self, mData: cute.Tensor, g, row, row_end, col, cols, tXr_k: cute.Tensor, scale_inv: Float32):
+        if row < row_end and col < cols:
+            values = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+            for i in cutlass.range_constexpr(VEC):
+                values[i] = Float32(tXr_k[i]) / scale_inv
+            _segment(mData, g, row, col).store(values.load().to(cutlass.Float8E4M3FN))
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor):
@@ -92,47 +107,60 @@ class BlockQuantizeSm90:
         rows = cute.size(mX, mode=[1])
         cols = cute.size(mX, mode=[2])
         col_blocks = cute.size(mScaleInv, mode=[2])
-        row_items = (rows + self.item_rows - 1) // self.item_rows
-        num_items = cute.size(mX, mode=[0]) * row_items * col_blocks
-        values = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
-        # a half-warp reduces its own 1 x 128 block; a whole warp its 128 x 128 block
-        reduce_steps = 4 if self.block_rows == 1 else 5
+        tXr = cute.make_rmem_tensor(cute.make_layout((self.segments, VEC), stride=(VEC, 1)), mX.element_type)
+        tAmax = cute.make_rmem_tensor(cute.make_layout(self.segments), Float32)
 
-        item = bidx * WARPS + warp
-        while item < num_items:
-            g = item // (row_items * col_blocks)
-            row0 = item // col_blocks % row_items * self.item_rows
-            cb = item % col_blocks
-            col = cb * COLS + lane_col
-            row_end = cutlass.min(row0 + self.item_rows, rows)
-            in_cols = col < cols
-            amax = Float32(0.0)
-            if cutlass.const_expr(self.block_rows == 1):
-                if row0 + half < row_end and in_cols:
-                    amax = self._segment_amax(mX, g, row0 + half, col, values)
-            else:
-                for r in cutlass.range(row0 + half, row_end, 2, unroll=4):
-                    if in_cols:
-                        amax = cutlass.max(amax, self._segment_amax(mX, g, r, col, values))
-            for step in cutlass.range_constexpr(reduce_steps):
-                amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << step))
-            scale_inv = amax / Float32(E4M3_MAX)
-            if scale_inv == Float32(0.0):  # amax is finite: only 0 needs replacing
-                scale_inv = Float32(1.0)
-            if cutlass.const_expr(self.block_rows == 1):
-                if row0 + half < row_end:
-                    if in_cols:
-                        self._store_cast(mData, g, row0 + half, col, values, scale_inv)
-                    if lane_col == 0:
-                        mScaleInv[g, row0 + half, cb] = scale_inv
-            else:
-                for r in cutlass.range(row0 + half, row_end, 2, unroll=4):
-                    if in_cols:
-                        values.store(_segment(mX, g, r, col).load().to(Float32))
-                        self._store_cast(mData, g, r, col, values, scale_inv)
+        if cutlass.const_expr(self.block_rows == 1):
+            item_rows = 2 * self.segments
+            row_items = (rows + item_rows - 1) // item_rows
+            num_items = cute.size(mX, mode=[0]) * row_items * col_blocks
+            item = bidx * WARPS + warp
+            while item < num_items:
+                g = item // (row_items * col_blocks)
+                first_row = item // col_blocks % row_items * item_rows + half
+                cb = item % col_blocks
+                col = cb * COLS + lane_col
+                self._load(mX, g, first_row, rows, col, cols, tXr, tAmax)
+                for k in cutlass.range_constexpr(self.segments):
+                    amax = tAmax[k]
+                    for step in cutlass.range_constexpr(4):  # the half-warp holding the row
+                        amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << step))
+                    scale_inv = self._scale_inv(amax)
+                    row = first_row + 2 * k
+                    self._store_cast(mData, g, row, rows, col, cols, tXr[k, None], scale_inv)
+                    if row < rows and lane_col == 0:
+                        mScaleInv[g, row, cb] = scale_inv
+                item = item + gdim * WARPS
+        else:
+            smem = cutlass.memory.SmemAllocator()
+            sAmax = smem.allocate_tensor(Float32, cute.make_layout(WARPS), byte_alignment=16)
+            row_blocks = cute.size(mScaleInv, mode=[1])
+            num_items = cute.size(mX, mode=[0]) * row_blocks * col_blocks
+            item = bidx
+            while item < num_items:
+                g = item // (row_blocks * col_blocks)
+                rb = item // col_blocks % row_blocks
+                cb = item % col_blocks
+                col = cb * COLS + lane_col
+                first_row = rb * self.block_rows + warp * 2 * self.segments + half
+                self._load(mX, g, first_row, rows, col, cols, tXr, tAmax)
+                amax = Float32(0.0)
+                for k in cutlass.range_constexpr(self.segments):
+                    amax = cutlass.max(amax, tAmax[k])
+                for step in cutlass.range_constexpr(5):
+                    amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << step))
                 if half == 0 and lane_col == 0:
-                    mScaleInv[g, row0 // self.block_rows, cb] = scale_inv
-            item = item + gdim * WARPS
+                    sAmax[warp] = amax
+                cute.arch.sync_threads()
+                for w in cutlass.range_constexpr(WARPS):
+                    amax = cutlass.max(amax, sAmax[w])
+                cute.arch.sync_threads()  # sAmax is rewritten by the next item
+                scale_inv = self._scale_inv(amax)
+                for k in cutlass.range_constexpr(self.segments):
+                    self._store_cast(mData, g, first_row + 2 * k, rows, col, cols, tXr[k, None], scale_inv)
+                if warp == 0 and half == 0 and lane_col == 0:
+                    mScaleInv[g, rb, cb] = scale_inv
+                item = item + gdim
 
 
 class BlockDequantizeSm90:
