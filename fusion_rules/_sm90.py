@@ -202,10 +202,23 @@ def linear_backward(linear: GroupedLinear, ctx, dy):
             dx = grouped_gemm_sm90(dy, ctx.saved["weight"].detach(), offsets, weight_layout="kn")[0]
         return dx, linear_param_grads(ctx, dy)
     if ctx.input_requires_grad:
-        dy_data, dy_scale_inv = cast_rows(dy, recipe, offsets)
-        w_data, w_scale_inv = quantize_weight_blocks(
-            ctx.saved["weight"].detach(), recipe, transposed=True, cast=ctx.saved.get("weight_fp8")
-        )
-        dx = grouped_gemm_fp8_sm90(dy_data, dy_scale_inv, w_data, w_scale_inv, offsets, out_dtype=dy.dtype)[0]
+        dx = grouped_gemm_fp8_sm90(*fp8_dgrad_operands(ctx, dy, recipe), offsets, out_dtype=dy.dtype)[0]
+    return dx, quantized_input_param_grads(ctx, dy)
+
+
+def fp8_dgrad_operands(ctx, dy, recipe):
+    """(dy data, multipliers, W^T data (G, in, out), multipliers) of a GroupedLinear's FP8 data
+    gradient after an FP8 forward: dy cast with the forward's recipe, W as the forward cast it,
+    transposed (FP8 WGMMA reads K-major operands)."""
+    dy_data, dy_scale_inv = cast_rows(dy, recipe, ctx.side["offsets"])
+    w_data, w_scale_inv = quantize_weight_blocks(
+        ctx.saved["weight"].detach(), recipe, transposed=True, cast=ctx.saved.get("weight_fp8")
+    )
+    return dy_data, dy_scale_inv, w_data, w_scale_inv
+
+
+def quantized_input_param_grads(ctx, dy) -> dict:
+    """`linear_param_grads` of a GroupedLinear whose forward saved a quantized input: the bf16
+    weight gradient reads it dequantized."""
     x = dequantize_rows(ctx.load_input()) if ctx.needs_grad("weight") else None
-    return dx, linear_param_grads(ctx, dy, x)
+    return linear_param_grads(ctx, dy, x)

@@ -152,6 +152,14 @@ def test_block_dequantize_compiles(dtype):
     assert compile_block_dequantize(dtype, tvm_ffi=False) is not None
 
 
+@pytest.mark.parametrize("activation,dtype,cluster_m", [("swiglu", torch.bfloat16, 2), ("scaled_swiglu", torch.float16, 1),
+                                                       ("srelu", torch.bfloat16, 2)])
+def test_grouped_dgrad_dact_fp8_compiles(activation, dtype, cluster_m):
+    from te_fused_ops.kernels.grouped_gemm import compile_grouped_dgrad_dact_fp8
+
+    assert compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=False, cluster_m=cluster_m) is not None
+
+
 def test_transpose_fp8_compiles():
     from te_fused_ops.kernels.block_quantize import compile_transpose_fp8
 

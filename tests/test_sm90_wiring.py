@@ -106,6 +106,18 @@ def block_cast(x, block_rows):
     return q.rowwise_data, q.rowwise_scale_inv
 
 
+DACT_FP8_CALLS = []
+
+
+def dgrad_dact_fp8(dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, **epilogue):
+    """`grouped_dgrad_dact_fp8_sm90`'s contract: `dgrad_dact` on the dequantized operands, no act."""
+    DACT_FP8_CALLS.append(tuple(weight_t.shape))
+    dy_values = dy.float() * _expand(dy_scale_inv, dy.shape[-1:])
+    w_values = (weight_t.float() * _expand(weight_t_scale_inv, weight_t.shape[-2:])).transpose(1, 2)
+    d_pre, _, d_probs = dgrad_dact(dy_values, w_values, offsets, pre, **epilogue)
+    return d_pre.to(pre.dtype), d_probs
+
+
 UNCASTS = []  # shapes of each stood-in dequantization
 
 
@@ -139,6 +151,7 @@ def sm90_stand_ins(monkeypatch):
     monkeypatch.setattr(quantize_rule, "block_quantize_sm90", block_cast)
     monkeypatch.setattr(sm90, "grouped_gemm_sm90", gemm)
     monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_sm90", dgrad_dact)
+    monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_fp8_sm90", dgrad_dact_fp8)
 
 
 def fp8_mlp(recipe, quantize_x=True):
@@ -199,7 +212,8 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
         f"[{first}:{first + 2}] GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend sm90)",
         f"[{first + 2}] Quantize -> rule 'quantize' (backend {cast})",
         f"[{first + 3}:{first + 5}] Transpose, GroupedLinear -> rule 'transpose+grouped_linear' (backend sm90)",
-        f"[{first + 4}] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)",
+        f"[{first + 1}:{first + 5}] SwiGLU, Quantize, Transpose, GroupedLinear -> rule "
+        "'dactivation+quantize+transpose+grouped_linear' (backend sm90)",
         f"[{first}] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)",
     ]
     if quantize_x:
@@ -208,7 +222,9 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
         assert step_text in text, text
     CASTS.clear()
     UNCASTS.clear()
+    DACT_FP8_CALLS.clear()
     got = step(seq, x, dy)
+    assert DACT_FP8_CALLS == [(G, I, H)], DACT_FP8_CALLS  # FC2's dgrad + dSwiGLU: one FP8 kernel
     if recipe == "fp8_blockwise":  # the activation and FC2's dy, with x: x and FC1's dy; each weight once
         assert sorted(CASTS) == [1] * (2 + 2 * quantize_x) + [128] * (1 + quantize_x), CASTS
     # the bf16 weight gradients read the quantized inputs through the dequantize kernel
@@ -218,3 +234,16 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
     for name, a, b in zip(("y", "dx", "dW1", "dW2"), got, want):
         assert ref.rel_err(a, b) <= 5e-2, name
     assert torch.all(got[0][SPLITS.sum():] == 0)
+
+
+def test_fp8_dact_rule_declines_a_quantized_gradient(sm90_stand_ins):
+    """Quantize(quantize_grad=True) casts the gradient between FC2's dgrad and the dActivation:
+    the fused FP8 backward says so and the ops run one by one."""
+    torch.manual_seed(0)
+    seq = Sequential(GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), SwiGLU(),
+                     Quantize("fp8_blockwise", quantize_grad=True), GroupedLinear(G, I, H, dtype=torch.bfloat16))
+    text = seq.explain(torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True), split_sizes=SPLITS)
+    for line in ("[3] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)",
+                 "[2] Quantize -> basic op", "[1] SwiGLU -> basic op",
+                 "not fired: rule 'dactivation+quantize+grouped_linear' on [1:4]"):
+        assert line in text, text

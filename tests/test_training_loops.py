@@ -345,7 +345,7 @@ def test_accumulate_main_grad_adds_weight_gradients_in_float32():
 def test_sm90_fp8_weight_casts_are_made_once_per_reuse_scope(monkeypatch):
     """The sm90 FP8 path's weight casts (forward and the data gradient's transposed copy) are
     fresh on every call, and made once inside `reuse_quantized_weights` (the kernel is stood in
-    for by the torch quantizer it equals bit for bit)."""
+    for by the torch quantizer it equals bit for bit, the byte transpose by torch's)."""
     import fusion_rules._sm90 as sm90
     from te_fused_ops.quantization import get_recipe, quantize_weight
 
@@ -357,6 +357,7 @@ def test_sm90_fp8_weight_casts_are_made_once_per_reuse_scope(monkeypatch):
         return q.rowwise_data, q.rowwise_scale_inv
 
     monkeypatch.setattr(sm90, "block_quantize_sm90", torch_cast)
+    monkeypatch.setattr(sm90, "transpose_fp8_sm90", lambda data: data.transpose(1, 2).contiguous())
     recipe = get_recipe("fp8_blockwise")
     w = torch.randn(2, 256, 128, dtype=torch.bfloat16)
     sm90.quantize_weight_blocks(w, recipe)

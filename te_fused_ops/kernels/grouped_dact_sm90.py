@@ -31,21 +31,21 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
     """Grouped dgrad GEMM + dActivation epilogue for sm_90a.
 
     Compile-time configuration: ``dtype``, ``tile_n`` (over I), ``activation`` (a name of
-    ``activations.ACTIVATIONS``), ``cluster_m`` and the core's options. B is always MN-major.
+    ``activations.ACTIVATIONS``), ``cluster_m``, ``b_major`` (bf16: "mn", W (G, H, I) read in
+    place), ``emit_act`` (store act) and the core's options.
     """
 
-    def __init__(self, dtype, tile_n, activation, cluster_m=2, **opts):
+    def __init__(self, dtype, tile_n, activation, cluster_m=2, b_major="mn", emit_act=True, **opts):
         self.spec = activation_spec(activation, "GroupedGemmDActSm90")
         if self.spec is None:
             raise ValueError("GroupedGemmDActSm90 needs an activation")
-        # outputs: d_pre (gate and up halves for GLU), act; input: pre (gate and up halves)
-        if self.spec.glu:
-            self.epi_stores = ((0, 0), (0, 1), (1, 0))
-            self.epi_loads = ((0, 0), (0, 1))
-        else:
-            self.epi_stores = ((0, 0), (1, 0))
-            self.epi_loads = ((0, 0),)
-        super().__init__(dtype, tile_n, "mn", cluster_m, **opts)
+        # outputs: d_pre (gate and up halves for GLU), act (``emit_act``); input: pre (both halves)
+        self.emit_act = emit_act
+        self.epi_stores = ((0, 0), (0, 1)) if self.spec.glu else ((0, 0),)
+        if emit_act:
+            self.epi_stores += ((1, 0),)
+        self.epi_loads = ((0, 0), (0, 1)) if self.spec.glu else ((0, 0),)
+        super().__init__(dtype, tile_n, b_major, cluster_m, **opts)
 
     @cute.jit
     def __call__(
@@ -97,7 +97,8 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
             rOut[0][v] = h * d_x
             if const_expr(glu):
                 rOut[1][v] = h * d_u
-            rOut[self.num_out - 1][v] = value
+            if const_expr(self.emit_act):
+                rOut[self.num_out - 1][v] = value
         if const_expr(self.spec.takes_probs):
             if chunk * self.epi_n < n_box:  # chunks past I hold no columns of h
                 for v in cutlass.range_constexpr(cute.size(rAcc[0])):
@@ -115,3 +116,38 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
                 row = tile.row0 + tRS_cD[self.slot_value[r]][0]
                 if lane % 4 == 0 and row < tile.end:
                     mDProbsPart[tile.nt, row] = total
+
+
+class GroupedGemmDActFp8Sm90(GroupedGemmDActSm90):
+    """`GroupedGemmDActSm90` on block-scaled FP8 operands (the FP8 recipe's FC2 data gradient).
+
+    dy (M, H) E4M3 with float32 multipliers dyScale (M, ceil(H/128)) per 1x128 block; W^T
+    (G, I, H) E4M3, the forward's 128x128 weight cast transposed per group (K-major, as FP8
+    WGMMA needs), with wScale (G, ceil(I/128), ceil(H/128)). tile_n 128. No act output: FC2's
+    weight gradient reads the input the forward quantized.
+    """
+
+    def __init__(self, dtype, activation, cluster_m=2, **opts):
+        super().__init__(dtype, 128, activation, cluster_m, b_major="k", emit_act=False,
+                         ab_dtype=cutlass.Float8E4M3FN, **opts)
+
+    @cute.jit
+    def __call__(
+        self,
+        mDy: cute.Tensor,  # (M, H) E4M3
+        mDyScale: cute.Tensor,  # (M, ceil(H/128)) float32
+        mW: cute.Tensor,  # (G, I, H) E4M3
+        mWScale: cute.Tensor,  # (G, ceil(I/128), ceil(H/128)) float32
+        mOffsets: cute.Tensor,  # (G + 1,) int32
+        mPre: cute.Tensor,  # (M, 2I) GLU, (M, I) srelu
+        mDPre: cute.Tensor,  # like mPre
+        mProbs: cute.Tensor,  # (M,) float32 or None
+        mDProbsPart: cute.Tensor,  # (ceil(I / 128), M) float32 or None
+        limit: Float32,
+        alpha: Float32,
+        max_clusters: Int32,
+        stream,
+    ):
+        m_total = cute.size(mDy, mode=[0])
+        self.launch(mDy, mW, mOffsets, (mDPre,), (mPre,), (mProbs, mDProbsPart, limit, alpha, m_total),
+                    max_clusters, stream, scales=(mDyScale, mWScale))

@@ -40,6 +40,7 @@ _DACT = "grouped_dgrad_dact_sm90"
 DACT_GLU_I_MULTIPLE = 32  # dgrad + dActivation, GLU: I a multiple of the 32-column chunk
 FP8_GLU_N_MULTIPLE = 128  # FP8 GLU: each half's 64-row boxes inside one 128-row scale block
 _FP8 = "grouped_gemm_fp8_sm90"
+_DACT_FP8 = "grouped_dgrad_dact_fp8_sm90"
 _ACT_QUANT = "grouped_gemm_act_quant_sm90"
 
 
@@ -95,6 +96,14 @@ def sm90_grouped_dgrad_dact_unsupported_reason(dtype, h, i, activation) -> str |
     if i % multiple != 0:
         return f"sm90 backend: I={i} not a multiple of {multiple} for activation {activation!r}"
     return None
+
+
+def sm90_grouped_dgrad_dact_fp8_unsupported_reason(dtype, h, i, activation) -> str | None:
+    """None if ``grouped_dgrad_dact_fp8_sm90`` can run dy (M, h) @ W (G, h, i) in FP8 + d``activation``."""
+    reason = sm90_grouped_dgrad_dact_unsupported_reason(dtype, h, i, activation)
+    if reason is None and h % 16 != 0:
+        return f"sm90 backend: H={h} not a multiple of 16 (FP8)"
+    return reason
 
 
 def max_clusters(num_sms: int, sm_margin: int, cluster_m: int) -> int:
@@ -229,6 +238,39 @@ def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_
         _fake(cutlass.Float32, (n_tiles, m), 4) if spec.takes_probs else None,
     )
     kernel = GroupedGemmDActSm90(dt, tile_n, activation, cluster_m, **kernel_opts)
+    return _compile(kernel, args, tvm_ffi)
+
+
+@functools.cache
+def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2, **kernel_opts):
+    """Compile (once per configuration) and return the launcher of ``grouped_dgrad_dact_fp8_sm90``:
+    fn(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, d_pre, probs, d_probs_part, limit, alpha,
+    max_clusters)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .grouped_dact_sm90 import GroupedGemmDActFp8Sm90
+
+    if tvm_ffi is None:
+        tvm_ffi = tvm_ffi_available()
+    dt, f8 = _cutlass_dtype(dtype), cutlass.Float8E4M3FN
+    spec = activation_spec(activation, "compile_grouped_dgrad_dact_fp8")
+    m, g, g1, n_tiles, h_blocks, i_blocks = (cute.sym_int() for _ in range(6))
+    h = cute.sym_int(divisibility=16)
+    i = cute.sym_int(divisibility=DACT_GLU_I_MULTIPLE if spec.glu else 8)
+    i_pre = cute.sym_int(divisibility=2 * DACT_GLU_I_MULTIPLE) if spec.glu else i
+    args = (
+        _fake(f8, (m, h)),
+        _fake(cutlass.Float32, (m, h_blocks), 4),
+        _fake(f8, (g, i, h)),
+        _fake(cutlass.Float32, (g, i_blocks, h_blocks), 4),
+        _fake(cutlass.Int32, (g1,), 4),
+        _fake(dt, (m, i_pre)),
+        _fake(dt, (m, i_pre)),
+        _fake(cutlass.Float32, (m,), 4) if spec.takes_probs else None,
+        _fake(cutlass.Float32, (n_tiles, m), 4) if spec.takes_probs else None,
+    )
+    kernel = GroupedGemmDActFp8Sm90(dt, activation, cluster_m, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -478,37 +520,15 @@ def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, pro
                 cluster_m, sm_margin):
     """Every check of `grouped_gemm_fp8_sm90`; (launcher or None when M == 0, pre shape, act shape
     or None, persistent grid in clusters)."""
-    fp8 = torch.float8_e4m3fn
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{_FP8}: x must be a torch.Tensor, got {type(x).__name__}")
-    dev = x.get_device()
-    if dev < 0:
-        raise ValueError(f"{_FP8}: x must be on a CUDA device, got {x.device}")
     if out_dtype not in DTYPES:
         raise TypeError(f"{_FP8}: out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
-    check_tensor(_FP8, x, "x", fp8, 2, dev)
-    check_tensor(_FP8, weight, "weight", fp8, 3, dev)
-    check_tensor(_FP8, x_scale, "x_scale_inv", torch.float32, 2, dev)
-    check_tensor(_FP8, weight_scale, "weight_scale_inv", torch.float32, 3, dev)
-    check_tensor(_FP8, offsets, "offsets", torch.int32, 1, dev)
+    dev, (m, k), (g, n, _) = _check_fp8_operands(_FP8, ("x", x, x_scale), ("weight", weight, weight_scale), offsets)
     spec = activation_spec(activation, _FP8)
     glu = spec is not None and spec.glu
-    m, k = x.shape
-    g, n, kw = weight.shape
-    if kw != k:
-        raise ValueError(f"{_FP8}: weight has K={kw}, x has K={k}")
-    if g < 1:
-        raise ValueError(f"{_FP8}: weight must hold at least one group")
-    if k % 16:
-        raise ValueError(f"{_FP8}: K={k} (x.shape[1]) must be a multiple of 16")
     multiple = FP8_GLU_N_MULTIPLE if glu else 8
     if n % multiple:
         raise ValueError(f"{_FP8}: N={n} (weight.shape[1]) must be a multiple of {multiple}"
                          + (f" for activation {activation!r}" if glu else ""))
-    k_blocks, n_blocks = -(-k // 128), -(-n // 128)
-    _check_shape(_FP8, x_scale, "x_scale_inv", (m, k_blocks))
-    _check_shape(_FP8, weight_scale, "weight_scale_inv", (g, n_blocks, k_blocks))
-    _check_shape(_FP8, offsets, "offsets", (g + 1,))
     act_shape = _check_epilogue_tensors(_FP8, spec, out_dtype, bias, probs, out, act_out, m, n, g, dev)
     _, cluster_m, clusters = _launch_config(_FP8, m, n, g, dev, 128, cluster_m, sm_margin)
     if m == 0:
@@ -518,6 +538,35 @@ def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, pro
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_gemm_fp8(*key[1:])
     return fn, (m, n), act_shape, clusters
+
+
+def _check_fp8_operands(fn_name, a, b, offsets):
+    """Checks of block-scaled FP8 operands a = (name, (M, K) E4M3, (M, ceil(K/128)) float32) and
+    b = (name, (G, N, K) E4M3, (G, ceil(N/128), ceil(K/128)) float32), K a multiple of 16, and of
+    offsets (G + 1,) int32; returns (device index, a's shape, b's shape)."""
+    (a_name, a_data, a_scale), (b_name, b_data, b_scale) = a, b
+    if not isinstance(a_data, torch.Tensor):
+        raise TypeError(f"{fn_name}: {a_name} must be a torch.Tensor, got {type(a_data).__name__}")
+    dev = a_data.get_device()
+    if dev < 0:
+        raise ValueError(f"{fn_name}: {a_name} must be on a CUDA device, got {a_data.device}")
+    check_tensor(fn_name, a_data, a_name, torch.float8_e4m3fn, 2, dev)
+    check_tensor(fn_name, b_data, b_name, torch.float8_e4m3fn, 3, dev)
+    check_tensor(fn_name, a_scale, f"{a_name}_scale_inv", torch.float32, 2, dev)
+    check_tensor(fn_name, b_scale, f"{b_name}_scale_inv", torch.float32, 3, dev)
+    check_tensor(fn_name, offsets, "offsets", torch.int32, 1, dev)
+    m, k = a_data.shape
+    g, n, kb = b_data.shape
+    if kb != k:
+        raise ValueError(f"{fn_name}: {b_name} has K={kb} (its last dim), {a_name} has K={k}")
+    if g < 1:
+        raise ValueError(f"{fn_name}: {b_name} must hold at least one group")
+    if k % 16:
+        raise ValueError(f"{fn_name}: K={k} ({a_name}.shape[1]) must be a multiple of 16")
+    _check_shape(fn_name, a_scale, f"{a_name}_scale_inv", (m, -(-k // 128)))
+    _check_shape(fn_name, b_scale, f"{b_name}_scale_inv", (g, -(-n // 128), -(-k // 128)))
+    _check_shape(fn_name, offsets, "offsets", (g + 1,))
+    return dev, (m, k), (g, n, k)
 
 
 def grouped_dgrad_dact_sm90(
@@ -586,6 +635,64 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, tile_n, cluster_m,
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_dgrad_dact(*key[1:])
     return fn, (m, i), partial_shape, clusters
+
+
+def grouped_dgrad_dact_fp8_sm90(
+    dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, activation, probs=None, limit=7.0,
+    alpha=1.702, cluster_m=None, sm_margin=None,
+):
+    """`grouped_dgrad_dact_sm90` on block-scaled FP8 operands: h = dy_g @ W[g] in FP8, then dActivation.
+
+    dy (M, H) float8_e4m3fn with dy_scale_inv (M, ceil(H/128)) float32 per 1x128 block; weight_t
+    (G, I, H) float8_e4m3fn, FC2's weight (G, H, I) cast in 128x128 blocks and transposed per
+    group (`transpose_fp8_sm90` of the forward's cast), with weight_t_scale_inv
+    (G, ceil(I/128), ceil(H/128)); pre, probs, limit, alpha as for `grouped_dgrad_dact_sm90`, pre's
+    dtype (bf16/fp16) the output's. Returns (d_pre like pre, d_probs (M,) float32 for
+    scaled_swiglu else None); no act output. Rows >= offsets[G] are zero. H a multiple of 16; I of
+    32 (GLU) or 8. No host sync; checks run once per argument signature.
+    """
+    tvm_ffi = tvm_ffi_available()
+    key = (
+        call_signature(tvm_ffi, dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, probs),
+        _DACT_FP8, activation, cluster_m, sm_margin, sm_margin_setting(),
+    )
+    args = (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation, probs, cluster_m, sm_margin)
+    launch = _MEMO.get(key) or _MEMO.put(key, _dact_fp8_launch(*args))
+    fn, partial_shape, clusters = launch
+    d_pre = torch.empty_like(pre)
+    d_probs_part = None if partial_shape is None else pre.new_empty(partial_shape, dtype=torch.float32)
+    _run(fn, tvm_ffi, _dact_fp8_launch, args, dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, d_pre,
+         probs, d_probs_part, limit, alpha, clusters)
+    return d_pre, None if d_probs_part is None else d_probs_part.sum(0)
+
+
+def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activation, probs, cluster_m, sm_margin):
+    """Every check of `grouped_dgrad_dact_fp8_sm90`; (launcher or None when M == 0, d_probs
+    partials shape or None, persistent grid in clusters)."""
+    dev, (m, h), (g, i, _) = _check_fp8_operands(
+        _DACT_FP8, ("dy", dy, dy_scale), ("weight_t", weight_t, weight_t_scale), offsets
+    )
+    spec = activation_spec(activation, _DACT_FP8)
+    if spec is None:
+        raise ValueError(f"{_DACT_FP8}: activation is required, one of {tuple(ACTIVATIONS)}")
+    multiple = DACT_GLU_I_MULTIPLE if spec.glu else 8
+    if i % multiple:
+        raise ValueError(f"{_DACT_FP8}: I={i} (weight_t.shape[1]) must be a multiple of {multiple} for activation "
+                         f"{activation!r}")
+    if not isinstance(pre, torch.Tensor) or pre.dtype not in DTYPES:
+        raise TypeError(f"{_DACT_FP8}: pre must be a bfloat16 or float16 tensor, got {getattr(pre, 'dtype', type(pre))}")
+    check_tensor(_DACT_FP8, pre, "pre", pre.dtype, 2, dev)
+    _check_shape(_DACT_FP8, pre, "pre", (m, 2 * i if spec.glu else i))
+    _check_probs(_DACT_FP8, spec, probs, m, dev)
+    _, cluster_m, clusters = _launch_config(_DACT_FP8, m, i, g, dev, 128, cluster_m, sm_margin)
+    partial_shape = (-(-i // 128), m) if spec.takes_probs else None
+    if m == 0:
+        return None, partial_shape, clusters
+    key = (_DACT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m)
+    fn = _LAUNCHERS.get(key)
+    if fn is None:
+        fn = _LAUNCHERS[key] = compile_grouped_dgrad_dact_fp8(*key[1:])
+    return fn, partial_shape, clusters
 
 
 def _run(fn, tvm_ffi, checks, check_args, *args):

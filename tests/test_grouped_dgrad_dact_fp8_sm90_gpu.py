@@ -1,0 +1,103 @@
+"""GPU tests of ``grouped_dgrad_dact_fp8_sm90``: FC2's data gradient on block-scaled FP8 operands
+(dy 1x128, W^T 128x128) with the activation's backward in the epilogue, against a float64
+reference of the same quantized operands; NaN-poisoned outputs; sync-free; argument errors."""
+
+import math
+
+import pytest
+import torch
+
+from te_fused_ops.kernels import sm90_unavailable_reason
+from te_fused_ops.kernels.activations import ACTIVATIONS
+from te_fused_ops.kernels.block_quantize import block_quantize_sm90, transpose_fp8_sm90
+from te_fused_ops.kernels.grouped_gemm import grouped_dgrad_dact_fp8_sm90
+from test_grouped_dgrad_sm90_gpu import (
+    ALPHA, LIMIT, TOL, UNEVEN, dact_reference, offsets_from_splits, poison_allocator, rel_err,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        torch.cuda.is_available() and sm90_unavailable_reason() is not None,
+        reason=str(sm90_unavailable_reason()) if torch.cuda.is_available() else "",
+    ),
+]
+
+
+def operands(splits, m, h, i, activation, dtype, seed):
+    """dy and W (G, H, I) cast as the FP8 backward casts them, their dequantized values, pre, probs."""
+    torch.manual_seed(seed)
+    g, spec = len(splits), ACTIVATIONS[activation]
+    dy = torch.randn(m, h, device="cuda").to(dtype)
+    dy[::5] *= 64  # rows of different ranges: the 1x128 multipliers matter
+    w = (torch.randn(g, h, i, device="cuda") / math.sqrt(h)).to(dtype)
+    w[:, :128] *= 16  # and 128x128 blocks of different ranges
+    dy_data, dy_scale = block_quantize_sm90(dy, 1)
+    w_data, w_scale = block_quantize_sm90(w, 128)
+    w_t, w_t_scale = transpose_fp8_sm90(w_data), w_scale.transpose(1, 2).contiguous()
+    dy_values = dy_data.float() * dy_scale.repeat_interleave(128, 1)[:, :h]
+    w_values = w_data.float() * w_scale.repeat_interleave(128, 1)[:, :h].repeat_interleave(128, 2)[:, :, :i]
+    pre = (2 * torch.randn(m, 2 * i if spec.glu else i, device="cuda")).to(dtype)
+    probs = torch.rand(m, device="cuda") if spec.takes_probs else None
+    return (dy_data, dy_scale, w_t, w_t_scale), dy_values, w_values, pre, probs
+
+
+def run(splits, m, h, i, activation, dtype=torch.bfloat16, seed=0, **cfg):
+    fp8, dy_values, w_values, pre, probs = operands(splits, m, h, i, activation, dtype, seed)
+    offsets = offsets_from_splits(splits)
+    poison_allocator((tuple(pre.shape), dtype), ((-(-i // 128), m), torch.float32))
+    d_pre, d_probs = grouped_dgrad_dact_fp8_sm90(
+        *fp8, offsets, pre, activation=activation, probs=probs, limit=LIMIT, alpha=ALPHA, **cfg
+    )
+    assert d_pre.shape == pre.shape and d_pre.dtype == dtype
+    exp_d_pre, _, exp_d_probs = dact_reference(dy_values, w_values, offsets, pre, activation, probs)
+    end = int(offsets[-1])
+    assert rel_err(d_pre, exp_d_pre) <= TOL
+    assert torch.all(d_pre[end:] == 0)
+    if ACTIVATIONS[activation].takes_probs:
+        assert d_probs.shape == (m,) and rel_err(d_probs, exp_d_probs) <= TOL
+    else:
+        assert d_probs is None
+
+
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+def test_activations_uneven_splits(activation):
+    # H=400: a partial 128-deep K block; I=320: a partial n-tile and scale block; 50 padding rows
+    run(UNEVEN, 500, 400, 320, activation)
+
+
+@pytest.mark.parametrize("dtype,cluster_m", [(torch.float16, 1), (torch.bfloat16, 2)])
+def test_dtypes_and_clusters(dtype, cluster_m):
+    run([0, 700, 0, 1, 255], 1000, 256, 256, "swiglu", dtype, seed=1, cluster_m=cluster_m)
+
+
+def test_no_rows_and_no_host_sync():
+    run([0, 0, 0], 40, 128, 128, "srelu", seed=2)
+    fp8, _, _, pre, _ = operands([64, 64], 128, 256, 128, "swiglu", torch.bfloat16, 3)
+    offsets = offsets_from_splits([64, 64])
+    grouped_dgrad_dact_fp8_sm90(*fp8, offsets, pre, activation="swiglu")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grouped_dgrad_dact_fp8_sm90(*fp8, offsets, pre, activation="swiglu")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_argument_errors():
+    name = "grouped_dgrad_dact_fp8_sm90"
+    (dy, dy_scale, w_t, w_t_scale), _, _, pre, _ = operands([64, 64], 128, 256, 128, "swiglu", torch.bfloat16, 4)
+    offsets = offsets_from_splits([64, 64])
+    with pytest.raises(TypeError, match=f"{name}: dy has dtype"):
+        grouped_dgrad_dact_fp8_sm90(dy.float(), dy_scale, w_t, w_t_scale, offsets, pre, activation="swiglu")
+    with pytest.raises(ValueError, match=f"{name}: weight_t_scale_inv must have shape"):
+        grouped_dgrad_dact_fp8_sm90(dy, dy_scale, w_t, w_t_scale[:, :, :1].contiguous(), offsets, pre,
+                                    activation="swiglu")
+    with pytest.raises(ValueError, match=f"{name}: pre must have shape"):
+        grouped_dgrad_dact_fp8_sm90(dy, dy_scale, w_t, w_t_scale, offsets, pre[:, :128].contiguous(),
+                                    activation="swiglu")
+    with pytest.raises(ValueError, match=f"{name}: activation is required"):
+        grouped_dgrad_dact_fp8_sm90(dy, dy_scale, w_t, w_t_scale, offsets, pre, activation=None)
+    with pytest.raises(ValueError, match=f"{name}: weight_t has K=256"):
+        grouped_dgrad_dact_fp8_sm90(dy[:, :128].contiguous(), dy_scale[:, :1].contiguous(), w_t, w_t_scale,
+                                    offsets, pre, activation="swiglu")
