@@ -22,7 +22,7 @@ import argparse
 
 import torch
 import triton.testing
-from common import MODEL_SHAPES, device_tag, skewed_splits, write_results
+from common import MODEL_SHAPES, device_tag, gpu_us_per_kernel, skewed_splits, write_results
 
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU
 
@@ -205,8 +205,7 @@ def ncu_range(mlp, offsets, x, dy):
 
 
 def profile_step(mlp, splits, x, dy):
-    """Share of GPU kernel time outside the GEMM kernels in one fused step (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
+    """GPU time per kernel of one fused step (torch.profiler)."""
 
     def step():
         x.grad = None
@@ -214,16 +213,7 @@ def profile_step(mlp, splits, x, dy):
             p.grad = None
         mlp(x, split_sizes=splits).backward(dy)
 
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    kernels = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name] = kernels.get(event.name, 0.0) + event.device_time_total
-    return kernels
+    return gpu_us_per_kernel(step)
 
 
 def is_gemm_kernel(name: str) -> bool:

@@ -38,6 +38,22 @@ def host_us_per_call(fn, calls: int = 100, batches: int = 30) -> float:
     return best
 
 
+def gpu_us_per_kernel(fn) -> dict:
+    """GPU microseconds per kernel name in one call of ``fn`` after a warm-up call (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] = kernels.get(event.name, 0.0) + event.device_time_total
+    return kernels
+
+
 def device_tag(device_name: str) -> str:
     """Short tag for result file names: h100, h200 or gpu."""
     return "h100" if "H100" in device_name else ("h200" if "H200" in device_name else "gpu")
