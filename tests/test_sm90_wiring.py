@@ -247,3 +247,26 @@ def test_fp8_dact_rule_declines_a_quantized_gradient(sm90_stand_ins):
                  "[2] Quantize -> basic op", "[1] SwiGLU -> basic op",
                  "not fired: rule 'dactivation+quantize+grouped_linear' on [1:4]"):
         assert line in text, text
+
+
+@pytest.mark.parametrize("act", [ScaledSwiGLU, SReLU, ClampedSwiGLU])
+def test_fp8_dact_without_transpose_matches_the_emulation(act, sm90_stand_ins, monkeypatch):
+    """Activation, Quantize, GroupedLinear (no Transpose): the three-op FP8 backward rule, with the
+    router-probability gradient and a non-GLU activation, against the torch backend."""
+    torch.manual_seed(0)
+    glu = act is not SReLU
+    seq = Sequential(GroupedLinear(G, H, 2 * I if glu else I, dtype=torch.bfloat16), act(),
+                     Quantize("fp8_blockwise"), GroupedLinear(G, I, H, dtype=torch.bfloat16))
+    x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
+    side = {"probs": torch.rand(ROWS, requires_grad=True)} if act is ScaledSwiGLU else {}
+    text = seq.explain(x, split_sizes=SPLITS, **side)
+    expected = f"[1:4] {act.__name__}, Quantize, GroupedLinear -> rule 'dactivation+quantize+grouped_linear' (backend sm90)"
+    assert expected in text, text
+    DACT_FP8_CALLS.clear()
+    got = step(seq, x, dy, **side)
+    assert DACT_FP8_CALLS == [(G, I, H)], DACT_FP8_CALLS
+    monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
+    want = step(seq, x, dy, **side)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert ref.rel_err(a, b) <= 5e-2, i
