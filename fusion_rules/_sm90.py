@@ -66,6 +66,8 @@ def backward_unsupported_reason(linear: GroupedLinear, info, index: int, fp8: bo
             reason = sm90_grouped_gemm_fp8_unsupported_reason(info.dtype, linear.in_features, linear.out_features, None)
             if reason:
                 return _reason(reason)
+            if linear.in_features % 16:  # transpose_fp8_sm90 makes the K-major W^T from 16 x 16 byte blocks
+                return f"in_features={linear.in_features} not a multiple of 16 (FP8 data gradient's weight transpose)"
         if info.params_require_grad[index]:
             return _reason(sm90_wgrad_unsupported_reason(info.dtype, linear.out_features, linear.in_features))
         return None

@@ -181,5 +181,6 @@ def _call_classic(fn, tensors, ctas):
     from cutlass.cute.runtime import from_dlpack
 
     stream = cuda.CUstream(torch.cuda.current_stream(tensors[0].device).cuda_stream)
-    converted = (from_dlpack(t, assumed_align=4 if t.dtype == torch.float32 else 16) for t in tensors)  # uint8 too
+    # float32 scales: 4-byte aligned; data (bf16 / fp16 / E4M3 / uint8): 16-byte, as the wrappers check
+    converted = (from_dlpack(t, assumed_align=4 if t.dtype == torch.float32 else 16) for t in tensors)
     fn(*(t.mark_layout_dynamic(leading_dim=2) for t in converted), cutlass.Int32(ctas), stream)
