@@ -383,7 +383,7 @@ def grouped_gemm_sm90(
     fn, pre_shape, act_shape, clusters = launch
     pre = out if out is not None else x.new_empty(pre_shape)
     act = act_out if act_out is not None or act_shape is None else x.new_empty(act_shape)
-    _run(fn, tvm_ffi, _forward_launch, args, x, weight, offsets, pre, act, bias, probs, limit, alpha, clusters)
+    _run(fn, tvm_ffi, _forward_launch, args, (x, weight, offsets, pre, act, bias, probs), limit, alpha, clusters)
     return pre, act
 
 
@@ -459,7 +459,7 @@ def grouped_gemm_act_quant_sm90(
     pre = out if out is not None else x.new_empty(pre_shape)
     act_data = torch.empty(act_shape, dtype=torch.float8_e4m3fn, device=x.device)
     act_scale_inv = torch.empty(act_shape[0], -(-act_shape[1] // 128), dtype=torch.float32, device=x.device)
-    _run(fn, tvm_ffi, _act_quant_launch, args, x, weight, offsets, pre, act_data, act_scale_inv, bias, probs, limit,
+    _run(fn, tvm_ffi, _act_quant_launch, args, (x, weight, offsets, pre, act_data, act_scale_inv, bias, probs), limit,
          alpha, clusters)
     return pre, act_data, act_scale_inv
 
@@ -511,7 +511,7 @@ def grouped_gemm_fp8_sm90(
     act = act_out
     if act is None and act_shape is not None:
         act = torch.empty(act_shape, dtype=out_dtype, device=x.device)
-    _run(fn, tvm_ffi, _fp8_launch, args, x, x_scale_inv, weight, weight_scale_inv, offsets, pre, act, bias, probs,
+    _run(fn, tvm_ffi, _fp8_launch, args, (x, x_scale_inv, weight, weight_scale_inv, offsets, pre, act, bias, probs),
          limit, alpha, clusters)
     return pre, act
 
@@ -594,7 +594,7 @@ def grouped_dgrad_dact_sm90(
     d_pre = torch.empty_like(pre)
     act = dy.new_empty(act_shape)
     d_probs_part = None if partial_shape is None else dy.new_empty(partial_shape, dtype=torch.float32)
-    _run(fn, tvm_ffi, _dact_launch, args, dy, weight, offsets, pre, d_pre, act, probs, d_probs_part, limit, alpha,
+    _run(fn, tvm_ffi, _dact_launch, args, (dy, weight, offsets, pre, d_pre, act, probs, d_probs_part), limit, alpha,
          clusters)
     return d_pre, act, None if d_probs_part is None else d_probs_part.sum(0)
 
@@ -661,8 +661,9 @@ def grouped_dgrad_dact_fp8_sm90(
     fn, partial_shape, clusters = launch
     d_pre = torch.empty_like(pre)
     d_probs_part = None if partial_shape is None else pre.new_empty(partial_shape, dtype=torch.float32)
-    _run(fn, tvm_ffi, _dact_fp8_launch, args, dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, d_pre,
-         probs, d_probs_part, limit, alpha, clusters)
+    _run(fn, tvm_ffi, _dact_fp8_launch, args,
+         (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, d_pre, probs, d_probs_part), limit, alpha,
+         clusters)
     return d_pre, None if d_probs_part is None else d_probs_part.sum(0)
 
 
@@ -695,17 +696,16 @@ def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activ
     return fn, partial_shape, clusters
 
 
-def _run(fn, tvm_ffi, checks, check_args, *args):
-    """Launch ``fn`` (None: M == 0, nothing to launch) on ``args``: tensors (or None), then the
-    float32 scalars, then the Int32 grid size. When the compiled entry rejects an argument, rerun
-    the wrapper's ``checks(*check_args)``: they raise the error naming it (else the entry's own
-    error propagates)."""
+def _run(fn, tvm_ffi, checks, check_args, tensors, limit, alpha, clusters):
+    """Launch ``fn`` (None: M == 0, nothing to launch) on ``tensors`` (a tuple, None for absent
+    ones), the float32 scalars ``limit`` / ``alpha`` and the Int32 grid size. When the compiled
+    entry rejects an argument, rerun the wrapper's ``checks(*check_args)``: they raise the error
+    naming it (else the entry's own error propagates)."""
     if fn is None:
         return
     try:
-        *tensors, limit, alpha, clusters = args
         if tvm_ffi:
-            fn(*tensors, float(limit), float(alpha), int(clusters))
+            fn(*tensors, float(limit), float(alpha), clusters)
         else:
             _launch_classic(fn, tensors, limit, alpha, clusters)
     except Exception:

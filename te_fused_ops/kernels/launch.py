@@ -88,25 +88,28 @@ def tensor_signature(*tensors):
     return tuple(signature)
 
 
-def call_signature(tvm_ffi: bool, *tensors):
-    """The per-tensor part of a wrapper's launch memo key; a validated launch is memoized under it
-    (plus the non-tensor arguments and the SM-margin variable), so repeated calls skip the checks.
+def call_signature(tvm_ffi: bool, t0, t1, t2, t3=None, t4=None, t5=None, t6=None, t7=None, t8=None):
+    """The per-tensor part of a wrapper's launch memo key (up to nine tensors, None for absent
+    ones); a validated launch is memoized under it (plus the non-tensor arguments and the
+    SM-margin variable), so repeated calls skip the checks.
 
     Through TVM-FFI the compiled function checks every tensor on every call (dtype, rank, device,
     contiguity, alignment, the extents its shape symbols tie together) before it launches, so the
     key holds only the first tensor's dtype and device and every tensor's shape: the checks that
     depend on nothing else ran when the entry was made, and a call the compiled function rejects
-    reruns the wrapper's checks for an error naming the argument. The classic path
-    checks nothing itself: its key is the full `tensor_signature`. None when an argument is not a
-    tensor (the full checks then raise).
+    reruns the wrapper's checks for an error naming the argument. The classic path checks nothing
+    itself: its key is the full `tensor_signature`. None when an argument is not a tensor (the
+    full checks then raise). Fixed arity, no loop: this runs on every launch (~0.9 us of Python
+    against ~1.6 us for a loop over ``*tensors``).
     """
     if not tvm_ffi:
-        return tensor_signature(*tensors)
-    first = tensors[0]
-    if not isinstance(first, torch.Tensor):
-        return None
+        return tensor_signature(t0, t1, t2, t3, t4, t5, t6, t7, t8)
     try:
-        return (first.dtype, first.device, *[None if t is None else t.shape for t in tensors])
+        return (
+            t0.dtype, t0.device, t0.shape, t1.shape, t2.shape,
+            t3 if t3 is None else t3.shape, t4 if t4 is None else t4.shape, t5 if t5 is None else t5.shape,
+            t6 if t6 is None else t6.shape, t7 if t7 is None else t7.shape, t8 if t8 is None else t8.shape,
+        )
     except AttributeError:
         return None
 
