@@ -329,6 +329,29 @@ def test_bad_offsets_stay_in_bounds():
             assert torch.isfinite(t).all()
 
 
+def test_preallocated_outputs():
+    """out / act_out: NaN-poisoned buffers (padding rows included) are filled in place, equal to
+    the allocating call; a wrong shape or dtype is a named error."""
+    torch.manual_seed(11)
+    m, h, i = 512, 128, 128
+    offsets = offsets_from_splits(UNEVEN)  # 450 of 512 rows routed
+    dy = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
+    w = (torch.randn(len(UNEVEN), h, i, device="cuda") / 16).to(torch.bfloat16)
+    pre = torch.randn(m, 2 * i, dtype=torch.bfloat16, device="cuda")
+    d_pre, act, _ = grouped_dgrad_dact_sm90(dy, w, offsets, pre, activation="swiglu")
+    out = torch.full_like(pre, float("nan"))
+    act_out = torch.full_like(act, float("nan"))
+    got = grouped_dgrad_dact_sm90(dy, w, offsets, pre, activation="swiglu", out=out, act_out=act_out)
+    assert got[0] is out and got[1] is act_out
+    assert torch.equal(out, d_pre) and torch.equal(act_out, act)
+    assert not out[450:].any() and not act_out[450:].any()
+    name = "grouped_dgrad_dact_sm90"
+    with pytest.raises(ValueError, match=f"{name}: out must have shape"):
+        grouped_dgrad_dact_sm90(dy, w, offsets, pre, activation="swiglu", out=out[:, :i].contiguous())
+    with pytest.raises(TypeError, match=f"{name}: act_out has dtype"):
+        grouped_dgrad_dact_sm90(dy, w, offsets, pre, activation="swiglu", act_out=act_out.half())
+
+
 def test_argument_errors():
     dy = torch.randn(64, 32, dtype=torch.bfloat16, device="cuda")
     w = torch.randn(2, 32, 64, dtype=torch.bfloat16, device="cuda")

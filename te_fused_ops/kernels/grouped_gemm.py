@@ -570,14 +570,15 @@ def _check_fp8_operands(fn_name, a, b, offsets):
 
 
 def grouped_dgrad_dact_sm90(
-    dy, weight, offsets, pre, *, activation, probs=None, limit=7.0, alpha=1.702, sm_margin=None,
-    tile_n=None, cluster_m=None,
+    dy, weight, offsets, pre, *, activation, probs=None, limit=7.0, alpha=1.702, out=None, act_out=None,
+    sm_margin=None, tile_n=None, cluster_m=None,
 ):
     """Backward of FC2 fused with the activation's backward: h = dy_g @ W[g], then dActivation.
 
     dy (M, H) bf16/fp16; weight (G, H, I) the FC2 weight in its natural layout (read in place);
     offsets (G+1,) int32; pre (M, 2I) [gate, up] for GLU, (M, I) for srelu, the saved
-    pre-activation; probs (M,) float32 for scaled_swiglu; limit / alpha for clamped_swiglu.
+    pre-activation; probs (M,) float32 for scaled_swiglu; limit / alpha for clamped_swiglu;
+    out / act_out: optional preallocated buffers for d_pre / act.
     Returns (d_pre like pre, act (M, I) = activation(pre) (times probs for scaled_swiglu: the input
     of FC2's weight gradient), d_probs (M,) float32 for scaled_swiglu else None).
     Rows >= offsets[G] are zero. No host sync. H a multiple of 8; I a multiple of 32 (GLU) or 8.
@@ -585,21 +586,21 @@ def grouped_dgrad_dact_sm90(
     """
     tvm_ffi = tvm_ffi_available()
     key = (
-        call_signature(tvm_ffi, dy, weight, offsets, pre, probs),
+        call_signature(tvm_ffi, dy, weight, offsets, pre, probs, out, act_out),
         _DACT, activation, tile_n, cluster_m, sm_margin, sm_margin_setting(),
     )
-    args = (dy, weight, offsets, pre, activation, probs, tile_n, cluster_m, sm_margin)
+    args = (dy, weight, offsets, pre, activation, probs, out, act_out, tile_n, cluster_m, sm_margin)
     launch = _MEMO.get(key) or _MEMO.put(key, _dact_launch(*args))
     fn, act_shape, partial_shape, clusters = launch
-    d_pre = torch.empty_like(pre)
-    act = dy.new_empty(act_shape)
+    d_pre = out if out is not None else torch.empty_like(pre)
+    act = act_out if act_out is not None else dy.new_empty(act_shape)
     d_probs_part = None if partial_shape is None else dy.new_empty(partial_shape, dtype=torch.float32)
     _run(fn, tvm_ffi, _dact_launch, args, (dy, weight, offsets, pre, d_pre, act, probs, d_probs_part), limit, alpha,
          clusters)
     return d_pre, act, None if d_probs_part is None else d_probs_part.sum(0)
 
 
-def _dact_launch(dy, weight, offsets, pre, activation, probs, tile_n, cluster_m, sm_margin):
+def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile_n, cluster_m, sm_margin):
     """Every check of `grouped_dgrad_dact_sm90`; (launcher or None when M == 0, act shape,
     d_probs partials shape or None, persistent grid in clusters)."""
     dev = check_input(_DACT, dy, "dy")
@@ -626,6 +627,10 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, tile_n, cluster_m,
     check_tensor(_DACT, pre, "pre", dy.dtype, 2, dev)
     _check_shape(_DACT, pre, "pre", (m, 2 * i if spec.glu else i))
     _check_probs(_DACT, spec, probs, m, dev)
+    for buf, arg, shape in ((out, "out", pre.shape), (act_out, "act_out", (m, i))):
+        if buf is not None:
+            check_tensor(_DACT, buf, arg, dy.dtype, 2, dev)
+            _check_shape(_DACT, buf, arg, tuple(shape))
     tile_n, cluster_m, clusters = _launch_config(_DACT, m, i, g, dev, tile_n, cluster_m, sm_margin)
     partial_shape = (-(-i // tile_n), m) if spec.takes_probs else None
     if m == 0:
