@@ -104,9 +104,10 @@ def measure(step, before, n):
     return {"host_us": statistics.median(host) * 1e6, "wall_us": wall * 1e6}
 
 
-def wrapper_calls():
+def wrapper_calls(rounds):
     """Host us per call of each sm90 kernel wrapper (checks + launch) on a tiny problem, allocating
-    its outputs and into preallocated ones, next to one torch launch (this machine's unit)."""
+    its outputs and into preallocated ones, next to one torch launch (this machine's unit) and
+    the FC1 kernel's compiled entry alone; median over ``rounds`` interleaved rounds."""
     from te_fused_ops.kernels.grouped_gemm import _forward_launch, grouped_dgrad_dact_sm90, grouped_gemm_sm90
     from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90
 
@@ -117,6 +118,7 @@ def wrapper_calls():
     pre, act = grouped_gemm_sm90(x, w, off, activation="swiglu")
     dx = torch.empty_like(x)
     dw = torch.empty(2, 64, 64, dtype=torch.bfloat16, device="cuda")
+    d_pre, act_x, _ = grouped_dgrad_dact_sm90(x, w2, off, pre, activation="swiglu")
     sum_out = torch.empty_like(x)
     # the FC1 kernel's compiled entry alone (TVM-FFI: argument conversion and checks in C, launch)
     fc1 = _forward_launch(x, w, off, None, "swiglu", None, pre, act, "nk", None, None, None)
@@ -127,9 +129,16 @@ def wrapper_calls():
         "FC1 fwd + SwiGLU, preallocated": lambda: grouped_gemm_sm90(x, w, off, activation="swiglu", out=pre, act_out=act),
         "dgrad (W in place), preallocated": lambda: grouped_gemm_sm90(x, w2, off, weight_layout="kn", out=dx),
         "dgrad + dSwiGLU": lambda: grouped_dgrad_dact_sm90(x, w2, off, pre, activation="swiglu"),
+        "dgrad + dSwiGLU, preallocated": lambda: grouped_dgrad_dact_sm90(
+            x, w2, off, pre, activation="swiglu", out=d_pre, act_out=act_x
+        ),
         "wgrad, preallocated": lambda: grouped_wgrad_sm90(x, x, off, out=dw),
     }
-    return {name: host_us_per_call(fn) for name, fn in calls.items()}
+    runs = {name: [] for name in calls}
+    for _ in range(rounds):  # interleaved: a slow moment of the host hits every row
+        for name, fn in calls.items():
+            runs[name].append(host_us_per_call(fn))
+    return {name: statistics.median(us) for name, us in runs.items()}
 
 
 def main():
@@ -153,7 +162,7 @@ def main():
         torch.cuda.synchronize()
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
         return
-    calls = wrapper_calls()
+    calls = wrapper_calls(args.rounds)
     for name, us in calls.items():
         print(f"  wrapper {name:20s} {us:6.1f} us per call (checks + launch)", flush=True)
     rows = []
