@@ -21,6 +21,8 @@ apart), and each FP8 step's distance from bf16 is recorded:
                     kernel, weight gradients bf16
   all fp8 sm90      the same after a Quantize of x (FC1 in FP8 too)
   fc2 fp8 emulated  "fc2 fp8 sm90" with TE_FUSED_OPS_BACKEND=torch (quantize, dequantize, bf16)
+  plain torch bf16  the strongest bf16 step a user writes without the library (six
+                    torch._grouped_mm + compiled SwiGLU / dSwiGLU: bench_train_step.ReferenceMLP)
 
     python benchmarks/bench_fp8_sm90.py [--shapes dsv3-ep8,mixtral-8x7b] [--out DIR] [--part kernels|steps]
     python benchmarks/bench_fp8_sm90.py --part steps --profile --shapes qwen3-30b-a3b   # GPU time per kernel
@@ -31,6 +33,7 @@ import os
 
 import torch
 import triton.testing
+from bench_train_step import ReferenceMLP
 from common import MODEL_SHAPES, device_tag, gpu_us_per_kernel, skewed_splits, write_results
 
 from te_fused_ops import GroupedLinear, Quantize, Sequential, SwiGLU, Transpose
@@ -131,6 +134,8 @@ def run_step(name, profile=False):
         "all fp8 sm90": Sequential(Quantize("fp8_blockwise"), *fp8),
     }
     models["fc2 fp8 emulated"] = fp8
+    ends = torch.cumsum(splits, 0).to(torch.int32)
+    models["plain torch bf16"] = lambda x, split_sizes: ReferenceMLP.apply(x, fc1.weight, fc2.weight, ends)
     leaves = [x, fc1.weight, fc2.weight]
 
     def step(model):
@@ -146,7 +151,7 @@ def run_step(name, profile=False):
             os.environ["TE_FUSED_OPS_BACKEND"] = "torch"
         try:
             outputs[label] = step(model)
-            if profile and not label.endswith("emulated"):
+            if profile and label in ("bf16 fused", "fc2 fp8 sm90", "all fp8 sm90"):
                 breakdown = kernel_breakdown(lambda: step(model))
                 print(f"{name} / {label}: {sum(breakdown.values()):.0f} us in the top kernels", flush=True)
                 for kernel, us in breakdown.items():
@@ -161,6 +166,8 @@ def run_step(name, profile=False):
         return [((a.float() - b.float()).norm() / b.float().norm()).item()
                 for a, b in zip(outputs[label], outputs[against])]
 
+    plain = errors("plain torch bf16", "bf16 fused")  # the same bf16 MLP: bf16 tolerance
+    assert max(plain) <= 1e-2, f"{name}: plain torch vs bf16 fused, relative errors {plain}"
     same_recipe = errors("fc2 fp8 sm90", "fc2 fp8 emulated")  # output, dx, dW1, dW2
     # the quantization turns last-bit differences of the activation into whole E4M3 steps
     assert max(same_recipe) <= 5e-2, f"{name}: fp8 sm90 vs fp8 emulated, relative errors {same_recipe}"
@@ -199,13 +206,14 @@ def step_table(steps, device):
     lines = [
         f"Training step, SwiGLU MLP, {device}; median us, forward / forward + backward",
         "",
-        "| shape | " + " | ".join(labels) + " | fc2 fp8 sm90 step vs bf16 |",
+        "| shape | " + " | ".join(labels) + " | fc2 fp8 sm90 step vs bf16 fused / vs plain torch |",
         "|---|" + "---|" * (len(labels) + 1),
     ]
     for r in steps:
         cells = [f"{r['us'][k]['forward']:.0f} / {r['us'][k]['step']:.0f}" for k in labels]
-        ratio = r["us"]["bf16 fused"]["step"] / r["us"]["fc2 fp8 sm90"]["step"]
-        lines.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
+        fp8 = r["us"]["fc2 fp8 sm90"]["step"]
+        ratios = f"{r['us']['bf16 fused']['step'] / fp8:.2f}x / {r['us']['plain torch bf16']['step'] / fp8:.2f}x"
+        lines.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {ratios} |")
     return lines
 
 
