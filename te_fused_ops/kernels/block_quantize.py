@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from .launch import DTYPES, num_sms, tvm_ffi_available
+from .launch import DTYPES, compile_launcher, fake_tensor, num_sms, tvm_ffi_available
 
 _NAME = "block_quantize_sm90"
 _DEQUANT_NAME = "block_dequantize_sm90"
@@ -37,20 +37,13 @@ def _compile(kernel, dtype, data_first: bool, tvm_ffi):
     import cutlass
     import cutlass.cute as cute
 
-    if tvm_ffi is None:
-        tvm_ffi = tvm_ffi_available()
     element = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
     g, r, rb, cb = (cute.sym_int() for _ in range(4))
     c = cute.sym_int(divisibility=VEC)
-
-    def fake(dt, shape, align=16):
-        return cute.runtime.make_fake_compact_tensor(dt, shape, stride_order=(2, 1, 0), assumed_align=align)
-
-    x, data = fake(element, (g, r, c)), fake(cutlass.Float8E4M3FN, (g, r, c))
-    scale_inv = fake(cutlass.Float32, (g, rb, cb), 4)
+    x, data = fake_tensor(element, (g, r, c)), fake_tensor(cutlass.Float8E4M3FN, (g, r, c))
+    scale_inv = fake_tensor(cutlass.Float32, (g, rb, cb), 4)
     tensors = (data, scale_inv, x) if data_first else (x, data, scale_inv)
-    args = (*tensors, cutlass.Int32(1), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
-    return cute.compile(kernel, *args, options="--enable-tvm-ffi" if tvm_ffi else "")
+    return compile_launcher(kernel, (*tensors, cutlass.Int32(1)), tvm_ffi)
 
 
 @functools.cache
@@ -77,16 +70,10 @@ def compile_transpose_fp8(tvm_ffi=None):
 
     from .block_quantize_sm90 import ByteTransposeSm90
 
-    if tvm_ffi is None:
-        tvm_ffi = tvm_ffi_available()
     g = cute.sym_int()
     r, c = cute.sym_int(divisibility=16), cute.sym_int(divisibility=16)
-
-    def fake(shape):
-        return cute.runtime.make_fake_compact_tensor(cutlass.Uint8, shape, stride_order=(2, 1, 0), assumed_align=16)
-
-    args = (fake((g, r, c)), fake((g, c, r)), cutlass.Int32(1), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
-    return cute.compile(ByteTransposeSm90(), *args, options="--enable-tvm-ffi" if tvm_ffi else "")
+    args = (fake_tensor(cutlass.Uint8, (g, r, c)), fake_tensor(cutlass.Uint8, (g, c, r)), cutlass.Int32(1))
+    return compile_launcher(ByteTransposeSm90(), args, tvm_ffi)
 
 
 def _ctas(work_items: int, device_index: int) -> int:

@@ -28,6 +28,8 @@ from .launch import (
     LaunchMemo,
     check_input,
     check_tensor,
+    compile_launcher,
+    fake_tensor,
     num_sms,
     resolve_sm_margin,
     call_signature,
@@ -126,13 +128,6 @@ def _cutlass_dtype(dtype):
     return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
 
 
-def _fake(dtype, shape, align=16):
-    import cutlass.cute as cute
-
-    order = tuple(reversed(range(len(shape))))
-    return cute.runtime.make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
-
-
 def _forward_fakes(dt, weight_layout, n_divisibility):
     """((M, G, N) symbols, fake (x (M, K), weight, offsets (G+1,), pre (M, N))) of a forward."""
     import cutlass
@@ -140,17 +135,15 @@ def _forward_fakes(dt, weight_layout, n_divisibility):
 
     m, g, g1 = cute.sym_int(), cute.sym_int(), cute.sym_int()
     k, n = cute.sym_int(divisibility=8), cute.sym_int(divisibility=n_divisibility)
-    weight = _fake(dt, (g, n, k) if weight_layout == "nk" else (g, k, n))
-    return (m, g, n), (_fake(dt, (m, k)), weight, _fake(cutlass.Int32, (g1,), 4), _fake(dt, (m, n)))
+    weight = fake_tensor(dt, (g, n, k) if weight_layout == "nk" else (g, k, n))
+    return (m, g, n), (fake_tensor(dt, (m, k)), weight, fake_tensor(cutlass.Int32, (g1,), 4), fake_tensor(dt, (m, n)))
 
 
 def _compile(kernel, args, tvm_ffi):
+    """The launcher of ``kernel`` on tensors ``args`` then (limit, alpha, max_clusters)."""
     import cutlass
-    import cutlass.cute as cute
 
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
-    args = (*args, cutlass.Float32(7.0), cutlass.Float32(1.702), cutlass.Int32(1), stream)
-    return cute.compile(kernel, *args, options="--enable-tvm-ffi" if tvm_ffi else "")
+    return compile_launcher(kernel, (*args, cutlass.Float32(7.0), cutlass.Float32(1.702), cutlass.Int32(1)), tvm_ffi)
 
 
 @functools.cache
@@ -164,8 +157,6 @@ def compile_grouped_gemm(
 
     from .grouped_gemm_sm90 import GroupedGemmActSm90
 
-    if tvm_ffi is None:
-        tvm_ffi = tvm_ffi_available()
     dt = _cutlass_dtype(dtype)
     spec = activation_spec(activation, "compile_grouped_gemm")
     glu = spec is not None and spec.glu
@@ -173,9 +164,9 @@ def compile_grouped_gemm(
     n_act = cute.sym_int(divisibility=8)
     args = (
         *operands,
-        _fake(dt, (m, n_act if glu else n)) if spec is not None else None,
-        _fake(dt, (g, n)) if has_bias else None,
-        _fake(cutlass.Float32, (m,), 4) if spec is not None and spec.takes_probs else None,
+        fake_tensor(dt, (m, n_act if glu else n)) if spec is not None else None,
+        fake_tensor(dt, (g, n)) if has_bias else None,
+        fake_tensor(cutlass.Float32, (m,), 4) if spec is not None and spec.takes_probs else None,
     )
     b_major = {"nk": "k", "kn": "mn"}[weight_layout]
     kernel = GroupedGemmActSm90(dt, tile_n, activation, has_bias, b_major, cluster_m, **kernel_opts)
@@ -192,18 +183,16 @@ def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cl
 
     from .grouped_gemm_sm90 import GroupedGemmActQuantSm90
 
-    if tvm_ffi is None:
-        tvm_ffi = tvm_ffi_available()
     dt = _cutlass_dtype(dtype)
     spec = activation_spec(activation, "compile_grouped_gemm_act_quant")
     (m, g, n), operands = _forward_fakes(dt, weight_layout, GLU_N_MULTIPLE)
     i, i_blocks = cute.sym_int(divisibility=8), cute.sym_int()
     args = (
         *operands,
-        _fake(cutlass.Float8E4M3FN, (m, i), 1),
-        _fake(cutlass.Float32, (m, i_blocks), 4),
-        _fake(dt, (g, n)) if has_bias else None,
-        _fake(cutlass.Float32, (m,), 4) if spec.takes_probs else None,
+        fake_tensor(cutlass.Float8E4M3FN, (m, i), 1),
+        fake_tensor(cutlass.Float32, (m, i_blocks), 4),
+        fake_tensor(dt, (g, n)) if has_bias else None,
+        fake_tensor(cutlass.Float32, (m,), 4) if spec.takes_probs else None,
     )
     b_major = {"nk": "k", "kn": "mn"}[weight_layout]
     kernel = GroupedGemmActQuantSm90(dt, activation, has_bias, b_major, cluster_m, **kernel_opts)
@@ -219,8 +208,6 @@ def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_
 
     from .grouped_dact_sm90 import GroupedGemmDActSm90
 
-    if tvm_ffi is None:
-        tvm_ffi = tvm_ffi_available()
     dt = _cutlass_dtype(dtype)
     spec = activation_spec(activation, "compile_grouped_dgrad_dact")
     m, g, g1, n_tiles = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
@@ -228,14 +215,14 @@ def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_
     i = cute.sym_int(divisibility=DACT_GLU_I_MULTIPLE if spec.glu else 8)
     i_pre = cute.sym_int(divisibility=2 * DACT_GLU_I_MULTIPLE) if spec.glu else i
     args = (
-        _fake(dt, (m, h)),
-        _fake(dt, (g, h, i)),
-        _fake(cutlass.Int32, (g1,), 4),
-        _fake(dt, (m, i_pre)),
-        _fake(dt, (m, i_pre)),
-        _fake(dt, (m, i)),
-        _fake(cutlass.Float32, (m,), 4) if spec.takes_probs else None,
-        _fake(cutlass.Float32, (n_tiles, m), 4) if spec.takes_probs else None,
+        fake_tensor(dt, (m, h)),
+        fake_tensor(dt, (g, h, i)),
+        fake_tensor(cutlass.Int32, (g1,), 4),
+        fake_tensor(dt, (m, i_pre)),
+        fake_tensor(dt, (m, i_pre)),
+        fake_tensor(dt, (m, i)),
+        fake_tensor(cutlass.Float32, (m,), 4) if spec.takes_probs else None,
+        fake_tensor(cutlass.Float32, (n_tiles, m), 4) if spec.takes_probs else None,
     )
     kernel = GroupedGemmDActSm90(dt, tile_n, activation, cluster_m, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
@@ -251,8 +238,6 @@ def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2,
 
     from .grouped_dact_sm90 import GroupedGemmDActFp8Sm90
 
-    if tvm_ffi is None:
-        tvm_ffi = tvm_ffi_available()
     dt, f8 = _cutlass_dtype(dtype), cutlass.Float8E4M3FN
     spec = activation_spec(activation, "compile_grouped_dgrad_dact_fp8")
     m, g, g1, n_tiles, h_blocks, i_blocks = (cute.sym_int() for _ in range(6))
@@ -260,15 +245,15 @@ def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2,
     i = cute.sym_int(divisibility=DACT_GLU_I_MULTIPLE if spec.glu else 8)
     i_pre = cute.sym_int(divisibility=2 * DACT_GLU_I_MULTIPLE) if spec.glu else i
     args = (
-        _fake(f8, (m, h)),
-        _fake(cutlass.Float32, (m, h_blocks), 4),
-        _fake(f8, (g, i, h)),
-        _fake(cutlass.Float32, (g, i_blocks, h_blocks), 4),
-        _fake(cutlass.Int32, (g1,), 4),
-        _fake(dt, (m, i_pre)),
-        _fake(dt, (m, i_pre)),
-        _fake(cutlass.Float32, (m,), 4) if spec.takes_probs else None,
-        _fake(cutlass.Float32, (n_tiles, m), 4) if spec.takes_probs else None,
+        fake_tensor(f8, (m, h)),
+        fake_tensor(cutlass.Float32, (m, h_blocks), 4),
+        fake_tensor(f8, (g, i, h)),
+        fake_tensor(cutlass.Float32, (g, i_blocks, h_blocks), 4),
+        fake_tensor(cutlass.Int32, (g1,), 4),
+        fake_tensor(dt, (m, i_pre)),
+        fake_tensor(dt, (m, i_pre)),
+        fake_tensor(cutlass.Float32, (m,), 4) if spec.takes_probs else None,
+        fake_tensor(cutlass.Float32, (n_tiles, m), 4) if spec.takes_probs else None,
     )
     kernel = GroupedGemmDActFp8Sm90(dt, activation, cluster_m, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
@@ -283,8 +268,6 @@ def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_
 
     from .grouped_gemm_sm90 import GroupedGemmActFp8Sm90
 
-    if tvm_ffi is None:
-        tvm_ffi = tvm_ffi_available()
     dt, f8 = _cutlass_dtype(dtype), cutlass.Float8E4M3FN
     spec = activation_spec(activation, "compile_grouped_gemm_fp8")
     glu = spec is not None and spec.glu
@@ -292,15 +275,15 @@ def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_
     k, n = cute.sym_int(divisibility=16), cute.sym_int(divisibility=FP8_GLU_N_MULTIPLE if glu else 8)
     n_act = cute.sym_int(divisibility=8)
     args = (
-        _fake(f8, (m, k)),
-        _fake(cutlass.Float32, (m, k_blocks), 4),
-        _fake(f8, (g, n, k)),
-        _fake(cutlass.Float32, (g, n_blocks, k_blocks), 4),
-        _fake(cutlass.Int32, (g1,), 4),
-        _fake(dt, (m, n)),
-        _fake(dt, (m, n_act if glu else n)) if spec is not None else None,
-        _fake(dt, (g, n)) if has_bias else None,
-        _fake(cutlass.Float32, (m,), 4) if spec is not None and spec.takes_probs else None,
+        fake_tensor(f8, (m, k)),
+        fake_tensor(cutlass.Float32, (m, k_blocks), 4),
+        fake_tensor(f8, (g, n, k)),
+        fake_tensor(cutlass.Float32, (g, n_blocks, k_blocks), 4),
+        fake_tensor(cutlass.Int32, (g1,), 4),
+        fake_tensor(dt, (m, n)),
+        fake_tensor(dt, (m, n_act if glu else n)) if spec is not None else None,
+        fake_tensor(dt, (g, n)) if has_bias else None,
+        fake_tensor(cutlass.Float32, (m,), 4) if spec is not None and spec.takes_probs else None,
     )
     kernel = GroupedGemmActFp8Sm90(dt, activation, has_bias, cluster_m, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)

@@ -19,6 +19,8 @@ from .launch import (
     LaunchMemo,
     check_input,
     check_tensor,
+    compile_launcher,
+    fake_tensor,
     num_sms,
     resolve_sm_margin,
     call_signature,
@@ -58,28 +60,18 @@ def compile_grouped_wgrad(dtype, tile_n, main_grad, cluster_m=1, tvm_ffi=None, *
 
     from .grouped_wgrad_sm90 import GroupedWgradSm90
 
-    if tvm_ffi is None:
-        tvm_ffi = tvm_ffi_available()
     dt = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
     m, g, g1 = cute.sym_int(), cute.sym_int(), cute.sym_int()
     n, k = cute.sym_int(divisibility=8), cute.sym_int(divisibility=8)
-
-    def fake(dtype_, shape, align=16):
-        order = tuple(reversed(range(len(shape))))
-        return cute.runtime.make_fake_compact_tensor(
-            dtype_, shape, stride_order=order, assumed_align=align
-        )
-
     args = (
-        fake(dt, (m, n)),
-        fake(dt, (m, k)),
-        fake(cutlass.Int32, (g1,), 4),
-        fake(cutlass.Float32 if main_grad else dt, (g, n, k)),
+        fake_tensor(dt, (m, n)),
+        fake_tensor(dt, (m, k)),
+        fake_tensor(cutlass.Int32, (g1,), 4),
+        fake_tensor(cutlass.Float32 if main_grad else dt, (g, n, k)),
         cutlass.Int32(1),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi),
     )
     kernel = GroupedWgradSm90(dt, tile_n, main_grad, cluster_m, **kernel_opts)
-    return cute.compile(kernel, *args, options="--enable-tvm-ffi" if tvm_ffi else "")
+    return compile_launcher(kernel, args, tvm_ffi)
 
 
 _LAUNCHERS = {}

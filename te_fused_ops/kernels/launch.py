@@ -26,6 +26,27 @@ def tvm_ffi_available() -> bool:
     return True
 
 
+def fake_tensor(dtype, shape, align=16):
+    """A compact row-major symbolic tensor for `cute.compile`: ``dtype`` a cutlass type, ``shape``
+    of ints and `cute.sym_int`s, the data pointer ``align``-byte aligned."""
+    import cutlass.cute as cute
+
+    order = tuple(reversed(range(len(shape))))
+    return cute.runtime.make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
+
+
+def compile_launcher(kernel, args, tvm_ffi=None):
+    """`cute.compile` of ``kernel(*args, stream)``. Through TVM-FFI (``tvm_ffi``; None: when it
+    imports) the launcher takes torch tensors and launches on the current stream; else it takes
+    CuTe tensors and an explicit CUstream last."""
+    import cutlass.cute as cute
+
+    if tvm_ffi is None:
+        tvm_ffi = tvm_ffi_available()
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
+    return cute.compile(kernel, *args, stream, options="--enable-tvm-ffi" if tvm_ffi else "")
+
+
 @functools.cache
 def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -12,7 +12,7 @@ import functools
 import torch
 
 from . import sm90_unavailable_reason
-from .launch import tvm_ffi_available
+from .launch import compile_launcher, fake_tensor, tvm_ffi_available
 
 
 @functools.cache
@@ -31,11 +31,9 @@ def compile_split_offsets(size_dtype, tvm_ffi=True):
 
     element = {torch.int32: cutlass.Int32, torch.int64: cutlass.Int64}[size_dtype]
     g, g1 = cute.sym_int(), cute.sym_int()
-    sizes = cute.runtime.make_fake_compact_tensor(element, (g,), assumed_align=element.width // 8)
-    offsets = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (g1,), assumed_align=4)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
-    options = "--enable-tvm-ffi" if tvm_ffi else ""
-    return cute.compile(SplitOffsetsSm90(), sizes, offsets, cutlass.Int32(1), stream, options=options)
+    sizes = fake_tensor(element, (g,), element.width // 8)
+    offsets = fake_tensor(cutlass.Int32, (g1,), 4)
+    return compile_launcher(SplitOffsetsSm90(), (sizes, offsets, cutlass.Int32(1)), tvm_ffi)
 
 
 def split_offsets_sm90(split_sizes: torch.Tensor, num_rows: int) -> torch.Tensor:
