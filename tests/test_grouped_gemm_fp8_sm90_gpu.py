@@ -39,11 +39,14 @@ def quantized_operands(x, w):
     return qx.rowwise_data, qx.rowwise_scale_inv, qw.rowwise_data, qw.rowwise_scale_inv, x64, w64
 
 
-def run_case(splits, m, k, n, activation, dtype=torch.bfloat16, has_bias=False, seed=0, cluster_m=None):
+def run_case(splits, m, k, n, activation, dtype=torch.bfloat16, has_bias=False, seed=0, cluster_m=None, tile_n=None):
     torch.manual_seed(seed)
     g = len(splits)
     x = torch.randn(m, k, device="cuda") * torch.rand(m, 1, device="cuda") * 4  # rows of varied range
-    w = torch.randn(g, n, k, device="cuda") / math.sqrt(k)
+    # W's 128-row scale blocks 1x, 4x, 16x apart: a column promoted with a neighbouring block's
+    # multiplier is off by 4x or more
+    contrast = 4.0 ** (torch.arange(n, device="cuda") // 128 % 3)
+    w = torch.randn(g, n, k, device="cuda") / math.sqrt(k) * contrast[:, None]
     bias = torch.randn(g, n, device="cuda").to(dtype) if has_bias else None
     probs = torch.rand(m, device="cuda") if activation == "scaled_swiglu" else None
     offsets = offsets_from_splits(splits)
@@ -55,7 +58,7 @@ def run_case(splits, m, k, n, activation, dtype=torch.bfloat16, has_bias=False, 
         act_out = torch.full((m, n // 2 if glu else n), float("nan"), dtype=dtype, device="cuda")
     pre, act = grouped_gemm_fp8_sm90(
         xq, xs, wq, ws, offsets, bias=bias, activation=activation, probs=probs, limit=LIMIT, alpha=ALPHA,
-        out_dtype=dtype, out=out, act_out=act_out, cluster_m=cluster_m,
+        out_dtype=dtype, out=out, act_out=act_out, cluster_m=cluster_m, tile_n=tile_n,
     )
     ref_pre, ref_act = reference(x64, w64, offsets, bias, activation, probs)
     end = int(offsets[-1])
@@ -68,8 +71,17 @@ def run_case(splits, m, k, n, activation, dtype=torch.bfloat16, has_bias=False, 
 
 @pytest.mark.parametrize("activation", [None, "swiglu", "scaled_swiglu", "srelu"])
 @pytest.mark.parametrize("cluster_m", [1, 2])
-def test_epilogues(activation, cluster_m):
-    run_case(UNEVEN, 1000, 512, 256, activation, has_bias=activation == "swiglu", cluster_m=cluster_m)
+@pytest.mark.parametrize("tile_n", [128, 192])
+def test_epilogues(activation, cluster_m, tile_n):
+    run_case(UNEVEN, 1000, 512, 256, activation, has_bias=activation == "swiglu", cluster_m=cluster_m, tile_n=tile_n)
+
+
+@pytest.mark.parametrize("activation,n", [(None, 384), (None, 520), ("swiglu", 768), ("swiglu", 1280)])
+def test_tile_192_crosses_scale_blocks(activation, n):
+    # 192 columns (GLU: two boxes of 96 rows) start at 0 / 64 (GLU: 0 / 32 / 64 / 96) inside a
+    # 128-row block of W, so a tile's columns take the multipliers of two blocks; n 520: a partial
+    # last tile in a partial last block
+    run_case(UNEVEN, 1000, 384, n, activation, tile_n=192)
 
 
 @pytest.mark.parametrize("k", [16, 208, 1024])  # one partial block, a partial last block, 8 blocks
@@ -77,9 +89,10 @@ def test_k_tails(k):
     run_case([100, 0, 400], 600, k, 128, None)
 
 
-def test_glu_halves_at_odd_scale_blocks():
+@pytest.mark.parametrize("tile_n", [128, 192])
+def test_glu_halves_at_odd_scale_blocks(tile_n):
     # N/2 = 192: the up half starts inside W's second 128-row scale block
-    run_case(UNEVEN, 1000, 256, 384, "swiglu")
+    run_case(UNEVEN, 1000, 256, 384, "swiglu", tile_n=tile_n)
 
 
 def test_fp16_output_many_groups_and_empty_rows():
@@ -151,3 +164,5 @@ def test_argument_errors():
                               activation="swiglu")
     with pytest.raises(TypeError, match=f"{name}: out_dtype"):
         grouped_gemm_fp8_sm90(xq, xs, wq, ws, off, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match=f"{name}: tile_n must be 128 or 192"):
+        grouped_gemm_fp8_sm90(xq, xs, wq, ws, off, tile_n=256)

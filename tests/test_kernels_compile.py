@@ -128,14 +128,16 @@ def test_split_offsets_compiles(size_dtype):
 
 
 @pytest.mark.parametrize(
-    "activation,dtype,has_bias,cluster_m",
-    [(None, torch.bfloat16, False, 2), ("swiglu", torch.bfloat16, True, 1), ("scaled_swiglu", torch.float16, False, 2),
-     ("srelu", torch.bfloat16, False, 2)],
+    "activation,dtype,has_bias,cluster_m,tile_n",
+    [(None, torch.bfloat16, False, 2, 128), ("swiglu", torch.bfloat16, True, 1, 128),
+     ("scaled_swiglu", torch.float16, False, 2, 128), ("srelu", torch.bfloat16, False, 2, 128),
+     (None, torch.bfloat16, False, 2, 192), ("swiglu", torch.bfloat16, False, 2, 192)],
 )
-def test_grouped_gemm_fp8_compiles(activation, dtype, has_bias, cluster_m):
+def test_grouped_gemm_fp8_compiles(activation, dtype, has_bias, cluster_m, tile_n):
     from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm_fp8
 
-    assert compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=False, cluster_m=cluster_m) is not None
+    fn = compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=False, cluster_m=cluster_m, tile_n=tile_n)
+    assert fn is not None
 
 
 @pytest.mark.parametrize("dtype,block_rows", [(torch.bfloat16, 1), (torch.float16, 128)])

@@ -42,6 +42,7 @@ _DACT = "grouped_dgrad_dact_sm90"
 DACT_GLU_I_MULTIPLE = 32  # dgrad + dActivation, GLU: I a multiple of the 32-column chunk
 FP8_GLU_N_MULTIPLE = 128  # FP8 GLU: each half's 64-row boxes inside one 128-row scale block
 _FP8 = "grouped_gemm_fp8_sm90"
+FP8_TILE_N = 128  # the FP8 forward's default n-tile
 _DACT_FP8 = "grouped_dgrad_dact_fp8_sm90"
 _ACT_QUANT = "grouped_gemm_act_quant_sm90"
 
@@ -260,7 +261,7 @@ def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2,
 
 
 @functools.cache
-def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_m=2, **kernel_opts):
+def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_m=2, tile_n=128, **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_gemm_fp8_sm90``:
     fn(x, x_scale, weight, weight_scale, offsets, pre, act, bias, probs, limit, alpha, max_clusters)."""
     import cutlass
@@ -285,7 +286,7 @@ def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_
         fake_tensor(dt, (g, n)) if has_bias else None,
         fake_tensor(cutlass.Float32, (m,), 4) if spec is not None and spec.takes_probs else None,
     )
-    kernel = GroupedGemmActFp8Sm90(dt, activation, has_bias, cluster_m, **kernel_opts)
+    kernel = GroupedGemmActFp8Sm90(dt, activation, has_bias, cluster_m, tile_n, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -468,7 +469,7 @@ def _act_quant_launch(x, weight, offsets, bias, activation, probs, out, weight_l
 
 def grouped_gemm_fp8_sm90(
     x, x_scale_inv, weight, weight_scale_inv, offsets, *, bias=None, activation=None, probs=None,
-    limit=7.0, alpha=1.702, out_dtype=torch.bfloat16, out=None, act_out=None, cluster_m=None,
+    limit=7.0, alpha=1.702, out_dtype=torch.bfloat16, out=None, act_out=None, tile_n=None, cluster_m=None,
     sm_margin=None,
 ):
     """`grouped_gemm_sm90` ("nk" layout) on block-scaled FP8 operands, outputs in ``out_dtype``.
@@ -479,15 +480,16 @@ def grouped_gemm_fp8_sm90(
     `quantize_weight` with "fp8_blockwise" make both). K a multiple of 16; N of 8 (128 for GLU).
     bias (G, N), out (M, N), act_out in ``out_dtype`` (bf16/fp16); probs, limit, alpha as for
     `grouped_gemm_sm90`. Returns (pre, act). Each 128-deep block's product is accumulated in fp32
-    and scaled on the CUDA cores. No host sync; checks run once per argument signature.
+    and scaled on the CUDA cores. tile_n (128 or 192) and cluster_m (1, 2) override the heuristic.
+    No host sync; checks run once per argument signature.
     """
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, x, x_scale_inv, weight, weight_scale_inv, offsets, bias, probs, out, act_out),
-        _FP8, activation, out_dtype, cluster_m, sm_margin, sm_margin_setting(),
+        _FP8, activation, out_dtype, tile_n, cluster_m, sm_margin, sm_margin_setting(),
     )
     args = (x, x_scale_inv, weight, weight_scale_inv, offsets, bias, activation, probs, out_dtype, out,
-            act_out, cluster_m, sm_margin)
+            act_out, tile_n, cluster_m, sm_margin)
     launch = _MEMO.get(key) or _MEMO.put(key, _fp8_launch(*args))
     fn, pre_shape, act_shape, clusters = launch
     pre = out if out is not None else torch.empty(pre_shape, dtype=out_dtype, device=x.device)
@@ -500,7 +502,7 @@ def grouped_gemm_fp8_sm90(
 
 
 def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, probs, out_dtype, out, act_out,
-                cluster_m, sm_margin):
+                tile_n, cluster_m, sm_margin):
     """Every check of `grouped_gemm_fp8_sm90`; (launcher or None when M == 0, pre shape, act shape
     or None, persistent grid in clusters)."""
     if out_dtype not in DTYPES:
@@ -513,10 +515,12 @@ def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, pro
         raise ValueError(f"{_FP8}: N={n} (weight.shape[1]) must be a multiple of {multiple}"
                          + (f" for activation {activation!r}" if glu else ""))
     act_shape = _check_epilogue_tensors(_FP8, spec, out_dtype, bias, probs, out, act_out, m, n, g, dev)
+    if tile_n not in (None, 128, 192):
+        raise ValueError(f"{_FP8}: tile_n must be 128 or 192, got {tile_n!r}")
     _, cluster_m, clusters = _launch_config(_FP8, m, n, g, dev, 128, cluster_m, sm_margin)
     if m == 0:
         return None, (m, n), act_shape, clusters
-    key = (_FP8, out_dtype, activation, bias is not None, tvm_ffi_available(), cluster_m)
+    key = (_FP8, out_dtype, activation, bias is not None, tvm_ffi_available(), cluster_m, tile_n or FP8_TILE_N)
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_gemm_fp8(*key[1:])

@@ -88,25 +88,24 @@ class GroupedGemmSm90:
     """Persistent grouped GEMM core for sm_90a; subclasses add the epilogue and ``__call__``.
 
     Compile-time configuration: ``dtype`` (cutlass.BFloat16 / Float16, A, B and all epilogue
-    tensors), ``tile_n`` (128 or 256; tile_m is 128, tile_k 64), ``b_major`` ("k": W (G, N, K);
+    tensors), ``tile_n`` (128 or 256; tile_m is 128, tile_k 64; FP8 operands: 128 or 192, tile_k
+    128), ``b_major`` ("k": W (G, N, K);
     "mn": W (G, K, N)), ``cluster_m`` (1, or 2: B multicast to a CTA pair), ``ab_stages`` /
-    ``epi_slots`` (None: fill shared memory). Subclasses set ``b_boxes``, ``epi_stores``,
+    ``epi_slots`` (None: fill shared memory), ``c_stages`` (C-tile load buffers: chunks loaded
+    ahead, default 2). Subclasses set ``b_boxes``, ``epi_stores``,
     ``epi_loads`` before calling this ``__init__``.
     """
 
     tile_m = 128
     tile_k = 64
     epi_n = 32
-    c_stages = 2  # C-tile load buffers (steps loaded ahead)
     b_boxes = 1
     epi_stores: tuple  # set by subclasses
     epi_loads = ()
 
     def __init__(
-        self, dtype, tile_n, b_major="k", cluster_m=2, ab_stages=None, epi_slots=None, ab_dtype=None
+        self, dtype, tile_n, b_major="k", cluster_m=2, ab_stages=None, epi_slots=None, ab_dtype=None, c_stages=2
     ):
-        if tile_n not in (128, 256):
-            raise ValueError("tile_n must be 128 or 256")
         if b_major not in ("k", "mn"):
             raise ValueError("b_major must be 'k' or 'mn'")
         if cluster_m not in (1, 2):
@@ -114,18 +113,23 @@ class GroupedGemmSm90:
         self.dtype = dtype
         self.ab_dtype = dtype if ab_dtype is None else ab_dtype
         # FP8 operands are block-scaled: one k-tile is one 128-deep scale block, promoted into
-        # the fp32 accumulator after its WGMMAs (a second accumulator: tile_n 128 fits registers)
+        # the fp32 accumulator after its WGMMAs (a second accumulator of the same size, so
+        # tile_n is at most 192: 96 + 96 registers per thread)
         self.block_scaled = self.ab_dtype.width == 8
         if self.block_scaled:
-            if tile_n != 128 or b_major != "k":
-                raise ValueError("FP8 operands need tile_n=128 and a K-major weight (b_major='k')")
+            if tile_n not in (128, 192) or b_major != "k":
+                raise ValueError("FP8 operands need tile_n 128 or 192 and a K-major weight (b_major='k')")
             self.tile_k = 128
+        elif tile_n not in (128, 256):
+            raise ValueError("tile_n must be 128 or 256")
         self.acc_dtype = Float32
         self.tile_n = tile_n
         self.b_major = b_major
         self.b_layout = LayoutEnum.ROW_MAJOR if b_major == "k" else LayoutEnum.COL_MAJOR
         self.cluster_m = cluster_m
+        self.c_stages = c_stages
         self.box_n = tile_n // self.b_boxes
+        self.box_may_split = 128 % self.box_n != 0  # FP8: a B box can cross a W scale block
         self.num_out = len(self.epi_stores)
         self.num_in = len(self.epi_loads)
         self.num_steps = self.box_n // self.epi_n
@@ -531,7 +535,7 @@ class GroupedGemmSm90:
                 # into the next iteration. No k-tiles for padding tiles (a loop, not an `if`: the
                 # MMA's accumulate flag changes inside it and must stay loop-carried)
                 if const_expr(self.block_scaled):
-                    row_0, row_1, box_0, box_1 = self._block_scales(scales, tile, tCcAcc, 0, n_box, m_total)
+                    multipliers = self._block_scales(scales, tile, tCcAcc, 0, n_box, m_total)
                     for k in range(k_tiles if is_group else 0):
                         ab_pipe.consumer_wait(read_state)
                         cute.nvgpu.warpgroup.fence()
@@ -543,8 +547,8 @@ class GroupedGemmSm90:
                         cute.nvgpu.warpgroup.wait_group(0)
                         ab_pipe.consumer_release(release_state)
                         release_state.advance()
-                        self._promote(acc, acc_block, (row_0, row_1, box_0, box_1))
-                        row_0, row_1, box_0, box_1 = ahead
+                        self._promote(acc, acc_block, multipliers)
+                        multipliers = ahead
                 elif is_group:
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     cute.nvgpu.warpgroup.fence()
@@ -678,34 +682,52 @@ class GroupedGemmSm90:
 
     @cute.jit
     def _block_scales(self, scales, tile: Tile, tCcAcc, k, n_box, m_total):
-        """FP8: the multipliers (row 0, row 1, box 0, box 1) this thread applies to scale block
-        ``k`` of its accumulator (`_promote` pairs them).
+        """FP8: the multipliers of scale block ``k`` for this thread's accumulator (`_promote`
+        applies them): (row 0, row 1) of A and, per B box h, (first, second, split): the
+        multipliers of the two 128-row blocks of W the box can touch and the first 8-column
+        group of the box inside the second one.
 
         The WGMMA accumulator of one thread holds values (i, r, j) at row row0 + 8 r and column
         col0 + i + 8 j (``tCcAcc``): two rows; B box h = 0 covers columns [0, box_n), h = 1 (GLU)
-        [box_n, tile_n), each inside one 128-row block of W (n_box a multiple of 64); one box:
-        box 1 repeats box 0. Indices are clamped to what exists: the mainloop loads one block
-        ahead, and padding tiles load before their empty loop."""
+        [box_n, tile_n) and W rows from h n_box + nt box_n. A box of 64 or 128 rows lies inside
+        one block (n_box a multiple of 64); 96 or 192 rows can cross one block edge (never two:
+        the box starts at a multiple of 32 or 64 inside its block). Indices are clamped to what
+        exists: the mainloop loads one block ahead, and padding tiles load before their empty
+        loop."""
         mSFA, mSFB = scales
         k = cutlass.min(k, cute.size(mSFA, mode=[1]) - 1)
         seg = cutlass.min(tile.seg, cute.size(mSFB, mode=[0]) - 1)
+        last_block = cute.size(mSFB, mode=[1]) - 1
         row0 = tile.row0 + tCcAcc[0][0]
-        row_0 = mSFA[cutlass.min(row0, m_total - 1), k]
-        row_1 = mSFA[cutlass.min(row0 + 8, m_total - 1), k]
-        box_0 = mSFB[seg, tile.nt * self.box_n // 128, k]
-        box_1 = box_0
-        if const_expr(self.b_boxes == 2):
-            box_1 = mSFB[seg, (n_box + tile.nt * self.box_n) // 128, k]
-        return row_0, row_1, box_0, box_1
+        rows = (mSFA[cutlass.min(row0, m_total - 1), k], mSFA[cutlass.min(row0 + 8, m_total - 1), k])
+        boxes = []
+        for h in cutlass.range_constexpr(self.b_boxes):
+            first_row = h * n_box + tile.nt * self.box_n
+            block = first_row // 128
+            first = mSFB[seg, block, k]
+            second, split = first, Int32(0)
+            if const_expr(self.box_may_split):
+                second = mSFB[seg, cutlass.min(block + 1, last_block), k]
+                split = (128 - first_row % 128) // 8
+            boxes.append((first, second, split))
+        return rows, tuple(boxes)
 
     @cute.jit
     def _promote(self, acc, acc_block, multipliers):
-        """acc += acc_block scaled per (row, box) (`_block_scales` gives the multipliers)."""
-        row_0, row_1, box_0, box_1 = multipliers
-        block_scale = [[row_0 * box_0, row_0 * box_1], [row_1 * box_0, row_1 * box_1]]
+        """acc += acc_block scaled per (row, W block) (`_block_scales` gives the multipliers)."""
+        rows, boxes = multipliers
         cols_per_box = self.box_n // 8  # j values per B box
+        first = [[rows[r] * boxes[h][0] for h in range(self.b_boxes)] for r in range(2)]
+        second = first
+        if const_expr(self.box_may_split):
+            second = [[rows[r] * boxes[h][1] for h in range(self.b_boxes)] for r in range(2)]
         for v in cutlass.range_constexpr(cute.size(acc)):
-            acc[v] = acc[v] + acc_block[v] * block_scale[v // 2 % 2][v // 4 // cols_per_box]
+            r, j = v // 2 % 2, v // 4
+            h = j // cols_per_box
+            scale = first[r][h]
+            if const_expr(self.box_may_split):
+                scale = Float32(cutlass.select_(j % cols_per_box < boxes[h][2], first[r][h], second[r][h]))
+            acc[v] = acc[v] + acc_block[v] * scale
 
 
 def fragment_row_slots(tiled_copy_r2s, epi_tile):
@@ -924,11 +946,11 @@ class GroupedGemmActFp8Sm90(GroupedGemmActSm90):
     x (M, K) and W (G, N, K) E4M3 with float32 dequantization multipliers: xScale (M, ceil(K/128))
     per 1x128 block of x, wScale (G, ceil(N/128), ceil(K/128)) per 128x128 block of W[g]; each
     128-deep k-tile's product is scaled on the CUDA cores and added to the fp32 accumulator.
-    Outputs and bias in ``dtype``; tile_n is 128; GLU: N/2 a multiple of 64.
+    Outputs and bias in ``dtype``; tile_n 128 or 192; GLU: N/2 a multiple of 64.
     """
 
-    def __init__(self, dtype, activation, has_bias, cluster_m=2, **opts):
-        super().__init__(dtype, 128, activation, has_bias, "k", cluster_m, ab_dtype=cutlass.Float8E4M3FN, **opts)
+    def __init__(self, dtype, activation, has_bias, cluster_m=2, tile_n=128, **opts):
+        super().__init__(dtype, tile_n, activation, has_bias, "k", cluster_m, ab_dtype=cutlass.Float8E4M3FN, **opts)
 
     @cute.jit
     def __call__(
