@@ -190,7 +190,7 @@ def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cl
     i, i_blocks = cute.sym_int(divisibility=8), cute.sym_int()
     args = (
         *operands,
-        fake_tensor(cutlass.Float8E4M3FN, (m, i), 1),
+        fake_tensor(cutlass.Float8E4M3FN, (m, i), 16),
         fake_tensor(cutlass.Float32, (m, i_blocks), 4),
         fake_tensor(dt, (g, n)) if has_bias else None,
         fake_tensor(cutlass.Float32, (m,), 4) if spec.takes_probs else None,

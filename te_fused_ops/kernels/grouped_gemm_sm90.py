@@ -746,6 +746,16 @@ def fragment_row_slots(tiled_copy_r2s, epi_tile):
     return [distinct.index(r) for r in rows], [rows.index(r) for r in distinct]
 
 
+def assert_column_pairs(tiled_copy_r2s, epi_tile):
+    """Assert that each thread's epilogue values 2p, 2p + 1 sit at columns c, c + 1 of one row with
+    c even (sm90 accumulator layout), so they can leave as one 2-element store."""
+    for lane in range(128):
+        coords = tiled_copy_r2s.get_slice(lane).partition_S(cute.make_identity_tensor(epi_tile))
+        for p in range(cute.size(coords) // 2):
+            (r0, c0), (r1, c1) = coords[2 * p], coords[2 * p + 1]
+            assert r0 == r1 and c1 == c0 + 1 and c0 % 2 == 0, "column pairs assume the sm90 accumulator layout"
+
+
 @cute.jit
 def _row_value(mVec: cute.Tensor, row: Int32, tile: Tile, m_total: Int32) -> Float32:
     """mVec[row] of a (M,) float32 tensor inside a group's tile, 0 elsewhere (padding rows)."""
@@ -847,7 +857,8 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
     tile_n is 256, so a tile's 128 act columns are one block of each of its rows: before the
     steps, a pass over the whole accumulator takes each row's amax (a quad holds a row; two
     shuffles), then each step recomputes its chunk's act, divides by the row's scale_inv and
-    stores the E4M3 bytes straight from registers (rows of the tile's group only).
+    stores the E4M3 bytes straight from registers, two adjacent columns per 16-bit store (rows of
+    the tile's group only).
     """
 
     stores_act = False
@@ -881,6 +892,7 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
     def epi_make_state(self, tiled_copy_r2s):
         """(scale_inv per row slot, fp32 and E4M3 scratch of one chunk)."""
         self.row_slot, self.slot_value = fragment_row_slots(tiled_copy_r2s, self.epi_tile)
+        assert_column_pairs(tiled_copy_r2s, self.epi_tile)
         frag = len(self.row_slot)
         return (
             cute.make_rmem_tensor((len(self.slot_value),), Float32),
@@ -933,11 +945,15 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
             value = self._act_as_stored(params, tile, chunk, n_box, rAcc, rOut, tRS_cD, v)
             scaled[v] = value / scale_inv[self.row_slot[v]]
         data.store(scaled.load().to(cutlass.Float8E4M3FN))  # round to nearest even, saturating
-        for v in cutlass.range_constexpr(cute.size(rAcc[0])):
-            row = tile.row0 + tRS_cD[v][0]
-            col = chunk * self.epi_n + tRS_cD[v][1]
+        # values 2p, 2p + 1 are columns c, c + 1 of one row (c even; `assert_column_pairs`), and
+        # n_box is even: one 16-bit store per pair
+        pairs = cute.recast_tensor(data, cutlass.Int16)
+        mActPairs = cute.recast_tensor(mActData, cutlass.Int16)
+        for p in cutlass.range_constexpr(cute.size(pairs)):
+            row = tile.row0 + tRS_cD[2 * p][0]
+            col = chunk * self.epi_n + tRS_cD[2 * p][1]
             if row < tile.end and row < m_total and col < n_box:
-                mActData[row, col] = data[v]
+                mActPairs[row, col // 2] = pairs[p]
 
 
 class GroupedGemmActFp8Sm90(GroupedGemmActSm90):
