@@ -53,15 +53,13 @@ def emulated_recipe_reason(recipe) -> str:
     return f"{recipe.name} input: emulated (the sm90 FP8 kernels take fp8_blockwise and fp8_current)"
 
 
-def backward_unsupported_reason(linear: GroupedLinear, info, index: int, fp8: bool = False):
-    """Why the sm90 kernels cannot run the backward of ``linear`` (op ``index`` of info's window).
-    ``fp8``: the caller runs `linear_backward`, which takes FP8_KERNEL_RECIPES inputs."""
+def backward_unsupported_reason(linear: GroupedLinear, info, index: int):
+    """Why the sm90 kernels cannot run the backward of ``linear`` (op ``index`` of info's window);
+    after an FP8_KERNEL_RECIPES input, the FP8 data gradient's conditions (`linear_backward`)."""
     recipe = info.input_recipe[index]
     if recipe is not None:
         if not isinstance(recipe, FP8_KERNEL_RECIPES):
             return emulated_recipe_reason(recipe)
-        if not fp8:
-            return f"{recipe.name} input: this backward runs in torch (on sm90: grouped_linear_backward)"
         if info.input_requires_grad[index]:  # dx = dy (E4M3) @ W[g] (E4M3)
             reason = sm90_grouped_gemm_fp8_unsupported_reason(info.dtype, linear.in_features, linear.out_features, None)
             if reason:

@@ -60,7 +60,7 @@ def _supports_sm90(ops, info, backend):
     reason = unsupported(info.dtype, linear.out_features, linear.in_features, act.kernel_name)
     if reason:
         return reason.removeprefix("sm90 backend: ")
-    return backward_unsupported_reason(linear, info, index, fp8=len(ops) > 2)
+    return backward_unsupported_reason(linear, info, index)
 
 
 def _act_grads(act_ctx, d_probs) -> dict:

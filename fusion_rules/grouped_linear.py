@@ -29,7 +29,7 @@ grouped_linear_backward = FusionRule("grouped_linear_backward", pattern=(Grouped
 
 @grouped_linear_backward.supports
 def _supports_backward(ops, info, backend):
-    return backward_unsupported_reason(ops[0], info, 0, fp8=True) if backend == "sm90" else None
+    return backward_unsupported_reason(ops[0], info, 0) if backend == "sm90" else None
 
 
 @grouped_linear_backward.implementation("sm90")
@@ -56,7 +56,7 @@ def _supports_transpose(ops, info, backend):
     if backend != "sm90":
         return None
     linear_info = info.window(1, 2)
-    return kernel_unsupported_reason(ops[1], linear_info) or backward_unsupported_reason(ops[1], linear_info, 0, fp8=True)
+    return kernel_unsupported_reason(ops[1], linear_info) or backward_unsupported_reason(ops[1], linear_info, 0)
 
 
 @transpose_grouped_linear.implementation("sm90")

@@ -34,6 +34,18 @@ def mlp(act=None, fuse=True):
     )
 
 
+def fp8_mlp(quantize_x: bool) -> Sequential:
+    """The fp8_blockwise recipe's MLP (FC2 on E4M3 activations), after a Quantize of x if asked."""
+    return Sequential(
+        *([Quantize("fp8_blockwise")] if quantize_x else []),
+        GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16, device="cuda"),
+        SwiGLU(),
+        Quantize("fp8_blockwise"),
+        Transpose(),
+        GroupedLinear(G, I, H, dtype=torch.bfloat16, device="cuda"),
+    )
+
+
 def train_step(seq, x, dy, **side):
     y = seq(x, **side)
     y.backward(dy)
@@ -62,13 +74,7 @@ def test_no_host_sync_forward_backward(fuse, backend, monkeypatch):
 
 def test_no_host_sync_fp8_chain():
     torch.manual_seed(0)
-    seq = Sequential(
-        GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16, device="cuda"),
-        SwiGLU(),
-        Quantize("fp8_blockwise"),
-        Transpose(),
-        GroupedLinear(G, I, H, dtype=torch.bfloat16, device="cuda"),
-    )
+    seq = fp8_mlp(quantize_x=False)
     x = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16)
     split_sizes = routing(2, ROWS)
@@ -184,14 +190,7 @@ def test_sm90_fp8_blockwise_chain_runs_on_the_kernels(quantize_x, monkeypatch):
     few percent of the values, hence the looser bound."""
     _require_hopper()
     torch.manual_seed(0)
-    seq = Sequential(
-        *([Quantize("fp8_blockwise")] if quantize_x else []),
-        GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16, device="cuda"),
-        SwiGLU(),
-        Quantize("fp8_blockwise"),
-        Transpose(),
-        GroupedLinear(G, I, H, dtype=torch.bfloat16, device="cuda"),
-    )
+    seq = fp8_mlp(quantize_x)
     text = _fp8_step_matches_torch_backend(seq, 5e-2, 5e-2, monkeypatch, seed=9)
     first = int(quantize_x)
     if quantize_x:

@@ -480,7 +480,8 @@ def grouped_gemm_fp8_sm90(
     `quantize_weight` with "fp8_blockwise" make both). K a multiple of 16; N of 8 (128 for GLU).
     bias (G, N), out (M, N), act_out in ``out_dtype`` (bf16/fp16); probs, limit, alpha as for
     `grouped_gemm_sm90`. Returns (pre, act). Each 128-deep block's product is accumulated in fp32
-    and scaled on the CUDA cores. tile_n (128 or 192) and cluster_m (1, 2) override the heuristic.
+    and scaled on the CUDA cores. tile_n: 128 (default) or 192; cluster_m (1, 2) overrides the
+    heuristic.
     No host sync; checks run once per argument signature.
     """
     tvm_ffi = tvm_ffi_available()

@@ -89,10 +89,9 @@ class GroupedGemmSm90:
 
     Compile-time configuration: ``dtype`` (cutlass.BFloat16 / Float16, A, B and all epilogue
     tensors), ``tile_n`` (128 or 256; tile_m is 128, tile_k 64; FP8 operands: 128 or 192, tile_k
-    128), ``b_major`` ("k": W (G, N, K);
-    "mn": W (G, K, N)), ``cluster_m`` (1, or 2: B multicast to a CTA pair), ``ab_stages`` /
-    ``epi_slots`` (None: fill shared memory), ``c_stages`` (C-tile load buffers: chunks loaded
-    ahead, default 2). Subclasses set ``b_boxes``, ``epi_stores``,
+    128), ``b_major`` ("k": W (G, N, K); "mn": W (G, K, N)), ``cluster_m`` (1, or 2: B multicast
+    to a CTA pair), ``ab_stages`` / ``epi_slots`` (None: fill shared memory), ``c_stages`` (C-tile
+    load buffers: chunks loaded ahead, default 2). Subclasses set ``b_boxes``, ``epi_stores``,
     ``epi_loads`` before calling this ``__init__``.
     """
 
@@ -730,18 +729,20 @@ class GroupedGemmSm90:
             acc[v] = acc[v] + acc_block[v] * scale
 
 
+def _value_coords(tiled_copy_r2s, epi_tile, lane: int) -> list:
+    """Static (row, col) in the epilogue chunk of each fragment value of consumer thread ``lane``."""
+    coords = tiled_copy_r2s.get_slice(lane).partition_S(cute.make_identity_tensor(epi_tile))
+    return [tuple(coords[v]) for v in range(cute.size(coords))]
+
+
 def fragment_row_slots(tiled_copy_r2s, epi_tile):
     """(row_slot, slot_value) of a thread's epilogue fragment: the slot (distinct row) of each
     value v, and one value of each slot. Static: every thread's pattern is thread 0's shifted,
     and the 4 lanes of a quad hold the same rows (sm90 accumulator layout; asserted)."""
-
-    def value_rows(lane):
-        coords = tiled_copy_r2s.get_slice(lane).partition_S(cute.make_identity_tensor(epi_tile))
-        return [coords[v][0] for v in range(cute.size(coords))]
-
-    rows = value_rows(0)
+    rows = [r for r, _ in _value_coords(tiled_copy_r2s, epi_tile, 0)]
     for lane in (1, 2, 3):
-        assert value_rows(lane) == rows, "row slots assume the sm90 accumulator layout"
+        assert [r for r, _ in _value_coords(tiled_copy_r2s, epi_tile, lane)] == rows, (
+            "row slots assume the sm90 accumulator layout")
     distinct = sorted(set(rows))
     return [distinct.index(r) for r in rows], [rows.index(r) for r in distinct]
 
@@ -750,9 +751,8 @@ def assert_column_pairs(tiled_copy_r2s, epi_tile):
     """Assert that each thread's epilogue values 2p, 2p + 1 sit at columns c, c + 1 of one row with
     c even (sm90 accumulator layout), so they can leave as one 2-element store."""
     for lane in range(128):
-        coords = tiled_copy_r2s.get_slice(lane).partition_S(cute.make_identity_tensor(epi_tile))
-        for p in range(cute.size(coords) // 2):
-            (r0, c0), (r1, c1) = coords[2 * p], coords[2 * p + 1]
+        coords = _value_coords(tiled_copy_r2s, epi_tile, lane)
+        for (r0, c0), (r1, c1) in zip(coords[0::2], coords[1::2]):
             assert r0 == r1 and c1 == c0 + 1 and c0 % 2 == 0, "column pairs assume the sm90 accumulator layout"
 
 
