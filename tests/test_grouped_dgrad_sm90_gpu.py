@@ -146,6 +146,16 @@ def test_kn_routings(splits, m, k, n):
     run_kn(splits, m, k, n, seed=2, tile_n=128, cluster_m=2)
 
 
+@pytest.mark.parametrize("cluster_m", [1, 2])
+def test_kn_tall_group_in_bands(cluster_m):
+    # 22 m-tiles (11 pairs) in one group: more than RASTER_BAND, walked in bands
+    run_kn([0, 2700, 5, 2000], 4709, 128, 384, seed=7, tile_n=128, cluster_m=cluster_m)
+
+
+def test_dact_tall_group_in_bands():
+    run_dact([2700, 0, 2000], 4710, 128, 160, "swiglu", seed=7, tile_n=128, cluster_m=2)
+
+
 def test_kn_many_groups():
     gen = torch.Generator().manual_seed(3)
     splits = torch.randint(0, 40, (256,), generator=gen)

@@ -95,6 +95,12 @@ def test_glu_halves_at_odd_scale_blocks(tile_n):
     run_case(UNEVEN, 1000, 256, 384, "swiglu", tile_n=tile_n)
 
 
+@pytest.mark.parametrize("cluster_m", [1, 2])
+def test_tall_group_in_bands(cluster_m):
+    # 22 m-tiles (11 pairs) in one group, more than RASTER_BAND: walked in bands
+    run_case([0, 2700, 5, 2000], 4709, 256, 384, "swiglu", seed=7, cluster_m=cluster_m)
+
+
 def test_fp16_output_many_groups_and_empty_rows():
     splits = [0] * 5 + [37] * 100 + [0] * 23
     run_case(splits, 4000, 256, 128, None, dtype=torch.float16)

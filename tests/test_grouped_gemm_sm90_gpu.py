@@ -146,6 +146,16 @@ def test_large_k_and_n():
     run_case([1500, 700, 1900], 4200, 2048, 1536, "swiglu", torch.bfloat16, False, seed=5)
 
 
+# a group taller than RASTER_BAND m-tiles (22 tiles of 128 rows, 11 pairs) is walked in bands,
+# the last one shorter
+TALL = [0, 2700, 5, 2000]
+
+
+@pytest.mark.parametrize("cluster_m", [1, 2])
+def test_tall_group_in_bands(cluster_m):
+    run_case(TALL, sum(TALL) + 9, 128, 384, "swiglu", torch.bfloat16, False, 128, 7, cluster_m)
+
+
 def test_no_host_sync_and_cuda_graph():
     torch.manual_seed(6)
     g, m, k, n = 8, 2048, 256, 512

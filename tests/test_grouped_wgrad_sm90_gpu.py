@@ -119,6 +119,12 @@ def test_large_groups(cluster_m):
 
 
 @pytest.mark.parametrize("cluster_m", [1, 2])
+def test_tall_dw_in_bands(cluster_m):
+    # N=2320: 19 m-tiles (10 pairs) per group, more than RASTER_BAND: walked in bands
+    run_case([300, 0, 517], 900, 2320, 384, seed=6, tile_n=128, cluster_m=cluster_m)
+
+
+@pytest.mark.parametrize("cluster_m", [1, 2])
 @pytest.mark.parametrize("tile_n", [128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_main_grad_accumulates(dtype, tile_n, cluster_m):

@@ -174,3 +174,16 @@ def test_grouped_gemm_act_quant_compiles(activation, has_bias, weight_layout):
 
     fn = compile_grouped_gemm_act_quant(torch.bfloat16, activation, has_bias, tvm_ffi=False, weight_layout=weight_layout)
     assert fn is not None
+
+
+@pytest.mark.parametrize("m_tiles,n_tiles", [(1, 1), (3, 5), (8, 7), (9, 4), (22, 3), (112, 16)])
+def test_banded_tile_order(m_tiles, n_tiles):
+    from te_fused_ops.kernels.group_tile_scheduler import RASTER_BAND, banded_tile
+
+    order = [banded_tile(t, m_tiles, n_tiles, RASTER_BAND) for t in range(m_tiles * n_tiles)]
+    assert sorted(order) == [(m, n) for m in range(m_tiles) for n in range(n_tiles)]  # each tile once
+    if m_tiles <= RASTER_BAND:  # short segments keep the m-fastest order
+        assert order == [(t % m_tiles, t // m_tiles) for t in range(m_tiles * n_tiles)]
+    # a wave of 66 consecutive tiles of a tall segment spans a block, not one column
+    wave = order[: min(66, len(order))]
+    assert len({m for m, _ in wave}) <= RASTER_BAND or m_tiles * n_tiles <= 66

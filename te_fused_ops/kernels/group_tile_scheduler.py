@@ -2,7 +2,7 @@
 
 Segments 0..G-1 are the groups (rows offsets[g]..offsets[g+1], clamped to [0, M]); segment G is
 the padding rows offsets[G]..M, whose tiles the kernel fills with zeros. Segment s holds
-ceil(rows_s / tile_m) * n_tiles tiles, numbered m-tile fastest. A persistent CTA visits the
+ceil(rows_s / tile_m) * n_tiles tiles, numbered in bands of m-tiles (`banded_tile`). A persistent CTA visits the
 linear tile ids blockIdx.x, blockIdx.x + gridDim.x, ... ; each warp maps its id to a segment with
 a warp-wide prefix sum over 32 segments at a time. Ids only grow, so the search resumes where the
 previous one stopped (state: first segment of the current 32-chunk and the tiles before it).
@@ -13,6 +13,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Int32
 
+# m-tiles per raster band: a wave of ~66 clusters then spans about 8 x 8 tiles of a segment, so
+# it reads ~16 distinct operand tiles where a tall segment walked m-fastest reads ~67
+RASTER_BAND = 8
+
 
 @cute.jit
 def segment_rows(mOffsets: cute.Tensor, seg: Int32, num_groups: Int32, m_total: Int32):
@@ -22,6 +26,18 @@ def segment_rows(mOffsets: cute.Tensor, seg: Int32, num_groups: Int32, m_total: 
     if seg < num_groups:
         end = cutlass.max(cutlass.min(mOffsets[seg + 1], m_total), start)
     return start, end
+
+
+def banded_tile(local: Int32, m_tiles: Int32, n_tiles: Int32, band: cutlass.Constexpr[int]):
+    """(m-tile, n-tile) of tile ``local`` of an ``m_tiles`` x ``n_tiles`` segment. Tiles run in
+    bands of ``band`` m-tiles (the last band may be shorter); a band is walked n-tile by n-tile,
+    m fastest inside it, so consecutive tiles (one wave of the persistent grid) share A tiles
+    along n and B tiles along m. ``m_tiles <= band`` is the plain m-fastest order. Straight-line
+    arithmetic: traced inline by the kernels, and callable on Python ints."""
+    first = local // (band * n_tiles) * band
+    rest = local - first * n_tiles
+    height = cutlass.min(m_tiles - first, band)
+    return first + rest % height, rest // height
 
 
 @cute.jit

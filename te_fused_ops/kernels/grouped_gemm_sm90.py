@@ -45,7 +45,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .activation_math_sm90 import ACTIVATION_MATH
 from .activations import activation_spec
-from .group_tile_scheduler import locate_tile, segment_rows
+from .group_tile_scheduler import RASTER_BAND, banded_tile, locate_tile, segment_rows
 
 _BIG = 2**30
 _HUGE = 2**31 - 1
@@ -91,7 +91,8 @@ class GroupedGemmSm90:
     tensors), ``tile_n`` (128 or 256; tile_m is 128, tile_k 64; FP8 operands: 128 or 192, tile_k
     128), ``b_major`` ("k": W (G, N, K); "mn": W (G, K, N)), ``cluster_m`` (1, or 2: B multicast
     to a CTA pair), ``ab_stages`` / ``epi_slots`` (None: fill shared memory), ``c_stages`` (C-tile
-    load buffers: chunks loaded ahead, default 2). Subclasses set ``b_boxes``, ``epi_stores``,
+    load buffers: chunks loaded ahead, default 2), ``raster_band`` (m-tiles per band of the tile
+    order inside a group, `banded_tile`). Subclasses set ``b_boxes``, ``epi_stores``,
     ``epi_loads`` before calling this ``__init__``.
     """
 
@@ -103,7 +104,8 @@ class GroupedGemmSm90:
     epi_loads = ()
 
     def __init__(
-        self, dtype, tile_n, b_major="k", cluster_m=2, ab_stages=None, epi_slots=None, ab_dtype=None, c_stages=2
+        self, dtype, tile_n, b_major="k", cluster_m=2, ab_stages=None, epi_slots=None, ab_dtype=None, c_stages=2,
+        raster_band=RASTER_BAND,
     ):
         if b_major not in ("k", "mn"):
             raise ValueError("b_major must be 'k' or 'mn'")
@@ -127,6 +129,7 @@ class GroupedGemmSm90:
         self.b_layout = LayoutEnum.ROW_MAJOR if b_major == "k" else LayoutEnum.COL_MAJOR
         self.cluster_m = cluster_m
         self.c_stages = c_stages
+        self.raster_band = raster_band
         self.box_n = tile_n // self.b_boxes
         self.box_may_split = 128 % self.box_n != 0  # FP8: a B box can cross a W scale block
         self.num_out = len(self.epi_stores)
@@ -388,8 +391,8 @@ class GroupedGemmSm90:
                         start, end = segment_rows(mOffsets, seg, num_groups, m_total)
                         m_tiles = (end - start + cluster_rows - 1) // cluster_rows
                         local = tile_id - seg_first
-                        mt = local % m_tiles * self.cluster_m + rank
-                        nt = local // m_tiles
+                        mt, nt = banded_tile(local, m_tiles, n_tiles, self.raster_band)
+                        mt = mt * self.cluster_m + rank
                         gA = cute.local_tile(
                             cute.domain_offset((start, None), mA),
                             (self.tile_m, self.tile_k),
@@ -509,8 +512,8 @@ class GroupedGemmSm90:
                 length = end - start
                 m_tiles = (length + cluster_rows - 1) // cluster_rows
                 local = tile_id - seg_first
-                mt = local % m_tiles * self.cluster_m + rank
-                nt = local // m_tiles
+                mt, nt = banded_tile(local, m_tiles, n_tiles, self.raster_band)
+                mt = mt * self.cluster_m + rank
                 has_rows = mt * self.tile_m < length  # else only helps its peer load B
                 is_group = seg < num_groups
                 tile = Tile(seg, start, end, mt, nt, start + mt * self.tile_m, is_group)

@@ -37,6 +37,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.tensor_utils import LayoutEnum
 
+from .group_tile_scheduler import RASTER_BAND, banded_tile
+
 _BIG = 2**30
 _HUGE = 2**31 - 1
 SORT_MAX_G = 512  # groups ranked by size in shared memory up to this count
@@ -77,8 +79,9 @@ class GroupedWgradSm90:
     (128 or 256, along K of dW; tile_m = 128 along N, tile_k = 64 tokens), ``accumulate``
     (fp32 main_grad += dW instead of writing dW in ``dtype``), ``cluster_m`` (1, or 2: CTA pairs
     multicast the x tile), ``sort_groups`` (visit groups largest first), ``ab_stages`` /
-    ``epi_slots`` (None: defaults that fill shared memory). The persistent grid size (at least
-    cluster_m) is a launch argument.
+    ``epi_slots`` (None: defaults that fill shared memory), ``raster_band`` (m-tiles per band of
+    the tile order inside a group, `banded_tile`). The persistent grid size (at least cluster_m)
+    is a launch argument.
     """
 
     tile_m = 128
@@ -87,7 +90,7 @@ class GroupedWgradSm90:
 
     def __init__(
         self, dtype, tile_n, accumulate, cluster_m=1, sort_groups=True, ab_stages=None,
-        epi_slots=None,
+        epi_slots=None, raster_band=RASTER_BAND,
     ):
         if tile_n not in (128, 256):
             raise ValueError("tile_n must be 128 or 256")
@@ -95,6 +98,7 @@ class GroupedWgradSm90:
             raise ValueError("cluster_m must be 1 or 2")
         self.cluster_m = cluster_m
         self.sort_groups = sort_groups
+        self.raster_band = raster_band
         self.dtype = dtype
         self.acc_dtype = Float32
         self.out_dtype = Float32 if accumulate else dtype
@@ -317,7 +321,7 @@ class GroupedWgradSm90:
                 tile_id = first_tile
                 while tile_id < total_tiles:
                     g, mt, nt = self._tile_coords(
-                        tile_id, m_tiles, tiles_per_group, rank, sSched, is_sorted
+                        tile_id, m_tiles, n_tiles, rank, sSched, is_sorted
                     )
                     start, length = _group_rows(mOffsets, g, m_total)
                     gA = cute.local_tile(  # (tile_m, tile_k, k-tiles)
@@ -392,7 +396,7 @@ class GroupedWgradSm90:
             tile_id = first_tile
             while tile_id < total_tiles:
                 g, mt, nt = self._tile_coords(
-                    tile_id, m_tiles, tiles_per_group, rank, sSched, is_sorted
+                    tile_id, m_tiles, n_tiles, rank, sSched, is_sorted
                 )
                 start, length = _group_rows(mOffsets, g, m_total)
                 k_tiles = (length + self.tile_k - 1) // self.tile_k
@@ -497,14 +501,16 @@ class GroupedWgradSm90:
         cute.arch.sync_threads()
 
     @cute.jit
-    def _tile_coords(self, tile_id, m_tiles, tiles_per_group, rank, sSched, is_sorted):
-        """(group, m-tile, n-tile) of a cluster tile id: groups by rank, m fastest within one."""
+    def _tile_coords(self, tile_id, m_tiles, n_tiles, rank, sSched, is_sorted):
+        """(group, m-tile, n-tile) of a cluster tile id: groups by rank, `banded_tile` within one."""
+        tiles_per_group = m_tiles * n_tiles
         g = tile_id // tiles_per_group
         local = tile_id - g * tiles_per_group
         if const_expr(self.sort_groups):
             if is_sorted:
                 g = sSched[SORT_MAX_G + g]
-        return g, local % m_tiles * self.cluster_m + rank, local // m_tiles
+        mt, nt = banded_tile(local, m_tiles, n_tiles, self.raster_band)
+        return g, mt * self.cluster_m + rank, nt
 
     @cute.jit
     def _load_c(self, tma_c, bGS_gC, bGS_sC, c_full, mt, nt, step, count):
