@@ -152,6 +152,12 @@ def test_kn_tall_group_in_bands(cluster_m):
     run_kn([0, 2700, 5, 2000], 4709, 128, 384, seed=7, tile_n=128, cluster_m=cluster_m)
 
 
+def test_dact_odd_n_tiles_split_tails():
+    # I=288: 3 n-tiles of 128, so an odd last m-tile (groups of 1, 7, 13, 129 rows) goes to the
+    # pair as one split n-tile pair plus one vertical pair; d_probs partials of every n-tile
+    run_dact(UNEVEN, 500, 256, 288, "scaled_swiglu", seed=8, tile_n=128, cluster_m=2)
+
+
 def test_dact_tall_group_in_bands():
     run_dact([2700, 0, 2000], 4710, 128, 160, "swiglu", seed=7, tile_n=128, cluster_m=2)
 

@@ -187,3 +187,24 @@ def test_banded_tile_order(m_tiles, n_tiles):
     # a wave of 66 consecutive tiles of a tall segment spans a block, not one column
     wave = order[: min(66, len(order))]
     assert len({m for m, _ in wave}) <= RASTER_BAND or m_tiles * n_tiles <= 66
+
+
+def test_segment_tiles_split_tail():
+    from te_fused_ops.kernels.group_tile_scheduler import segment_tiles
+
+    for rows in (0, 1, 128, 129, 256, 300, 517, 2700):
+        m_tiles = -(-rows // 128)
+        for n_tiles in (1, 2, 3, 6):
+            # a vertical pair per two m-tiles; an odd last m-tile as ceil(n/2) split pairs
+            assert segment_tiles(rows, n_tiles, 128, 2, True) == m_tiles // 2 * n_tiles + m_tiles % 2 * -(-n_tiles // 2)
+            assert segment_tiles(rows, n_tiles, 128, 2, False) == -(-m_tiles // 2) * n_tiles
+            assert segment_tiles(rows, n_tiles, 128, 1, True) == m_tiles * n_tiles
+
+
+def test_choose_config_pairs_when_n_has_two_tiles():
+    from te_fused_ops.kernels.grouped_gemm import choose_config
+
+    assert choose_config(65536, 1536, 128, 132) == (256, 2)  # qwen3 FC1: small groups, N of 6 tiles
+    assert choose_config(2000, 256, 64, 132) == (128, 2)  # few tiles: 128 wide, two of them
+    assert choose_config(100, 128, 8, 132) == (128, 1)  # one n-tile, small groups: no pairs
+    assert choose_config(32768, 128, 8, 132) == (256, 2)  # one n-tile, large groups

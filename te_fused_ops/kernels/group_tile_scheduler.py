@@ -1,9 +1,10 @@
 """Device-side tile scheduler for grouped GEMMs whose group row counts live on the device.
 
 Segments 0..G-1 are the groups (rows offsets[g]..offsets[g+1], clamped to [0, M]); segment G is
-the padding rows offsets[G]..M, whose tiles the kernel fills with zeros. Segment s holds
-ceil(rows_s / tile_m) * n_tiles tiles, numbered in bands of m-tiles (`banded_tile`). A persistent CTA visits the
-linear tile ids blockIdx.x, blockIdx.x + gridDim.x, ... ; each warp maps its id to a segment with
+the padding rows offsets[G]..M, whose tiles the kernel fills with zeros. A segment holds
+`segment_tiles` cluster tiles (`cluster_tile` maps one to each CTA's m- and n-tile), numbered in
+bands of m-tiles (`banded_tile`). A persistent cluster visits the linear tile ids
+clusterIdx, clusterIdx + clusters, ... ; each warp maps its id to a segment with
 a warp-wide prefix sum over 32 segments at a time. Ids only grow, so the search resumes where the
 previous one stopped (state: first segment of the current 32-chunk and the tiles before it).
 No host sync, no global scratch; every warp computes the same answer independently.
@@ -11,7 +12,7 @@ No host sync, no global scratch; every warp computes the same answer independent
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Int32
+from cutlass import Boolean, Int32, const_expr
 
 # m-tiles per raster band: a wave of ~66 clusters then spans about 8 x 8 tiles of a segment, so
 # it reads ~16 distinct operand tiles where a tall segment walked m-fastest reads ~67
@@ -40,6 +41,56 @@ def banded_tile(local: Int32, m_tiles: Int32, n_tiles: Int32, band: cutlass.Cons
     return first + rest % height, rest // height
 
 
+def segment_tiles(rows: Int32, n_tiles: Int32, tile_m: int, cluster_m: int, split_tail: bool):
+    """Cluster tiles of a segment of ``rows`` rows: ceil(m-tiles / cluster_m) * n_tiles; with
+    ``split_tail`` (cluster_m 2) an odd last m-tile takes ceil(n_tiles / 2) (`cluster_tile`).
+    Straight-line arithmetic, callable on Python ints."""
+    m_tiles = (rows + tile_m - 1) // tile_m
+    if split_tail and cluster_m == 2:
+        return m_tiles // 2 * n_tiles + m_tiles % 2 * ((n_tiles + 1) // 2)
+    return (m_tiles + cluster_m - 1) // cluster_m * n_tiles
+
+
+@cute.jit
+def cluster_tile(
+    local: Int32,
+    rows: Int32,
+    n_tiles: Int32,
+    rank: Int32,
+    tile_m: cutlass.Constexpr[int],
+    cluster_m: cutlass.Constexpr[int],
+    split_tail: cutlass.Constexpr[bool],
+    band: cutlass.Constexpr[int],
+):
+    """(m-tile, n-tile, split) of CTA ``rank`` for cluster tile ``local`` of a segment of ``rows``
+    rows. A cluster takes cluster_m vertically adjacent m-tiles of one n-tile (they share the B
+    tile: multicast), in `banded_tile` order. With ``split_tail`` (cluster_m 2) a segment's odd
+    last m-tile is not paired with an empty one: its n-tiles go to the pair two at a time, CTA
+    ``rank`` taking n-tile 2t + rank of the same m-tile (split: each CTA loads its own B); an
+    odd last n-tile stays a vertical pair whose second CTA has no rows."""
+    m_tiles = (rows + tile_m - 1) // tile_m
+    pairs = (m_tiles + cluster_m - 1) // cluster_m
+    if const_expr(split_tail and cluster_m == 2):
+        pairs = m_tiles // 2
+    body = pairs * n_tiles
+    mt = Int32(0)
+    nt = Int32(0)
+    split = Boolean(False)
+    if local < body:
+        mt, nt = banded_tile(local, pairs, n_tiles, band)
+        mt = mt * cluster_m + rank
+    else:
+        t = local - body
+        mt = pairs * cluster_m
+        nt = 2 * t
+        if nt + 1 < n_tiles:
+            nt = nt + rank
+            split = Boolean(True)
+        else:
+            mt = mt + rank
+    return mt, nt, split
+
+
 @cute.jit
 def _warp_inclusive_sum(x: Int32, lane: Int32) -> Int32:
     for i in cutlass.range_constexpr(5):
@@ -59,6 +110,8 @@ def locate_tile(
     m_total: Int32,
     n_tiles: Int32,
     tile_m: cutlass.Constexpr[int],
+    cluster_m: cutlass.Constexpr[int],
+    split_tail: cutlass.Constexpr[bool],
 ):
     """Find the segment holding linear tile ``tile_id``; called by a whole warp.
 
@@ -75,7 +128,7 @@ def locate_tile(
         cnt = Int32(0)
         if s <= num_groups:
             start, end = segment_rows(mOffsets, s, num_groups, m_total)
-            cnt = (end - start + (tile_m - 1)) // tile_m * n_tiles
+            cnt = segment_tiles(end - start, n_tiles, tile_m, cluster_m, split_tail)
         incl = _warp_inclusive_sum(cnt, lane)
         total = cute.arch.shuffle_sync(incl, 31)
         if tile_id < chunk_base + total:

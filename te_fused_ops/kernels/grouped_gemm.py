@@ -116,11 +116,12 @@ def max_clusters(num_sms: int, sm_margin: int, cluster_m: int) -> int:
 
 def choose_config(m: int, n: int, g: int, num_sms: int) -> tuple[int, int]:
     """(tile_n, cluster_m) from shapes only. 256-wide tiles unless they would leave part of the
-    persistent grid idle; CTA pairs sharing W (cluster_m=2) when groups average >= 1024 rows,
-    since a pair rounds each group up to 256 rows."""
+    persistent grid idle; CTA pairs sharing W (cluster_m=2) unless N is a single tile and groups
+    are small: a pair splits a group's odd last m-tile along N (`cluster_tile`), which needs two
+    n-tiles, else the pair's second CTA idles there."""
     tiles_256 = -(-m // 128) * -(-n // 256)
     tile_n = 256 if tiles_256 >= num_sms else 128
-    return tile_n, 2 if m >= 1024 * g else 1
+    return tile_n, 2 if n > tile_n or m >= 1024 * g else 1
 
 
 def _cutlass_dtype(dtype):

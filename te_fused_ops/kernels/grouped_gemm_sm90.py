@@ -45,7 +45,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .activation_math_sm90 import ACTIVATION_MATH
 from .activations import activation_spec
-from .group_tile_scheduler import RASTER_BAND, banded_tile, locate_tile, segment_rows
+from .group_tile_scheduler import RASTER_BAND, cluster_tile, locate_tile, segment_rows
 
 _BIG = 2**30
 _HUGE = 2**31 - 1
@@ -92,7 +92,8 @@ class GroupedGemmSm90:
     128), ``b_major`` ("k": W (G, N, K); "mn": W (G, K, N)), ``cluster_m`` (1, or 2: B multicast
     to a CTA pair), ``ab_stages`` / ``epi_slots`` (None: fill shared memory), ``c_stages`` (C-tile
     load buffers: chunks loaded ahead, default 2), ``raster_band`` (m-tiles per band of the tile
-    order inside a group, `banded_tile`). Subclasses set ``b_boxes``, ``epi_stores``,
+    order inside a group, `banded_tile`), ``split_tail`` (cluster_m 2: a group's odd last m-tile
+    split along N over the pair, `cluster_tile`). Subclasses set ``b_boxes``, ``epi_stores``,
     ``epi_loads`` before calling this ``__init__``.
     """
 
@@ -105,7 +106,7 @@ class GroupedGemmSm90:
 
     def __init__(
         self, dtype, tile_n, b_major="k", cluster_m=2, ab_stages=None, epi_slots=None, ab_dtype=None, c_stages=2,
-        raster_band=RASTER_BAND,
+        raster_band=RASTER_BAND, split_tail=True,
     ):
         if b_major not in ("k", "mn"):
             raise ValueError("b_major must be 'k' or 'mn'")
@@ -130,6 +131,7 @@ class GroupedGemmSm90:
         self.cluster_m = cluster_m
         self.c_stages = c_stages
         self.raster_band = raster_band
+        self.split_tail = split_tail and cluster_m == 2
         self.box_n = tile_n // self.b_boxes
         self.box_may_split = 128 % self.box_n != 0  # FP8: a B box can cross a W scale block
         self.num_out = len(self.epi_stores)
@@ -317,12 +319,10 @@ class GroupedGemmSm90:
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
-        # the scheduler hands out cluster tiles of cluster_m * tile_m rows; CTA `rank` takes
-        # m-tile cluster_m * cluster_m_tile + rank of the same group and n-tile
+        # the scheduler hands out cluster tiles; `cluster_tile` gives CTA `rank` its m- and n-tile
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         first_tile = bidx // self.cluster_m
         num_clusters = gdim // self.cluster_m
-        cluster_rows = self.tile_m * self.cluster_m
         b_mcast_mask = cutlass.Int16((1 << self.cluster_m) - 1)
 
         if warp_idx == 0:
@@ -384,15 +384,15 @@ class GroupedGemmSm90:
                 )
                 tile_id = first_tile
                 found, seg, seg_first, c_start, c_base = locate_tile(
-                    tile_id, Int32(0), Int32(0), mOffsets, num_groups, m_total, n_tiles, cluster_rows
+                    tile_id, Int32(0), Int32(0), mOffsets, num_groups, m_total, n_tiles, self.tile_m, self.cluster_m, self.split_tail
                 )
                 while found:
                     if seg < num_groups:
                         start, end = segment_rows(mOffsets, seg, num_groups, m_total)
-                        m_tiles = (end - start + cluster_rows - 1) // cluster_rows
-                        local = tile_id - seg_first
-                        mt, nt = banded_tile(local, m_tiles, n_tiles, self.raster_band)
-                        mt = mt * self.cluster_m + rank
+                        mt, nt, split = cluster_tile(
+                            tile_id - seg_first, end - start, n_tiles, rank, self.tile_m, self.cluster_m,
+                            self.split_tail, self.raster_band,
+                        )
                         gA = cute.local_tile(
                             cute.domain_offset((start, None), mA),
                             (self.tile_m, self.tile_k),
@@ -408,30 +408,42 @@ class GroupedGemmSm90:
                             cute.group_modes(sA, 0, 2),
                             cute.group_modes(gA, 0, 2),
                         )
+                        # slice r of the B box is what CTA r of a pair loads for both; a split
+                        # tile's CTA loads every slice of its own box, for itself only
                         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                            tma_b,
-                            rank,
-                            cute.make_layout(self.cluster_m),
-                            sB_boxes,
-                            cute.group_modes(gB, 0, 2),
+                            tma_b, rank, cute.make_layout(self.cluster_m), sB_boxes, cute.group_modes(gB, 0, 2)
                         )
+                        slices = [
+                            cute.nvgpu.cpasync.tma_partition(
+                                tma_b, r, cute.make_layout(self.cluster_m), sB_boxes, cute.group_modes(gB, 0, 2)
+                            )
+                            for r in range(self.cluster_m if const_expr(self.split_tail) else 0)
+                        ]
+                        own_mask = cutlass.Int16(1) << rank
                         for k in range(k_tiles):
                             ab_pipe.producer_acquire(state)
                             bar = ab_pipe.producer_get_barrier(state)
                             cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
                             for h in cutlass.range_constexpr(self.b_boxes):
-                                cute.copy(
-                                    tma_b,
-                                    tBgB[(None, k, h)],
-                                    tBsB[(None, h, 0, state.index)],
-                                    tma_bar_ptr=bar,
-                                    mcast_mask=b_mcast_mask if const_expr(self.cluster_m > 1) else 0,
-                                )
+                                if split:
+                                    for sB_r, gB_r in slices:
+                                        cute.copy(
+                                            tma_b, gB_r[(None, k, h)], sB_r[(None, h, 0, state.index)],
+                                            tma_bar_ptr=bar, mcast_mask=own_mask,
+                                        )
+                                else:
+                                    cute.copy(
+                                        tma_b,
+                                        tBgB[(None, k, h)],
+                                        tBsB[(None, h, 0, state.index)],
+                                        tma_bar_ptr=bar,
+                                        mcast_mask=b_mcast_mask if const_expr(self.cluster_m > 1) else 0,
+                                    )
                             ab_pipe.producer_commit(state)
                             state.advance()
                     tile_id = tile_id + num_clusters
                     found, seg, seg_first, c_start, c_base = locate_tile(
-                        tile_id, c_start, c_base, mOffsets, num_groups, m_total, n_tiles, cluster_rows
+                        tile_id, c_start, c_base, mOffsets, num_groups, m_total, n_tiles, self.tile_m, self.cluster_m, self.split_tail
                     )
                 ab_pipe.producer_tail(state)
         else:
@@ -505,15 +517,15 @@ class GroupedGemmSm90:
             epi_count = Int32(0)
             tile_id = first_tile
             found, seg, seg_first, c_start, c_base = locate_tile(
-                tile_id, Int32(0), Int32(0), mOffsets, num_groups, m_total, n_tiles, cluster_rows
+                tile_id, Int32(0), Int32(0), mOffsets, num_groups, m_total, n_tiles, self.tile_m, self.cluster_m, self.split_tail
             )
             while found:
                 start, end = segment_rows(mOffsets, seg, num_groups, m_total)
                 length = end - start
-                m_tiles = (length + cluster_rows - 1) // cluster_rows
-                local = tile_id - seg_first
-                mt, nt = banded_tile(local, m_tiles, n_tiles, self.raster_band)
-                mt = mt * self.cluster_m + rank
+                mt, nt, _ = cluster_tile(
+                    tile_id - seg_first, length, n_tiles, rank, self.tile_m, self.cluster_m, self.split_tail,
+                    self.raster_band,
+                )
                 has_rows = mt * self.tile_m < length  # else only helps its peer load B
                 is_group = seg < num_groups
                 tile = Tile(seg, start, end, mt, nt, start + mt * self.tile_m, is_group)
@@ -637,7 +649,7 @@ class GroupedGemmSm90:
 
                 tile_id = tile_id + num_clusters
                 found, seg, seg_first, c_start, c_base = locate_tile(
-                    tile_id, c_start, c_base, mOffsets, num_groups, m_total, n_tiles, cluster_rows
+                    tile_id, c_start, c_base, mOffsets, num_groups, m_total, n_tiles, self.tile_m, self.cluster_m, self.split_tail
                 )
             if is_store_warp:
                 store_pipe.producer_tail()
