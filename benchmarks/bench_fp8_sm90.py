@@ -9,8 +9,8 @@ Per shape (uneven seeded routing; FC1: x (M, H) @ W (E, 2I, H) with SwiGLU and w
   + cast       the act cast to E4M3 1x128 blocks: after the kernel (block_quantize_sm90) or in its
                epilogue (grouped_gemm_act_quant_sm90; checked byte for byte against the former)
 Each kernel is first checked against a float64 reference of its own operands (fresh random
-inputs, NaN-poisoned outputs); times are do_bench medians with L2 flushed, the least of three
-round-robin rounds; TFLOPS count 2*M*N*K.
+inputs, NaN-poisoned outputs); times are do_bench medians with L2 flushed, the median over rounds
+that rotate the variants' order (`common.rotated_medians`); TFLOPS count 2*M*N*K.
 
 Then the training step of the MLP (forward, and forward + backward with gradients set to None
 first); "fc2 fp8 sm90" is checked against its emulation first (output and gradients, rel.
@@ -36,7 +36,7 @@ import os
 import torch
 import triton.testing
 from bench_train_step import ReferenceMLP
-from common import MODEL_SHAPES, device_tag, gpu_us_per_kernel, skewed_splits, write_results
+from common import MODEL_SHAPES, device_tag, gpu_us_per_kernel, rotated_medians, skewed_splits, write_results
 
 from te_fused_ops import GroupedLinear, Quantize, Sequential, SwiGLU, Transpose
 from te_fused_ops.kernels.block_quantize import block_dequantize_sm90, block_quantize_sm90
@@ -105,10 +105,7 @@ def run_shape(name):
         "sm90 bf16 + swiglu + cast": lambda: grouped_gemm_act_quant_sm90(xb, wb, offsets, activation="swiglu"),
     }
     flops = 2 * int(offsets[-1]) * n * h
-    times = {label: float("inf") for label in variants}
-    for _ in range(3):  # round robin, min of the medians: drift hits every variant alike
-        for label, fn in variants.items():
-            times[label] = min(times[label], bench_us(fn))
+    times = rotated_medians(variants, bench_us)
     quantize_us = {  # the forward's casts: x in 1 x 128 blocks, W in 128 x 128 (bf16 inputs)
         "x sm90": bench_us(lambda: block_quantize_sm90(xb, 1)),
         "x torch": bench_us(lambda: quantize(xb, "fp8_blockwise")),

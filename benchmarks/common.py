@@ -38,6 +38,22 @@ def host_us_per_call(fn, calls: int = 100, batches: int = 30) -> float:
     return best
 
 
+def rotated_medians(fns: dict, time_us) -> dict:
+    """label -> median of ``time_us(fn)`` over 2 x len(fns) rounds in which every variant takes
+    every position, in rotated and then reversed order, after one warm-up pass: a variant timed
+    first after an idle gap runs at a higher clock under the power cap, so a fixed order (or the
+    least of a few rounds) favours it."""
+    labels = list(fns)
+    for label in labels:
+        time_us(fns[label])
+    samples = {label: [] for label in labels}
+    for r in range(2 * len(labels)):
+        order = labels[r % len(labels):] + labels[: r % len(labels)]
+        for label in order if r < len(labels) else order[::-1]:
+            samples[label].append(time_us(fns[label]))
+    return {label: sorted(v)[len(v) // 2] for label, v in samples.items()}
+
+
 def gpu_us_per_kernel(fn) -> dict:
     """GPU microseconds per kernel name in one call of ``fn`` after a warm-up call (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile

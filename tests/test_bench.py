@@ -45,3 +45,21 @@ def test_table_columns_stay_apart_for_slow_runs():
     assert len({len(line) for line in lines}) == 1  # fixed width
     assert lines[2].split()[2:6] == ["8311.336", "16461.260", "24772.595", "1.2"]
     assert "fwd GFLOP/s" in lines[0]
+
+
+def test_rotated_medians_cancel_a_first_position_bonus():
+    spec = importlib.util.spec_from_file_location("bench_common", ROOT / "benchmarks" / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    cost = {"a": 10.0, "b": 10.0, "c": 12.0}
+    last = []
+
+    def time_us(label):  # a run after nothing or after itself (a rested GPU) gets a 3 us bonus
+        fresh = not last or last[-1] == label
+        last.append(label)
+        return cost[label] - (3.0 if fresh else 0.0)
+
+    times = common.rotated_medians({k: k for k in cost}, time_us)
+    assert set(times) == set(cost)
+    assert times["a"] == times["b"] and times["c"] > times["a"]  # no variant keeps the bonus
+    assert sum(label == "a" for label in last) == 1 + 2 * 3  # warm-up pass, then 2N rounds
