@@ -9,7 +9,8 @@ multiples of 8 so that torch._grouped_mm accepts them, the same splits for every
 Rows: forward, backward (retained graph, gradients set to None first), step (forward + backward,
 gradients set to None first), step TFLOPS (3 x forward FLOPs / step time), peak memory of the
 step above the inputs and weights; then per-kernel rows of the fused backward against their
-torch counterparts. Median of triton.testing.do_bench (L2 flushed before every run).
+torch counterparts (timed in rotated order, `common.rotated_medians`). Median of
+triton.testing.do_bench (L2 flushed before every run).
 Gradients of fused and reference are checked against each other (rel. Frobenius <= 1e-2) first.
 
     python benchmarks/bench_train_step.py [--shapes qwen3-30b-a3b,...] [--out DIR] [--profile]
@@ -22,7 +23,7 @@ import argparse
 
 import torch
 import triton.testing
-from common import MODEL_SHAPES, device_tag, gpu_us_per_kernel, skewed_splits, write_results
+from common import MODEL_SHAPES, device_tag, gpu_us_per_kernel, rotated_medians, skewed_splits, write_results
 
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU
 
@@ -155,7 +156,11 @@ def kernel_rows(mlp, offsets, x, dy):
             lambda: torch._grouped_mm(d_pre.t(), x.detach(), offs=ends),
         ),
     }
-    return {name: {"ours_us": bench(ours) * 1e3, "torch_us": bench(theirs) * 1e3} for name, (ours, theirs) in rows.items()}
+    result = {}
+    for name, (ours, theirs) in rows.items():
+        times = rotated_medians({"ours_us": ours, "torch_us": theirs}, lambda fn: bench(fn) * 1e3)
+        result[name] = times
+    return result
 
 
 CONFIGS = [(128, 1), (128, 2), (256, 1), (256, 2)]  # (tile_n, cluster_m) tried by --sweep
