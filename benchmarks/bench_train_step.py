@@ -156,11 +156,10 @@ def kernel_rows(mlp, offsets, x, dy):
             lambda: torch._grouped_mm(d_pre.t(), x.detach(), offs=ends),
         ),
     }
-    result = {}
-    for name, (ours, theirs) in rows.items():
-        times = rotated_medians({"ours_us": ours, "torch_us": theirs}, lambda fn: bench(fn) * 1e3)
-        result[name] = times
-    return result
+    return {
+        name: rotated_medians({"ours_us": ours, "torch_us": theirs}, lambda fn: bench(fn) * 1e3)
+        for name, (ours, theirs) in rows.items()
+    }
 
 
 CONFIGS = [(128, 1), (128, 2), (256, 1), (256, 2)]  # (tile_n, cluster_m) tried by --sweep

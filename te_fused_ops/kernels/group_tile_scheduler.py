@@ -12,7 +12,7 @@ No host sync, no global scratch; every warp computes the same answer independent
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Int32, const_expr
+from cutlass import Boolean, Int32
 
 # m-tiles per raster band: a wave of ~66 clusters then spans about 8 x 8 tiles of a segment, so
 # it reads ~16 distinct operand tiles where a tall segment walked m-fastest reads ~67
@@ -41,14 +41,21 @@ def banded_tile(local: Int32, m_tiles: Int32, n_tiles: Int32, band: cutlass.Cons
     return first + rest % height, rest // height
 
 
+def _cluster_rows(rows: Int32, tile_m: int, cluster_m: int, split_tail: bool):
+    """(cluster tiles stacked along M, 1 if an odd last m-tile is split along N else 0) of a
+    segment of ``rows`` rows; Python branches on the compile-time arguments only."""
+    m_tiles = (rows + tile_m - 1) // tile_m
+    if split_tail and cluster_m == 2:
+        return m_tiles // 2, m_tiles % 2
+    return (m_tiles + cluster_m - 1) // cluster_m, 0
+
+
 def segment_tiles(rows: Int32, n_tiles: Int32, tile_m: int, cluster_m: int, split_tail: bool):
     """Cluster tiles of a segment of ``rows`` rows: ceil(m-tiles / cluster_m) * n_tiles; with
     ``split_tail`` (cluster_m 2) an odd last m-tile takes ceil(n_tiles / 2) (`cluster_tile`).
     Straight-line arithmetic, callable on Python ints."""
-    m_tiles = (rows + tile_m - 1) // tile_m
-    if split_tail and cluster_m == 2:
-        return m_tiles // 2 * n_tiles + m_tiles % 2 * ((n_tiles + 1) // 2)
-    return (m_tiles + cluster_m - 1) // cluster_m * n_tiles
+    stacked, tail = _cluster_rows(rows, tile_m, cluster_m, split_tail)
+    return stacked * n_tiles + tail * ((n_tiles + 1) // 2)
 
 
 @cute.jit
@@ -68,10 +75,7 @@ def cluster_tile(
     last m-tile is not paired with an empty one: its n-tiles go to the pair two at a time, CTA
     ``rank`` taking n-tile 2t + rank of the same m-tile (split: each CTA loads its own B); an
     odd last n-tile stays a vertical pair whose second CTA has no rows."""
-    m_tiles = (rows + tile_m - 1) // tile_m
-    pairs = (m_tiles + cluster_m - 1) // cluster_m
-    if const_expr(split_tail and cluster_m == 2):
-        pairs = m_tiles // 2
+    pairs, _ = _cluster_rows(rows, tile_m, cluster_m, split_tail)
     body = pairs * n_tiles
     mt = Int32(0)
     nt = Int32(0)
