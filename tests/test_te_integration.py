@@ -289,3 +289,30 @@ def test_weights_not_in_one_buffer_are_stacked_and_explained():
                                next_op_input_quantizer=None, basic_op_kwargs=[{}, {}, {}])
     torch.testing.assert_close(y, reference(ops, tfo.SwiGLU(), x, splits, torch.rand(13), dy)[0])
     assert "stacked the per-group weights" in tfo_te.explain(Sequential(*ops))
+
+
+def test_weight_view_follows_updates_and_replaced_parameters():
+    """The per-step weight view is memoized; in-place updates (optimizer steps) reach it, and a
+    replaced parameter (`.data` swap, a new Parameter) makes the next step re-check and stack."""
+    ops = ops_of(SwiGLU(), bias=False)
+    (fused,) = tfo_te.fuse(ops, recipe=None)
+    splits = torch.tensor([4, 4, 5])
+    x, dy = torch.randn(13, 8), torch.randn(13, 8)
+
+    def check():
+        y, _ = fused.fuser_forward([Ctx(), Ctx(), Ctx()], x, basic_op_extra_inputs=[(splits,), (), (splits,)],
+                                   prev_op_grad_output_quantizer=None, next_op_input_quantizer=None,
+                                   basic_op_kwargs=[{}, {}, {}])
+        torch.testing.assert_close(y, reference(ops, tfo.SwiGLU(), x, splits, torch.rand(13), dy)[0])
+        return tfo_te.explain(Sequential(*ops))
+
+    assert "stacked" not in check()
+    assert "stacked" not in check()  # memo hit
+    with torch.no_grad():
+        ops[0].weight1.mul_(-2.0)  # in place, as an optimizer step
+    assert "stacked" not in check()
+    ops[2].weight2.data = torch.randn(8, 4)  # off the packed buffer
+    assert "stacked the per-group weights" in check()
+    with torch.no_grad():
+        ops[2].weight2.add_(1.0)
+    check()

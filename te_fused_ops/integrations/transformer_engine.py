@@ -190,20 +190,43 @@ def fuse(ops, *, recipe=None, **unused):
 # ---- the fused operation --------------------------------------------------------------------
 
 
-def _packed_weight(fc) -> torch.Tensor:
+@functools.cache
+def _weight_names(groups: int) -> tuple:
+    return tuple(f"weight{i}" for i in range(groups))
+
+
+def _weights(fc) -> list:
+    """TE GroupedLinear ``fc``'s weight parameters in registration order: what its
+    ``_get_weight_tensors`` returns, without a module attribute lookup per group (this runs
+    several times per step; qwen3-30b-a3b has 128 groups)."""
+    if fc.single_grouped_weight:
+        return [fc.weight]
+    params = fc._parameters
+    return [params[name] for name in _weight_names(fc.num_groups)]
+
+
+def _packed_weight(fc, memo: dict) -> torch.Tensor:
     """(G, out, in): TE's weights in place (one view when the per-group weights are consecutive
     views of one buffer, as TE allocates them; else a stacked copy)."""
     g, shape = fc.num_groups, (fc.out_features, fc.in_features)
     if fc.single_grouped_weight:
         return fc.weight.rowwise_data.view(g, *shape)
-    weights = [getattr(fc, f"weight{i}") for i in range(g)]
-    return _packed(weights, (g, *shape))
+    return _packed(_weights(fc), (g, *shape), memo)
 
 
-def _packed(tensors, shape) -> torch.Tensor:
+def _packed(tensors, shape, memo=None) -> torch.Tensor:
     """``tensors`` (each of shape[1:]) as one (len, ...) tensor: a view when they are consecutive
-    in one storage, else a copy."""
+    in one storage, else a copy. ``memo`` (a dict, or None) keeps the view under the tensors'
+    identities and data pointers: a later call with the same objects at the same addresses
+    gets it without the per-tensor checks (the view holds the storage, so no other tensor can
+    take those addresses meanwhile; in-place updates are seen, being the same memory)."""
     first = tensors[0]
+    key = None
+    if memo is not None:
+        key = (first.dtype, first.shape, tuple(map(id, tensors)), tuple(map(torch.Tensor.data_ptr, tensors)))
+        view = memo.get(key)
+        if view is not None:
+            return view.detach()
     step = first.numel() * first.element_size()
     storage = first.untyped_storage().data_ptr()
     if all(
@@ -211,7 +234,11 @@ def _packed(tensors, shape) -> torch.Tensor:
         and t.data_ptr() == first.data_ptr() + i * step
         for i, t in enumerate(tensors)
     ):
-        return first.detach().as_strided(shape, (first.numel(), *first.stride()))
+        view = first.detach().as_strided(shape, (first.numel(), *first.stride()))
+        if memo is not None:
+            memo.clear()
+            memo[key] = view
+        return view.detach()
     return torch.stack([t.detach() for t in tensors])
 
 
@@ -245,6 +272,7 @@ def _fused_class():
             self._ours = decision.ops
             self._decision = decision
             self._plans: dict = {}
+            self._weight_views: list = [{} for _ in window]  # per basic op: `_packed`'s memo
 
         # run time: inputs, TE parameters -> te_fused_ops' call, or the reason to run TE's ops
         def _call_args(self, ctxs, x, extra_inputs, kwargs):
@@ -257,7 +285,7 @@ def _fused_class():
                 return "FC1 and FC2 got different split_sizes tensors"
             if split_sizes.device != x.device or split_sizes.numel() != linears[0].num_groups:
                 return f"split_sizes on {split_sizes.device} with {split_sizes.numel()} entries"
-            if x.dtype != linears[0]._get_weight_tensors()[0].dtype:
+            if x.dtype != _weights(linears[0])[0].dtype:
                 return f"input dtype {x.dtype} differs from the weights' (autocast: TE casts)"
             if torch.is_autocast_enabled(x.device.type):
                 return "autocast is on (TE casts the weights)"
@@ -266,11 +294,11 @@ def _fused_class():
             side = {"split_sizes": split_sizes if split_sizes.dtype in (torch.int32, torch.int64) else split_sizes.long()}
             grad_on = any(ctx.requires_grad for ctx in ctxs)
             op_params = []
-            for op, ctx in zip(self.basic_ops, ctxs):
+            for op, ctx, memo in zip(self.basic_ops, ctxs, self._weight_views):
                 params = {}
                 if isinstance(op, te_ops.GroupedLinear):
-                    weight = op._get_weight_tensors()[0]
-                    params["weight"] = _packed_weight(op).requires_grad_(ctx.requires_grad and weight.requires_grad)
+                    weight = _weights(op)[0]
+                    params["weight"] = _packed_weight(op, memo).requires_grad_(ctx.requires_grad and weight.requires_grad)
                     self._decision.copied_weights |= params["weight"].data_ptr() != weight.data_ptr()
                     if op._accumulate_into_main_grad and params["weight"].requires_grad:
                         main_grad = _main_grads(op)
@@ -320,7 +348,7 @@ def _fused_class():
             run = first.tfo_run
             for op, ctx in zip(self.basic_ops, run.ctxs):
                 main_grad = ctx.main_grads.get("weight")
-                if main_grad is not None and not common.get_accumulate_flag_in_param(op._get_weight_tensors()[0]):
+                if main_grad is not None and not common.get_accumulate_flag_in_param(_weights(op)[0]):
                     main_grad.zero_()  # overwrite_main_grad: the kernel accumulates into zeros
             dy = grad_output.reshape(-1, grad_output.shape[-1])
             with torch.no_grad():
@@ -342,7 +370,7 @@ def _fused_class():
 
         def _te_param_grads(self, op, ctx, grads):
             """te_fused_ops' (G, out, in)/(G, out) gradients in TE's parameter order and form."""
-            weights = op._get_weight_tensors()
+            weights = _weights(op)
             if "weight" in ctx.grad_names and op._accumulate_into_main_grad:
                 weight_grads = common.get_dummy_wgrads_for_params(weights)  # main_grad holds it (TE's way)
             elif grads.get("weight") is None:
