@@ -205,13 +205,13 @@ def _weights(fc) -> list:
     return [params[name] for name in _weight_names(fc.num_groups)]
 
 
-def _packed_weight(fc, memo: dict) -> torch.Tensor:
-    """(G, out, in): TE's weights in place (one view when the per-group weights are consecutive
-    views of one buffer, as TE allocates them; else a stacked copy)."""
+def _packed_weight(fc, weights, memo: dict) -> torch.Tensor:
+    """(G, out, in): TE's weights (``_weights(fc)``) in place (one view when the per-group
+    weights are consecutive views of one buffer, as TE allocates them; else a stacked copy)."""
     g, shape = fc.num_groups, (fc.out_features, fc.in_features)
     if fc.single_grouped_weight:
         return fc.weight.rowwise_data.view(g, *shape)
-    return _packed(_weights(fc), (g, *shape), memo)
+    return _packed(weights, (g, *shape), memo)
 
 
 def _packed(tensors, shape, memo=None) -> torch.Tensor:
@@ -297,8 +297,11 @@ def _fused_class():
             for op, ctx, memo in zip(self.basic_ops, ctxs, self._weight_views):
                 params = {}
                 if isinstance(op, te_ops.GroupedLinear):
-                    weight = _weights(op)[0]
-                    params["weight"] = _packed_weight(op, memo).requires_grad_(ctx.requires_grad and weight.requires_grad)
+                    weights = _weights(op)
+                    weight = weights[0]
+                    params["weight"] = _packed_weight(op, weights, memo).requires_grad_(
+                        ctx.requires_grad and weight.requires_grad
+                    )
                     self._decision.copied_weights |= params["weight"].data_ptr() != weight.data_ptr()
                     if op._accumulate_into_main_grad and params["weight"].requires_grad:
                         main_grad = _main_grads(op)
