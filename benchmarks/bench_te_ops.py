@@ -8,6 +8,7 @@ first; median of triton.testing.do_bench) of
   te          te.ops.Sequential(GroupedLinear, SwiGLU, GroupedLinear), TE 2.20 alone
   te+tfo      the same module after te_fused_ops.integrations.transformer_engine.install()
   tfo         te_fused_ops' own Sequential(GroupedLinear, SwiGLU, GroupedLinear)
+  torch       plain torch: torch._grouped_mm + compiled SwiGLU / dSwiGLU (bench_train_step.ReferenceMLP)
 Gradients of te+tfo are checked against te first (rel. Frobenius <= 2e-2).
 """
 
@@ -17,6 +18,7 @@ import torch
 import transformer_engine
 import transformer_engine.pytorch as te
 import triton.testing
+from bench_train_step import ReferenceMLP
 from common import MODEL_SHAPES, device_tag, skewed_splits, write_results
 
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU
@@ -86,10 +88,13 @@ def main():
             GroupedLinear(e, h, 2 * i, dtype=torch.bfloat16, device="cuda"), SwiGLU(),
             GroupedLinear(e, i, h, dtype=torch.bfloat16, device="cuda"),
         )
+        ends = torch.cumsum(splits, 0).to(torch.int32)
+        w1, w2 = (ours[k].weight for k in (0, 2))
         calls = {
             "te": (lambda: plain(x, splits, splits), [x, *plain.parameters()]),
             "te+tfo": (lambda: fused(x, splits, splits), [x, *fused.parameters()]),
             "tfo": (lambda: ours(x, split_sizes=splits), [x, *ours.parameters()]),
+            "torch": (lambda: ReferenceMLP.apply(x, w1, w2, ends), [x, w1, w2]),
         }
         fused(x, splits, splits)  # fuse (with the integration installed) before checking
         explained = tfo_te.explain(fused)
@@ -105,16 +110,19 @@ def main():
         payload["shapes"][name] = {"ms": times, "max_grad_rel_err": err}
         rows.append(
             f"| {name} | {times['te']:.2f} ({flops / times['te'] / 1e9:.0f}) | {times['te+tfo']:.2f} "
-            f"({flops / times['te+tfo'] / 1e9:.0f}) | {times['tfo']:.2f} | {times['te'] / times['te+tfo']:.2f}x "
-            f"| {times['te+tfo'] / times['tfo']:.3f} |"
+            f"({flops / times['te+tfo'] / 1e9:.0f}) | {times['tfo']:.2f} | {times['torch']:.2f} "
+            f"| {times['te'] / times['te+tfo']:.2f}x | {times['te+tfo'] / times['tfo']:.3f} "
+            f"| {times['torch'] / times['te+tfo']:.2f}x |"
         )
-        print(f"{name}: te {times['te']:.2f} ms, te+tfo {times['te+tfo']:.2f} ms, tfo {times['tfo']:.2f} ms", flush=True)
+        print(f"{name}: te {times['te']:.2f} ms, te+tfo {times['te+tfo']:.2f} ms, tfo {times['tfo']:.2f} ms, "
+              f"torch {times['torch']:.2f} ms", flush=True)
     table = "\n".join(
         [
             f"{gpu}, TE {transformer_engine.__version__}, bf16 SwiGLU MLP training step, ms (TFLOPS)",
             "",
-            "| shape | te.ops | te.ops + install() | te_fused_ops Sequential | speedup | (te+tfo)/tfo |",
-            "|---|---|---|---|---|---|",
+            "| shape | te.ops | te.ops + install() | te_fused_ops Sequential | plain torch | speedup | (te+tfo)/tfo "
+            "| te+tfo vs plain torch |",
+            "|---|---|---|---|---|---|---|---|",
             *rows,
         ]
     )
