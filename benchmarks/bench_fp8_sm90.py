@@ -7,7 +7,8 @@ Per shape (uneven seeded routing; FC1: x (M, H) @ W (E, 2I, H) with SwiGLU and w
                192-wide tile instead of the default 128)
   casts        block_quantize_sm90 / block_dequantize_sm90 vs the torch quantizer (bit for bit)
   + cast       the act cast to E4M3 1x128 blocks: after the kernel (block_quantize_sm90) or in its
-               epilogue (grouped_gemm_act_quant_sm90; checked byte for byte against the former)
+               epilogue (grouped_gemm_act_quant_sm90; checked byte for byte against the former);
+               "p2": power-of-two scales (Float8BlockScaling(power_2_scales=True), TE's default)
 Each kernel is first checked against a float64 reference of its own operands (fresh random
 inputs, NaN-poisoned outputs); times are do_bench medians with L2 flushed, the median over rounds
 that rotate the variants' order (`common.rotated_medians`); TFLOPS count 2*M*N*K.
@@ -22,15 +23,18 @@ apart), and each FP8 step's distance from bf16 is recorded:
                     on the quantization kernel, FC2's forward and data-gradient GEMMs on the FP8
                     kernel, weight gradients bf16
   all fp8 sm90      the same after a Quantize of x (FC1 in FP8 too)
+  ... p2            the same with power-of-two scales (Float8BlockScaling(power_2_scales=True))
   fc2 fp8 emulated  "fc2 fp8 sm90" with TE_FUSED_OPS_BACKEND=torch (quantize, dequantize, bf16)
   plain torch bf16  the strongest bf16 step a user writes without the library (six
                     torch._grouped_mm + compiled SwiGLU / dSwiGLU: bench_train_step.ReferenceMLP)
+All but the emulation are timed in rotated order (`common.rotated_medians`).
 
     python benchmarks/bench_fp8_sm90.py [--shapes dsv3-ep8,mixtral-8x7b] [--out DIR] [--part kernels|steps]
     python benchmarks/bench_fp8_sm90.py --part steps --profile --shapes qwen3-30b-a3b   # GPU time per kernel
 """
 
 import argparse
+import functools
 import os
 
 import torch
@@ -41,7 +45,7 @@ from common import MODEL_SHAPES, device_tag, gpu_us_per_kernel, rotated_medians,
 from te_fused_ops import GroupedLinear, Quantize, Sequential, SwiGLU, Transpose
 from te_fused_ops.kernels.block_quantize import block_dequantize_sm90, block_quantize_sm90
 from te_fused_ops.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_fp8_sm90, grouped_gemm_sm90
-from te_fused_ops.quantization import quantize, quantize_weight
+from te_fused_ops.quantization import Float8BlockScaling, quantize, quantize_weight
 from te_fused_ops.splits import split_offsets
 
 
@@ -84,10 +88,11 @@ def run_shape(name):
     }
     # FC1 + SwiGLU + E4M3 cast, fused: the same bytes as the plain kernel's act cast afterwards
     _, act = grouped_gemm_sm90(xb, wb, offsets, activation="swiglu", tile_n=256)
-    cast = block_quantize_sm90(act, 1)
-    fused = grouped_gemm_act_quant_sm90(xb, wb, offsets, activation="swiglu")[1:]
-    assert torch.equal(fused[1], cast[1]) and torch.equal(fused[0].view(torch.uint8), cast[0].view(torch.uint8)), (
-        f"{name}: fused act cast differs from the cast of the bf16 act")
+    for p2 in (False, True):
+        cast = block_quantize_sm90(act, 1, p2)
+        fused = grouped_gemm_act_quant_sm90(xb, wb, offsets, activation="swiglu", power_2_scales=p2)[1:]
+        assert torch.equal(fused[1], cast[1]) and torch.equal(fused[0].view(torch.uint8), cast[0].view(torch.uint8)), (
+            f"{name}: fused act cast differs from the cast of the bf16 act (power_2_scales={p2})")
     qxb = quantize(xb, "fp8_blockwise")
     assert torch.equal(block_dequantize_sm90(qxb.rowwise_data, qxb.rowwise_scale_inv, torch.bfloat16),
                        qxb.dequantize()), f"{name}: dequantize kernel differs from torch"
@@ -103,13 +108,19 @@ def run_shape(name):
         "sm90 bf16 + swiglu, then cast": lambda: block_quantize_sm90(
             grouped_gemm_sm90(xb, wb, offsets, activation="swiglu", tile_n=256)[1], 1),
         "sm90 bf16 + swiglu + cast": lambda: grouped_gemm_act_quant_sm90(xb, wb, offsets, activation="swiglu"),
+        "sm90 bf16 + swiglu, then cast p2": lambda: block_quantize_sm90(
+            grouped_gemm_sm90(xb, wb, offsets, activation="swiglu", tile_n=256)[1], 1, True),
+        "sm90 bf16 + swiglu + cast p2": lambda: grouped_gemm_act_quant_sm90(
+            xb, wb, offsets, activation="swiglu", power_2_scales=True),
     }
     flops = 2 * int(offsets[-1]) * n * h
     times = rotated_medians(variants, bench_us)
     quantize_us = {  # the forward's casts: x in 1 x 128 blocks, W in 128 x 128 (bf16 inputs)
         "x sm90": bench_us(lambda: block_quantize_sm90(xb, 1)),
         "x torch": bench_us(lambda: quantize(xb, "fp8_blockwise")),
+        "x sm90 p2": bench_us(lambda: block_quantize_sm90(xb, 1, True)),
         "W sm90": bench_us(lambda: block_quantize_sm90(wb, 128)),
+        "W sm90 p2": bench_us(lambda: block_quantize_sm90(wb, 128, True)),
         "W torch": bench_us(lambda: quantize_weight(wb, "fp8_blockwise")),
         "x dequant sm90": bench_us(lambda: block_dequantize_sm90(qxb.rowwise_data, qxb.rowwise_scale_inv, xb.dtype)),
         "x dequant torch": bench_us(lambda: qxb.dequantize()),
@@ -134,12 +145,15 @@ def run_step(name, profile=False):
     x = torch.randn(m, h, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     dy = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
     fp8 = Sequential(fc1, SwiGLU(), Quantize("fp8_blockwise"), Transpose(), fc2)
+    pow2 = Float8BlockScaling(power_2_scales=True)
+    fp8_pow2 = Sequential(fc1, SwiGLU(), Quantize(pow2), Transpose(), fc2)
     models = {
         "bf16 fused": Sequential(fc1, SwiGLU(), fc2),
         "fc2 fp8 sm90": fp8,
         "all fp8 sm90": Sequential(Quantize("fp8_blockwise"), *fp8),
+        "fc2 fp8 sm90 p2": fp8_pow2,
+        "all fp8 sm90 p2": Sequential(Quantize(pow2), *fp8_pow2),
     }
-    models["fc2 fp8 emulated"] = fp8
     ends = torch.cumsum(splits, 0).to(torch.int32)
     models["plain torch bf16"] = lambda x, split_sizes: ReferenceMLP.apply(x, fc1.weight, fc2.weight, ends)
     leaves = [x, fc1.weight, fc2.weight]
@@ -151,23 +165,24 @@ def run_step(name, profile=False):
         y.backward(dy)
         return [y.detach(), *[t.grad for t in leaves]]
 
-    outputs, times = {}, {}
-    for label, model in models.items():
-        if label.endswith("emulated"):
-            os.environ["TE_FUSED_OPS_BACKEND"] = "torch"
-        try:
-            outputs[label] = step(model)
-            if profile and label in ("bf16 fused", "fc2 fp8 sm90", "all fp8 sm90"):
-                breakdown = kernel_breakdown(lambda: step(model))
-                print(f"{name} / {label}: {sum(breakdown.values()):.0f} us in the top kernels", flush=True)
-                for kernel, us in breakdown.items():
-                    print(f"  {us:9.0f}  {kernel}", flush=True)
-            times[label] = {
-                "forward": bench_us(lambda: model(x, split_sizes=splits)),
-                "step": bench_us(lambda: step(model)),
-            }
-        finally:
-            os.environ.pop("TE_FUSED_OPS_BACKEND", None)
+    outputs = {label: step(model) for label, model in models.items()}
+    if profile:
+        for label in ("bf16 fused", "fc2 fp8 sm90", "all fp8 sm90"):
+            breakdown = kernel_breakdown(lambda: step(models[label]))
+            print(f"{name} / {label}: {sum(breakdown.values()):.0f} us in the top kernels", flush=True)
+            for kernel, us in breakdown.items():
+                print(f"  {us:9.0f}  {kernel}", flush=True)
+    forward = rotated_medians({k: functools.partial(m, x, split_sizes=splits) for k, m in models.items()}, bench_us)
+    steps = rotated_medians({k: functools.partial(step, m) for k, m in models.items()}, bench_us)
+    times = {k: {"forward": forward[k], "step": steps[k]} for k in models}
+    os.environ["TE_FUSED_OPS_BACKEND"] = "torch"  # the emulation: timed apart (far slower), same bytes in
+    try:
+        outputs["fc2 fp8 emulated"] = step(fp8)
+        times["fc2 fp8 emulated"] = {"forward": bench_us(lambda: fp8(x, split_sizes=splits)),
+                                     "step": bench_us(lambda: step(fp8))}
+    finally:
+        os.environ.pop("TE_FUSED_OPS_BACKEND", None)
+
     def errors(label, against):
         return [((a.float() - b.float()).norm() / b.float().norm()).item()
                 for a, b in zip(outputs[label], outputs[against])]
@@ -178,7 +193,7 @@ def run_step(name, profile=False):
     # the quantization turns last-bit differences of the activation into whole E4M3 steps
     assert max(same_recipe) <= 5e-2, f"{name}: fp8 sm90 vs fp8 emulated, relative errors {same_recipe}"
     return {"shape": name, "us": times, "rel_err_vs_emulated": same_recipe,
-            "rel_err_fp8_vs_bf16": {label: errors(label, "bf16 fused") for label in ("fc2 fp8 sm90", "all fp8 sm90")}}
+            "rel_err_fp8_vs_bf16": {label: errors(label, "bf16 fused") for label in times if "fp8 sm90" in label}}
 
 
 def kernel_tables(rows, device):
@@ -196,10 +211,11 @@ def kernel_tables(rows, device):
         "",
         "Casts of the FC1 operands (bf16 <-> E4M3 + float32 scales); median us (GB/s, 3 bytes per element)",
         "",
-        "| shape | x 1x128 sm90 | x 1x128 torch | W 128x128 sm90 | W 128x128 torch | x dequant sm90 | x dequant torch |",
-        "|---|---|---|---|---|---|---|",
+        "| shape | x 1x128 sm90 | x 1x128 sm90 p2 | x 1x128 torch | W 128x128 sm90 | W 128x128 sm90 p2 | W 128x128 torch "
+        "| x dequant sm90 | x dequant torch |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    casts = ("x sm90", "x torch", "W sm90", "W torch", "x dequant sm90", "x dequant torch")
+    casts = ("x sm90", "x sm90 p2", "x torch", "W sm90", "W sm90 p2", "W torch", "x dequant sm90", "x dequant torch")
     for r in rows:
         q, b = r["quantize_us"], r["quantize_bytes"]
         cells = [f"{q[k]:.0f} ({b[k.split()[0]] / q[k] / 1e3:.0f})" for k in casts]
@@ -212,14 +228,16 @@ def step_table(steps, device):
     lines = [
         f"Training step, SwiGLU MLP, {device}; median us, forward / forward + backward",
         "",
-        "| shape | " + " | ".join(labels) + " | fc2 fp8 sm90 step vs bf16 fused / vs plain torch |",
+        "| shape | " + " | ".join(labels) + " | fc2 fp8 sm90 step vs bf16 fused / vs plain torch | the same, p2 |",
         "|---|" + "---|" * (len(labels) + 1),
     ]
     for r in steps:
         cells = [f"{r['us'][k]['forward']:.0f} / {r['us'][k]['step']:.0f}" for k in labels]
-        fp8 = r["us"]["fc2 fp8 sm90"]["step"]
-        ratios = f"{r['us']['bf16 fused']['step'] / fp8:.2f}x / {r['us']['plain torch bf16']['step'] / fp8:.2f}x"
-        lines.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {ratios} |")
+        ratios = []
+        for label in ("fc2 fp8 sm90", "fc2 fp8 sm90 p2"):
+            fp8 = r["us"][label]["step"]
+            ratios.append(f"{r['us']['bf16 fused']['step'] / fp8:.2f}x / {r['us']['plain torch bf16']['step'] / fp8:.2f}x")
+        lines.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {ratios[0]} | {ratios[1]} |")
     return lines
 
 

@@ -4,7 +4,7 @@
 
 Per shape (common.MODEL_SHAPES; bf16, SwiGLU, no bias, skewed routing with counts multiples of 8,
 the same splits for every variant), a training step (forward + backward, gradients set to None
-first; median of triton.testing.do_bench) of
+first; triton.testing.do_bench medians, common.rotated_medians over the variants) of
   te          te.ops.Sequential(GroupedLinear, SwiGLU, GroupedLinear), TE 2.20 alone
   te+tfo      the same module after te_fused_ops.integrations.transformer_engine.install()
   tfo         te_fused_ops' own Sequential(GroupedLinear, SwiGLU, GroupedLinear)
@@ -19,7 +19,7 @@ import transformer_engine
 import transformer_engine.pytorch as te
 import triton.testing
 from bench_train_step import ReferenceMLP
-from common import MODEL_SHAPES, device_tag, skewed_splits, write_results
+from common import MODEL_SHAPES, device_tag, gpu_us_per_kernel, rotated_medians, skewed_splits, write_results
 
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU
 from te_fused_ops.integrations import transformer_engine as tfo_te
@@ -37,12 +37,16 @@ def te_mlp(h, i, e):
     )
 
 
-def timed_step(call, leaves, dy):
+def step_fn(call, leaves, dy):
     def run():
         for t in leaves:
             t.grad = None
         call().backward(dy)
 
+    return run
+
+
+def step_ms(run):
     return triton.testing.do_bench(run, warmup=10, rep=100, return_mode="median")
 
 
@@ -53,15 +57,17 @@ def grads(call, leaves, dy):
     return [t.grad.clone() for t in leaves]
 
 
-def profile_table(call, leaves, dy, rows=12) -> str:
-    """The kernels of one step by total CUDA time (torch.profiler), after a warm-up step."""
-    timed_step(call, leaves, dy)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for t in leaves:
-            t.grad = None
-        call().backward(dy)
-        torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+def kernel_diff(runs: dict, rows=14) -> str:
+    """GPU us per kernel name of one step of each variant in ``runs`` (torch.profiler), the
+    kernels whose time differs most between them first."""
+    per = {label: gpu_us_per_kernel(run) for label, run in runs.items()}
+    names = set().union(*per.values())
+    spread = lambda n: max(p.get(n, 0.0) for p in per.values()) - min(p.get(n, 0.0) for p in per.values())
+    lines = [" | ".join(["us", *per]) + " | kernel"]
+    for n in sorted(names, key=spread, reverse=True)[:rows]:
+        lines.append(" | ".join(f"{per[label].get(n, 0.0):9.0f}" for label in per) + f" | {n[:90]}")
+    lines.append(" | ".join(f"{sum(p.values()):9.0f}" for p in per.values()) + " | total")
+    return "\n".join(lines)
 
 
 def main():
@@ -103,10 +109,10 @@ def main():
         err = max(rel_err(a, b) for a, b in zip(got, want))
         assert err <= 2e-2, f"{name}: te+tfo gradients differ from te's by {err:.3e}"
         flops = 3 * 2 * m * h * 3 * i  # forward: 2*m*h*2i + 2*m*i*h; step: 3x
-        times = {k: timed_step(*v, dy) for k, v in calls.items()}
+        runs = {k: step_fn(*v, dy) for k, v in calls.items()}
+        times = rotated_medians(runs, step_ms)
         if args.profile:
-            for variant in ("te+tfo", "tfo"):
-                print(f"--- {name}: {variant}\n{profile_table(*calls[variant], dy)}", flush=True)
+            print(f"--- {name}: kernels of one step\n{kernel_diff({k: runs[k] for k in ('te+tfo', 'tfo')})}", flush=True)
         payload["shapes"][name] = {"ms": times, "max_grad_rel_err": err}
         rows.append(
             f"| {name} | {times['te']:.2f} ({flops / times['te'] / 1e9:.0f}) | {times['te+tfo']:.2f} "

@@ -127,16 +127,16 @@ def block_multipliers(scale_inv: torch.Tensor, shape) -> torch.Tensor:
 
 
 def casts_on_kernel(recipe) -> bool:
-    """Whether `block_quantize_sm90` makes ``recipe``'s data and scales (fp8_blockwise without
+    """Whether `block_quantize_sm90` makes ``recipe``'s data and scales (fp8_blockwise, float32 or
     power-of-two scales); other recipes cast in torch."""
-    return isinstance(recipe, Float8BlockScaling) and not recipe.power_2_scales
+    return isinstance(recipe, Float8BlockScaling)
 
 
 def cast_rows(x: torch.Tensor, recipe, offsets):
     """(data, multipliers) of a gradient or activation (M, K) for the FP8 kernel: fp8_blockwise
     1x128 blocks on the cast kernel; other scales in torch (per-tensor amax over the grouped rows)."""
     if casts_on_kernel(recipe):
-        return block_quantize_sm90(x, 1)
+        return block_quantize_sm90(x, 1, recipe.power_2_scales)
     q = quantize(x, recipe, offsets=offsets)
     return q.rowwise_data, block_multipliers(q.rowwise_scale_inv, x.shape)
 
@@ -162,7 +162,7 @@ def quantize_weight_blocks(weight: torch.Tensor, recipe, transposed: bool = Fals
             data, scale_inv = cast if cast is not None else quantize_weight_blocks(weight, recipe)
             return transpose_fp8_sm90(data), scale_inv.transpose(1, 2).contiguous()
         if casts_on_kernel(recipe):
-            return block_quantize_sm90(weight.contiguous(), 128)
+            return block_quantize_sm90(weight.contiguous(), 128, recipe.power_2_scales)
         qw = quantize_weight(weight, recipe)
         return qw.rowwise_data, block_multipliers(qw.rowwise_scale_inv, weight.shape)
 

@@ -19,7 +19,7 @@ def _supports(ops, info, backend):
         return None
     recipe = ops[0].recipe
     if not casts_on_kernel(recipe):
-        return f"{recipe.name} cast runs in torch (the sm90 kernel makes fp8_blockwise scales, no power_2_scales)"
+        return f"{recipe.name} cast runs in torch (the sm90 cast kernel makes fp8_blockwise scales)"
     if info.input_recipe[0] is not None:
         return "quantized input (dequantized and requantized in torch)"
     if info.dtype not in (torch.bfloat16, torch.float16):
@@ -32,7 +32,7 @@ def _forward_sm90(ops, ctxs, x):
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if rows.shape[-1] % 8 or rows.data_ptr() % 16:  # the kernel's 16-byte accesses; torch casts the same bytes
         return ops[0].op_forward(ctxs[0], x)
-    data, scale_inv = block_quantize_sm90(rows, 1)
+    data, scale_inv = block_quantize_sm90(rows, 1, ops[0].recipe.power_2_scales)
     return QuantizedTensor(
         x.shape, x.dtype, x.device, recipe=ops[0].recipe, role="activation",
         rowwise_data=data.view(x.shape), rowwise_scale_inv=scale_inv.view(*x.shape[:-1], -1),

@@ -7,7 +7,7 @@ import torch
 
 from te_fused_ops.kernels import sm90_unavailable_reason
 from te_fused_ops.kernels.block_quantize import block_dequantize_sm90, block_quantize_sm90, transpose_fp8_sm90
-from te_fused_ops.quantization import quantize, quantize_weight
+from te_fused_ops.quantization import Float8BlockScaling, quantize, quantize_weight
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,22 +38,35 @@ def assert_same_bytes(data, expected):
     assert mismatches == 0, f"{mismatches} E4M3 bytes differ from the torch quantizer"
 
 
+def tiny_rows(x):
+    """x with rows 1-3 scaled into the smallest binades (amax ~1e-36, ~1e-39 and ~1e-44 for
+    bf16: power-of-two scales below 2**-100 and subnormal; fp16 flushes them to zero)."""
+    if x.shape[-2] >= 4:
+        for row, scale in ((1, 1e-36), (2, 1e-39), (3, 1e-44)):
+            x[..., row, :] = (x[..., row, :].float().clamp(-4, 4) * scale).to(x.dtype)
+    return x
+
+
+@pytest.mark.parametrize("power_2_scales", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 128), (300, 200), (1000, 2048), (33, 80)])
-def test_rowwise_matches_torch_bit_for_bit(shape, dtype):
-    x = sample(shape, dtype, seed=shape[0])
-    data, scale_inv = block_quantize_sm90(x, 1)
-    want = quantize(x, "fp8_blockwise")
+def test_rowwise_matches_torch_bit_for_bit(shape, dtype, power_2_scales):
+    x = tiny_rows(sample(shape, dtype, seed=shape[0]))
+    data, scale_inv = block_quantize_sm90(x, 1, power_2_scales)
+    want = quantize(x, Float8BlockScaling(power_2_scales=power_2_scales))
     assert scale_inv.shape == want.rowwise_scale_inv.shape
     assert torch.equal(scale_inv, want.rowwise_scale_inv)
     assert_same_bytes(data, want.rowwise_data)
 
 
+@pytest.mark.parametrize("power_2_scales", [False, True])
 @pytest.mark.parametrize("shape", [(2, 128, 128), (3, 300, 200), (8, 384, 1024), (1, 1, 16)])
-def test_weight_blocks_match_torch_bit_for_bit(shape):
+def test_weight_blocks_match_torch_bit_for_bit(shape, power_2_scales):
     w = sample(shape, torch.bfloat16, seed=sum(shape))
-    data, scale_inv = block_quantize_sm90(w, 128)
-    want = quantize_weight(w, "fp8_blockwise")
+    if shape[1] >= 256:  # a whole 128 x 128 block of tiny values
+        w[:, 128:256] = (w[:, 128:256].float().clamp(-4, 4) * 1e-39).to(w.dtype)
+    data, scale_inv = block_quantize_sm90(w, 128, power_2_scales)
+    want = quantize_weight(w, Float8BlockScaling(power_2_scales=power_2_scales))
     assert torch.equal(scale_inv, want.rowwise_scale_inv)
     assert_same_bytes(data, want.rowwise_data)
 

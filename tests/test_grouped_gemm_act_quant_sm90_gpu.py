@@ -9,7 +9,7 @@ from test_grouped_gemm_sm90_gpu import ALPHA, LIMIT, offsets_from_splits
 
 from te_fused_ops.kernels import sm90_unavailable_reason
 from te_fused_ops.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_sm90
-from te_fused_ops.quantization import quantize
+from te_fused_ops.quantization import Float8BlockScaling, quantize
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,10 +21,12 @@ pytestmark = [
 
 
 def run_case(splits, m, k, n, activation, dtype=torch.bfloat16, has_bias=False, weight_layout="nk", cluster_m=None,
-             seed=0):
+             seed=0, power_2_scales=False, row_scale=None):
+    """``row_scale`` (M,) multiplies the rows of x (tiny rows: subnormal-sized scales)."""
     torch.manual_seed(seed)
     g = len(splits)
-    x = (torch.randn(m, k, device="cuda") * torch.rand(m, 1, device="cuda") * 4).to(dtype)
+    x = torch.randn(m, k, device="cuda") * torch.rand(m, 1, device="cuda") * 4
+    x = (x if row_scale is None else x * row_scale[:, None]).to(dtype)
     w = (torch.randn(g, n, k, device="cuda") / k**0.5).to(dtype)
     if weight_layout == "kn":
         w = w.transpose(1, 2).contiguous()
@@ -34,10 +36,11 @@ def run_case(splits, m, k, n, activation, dtype=torch.bfloat16, has_bias=False, 
     kwargs = dict(bias=bias, activation=activation, probs=probs, limit=LIMIT, alpha=ALPHA, weight_layout=weight_layout,
                   cluster_m=cluster_m)
     pre_out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-    pre, data, scale_inv = grouped_gemm_act_quant_sm90(x, w, offsets, out=pre_out, **kwargs)
+    pre, data, scale_inv = grouped_gemm_act_quant_sm90(x, w, offsets, out=pre_out, power_2_scales=power_2_scales,
+                                                       **kwargs)
     want_pre, want_act = grouped_gemm_sm90(x, w, offsets, tile_n=256, **kwargs)
     assert torch.equal(pre, want_pre)
-    want = quantize(want_act, "fp8_blockwise")
+    want = quantize(want_act, Float8BlockScaling(power_2_scales=power_2_scales))
     assert torch.equal(scale_inv, want.rowwise_scale_inv)
     assert_same_bytes(data, want.rowwise_data)
     end = int(offsets[-1])
@@ -47,15 +50,26 @@ def run_case(splits, m, k, n, activation, dtype=torch.bfloat16, has_bias=False, 
 UNEVEN = [130, 0, 257, 1, 300, 312]
 
 
+@pytest.mark.parametrize("power_2_scales", [False, True])
 @pytest.mark.parametrize("activation", ["swiglu", "scaled_swiglu", "clamped_swiglu", "geglu"])
 @pytest.mark.parametrize("cluster_m", [1, 2])
-def test_epilogues(activation, cluster_m):
-    run_case(UNEVEN, 1000, 256, 512, activation, has_bias=activation == "swiglu", cluster_m=cluster_m)
+def test_epilogues(activation, cluster_m, power_2_scales):
+    run_case(UNEVEN, 1000, 256, 512, activation, has_bias=activation == "swiglu", cluster_m=cluster_m,
+             power_2_scales=power_2_scales)
 
 
+@pytest.mark.parametrize("power_2_scales", [False, True])
 @pytest.mark.parametrize("n", [192, 320])  # I = 96: one partial block; I = 160: a full and a partial one
-def test_partial_blocks(n):
-    run_case([200, 0, 300], 600, 128, n, "swiglu")
+def test_partial_blocks(n, power_2_scales):
+    run_case([200, 0, 300], 600, 128, n, "swiglu", power_2_scales=power_2_scales)
+
+
+@pytest.mark.parametrize("power_2_scales", [False, True])
+def test_rows_over_many_binades(power_2_scales):
+    """Rows scaled 2**-60 .. 2**20 (act ~ x**2: 2**-120 .. 2**40), so power-of-two scales run from
+    below 2**-100 (the two-multiplier path) to far above 1."""
+    row_scale = torch.exp2(torch.linspace(-60, 20, 700, device="cuda"))
+    run_case([300, 0, 400], 700, 128, 256, "swiglu", power_2_scales=power_2_scales, row_scale=row_scale)
 
 
 def test_fp16_and_weight_in_place_layout():

@@ -22,7 +22,7 @@ from te_fused_ops import (
     Transpose,
 )
 from te_fused_ops.grouped_mm import grouped_wgrad
-from te_fused_ops.quantization import quantize, quantize_weight
+from te_fused_ops.quantization import Float8BlockScaling, quantize, quantize_weight
 
 G, H, I, ROWS = 4, 256, 128, 300
 SPLITS = torch.tensor([70, 0, 130, 60])  # 40 padding rows
@@ -97,12 +97,15 @@ def fp8_gemm(x, x_scale_inv, weight, weight_scale_inv, offsets, *, bias=None, ac
 
 
 CASTS = []  # block_rows of each stood-in cast
+CAST_POWER_2 = []  # power_2_scales of each
 
 
-def block_cast(x, block_rows):
+def block_cast(x, block_rows, power_2_scales=False):
     """`block_quantize_sm90`'s contract: the torch quantizer's data and scales."""
     CASTS.append(block_rows)
-    q = quantize(x, "fp8_blockwise") if block_rows == 1 else quantize_weight(x, "fp8_blockwise")
+    CAST_POWER_2.append(power_2_scales)
+    recipe = Float8BlockScaling(power_2_scales=power_2_scales)
+    q = quantize(x, recipe) if block_rows == 1 else quantize_weight(x, recipe)
     return q.rowwise_data, q.rowwise_scale_inv
 
 
@@ -200,13 +203,16 @@ def test_bf16_plan_glue_matches_the_torch_backend(act, sm90_stand_ins, monkeypat
 
 
 @pytest.mark.parametrize("quantize_x", [True, False])  # False: the recipe's MLP, FC1 in bf16
-@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_current"])
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_blockwise_pow2", "fp8_current"])
 def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins, monkeypatch):
+    blockwise = recipe.startswith("fp8_blockwise")
+    if recipe == "fp8_blockwise_pow2":
+        recipe = Float8BlockScaling(power_2_scales=True)
     seq = fp8_mlp(recipe, quantize_x)
     x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
     text = seq.explain(x, split_sizes=SPLITS)
-    cast = "sm90" if recipe == "fp8_blockwise" else "torch"  # fp8_current: the torch cast
+    cast = "sm90" if blockwise else "torch"  # fp8_current: the torch cast
     first = int(quantize_x)  # index of FC1
     expected = [
         f"[{first}:{first + 2}] GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend sm90)",
@@ -221,11 +227,14 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
     for step_text in expected:
         assert step_text in text, text
     CASTS.clear()
+    CAST_POWER_2.clear()
     UNCASTS.clear()
     DACT_FP8_CALLS.clear()
     got = step(seq, x, dy)
+    power_2 = isinstance(recipe, Float8BlockScaling) and recipe.power_2_scales
+    assert CAST_POWER_2 == [power_2] * len(CASTS), CAST_POWER_2
     assert DACT_FP8_CALLS == [(G, I, H)], DACT_FP8_CALLS  # FC2's dgrad + dSwiGLU: one FP8 kernel
-    if recipe == "fp8_blockwise":  # the activation and FC2's dy, with x: x and FC1's dy; each weight once
+    if blockwise:  # the activation and FC2's dy, with x: x and FC1's dy; each weight once
         assert sorted(CASTS) == [1] * (2 + 2 * quantize_x) + [128] * (1 + quantize_x), CASTS
     # the bf16 weight gradients read the quantized inputs through the dequantize kernel
     assert sorted(UNCASTS) == [(ROWS, I)] + [(ROWS, H)] * quantize_x, UNCASTS

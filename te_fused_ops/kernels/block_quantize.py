@@ -1,9 +1,9 @@
 """Torch-facing wrappers of the E4M3 block-quantization kernels (`block_quantize_sm90`).
 
-``block_quantize_sm90(x, block_rows)``: x (M, K) with 1 x 128 blocks (block_rows=1, activations)
-or (G, N, K) with 128 x 128 blocks (block_rows=128, weights) -> (data like x in E4M3, scale_inv
-float32 (M, ceil(K/128)) or (G, ceil(N/128), ceil(K/128))), bit for bit the "fp8_blockwise"
-recipe's torch quantizer (power_2_scales=False).
+``block_quantize_sm90(x, block_rows, power_2_scales=False)``: x (M, K) with 1 x 128 blocks
+(block_rows=1, activations) or (G, N, K) with 128 x 128 blocks (block_rows=128, weights) ->
+(data like x in E4M3, scale_inv float32 (M, ceil(K/128)) or (G, ceil(N/128), ceil(K/128))), bit for
+bit the torch quantizer of ``Float8BlockScaling(power_2_scales)``.
 
 ``block_dequantize_sm90(data, scale_inv, dtype)``: the inverse for 1 x 128 blocks, data (M, K)
 E4M3 and multipliers (M, ceil(K/128)) -> (M, K) ``dtype``, bit for bit
@@ -12,7 +12,7 @@ E4M3 and multipliers (M, ceil(K/128)) -> (M, K) ``dtype``, bit for bit
 ``transpose_fp8_sm90(data)``: (G, R, C) E4M3 -> (G, C, R) contiguous, R and C multiples of 16
 (the K-major weight of the FP8 data gradient, from the forward's cast).
 
-K is a multiple of 8. One launch each, no host sync. Compiled once per (dtype, block_rows), all
+K is a multiple of 8. One launch each, no host sync. Compiled once per configuration, all
 extents symbolic.
 """
 
@@ -47,11 +47,11 @@ def _compile(kernel, dtype, data_first: bool, tvm_ffi):
 
 
 @functools.cache
-def compile_block_quantize(dtype, block_rows, tvm_ffi=None):
+def compile_block_quantize(dtype, block_rows, tvm_ffi=None, power_2_scales=False):
     """Compile (once per configuration) and return fn(x (G, R, C), data, scale_inv, max_ctas)."""
     from .block_quantize_sm90 import BlockQuantizeSm90
 
-    return _compile(BlockQuantizeSm90(block_rows), dtype, False, tvm_ffi)
+    return _compile(BlockQuantizeSm90(block_rows, power_2_scales), dtype, False, tvm_ffi)
 
 
 @functools.cache
@@ -84,7 +84,7 @@ def _launch(fn, tensors, ctas):
     fn(*tensors, ctas) if tvm_ffi_available() else _call_classic(fn, tensors, ctas)
 
 
-def block_quantize_sm90(x: torch.Tensor, block_rows: int):
+def block_quantize_sm90(x: torch.Tensor, block_rows: int, power_2_scales: bool = False):
     """(data, scale_inv) of ``x`` in E4M3 blocks of ``block_rows`` x 128 (see the module)."""
     if block_rows not in (1, 128):
         raise ValueError(f"{_NAME}: block_rows must be 1 or 128, got {block_rows}")
@@ -111,7 +111,8 @@ def block_quantize_sm90(x: torch.Tensor, block_rows: int):
             ctas = _ctas(g * -(-r // 8) * scale_inv.shape[2], x.get_device())
         else:  # a CTA per block
             ctas = min(scale_inv.numel(), num_sms(x.get_device()) * CTAS_PER_SM)
-        _launch(compile_block_quantize(x.dtype, block_rows), (x3, data, scale_inv), ctas)
+        fn = compile_block_quantize(x.dtype, block_rows, None, bool(power_2_scales))
+        _launch(fn, (x3, data, scale_inv), ctas)
     if ndim == 2:
         return data[0], scale_inv[0]
     return data, scale_inv

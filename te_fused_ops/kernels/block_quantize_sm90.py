@@ -4,15 +4,18 @@
 Quantize, for each block of ``block_rows`` x 128 elements of x (G, R, C), bf16/fp16:
 
     amax      = max |x| over the block's finite values (NaN and +-Inf count as 0)
-    scale_inv = amax / 448 (IEEE division), 1 where that is 0
-    data      = E4M3(x / scale_inv), round to nearest even, saturating to +-448 (NaN stays NaN)
+    scale_inv = amax / 448 (IEEE division), rounded up to a power of two with power_2_scales;
+                1 where that is 0
+    data      = E4M3(x / scale_inv), round to nearest even, saturating to +-448 (NaN stays NaN);
+                with power-of-two scales the division is two exact multiplications
 
 Dequantize, for data (G, R, C) E4M3 and 1 x 128 multipliers scale_inv (G, R, ceil(C / 128)):
 
     out = (float32(data) * scale_inv) clamped to out's finite range (NaN stays NaN), rounded to nearest even
 
-both bit for bit what `te_fused_ops.quantization` computes in torch (Float8BlockScaling with
-power_2_scales=False; `QuantizedTensor.dequantize`). C is a multiple of 8.
+both bit for bit what `te_fused_ops.quantization` computes in torch (Float8BlockScaling;
+`QuantizedTensor.dequantize`). C is a multiple of 8. `e4m3_scale_inv` and `e4m3_scaled` are the
+per-block and per-value steps, shared with the GEMM epilogues that quantize.
 
 Work split: a warp covers rows of one 128-column block two at a time, lanes 0-15 the even and
 16-31 the odd ones; lane l holds 8 consecutive columns (one 16-byte access). Blocks at the right
@@ -22,13 +25,76 @@ over work items.
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 WARP = 32
 WARPS = 8
 COLS = 128
 VEC = 8  # elements per lane per row
 E4M3_MAX = 448.0
+
+
+@dsl_user_op
+def _bits(x: Float32, *, loc=None, ip=None) -> Int32:
+    return Int32(llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _from_bits(bits: Int32, *, loc=None, ip=None) -> Float32:
+    return Float32(llvm.bitcast(T.f32(), Int32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@cute.jit
+def _pow2_ceil(value: Float32) -> Float32:
+    """The least power of two >= value (finite, >= 0; 0 stays 0), exactly, subnormals included:
+    those are scaled by 2**24 first (exact), so only a normal float's exponent is rounded up."""
+    tiny = value < Float32(2.0**-126)
+    scaled = value
+    if tiny:
+        scaled = value * Float32(2.0**24)
+    bits = _bits(scaled)
+    if bits & Int32(0x7FFFFF) != Int32(0):
+        bits = (bits & Int32(0x7F800000)) + Int32(0x800000)
+    result = _from_bits(bits)
+    if tiny:
+        result = result * Float32(2.0**-24)
+    return result
+
+
+@cute.jit
+def e4m3_scale_inv(amax: Float32, power_2_scales: cutlass.Constexpr[bool]):
+    """(scale_inv, m1, m2) of a block with finite amax: scale_inv as the torch quantizer makes it
+    (amax / 448, IEEE; rounded up to a power of two with ``power_2_scales``; 1 where 0) and, for
+    power-of-two scales, two exact multipliers with value * m1 * m2 == value / scale_inv in
+    float32 (1 / scale_inv alone overflows below 2**-127)."""
+    scale_inv = amax / Float32(E4M3_MAX)
+    if const_expr(power_2_scales):
+        scale_inv = _pow2_ceil(scale_inv)
+    if scale_inv == Float32(0.0):
+        scale_inv = Float32(1.0)
+    m1, m2 = Float32(1.0), Float32(1.0)
+    if const_expr(power_2_scales):
+        # powers of two: these reciprocals are exact, and value * m1 is exact (scaled up, normal)
+        if scale_inv < Float32(2.0**-100):
+            m1 = Float32(2.0**-24) / scale_inv
+            m2 = Float32(2.0**24)
+        else:
+            m1 = Float32(1.0) / scale_inv
+    return scale_inv, m1, m2
+
+
+@cute.jit
+def e4m3_scaled(value: Float32, scale_inv: Float32, m1: Float32, m2: Float32,
+                power_2_scales: cutlass.Constexpr[bool]) -> Float32:
+    """value / scale_inv in float32, correctly rounded (the value the E4M3 cast rounds)."""
+    result = Float32(0.0)
+    if const_expr(power_2_scales):
+        result = value * m1 * m2
+    else:
+        result = value / scale_inv
+    return result
 
 
 def _lane_split():
@@ -52,10 +118,11 @@ class BlockQuantizeSm90:
     one scale per row); 128 x 128, a CTA item of one block (warp w rows 16w..16w+15, 8 per lane),
     its amax across the warps through shared memory."""
 
-    def __init__(self, block_rows: int):
+    def __init__(self, block_rows: int, power_2_scales: bool = False):
         if block_rows not in (1, 128):
             raise ValueError("block_rows must be 1 or 128")
         self.block_rows = block_rows
+        self.power_2_scales = power_2_scales
         self.segments = 4 if block_rows == 1 else 128 // WARPS // 2  # row segments per lane
 
     @cute.jit
@@ -85,18 +152,11 @@ class BlockQuantizeSm90:
             tAmax[k] = amax
 
     @cute.jit
-    def _scale_inv(self, amax: Float32) -> Float32:
-        scale_inv = amax / Float32(E4M3_MAX)
-        if scale_inv == Float32(0.0):  # amax is finite: only 0 needs replacing
-            scale_inv = Float32(1.0)
-        return scale_inv
-
-    @cute.jit
-    def _store_cast(self, mData: cute.Tensor, g, row, row_end, col, cols, tXr_k: cute.Tensor, scale_inv: Float32):
+    def _store_cast(self, mData: cute.Tensor, g, row, row_end, col, cols, tXr_k: cute.Tensor, scales):
         if row < row_end and col < cols:
             values = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
             for i in cutlass.range_constexpr(VEC):
-                values[i] = Float32(tXr_k[i]) / scale_inv
+                values[i] = e4m3_scaled(Float32(tXr_k[i]), *scales, self.power_2_scales)
             _segment(mData, g, row, col).store(values.load().to(cutlass.Float8E4M3FN))
 
     @cute.kernel
@@ -125,11 +185,11 @@ class BlockQuantizeSm90:
                     amax = tAmax[k]
                     for step in cutlass.range_constexpr(4):  # the half-warp holding the row
                         amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << step))
-                    scale_inv = self._scale_inv(amax)
+                    scales = e4m3_scale_inv(amax, self.power_2_scales)
                     row = first_row + 2 * k
-                    self._store_cast(mData, g, row, rows, col, cols, tXr[k, None], scale_inv)
+                    self._store_cast(mData, g, row, rows, col, cols, tXr[k, None], scales)
                     if row < rows and lane_col == 0:
-                        mScaleInv[g, row, cb] = scale_inv
+                        mScaleInv[g, row, cb] = scales[0]
                 item = item + gdim * WARPS
         else:
             smem = cutlass.memory.SmemAllocator()
@@ -155,11 +215,11 @@ class BlockQuantizeSm90:
                 for w in cutlass.range_constexpr(WARPS):
                     amax = cutlass.max(amax, sAmax[w])
                 cute.arch.sync_threads()  # sAmax is rewritten by the next item
-                scale_inv = self._scale_inv(amax)
+                scales = e4m3_scale_inv(amax, self.power_2_scales)
                 for k in cutlass.range_constexpr(self.segments):
-                    self._store_cast(mData, g, first_row + 2 * k, rows, col, cols, tXr[k, None], scale_inv)
+                    self._store_cast(mData, g, first_row + 2 * k, rows, col, cols, tXr[k, None], scales)
                 if warp == 0 and half == 0 and lane_col == 0:
-                    mScaleInv[g, rb, cb] = scale_inv
+                    mScaleInv[g, rb, cb] = scales[0]
                 item = item + gdim
 
 

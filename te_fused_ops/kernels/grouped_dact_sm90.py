@@ -82,7 +82,7 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
             state[0].fill(0.0)
 
     @cute.jit
-    def epi_visit(self, params, tile: Tile, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
+    def epi_visit(self, params, tile: Tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
         mProbs, _, limit, alpha, m_total = params
         glu = self.spec.glu
         for v in cutlass.range_constexpr(cute.size(rAcc[0])):

@@ -179,7 +179,8 @@ def compile_grouped_gemm(
 def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cluster_m=2, weight_layout="nk",
                                    **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_gemm_act_quant_sm90``:
-    fn(x, weight, offsets, pre, act_data, act_scale_inv, bias, probs, limit, alpha, max_clusters)."""
+    fn(x, weight, offsets, pre, act_data, act_scale_inv, bias, probs, limit, alpha, max_clusters).
+    ``kernel_opts``: `GroupedGemmActQuantSm90` options (power_2_scales, ab_stages, ...)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -424,11 +425,11 @@ def _forward_checks(
 
 def grouped_gemm_act_quant_sm90(
     x, weight, offsets, *, activation, bias=None, probs=None, limit=7.0, alpha=1.702, out=None, weight_layout="nk",
-    cluster_m=None, sm_margin=None,
+    power_2_scales=False, cluster_m=None, sm_margin=None,
 ):
     """`grouped_gemm_sm90` with a GLU ``activation`` whose output is cast to E4M3 in 1 x 128 blocks
     in the epilogue ("fp8_blockwise"): bit for bit `quantization.quantize` of the bf16/fp16 act
-    that `grouped_gemm_sm90` returns, without writing it.
+    that `grouped_gemm_sm90` returns, without writing it (``Float8BlockScaling(power_2_scales)``).
 
     Returns (pre (M, N), act_data (M, N/2) float8_e4m3fn, act_scale_inv (M, ceil(N/256)) float32).
     Rows >= offsets[G]: pre and data zero, scale_inv 1. tile_n is 256. No host sync.
@@ -436,9 +437,9 @@ def grouped_gemm_act_quant_sm90(
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, x, weight, offsets, bias, probs, out),
-        _ACT_QUANT, activation, weight_layout, cluster_m, sm_margin, sm_margin_setting(),
+        _ACT_QUANT, activation, weight_layout, power_2_scales, cluster_m, sm_margin, sm_margin_setting(),
     )
-    args = (x, weight, offsets, bias, activation, probs, out, weight_layout, cluster_m, sm_margin)
+    args = (x, weight, offsets, bias, activation, probs, out, weight_layout, power_2_scales, cluster_m, sm_margin)
     launch = _MEMO.get(key) or _MEMO.put(key, _act_quant_launch(*args))
     fn, pre_shape, act_shape, clusters = launch
     pre = out if out is not None else x.new_empty(pre_shape)
@@ -449,7 +450,8 @@ def grouped_gemm_act_quant_sm90(
     return pre, act_data, act_scale_inv
 
 
-def _act_quant_launch(x, weight, offsets, bias, activation, probs, out, weight_layout, cluster_m, sm_margin):
+def _act_quant_launch(x, weight, offsets, bias, activation, probs, out, weight_layout, power_2_scales, cluster_m,
+                      sm_margin):
     """Every check of `grouped_gemm_act_quant_sm90`; (launcher or None when M == 0, pre shape, act
     shape, persistent grid in clusters)."""
     spec = activation_spec(activation, _ACT_QUANT)
@@ -461,10 +463,11 @@ def _act_quant_launch(x, weight, offsets, bias, activation, probs, out, weight_l
     )
     if m == 0:
         return None, (m, n), act_shape, clusters
-    key = (_ACT_QUANT, x.dtype, activation, bias is not None, tvm_ffi_available(), cluster_m, weight_layout)
+    key = (_ACT_QUANT, x.dtype, activation, bias is not None, tvm_ffi_available(), cluster_m, weight_layout,
+           bool(power_2_scales))
     fn = _LAUNCHERS.get(key)
     if fn is None:
-        fn = _LAUNCHERS[key] = compile_grouped_gemm_act_quant(*key[1:])
+        fn = _LAUNCHERS[key] = compile_grouped_gemm_act_quant(*key[1:-1], power_2_scales=key[-1])
     return fn, (m, n), act_shape, clusters
 
 

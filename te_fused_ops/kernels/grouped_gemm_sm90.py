@@ -45,6 +45,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .activation_math_sm90 import ACTIVATION_MATH
 from .activations import activation_spec
+from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled
 from .group_tile_scheduler import RASTER_BAND, cluster_tile, locate_tile, segment_rows
 
 _BIG = 2**30
@@ -286,10 +287,11 @@ class GroupedGemmSm90:
         whole accumulator (``tRS_rAcc``: chunk s of B box j at values [(s + j num_steps) frag,
         ...))."""
 
-    def epi_visit(self, params, tile: Tile, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
-        """fp32 outputs of one 128 x 32 chunk: rAcc[j] the accumulator of B box j, rIn[i] the
-        loaded inputs (epi_loads order), rOut[o] to fill (epi_stores order); per-thread
-        fragments, element v at (row, col) = tRS_cD[v] of the chunk."""
+    def epi_visit(self, params, tile: Tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
+        """fp32 outputs of one 128 x 32 chunk (``step`` of the tile, static; ``chunk`` its index in
+        the output): rAcc[j] the accumulator of B box j, rIn[i] the loaded inputs (epi_loads
+        order), rOut[o] to fill (epi_stores order); per-thread fragments, element v at (row, col)
+        = tRS_cD[v] of the chunk."""
         raise NotImplementedError
 
     def epi_end_tile(self, params, tile: Tile, n_box, tRS_cD, state):
@@ -615,7 +617,7 @@ class GroupedGemmSm90:
                         else:
                             for i in cutlass.range_constexpr(self.num_in):
                                 rIn[i].fill(0.0)
-                    self.epi_visit(epi_params, tile, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state)
+                    self.epi_visit(epi_params, tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state)
                     slot = epi_count % self.epi_slots
                     for o in cutlass.range_constexpr(self.num_out):
                         rStore.store(rOut[o].load().to(self.dtype))
@@ -831,15 +833,14 @@ class GroupedGemmActSm90(GroupedGemmSm90):
                     max_clusters, stream, scales)
 
     @cute.jit
-    def epi_visit(self, params, tile: Tile, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
+    def epi_visit(self, params, tile: Tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
         for v in cutlass.range_constexpr(cute.size(rAcc[0])):
             self._pre_act(params, tile, chunk, n_box, rAcc, rOut, tRS_cD, v)
 
     @cute.jit
-    def _pre_act(self, params, tile: Tile, chunk, n_box, rAcc, rOut, tRS_cD, v):
-        """Value v of the chunk: rOut[j][v] = pre of B box j (acc + bias); returns the activation
-        (times probs), also written to rOut[-1][v] when this class stores it; None without one."""
-        mBias, mProbs, limit, alpha, m_total = params[:5]
+    def _pre(self, params, tile: Tile, chunk, n_box, rAcc, rOut, tRS_cD, v):
+        """rOut[j][v] = pre of B box j (acc + bias) for value v of the chunk."""
+        mBias = params[0]
         g_safe = tile.seg
         if const_expr(self.has_bias):
             g_safe = cutlass.min(tile.seg, cute.size(mBias, mode=[0]) - 1)
@@ -852,6 +853,13 @@ class GroupedGemmActSm90(GroupedGemmSm90):
                     b = mBias[g_safe, j * n_box + col].to(Float32)
                 x = x + b
             rOut[j][v] = x
+
+    @cute.jit
+    def _pre_act(self, params, tile: Tile, chunk, n_box, rAcc, rOut, tRS_cD, v):
+        """Value v of the chunk: rOut[j][v] = pre of B box j (acc + bias); returns the activation
+        (times probs), also written to rOut[-1][v] when this class stores it; None without one."""
+        _, mProbs, limit, alpha, m_total = params[:5]
+        self._pre(params, tile, chunk, n_box, rAcc, rOut, tRS_cD, v)
         value = None
         if const_expr(self.spec is not None):
             up = rOut[1][v] if const_expr(self.spec.glu) else None
@@ -866,22 +874,25 @@ class GroupedGemmActSm90(GroupedGemmSm90):
 class GroupedGemmActQuantSm90(GroupedGemmActSm90):
     """`GroupedGemmActSm90` with a GLU activation whose output leaves as E4M3 in 1 x 128 blocks
     ("fp8_blockwise") instead of bf16: act_data (M, I) float8_e4m3fn and act_scale_inv
-    (M, ceil(I / 128)) float32, bit for bit the torch quantizer applied to the act that
-    `GroupedGemmActSm90` writes (its bf16 rounding included); pre (M, 2I) as before.
+    (M, ceil(I / 128)) float32, bit for bit the torch quantizer (``Float8BlockScaling(
+    power_2_scales)``) applied to the act that `GroupedGemmActSm90` writes (its bf16 rounding
+    included); pre (M, 2I) as before.
 
     tile_n is 256, so a tile's 128 act columns are one block of each of its rows: before the
-    steps, a pass over the whole accumulator takes each row's amax (a quad holds a row; two
-    shuffles), then each step recomputes its chunk's act, divides by the row's scale_inv and
-    stores the E4M3 bytes straight from registers, two adjacent columns per 16-bit store (rows of
-    the tile's group only).
+    steps, a pass over the whole accumulator computes the act once, keeps it in registers as
+    stored (dtype, 64 values per thread) and takes each row's amax (a quad holds a row; two
+    shuffles); each step then scales its chunk (a division, or two exact multiplications with
+    power-of-two scales) and stores the E4M3 bytes straight from registers, two adjacent columns
+    per 16-bit store (rows of the tile's group only).
     """
 
     stores_act = False
 
-    def __init__(self, dtype, activation, has_bias, b_major="k", cluster_m=2, **opts):
+    def __init__(self, dtype, activation, has_bias, b_major="k", cluster_m=2, power_2_scales=False, **opts):
         spec = activation_spec(activation, "GroupedGemmActQuantSm90")
         if spec is None or not spec.glu:
             raise ValueError("GroupedGemmActQuantSm90 needs a GLU activation")
+        self.power_2_scales = power_2_scales
         super().__init__(dtype, 256, activation, has_bias, b_major, cluster_m, **opts)
 
     @cute.jit
@@ -905,60 +916,61 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
                     max_clusters, stream)
 
     def epi_make_state(self, tiled_copy_r2s):
-        """(scale_inv per row slot, fp32 and E4M3 scratch of one chunk)."""
+        """(per row slot: scale_inv and the two multipliers of `e4m3_scale_inv`; the tile's act as
+        stored, step-major; fp32 and E4M3 scratch of one chunk)."""
         self.row_slot, self.slot_value = fragment_row_slots(tiled_copy_r2s, self.epi_tile)
         assert_column_pairs(tiled_copy_r2s, self.epi_tile)
-        frag = len(self.row_slot)
+        frag, slots = len(self.row_slot), len(self.slot_value)
         return (
-            cute.make_rmem_tensor((len(self.slot_value),), Float32),
+            [cute.make_rmem_tensor((slots,), Float32) for _ in range(3)],
+            cute.make_rmem_tensor((self.num_steps * frag,), self.dtype),
             cute.make_rmem_tensor((frag,), Float32),
             cute.make_rmem_tensor((frag,), cutlass.Float8E4M3FN),
         )
 
     @cute.jit
-    def _act_as_stored(self, params, tile: Tile, chunk, n_box, rAcc, rPre, tRS_cD, v) -> Float32:
-        """The act of value v as the bf16/fp16 output would hold it, in fp32 (rPre[j][v]: pre)."""
-        value = self._pre_act(params, tile, chunk, n_box, rAcc, rPre, tRS_cD, v)
-        return value.to(self.dtype).to(Float32)
-
-    @cute.jit
     def epi_begin_tile(self, params, tile: Tile, n_box, tRS_rAcc, tRS_cD, state):
         m_total, mActScale = params[4], params[6]
-        scale_inv, frag = state[0], cute.size(state[1])
+        scales, acts = state[0], state[1]
+        frag = len(self.row_slot)
         rAcc = [cute.make_rmem_tensor((frag,), Float32) for _ in range(self.b_boxes)]
         rPre = [cute.make_rmem_tensor((frag,), Float32) for _ in range(self.b_boxes)]
-        scale_inv.fill(0.0)  # the row amax first
+        amax = scales[0]
+        amax.fill(0.0)
         for step in cutlass.range_constexpr(self.num_steps):
             chunk = tile.nt * self.num_steps + step
             for v in cutlass.range_constexpr(frag):
                 for j in cutlass.range_constexpr(self.b_boxes):
                     rAcc[j][v] = tRS_rAcc[(step + j * self.num_steps) * frag + v]
             for v in cutlass.range_constexpr(frag):
-                value = self._act_as_stored(params, tile, chunk, n_box, rAcc, rPre, tRS_cD, v)
+                act = self._pre_act(params, tile, chunk, n_box, rAcc, rPre, tRS_cD, v).to(self.dtype)
+                acts[step * frag + v] = act
+                value = act.to(Float32)
                 magnitude = cutlass.max(value, -value)
                 slot = self.row_slot[v]
                 if magnitude < Float32(float("inf")) and chunk * self.epi_n + tRS_cD[v][1] < n_box:
-                    scale_inv[slot] = cutlass.max(scale_inv[slot], magnitude)  # NaN, Inf count as 0
+                    amax[slot] = cutlass.max(amax[slot], magnitude)  # NaN, Inf count as 0
         lane = cute.arch.lane_idx()
         for r in cutlass.range_constexpr(len(self.slot_value)):
-            amax = scale_inv[r]
-            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
-            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=2))
-            value = amax / Float32(448.0)  # IEEE division, as the torch quantizer
-            if value == Float32(0.0):
-                value = Float32(1.0)
-            scale_inv[r] = value
+            row_amax = amax[r]
+            row_amax = cutlass.max(row_amax, cute.arch.shuffle_sync_bfly(row_amax, offset=1))
+            row_amax = cutlass.max(row_amax, cute.arch.shuffle_sync_bfly(row_amax, offset=2))
+            scale_inv, m1, m2 = e4m3_scale_inv(row_amax, self.power_2_scales)
+            scales[0][r], scales[1][r], scales[2][r] = scale_inv, m1, m2
             row = tile.row0 + tRS_cD[self.slot_value[r]][0]
             if lane % 4 == 0 and row < tile.end and row < m_total:
-                mActScale[row, tile.nt] = value
+                mActScale[row, tile.nt] = scale_inv
 
     @cute.jit
-    def epi_visit(self, params, tile: Tile, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
+    def epi_visit(self, params, tile: Tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
         m_total, mActData = params[4], params[5]
-        scale_inv, scaled, data = state
-        for v in cutlass.range_constexpr(cute.size(rAcc[0])):
-            value = self._act_as_stored(params, tile, chunk, n_box, rAcc, rOut, tRS_cD, v)
-            scaled[v] = value / scale_inv[self.row_slot[v]]
+        (scale_inv, m1, m2), acts, scaled, data = state
+        frag = cute.size(rAcc[0])
+        for v in cutlass.range_constexpr(frag):
+            self._pre(params, tile, chunk, n_box, rAcc, rOut, tRS_cD, v)
+            slot = self.row_slot[v]
+            scaled[v] = e4m3_scaled(acts[step * frag + v].to(Float32), scale_inv[slot], m1[slot], m2[slot],
+                                    self.power_2_scales)
         data.store(scaled.load().to(cutlass.Float8E4M3FN))  # round to nearest even, saturating
         # values 2p, 2p + 1 are columns c, c + 1 of one row (c even; `assert_column_pairs`), and
         # n_box is even: one 16-bit store per pair
