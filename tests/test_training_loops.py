@@ -347,13 +347,13 @@ def test_sm90_fp8_weight_casts_are_made_once_per_reuse_scope(monkeypatch):
     fresh on every call, and made once inside `reuse_quantized_weights` (the kernel is stood in
     for by the torch quantizer it equals bit for bit, the byte transpose by torch's)."""
     import fusion_rules._sm90 as sm90
-    from te_fused_ops.quantization import get_recipe, quantize_weight
+    from te_fused_ops.quantization import Float8BlockScaling, get_recipe, quantize_weight
 
     casts = []
 
-    def torch_cast(weight, block_rows):
+    def torch_cast(weight, block_rows, power_2_scales=False):
         casts.append(block_rows)
-        q = quantize_weight(weight, "fp8_blockwise")
+        q = quantize_weight(weight, Float8BlockScaling(power_2_scales=power_2_scales))
         return q.rowwise_data, q.rowwise_scale_inv
 
     monkeypatch.setattr(sm90, "block_quantize_sm90", torch_cast)
