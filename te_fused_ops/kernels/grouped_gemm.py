@@ -141,6 +141,23 @@ def _forward_fakes(dt, weight_layout, n_divisibility):
     return (m, g, n), (fake_tensor(dt, (m, k)), weight, fake_tensor(cutlass.Int32, (g1,), 4), fake_tensor(dt, (m, n)))
 
 
+def _fp8_operand_fakes(m, k, g, n):
+    """Fake block-scaled FP8 operands of an (M, K) x (G, N, K) grouped GEMM: (A E4M3, its 1x128
+    multipliers (M, K/128), B E4M3, its 128x128 multipliers (G, N/128, K/128), offsets (G+1,))."""
+    import cutlass
+    import cutlass.cute as cute
+
+    k_blocks, n_blocks, g1 = (cute.sym_int() for _ in range(3))
+    f8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
+    return (
+        fake_tensor(f8, (m, k)),
+        fake_tensor(f32, (m, k_blocks), 4),
+        fake_tensor(f8, (g, n, k)),
+        fake_tensor(f32, (g, n_blocks, k_blocks), 4),
+        fake_tensor(cutlass.Int32, (g1,), 4),
+    )
+
+
 def _compile(kernel, args, tvm_ffi):
     """The launcher of ``kernel`` on tensors ``args`` then (limit, alpha, max_clusters)."""
     import cutlass
@@ -241,18 +258,14 @@ def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2,
 
     from .grouped_dact_sm90 import GroupedGemmDActFp8Sm90
 
-    dt, f8 = _cutlass_dtype(dtype), cutlass.Float8E4M3FN
+    dt = _cutlass_dtype(dtype)
     spec = activation_spec(activation, "compile_grouped_dgrad_dact_fp8")
-    m, g, g1, n_tiles, h_blocks, i_blocks = (cute.sym_int() for _ in range(6))
+    m, g, n_tiles = (cute.sym_int() for _ in range(3))
     h = cute.sym_int(divisibility=16)
     i = cute.sym_int(divisibility=DACT_GLU_I_MULTIPLE if spec.glu else 8)
     i_pre = cute.sym_int(divisibility=2 * DACT_GLU_I_MULTIPLE) if spec.glu else i
     args = (
-        fake_tensor(f8, (m, h)),
-        fake_tensor(cutlass.Float32, (m, h_blocks), 4),
-        fake_tensor(f8, (g, i, h)),
-        fake_tensor(cutlass.Float32, (g, i_blocks, h_blocks), 4),
-        fake_tensor(cutlass.Int32, (g1,), 4),
+        *_fp8_operand_fakes(m, h, g, i),
         fake_tensor(dt, (m, i_pre)),
         fake_tensor(dt, (m, i_pre)),
         fake_tensor(cutlass.Float32, (m,), 4) if spec.takes_probs else None,
@@ -271,18 +284,14 @@ def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_
 
     from .grouped_gemm_sm90 import GroupedGemmActFp8Sm90
 
-    dt, f8 = _cutlass_dtype(dtype), cutlass.Float8E4M3FN
+    dt = _cutlass_dtype(dtype)
     spec = activation_spec(activation, "compile_grouped_gemm_fp8")
     glu = spec is not None and spec.glu
-    m, g, g1, k_blocks, n_blocks = (cute.sym_int() for _ in range(5))
+    m, g = cute.sym_int(), cute.sym_int()
     k, n = cute.sym_int(divisibility=16), cute.sym_int(divisibility=FP8_GLU_N_MULTIPLE if glu else 8)
     n_act = cute.sym_int(divisibility=8)
     args = (
-        fake_tensor(f8, (m, k)),
-        fake_tensor(cutlass.Float32, (m, k_blocks), 4),
-        fake_tensor(f8, (g, n, k)),
-        fake_tensor(cutlass.Float32, (g, n_blocks, k_blocks), 4),
-        fake_tensor(cutlass.Int32, (g1,), 4),
+        *_fp8_operand_fakes(m, k, g, n),
         fake_tensor(dt, (m, n)),
         fake_tensor(dt, (m, n_act if glu else n)) if spec is not None else None,
         fake_tensor(dt, (g, n)) if has_bias else None,
