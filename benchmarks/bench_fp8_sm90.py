@@ -5,7 +5,9 @@ Per shape (uneven seeded routing; FC1: x (M, H) @ W (E, 2I, H) with SwiGLU and w
   sm90 bf16    grouped_gemm_sm90, bf16 operands
   sm90 fp8     grouped_gemm_fp8_sm90, E4M3 operands with 1x128 / 128x128 multipliers (t192: the
                192-wide tile instead of the default 128)
-  casts        block_quantize_sm90 / block_dequantize_sm90 vs the torch quantizer (bit for bit)
+  casts        block_quantize_sm90 / block_dequantize_sm90 vs the torch quantizer (bit for bit);
+               "current": one scale per tensor (fp8_current, tensor_quantize_sm90: amax launch + cast,
+               x's amax over its grouped rows)
   + cast       the act cast to E4M3 1x128 blocks: after the kernel (block_quantize_sm90) or in its
                epilogue (grouped_gemm_act_quant_sm90; checked byte for byte against the former);
                "p2": power-of-two scales (Float8BlockScaling(power_2_scales=True), TE's default)
@@ -24,6 +26,7 @@ apart), and each FP8 step's distance from bf16 is recorded:
                     kernel, weight gradients bf16
   all fp8 sm90      the same after a Quantize of x (FC1 in FP8 too)
   ... p2            the same with power-of-two scales (Float8BlockScaling(power_2_scales=True))
+  ... current       the same with one scale per tensor ("fp8_current")
   fc2 fp8 emulated  "fc2 fp8 sm90" with TE_FUSED_OPS_BACKEND=torch (quantize, dequantize, bf16)
   plain torch bf16  the strongest bf16 step a user writes without the library (six
                     torch._grouped_mm + compiled SwiGLU / dSwiGLU: bench_train_step.ReferenceMLP)
@@ -43,7 +46,7 @@ from bench_train_step import ReferenceMLP
 from common import MODEL_SHAPES, device_tag, gpu_us_per_kernel, rotated_medians, skewed_splits, write_results
 
 from te_fused_ops import GroupedLinear, Quantize, Sequential, SwiGLU, Transpose
-from te_fused_ops.kernels.block_quantize import block_dequantize_sm90, block_quantize_sm90
+from te_fused_ops.kernels.block_quantize import block_dequantize_sm90, block_quantize_sm90, tensor_quantize_sm90
 from te_fused_ops.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_fp8_sm90, grouped_gemm_sm90
 from te_fused_ops.quantization import Float8BlockScaling, quantize, quantize_weight
 from te_fused_ops.splits import split_offsets
@@ -96,6 +99,10 @@ def run_shape(name):
     qxb = quantize(xb, "fp8_blockwise")
     assert torch.equal(block_dequantize_sm90(qxb.rowwise_data, qxb.rowwise_scale_inv, torch.bfloat16),
                        qxb.dequantize()), f"{name}: dequantize kernel differs from torch"
+    for got, want in ((tensor_quantize_sm90(xb, 1, offsets), quantize(xb, "fp8_current", offsets=offsets)),
+                      (tensor_quantize_sm90(wb, 128), quantize_weight(wb, "fp8_current"))):
+        assert torch.equal(got[0].view(torch.uint8), want.rowwise_data.view(torch.uint8)), f"{name}: current cast data"
+        assert torch.equal(got[1], want.rowwise_scale_inv.expand(got[1].shape)), f"{name}: current cast scale"
     ends = offsets[1:]
     variants = {
         "gmm bf16": lambda: torch._grouped_mm(xb, wb.transpose(-2, -1), offs=ends),
@@ -122,6 +129,10 @@ def run_shape(name):
         "W sm90": bench_us(lambda: block_quantize_sm90(wb, 128)),
         "W sm90 p2": bench_us(lambda: block_quantize_sm90(wb, 128, True)),
         "W torch": bench_us(lambda: quantize_weight(wb, "fp8_blockwise")),
+        "x current sm90": bench_us(lambda: tensor_quantize_sm90(xb, 1, offsets)),
+        "x current torch": bench_us(lambda: quantize(xb, "fp8_current", offsets=offsets)),
+        "W current sm90": bench_us(lambda: tensor_quantize_sm90(wb, 128)),
+        "W current torch": bench_us(lambda: quantize_weight(wb, "fp8_current")),
         "x dequant sm90": bench_us(lambda: block_dequantize_sm90(qxb.rowwise_data, qxb.rowwise_scale_inv, xb.dtype)),
         "x dequant torch": bench_us(lambda: qxb.dequantize()),
     }
@@ -147,12 +158,15 @@ def run_step(name, profile=False):
     fp8 = Sequential(fc1, SwiGLU(), Quantize("fp8_blockwise"), Transpose(), fc2)
     pow2 = Float8BlockScaling(power_2_scales=True)
     fp8_pow2 = Sequential(fc1, SwiGLU(), Quantize(pow2), Transpose(), fc2)
+    fp8_current = Sequential(fc1, SwiGLU(), Quantize("fp8_current"), Transpose(), fc2)
     models = {
         "bf16 fused": Sequential(fc1, SwiGLU(), fc2),
         "fc2 fp8 sm90": fp8,
         "all fp8 sm90": Sequential(Quantize("fp8_blockwise"), *fp8),
         "fc2 fp8 sm90 p2": fp8_pow2,
         "all fp8 sm90 p2": Sequential(Quantize(pow2), *fp8_pow2),
+        "fc2 fp8 sm90 current": fp8_current,
+        "all fp8 sm90 current": Sequential(Quantize("fp8_current"), *fp8_current),
     }
     ends = torch.cumsum(splits, 0).to(torch.int32)
     models["plain torch bf16"] = lambda x, split_sizes: ReferenceMLP.apply(x, fc1.weight, fc2.weight, ends)
@@ -212,10 +226,11 @@ def kernel_tables(rows, device):
         "Casts of the FC1 operands (bf16 <-> E4M3 + float32 scales); median us (GB/s, 3 bytes per element)",
         "",
         "| shape | x 1x128 sm90 | x 1x128 sm90 p2 | x 1x128 torch | W 128x128 sm90 | W 128x128 sm90 p2 | W 128x128 torch "
-        "| x dequant sm90 | x dequant torch |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| x current sm90 | x current torch | W current sm90 | W current torch | x dequant sm90 | x dequant torch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    casts = ("x sm90", "x sm90 p2", "x torch", "W sm90", "W sm90 p2", "W torch", "x dequant sm90", "x dequant torch")
+    casts = ("x sm90", "x sm90 p2", "x torch", "W sm90", "W sm90 p2", "W torch", "x current sm90", "x current torch",
+             "W current sm90", "W current torch", "x dequant sm90", "x dequant torch")
     for r in rows:
         q, b = r["quantize_us"], r["quantize_bytes"]
         cells = [f"{q[k]:.0f} ({b[k.split()[0]] / q[k] / 1e3:.0f})" for k in casts]
@@ -228,16 +243,17 @@ def step_table(steps, device):
     lines = [
         f"Training step, SwiGLU MLP, {device}; median us, forward / forward + backward",
         "",
-        "| shape | " + " | ".join(labels) + " | fc2 fp8 sm90 step vs bf16 fused / vs plain torch | the same, p2 |",
-        "|---|" + "---|" * (len(labels) + 1),
+        "| shape | " + " | ".join(labels) + " | fc2 fp8 sm90 step vs bf16 fused / vs plain torch | the same, p2 "
+        "| the same, current |",
+        "|---|" + "---|" * (len(labels) + 3),
     ]
     for r in steps:
         cells = [f"{r['us'][k]['forward']:.0f} / {r['us'][k]['step']:.0f}" for k in labels]
         ratios = []
-        for label in ("fc2 fp8 sm90", "fc2 fp8 sm90 p2"):
+        for label in ("fc2 fp8 sm90", "fc2 fp8 sm90 p2", "fc2 fp8 sm90 current"):
             fp8 = r["us"][label]["step"]
             ratios.append(f"{r['us']['bf16 fused']['step'] / fp8:.2f}x / {r['us']['plain torch bf16']['step'] / fp8:.2f}x")
-        lines.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {ratios[0]} | {ratios[1]} |")
+        lines.append(f"| {r['shape']} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     return lines
 
 

@@ -3,7 +3,12 @@
 import torch
 
 from te_fused_ops.grouped_mm import grouped_row_sum
-from te_fused_ops.kernels.block_quantize import block_dequantize_sm90, block_quantize_sm90, transpose_fp8_sm90
+from te_fused_ops.kernels.block_quantize import (
+    block_dequantize_sm90,
+    block_quantize_sm90,
+    tensor_quantize_sm90,
+    transpose_fp8_sm90,
+)
 from te_fused_ops.kernels.grouped_gemm import (
     grouped_gemm_fp8_sm90,
     grouped_gemm_sm90,
@@ -13,13 +18,7 @@ from te_fused_ops.kernels.grouped_gemm import (
 from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90, sm90_wgrad_unsupported_reason
 from te_fused_ops.ops import Activation, GroupedLinear
 from te_fused_ops.ops.base import is_quantized
-from te_fused_ops.quantization import (
-    Float8BlockScaling,
-    Float8CurrentScaling,
-    quantize,
-    quantize_weight,
-    reuse_or_make,
-)
+from te_fused_ops.quantization import Float8BlockScaling, Float8CurrentScaling, reuse_or_make
 
 FP8_KERNEL_RECIPES = (Float8BlockScaling, Float8CurrentScaling)  # what the FP8 GEMM computes in
 
@@ -127,18 +126,24 @@ def block_multipliers(scale_inv: torch.Tensor, shape) -> torch.Tensor:
 
 
 def casts_on_kernel(recipe) -> bool:
-    """Whether `block_quantize_sm90` makes ``recipe``'s data and scales (fp8_blockwise, float32 or
-    power-of-two scales); other recipes cast in torch."""
-    return isinstance(recipe, Float8BlockScaling)
+    """Whether the cast kernels make ``recipe``'s data and scales: fp8_blockwise (float32 or
+    power-of-two scales) on `block_quantize_sm90`, fp8_current on `tensor_quantize_sm90`."""
+    return isinstance(recipe, FP8_KERNEL_RECIPES)
+
+
+def cast_kernel(x: torch.Tensor, recipe, block_rows: int, offsets=None):
+    """(data, multipliers) of ``x`` cast with ``recipe`` (`casts_on_kernel`) in 1 x 128
+    (block_rows 1, x (M, K)) or 128 x 128 blocks (x (G, N, K)); a per-tensor scale fills its
+    grid. ``offsets``: the grouped rows of x (M, K), which alone set a per-tensor scale."""
+    if isinstance(recipe, Float8BlockScaling):
+        return block_quantize_sm90(x, block_rows, recipe.power_2_scales)
+    return tensor_quantize_sm90(x, block_rows, offsets)
 
 
 def cast_rows(x: torch.Tensor, recipe, offsets):
-    """(data, multipliers) of a gradient or activation (M, K) for the FP8 kernel: fp8_blockwise
-    1x128 blocks on the cast kernel; other scales in torch (per-tensor amax over the grouped rows)."""
-    if casts_on_kernel(recipe):
-        return block_quantize_sm90(x, 1, recipe.power_2_scales)
-    q = quantize(x, recipe, offsets=offsets)
-    return q.rowwise_data, block_multipliers(q.rowwise_scale_inv, x.shape)
+    """(data, multipliers) of a gradient or activation (M, K) for the FP8 kernel: 1x128 blocks,
+    or one scale from the grouped rows' amax (fp8_current)."""
+    return cast_kernel(x, recipe, 1, offsets)
 
 
 def dequantize_rows(x):
@@ -154,17 +159,14 @@ def quantize_weight_blocks(weight: torch.Tensor, recipe, transposed: bool = Fals
     """(data (G, N, K) E4M3, multipliers (G, N/128, K/128)) of ``weight`` cast with ``recipe``
     (128 x 128 blocks, or one scale broadcast to them), or with ``transposed`` both per-group
     transposed ((G, K, N), (G, K/128, N/128): the data gradient's K-major operand), from ``cast``
-    (the forward's (data, multipliers)) when given. Made on every call (one kernel launch for
-    fp8_blockwise, else torch; the transpose on a kernel), unless inside `reuse_quantized_weights`."""
+    (the forward's (data, multipliers)) when given. Made on every call on the cast kernels (the
+    transpose on a kernel too), unless inside `reuse_quantized_weights`."""
 
     def make():
         if transposed:
             data, scale_inv = cast if cast is not None else quantize_weight_blocks(weight, recipe)
             return transpose_fp8_sm90(data), scale_inv.transpose(1, 2).contiguous()
-        if casts_on_kernel(recipe):
-            return block_quantize_sm90(weight.contiguous(), 128, recipe.power_2_scales)
-        qw = quantize_weight(weight, recipe)
-        return qw.rowwise_data, block_multipliers(qw.rowwise_scale_inv, weight.shape)
+        return cast_kernel(weight.contiguous(), recipe, 128)
 
     return reuse_or_make(weight, recipe, "blocks transposed" if transposed else "blocks", make)
 

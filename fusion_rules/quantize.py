@@ -1,14 +1,13 @@
-"""Quantize alone: the "fp8_blockwise" row-wise cast (1 x 128 blocks) in one sm90 kernel launch,
-or the torch op."""
+"""Quantize alone: the row-wise cast on the sm90 cast kernels ("fp8_blockwise" 1 x 128 blocks in
+one launch, "fp8_current" an amax launch and the cast), or the torch op."""
 
 import torch
 
 from te_fused_ops import FusionRule, register_rule
-from te_fused_ops.kernels.block_quantize import block_quantize_sm90
 from te_fused_ops.ops import Quantize
-from te_fused_ops.quantization import QuantizedTensor
+from te_fused_ops.quantization import Float8CurrentScaling, QuantizedTensor
 
-from ._sm90 import casts_on_kernel
+from ._sm90 import cast_kernel, casts_on_kernel
 
 quantize_rule = FusionRule("quantize", pattern=(Quantize,), passes="forward")
 
@@ -19,7 +18,7 @@ def _supports(ops, info, backend):
         return None
     recipe = ops[0].recipe
     if not casts_on_kernel(recipe):
-        return f"{recipe.name} cast runs in torch (the sm90 cast kernel makes fp8_blockwise scales)"
+        return f"{recipe.name} cast runs in torch (the sm90 cast kernels make fp8_blockwise and fp8_current scales)"
     if info.input_recipe[0] is not None:
         return "quantized input (dequantized and requantized in torch)"
     if info.dtype not in (torch.bfloat16, torch.float16):
@@ -32,11 +31,15 @@ def _forward_sm90(ops, ctxs, x):
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if rows.shape[-1] % 8 or rows.data_ptr() % 16:  # the kernel's 16-byte accesses; torch casts the same bytes
         return ops[0].op_forward(ctxs[0], x)
-    data, scale_inv = block_quantize_sm90(rows, 1, ops[0].recipe.power_2_scales)
+    recipe, offsets = ops[0].recipe, ctxs[0].side["offsets"]
+    data, scale_inv = cast_kernel(rows, recipe, 1, offsets)
+    if isinstance(recipe, Float8CurrentScaling):  # one scale, repeated over the grid
+        scale_inv = scale_inv.view(-1)[0] if scale_inv.numel() else torch.ones((), device=x.device)
+    else:
+        scale_inv = scale_inv.view(*x.shape[:-1], -1)
     return QuantizedTensor(
-        x.shape, x.dtype, x.device, recipe=ops[0].recipe, role="activation",
-        rowwise_data=data.view(x.shape), rowwise_scale_inv=scale_inv.view(*x.shape[:-1], -1),
-        offsets=ctxs[0].side["offsets"],
+        x.shape, x.dtype, x.device, recipe=recipe, role="activation",
+        rowwise_data=data.view(x.shape), rowwise_scale_inv=scale_inv, offsets=offsets,
     )
 
 

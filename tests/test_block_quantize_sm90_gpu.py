@@ -1,13 +1,19 @@
-"""GPU tests of the E4M3 block-quantization kernels: bit for bit the torch quantizer of the
-"fp8_blockwise" recipe (data bytes and scales) and `QuantizedTensor.dequantize`, edge blocks,
-non-finite values, no host sync."""
+"""GPU tests of the E4M3 quantization kernels: bit for bit the torch quantizer of the
+"fp8_blockwise" and "fp8_current" recipes (data bytes and scales) and `QuantizedTensor.dequantize`,
+edge blocks, non-finite values, padding rows, no host sync."""
 
 import pytest
 import torch
 
 from te_fused_ops.kernels import sm90_unavailable_reason
-from te_fused_ops.kernels.block_quantize import block_dequantize_sm90, block_quantize_sm90, transpose_fp8_sm90
+from te_fused_ops.kernels.block_quantize import (
+    block_dequantize_sm90,
+    block_quantize_sm90,
+    tensor_quantize_sm90,
+    transpose_fp8_sm90,
+)
 from te_fused_ops.quantization import Float8BlockScaling, quantize, quantize_weight
+from test_grouped_dgrad_sm90_gpu import poison_allocator
 
 pytestmark = [
     pytest.mark.gpu,
@@ -71,6 +77,56 @@ def test_weight_blocks_match_torch_bit_for_bit(shape, power_2_scales):
     assert_same_bytes(data, want.rowwise_data)
 
 
+def tensor_case(shape, dtype, seed, scale):
+    """``sample`` scaled by ``scale`` (1e-39: a subnormal per-tensor scale_inv; 0: all zeros)."""
+    x = sample(shape, dtype, seed).float()
+    return (x * scale if scale else torch.zeros_like(x)).to(dtype)
+
+
+def assert_tensor_scale(multipliers, want_scale_inv, grid):
+    """Every block of the multiplier grid holds the torch quantizer's one scale_inv."""
+    assert multipliers.shape == grid and multipliers.dtype == torch.float32
+    assert torch.equal(multipliers, want_scale_inv.expand(grid)), (multipliers.unique(), want_scale_inv)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-39, 0.0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 128), (300, 200), (1000, 2048), (33, 80), (40000, 256)])
+def test_tensor_scale_rows_match_torch_bit_for_bit(shape, dtype, scale):
+    """Per-tensor (fp8_current) cast: without offsets, and with offsets whose padding rows hold
+    values far above the grouped rows' (and NaN / Inf), which must not change the scale."""
+    x = tensor_case(shape, dtype, shape[0] + 7, scale)
+    grid = (shape[0], -(-shape[1] // 128))
+    poison_allocator((shape, torch.float8_e4m3fn), (grid, torch.float32))
+    data, multipliers = tensor_quantize_sm90(x, 1)
+    want = quantize(x, "fp8_current")
+    assert_tensor_scale(multipliers, want.rowwise_scale_inv, grid)
+    assert_same_bytes(data, want.rowwise_data)
+    m = shape[0]
+    valid = m - m // 3
+    x[valid:] = 3e4
+    if m - valid >= 2:
+        x[valid, 0], x[valid + 1, -1] = float("nan"), float("-inf")
+    for offsets in ([0, valid // 2, valid], [0, 0, 0], [0, m + 50, valid], [5, valid, valid // 3]):
+        offsets = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+        data, multipliers = tensor_quantize_sm90(x, 1, offsets)
+        want = quantize(x, "fp8_current", offsets=offsets)
+        assert_tensor_scale(multipliers, want.rowwise_scale_inv, grid)
+        assert_same_bytes(data, want.rowwise_data)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-39])
+@pytest.mark.parametrize("shape", [(2, 128, 128), (3, 300, 200), (8, 384, 1024), (1, 1, 16)])
+def test_tensor_scale_weights_match_torch_bit_for_bit(shape, scale):
+    w = tensor_case(shape, torch.bfloat16, sum(shape), scale)
+    grid = (shape[0], -(-shape[1] // 128), -(-shape[2] // 128))
+    poison_allocator((shape, torch.float8_e4m3fn), (grid, torch.float32))
+    data, multipliers = tensor_quantize_sm90(w, 128)
+    want = quantize_weight(w, "fp8_current")
+    assert_tensor_scale(multipliers, want.rowwise_scale_inv, grid)
+    assert_same_bytes(data, want.rowwise_data)
+
+
 def assert_same_values(out, expected):
     both_nan = torch.isnan(out) & torch.isnan(expected)
     bits = out.view(torch.int16) != expected.view(torch.int16)
@@ -108,8 +164,11 @@ def test_transpose_matches_torch(shape):
 def test_empty_and_no_host_sync():
     data, scale_inv = block_quantize_sm90(torch.zeros(0, 256, dtype=torch.bfloat16, device="cuda"), 1)
     assert data.shape == (0, 256) and scale_inv.shape == (0, 2)
+    data, scale_inv = tensor_quantize_sm90(torch.zeros(0, 256, dtype=torch.bfloat16, device="cuda"), 1)
+    assert data.shape == (0, 256) and scale_inv.shape == (0, 2)
     assert block_dequantize_sm90(data, scale_inv, torch.bfloat16).shape == (0, 256)
     x = sample((512, 512), torch.bfloat16, seed=3)
+    offsets = torch.tensor([0, 100, 300], dtype=torch.int32, device="cuda")
     block_quantize_sm90(x, 1)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -118,6 +177,8 @@ def test_empty_and_no_host_sync():
         block_quantize_sm90(x.view(4, 128, 512), 128)
         block_dequantize_sm90(*block_quantize_sm90(x, 1), torch.bfloat16)
         transpose_fp8_sm90(block_quantize_sm90(x.view(4, 128, 512), 128)[0])
+        tensor_quantize_sm90(x, 1, offsets)
+        tensor_quantize_sm90(x.view(4, 128, 512), 128)
     finally:
         torch.cuda.set_sync_debug_mode(0)
 
@@ -136,6 +197,14 @@ def test_argument_errors():
         block_quantize_sm90(x.cpu(), 1)
     with pytest.raises(ValueError, match="block_quantize_sm90: x needs a last dim that is a multiple of 8"):
         block_quantize_sm90(torch.zeros(64, 100, dtype=torch.bfloat16, device="cuda"), 1)
+    with pytest.raises(ValueError, match="tensor_quantize_sm90: x must be contiguous"):
+        tensor_quantize_sm90(x.t(), 1)
+    with pytest.raises(TypeError, match="tensor_quantize_sm90: offsets must be an int32 tensor"):
+        tensor_quantize_sm90(x, 1, torch.tensor([0, 64], device="cuda"))
+    with pytest.raises(ValueError, match="tensor_quantize_sm90: offsets must be a contiguous 1-D tensor on x's device"):
+        tensor_quantize_sm90(x, 1, torch.tensor([0, 64], dtype=torch.int32))
+    with pytest.raises(ValueError, match="tensor_quantize_sm90: offsets group the rows of a 2-D x"):
+        tensor_quantize_sm90(x.view(1, 64, 256), 128, torch.tensor([0, 64], dtype=torch.int32, device="cuda"))
     data, scale_inv = block_quantize_sm90(x, 1)
     with pytest.raises(TypeError, match="block_dequantize_sm90: dtype must be bfloat16 or float16"):
         block_dequantize_sm90(data, scale_inv, torch.float32)

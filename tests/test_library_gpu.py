@@ -36,7 +36,7 @@ def mlp(act=None, fuse=True):
 
 
 def fp8_mlp(quantize_x: bool, recipe="fp8_blockwise") -> Sequential:
-    """The fp8_blockwise recipe's MLP (FC2 on E4M3 activations), after a Quantize of x if asked."""
+    """The FP8 recipe's MLP (FC2 on E4M3 activations), after a Quantize of x if asked."""
     return Sequential(
         *([Quantize(recipe)] if quantize_x else []),
         GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16, device="cuda"),
@@ -183,16 +183,17 @@ def test_sm90_fp8_forward_runs_the_fp8_kernel_and_matches_emulation(act, recipe,
     assert "[1] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)" in text, text
 
 
-@pytest.mark.parametrize("power_2_scales", [False, True])  # True: TE's default block scaling
+# power-of-two block scales: TE's default block scaling; fp8_current: one scale per tensor
+@pytest.mark.parametrize("recipe", [Float8BlockScaling(), Float8BlockScaling(power_2_scales=True), "fp8_current"])
 @pytest.mark.parametrize("quantize_x", [True, False])  # False: the recipe's MLP, FC1 in bf16
-def test_sm90_fp8_blockwise_chain_runs_on_the_kernels(quantize_x, power_2_scales, monkeypatch):
-    """[Quantize,] GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear: FC2 (and FC1 after
-    a Quantize of x) on the FP8 kernels, FC2's data gradient with the dSwiGLU in its epilogue.
-    The quantization of the activation turns last-bit differences into whole E4M3 steps for a
-    few percent of the values, hence the looser bound."""
+def test_sm90_fp8_chain_runs_on_the_kernels(quantize_x, recipe, monkeypatch):
+    """[Quantize,] GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear: every cast on the
+    cast kernels, FC2 (and FC1 after a Quantize of x) on the FP8 kernels, FC2's data gradient
+    with the dSwiGLU in its epilogue. The quantization of the activation turns last-bit
+    differences into whole E4M3 steps for a few percent of the values, hence the looser bound."""
     _require_hopper()
     torch.manual_seed(0)
-    seq = fp8_mlp(quantize_x, Float8BlockScaling(power_2_scales=power_2_scales))
+    seq = fp8_mlp(quantize_x, recipe)
     text = _fp8_step_matches_torch_backend(seq, 5e-2, 5e-2, monkeypatch, seed=9)
     first = int(quantize_x)
     if quantize_x:

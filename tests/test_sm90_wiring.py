@@ -109,6 +109,16 @@ def block_cast(x, block_rows, power_2_scales=False):
     return q.rowwise_data, q.rowwise_scale_inv
 
 
+def tensor_cast(x, block_rows, offsets=None):
+    """`tensor_quantize_sm90`'s contract: the torch quantizer's data, its one scale over the grid."""
+    CASTS.append(block_rows)
+    CAST_POWER_2.append(False)
+    assert (offsets is not None) == (block_rows == 1), "rows are cast with their offsets, weights without"
+    q = quantize(x, "fp8_current", offsets=offsets) if block_rows == 1 else quantize_weight(x, "fp8_current")
+    grid = (-(-x.shape[-2] // block_rows), -(-x.shape[-1] // 128))
+    return q.rowwise_data, q.rowwise_scale_inv.expand(*x.shape[:-2], *grid).contiguous()
+
+
 DACT_FP8_CALLS = []
 
 
@@ -142,16 +152,15 @@ def wgrad(dy, x, offsets, main_grad=None):
 def sm90_stand_ins(monkeypatch):
     import fusion_rules._sm90 as sm90
     import fusion_rules.dactivation_grouped_linear as dact_rule
-    import fusion_rules.quantize as quantize_rule
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")  # compile-only mode: the kernels count as available
     monkeypatch.setitem(tfo.fusion.BACKENDS, "sm90", lambda info: None)  # any device
     monkeypatch.setattr(sm90, "grouped_gemm_fp8_sm90", fp8_gemm)
     monkeypatch.setattr(sm90, "block_quantize_sm90", block_cast)
+    monkeypatch.setattr(sm90, "tensor_quantize_sm90", tensor_cast)
     monkeypatch.setattr(sm90, "block_dequantize_sm90", block_uncast)
     monkeypatch.setattr(sm90, "transpose_fp8_sm90", lambda data: data.transpose(1, 2).contiguous())
     monkeypatch.setattr(sm90, "grouped_wgrad_sm90", wgrad)
-    monkeypatch.setattr(quantize_rule, "block_quantize_sm90", block_cast)
     monkeypatch.setattr(sm90, "grouped_gemm_sm90", gemm)
     monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_sm90", dgrad_dact)
     monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_fp8_sm90", dgrad_dact_fp8)
@@ -205,25 +214,23 @@ def test_bf16_plan_glue_matches_the_torch_backend(act, sm90_stand_ins, monkeypat
 @pytest.mark.parametrize("quantize_x", [True, False])  # False: the recipe's MLP, FC1 in bf16
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_blockwise_pow2", "fp8_current"])
 def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins, monkeypatch):
-    blockwise = recipe.startswith("fp8_blockwise")
     if recipe == "fp8_blockwise_pow2":
         recipe = Float8BlockScaling(power_2_scales=True)
     seq = fp8_mlp(recipe, quantize_x)
     x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
     text = seq.explain(x, split_sizes=SPLITS)
-    cast = "sm90" if blockwise else "torch"  # fp8_current: the torch cast
     first = int(quantize_x)  # index of FC1
     expected = [
         f"[{first}:{first + 2}] GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend sm90)",
-        f"[{first + 2}] Quantize -> rule 'quantize' (backend {cast})",
+        f"[{first + 2}] Quantize -> rule 'quantize' (backend sm90)",
         f"[{first + 3}:{first + 5}] Transpose, GroupedLinear -> rule 'transpose+grouped_linear' (backend sm90)",
         f"[{first + 1}:{first + 5}] SwiGLU, Quantize, Transpose, GroupedLinear -> rule "
         "'dactivation+quantize+transpose+grouped_linear' (backend sm90)",
         f"[{first}] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)",
     ]
     if quantize_x:
-        expected.append(f"[0] Quantize -> rule 'quantize' (backend {cast})")
+        expected.append("[0] Quantize -> rule 'quantize' (backend sm90)")
     for step_text in expected:
         assert step_text in text, text
     CASTS.clear()
@@ -234,8 +241,8 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
     power_2 = isinstance(recipe, Float8BlockScaling) and recipe.power_2_scales
     assert CAST_POWER_2 == [power_2] * len(CASTS), CAST_POWER_2
     assert DACT_FP8_CALLS == [(G, I, H)], DACT_FP8_CALLS  # FC2's dgrad + dSwiGLU: one FP8 kernel
-    if blockwise:  # the activation and FC2's dy, with x: x and FC1's dy; each weight once
-        assert sorted(CASTS) == [1] * (2 + 2 * quantize_x) + [128] * (1 + quantize_x), CASTS
+    # the activation and FC2's dy, with x: x and FC1's dy; each weight once
+    assert sorted(CASTS) == [1] * (2 + 2 * quantize_x) + [128] * (1 + quantize_x), CASTS
     # the bf16 weight gradients read the quantized inputs through the dequantize kernel
     assert sorted(UNCASTS) == [(ROWS, I)] + [(ROWS, H)] * quantize_x, UNCASTS
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")

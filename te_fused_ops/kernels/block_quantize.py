@@ -5,6 +5,10 @@
 (data like x in E4M3, scale_inv float32 (M, ceil(K/128)) or (G, ceil(N/128), ceil(K/128))), bit for
 bit the torch quantizer of ``Float8BlockScaling(power_2_scales)``.
 
+``tensor_quantize_sm90(x, block_rows, offsets=None)``: the same shapes with one scale for the
+whole tensor (``Float8CurrentScaling``; with ``offsets`` the amax covers x (M, K)'s grouped rows
+only), its multipliers broadcast to the grid the FP8 GEMM reads: an amax launch, then the cast.
+
 ``block_dequantize_sm90(data, scale_inv, dtype)``: the inverse for 1 x 128 blocks, data (M, K)
 E4M3 and multipliers (M, ceil(K/128)) -> (M, K) ``dtype``, bit for bit
 `QuantizedTensor.dequantize` (any recipe whose multipliers are given per 1 x 128 block).
@@ -27,13 +31,14 @@ from .launch import DTYPES, compile_launcher, fake_tensor, num_sms, tvm_ffi_avai
 _NAME = "block_quantize_sm90"
 _DEQUANT_NAME = "block_dequantize_sm90"
 CTAS_PER_SM = 8
+AMAX_CTAS_PER_SM = 2  # the tensor amax's grid: each cast CTA reduces one part per amax CTA
 WARPS_PER_CTA = 8
 VEC = 8  # columns per lane: the kernels' 16-byte accesses need K % 8 == 0
 
 
-def _compile(kernel, dtype, data_first: bool, tvm_ffi):
-    """cute.compile ``kernel`` on symbolic (G, R, C) operands: (x, data, scale_inv) or, with
-    ``data_first``, (data, scale_inv, out)."""
+def _compile(kernel, dtype, data_first: bool, tvm_ffi, extra=()):
+    """cute.compile ``kernel`` on symbolic (G, R, C) operands: (x, data, scale_inv, *extra) or,
+    with ``data_first``, (data, scale_inv, out)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -43,15 +48,37 @@ def _compile(kernel, dtype, data_first: bool, tvm_ffi):
     x, data = fake_tensor(element, (g, r, c)), fake_tensor(cutlass.Float8E4M3FN, (g, r, c))
     scale_inv = fake_tensor(cutlass.Float32, (g, rb, cb), 4)
     tensors = (data, scale_inv, x) if data_first else (x, data, scale_inv)
-    return compile_launcher(kernel, (*tensors, cutlass.Int32(1)), tvm_ffi)
+    return compile_launcher(kernel, (*tensors, *extra, cutlass.Int32(1)), tvm_ffi)
 
 
 @functools.cache
-def compile_block_quantize(dtype, block_rows, tvm_ffi=None, power_2_scales=False):
-    """Compile (once per configuration) and return fn(x (G, R, C), data, scale_inv, max_ctas)."""
+def compile_block_quantize(dtype, block_rows, tvm_ffi=None, power_2_scales=False, tensor_scale=False):
+    """Compile (once per configuration) and return fn(x (G, R, C), data, scale_inv, amax_parts,
+    max_ctas); amax_parts (P,) float32 with ``tensor_scale``, else None."""
+    import cutlass
+    import cutlass.cute as cute
+
     from .block_quantize_sm90 import BlockQuantizeSm90
 
-    return _compile(BlockQuantizeSm90(block_rows, power_2_scales), dtype, False, tvm_ffi)
+    parts = fake_tensor(cutlass.Float32, (cute.sym_int(),), 4) if tensor_scale else None
+    kernel = BlockQuantizeSm90(block_rows, power_2_scales, tensor_scale)
+    return _compile(kernel, dtype, False, tvm_ffi, (parts,))
+
+
+@functools.cache
+def compile_tensor_amax(dtype, with_offsets, tvm_ffi=None):
+    """Compile (once per configuration) and return fn(x (G, R, C), offsets (G+1,) int32 or None,
+    parts (P,) float32); the grid is P CTAs."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .block_quantize_sm90 import TensorAmaxSm90
+
+    element = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+    x = fake_tensor(element, (cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=VEC)))
+    offsets = fake_tensor(cutlass.Int32, (cute.sym_int(),), 4) if with_offsets else None
+    parts = fake_tensor(cutlass.Float32, (cute.sym_int(),), 4)
+    return compile_launcher(TensorAmaxSm90(), (x, offsets, parts), tvm_ffi)
 
 
 @functools.cache
@@ -80,42 +107,88 @@ def _ctas(work_items: int, device_index: int) -> int:
     return max(1, min(-(-work_items // WARPS_PER_CTA), num_sms(device_index) * CTAS_PER_SM))
 
 
-def _launch(fn, tensors, ctas):
-    fn(*tensors, ctas) if tvm_ffi_available() else _call_classic(fn, tensors, ctas)
+def _launch(fn, tensors, ctas=None):
+    """fn(*tensors[, ctas]) through TVM-FFI or the classic launcher (``ctas``: the grid, when the
+    kernel takes it)."""
+    args = tensors if ctas is None else (*tensors, ctas)
+    fn(*args) if tvm_ffi_available() else _call_classic(fn, tensors, ctas)
+
+
+def _cast_input(name: str, x, block_rows: int):
+    """x (M, K) for block_rows 1, (G, N, K) for 128, checked, as (G, R, C)."""
+    if block_rows not in (1, 128):
+        raise ValueError(f"{name}: block_rows must be 1 or 128, got {block_rows}")
+    ndim = 2 if block_rows == 1 else 3
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in DTYPES:
+        raise TypeError(f"{name}: x has dtype {x.dtype}, supported: bfloat16, float16")
+    if x.get_device() < 0:
+        raise ValueError(f"{name}: x must be on a CUDA device, got {x.device}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name}: x must be {ndim}-D for block_rows={block_rows}, got shape {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: x must be contiguous")
+    if x.shape[-1] % VEC or (x.numel() and x.data_ptr() % 16):
+        raise ValueError(f"{name}: x needs a last dim that is a multiple of 8 and a 16-byte aligned start, got "
+                         f"shape {tuple(x.shape)}")
+    return x if ndim == 3 else x.unsqueeze(0)
+
+
+def _cast_outputs(x3, block_rows):
+    g, r, c = x3.shape
+    data = torch.empty(x3.shape, dtype=torch.float8_e4m3fn, device=x3.device)
+    scale_inv = torch.empty(g, -(-r // block_rows), -(-c // 128), dtype=torch.float32, device=x3.device)
+    return data, scale_inv
+
+
+def _row_item_ctas(x3):
+    """CTAs of a launch whose warps take items of 8 rows x 128 columns."""
+    g, r, c = x3.shape
+    return _ctas(g * -(-r // 8) * -(-c // 128), x3.get_device())
+
+
+def _as_given(x, data, scale_inv):
+    return (data[0], scale_inv[0]) if x.dim() == 2 else (data, scale_inv)
 
 
 def block_quantize_sm90(x: torch.Tensor, block_rows: int, power_2_scales: bool = False):
     """(data, scale_inv) of ``x`` in E4M3 blocks of ``block_rows`` x 128 (see the module)."""
-    if block_rows not in (1, 128):
-        raise ValueError(f"{_NAME}: block_rows must be 1 or 128, got {block_rows}")
-    ndim = 2 if block_rows == 1 else 3
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{_NAME}: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in DTYPES:
-        raise TypeError(f"{_NAME}: x has dtype {x.dtype}, supported: bfloat16, float16")
-    if x.get_device() < 0:
-        raise ValueError(f"{_NAME}: x must be on a CUDA device, got {x.device}")
-    if x.dim() != ndim:
-        raise ValueError(f"{_NAME}: x must be {ndim}-D for block_rows={block_rows}, got shape {tuple(x.shape)}")
-    if not x.is_contiguous():
-        raise ValueError(f"{_NAME}: x must be contiguous")
-    if x.shape[-1] % VEC or (x.numel() and x.data_ptr() % 16):
-        raise ValueError(f"{_NAME}: x needs a last dim that is a multiple of 8 and a 16-byte aligned start, got "
-                         f"shape {tuple(x.shape)}")
-    x3 = x if ndim == 3 else x.unsqueeze(0)
-    g, r, c = x3.shape
-    data = torch.empty(x3.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scale_inv = torch.empty(g, -(-r // block_rows), -(-c // 128), dtype=torch.float32, device=x.device)
+    x3 = _cast_input(_NAME, x, block_rows)
+    data, scale_inv = _cast_outputs(x3, block_rows)
     if x3.numel():
         if block_rows == 1:  # a warp per 8 rows of a 128-column block
-            ctas = _ctas(g * -(-r // 8) * scale_inv.shape[2], x.get_device())
+            ctas = _row_item_ctas(x3)
         else:  # a CTA per block
             ctas = min(scale_inv.numel(), num_sms(x.get_device()) * CTAS_PER_SM)
         fn = compile_block_quantize(x.dtype, block_rows, None, bool(power_2_scales))
-        _launch(fn, (x3, data, scale_inv), ctas)
-    if ndim == 2:
-        return data[0], scale_inv[0]
-    return data, scale_inv
+        _launch(fn, (x3, data, scale_inv, None), ctas)
+    return _as_given(x, data, scale_inv)
+
+
+def tensor_quantize_sm90(x: torch.Tensor, block_rows: int, offsets: torch.Tensor = None):
+    """(data, multipliers) of ``x`` cast with one scale (fp8_current): ``scale_inv = amax / 448``
+    (1 where 0), amax over x's finite values, or with ``offsets`` (G+1,) int32 (x (M, K) only)
+    over its rows below ``clamp(max(offsets), 0, M)``; multipliers that scale in every block of
+    the 1 x 128 / 128 x 128 grid of `block_quantize_sm90`. Two launches, no host sync."""
+    name = "tensor_quantize_sm90"
+    x3 = _cast_input(name, x, block_rows)
+    if offsets is not None:
+        if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32:
+            raise TypeError(f"{name}: offsets must be an int32 tensor, got {getattr(offsets, 'dtype', type(offsets).__name__)}")
+        if offsets.dim() != 1 or not offsets.is_contiguous() or offsets.device != x.device:
+            raise ValueError(f"{name}: offsets must be a contiguous 1-D tensor on x's device, got shape "
+                             f"{tuple(offsets.shape)} on {offsets.device}")
+        if block_rows != 1:
+            raise ValueError(f"{name}: offsets group the rows of a 2-D x (block_rows=1)")
+    data, scale_inv = _cast_outputs(x3, block_rows)
+    if not x3.numel():
+        return _as_given(x, data, scale_inv.fill_(1.0))
+    ctas = _row_item_ctas(x3)
+    parts = torch.empty(min(ctas, num_sms(x.get_device()) * AMAX_CTAS_PER_SM), dtype=torch.float32, device=x.device)
+    _launch(compile_tensor_amax(x.dtype, offsets is not None), (x3, offsets, parts))
+    _launch(compile_block_quantize(x.dtype, block_rows, None, False, True), (x3, data, scale_inv, parts), ctas)
+    return _as_given(x, data, scale_inv)
 
 
 def block_dequantize_sm90(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -169,6 +242,13 @@ def _call_classic(fn, tensors, ctas):
     from cutlass.cute.runtime import from_dlpack
 
     stream = cuda.CUstream(torch.cuda.current_stream(tensors[0].device).cuda_stream)
-    # float32 scales: 4-byte aligned; data (bf16 / fp16 / E4M3 / uint8): 16-byte, as the wrappers check
-    converted = (from_dlpack(t, assumed_align=4 if t.dtype == torch.float32 else 16) for t in tensors)
-    fn(*(t.mark_layout_dynamic(leading_dim=2) for t in converted), cutlass.Int32(ctas), stream)
+
+    def convert(t):
+        if t is None:
+            return None
+        # float32 scales and int32 offsets: 4-byte aligned; data (bf16 / fp16 / E4M3 / uint8): 16-byte
+        aligned = from_dlpack(t, assumed_align=4 if t.dtype in (torch.float32, torch.int32) else 16)
+        return aligned.mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+    grid = () if ctas is None else (cutlass.Int32(ctas),)
+    fn(*(convert(t) for t in tensors), *grid, stream)

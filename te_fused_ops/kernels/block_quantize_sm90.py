@@ -1,5 +1,5 @@
-"""E4M3 block quantization ("fp8_blockwise") and its inverse: 1 x 128 blocks of activations,
-128 x 128 of weights.
+"""E4M3 block quantization ("fp8_blockwise"), per-tensor quantization ("fp8_current") and the
+inverse: 1 x 128 blocks of activations, 128 x 128 of weights.
 
 Quantize, for each block of ``block_rows`` x 128 elements of x (G, R, C), bf16/fp16:
 
@@ -13,8 +13,13 @@ Dequantize, for data (G, R, C) E4M3 and 1 x 128 multipliers scale_inv (G, R, cei
 
     out = (float32(data) * scale_inv) clamped to out's finite range (NaN stays NaN), rounded to nearest even
 
-both bit for bit what `te_fused_ops.quantization` computes in torch (Float8BlockScaling;
-`QuantizedTensor.dequantize`). C is a multiple of 8. `e4m3_scale_inv` and `e4m3_scaled` are the
+With one scale for the whole tensor (Float8CurrentScaling) ``amax`` is the tensor's: `TensorAmaxSm90`
+writes one partial amax per CTA, and each CTA of the cast reduces those parts before it casts, so
+the two launches need no zeroed buffer, atomics or host sync; the scale is written to every block
+of the multiplier grid the FP8 GEMM reads.
+
+All bit for bit what `te_fused_ops.quantization` computes in torch (Float8BlockScaling,
+Float8CurrentScaling; `QuantizedTensor.dequantize`). C is a multiple of 8. `e4m3_scale_inv` and `e4m3_scaled` are the
 per-block and per-value steps, shared with the GEMM epilogues that quantize.
 
 Work split: a warp covers rows of one 128-column block two at a time, lanes 0-15 the even and
@@ -109,6 +114,106 @@ def _segment(mT: cute.Tensor, g, r, col):
     return cute.local_tile(mT[g, r, None], (VEC,), (col // VEC,))
 
 
+@cute.jit
+def _finite_abs(value: Float32) -> Float32:
+    magnitude = cutlass.max(value, -value)
+    result = Float32(0.0)
+    if magnitude < Float32(float("inf")):  # false for NaN and Inf
+        result = magnitude
+    return result
+
+
+@cute.jit
+def _load_rows(mX: cute.Tensor, g, first_row, row_end, col, cols, tXr: cute.Tensor, tAmax: cute.Tensor,
+               segments: cutlass.Constexpr[int], with_amax: cutlass.Constexpr[bool]):
+    """Rows first_row + 2k (k < segments) at the lane's columns into tXr[k, :] (zeros out of
+    bounds); with ``with_amax`` their finite amax into tAmax[k]."""
+    for k in cutlass.range_constexpr(segments):
+        tXr[k, None].fill(0.0)
+        if first_row + 2 * k < row_end and col < cols:
+            tXr[k, None].store(_segment(mX, g, first_row + 2 * k, col).load())
+    if const_expr(with_amax):
+        for k in cutlass.range_constexpr(segments):
+            amax = Float32(0.0)
+            for i in cutlass.range_constexpr(VEC):
+                amax = cutlass.max(amax, _finite_abs(Float32(tXr[k, i])))
+            tAmax[k] = amax
+
+
+@cute.jit
+def _cta_max(value, sMax: cute.Tensor):
+    """The max of ``value`` over the CTA (every thread gets it), through sMax (WARPS floats)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    for step in cutlass.range_constexpr(5):
+        value = cutlass.max(value, cute.arch.shuffle_sync_bfly(value, 1 << step))
+    if tidx % WARP == 0:
+        sMax[tidx // WARP] = value
+    cute.arch.sync_threads()
+    for w in cutlass.range_constexpr(WARPS):
+        value = cutlass.max(value, sMax[w])
+    cute.arch.sync_threads()  # sMax may be rewritten next
+    return value
+
+
+ROW_SEGMENTS = 4  # 1 x 128 work items: 4 rows per half-warp, 8 per warp
+
+
+class TensorAmaxSm90:
+    """mX (G, R, C) -> mParts (P,) float32, P the grid: CTA p's max |x| over the finite values of
+    the rows it visits (warp items of 8 rows x 128 columns, grid-stride). With mOffsets (G+1,)
+    int32 (G == 1) only rows below clamp(max(mOffsets), 0, R) count: the grouped rows, not the
+    padding. `BlockQuantizeSm90` with ``tensor_scale`` reduces the parts."""
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mOffsets, mParts: cute.Tensor, stream):
+        self.kernel(mX, mOffsets, mParts).launch(
+            grid=(cute.size(mParts), 1, 1), block=(WARP * WARPS, 1, 1), stream=stream
+        )
+
+    @cute.jit
+    def _valid_rows(self, mOffsets: cute.Tensor, rows):
+        """clamp(max(mOffsets), 0, rows), per warp."""
+        tidx, _, _ = cute.arch.thread_idx()
+        end = Int32(0)
+        for j in cutlass.range(tidx % WARP, cute.size(mOffsets), WARP):
+            end = cutlass.max(end, Int32(mOffsets[j]))
+        for step in cutlass.range_constexpr(5):
+            end = cutlass.max(end, cute.arch.shuffle_sync_bfly(end, 1 << step))
+        return cutlass.min(end, rows)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mOffsets, mParts: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp, half, lane_col = _lane_split()
+        rows = cute.size(mX, mode=[1])
+        cols = cute.size(mX, mode=[2])
+        row_end = rows
+        if const_expr(mOffsets is not None):
+            row_end = self._valid_rows(mOffsets, rows)
+        smem = cutlass.memory.SmemAllocator()
+        sMax = smem.allocate_tensor(Float32, cute.make_layout(WARPS), byte_alignment=16)
+        tXr = cute.make_rmem_tensor(cute.make_layout((ROW_SEGMENTS, VEC), stride=(VEC, 1)), mX.element_type)
+        tAmax = cute.make_rmem_tensor(cute.make_layout(ROW_SEGMENTS), Float32)
+        col_blocks = (cols + COLS - 1) // COLS
+        row_items = (row_end + 2 * ROW_SEGMENTS - 1) // (2 * ROW_SEGMENTS)
+        num_items = cute.size(mX, mode=[0]) * row_items * col_blocks
+        amax = Float32(0.0)
+        item = bidx * WARPS + warp
+        while item < num_items:
+            g = item // (row_items * col_blocks)
+            first_row = item // col_blocks % row_items * 2 * ROW_SEGMENTS + half
+            col = item % col_blocks * COLS + lane_col
+            _load_rows(mX, g, first_row, row_end, col, cols, tXr, tAmax, ROW_SEGMENTS, True)
+            for k in cutlass.range_constexpr(ROW_SEGMENTS):
+                amax = cutlass.max(amax, tAmax[k])
+            item = item + gdim * WARPS
+        amax = _cta_max(amax, sMax)
+        if tidx == 0:
+            mParts[bidx] = amax
+
+
 class BlockQuantizeSm90:
     """mX (G, R, C) -> mData (G, R, C) E4M3, mScaleInv (G, ceil(R / block_rows), ceil(C / 128))
     float32. ``block_rows``: 1 (activations, 1 x 128) or 128 (weights, 128 x 128).
@@ -116,40 +221,29 @@ class BlockQuantizeSm90:
     A lane loads all its row segments before reducing (several 16-byte loads in flight) and casts
     from registers, so x is read once: 1 x 128 blocks, a warp item of 8 rows (4 per half-warp,
     one scale per row); 128 x 128, a CTA item of one block (warp w rows 16w..16w+15, 8 per lane),
-    its amax across the warps through shared memory."""
+    its amax across the warps through shared memory.
 
-    def __init__(self, block_rows: int, power_2_scales: bool = False):
+    ``tensor_scale`` (fp8_current): one scale from the amax parts mAmaxParts (P,) of
+    `TensorAmaxSm90`, reduced by every CTA first; the work is split as for 1 x 128 blocks and the
+    scale is written to every block of mScaleInv. Otherwise mAmaxParts is None."""
+
+    def __init__(self, block_rows: int, power_2_scales: bool = False, tensor_scale: bool = False):
         if block_rows not in (1, 128):
             raise ValueError("block_rows must be 1 or 128")
+        if tensor_scale and power_2_scales:
+            raise ValueError("per-tensor scales are float32 (fp8_current), not powers of two")
         self.block_rows = block_rows
         self.power_2_scales = power_2_scales
-        self.segments = 4 if block_rows == 1 else 128 // WARPS // 2  # row segments per lane
+        self.tensor_scale = tensor_scale
+        self.row_items = block_rows == 1 or tensor_scale  # warp items of 8 rows
+        self.segments = ROW_SEGMENTS if self.row_items else 128 // WARPS // 2  # row segments per lane
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor, max_ctas: cutlass.Int32, stream):
-        self.kernel(mX, mData, mScaleInv).launch(grid=(max_ctas, 1, 1), block=(WARP * WARPS, 1, 1), stream=stream)
-
-    @cute.jit
-    def _finite_abs(self, value: Float32) -> Float32:
-        magnitude = cutlass.max(value, -value)
-        result = Float32(0.0)
-        if magnitude < Float32(float("inf")):  # false for NaN and Inf
-            result = magnitude
-        return result
-
-    @cute.jit
-    def _load(self, mX: cute.Tensor, g, first_row, row_end, col, cols, tXr: cute.Tensor, tAmax: cute.Tensor):
-        """Rows first_row + 2k (k < segments) at the lane's columns into tXr[k, :] (zeros out of
-        bounds), their finite amax into tAmax[k]."""
-        for k in cutlass.range_constexpr(self.segments):
-            tXr[k, None].fill(0.0)
-            if first_row + 2 * k < row_end and col < cols:
-                tXr[k, None].store(_segment(mX, g, first_row + 2 * k, col).load())
-        for k in cutlass.range_constexpr(self.segments):
-            amax = Float32(0.0)
-            for i in cutlass.range_constexpr(VEC):
-                amax = cutlass.max(amax, self._finite_abs(Float32(tXr[k, i])))
-            tAmax[k] = amax
+    def __call__(self, mX: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor, mAmaxParts,
+                 max_ctas: cutlass.Int32, stream):
+        self.kernel(mX, mData, mScaleInv, mAmaxParts).launch(
+            grid=(max_ctas, 1, 1), block=(WARP * WARPS, 1, 1), stream=stream
+        )
 
     @cute.jit
     def _store_cast(self, mData: cute.Tensor, g, row, row_end, col, cols, tXr_k: cute.Tensor, scales):
@@ -160,17 +254,26 @@ class BlockQuantizeSm90:
             _segment(mData, g, row, col).store(values.load().to(cutlass.Float8E4M3FN))
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor):
+    def kernel(self, mX: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor, mAmaxParts):
+        tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
         warp, half, lane_col = _lane_split()
         rows = cute.size(mX, mode=[1])
         cols = cute.size(mX, mode=[2])
         col_blocks = cute.size(mScaleInv, mode=[2])
+        smem = cutlass.memory.SmemAllocator()
+        sAmax = smem.allocate_tensor(Float32, cute.make_layout(WARPS), byte_alignment=16)
         tXr = cute.make_rmem_tensor(cute.make_layout((self.segments, VEC), stride=(VEC, 1)), mX.element_type)
         tAmax = cute.make_rmem_tensor(cute.make_layout(self.segments), Float32)
+        with_amax = not self.tensor_scale
 
-        if cutlass.const_expr(self.block_rows == 1):
+        if cutlass.const_expr(self.row_items):
+            if const_expr(self.tensor_scale):
+                amax = Float32(0.0)
+                for j in cutlass.range(tidx, cute.size(mAmaxParts), WARP * WARPS):
+                    amax = cutlass.max(amax, mAmaxParts[j])
+                tensor_scales = e4m3_scale_inv(_cta_max(amax, sAmax), False)
             item_rows = 2 * self.segments
             row_items = (rows + item_rows - 1) // item_rows
             num_items = cute.size(mX, mode=[0]) * row_items * col_blocks
@@ -180,20 +283,21 @@ class BlockQuantizeSm90:
                 first_row = item // col_blocks % row_items * item_rows + half
                 cb = item % col_blocks
                 col = cb * COLS + lane_col
-                self._load(mX, g, first_row, rows, col, cols, tXr, tAmax)
+                _load_rows(mX, g, first_row, rows, col, cols, tXr, tAmax, self.segments, with_amax)
                 for k in cutlass.range_constexpr(self.segments):
-                    amax = tAmax[k]
-                    for step in cutlass.range_constexpr(4):  # the half-warp holding the row
-                        amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << step))
-                    scales = e4m3_scale_inv(amax, self.power_2_scales)
+                    if const_expr(with_amax):
+                        row_amax = tAmax[k]
+                        for step in cutlass.range_constexpr(4):  # the half-warp holding the row
+                            row_amax = cutlass.max(row_amax, cute.arch.shuffle_sync_bfly(row_amax, 1 << step))
+                        scales = e4m3_scale_inv(row_amax, self.power_2_scales)
+                    else:
+                        scales = tensor_scales
                     row = first_row + 2 * k
                     self._store_cast(mData, g, row, rows, col, cols, tXr[k, None], scales)
-                    if row < rows and lane_col == 0:
-                        mScaleInv[g, row, cb] = scales[0]
+                    if row < rows and lane_col == 0 and row % self.block_rows == 0:
+                        mScaleInv[g, row // self.block_rows, cb] = scales[0]
                 item = item + gdim * WARPS
         else:
-            smem = cutlass.memory.SmemAllocator()
-            sAmax = smem.allocate_tensor(Float32, cute.make_layout(WARPS), byte_alignment=16)
             row_blocks = cute.size(mScaleInv, mode=[1])
             num_items = cute.size(mX, mode=[0]) * row_blocks * col_blocks
             item = bidx
@@ -203,19 +307,11 @@ class BlockQuantizeSm90:
                 cb = item % col_blocks
                 col = cb * COLS + lane_col
                 first_row = rb * self.block_rows + warp * 2 * self.segments + half
-                self._load(mX, g, first_row, rows, col, cols, tXr, tAmax)
+                _load_rows(mX, g, first_row, rows, col, cols, tXr, tAmax, self.segments, True)
                 amax = Float32(0.0)
                 for k in cutlass.range_constexpr(self.segments):
                     amax = cutlass.max(amax, tAmax[k])
-                for step in cutlass.range_constexpr(5):
-                    amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << step))
-                if half == 0 and lane_col == 0:
-                    sAmax[warp] = amax
-                cute.arch.sync_threads()
-                for w in cutlass.range_constexpr(WARPS):
-                    amax = cutlass.max(amax, sAmax[w])
-                cute.arch.sync_threads()  # sAmax is rewritten by the next item
-                scales = e4m3_scale_inv(amax, self.power_2_scales)
+                scales = e4m3_scale_inv(_cta_max(amax, sAmax), self.power_2_scales)
                 for k in cutlass.range_constexpr(self.segments):
                     self._store_cast(mData, g, first_row + 2 * k, rows, col, cols, tXr[k, None], scales)
                 if warp == 0 and half == 0 and lane_col == 0:
