@@ -64,7 +64,7 @@ def host_overhead_us():
     fn = compile_grouped_gemm(torch.bfloat16, 128, "swiglu", False, True, 1)
     grid = max_clusters(num_sms(0), 0, 1)
     host = host_us_per_call(lambda: grouped_gemm_sm90(x, w, off, activation="swiglu"))
-    raw = host_us_per_call(lambda: fn(x, w, off, pre, act, None, None, 7.0, 1.702, grid))
+    raw = host_us_per_call(lambda: fn(x, w, off, pre, act, None, None, None, 7.0, 1.702, grid))
     return host, raw
 
 
@@ -89,7 +89,7 @@ def sweep(shapes, rounds):
             for opt, kw in SWEEP.items():
                 fn = compile_grouped_gemm(torch.bfloat16, tile_n, activation, False, True, cluster_m, **kw)
                 grid = max_clusters(num_sms(0), 0, cluster_m)
-                fns[opt] = functools.partial(fn, x, w, offsets, pre, a, None, None, 7.0, 1.702, grid)
+                fns[opt] = functools.partial(fn, x, w, offsets, pre, a, None, None, None, 7.0, 1.702, grid)
                 fns[opt]()
                 if activation is None:  # the scheduler options must not change the result
                     ref = torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets[1:])

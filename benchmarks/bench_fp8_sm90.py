@@ -10,7 +10,9 @@ Per shape (uneven seeded routing; FC1: x (M, H) @ W (E, 2I, H) with SwiGLU and w
                x's amax over its grouped rows)
   + cast       the act cast to E4M3 1x128 blocks: after the kernel (block_quantize_sm90) or in its
                epilogue (grouped_gemm_act_quant_sm90; checked byte for byte against the former);
-               "p2": power-of-two scales (Float8BlockScaling(power_2_scales=True), TE's default)
+               "p2": power-of-two scales (Float8BlockScaling(power_2_scales=True), TE's default);
+               "current": the per-tensor cast after the kernel, its amax from a separate pass or
+               ("+ amax") from the kernel's epilogue (act_amax, what the fp8_current MLP runs)
 Each kernel is first checked against a float64 reference of its own operands (fresh random
 inputs, NaN-poisoned outputs); times are do_bench medians with L2 flushed, the median over rounds
 that rotate the variants' order (`common.rotated_medians`); TFLOPS count 2*M*N*K.
@@ -70,6 +72,12 @@ def check(out, x64, w64, offsets, what):
     return err
 
 
+def current_cast_from_epilogue(x, w, offsets):
+    """FC1 + SwiGLU with the act's amax from the epilogue, then the per-tensor cast (no amax pass)."""
+    _, act, parts = grouped_gemm_sm90(x, w, offsets, activation="swiglu", tile_n=256, act_amax=True)
+    return tensor_quantize_sm90(act, 1, amax_parts=parts)
+
+
 def run_shape(name):
     m, h, i, e = MODEL_SHAPES[name]
     n = 2 * i
@@ -91,6 +99,10 @@ def run_shape(name):
     }
     # FC1 + SwiGLU + E4M3 cast, fused: the same bytes as the plain kernel's act cast afterwards
     _, act = grouped_gemm_sm90(xb, wb, offsets, activation="swiglu", tile_n=256)
+    current = tensor_quantize_sm90(act, 1, offsets)
+    fused = current_cast_from_epilogue(xb, wb, offsets)
+    assert torch.equal(fused[1], current[1]) and torch.equal(fused[0].view(torch.uint8), current[0].view(torch.uint8)), (
+        f"{name}: the current cast from the epilogue's amax differs from the one with an amax pass")
     for p2 in (False, True):
         cast = block_quantize_sm90(act, 1, p2)
         fused = grouped_gemm_act_quant_sm90(xb, wb, offsets, activation="swiglu", power_2_scales=p2)[1:]
@@ -119,6 +131,9 @@ def run_shape(name):
             grouped_gemm_sm90(xb, wb, offsets, activation="swiglu", tile_n=256)[1], 1, True),
         "sm90 bf16 + swiglu + cast p2": lambda: grouped_gemm_act_quant_sm90(
             xb, wb, offsets, activation="swiglu", power_2_scales=True),
+        "sm90 bf16 + swiglu, then current cast": lambda: tensor_quantize_sm90(
+            grouped_gemm_sm90(xb, wb, offsets, activation="swiglu", tile_n=256)[1], 1, offsets),
+        "sm90 bf16 + swiglu + amax, then current cast": lambda: current_cast_from_epilogue(xb, wb, offsets),
     }
     flops = 2 * int(offsets[-1]) * n * h
     times = rotated_medians(variants, bench_us)

@@ -124,7 +124,7 @@ def wrapper_calls(rounds):
     fc1 = _forward_launch(x, w, off, None, "swiglu", None, pre, act, "nk", None, None, None)
     calls = {
         "torch.add(out=), one launch": lambda: torch.add(x, x, out=sum_out),
-        "FC1 kernel entry alone (no wrapper)": lambda: fc1[0](x, w, off, pre, act, None, None, 7.0, 1.702, fc1[-1]),
+        "FC1 kernel entry alone (no wrapper)": lambda: fc1[0](x, w, off, pre, act, None, None, None, 7.0, 1.702, fc1[3]),
         "FC1 fwd + SwiGLU": lambda: grouped_gemm_sm90(x, w, off, activation="swiglu"),
         "FC1 fwd + SwiGLU, preallocated": lambda: grouped_gemm_sm90(x, w, off, activation="swiglu", out=pre, act_out=act),
         "dgrad (W in place), preallocated": lambda: grouped_gemm_sm90(x, w2, off, weight_layout="kn", out=dx),

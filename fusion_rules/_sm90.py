@@ -18,7 +18,7 @@ from te_fused_ops.kernels.grouped_gemm import (
 from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90, sm90_wgrad_unsupported_reason
 from te_fused_ops.ops import Activation, GroupedLinear
 from te_fused_ops.ops.base import is_quantized
-from te_fused_ops.quantization import Float8BlockScaling, Float8CurrentScaling, reuse_or_make
+from te_fused_ops.quantization import Float8BlockScaling, Float8CurrentScaling, QuantizedTensor, reuse_or_make
 
 FP8_KERNEL_RECIPES = (Float8BlockScaling, Float8CurrentScaling)  # what the FP8 GEMM computes in
 
@@ -91,7 +91,8 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
     """The sm90 kernel on the weight (natural layout, GLU too) this call read; fills ctx like the op.
 
     A quantized ``x`` (FP8_KERNEL_RECIPES) runs the block-scaled FP8 kernel on the weight cast
-    with the same recipe on this call. Returns (pre, act) as `grouped_gemm_sm90`.
+    with the same recipe on this call. Returns (pre, act), or with ``act_amax=True`` in
+    ``epilogue`` (pre, act, amax parts), as `grouped_gemm_sm90`.
     """
     weight, bias = ctx.params["weight"], ctx.params.get("bias")
     linear.check_input(x, weight)
@@ -99,17 +100,17 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
     if is_quantized(x):
         w_data, w_scale_inv = quantize_weight_blocks(weight.detach(), x.recipe)
         x_scale_inv = block_multipliers(x.rowwise_scale_inv, x.shape)
-        pre, act = grouped_gemm_fp8_sm90(
+        outputs = grouped_gemm_fp8_sm90(
             x.rowwise_data, x_scale_inv, w_data, w_scale_inv, ctx.side["offsets"],
             bias=bias, activation=activation, out_dtype=x.dtype, **epilogue,
         )
         linear.keep_for_backward(ctx, x, x.recipe)
         if ctx.input_requires_grad:  # the data gradient transposes this cast instead of casting again
             ctx.saved["weight_fp8"] = (w_data, w_scale_inv)
-        return pre, act
-    pre, act = grouped_gemm_sm90(x, weight.detach(), ctx.side["offsets"], bias=bias, activation=activation, **epilogue)
+        return outputs
+    outputs = grouped_gemm_sm90(x, weight.detach(), ctx.side["offsets"], bias=bias, activation=activation, **epilogue)
     linear.keep_for_backward(ctx, x, None)
-    return pre, act
+    return outputs
 
 
 def block_multipliers(scale_inv: torch.Tensor, shape) -> torch.Tensor:
@@ -138,6 +139,20 @@ def cast_kernel(x: torch.Tensor, recipe, block_rows: int, offsets=None):
     if isinstance(recipe, Float8BlockScaling):
         return block_quantize_sm90(x, block_rows, recipe.power_2_scales)
     return tensor_quantize_sm90(x, block_rows, offsets)
+
+
+def quantize_rows(x: torch.Tensor, recipe, offsets, amax_parts=None) -> QuantizedTensor:
+    """``x`` (..., K) as the Quantize op makes it (row-wise data and scales), on the cast kernels;
+    ``amax_parts``: fp8_current's amax from the GEMM epilogue that wrote x."""
+    rows = x.reshape(-1, x.shape[-1])
+    if isinstance(recipe, Float8BlockScaling):
+        data, scale_inv = block_quantize_sm90(rows, 1, recipe.power_2_scales)
+        scale_inv = scale_inv.view(*x.shape[:-1], -1)
+    else:  # one scale, repeated over the grid
+        data, scale_inv = tensor_quantize_sm90(rows, 1, offsets, amax_parts)
+        scale_inv = scale_inv.view(-1)[0] if scale_inv.numel() else torch.ones((), device=x.device)
+    return QuantizedTensor(x.shape, x.dtype, x.device, recipe=recipe, role="activation",
+                           rowwise_data=data.view(x.shape), rowwise_scale_inv=scale_inv, offsets=offsets)
 
 
 def cast_rows(x: torch.Tensor, recipe, offsets):

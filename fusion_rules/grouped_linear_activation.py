@@ -3,6 +3,9 @@
 The fused forward keeps the pre-activation (which the activation's backward needs anyway) and
 not the activation output: the next GroupedLinear's weight gradient recomputes it (memory
 contract: less saved than the unfused chain, which keeps both).
+
+On sm90 an "fp8_current" Quantize after the activation takes its amax from the GEMM's epilogue
+(partial maxima per consumer warp), so the cast kernel runs without an amax pass over the act.
 """
 
 import torch
@@ -10,8 +13,9 @@ import torch
 from te_fused_ops import FusionRule, register_rule
 from te_fused_ops.ops import Activation, GroupedLinear, Quantize, Transpose
 from te_fused_ops.ops.base import Recompute
+from te_fused_ops.quantization import Float8CurrentScaling
 
-from ._sm90 import epilogue_args, kernel_unsupported_reason, run_grouped_gemm
+from ._sm90 import epilogue_args, kernel_unsupported_reason, quantize_rows, run_grouped_gemm
 
 
 def finish_activation(act: Activation, ctx, pre: torch.Tensor, out: torch.Tensor, keep_output: bool) -> torch.Tensor:
@@ -40,6 +44,15 @@ def _forward_sm90(ops, ctxs, x):
     return finish_activation(act, ctxs[1], pre, out, keep_output=False)
 
 
+def _forward_sm90_current_cast(ops, ctxs, x):
+    linear, act, quantize = ops
+    pre, out, amax_parts = run_grouped_gemm(
+        linear, ctxs[0], x, act.kernel_name, act_amax=True, **epilogue_args(act, ctxs[1])
+    )
+    finish_activation(act, ctxs[1], pre, out, keep_output=False)
+    return quantize_rows(out, quantize.recipe, ctxs[2].side["offsets"], amax_parts)
+
+
 def _supports_sm90(ops, info, backend):
     if backend != "sm90":
         return None
@@ -49,6 +62,16 @@ def _supports_sm90(ops, info, backend):
     return kernel_unsupported_reason(ops[0], info, act.kernel_name)
 
 
+def _supports_sm90_current_cast(ops, info, backend):
+    reason = _supports_sm90(ops, info, backend)
+    if backend != "sm90" or reason:
+        return reason
+    if not isinstance(ops[2].recipe, Float8CurrentScaling):
+        return (f"{ops[2].recipe.name}: the act is cast after the kernel (rule 'quantize'); the epilogue makes "
+                "fp8_current's amax only")
+    return None
+
+
 grouped_linear_activation = FusionRule(
     "grouped_linear+activation", pattern=(GroupedLinear, Activation), passes="forward", supports=_supports_sm90
 )
@@ -56,8 +79,10 @@ grouped_linear_activation.implementation("sm90")(_forward_sm90)
 grouped_linear_activation.implementation("torch")(_forward_torch)
 
 grouped_linear_activation_quantize = FusionRule(
-    "grouped_linear+activation+quantize", pattern=(GroupedLinear, Activation, Quantize), passes="forward"
+    "grouped_linear+activation+quantize", pattern=(GroupedLinear, Activation, Quantize), passes="forward",
+    supports=_supports_sm90_current_cast,
 )
+grouped_linear_activation_quantize.implementation("sm90")(_forward_sm90_current_cast)
 grouped_linear_activation_quantize.implementation("torch")(_forward_torch)
 
 grouped_linear_activation_quantize_transpose = FusionRule(

@@ -5,9 +5,8 @@ import torch
 
 from te_fused_ops import FusionRule, register_rule
 from te_fused_ops.ops import Quantize
-from te_fused_ops.quantization import Float8CurrentScaling, QuantizedTensor
 
-from ._sm90 import cast_kernel, casts_on_kernel
+from ._sm90 import casts_on_kernel, quantize_rows
 
 quantize_rule = FusionRule("quantize", pattern=(Quantize,), passes="forward")
 
@@ -31,16 +30,7 @@ def _forward_sm90(ops, ctxs, x):
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if rows.shape[-1] % 8 or rows.data_ptr() % 16:  # the kernel's 16-byte accesses; torch casts the same bytes
         return ops[0].op_forward(ctxs[0], x)
-    recipe, offsets = ops[0].recipe, ctxs[0].side["offsets"]
-    data, scale_inv = cast_kernel(rows, recipe, 1, offsets)
-    if isinstance(recipe, Float8CurrentScaling):  # one scale, repeated over the grid
-        scale_inv = scale_inv.view(-1)[0] if scale_inv.numel() else torch.ones((), device=x.device)
-    else:
-        scale_inv = scale_inv.view(*x.shape[:-1], -1)
-    return QuantizedTensor(
-        x.shape, x.dtype, x.device, recipe=recipe, role="activation",
-        rowwise_data=data.view(x.shape), rowwise_scale_inv=scale_inv, offsets=offsets,
-    )
+    return quantize_rows(rows.view(x.shape), ops[0].recipe, ctxs[0].side["offsets"])
 
 
 @quantize_rule.implementation("torch")

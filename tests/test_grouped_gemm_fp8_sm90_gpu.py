@@ -5,7 +5,15 @@ import math
 
 import pytest
 import torch
-from test_grouped_gemm_sm90_gpu import ALPHA, LIMIT, UNEVEN, offsets_from_splits, reference, rel_err
+from test_grouped_gemm_sm90_gpu import (
+    ALPHA,
+    LIMIT,
+    UNEVEN,
+    check_act_amax,
+    offsets_from_splits,
+    reference,
+    rel_err,
+)
 
 from te_fused_ops.kernels import sm90_unavailable_reason
 from te_fused_ops.kernels.activations import ACTIVATIONS
@@ -67,6 +75,27 @@ def run_case(splits, m, k, n, activation, dtype=torch.bfloat16, has_bias=False, 
     if activation is not None:
         assert rel_err(act, ref_act) <= 1e-2
         assert torch.all(act[end:] == 0)
+
+
+@pytest.mark.parametrize("activation,cluster_m,tile_n", [("swiglu", 2, 128), ("srelu", 1, 192), ("scaled_swiglu", 2, 192)])
+def test_act_amax_from_the_epilogue(activation, cluster_m, tile_n):
+    """The FP8 kernel's act amax parts (fp8_current after an FP8 FC1): as the bf16 kernel's."""
+    torch.manual_seed(2)
+    splits, k, n = [0, 700, 129, 1000], 384, 768
+    m = sum(splits) + 60
+    x = torch.randn(m, k, device="cuda")
+    x[sum(splits):] = 1e4
+    w = torch.randn(len(splits), n, k, device="cuda") / math.sqrt(k)
+    probs = torch.rand(m, device="cuda") if activation == "scaled_swiglu" else None
+    xq, xs, wq, ws, _, _ = quantized_operands(x, w)
+    offsets = offsets_from_splits(splits)
+
+    def run(act_amax):
+        return grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation=activation, probs=probs, tile_n=tile_n,
+                                     cluster_m=cluster_m, act_amax=act_amax)
+
+    glu = ACTIVATIONS[activation].glu
+    check_act_amax(run, (m, n // 2 if glu else n), cluster_m, sum(splits))
 
 
 @pytest.mark.parametrize("activation", [None, "swiglu", "scaled_swiglu", "srelu"])

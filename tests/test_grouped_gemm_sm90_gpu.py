@@ -219,12 +219,63 @@ def test_glu_half_ends_inside_n_tile(activation, tile_n, cluster_m):
     run_case(UNEVEN, 1000, 128, 192, activation, torch.bfloat16, True, tile_n, 8, cluster_m)
 
 
+def act_amax_reference(act, end):
+    """float32 max |act| over the finite values of rows < end (torch's per-tensor amax)."""
+    values = act[:end].float().abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return values.amax() if values.numel() else values.new_zeros(())
+
+
+def check_act_amax(run, act_shape, cluster_m, end):
+    """``run(act_amax)`` -> outputs: with act_amax the same (pre, act) bits, and parts whose max is
+    the act's amax over rows < end; every part written (NaN-poisoned buffer), none negative."""
+    from te_fused_ops.kernels.grouped_gemm import max_clusters
+    from te_fused_ops.kernels.launch import num_sms
+
+    pre, act = run(False)
+    poisoned_empty((max_clusters(num_sms(0), 0, cluster_m) * cluster_m * 8,), torch.float32)
+    pre2, act2, parts = run(True)
+    for got, want in ((pre2, pre), (act2, act)):  # bits: NaN rows included
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert parts.dtype == torch.float32 and parts.dim() == 1
+    assert not torch.isnan(parts).any() and torch.all(parts >= 0)
+    want = act_amax_reference(act, end)
+    assert torch.equal(parts.max(), want), (parts.max().item(), want.item())
+
+
+@pytest.mark.parametrize("activation,tile_n,cluster_m", [("swiglu", 256, 2), ("swiglu", 128, 1), ("srelu", 128, 2),
+                                                         ("scaled_swiglu", 256, 1), ("clamped_swiglu", 128, 2)])
+def test_act_amax_from_the_epilogue(activation, tile_n, cluster_m):
+    """fp8_current's amax of the act from the epilogue: padding rows hold huge values (their act
+    is not an output), one row's act is NaN and one's Inf (finite values only count)."""
+    torch.manual_seed(1)
+    splits, k, n = [300, 0, 1000, 77, 513], 256, 512
+    m = sum(splits) + 100
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    x[sum(splits):] = 3e4
+    x[10, 0] = float("nan")
+    x[20] = 1e20  # pre ~1e21: the act overflows to Inf
+    w = (torch.randn(len(splits), n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
+    probs = torch.rand(m, device="cuda") if activation == "scaled_swiglu" else None
+    offsets = offsets_from_splits(splits)
+
+    def run(act_amax):
+        return grouped_gemm_sm90(x, w, offsets, activation=activation, probs=probs, tile_n=tile_n,
+                                 cluster_m=cluster_m, act_amax=act_amax)
+
+    glu = ACTIVATIONS[activation].glu
+    check_act_amax(run, (m, n // 2 if glu else n), cluster_m, sum(splits))
+
+
 def test_argument_errors():
     x = torch.randn(64, 32, dtype=torch.bfloat16, device="cuda")
     w = torch.randn(2, 64, 32, dtype=torch.bfloat16, device="cuda")
     off = torch.tensor([0, 32, 64], dtype=torch.int32, device="cuda")
     with pytest.raises(TypeError, match="grouped_gemm_sm90: x"):
         grouped_gemm_sm90(x.float(), w, off)
+    with pytest.raises(ValueError, match="grouped_gemm_sm90: act_amax needs an activation"):
+        grouped_gemm_sm90(x, w, off, act_amax=True)
+    with pytest.raises(TypeError, match="grouped_gemm_sm90: act_amax must be a bool"):
+        grouped_gemm_sm90(x, w, off, activation="swiglu", act_amax=1)
     with pytest.raises(TypeError, match="grouped_gemm_sm90: weight"):
         grouped_gemm_sm90(x, w.half(), off)
     with pytest.raises(ValueError, match="grouped_gemm_sm90: x must be contiguous"):

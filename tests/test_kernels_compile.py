@@ -40,6 +40,16 @@ def test_grouped_gemm_compiles(activation, tile_n, dtype, has_bias):
     assert compile_grouped_gemm(dtype, tile_n, activation, has_bias, tvm_ffi=False) is not None
 
 
+@pytest.mark.parametrize("activation,tile_n", [("swiglu", 256), ("scaled_swiglu", 128), ("srelu", 128)])
+def test_grouped_gemm_with_act_amax_compiles(activation, tile_n):
+    """The act's amax parts from the epilogue (fp8_current), bf16 and FP8 kernels."""
+    from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm, compile_grouped_gemm_fp8
+
+    assert compile_grouped_gemm(torch.bfloat16, tile_n, activation, False, False, act_amax=True) is not None
+    if activation != "scaled_swiglu":
+        assert compile_grouped_gemm_fp8(torch.bfloat16, activation, False, False, act_amax=True) is not None
+
+
 @pytest.mark.parametrize("activation,tile_n", [(None, 128), ("swiglu", 256), ("srelu", 128)])
 def test_grouped_gemm_compiles_without_cluster(activation, tile_n):
     from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm

@@ -43,8 +43,23 @@ def grouped_rows(offsets):
     return [slice(bounds[g], bounds[g + 1]) for g in range(len(bounds) - 1)]
 
 
+AMAX_PARTS = []  # the act-amax outputs handed out by the stood-in GEMMs
+
+
+def with_act_amax(outputs, offsets, act_amax):
+    """``outputs`` (pre, act), and with ``act_amax`` the contract's partial maxima of the act's
+    finite |values| over the grouped rows (the amax in one of several parts)."""
+    if not act_amax:
+        return outputs
+    act = outputs[1].float()[: int(offsets.max())]
+    amax = act.abs().nan_to_num(0.0, 0.0, 0.0).amax() if act.numel() else act.new_zeros(())
+    parts = torch.stack([amax / 2, amax, torch.zeros_like(amax)])
+    AMAX_PARTS.append(parts)
+    return (*outputs, parts)
+
+
 def gemm(x, weight, offsets, *, bias=None, activation=None, probs=None, limit=7.0, alpha=1.702, out=None,
-         act_out=None, weight_layout="nk", **_):
+         act_out=None, weight_layout="nk", act_amax=False, **_):
     """`grouped_gemm_sm90`'s contract in float32 (rows past offsets[G] zero)."""
     w = weight if weight_layout == "nk" else weight.transpose(1, 2)
     pre = x.new_zeros(x.shape[0], w.shape[1], dtype=torch.float32)
@@ -55,7 +70,7 @@ def gemm(x, weight, offsets, *, bias=None, activation=None, probs=None, limit=7.
     for value, buffer in ((pre, out), (act, act_out)):
         value = None if value is None else value.to(x.dtype)
         results.append(value if buffer is None or value is None else buffer.copy_(value))
-    return tuple(results)
+    return with_act_amax(tuple(results), offsets, act_amax)
 
 
 def dgrad_dact(dy, weight, offsets, pre, *, activation, probs=None, limit=7.0, alpha=1.702, **_):
@@ -82,7 +97,7 @@ def _expand(scale_inv, sizes):
 
 
 def fp8_gemm(x, x_scale_inv, weight, weight_scale_inv, offsets, *, bias=None, activation=None, probs=None,
-             limit=7.0, alpha=1.702, out_dtype=torch.bfloat16, **_):
+             limit=7.0, alpha=1.702, out_dtype=torch.bfloat16, act_amax=False, **_):
     """`grouped_gemm_fp8_sm90`'s contract in float32: dequantized operands, act from fp32 pre."""
     assert probs is None and activation in (None, *ACTIVATIONS)
     x32 = x.float() * _expand(x_scale_inv, x.shape[-1:])
@@ -93,7 +108,7 @@ def fp8_gemm(x, x_scale_inv, weight, weight_scale_inv, offsets, *, bias=None, ac
         rows = slice(bounds[g], bounds[g + 1])
         pre[rows] = x32[rows] @ w32[g].t() + (0 if bias is None else bias[g].float())
     act = None if activation is None else ACTIVATIONS[activation](pre).to(out_dtype)
-    return pre.to(out_dtype), act
+    return with_act_amax((pre.to(out_dtype), act), offsets, act_amax)
 
 
 CASTS = []  # block_rows of each stood-in cast
@@ -109,12 +124,16 @@ def block_cast(x, block_rows, power_2_scales=False):
     return q.rowwise_data, q.rowwise_scale_inv
 
 
-def tensor_cast(x, block_rows, offsets=None):
-    """`tensor_quantize_sm90`'s contract: the torch quantizer's data, its one scale over the grid."""
+def tensor_cast(x, block_rows, offsets=None, amax_parts=None):
+    """`tensor_quantize_sm90`'s contract: the torch quantizer's data, its one scale over the grid
+    (from ``amax_parts`` when given: they must hold the amax of x's grouped rows)."""
     CASTS.append(block_rows)
     CAST_POWER_2.append(False)
     assert (offsets is not None) == (block_rows == 1), "rows are cast with their offsets, weights without"
     q = quantize(x, "fp8_current", offsets=offsets) if block_rows == 1 else quantize_weight(x, "fp8_current")
+    if amax_parts is not None:
+        assert any(parts is amax_parts for parts in AMAX_PARTS), "amax parts not from the GEMM that wrote x"
+        assert torch.equal(amax_parts.max() / torch.tensor(448.0), q.rowwise_scale_inv)
     grid = (-(-x.shape[-2] // block_rows), -(-x.shape[-1] // 128))
     return q.rowwise_data, q.rowwise_scale_inv.expand(*x.shape[:-2], *grid).contiguous()
 
@@ -214,16 +233,22 @@ def test_bf16_plan_glue_matches_the_torch_backend(act, sm90_stand_ins, monkeypat
 @pytest.mark.parametrize("quantize_x", [True, False])  # False: the recipe's MLP, FC1 in bf16
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_blockwise_pow2", "fp8_current"])
 def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins, monkeypatch):
+    current = recipe == "fp8_current"
     if recipe == "fp8_blockwise_pow2":
         recipe = Float8BlockScaling(power_2_scales=True)
     seq = fp8_mlp(recipe, quantize_x)
     x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
+    x.data[SPLITS.sum():] = 1e4  # padding rows: no part of any amax
     dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
     text = seq.explain(x, split_sizes=SPLITS)
     first = int(quantize_x)  # index of FC1
+    # fp8_current: the act's amax from FC1's epilogue; fp8_blockwise: the act cast after FC1
+    fc1_forward = ([f"[{first}:{first + 3}] GroupedLinear, SwiGLU, Quantize -> rule "
+                    "'grouped_linear+activation+quantize' (backend sm90)"] if current else
+                   [f"[{first}:{first + 2}] GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend sm90)",
+                    f"[{first + 2}] Quantize -> rule 'quantize' (backend sm90)"])
     expected = [
-        f"[{first}:{first + 2}] GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend sm90)",
-        f"[{first + 2}] Quantize -> rule 'quantize' (backend sm90)",
+        *fc1_forward,
         f"[{first + 3}:{first + 5}] Transpose, GroupedLinear -> rule 'transpose+grouped_linear' (backend sm90)",
         f"[{first + 1}:{first + 5}] SwiGLU, Quantize, Transpose, GroupedLinear -> rule "
         "'dactivation+quantize+transpose+grouped_linear' (backend sm90)",
@@ -237,7 +262,9 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
     CAST_POWER_2.clear()
     UNCASTS.clear()
     DACT_FP8_CALLS.clear()
+    AMAX_PARTS.clear()
     got = step(seq, x, dy)
+    assert len(AMAX_PARTS) == int(current), AMAX_PARTS
     power_2 = isinstance(recipe, Float8BlockScaling) and recipe.power_2_scales
     assert CAST_POWER_2 == [power_2] * len(CASTS), CAST_POWER_2
     assert DACT_FP8_CALLS == [(G, I, H)], DACT_FP8_CALLS  # FC2's dgrad + dSwiGLU: one FP8 kernel

@@ -5,9 +5,10 @@
 (data like x in E4M3, scale_inv float32 (M, ceil(K/128)) or (G, ceil(N/128), ceil(K/128))), bit for
 bit the torch quantizer of ``Float8BlockScaling(power_2_scales)``.
 
-``tensor_quantize_sm90(x, block_rows, offsets=None)``: the same shapes with one scale for the
-whole tensor (``Float8CurrentScaling``; with ``offsets`` the amax covers x (M, K)'s grouped rows
-only), its multipliers broadcast to the grid the FP8 GEMM reads: an amax launch, then the cast.
+``tensor_quantize_sm90(x, block_rows, offsets=None, amax_parts=None)``: the same shapes with one
+scale for the whole tensor (``Float8CurrentScaling``; with ``offsets`` the amax covers x (M, K)'s
+grouped rows only), its multipliers broadcast to the grid the FP8 GEMM reads: an amax launch, then
+the cast; or only the cast, from the amax parts the producing GEMM's epilogue wrote.
 
 ``block_dequantize_sm90(data, scale_inv, dtype)``: the inverse for 1 x 128 blocks, data (M, K)
 E4M3 and multipliers (M, ceil(K/128)) -> (M, K) ``dtype``, bit for bit
@@ -166,14 +167,25 @@ def block_quantize_sm90(x: torch.Tensor, block_rows: int, power_2_scales: bool =
     return _as_given(x, data, scale_inv)
 
 
-def tensor_quantize_sm90(x: torch.Tensor, block_rows: int, offsets: torch.Tensor = None):
+def tensor_quantize_sm90(x: torch.Tensor, block_rows: int, offsets: torch.Tensor = None,
+                         amax_parts: torch.Tensor = None):
     """(data, multipliers) of ``x`` cast with one scale (fp8_current): ``scale_inv = amax / 448``
     (1 where 0), amax over x's finite values, or with ``offsets`` (G+1,) int32 (x (M, K) only)
     over its rows below ``clamp(max(offsets), 0, M)``; multipliers that scale in every block of
-    the 1 x 128 / 128 x 128 grid of `block_quantize_sm90`. Two launches, no host sync."""
+    the 1 x 128 / 128 x 128 grid of `block_quantize_sm90`. Two launches, no host sync.
+
+    ``amax_parts``: (P,) float32 whose max is that amax (the ``act_amax`` output of the GEMM that
+    wrote x); then only the cast runs and ``offsets`` is not used."""
     name = "tensor_quantize_sm90"
     x3 = _cast_input(name, x, block_rows)
-    if offsets is not None:
+    if amax_parts is not None:
+        if not isinstance(amax_parts, torch.Tensor) or amax_parts.dtype != torch.float32:
+            raise TypeError(f"{name}: amax_parts must be a float32 tensor, got "
+                            f"{getattr(amax_parts, 'dtype', type(amax_parts).__name__)}")
+        if amax_parts.dim() != 1 or not amax_parts.is_contiguous() or amax_parts.device != x.device:
+            raise ValueError(f"{name}: amax_parts must be a contiguous 1-D tensor on x's device, got shape "
+                             f"{tuple(amax_parts.shape)} on {amax_parts.device}")
+    elif offsets is not None:
         if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32:
             raise TypeError(f"{name}: offsets must be an int32 tensor, got {getattr(offsets, 'dtype', type(offsets).__name__)}")
         if offsets.dim() != 1 or not offsets.is_contiguous() or offsets.device != x.device:
@@ -185,8 +197,10 @@ def tensor_quantize_sm90(x: torch.Tensor, block_rows: int, offsets: torch.Tensor
     if not x3.numel():
         return _as_given(x, data, scale_inv.fill_(1.0))
     ctas = _row_item_ctas(x3)
-    parts = torch.empty(min(ctas, num_sms(x.get_device()) * AMAX_CTAS_PER_SM), dtype=torch.float32, device=x.device)
-    _launch(compile_tensor_amax(x.dtype, offsets is not None), (x3, offsets, parts))
+    parts = amax_parts
+    if parts is None:
+        parts = torch.empty(min(ctas, num_sms(x.get_device()) * AMAX_CTAS_PER_SM), dtype=torch.float32, device=x.device)
+        _launch(compile_tensor_amax(x.dtype, offsets is not None), (x3, offsets, parts))
     _launch(compile_block_quantize(x.dtype, block_rows, None, False, True), (x3, data, scale_inv, parts), ctas)
     return _as_given(x, data, scale_inv)
 

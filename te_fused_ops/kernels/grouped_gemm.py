@@ -158,6 +158,13 @@ def _fp8_operand_fakes(m, k, g, n):
     )
 
 
+def _amax_parts_fake():
+    import cutlass
+    import cutlass.cute as cute
+
+    return fake_tensor(cutlass.Float32, (cute.sym_int(),), 4)
+
+
 def _compile(kernel, args, tvm_ffi):
     """The launcher of ``kernel`` on tensors ``args`` then (limit, alpha, max_clusters)."""
     import cutlass
@@ -167,10 +174,11 @@ def _compile(kernel, args, tvm_ffi):
 
 @functools.cache
 def compile_grouped_gemm(
-    dtype, tile_n, activation, has_bias, tvm_ffi=None, cluster_m=2, weight_layout="nk", **kernel_opts
+    dtype, tile_n, activation, has_bias, tvm_ffi=None, cluster_m=2, weight_layout="nk", act_amax=False,
+    **kernel_opts
 ):
     """Compile (once per configuration) and return the launcher of ``grouped_gemm_sm90``:
-    fn(x, weight, offsets, pre, act, bias, probs, limit, alpha, max_clusters[, stream])."""
+    fn(x, weight, offsets, pre, act, bias, probs, act_amax, limit, alpha, max_clusters[, stream])."""
     import cutlass
     import cutlass.cute as cute
 
@@ -186,9 +194,10 @@ def compile_grouped_gemm(
         fake_tensor(dt, (m, n_act if glu else n)) if spec is not None else None,
         fake_tensor(dt, (g, n)) if has_bias else None,
         fake_tensor(cutlass.Float32, (m,), 4) if spec is not None and spec.takes_probs else None,
+        _amax_parts_fake() if act_amax else None,
     )
     b_major = {"nk": "k", "kn": "mn"}[weight_layout]
-    kernel = GroupedGemmActSm90(dt, tile_n, activation, has_bias, b_major, cluster_m, **kernel_opts)
+    kernel = GroupedGemmActSm90(dt, tile_n, activation, has_bias, b_major, cluster_m, act_amax=act_amax, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -276,9 +285,10 @@ def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2,
 
 
 @functools.cache
-def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_m=2, tile_n=128, **kernel_opts):
+def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_m=2, tile_n=128, act_amax=False,
+                             **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_gemm_fp8_sm90``:
-    fn(x, x_scale, weight, weight_scale, offsets, pre, act, bias, probs, limit, alpha, max_clusters)."""
+    fn(x, x_scale, weight, weight_scale, offsets, pre, act, bias, probs, act_amax, limit, alpha, max_clusters)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -296,8 +306,9 @@ def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_
         fake_tensor(dt, (m, n_act if glu else n)) if spec is not None else None,
         fake_tensor(dt, (g, n)) if has_bias else None,
         fake_tensor(cutlass.Float32, (m,), 4) if spec is not None and spec.takes_probs else None,
+        _amax_parts_fake() if act_amax else None,
     )
-    kernel = GroupedGemmActFp8Sm90(dt, activation, has_bias, cluster_m, tile_n, **kernel_opts)
+    kernel = GroupedGemmActFp8Sm90(dt, activation, has_bias, cluster_m, tile_n, act_amax=act_amax, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -354,7 +365,7 @@ _MEMO = LaunchMemo()  # argument signature -> validated launch (both wrappers; k
 
 def grouped_gemm_sm90(
     x, weight, offsets, *, bias=None, activation=None, probs=None, limit=7.0, alpha=1.702, out=None,
-    act_out=None, weight_layout="nk", tile_n=None, cluster_m=None, sm_margin=None,
+    act_out=None, weight_layout="nk", tile_n=None, cluster_m=None, sm_margin=None, act_amax=False,
 ):
     """pre = x_g @ W[g].T ("nk") or x_g @ W[g] ("kn") (+ b[g]) per row group, act = activation(pre).
 
@@ -366,37 +377,64 @@ def grouped_gemm_sm90(
     Rows >= offsets[G] are zero. No host sync; the launch depends on shapes only.
     tile_n (128 or 256) and cluster_m (1: no W multicast, 2) override the heuristic;
     sm_margin: SMs to leave free (default: env TE_FUSED_OPS_SM_MARGIN, else 0).
+    ``act_amax``: also return (P,) float32 partial maxima of |act| over the grouped rows (finite
+    values, as stored) whose max is the act's amax (`tensor_quantize_sm90`'s ``amax_parts``).
     Checks run once per argument signature (`launch.call_signature`); repeats only launch.
     """
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, x, weight, offsets, bias, probs, out, act_out),
-        _FWD, activation, weight_layout, tile_n, cluster_m, sm_margin, sm_margin_setting(),
+        _FWD, activation, weight_layout, tile_n, cluster_m, sm_margin, sm_margin_setting(), act_amax,
     )
-    args = (x, weight, offsets, bias, activation, probs, out, act_out, weight_layout, tile_n, cluster_m, sm_margin)
+    args = (x, weight, offsets, bias, activation, probs, out, act_out, weight_layout, tile_n, cluster_m, sm_margin,
+            act_amax)
     launch = _MEMO.get(key) or _MEMO.put(key, _forward_launch(*args))
-    fn, pre_shape, act_shape, clusters = launch
+    fn, pre_shape, act_shape, clusters, num_parts = launch
     pre = out if out is not None else x.new_empty(pre_shape)
     act = act_out if act_out is not None or act_shape is None else x.new_empty(act_shape)
-    _run(fn, tvm_ffi, _forward_launch, args, (x, weight, offsets, pre, act, bias, probs), limit, alpha, clusters)
-    return pre, act
+    parts = _amax_parts(fn, num_parts, x.device)
+    _run(fn, tvm_ffi, _forward_launch, args, (x, weight, offsets, pre, act, bias, probs, parts), limit, alpha,
+         clusters)
+    return (pre, act) if parts is None else (pre, act, parts)
+
+
+def _amax_parts(fn, num_parts, device):
+    """The act-amax output of a launch: None when not asked for (``num_parts`` 0), zeros when
+    nothing is launched (M == 0)."""
+    if not num_parts:
+        return None
+    if fn is None:
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    return torch.empty(num_parts, dtype=torch.float32, device=device)
 
 
 def _forward_launch(
-    x, weight, offsets, bias, activation, probs, out, act_out, weight_layout, tile_n, cluster_m, sm_margin
+    x, weight, offsets, bias, activation, probs, out, act_out, weight_layout, tile_n, cluster_m, sm_margin,
+    act_amax=False,
 ):
     """Every check of `grouped_gemm_sm90`; (launcher or None when M == 0, pre shape, act shape or
-    None, persistent grid in clusters)."""
+    None, persistent grid in clusters, act-amax parts or 0)."""
     m, n, act_shape, tile_n, cluster_m, clusters = _forward_checks(
         _FWD, x, weight, offsets, bias, activation, probs, out, act_out, weight_layout, tile_n, cluster_m, sm_margin
     )
+    num_parts = _check_act_amax(_FWD, act_amax, act_shape, clusters, cluster_m)
     if m == 0:
-        return None, (m, n), act_shape, clusters
-    key = (_FWD, x.dtype, tile_n, activation, bias is not None, tvm_ffi_available(), cluster_m, weight_layout)
+        return None, (m, n), act_shape, clusters, num_parts
+    key = (_FWD, x.dtype, tile_n, activation, bias is not None, tvm_ffi_available(), cluster_m, weight_layout,
+           bool(act_amax))
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_gemm(*key[1:])
-    return fn, (m, n), act_shape, clusters
+    return fn, (m, n), act_shape, clusters, num_parts
+
+
+def _check_act_amax(fn_name, act_amax, act_shape, clusters, cluster_m) -> int:
+    """Entries of the act-amax output (8 per CTA of the largest grid), 0 without act_amax."""
+    if not isinstance(act_amax, bool):
+        raise TypeError(f"{fn_name}: act_amax must be a bool, got {type(act_amax).__name__}")
+    if act_amax and act_shape is None:
+        raise ValueError(f"{fn_name}: act_amax needs an activation")
+    return clusters * cluster_m * 8 if act_amax else 0
 
 
 def _forward_checks(
@@ -483,7 +521,7 @@ def _act_quant_launch(x, weight, offsets, bias, activation, probs, out, weight_l
 def grouped_gemm_fp8_sm90(
     x, x_scale_inv, weight, weight_scale_inv, offsets, *, bias=None, activation=None, probs=None,
     limit=7.0, alpha=1.702, out_dtype=torch.bfloat16, out=None, act_out=None, tile_n=None, cluster_m=None,
-    sm_margin=None,
+    sm_margin=None, act_amax=False,
 ):
     """`grouped_gemm_sm90` ("nk" layout) on block-scaled FP8 operands, outputs in ``out_dtype``.
 
@@ -494,31 +532,32 @@ def grouped_gemm_fp8_sm90(
     bias (G, N), out (M, N), act_out in ``out_dtype`` (bf16/fp16); probs, limit, alpha as for
     `grouped_gemm_sm90`. Returns (pre, act). Each 128-deep block's product is accumulated in fp32
     and scaled on the CUDA cores. tile_n: 128 (default) or 192; cluster_m (1, 2) overrides the
-    heuristic.
+    heuristic. ``act_amax``: also return the act's amax parts, as `grouped_gemm_sm90`.
     No host sync; checks run once per argument signature.
     """
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, x, x_scale_inv, weight, weight_scale_inv, offsets, bias, probs, out, act_out),
-        _FP8, activation, out_dtype, tile_n, cluster_m, sm_margin, sm_margin_setting(),
+        _FP8, activation, out_dtype, tile_n, cluster_m, sm_margin, sm_margin_setting(), act_amax,
     )
     args = (x, x_scale_inv, weight, weight_scale_inv, offsets, bias, activation, probs, out_dtype, out,
-            act_out, tile_n, cluster_m, sm_margin)
+            act_out, tile_n, cluster_m, sm_margin, act_amax)
     launch = _MEMO.get(key) or _MEMO.put(key, _fp8_launch(*args))
-    fn, pre_shape, act_shape, clusters = launch
+    fn, pre_shape, act_shape, clusters, num_parts = launch
     pre = out if out is not None else torch.empty(pre_shape, dtype=out_dtype, device=x.device)
     act = act_out
     if act is None and act_shape is not None:
         act = torch.empty(act_shape, dtype=out_dtype, device=x.device)
-    _run(fn, tvm_ffi, _fp8_launch, args, (x, x_scale_inv, weight, weight_scale_inv, offsets, pre, act, bias, probs),
-         limit, alpha, clusters)
-    return pre, act
+    parts = _amax_parts(fn, num_parts, x.device)
+    _run(fn, tvm_ffi, _fp8_launch, args,
+         (x, x_scale_inv, weight, weight_scale_inv, offsets, pre, act, bias, probs, parts), limit, alpha, clusters)
+    return (pre, act) if parts is None else (pre, act, parts)
 
 
 def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, probs, out_dtype, out, act_out,
-                tile_n, cluster_m, sm_margin):
+                tile_n, cluster_m, sm_margin, act_amax=False):
     """Every check of `grouped_gemm_fp8_sm90`; (launcher or None when M == 0, pre shape, act shape
-    or None, persistent grid in clusters)."""
+    or None, persistent grid in clusters, act-amax parts or 0)."""
     if out_dtype not in DTYPES:
         raise TypeError(f"{_FP8}: out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
     dev, (m, k), (g, n, _) = _check_fp8_operands(_FP8, ("x", x, x_scale), ("weight", weight, weight_scale), offsets)
@@ -532,13 +571,15 @@ def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, pro
     if tile_n not in (None, 128, 192):
         raise ValueError(f"{_FP8}: tile_n must be 128 or 192, got {tile_n!r}")
     _, cluster_m, clusters = _launch_config(_FP8, m, n, g, dev, 128, cluster_m, sm_margin)
+    num_parts = _check_act_amax(_FP8, act_amax, act_shape, clusters, cluster_m)
     if m == 0:
-        return None, (m, n), act_shape, clusters
-    key = (_FP8, out_dtype, activation, bias is not None, tvm_ffi_available(), cluster_m, tile_n or FP8_TILE_N)
+        return None, (m, n), act_shape, clusters, num_parts
+    key = (_FP8, out_dtype, activation, bias is not None, tvm_ffi_available(), cluster_m, tile_n or FP8_TILE_N,
+           bool(act_amax))
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_gemm_fp8(*key[1:])
-    return fn, (m, n), act_shape, clusters
+    return fn, (m, n), act_shape, clusters, num_parts
 
 
 def _check_fp8_operands(fn_name, a, b, offsets):

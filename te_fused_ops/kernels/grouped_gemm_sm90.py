@@ -297,6 +297,9 @@ class GroupedGemmSm90:
     def epi_end_tile(self, params, tile: Tile, n_box, tRS_cD, state):
         """After the tile's last step (all consumer threads)."""
 
+    def epi_end_kernel(self, params, consumer_warp, state):
+        """After the CTA's last tile (all consumer threads; ``consumer_warp`` 0..7)."""
+
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(
@@ -653,6 +656,7 @@ class GroupedGemmSm90:
                 found, seg, seg_first, c_start, c_base = locate_tile(
                     tile_id, c_start, c_base, mOffsets, num_groups, m_total, n_tiles, self.tile_m, self.cluster_m, self.split_tail
                 )
+            self.epi_end_kernel(epi_params, mma_tidx // 32, state)
             if is_store_warp:
                 store_pipe.producer_tail()
 
@@ -788,12 +792,20 @@ class GroupedGemmActSm90(GroupedGemmSm90):
     ``activation``: None or a name of ``activations.ACTIVATIONS``; ``has_bias``. Outputs: pre
     (M, N) (GLU: [gate, up], B rows natural [gate; up] for "k", columns for "mn"), act (M, N/2)
     for GLU, (M, N) for srelu; bias (G, N); probs (M,) float32 when the activation takes probs.
+
+    ``act_amax`` (fp8_current's scale from the producing epilogue): also mActAmax (P,) float32,
+    P >= the CTAs x 8: consumer warp w of CTA b writes the max |act| (as stored, finite values,
+    rows of the groups only) it saw at [b * 8 + w] and zeros at the further indices of its
+    stride; max(mActAmax) is the act's amax.
     """
 
     stores_act = True  # False: a subclass writes the activation itself
 
-    def __init__(self, dtype, tile_n, activation, has_bias, b_major="k", cluster_m=2, **opts):
+    def __init__(self, dtype, tile_n, activation, has_bias, b_major="k", cluster_m=2, act_amax=False, **opts):
         self.spec = activation_spec(activation, "GroupedGemmActSm90")
+        if act_amax and self.spec is None:
+            raise ValueError("act_amax needs an activation")
+        self.act_amax = act_amax
         self.has_bias = has_bias
         glu = self.spec is not None and self.spec.glu
         self.b_boxes = 2 if glu else 1
@@ -816,26 +828,62 @@ class GroupedGemmActSm90(GroupedGemmSm90):
         mAct: cute.Tensor,  # (M, N/2) GLU, (M, N) srelu, None
         mBias: cute.Tensor,  # (G, N) or None
         mProbs: cute.Tensor,  # (M,) float32 or None
+        mActAmax: cute.Tensor,  # (P,) float32 with act_amax, else None
         limit: Float32,
         alpha: Float32,
         max_clusters: Int32,
         stream,
     ):
-        self._launch_forward(mX, mW, mOffsets, mPre, mAct, mBias, mProbs, limit, alpha, max_clusters, stream)
+        self._launch_forward(mX, mW, mOffsets, mPre, mAct, mBias, mProbs, mActAmax, limit, alpha, max_clusters,
+                             stream)
 
     @cute.jit
     def _launch_forward(
-        self, mX, mW, mOffsets, mPre, mAct, mBias, mProbs, limit, alpha, max_clusters, stream, scales=None
+        self, mX, mW, mOffsets, mPre, mAct, mBias, mProbs, mActAmax, limit, alpha, max_clusters, stream, scales=None
     ):
         outputs = (mPre,) if const_expr(self.spec is None) else (mPre, mAct)
         m_total = cute.size(mX, mode=[0])
-        self.launch(mX, mW, mOffsets, outputs, (), (mBias, mProbs, limit, alpha, m_total),
+        self.launch(mX, mW, mOffsets, outputs, (), (mBias, mProbs, limit, alpha, m_total, mActAmax),
                     max_clusters, stream, scales)
+
+    def epi_make_state(self, tiled_copy_r2s):
+        """With act_amax: the thread's running max |act|, over all its tiles."""
+        if not self.act_amax:
+            return None
+        amax = cute.make_rmem_tensor((1,), Float32)
+        amax.fill(0.0)
+        return amax
 
     @cute.jit
     def epi_visit(self, params, tile: Tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
         for v in cutlass.range_constexpr(cute.size(rAcc[0])):
-            self._pre_act(params, tile, chunk, n_box, rAcc, rOut, tRS_cD, v)
+            act = self._pre_act(params, tile, chunk, n_box, rAcc, rOut, tRS_cD, v)
+            if const_expr(self.act_amax):
+                stored = act.to(self.dtype).to(Float32)  # the amax of what the cast will read
+                magnitude = cutlass.max(stored, -stored)
+                row = tile.row0 + tRS_cD[v][0]
+                col = chunk * self.epi_n + tRS_cD[v][1]
+                # NaN and Inf count as 0; padding rows and columns past the act's width not at all
+                if magnitude < Float32(float("inf")) and tile.is_group and row < tile.end and col < n_box:
+                    state[0] = cutlass.max(state[0], magnitude)
+
+    @cute.jit
+    def epi_end_kernel(self, params, consumer_warp, state):
+        if const_expr(self.act_amax):
+            mActAmax = params[5]
+            amax = state[0]
+            for step in cutlass.range_constexpr(5):
+                amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << step))
+            bidx, _, _ = cute.arch.block_idx()
+            gdim, _, _ = cute.arch.grid_dim()
+            warps = 4 * self.num_mma_wg
+            first = bidx * warps + consumer_warp
+            if cute.arch.lane_idx() == 0:
+                for j in cutlass.range(first, cute.size(mActAmax), gdim * warps):
+                    value = Float32(0.0)
+                    if j == first:
+                        value = amax
+                    mActAmax[j] = value
 
     @cute.jit
     def _pre(self, params, tile: Tile, chunk, n_box, rAcc, rOut, tRS_cD, v):
@@ -912,7 +960,7 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
         stream,
     ):
         m_total = cute.size(mX, mode=[0])
-        self.launch(mX, mW, mOffsets, (mPre,), (), (mBias, mProbs, limit, alpha, m_total, mActData, mActScale),
+        self.launch(mX, mW, mOffsets, (mPre,), (), (mBias, mProbs, limit, alpha, m_total, None, mActData, mActScale),
                     max_clusters, stream)
 
     def epi_make_state(self, tiled_copy_r2s):
@@ -930,7 +978,7 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
 
     @cute.jit
     def epi_begin_tile(self, params, tile: Tile, n_box, tRS_rAcc, tRS_cD, state):
-        m_total, mActScale = params[4], params[6]
+        m_total, mActScale = params[4], params[7]
         scales, acts = state[0], state[1]
         frag = len(self.row_slot)
         rAcc = [cute.make_rmem_tensor((frag,), Float32) for _ in range(self.b_boxes)]
@@ -963,7 +1011,7 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
 
     @cute.jit
     def epi_visit(self, params, tile: Tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
-        m_total, mActData = params[4], params[5]
+        m_total, mActData = params[4], params[6]
         (scale_inv, m1, m2), acts, scaled, data = state
         frag = cute.size(rAcc[0])
         for v in cutlass.range_constexpr(frag):
@@ -1007,10 +1055,11 @@ class GroupedGemmActFp8Sm90(GroupedGemmActSm90):
         mAct: cute.Tensor,  # (M, N/2) GLU, (M, N) srelu, None
         mBias: cute.Tensor,  # (G, N) or None
         mProbs: cute.Tensor,  # (M,) float32 or None
+        mActAmax: cute.Tensor,  # (P,) float32 with act_amax, else None
         limit: Float32,
         alpha: Float32,
         max_clusters: Int32,
         stream,
     ):
-        self._launch_forward(mX, mW, mOffsets, mPre, mAct, mBias, mProbs, limit, alpha, max_clusters, stream,
-                             (mXScale, mWScale))
+        self._launch_forward(mX, mW, mOffsets, mPre, mAct, mBias, mProbs, mActAmax, limit, alpha, max_clusters,
+                             stream, (mXScale, mWScale))
