@@ -132,33 +132,32 @@ def casts_on_kernel(recipe) -> bool:
     return isinstance(recipe, FP8_KERNEL_RECIPES)
 
 
-def cast_kernel(x: torch.Tensor, recipe, block_rows: int, offsets=None):
+def cast_kernel(x: torch.Tensor, recipe, block_rows: int, offsets=None, amax_parts=None):
     """(data, multipliers) of ``x`` cast with ``recipe`` (`casts_on_kernel`) in 1 x 128
     (block_rows 1, x (M, K)) or 128 x 128 blocks (x (G, N, K)); a per-tensor scale fills its
-    grid. ``offsets``: the grouped rows of x (M, K), which alone set a per-tensor scale."""
+    grid. ``offsets``: the grouped rows of x (M, K), which alone set a per-tensor scale;
+    ``amax_parts``: that scale's amax from the kernel that wrote x (fp8_current)."""
     if isinstance(recipe, Float8BlockScaling):
         return block_quantize_sm90(x, block_rows, recipe.power_2_scales)
-    return tensor_quantize_sm90(x, block_rows, offsets)
+    return tensor_quantize_sm90(x, block_rows, offsets, amax_parts)
 
 
 def quantize_rows(x: torch.Tensor, recipe, offsets, amax_parts=None) -> QuantizedTensor:
     """``x`` (..., K) as the Quantize op makes it (row-wise data and scales), on the cast kernels;
     ``amax_parts``: fp8_current's amax from the GEMM epilogue that wrote x."""
-    rows = x.reshape(-1, x.shape[-1])
+    data, scale_inv = cast_kernel(x.reshape(-1, x.shape[-1]), recipe, 1, offsets, amax_parts)
     if isinstance(recipe, Float8BlockScaling):
-        data, scale_inv = block_quantize_sm90(rows, 1, recipe.power_2_scales)
         scale_inv = scale_inv.view(*x.shape[:-1], -1)
     else:  # one scale, repeated over the grid
-        data, scale_inv = tensor_quantize_sm90(rows, 1, offsets, amax_parts)
         scale_inv = scale_inv.view(-1)[0] if scale_inv.numel() else torch.ones((), device=x.device)
     return QuantizedTensor(x.shape, x.dtype, x.device, recipe=recipe, role="activation",
                            rowwise_data=data.view(x.shape), rowwise_scale_inv=scale_inv, offsets=offsets)
 
 
-def cast_rows(x: torch.Tensor, recipe, offsets):
+def cast_rows(x: torch.Tensor, recipe, offsets, amax_parts=None):
     """(data, multipliers) of a gradient or activation (M, K) for the FP8 kernel: 1x128 blocks,
-    or one scale from the grouped rows' amax (fp8_current)."""
-    return cast_kernel(x, recipe, 1, offsets)
+    or one scale from the grouped rows' amax (fp8_current; from ``amax_parts`` when given)."""
+    return cast_kernel(x, recipe, 1, offsets, amax_parts)
 
 
 def dequantize_rows(x):
@@ -202,11 +201,12 @@ def linear_param_grads(ctx, dy: torch.Tensor, x: torch.Tensor = None) -> dict:
     return grads
 
 
-def linear_backward(linear: GroupedLinear, ctx, dy):
+def linear_backward(linear: GroupedLinear, ctx, dy, dy_amax_parts=None):
     """GroupedLinear's backward on sm90: dx = dy @ W[g] (W read in place) and the parameter grads.
 
-    After an FP8 forward the data gradient is an FP8 GEMM: dy cast with the forward's recipe, W
-    as the forward cast it, transposed (the kernel reads K-major operands); the weight gradient
+    After an FP8 forward the data gradient is an FP8 GEMM: dy cast with the forward's recipe
+    (fp8_current: its amax from ``dy_amax_parts`` when the kernel that wrote dy made them), W as
+    the forward cast it, transposed (the kernel reads K-major operands); the weight gradient
     stays bf16 (dy as it came, x dequantized on a kernel). A quantized dy takes the torch path."""
     recipe = ctx.saved["recipe"]
     if is_quantized(dy):
@@ -219,15 +219,15 @@ def linear_backward(linear: GroupedLinear, ctx, dy):
             dx = grouped_gemm_sm90(dy, ctx.saved["weight"].detach(), offsets, weight_layout="kn")[0]
         return dx, linear_param_grads(ctx, dy)
     if ctx.input_requires_grad:
-        dx = grouped_gemm_fp8_sm90(*fp8_dgrad_operands(ctx, dy, recipe), offsets, out_dtype=dy.dtype)[0]
+        dx = grouped_gemm_fp8_sm90(*fp8_dgrad_operands(ctx, dy, recipe, dy_amax_parts), offsets, out_dtype=dy.dtype)[0]
     return dx, quantized_input_param_grads(ctx, dy)
 
 
-def fp8_dgrad_operands(ctx, dy, recipe):
+def fp8_dgrad_operands(ctx, dy, recipe, dy_amax_parts=None):
     """(dy data, multipliers, W^T data (G, in, out), multipliers) of a GroupedLinear's FP8 data
     gradient after an FP8 forward: dy cast with the forward's recipe, W as the forward cast it,
     transposed (FP8 WGMMA reads K-major operands)."""
-    dy_data, dy_scale_inv = cast_rows(dy, recipe, ctx.side["offsets"])
+    dy_data, dy_scale_inv = cast_rows(dy, recipe, ctx.side["offsets"], dy_amax_parts)
     w_data, w_scale_inv = quantize_weight_blocks(
         ctx.saved["weight"].detach(), recipe, transposed=True, cast=ctx.saved.get("weight_fp8")
     )

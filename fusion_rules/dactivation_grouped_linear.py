@@ -8,6 +8,9 @@ output); after a Quantize (fp8_blockwise / fp8_current) the GEMM runs on FP8 ope
 1x128, the forward's weight cast transposed) and the weight gradient reads the quantized input
 dequantized, as the torch backend does. The torch backend is the reference: the same steps in
 sequence, one rule, one plan step.
+
+With "fp8_current" the rules that also take the preceding GroupedLinear (FC1) hand d_pre's amax
+from the kernel's epilogue to FC1's data gradient, whose cast of d_pre then skips its amax pass.
 """
 
 from te_fused_ops import FusionRule, register_rule
@@ -19,6 +22,7 @@ from te_fused_ops.kernels.grouped_gemm import (
 )
 from te_fused_ops.ops import Activation, GroupedLinear, Quantize, Transpose
 from te_fused_ops.ops.base import is_quantized
+from te_fused_ops.quantization import Float8CurrentScaling
 
 from ._sm90 import (
     FP8_KERNEL_RECIPES,
@@ -26,6 +30,7 @@ from ._sm90 import (
     emulated_recipe_reason,
     epilogue_args,
     fp8_dgrad_operands,
+    linear_backward,
     linear_param_grads,
     quantized_input_param_grads,
 )
@@ -86,28 +91,52 @@ def _backward_sm90(ops, ctxs, dy):
     return d_pre, [_act_grads(act_ctx, d_probs), linear_param_grads(linear_ctx, dy, x=out)]
 
 
-def _backward_fp8_sm90(ops, ctxs, dy):
+def _backward_fp8_sm90(ops, ctxs, dy, d_pre_amax=False):
     """One kernel: d_pre = act'(pre) * (dy @ W[g]) on FP8 operands (the forward's recipe); then
     the bf16 weight gradient on the dequantized input. Quantize and Transpose pass dy through.
-    A quantized dy takes the torch path."""
+    A quantized dy takes the torch path. With ``d_pre_amax`` also returns d_pre's amax parts
+    (None after the torch path)."""
     act = ops[0]
     act_ctx, linear_ctx = ctxs[0], ctxs[-1]
     if is_quantized(dy):
-        return _backward_torch(ops, ctxs, dy)
+        d_pre, grads = _backward_torch(ops, ctxs, dy)
+        return (d_pre, grads, None) if d_pre_amax else (d_pre, grads)
     dy = dy.contiguous()
-    d_pre, d_probs = grouped_dgrad_dact_fp8_sm90(
+    d_pre, d_probs, *amax_parts = grouped_dgrad_dact_fp8_sm90(
         *fp8_dgrad_operands(linear_ctx, dy, linear_ctx.saved["recipe"]),
         linear_ctx.side["offsets"],
         act_ctx.load_input(),
         activation=act.kernel_name,
+        d_pre_amax=d_pre_amax,
         **epilogue_args(act, act_ctx),
     )
     passed_through = [{} for _ in ops[1:-1]]
-    return d_pre, [_act_grads(act_ctx, d_probs), *passed_through, quantized_input_param_grads(linear_ctx, dy)]
+    grads = [_act_grads(act_ctx, d_probs), *passed_through, quantized_input_param_grads(linear_ctx, dy)]
+    return (d_pre, grads, *amax_parts)
 
 
-def _rule(name: str, pattern, sm90) -> FusionRule:
-    rule = FusionRule(name, pattern=pattern, passes="backward", supports=_supports_sm90)
+def _supports_with_fc1(ops, info, backend):
+    """fp8_current all the way: FC1's input and FC2's cast in it, FC1's input needing its
+    gradient (the cast of d_pre this rule feeds), both backwards on the kernels."""
+    if backend != "sm90":
+        return None
+    if not isinstance(info.input_recipe[0], Float8CurrentScaling):
+        return "FC1's input is not fp8_current (no per-tensor cast of d_pre to feed)"
+    if not info.input_requires_grad[0]:
+        return "FC1's input needs no gradient (no cast of d_pre)"
+    return _supports_sm90(ops[1:], info.window(1, len(ops)), backend) or backward_unsupported_reason(ops[0], info, 0)
+
+
+def _backward_with_fc1_sm90(ops, ctxs, dy):
+    """`_backward_fp8_sm90` with d_pre's amax from its epilogue, then FC1's backward
+    (`linear_backward`), whose fp8_current cast of d_pre takes that amax."""
+    d_pre, grads, amax_parts = _backward_fp8_sm90(ops[1:], ctxs[1:], dy, d_pre_amax=True)
+    dx, fc1_grads = linear_backward(ops[0], ctxs[0], d_pre, amax_parts)
+    return dx, [fc1_grads, *grads]
+
+
+def _rule(name: str, pattern, sm90, supports=_supports_sm90) -> FusionRule:
+    rule = FusionRule(name, pattern=pattern, passes="backward", supports=supports)
     rule.implementation("torch")(_backward_torch)
     rule.implementation("sm90")(sm90)
     return register_rule(rule)
@@ -120,4 +149,12 @@ dactivation_quantize_grouped_linear = _rule(
 dactivation_quantize_transpose_grouped_linear = _rule(
     "dactivation+quantize+transpose+grouped_linear", (Activation, Quantize, Transpose, GroupedLinear),
     _backward_fp8_sm90,
+)
+grouped_linear_dactivation_quantize_grouped_linear = _rule(
+    "grouped_linear+dactivation+quantize+grouped_linear", (GroupedLinear, Activation, Quantize, GroupedLinear),
+    _backward_with_fc1_sm90, _supports_with_fc1,
+)
+grouped_linear_dactivation_quantize_transpose_grouped_linear = _rule(
+    "grouped_linear+dactivation+quantize+transpose+grouped_linear",
+    (GroupedLinear, Activation, Quantize, Transpose, GroupedLinear), _backward_with_fc1_sm90, _supports_with_fc1,
 )

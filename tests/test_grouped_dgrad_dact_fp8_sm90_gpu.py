@@ -60,6 +60,35 @@ def run(splits, m, h, i, activation, dtype=torch.bfloat16, seed=0, **cfg):
         assert d_probs is None
 
 
+@pytest.mark.parametrize("activation,cluster_m", [("swiglu", 2), ("scaled_swiglu", 1), ("srelu", 2),
+                                                ("clamped_swiglu", 1)])
+def test_d_pre_amax_from_the_epilogue(activation, cluster_m):
+    """fp8_current's amax of d_pre from the epilogue (gate and up halves, grouped rows only, as
+    stored): the same d_pre and d_probs bits, parts whose max is torch's amax, all written."""
+    from test_grouped_gemm_sm90_gpu import act_amax_reference
+
+    from te_fused_ops.kernels.grouped_gemm import max_clusters
+    from te_fused_ops.kernels.launch import num_sms
+
+    splits, m, h, i = UNEVEN, 500, 400, 320
+    fp8, _, _, pre, probs = operands(splits, m, h, i, activation, torch.bfloat16, seed=3)
+    pre[sum(splits):] = 1e4  # padding rows: d_pre is zero there whatever pre holds
+    offsets = offsets_from_splits(splits)
+
+    def run_amax(d_pre_amax):
+        return grouped_dgrad_dact_fp8_sm90(*fp8, offsets, pre, activation=activation, probs=probs, limit=LIMIT,
+                                           alpha=ALPHA, cluster_m=cluster_m, d_pre_amax=d_pre_amax)
+
+    d_pre, d_probs = run_amax(False)
+    poison_allocator(((max_clusters(num_sms(0), 0, cluster_m) * cluster_m * 8,), torch.float32))
+    d_pre2, d_probs2, parts = run_amax(True)
+    assert torch.equal(d_pre2.view(torch.int16), d_pre.view(torch.int16))
+    assert d_probs is None or torch.equal(d_probs2, d_probs)
+    assert not torch.isnan(parts).any() and torch.all(parts >= 0)
+    want = act_amax_reference(d_pre, sum(splits))
+    assert torch.equal(parts.max(), want), (parts.max().item(), want.item())
+
+
 @pytest.mark.parametrize("activation", list(ACTIVATIONS))
 def test_activations_uneven_splits(activation):
     # H=400: a partial 128-deep K block; I=320: a partial n-tile and scale block; 50 padding rows

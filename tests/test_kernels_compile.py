@@ -179,6 +179,8 @@ def test_grouped_dgrad_dact_fp8_compiles(activation, dtype, cluster_m):
     from te_fused_ops.kernels.grouped_gemm import compile_grouped_dgrad_dact_fp8
 
     assert compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=False, cluster_m=cluster_m) is not None
+    # d_pre's amax parts from the epilogue (fp8_current)
+    assert compile_grouped_dgrad_dact_fp8(dtype, activation, False, cluster_m, d_pre_amax=True) is not None
 
 
 def test_transpose_fp8_compiles():

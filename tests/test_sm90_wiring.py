@@ -43,19 +43,22 @@ def grouped_rows(offsets):
     return [slice(bounds[g], bounds[g + 1]) for g in range(len(bounds) - 1)]
 
 
-AMAX_PARTS = []  # the act-amax outputs handed out by the stood-in GEMMs
+AMAX_PARTS = []  # the amax-parts outputs handed out by the stood-in kernels
+
+
+def amax_parts(t, offsets):
+    """The kernels' amax-parts contract for output ``t``: partial maxima of its finite |values|
+    over the grouped rows (the amax in one of several parts)."""
+    rows = t.float()[: int(offsets.max())]
+    amax = rows.abs().nan_to_num(0.0, 0.0, 0.0).amax() if rows.numel() else rows.new_zeros(())
+    parts = torch.stack([amax / 2, amax, torch.zeros_like(amax)])
+    AMAX_PARTS.append(parts)
+    return parts
 
 
 def with_act_amax(outputs, offsets, act_amax):
-    """``outputs`` (pre, act), and with ``act_amax`` the contract's partial maxima of the act's
-    finite |values| over the grouped rows (the amax in one of several parts)."""
-    if not act_amax:
-        return outputs
-    act = outputs[1].float()[: int(offsets.max())]
-    amax = act.abs().nan_to_num(0.0, 0.0, 0.0).amax() if act.numel() else act.new_zeros(())
-    parts = torch.stack([amax / 2, amax, torch.zeros_like(amax)])
-    AMAX_PARTS.append(parts)
-    return (*outputs, parts)
+    """``outputs`` (pre, act), and with ``act_amax`` the act's amax parts."""
+    return (*outputs, amax_parts(outputs[1], offsets)) if act_amax else outputs
 
 
 def gemm(x, weight, offsets, *, bias=None, activation=None, probs=None, limit=7.0, alpha=1.702, out=None,
@@ -141,13 +144,15 @@ def tensor_cast(x, block_rows, offsets=None, amax_parts=None):
 DACT_FP8_CALLS = []
 
 
-def dgrad_dact_fp8(dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, **epilogue):
-    """`grouped_dgrad_dact_fp8_sm90`'s contract: `dgrad_dact` on the dequantized operands, no act."""
+def dgrad_dact_fp8(dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, d_pre_amax=False, **epilogue):
+    """`grouped_dgrad_dact_fp8_sm90`'s contract: `dgrad_dact` on the dequantized operands, no act;
+    with ``d_pre_amax`` also d_pre's amax parts."""
     DACT_FP8_CALLS.append(tuple(weight_t.shape))
     dy_values = dy.float() * _expand(dy_scale_inv, dy.shape[-1:])
     w_values = (weight_t.float() * _expand(weight_t_scale_inv, weight_t.shape[-2:])).transpose(1, 2)
     d_pre, _, d_probs = dgrad_dact(dy_values, w_values, offsets, pre, **epilogue)
-    return d_pre.to(pre.dtype), d_probs
+    d_pre = d_pre.to(pre.dtype)
+    return (d_pre, d_probs, amax_parts(d_pre, offsets)) if d_pre_amax else (d_pre, d_probs)
 
 
 UNCASTS = []  # shapes of each stood-in dequantization
@@ -247,12 +252,17 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
                     "'grouped_linear+activation+quantize' (backend sm90)"] if current else
                    [f"[{first}:{first + 2}] GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend sm90)",
                     f"[{first + 2}] Quantize -> rule 'quantize' (backend sm90)"])
+    # all fp8_current: d_pre's amax from the dAct epilogue, for FC1's data gradient in the same rule
+    backward = ([f"[{first}:{first + 5}] GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear -> rule "
+                 "'grouped_linear+dactivation+quantize+transpose+grouped_linear' (backend sm90)"]
+                if current and quantize_x else
+                [f"[{first + 1}:{first + 5}] SwiGLU, Quantize, Transpose, GroupedLinear -> rule "
+                 "'dactivation+quantize+transpose+grouped_linear' (backend sm90)",
+                 f"[{first}] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)"])
     expected = [
         *fc1_forward,
         f"[{first + 3}:{first + 5}] Transpose, GroupedLinear -> rule 'transpose+grouped_linear' (backend sm90)",
-        f"[{first + 1}:{first + 5}] SwiGLU, Quantize, Transpose, GroupedLinear -> rule "
-        "'dactivation+quantize+transpose+grouped_linear' (backend sm90)",
-        f"[{first}] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)",
+        *backward,
     ]
     if quantize_x:
         expected.append("[0] Quantize -> rule 'quantize' (backend sm90)")
@@ -264,7 +274,7 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
     DACT_FP8_CALLS.clear()
     AMAX_PARTS.clear()
     got = step(seq, x, dy)
-    assert len(AMAX_PARTS) == int(current), AMAX_PARTS
+    assert len(AMAX_PARTS) == int(current) * (1 + quantize_x), AMAX_PARTS  # the act's, d_pre's
     power_2 = isinstance(recipe, Float8BlockScaling) and recipe.power_2_scales
     assert CAST_POWER_2 == [power_2] * len(CASTS), CAST_POWER_2
     assert DACT_FP8_CALLS == [(G, I, H)], DACT_FP8_CALLS  # FC2's dgrad + dSwiGLU: one FP8 kernel

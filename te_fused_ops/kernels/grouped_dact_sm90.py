@@ -15,7 +15,8 @@ saved pre-activation) (M, 2I) [gate, up] for GLU, (M, I) for srelu, loaded per 1
 TMA in the epilogue; d_pre like pre; act (M, I), the FC2 input recomputed for its weight gradient;
 probs (M,) float32; d_probs as per-(n-tile, row) fp32 partials (ceil(I / tile_n), M) summed by the
 caller, so the reduction is deterministic. GLU needs I % 32 == 0 (a gate chunk never reaches into
-the up half).
+the up half). ``d_pre_amax`` (FP8 kernel; fp8_current's scale for FC1's data gradient): also d_pre's
+amax as partial maxima per consumer warp (`grouped_gemm_sm90.write_amax_parts`).
 """
 
 import cutlass
@@ -24,7 +25,15 @@ from cutlass import Float32, Int32, const_expr
 
 from .activation_math_sm90 import ACTIVATION_MATH
 from .activations import activation_spec
-from .grouped_gemm_sm90 import GroupedGemmSm90, Tile, _row_value, fragment_row_slots
+from .grouped_gemm_sm90 import (
+    GroupedGemmSm90,
+    Tile,
+    _row_value,
+    fragment_row_slots,
+    make_amax_state,
+    track_amax,
+    write_amax_parts,
+)
 
 
 class GroupedGemmDActSm90(GroupedGemmSm90):
@@ -32,13 +41,16 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
 
     Compile-time configuration: ``dtype``, ``tile_n`` (over I), ``activation`` (a name of
     ``activations.ACTIVATIONS``), ``cluster_m``, ``b_major`` (bf16: "mn", W (G, H, I) read in
-    place), ``emit_act`` (store act) and the core's options.
+    place), ``emit_act`` (store act), ``d_pre_amax`` (params[5] the amax parts) and the core's
+    options.
     """
 
-    def __init__(self, dtype, tile_n, activation, cluster_m=2, b_major="mn", emit_act=True, **opts):
+    def __init__(self, dtype, tile_n, activation, cluster_m=2, b_major="mn", emit_act=True, d_pre_amax=False,
+                 **opts):
         self.spec = activation_spec(activation, "GroupedGemmDActSm90")
         if self.spec is None:
             raise ValueError("GroupedGemmDActSm90 needs an activation")
+        self.d_pre_amax = d_pre_amax
         # outputs: d_pre (gate and up halves for GLU), act (``emit_act``); input: pre (both halves)
         self.emit_act = emit_act
         self.epi_stores = ((0, 0), (0, 1)) if self.spec.glu else ((0, 0),)
@@ -65,17 +77,19 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
     ):
         m_total = cute.size(mDy, mode=[0])
         self.launch(mDy, mW, mOffsets, (mDPre, mAct), (mPre,),
-                    (mProbs, mDProbsPart, limit, alpha, m_total), max_clusters, stream)
+                    (mProbs, mDProbsPart, limit, alpha, m_total, None), max_clusters, stream)
 
     def epi_make_state(self, tiled_copy_r2s):
-        """scaled_swiglu: per-thread d_probs sums of its rows (fp32), plus a scratch fragment."""
-        if not self.spec.takes_probs:
-            return None
-        self.row_slot, self.slot_value = fragment_row_slots(tiled_copy_r2s, self.epi_tile)
-        return (
-            cute.make_rmem_tensor((len(self.slot_value),), Float32),
-            cute.make_rmem_tensor((len(self.row_slot),), Float32),
-        )
+        """(scaled_swiglu: per-thread d_probs sums of its rows (fp32) and a scratch fragment, else
+        None, None; d_pre_amax: the thread's running max |d_pre|, else None)."""
+        probs = (None, None)
+        if self.spec.takes_probs:
+            self.row_slot, self.slot_value = fragment_row_slots(tiled_copy_r2s, self.epi_tile)
+            probs = (
+                cute.make_rmem_tensor((len(self.slot_value),), Float32),
+                cute.make_rmem_tensor((len(self.row_slot),), Float32),
+            )
+        return (*probs, make_amax_state() if self.d_pre_amax else None)
 
     def epi_begin_tile(self, params, tile: Tile, n_box, tRS_rAcc, tRS_cD, state):
         if const_expr(self.spec.takes_probs):
@@ -83,7 +97,7 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
 
     @cute.jit
     def epi_visit(self, params, tile: Tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
-        mProbs, _, limit, alpha, m_total = params
+        mProbs, _, limit, alpha, m_total = params[:5]
         glu = self.spec.glu
         for v in cutlass.range_constexpr(cute.size(rAcc[0])):
             h = rAcc[0][v]
@@ -97,6 +111,10 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
             rOut[0][v] = h * d_x
             if const_expr(glu):
                 rOut[1][v] = h * d_u
+            if const_expr(self.d_pre_amax):  # gate and up columns alike
+                row, col = tile.row0 + tRS_cD[v][0], chunk * self.epi_n + tRS_cD[v][1]
+                for j in cutlass.range_constexpr(2 if glu else 1):
+                    track_amax(state[2], rOut[j][v], self.dtype, tile, row, col, n_box)
             if const_expr(self.emit_act):
                 rOut[self.num_out - 1][v] = value
         if const_expr(self.spec.takes_probs):
@@ -117,6 +135,11 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
                 if lane % 4 == 0 and row < tile.end:
                     mDProbsPart[tile.nt, row] = total
 
+    @cute.jit
+    def epi_end_kernel(self, params, consumer_warp, state):
+        if const_expr(self.d_pre_amax):
+            write_amax_parts(params[5], state[2], consumer_warp, 4 * self.num_mma_wg)
+
 
 class GroupedGemmDActFp8Sm90(GroupedGemmDActSm90):
     """`GroupedGemmDActSm90` on block-scaled FP8 operands (the FP8 recipe's FC2 data gradient).
@@ -124,7 +147,8 @@ class GroupedGemmDActFp8Sm90(GroupedGemmDActSm90):
     dy (M, H) E4M3 with float32 multipliers dyScale (M, ceil(H/128)) per 1x128 block; W^T
     (G, I, H) E4M3, the forward's 128x128 weight cast transposed per group (K-major, as FP8
     WGMMA needs), with wScale (G, ceil(I/128), ceil(H/128)). tile_n 128. No act output: FC2's
-    weight gradient reads the input the forward quantized.
+    weight gradient reads the input the forward quantized. mDPreAmax (P,) float32 with
+    ``d_pre_amax``, else None.
     """
 
     def __init__(self, dtype, activation, cluster_m=2, **opts):
@@ -143,11 +167,12 @@ class GroupedGemmDActFp8Sm90(GroupedGemmDActSm90):
         mDPre: cute.Tensor,  # like mPre
         mProbs: cute.Tensor,  # (M,) float32 or None
         mDProbsPart: cute.Tensor,  # (ceil(I / 128), M) float32 or None
+        mDPreAmax: cute.Tensor,  # (P,) float32 with d_pre_amax, else None
         limit: Float32,
         alpha: Float32,
         max_clusters: Int32,
         stream,
     ):
         m_total = cute.size(mDy, mode=[0])
-        self.launch(mDy, mW, mOffsets, (mDPre,), (mPre,), (mProbs, mDProbsPart, limit, alpha, m_total),
+        self.launch(mDy, mW, mOffsets, (mDPre,), (mPre,), (mProbs, mDProbsPart, limit, alpha, m_total, mDPreAmax),
                     max_clusters, stream, scales=(mDyScale, mWScale))

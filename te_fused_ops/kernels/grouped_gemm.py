@@ -258,10 +258,10 @@ def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_
 
 
 @functools.cache
-def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2, **kernel_opts):
+def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2, d_pre_amax=False, **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_dgrad_dact_fp8_sm90``:
-    fn(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, d_pre, probs, d_probs_part, limit, alpha,
-    max_clusters)."""
+    fn(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, d_pre, probs, d_probs_part, d_pre_amax, limit,
+    alpha, max_clusters)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -279,8 +279,9 @@ def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2,
         fake_tensor(dt, (m, i_pre)),
         fake_tensor(cutlass.Float32, (m,), 4) if spec.takes_probs else None,
         fake_tensor(cutlass.Float32, (n_tiles, m), 4) if spec.takes_probs else None,
+        _amax_parts_fake() if d_pre_amax else None,
     )
-    kernel = GroupedGemmDActFp8Sm90(dt, activation, cluster_m, **kernel_opts)
+    kernel = GroupedGemmDActFp8Sm90(dt, activation, cluster_m, d_pre_amax=d_pre_amax, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -417,7 +418,7 @@ def _forward_launch(
     m, n, act_shape, tile_n, cluster_m, clusters = _forward_checks(
         _FWD, x, weight, offsets, bias, activation, probs, out, act_out, weight_layout, tile_n, cluster_m, sm_margin
     )
-    num_parts = _check_act_amax(_FWD, act_amax, act_shape, clusters, cluster_m)
+    num_parts = _check_amax_request(_FWD, "act_amax", act_amax, act_shape is not None, clusters, cluster_m)
     if m == 0:
         return None, (m, n), act_shape, clusters, num_parts
     key = (_FWD, x.dtype, tile_n, activation, bias is not None, tvm_ffi_available(), cluster_m, weight_layout,
@@ -428,13 +429,14 @@ def _forward_launch(
     return fn, (m, n), act_shape, clusters, num_parts
 
 
-def _check_act_amax(fn_name, act_amax, act_shape, clusters, cluster_m) -> int:
-    """Entries of the act-amax output (8 per CTA of the largest grid), 0 without act_amax."""
-    if not isinstance(act_amax, bool):
-        raise TypeError(f"{fn_name}: act_amax must be a bool, got {type(act_amax).__name__}")
-    if act_amax and act_shape is None:
-        raise ValueError(f"{fn_name}: act_amax needs an activation")
-    return clusters * cluster_m * 8 if act_amax else 0
+def _check_amax_request(fn_name, arg, asked, has_output, clusters, cluster_m) -> int:
+    """Entries of an amax-parts output (8 per CTA of the largest grid: one per consumer warp),
+    0 when not ``asked``; ``has_output``: whether the kernel writes the tensor it measures."""
+    if not isinstance(asked, bool):
+        raise TypeError(f"{fn_name}: {arg} must be a bool, got {type(asked).__name__}")
+    if asked and not has_output:
+        raise ValueError(f"{fn_name}: {arg} needs an activation")
+    return clusters * cluster_m * 8 if asked else 0
 
 
 def _forward_checks(
@@ -571,7 +573,7 @@ def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, pro
     if tile_n not in (None, 128, 192):
         raise ValueError(f"{_FP8}: tile_n must be 128 or 192, got {tile_n!r}")
     _, cluster_m, clusters = _launch_config(_FP8, m, n, g, dev, 128, cluster_m, sm_margin)
-    num_parts = _check_act_amax(_FP8, act_amax, act_shape, clusters, cluster_m)
+    num_parts = _check_amax_request(_FP8, "act_amax", act_amax, act_shape is not None, clusters, cluster_m)
     if m == 0:
         return None, (m, n), act_shape, clusters, num_parts
     key = (_FP8, out_dtype, activation, bias is not None, tvm_ffi_available(), cluster_m, tile_n or FP8_TILE_N,
@@ -686,7 +688,7 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
 
 def grouped_dgrad_dact_fp8_sm90(
     dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, activation, probs=None, limit=7.0,
-    alpha=1.702, cluster_m=None, sm_margin=None,
+    alpha=1.702, cluster_m=None, sm_margin=None, d_pre_amax=False,
 ):
     """`grouped_dgrad_dact_sm90` on block-scaled FP8 operands: h = dy_g @ W[g] in FP8, then dActivation.
 
@@ -696,27 +698,33 @@ def grouped_dgrad_dact_fp8_sm90(
     (G, ceil(I/128), ceil(H/128)); pre, probs, limit, alpha as for `grouped_dgrad_dact_sm90`, pre's
     dtype (bf16/fp16) the output's. Returns (d_pre like pre, d_probs (M,) float32 for
     scaled_swiglu else None); no act output. Rows >= offsets[G] are zero. H a multiple of 16; I of
-    32 (GLU) or 8. No host sync; checks run once per argument signature.
+    32 (GLU) or 8. ``d_pre_amax``: also return d_pre's amax parts, as ``act_amax`` of
+    `grouped_gemm_sm90` (the fp8_current cast of FC1's data gradient). No host sync; checks run
+    once per argument signature.
     """
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, probs),
-        _DACT_FP8, activation, cluster_m, sm_margin, sm_margin_setting(),
+        _DACT_FP8, activation, cluster_m, sm_margin, sm_margin_setting(), d_pre_amax,
     )
-    args = (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation, probs, cluster_m, sm_margin)
+    args = (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation, probs, cluster_m, sm_margin,
+            d_pre_amax)
     launch = _MEMO.get(key) or _MEMO.put(key, _dact_fp8_launch(*args))
-    fn, partial_shape, clusters = launch
+    fn, partial_shape, clusters, num_parts = launch
     d_pre = torch.empty_like(pre)
     d_probs_part = None if partial_shape is None else pre.new_empty(partial_shape, dtype=torch.float32)
+    parts = _amax_parts(fn, num_parts, pre.device)
     _run(fn, tvm_ffi, _dact_fp8_launch, args,
-         (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, d_pre, probs, d_probs_part), limit, alpha,
-         clusters)
-    return d_pre, None if d_probs_part is None else d_probs_part.sum(0)
+         (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, d_pre, probs, d_probs_part, parts), limit,
+         alpha, clusters)
+    d_probs = None if d_probs_part is None else d_probs_part.sum(0)
+    return (d_pre, d_probs) if parts is None else (d_pre, d_probs, parts)
 
 
-def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activation, probs, cluster_m, sm_margin):
+def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activation, probs, cluster_m, sm_margin,
+                     d_pre_amax=False):
     """Every check of `grouped_dgrad_dact_fp8_sm90`; (launcher or None when M == 0, d_probs
-    partials shape or None, persistent grid in clusters)."""
+    partials shape or None, persistent grid in clusters, d_pre amax parts or 0)."""
     dev, (m, h), (g, i, _) = _check_fp8_operands(
         _DACT_FP8, ("dy", dy, dy_scale), ("weight_t", weight_t, weight_t_scale), offsets
     )
@@ -734,13 +742,14 @@ def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activ
     _check_probs(_DACT_FP8, spec, probs, m, dev)
     _, cluster_m, clusters = _launch_config(_DACT_FP8, m, i, g, dev, 128, cluster_m, sm_margin)
     partial_shape = (-(-i // 128), m) if spec.takes_probs else None
+    num_parts = _check_amax_request(_DACT_FP8, "d_pre_amax", d_pre_amax, True, clusters, cluster_m)
     if m == 0:
-        return None, partial_shape, clusters
-    key = (_DACT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m)
+        return None, partial_shape, clusters, num_parts
+    key = (_DACT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, bool(d_pre_amax))
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_dgrad_dact_fp8(*key[1:])
-    return fn, partial_shape, clusters
+    return fn, partial_shape, clusters, num_parts
 
 
 def _run(fn, tvm_ffi, checks, check_args, tensors, limit, alpha, clusters):

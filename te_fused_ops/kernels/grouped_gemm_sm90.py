@@ -777,6 +777,42 @@ def assert_column_pairs(tiled_copy_r2s, epi_tile):
             assert r0 == r1 and c1 == c0 + 1 and c0 % 2 == 0, "column pairs assume the sm90 accumulator layout"
 
 
+def make_amax_state():
+    """A consumer thread's running max |output| (one fp32 register, 0), kept over all its tiles."""
+    amax = cute.make_rmem_tensor((1,), Float32)
+    amax.fill(0.0)
+    return amax
+
+
+@cute.jit
+def track_amax(amax: cute.Tensor, value: Float32, dtype: cutlass.Constexpr, tile: Tile, row, col, n_cols):
+    """amax[0] = max(amax[0], |value| as stored in ``dtype``) for a finite value at (row, col) of
+    a group's rows and the output's columns (< n_cols); NaN, Inf, padding rows count not."""
+    stored = value.to(dtype).to(Float32)
+    magnitude = cutlass.max(stored, -stored)
+    if magnitude < Float32(float("inf")) and tile.is_group and row < tile.end and col < n_cols:
+        amax[0] = cutlass.max(amax[0], magnitude)
+
+
+@cute.jit
+def write_amax_parts(mParts: cute.Tensor, amax: cute.Tensor, consumer_warp, warps: cutlass.Constexpr[int]):
+    """After a CTA's last tile: the warp's max of amax[0] at mParts[CTA * warps + consumer_warp]
+    (lane 0), zeros at the further indices of its stride (grid * warps), so a buffer of at least
+    grid * warps entries is fully written and its max is the output's amax."""
+    value = amax[0]
+    for step in cutlass.range_constexpr(5):
+        value = cutlass.max(value, cute.arch.shuffle_sync_bfly(value, 1 << step))
+    bidx, _, _ = cute.arch.block_idx()
+    gdim, _, _ = cute.arch.grid_dim()
+    first = bidx * warps + consumer_warp
+    if cute.arch.lane_idx() == 0:
+        for j in cutlass.range(first, cute.size(mParts), gdim * warps):
+            part = Float32(0.0)
+            if j == first:
+                part = value
+            mParts[j] = part
+
+
 @cute.jit
 def _row_value(mVec: cute.Tensor, row: Int32, tile: Tile, m_total: Int32) -> Float32:
     """mVec[row] of a (M,) float32 tensor inside a group's tile, 0 elsewhere (padding rows)."""
@@ -848,42 +884,20 @@ class GroupedGemmActSm90(GroupedGemmSm90):
 
     def epi_make_state(self, tiled_copy_r2s):
         """With act_amax: the thread's running max |act|, over all its tiles."""
-        if not self.act_amax:
-            return None
-        amax = cute.make_rmem_tensor((1,), Float32)
-        amax.fill(0.0)
-        return amax
+        return make_amax_state() if self.act_amax else None
 
     @cute.jit
     def epi_visit(self, params, tile: Tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
         for v in cutlass.range_constexpr(cute.size(rAcc[0])):
             act = self._pre_act(params, tile, chunk, n_box, rAcc, rOut, tRS_cD, v)
-            if const_expr(self.act_amax):
-                stored = act.to(self.dtype).to(Float32)  # the amax of what the cast will read
-                magnitude = cutlass.max(stored, -stored)
-                row = tile.row0 + tRS_cD[v][0]
-                col = chunk * self.epi_n + tRS_cD[v][1]
-                # NaN and Inf count as 0; padding rows and columns past the act's width not at all
-                if magnitude < Float32(float("inf")) and tile.is_group and row < tile.end and col < n_box:
-                    state[0] = cutlass.max(state[0], magnitude)
+            if const_expr(self.act_amax):  # the amax of what the cast will read
+                track_amax(state, act, self.dtype, tile, tile.row0 + tRS_cD[v][0],
+                           chunk * self.epi_n + tRS_cD[v][1], n_box)
 
     @cute.jit
     def epi_end_kernel(self, params, consumer_warp, state):
         if const_expr(self.act_amax):
-            mActAmax = params[5]
-            amax = state[0]
-            for step in cutlass.range_constexpr(5):
-                amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << step))
-            bidx, _, _ = cute.arch.block_idx()
-            gdim, _, _ = cute.arch.grid_dim()
-            warps = 4 * self.num_mma_wg
-            first = bidx * warps + consumer_warp
-            if cute.arch.lane_idx() == 0:
-                for j in cutlass.range(first, cute.size(mActAmax), gdim * warps):
-                    value = Float32(0.0)
-                    if j == first:
-                        value = amax
-                    mActAmax[j] = value
+            write_amax_parts(params[5], state, consumer_warp, 4 * self.num_mma_wg)
 
     @cute.jit
     def _pre(self, params, tile: Tile, chunk, n_box, rAcc, rOut, tRS_cD, v):
