@@ -154,12 +154,6 @@ def quantize_rows(x: torch.Tensor, recipe, offsets, amax_parts=None) -> Quantize
                            rowwise_data=data.view(x.shape), rowwise_scale_inv=scale_inv, offsets=offsets)
 
 
-def cast_rows(x: torch.Tensor, recipe, offsets, amax_parts=None):
-    """(data, multipliers) of a gradient or activation (M, K) for the FP8 kernel: 1x128 blocks,
-    or one scale from the grouped rows' amax (fp8_current; from ``amax_parts`` when given)."""
-    return cast_kernel(x, recipe, 1, offsets, amax_parts)
-
-
 def dequantize_rows(x):
     """The bf16/fp16 values of a quantized activation or gradient x (M, K), as
     `QuantizedTensor.dequantize` gives them: on the dequantize kernel from the row-wise copy of
@@ -227,7 +221,7 @@ def fp8_dgrad_operands(ctx, dy, recipe, dy_amax_parts=None):
     """(dy data, multipliers, W^T data (G, in, out), multipliers) of a GroupedLinear's FP8 data
     gradient after an FP8 forward: dy cast with the forward's recipe, W as the forward cast it,
     transposed (FP8 WGMMA reads K-major operands)."""
-    dy_data, dy_scale_inv = cast_rows(dy, recipe, ctx.side["offsets"], dy_amax_parts)
+    dy_data, dy_scale_inv = cast_kernel(dy, recipe, 1, ctx.side["offsets"], dy_amax_parts)
     w_data, w_scale_inv = quantize_weight_blocks(
         ctx.saved["weight"].detach(), recipe, transposed=True, cast=ctx.saved.get("weight_fp8")
     )

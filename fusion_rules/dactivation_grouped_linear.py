@@ -91,18 +91,17 @@ def _backward_sm90(ops, ctxs, dy):
     return d_pre, [_act_grads(act_ctx, d_probs), linear_param_grads(linear_ctx, dy, x=out)]
 
 
-def _backward_fp8_sm90(ops, ctxs, dy, d_pre_amax=False):
+def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool):
     """One kernel: d_pre = act'(pre) * (dy @ W[g]) on FP8 operands (the forward's recipe); then
     the bf16 weight gradient on the dequantized input. Quantize and Transpose pass dy through.
-    A quantized dy takes the torch path. With ``d_pre_amax`` also returns d_pre's amax parts
-    (None after the torch path)."""
+    A quantized dy takes the torch path. Returns (d_pre, grads, d_pre's amax parts with
+    ``d_pre_amax`` after the kernel, else None)."""
     act = ops[0]
     act_ctx, linear_ctx = ctxs[0], ctxs[-1]
     if is_quantized(dy):
-        d_pre, grads = _backward_torch(ops, ctxs, dy)
-        return (d_pre, grads, None) if d_pre_amax else (d_pre, grads)
+        return (*_backward_torch(ops, ctxs, dy), None)
     dy = dy.contiguous()
-    d_pre, d_probs, *amax_parts = grouped_dgrad_dact_fp8_sm90(
+    outputs = grouped_dgrad_dact_fp8_sm90(
         *fp8_dgrad_operands(linear_ctx, dy, linear_ctx.saved["recipe"]),
         linear_ctx.side["offsets"],
         act_ctx.load_input(),
@@ -111,8 +110,12 @@ def _backward_fp8_sm90(ops, ctxs, dy, d_pre_amax=False):
         **epilogue_args(act, act_ctx),
     )
     passed_through = [{} for _ in ops[1:-1]]
-    grads = [_act_grads(act_ctx, d_probs), *passed_through, quantized_input_param_grads(linear_ctx, dy)]
-    return (d_pre, grads, *amax_parts)
+    grads = [_act_grads(act_ctx, outputs[1]), *passed_through, quantized_input_param_grads(linear_ctx, dy)]
+    return outputs[0], grads, outputs[2] if d_pre_amax else None
+
+
+def _backward_fp8_sm90(ops, ctxs, dy):
+    return _dact_fp8(ops, ctxs, dy, False)[:2]
 
 
 def _supports_with_fc1(ops, info, backend):
@@ -128,9 +131,9 @@ def _supports_with_fc1(ops, info, backend):
 
 
 def _backward_with_fc1_sm90(ops, ctxs, dy):
-    """`_backward_fp8_sm90` with d_pre's amax from its epilogue, then FC1's backward
-    (`linear_backward`), whose fp8_current cast of d_pre takes that amax."""
-    d_pre, grads, amax_parts = _backward_fp8_sm90(ops[1:], ctxs[1:], dy, d_pre_amax=True)
+    """`_dact_fp8` with d_pre's amax from its epilogue, then FC1's backward (`linear_backward`),
+    whose fp8_current cast of d_pre takes that amax."""
+    d_pre, grads, amax_parts = _dact_fp8(ops[1:], ctxs[1:], dy, True)
     dx, fc1_grads = linear_backward(ops[0], ctxs[0], d_pre, amax_parts)
     return dx, [fc1_grads, *grads]
 

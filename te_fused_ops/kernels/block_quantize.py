@@ -37,16 +37,22 @@ WARPS_PER_CTA = 8
 VEC = 8  # columns per lane: the kernels' 16-byte accesses need K % 8 == 0
 
 
+def _fake_x(dtype, g, r, c):
+    """A fake bf16/fp16 (G, R, C) tensor for `cute.compile`."""
+    import cutlass
+
+    return fake_tensor({torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype], (g, r, c))
+
+
 def _compile(kernel, dtype, data_first: bool, tvm_ffi, extra=()):
     """cute.compile ``kernel`` on symbolic (G, R, C) operands: (x, data, scale_inv, *extra) or,
     with ``data_first``, (data, scale_inv, out)."""
     import cutlass
     import cutlass.cute as cute
 
-    element = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
     g, r, rb, cb = (cute.sym_int() for _ in range(4))
     c = cute.sym_int(divisibility=VEC)
-    x, data = fake_tensor(element, (g, r, c)), fake_tensor(cutlass.Float8E4M3FN, (g, r, c))
+    x, data = _fake_x(dtype, g, r, c), fake_tensor(cutlass.Float8E4M3FN, (g, r, c))
     scale_inv = fake_tensor(cutlass.Float32, (g, rb, cb), 4)
     tensors = (data, scale_inv, x) if data_first else (x, data, scale_inv)
     return compile_launcher(kernel, (*tensors, *extra, cutlass.Int32(1)), tvm_ffi)
@@ -75,8 +81,7 @@ def compile_tensor_amax(dtype, with_offsets, tvm_ffi=None):
 
     from .block_quantize_sm90 import TensorAmaxSm90
 
-    element = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
-    x = fake_tensor(element, (cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=VEC)))
+    x = _fake_x(dtype, cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=VEC))
     offsets = fake_tensor(cutlass.Int32, (cute.sym_int(),), 4) if with_offsets else None
     parts = fake_tensor(cutlass.Float32, (cute.sym_int(),), 4)
     return compile_launcher(TensorAmaxSm90(), (x, offsets, parts), tvm_ffi)
@@ -136,6 +141,16 @@ def _cast_input(name: str, x, block_rows: int):
     return x if ndim == 3 else x.unsqueeze(0)
 
 
+def _check_vector(name: str, arg: str, t, dtype, kind: str, device):
+    """TypeError / ValueError naming ``arg`` unless ``t`` is a contiguous 1-D ``dtype`` tensor
+    (``kind``: "a float32", "an int32") on ``device``."""
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+        raise TypeError(f"{name}: {arg} must be {kind} tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if t.dim() != 1 or not t.is_contiguous() or t.device != device:
+        raise ValueError(f"{name}: {arg} must be a contiguous 1-D tensor on x's device, got shape {tuple(t.shape)} "
+                         f"on {t.device}")
+
+
 def _cast_outputs(x3, block_rows):
     g, r, c = x3.shape
     data = torch.empty(x3.shape, dtype=torch.float8_e4m3fn, device=x3.device)
@@ -179,18 +194,9 @@ def tensor_quantize_sm90(x: torch.Tensor, block_rows: int, offsets: torch.Tensor
     name = "tensor_quantize_sm90"
     x3 = _cast_input(name, x, block_rows)
     if amax_parts is not None:
-        if not isinstance(amax_parts, torch.Tensor) or amax_parts.dtype != torch.float32:
-            raise TypeError(f"{name}: amax_parts must be a float32 tensor, got "
-                            f"{getattr(amax_parts, 'dtype', type(amax_parts).__name__)}")
-        if amax_parts.dim() != 1 or not amax_parts.is_contiguous() or amax_parts.device != x.device:
-            raise ValueError(f"{name}: amax_parts must be a contiguous 1-D tensor on x's device, got shape "
-                             f"{tuple(amax_parts.shape)} on {amax_parts.device}")
+        _check_vector(name, "amax_parts", amax_parts, torch.float32, "a float32", x.device)
     elif offsets is not None:
-        if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32:
-            raise TypeError(f"{name}: offsets must be an int32 tensor, got {getattr(offsets, 'dtype', type(offsets).__name__)}")
-        if offsets.dim() != 1 or not offsets.is_contiguous() or offsets.device != x.device:
-            raise ValueError(f"{name}: offsets must be a contiguous 1-D tensor on x's device, got shape "
-                             f"{tuple(offsets.shape)} on {offsets.device}")
+        _check_vector(name, "offsets", offsets, torch.int32, "an int32", x.device)
         if block_rows != 1:
             raise ValueError(f"{name}: offsets group the rows of a 2-D x (block_rows=1)")
     data, scale_inv = _cast_outputs(x3, block_rows)

@@ -109,6 +109,15 @@ def _lane_split():
     return cute.arch.make_warp_uniform(tidx // WARP), lane // (WARP // 2), lane % (WARP // 2) * VEC
 
 
+def _row_item(item, row_items, col_blocks, item_rows: int, half, lane_col):
+    """(g, first row of this half-warp, column block, first column of this lane) of warp item
+    ``item`` over (G, row_items, col_blocks), items of ``item_rows`` rows x 128 columns."""
+    g = item // (row_items * col_blocks)
+    first_row = item // col_blocks % row_items * item_rows + half
+    cb = item % col_blocks
+    return g, first_row, cb, cb * COLS + lane_col
+
+
 def _segment(mT: cute.Tensor, g, r, col):
     """The VEC elements of mT (G, R, C) at row (g, r), columns col..col+VEC-1 (col a multiple of VEC)."""
     return cute.local_tile(mT[g, r, None], (VEC,), (col // VEC,))
@@ -202,9 +211,7 @@ class TensorAmaxSm90:
         amax = Float32(0.0)
         item = bidx * WARPS + warp
         while item < num_items:
-            g = item // (row_items * col_blocks)
-            first_row = item // col_blocks % row_items * 2 * ROW_SEGMENTS + half
-            col = item % col_blocks * COLS + lane_col
+            g, first_row, _, col = _row_item(item, row_items, col_blocks, 2 * ROW_SEGMENTS, half, lane_col)
             _load_rows(mX, g, first_row, row_end, col, cols, tXr, tAmax, ROW_SEGMENTS, True)
             for k in cutlass.range_constexpr(ROW_SEGMENTS):
                 amax = cutlass.max(amax, tAmax[k])
@@ -279,10 +286,7 @@ class BlockQuantizeSm90:
             num_items = cute.size(mX, mode=[0]) * row_items * col_blocks
             item = bidx * WARPS + warp
             while item < num_items:
-                g = item // (row_items * col_blocks)
-                first_row = item // col_blocks % row_items * item_rows + half
-                cb = item % col_blocks
-                col = cb * COLS + lane_col
+                g, first_row, cb, col = _row_item(item, row_items, col_blocks, item_rows, half, lane_col)
                 _load_rows(mX, g, first_row, rows, col, cols, tXr, tAmax, self.segments, with_amax)
                 for k in cutlass.range_constexpr(self.segments):
                     if const_expr(with_amax):
@@ -345,10 +349,7 @@ class BlockDequantizeSm90:
 
         item = bidx * WARPS + warp
         while item < num_items:
-            g = item // (row_items * col_blocks)
-            r = item // col_blocks % row_items * 2 + half
-            cb = item % col_blocks
-            col = cb * COLS + lane_col
+            g, r, cb, col = _row_item(item, row_items, col_blocks, 2, half, lane_col)
             if r < rows and col < cols:
                 scale_inv = mScaleInv[g, r, cb]
                 values.store(_segment(mData, g, r, col).load().to(Float32))
