@@ -65,6 +65,38 @@ def test_rowwise_matches_torch_bit_for_bit(shape, dtype, power_2_scales):
     assert_same_bytes(data, want.rowwise_data)
 
 
+def every_amax_value_pair(dtype, part, parts):
+    """Part ``part`` of ``parts`` of the 1 x 128 blocks that hold every (block amax, value) pair of
+    ``dtype``: column 0 a finite magnitude a (every one, 0 included), the other 127 every magnitude
+    <= a in chunks of 127 (the last chunk repeats a); rows with every sign flipped follow."""
+    top = {torch.bfloat16: 0x7F7F, torch.float16: 0x7BFF}[dtype]  # largest finite magnitude's bits
+    amax = torch.arange(top + 1, device="cuda", dtype=torch.int32)
+    amax = amax[part::parts]
+    chunks = amax // 127 + 1
+    row_amax = torch.repeat_interleave(amax, chunks)
+    ends = torch.cumsum(chunks, 0)
+    chunk = torch.arange(len(row_amax), device="cuda", dtype=torch.int32) - torch.repeat_interleave(ends - chunks, chunks)
+    mags = torch.minimum(chunk[:, None] * 127 + torch.arange(127, device="cuda", dtype=torch.int32), row_amax[:, None])
+    bits = torch.cat([row_amax[:, None], mags], 1).to(torch.int16)
+    bits = torch.cat([bits, bits | -0x8000])  # the sign bit
+    return bits.view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_amax_value_pair_matches_torch_bit_for_bit(dtype):
+    """The float32-scale cast divides by a reciprocal and an exact-residual correction, not an IEEE
+    division: equal to the torch quantizer's division for every value a block can hold with every
+    amax it can have (the scale is amax / 448 of a bf16 / fp16 amax), tensor scales included."""
+    parts = 4
+    for part in range(parts):
+        x = every_amax_value_pair(dtype, part, parts)
+        data, scale_inv = block_quantize_sm90(x, 1)
+        want = quantize(x, "fp8_blockwise")
+        assert torch.equal(scale_inv, want.rowwise_scale_inv)
+        assert_same_bytes(data, want.rowwise_data)
+        del data, want, x
+
+
 @pytest.mark.parametrize("power_2_scales", [False, True])
 @pytest.mark.parametrize("shape", [(2, 128, 128), (3, 300, 200), (8, 384, 1024), (1, 1, 16)])
 def test_weight_blocks_match_torch_bit_for_bit(shape, power_2_scales):

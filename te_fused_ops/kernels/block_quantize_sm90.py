@@ -7,7 +7,8 @@ Quantize, for each block of ``block_rows`` x 128 elements of x (G, R, C), bf16/f
     scale_inv = amax / 448 (IEEE division), rounded up to a power of two with power_2_scales;
                 1 where that is 0
     data      = E4M3(x / scale_inv), round to nearest even, saturating to +-448 (NaN stays NaN);
-                with power-of-two scales the division is two exact multiplications
+                the division is a multiplication by the block's reciprocal and one exact-residual
+                correction (power-of-two scales: two exact multiplications), `e4m3_scaled`
 
 Dequantize, for data (G, R, C) E4M3 and 1 x 128 multipliers scale_inv (G, R, ceil(C / 128)):
 
@@ -51,6 +52,12 @@ def _from_bits(bits: Int32, *, loc=None, ip=None) -> Float32:
     return Float32(llvm.bitcast(T.f32(), Int32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
+@dsl_user_op
+def _fma(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+    """a * b + c with one rounding (fma.rn.f32)."""
+    return Float32(llvm.intr_fma(*(Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c)), loc=loc, ip=ip))
+
+
 @cute.jit
 def _pow2_ceil(value: Float32) -> Float32:
     """The least power of two >= value (finite, >= 0; 0 stays 0), exactly, subnormals included:
@@ -71,9 +78,11 @@ def _pow2_ceil(value: Float32) -> Float32:
 @cute.jit
 def e4m3_scale_inv(amax: Float32, power_2_scales: cutlass.Constexpr[bool]):
     """(scale_inv, m1, m2) of a block with finite amax: scale_inv as the torch quantizer makes it
-    (amax / 448, IEEE; rounded up to a power of two with ``power_2_scales``; 1 where 0) and, for
-    power-of-two scales, two exact multipliers with value * m1 * m2 == value / scale_inv in
-    float32 (1 / scale_inv alone overflows below 2**-127)."""
+    (amax / 448, IEEE; rounded up to a power of two with ``power_2_scales``; 1 where 0) and the
+    two multipliers `e4m3_scaled` divides with. Power-of-two scales: value * m1 * m2 ==
+    value / scale_inv, both products exact (1 / scale_inv alone overflows below 2**-127). Float32
+    scales: m2 = 2**64 below 2**-60, else 1 (value and scale_inv are multiplied by it, exactly),
+    m1 = 1 / (scale_inv * m2), correctly rounded."""
     scale_inv = amax / Float32(E4M3_MAX)
     if const_expr(power_2_scales):
         scale_inv = _pow2_ceil(scale_inv)
@@ -87,18 +96,38 @@ def e4m3_scale_inv(amax: Float32, power_2_scales: cutlass.Constexpr[bool]):
             m2 = Float32(2.0**24)
         else:
             m1 = Float32(1.0) / scale_inv
+    else:
+        if scale_inv < Float32(2.0**-60):
+            m2 = Float32(2.0**64)
+        m1 = Float32(1.0) / (scale_inv * m2)
     return scale_inv, m1, m2
 
 
 @cute.jit
 def e4m3_scaled(value: Float32, scale_inv: Float32, m1: Float32, m2: Float32,
-                power_2_scales: cutlass.Constexpr[bool]) -> Float32:
-    """value / scale_inv in float32, correctly rounded (the value the E4M3 cast rounds)."""
+                power_2_scales: cutlass.Constexpr[bool], above_amax: cutlass.Constexpr[bool] = False) -> Float32:
+    """value / scale_inv in float32, correctly rounded (the value the E4M3 cast rounds).
+
+    Float32 scales (Markstein): with v = value * m2, s = scale_inv * m2 and m1 = RN(1 / s), q = RN(v m1)
+    is within an ulp of v / s, the residual r = v - s q is exact (one fma), and RN(q + r m1) is the
+    correctly rounded quotient while v stays above 2**-102 (the 2**64 scaling of tiny blocks keeps
+    it there for every quotient the E4M3 cast does not round to zero). Where r is 0 or NaN (exact
+    quotients, signed zeros, +-Inf and NaN values) q itself is the quotient. ``above_amax``: finite
+    values may exceed the amax the scale came from (a tensor scale whose amax skips padding rows),
+    so q is clamped to +-2**126 first: past float32's range r stays finite (or +-Inf) and the
+    result saturates to the same E4M3 value (below the amax the clamp changes nothing). A GPU test
+    casts every (block amax, value) pair of bf16 and fp16 bit for bit the torch quantizer."""
     result = Float32(0.0)
     if const_expr(power_2_scales):
         result = value * m1 * m2
     else:
-        result = value / scale_inv
+        v = value * m2
+        q = v * m1
+        q_finite = q
+        if const_expr(above_amax):
+            q_finite = cute.arch.fmax(cute.arch.fmin(q, Float32(2.0**126)), Float32(-(2.0**126)))  # NaN: +-2**126
+        r = _fma(-(scale_inv * m2), q_finite, v)
+        result = Float32(cutlass.select_(cute.math.absf(r) > Float32(0.0), _fma(r, m1, q_finite), q))
     return result
 
 
@@ -257,7 +286,7 @@ class BlockQuantizeSm90:
         if row < row_end and col < cols:
             values = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
             for i in cutlass.range_constexpr(VEC):
-                values[i] = e4m3_scaled(Float32(tXr_k[i]), *scales, self.power_2_scales)
+                values[i] = e4m3_scaled(Float32(tXr_k[i]), *scales, self.power_2_scales, self.tensor_scale)
             _segment(mData, g, row, col).store(values.load().to(cutlass.Float8E4M3FN))
 
     @cute.kernel
