@@ -943,8 +943,8 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
     tile_n is 256, so a tile's 128 act columns are one block of each of its rows: before the
     steps, a pass over the whole accumulator computes the act once, keeps it in registers as
     stored (dtype, 64 values per thread) and takes each row's amax (a quad holds a row; two
-    shuffles); each step then scales its chunk (a division, or two exact multiplications with
-    power-of-two scales) and stores the E4M3 bytes straight from registers, two adjacent columns
+    shuffles); each step then scales its chunk (`e4m3_scaled`: a reciprocal multiplication with an
+    exact-residual correction, or two exact multiplications with power-of-two scales) and stores the E4M3 bytes straight from registers, two adjacent columns
     per 16-bit store (rows of the tile's group only).
     """
 
