@@ -138,6 +138,16 @@ def _lane_split():
     return cute.arch.make_warp_uniform(tidx // WARP), lane // (WARP // 2), lane % (WARP // 2) * VEC
 
 
+def _row_staging(segments: int, dtype):
+    """(sMax: WARPS floats of shared memory for `_cta_max`, tXr (segments, VEC) of ``dtype`` and
+    tAmax (segments,) float32 registers for `_load_rows`)."""
+    smem = cutlass.memory.SmemAllocator()
+    sMax = smem.allocate_tensor(Float32, cute.make_layout(WARPS), byte_alignment=16)
+    tXr = cute.make_rmem_tensor(cute.make_layout((segments, VEC), stride=(VEC, 1)), dtype)
+    tAmax = cute.make_rmem_tensor(cute.make_layout(segments), Float32)
+    return sMax, tXr, tAmax
+
+
 def _row_item(item, row_items, col_blocks, item_rows: int, half, lane_col):
     """(g, first row of this half-warp, column block, first column of this lane) of warp item
     ``item`` over (G, row_items, col_blocks), items of ``item_rows`` rows x 128 columns."""
@@ -230,10 +240,7 @@ class TensorAmaxSm90:
         row_end = rows
         if const_expr(mOffsets is not None):
             row_end = self._valid_rows(mOffsets, rows)
-        smem = cutlass.memory.SmemAllocator()
-        sMax = smem.allocate_tensor(Float32, cute.make_layout(WARPS), byte_alignment=16)
-        tXr = cute.make_rmem_tensor(cute.make_layout((ROW_SEGMENTS, VEC), stride=(VEC, 1)), mX.element_type)
-        tAmax = cute.make_rmem_tensor(cute.make_layout(ROW_SEGMENTS), Float32)
+        sMax, tXr, tAmax = _row_staging(ROW_SEGMENTS, mX.element_type)
         col_blocks = (cols + COLS - 1) // COLS
         row_items = (row_end + 2 * ROW_SEGMENTS - 1) // (2 * ROW_SEGMENTS)
         num_items = cute.size(mX, mode=[0]) * row_items * col_blocks
@@ -298,10 +305,7 @@ class BlockQuantizeSm90:
         rows = cute.size(mX, mode=[1])
         cols = cute.size(mX, mode=[2])
         col_blocks = cute.size(mScaleInv, mode=[2])
-        smem = cutlass.memory.SmemAllocator()
-        sAmax = smem.allocate_tensor(Float32, cute.make_layout(WARPS), byte_alignment=16)
-        tXr = cute.make_rmem_tensor(cute.make_layout((self.segments, VEC), stride=(VEC, 1)), mX.element_type)
-        tAmax = cute.make_rmem_tensor(cute.make_layout(self.segments), Float32)
+        sAmax, tXr, tAmax = _row_staging(self.segments, mX.element_type)
         with_amax = not self.tensor_scale
 
         if cutlass.const_expr(self.row_items):
