@@ -86,7 +86,9 @@ def every_amax_value_pair(dtype, part, parts):
 def test_every_amax_value_pair_matches_torch_bit_for_bit(dtype):
     """The float32-scale cast divides by a reciprocal and an exact-residual correction, not an IEEE
     division: equal to the torch quantizer's division for every value a block can hold with every
-    amax it can have (the scale is amax / 448 of a bf16 / fp16 amax), tensor scales included."""
+    amax it can have (the scale is amax / 448 of a bf16 / fp16 amax). A per-tensor scale is one of
+    these scales, so this covers its values up to the amax too; the ones above it (padding rows)
+    saturate, `test_tensor_scale_rows_match_torch_bit_for_bit`."""
     parts = 4
     for part in range(parts):
         x = every_amax_value_pair(dtype, part, parts)
