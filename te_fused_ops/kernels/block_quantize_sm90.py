@@ -138,6 +138,15 @@ def _lane_split():
     return cute.arch.make_warp_uniform(tidx // WARP), lane // (WARP // 2), lane % (WARP // 2) * VEC
 
 
+def _row_kernel_indices(mX: cute.Tensor):
+    """(thread, CTA, grid size, `_lane_split`, R, C) of a row kernel over mX (G, R, C)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    gdim, _, _ = cute.arch.grid_dim()
+    warp, half, lane_col = _lane_split()
+    return tidx, bidx, gdim, warp, half, lane_col, cute.size(mX, mode=[1]), cute.size(mX, mode=[2])
+
+
 def _row_staging(segments: int, dtype):
     """(sMax: WARPS floats of shared memory for `_cta_max`, tXr (segments, VEC) of ``dtype`` and
     tAmax (segments,) float32 registers for `_load_rows`)."""
@@ -231,12 +240,7 @@ class TensorAmaxSm90:
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mOffsets, mParts: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        warp, half, lane_col = _lane_split()
-        rows = cute.size(mX, mode=[1])
-        cols = cute.size(mX, mode=[2])
+        tidx, bidx, gdim, warp, half, lane_col, rows, cols = _row_kernel_indices(mX)
         row_end = rows
         if const_expr(mOffsets is not None):
             row_end = self._valid_rows(mOffsets, rows)
@@ -298,12 +302,7 @@ class BlockQuantizeSm90:
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor, mAmaxParts):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        warp, half, lane_col = _lane_split()
-        rows = cute.size(mX, mode=[1])
-        cols = cute.size(mX, mode=[2])
+        tidx, bidx, gdim, warp, half, lane_col, rows, cols = _row_kernel_indices(mX)
         col_blocks = cute.size(mScaleInv, mode=[2])
         sAmax, tXr, tAmax = _row_staging(self.segments, mX.element_type)
         with_amax = not self.tensor_scale
