@@ -944,8 +944,9 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
     steps, a pass over the whole accumulator computes the act once, keeps it in registers as
     stored (dtype, 64 values per thread) and takes each row's amax (a quad holds a row; two
     shuffles); each step then scales its chunk (`e4m3_scaled`: a reciprocal multiplication with an
-    exact-residual correction, or two exact multiplications with power-of-two scales) and stores the E4M3 bytes straight from registers, two adjacent columns
-    per 16-bit store (rows of the tile's group only).
+    exact-residual correction, or two exact multiplications with power-of-two scales) and stores
+    the E4M3 bytes straight from registers, two adjacent columns per 16-bit store (rows of the
+    tile's group only).
     """
 
     stores_act = False
