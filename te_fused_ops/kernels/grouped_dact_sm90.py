@@ -118,9 +118,12 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
             if const_expr(self.emit_act):
                 rOut[self.num_out - 1][v] = value
         if const_expr(self.spec.takes_probs):
-            if chunk * self.epi_n < n_box:  # chunks past I hold no columns of h
-                for v in cutlass.range_constexpr(cute.size(rAcc[0])):
-                    state[0][self.row_slot[v]] = state[0][self.row_slot[v]] + state[1][v]
+            # chunks past I hold no columns of h; a select, not a branch: ptxas serializes every
+            # WGMMA of the kernel around this branch at tile_n 128 (C7520)
+            in_range = chunk * self.epi_n < n_box
+            for v in cutlass.range_constexpr(cute.size(rAcc[0])):
+                term = cutlass.select_(in_range, state[1][v], Float32(0.0))
+                state[0][self.row_slot[v]] = state[0][self.row_slot[v]] + term
 
     @cute.jit
     def epi_end_tile(self, params, tile: Tile, n_box, tRS_cD, state):

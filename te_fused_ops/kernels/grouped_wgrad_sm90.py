@@ -483,21 +483,26 @@ class GroupedWgradSm90:
     @cute.jit
     def _rank_groups(self, sSched, is_sorted, mOffsets, num_groups, m_total, tidx):
         """sSched[SORT_MAX_G + r] = the group of rank r by k-tile count (descending, then index).
-        All threads of the CTA take part; sSched[:G] holds the counts."""
+        All threads of the CTA take part; sSched[:G] holds the counts. The loops' trip counts do not
+        depend on the thread (a per-thread loop here made ptxas serialize every WGMMA: C7520)."""
         if is_sorted:
-            for g in range(tidx, num_groups, self.threads):
-                _, length = _group_rows(mOffsets, g, m_total)
-                sSched[g] = (length + self.tile_k - 1) // self.tile_k
+            for base in range(0, num_groups, self.threads):
+                g = base + tidx
+                if g < num_groups:
+                    _, length = _group_rows(mOffsets, g, m_total)
+                    sSched[g] = (length + self.tile_k - 1) // self.tile_k
         cute.arch.sync_threads()
         if is_sorted:
-            for g in range(tidx, num_groups, self.threads):
-                kg = sSched[g]
-                r = Int32(0)
-                for h in range(num_groups):
-                    kh = sSched[h]
-                    if (kh > kg) | ((kh == kg) & (h < g)):
-                        r = r + 1
-                sSched[SORT_MAX_G + r] = g
+            for base in range(0, num_groups, self.threads):
+                g = base + tidx
+                if g < num_groups:
+                    kg = sSched[g]
+                    r = Int32(0)
+                    for h in range(num_groups):
+                        kh = sSched[h]
+                        if (kh > kg) | ((kh == kg) & (h < g)):
+                            r = r + 1
+                    sSched[SORT_MAX_G + r] = g
         cute.arch.sync_threads()
 
     @cute.jit
