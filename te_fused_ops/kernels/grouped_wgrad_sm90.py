@@ -24,6 +24,11 @@ extra modes whose strides wrap around the 64-bit address space), in which group 
 exactly at its last token; the TMA unit zero-fills the rest of the last k-tile, and the first
 k-tile starts at the group's first row. Stores go through a plain (N, K, G) view of the output.
 
+dW in ``dtype``: a tile's output waits in registers (bf16/fp16, 64 per thread at tile_n 256) and
+is stored one 128 x 32 sub-tile after each of the next tile's first tile_n / 32 k-tiles is issued,
+so the stores run under its WGMMAs; the last tile's after the loop. Every code path before a
+WGMMA stays warpgroup-uniform (ptxas otherwise serializes all WGMMAs of the kernel: C7520).
+
 With ``accumulate`` the epilogue is fp32 and works in place in each epilogue slot: TMA-load a
 128 x 32 sub-tile of main_grad, add the accumulator, TMA-store it back. The first slots - 1
 sub-tile loads of a tile are issued before its mainloop; each epilogue step issues the next.
@@ -378,6 +383,15 @@ class GroupedWgradSm90:
             frag = cute.size(rD_shape)
             rSum = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
             rOut = cute.make_rmem_tensor(rD_shape, self.out_dtype)
+            # dW (not accumulate): a tile's output waits in registers, one sub-tile per k-tile of
+            # the next tile (`_store_step`), so its stores run under that tile's WGMMAs
+            pending = None
+            if const_expr(not self.accumulate):
+                pending = [cute.make_rmem_tensor(rD_shape, self.out_dtype) for _ in range(self.num_steps)]
+            has_pending = cutlass.Boolean(False)
+            pending_g, pending_mt, pending_nt = Int32(0), Int32(0), Int32(0)
+            pending_rows = cutlass.Boolean(False)
+            dest = (tRS_sD, sD, tma_d, mD)
 
             store_pipe = pipeline.PipelineTmaStore.create(
                 num_stages=self.epi_slots,
@@ -422,34 +436,57 @@ class GroupedWgradSm90:
 
                 # ------------------------------------------------------ mainloop
                 acc.fill(0.0)
-                if k_tiles > 0:
+                peeled = Int32(0)  # k-tiles issued before the loop (deferred stores: num_steps)
+                if const_expr(not self.accumulate):
+                    peeled = Int32(self.num_steps)
+                    for step in cutlass.range_constexpr(self.num_steps):
+                        if step < k_tiles:
+                            if const_expr(step == 0):
+                                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                                cute.nvgpu.warpgroup.fence()
+                            ab_pipe.consumer_wait(read_state)
+                            self._mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
+                            cute.nvgpu.warpgroup.commit_group()
+                            read_state.advance()
+                            if const_expr(step > 0):
+                                cute.nvgpu.warpgroup.wait_group(1)
+                                ab_pipe.consumer_release(release_state)
+                                release_state.advance()
+                        if has_pending:
+                            self._store_step(
+                                tiled_copy_r2s, pending[step], dest, (pending_g, pending_mt, pending_nt, pending_rows),
+                                step, epi_count, store_pipe, is_store_warp,
+                            )
+                            epi_count = epi_count + 1
+                elif k_tiles > 0:
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     cute.nvgpu.warpgroup.fence()
                     ab_pipe.consumer_wait(read_state)
                     self._mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
                     cute.nvgpu.warpgroup.commit_group()
                     read_state.advance()
-                    for _ in range(1, k_tiles):
-                        ab_pipe.consumer_wait(read_state)
-                        self._mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
-                        cute.nvgpu.warpgroup.commit_group()
-                        cute.nvgpu.warpgroup.wait_group(1)
-                        ab_pipe.consumer_release(release_state)
-                        release_state.advance()
-                        read_state.advance()
-                    cute.nvgpu.warpgroup.wait_group(0)
+                    peeled = Int32(1)
+                for _ in range(peeled, k_tiles):
+                    ab_pipe.consumer_wait(read_state)
+                    self._mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    ab_pipe.consumer_release(release_state)
+                    release_state.advance()
+                    read_state.advance()
+                cute.nvgpu.warpgroup.wait_group(0)  # unconditional: ptxas sees every path waited
+                if k_tiles > 0:
                     ab_pipe.consumer_release(release_state)
                     release_state.advance()
 
                 # ------------------------------------------------------ epilogue
-                for step in cutlass.range_constexpr(self.num_steps):
+                for step in cutlass.range_constexpr(self.num_steps if self.accumulate else 0):
                     slot = epi_count % self.epi_slots
                     tRS_slot = tRS_sD[(None, None, None, slot)]
                     for v in cutlass.range_constexpr(frag):
                         rSum[v] = tRS_rAcc[step * frag + v]
-                    if const_expr(self.accumulate):
-                        cute.arch.mbarrier_wait(c_full + slot, (epi_count // self.epi_slots) % 2)
-                        rSum.store(rSum.load() + tRS_slot.load())
+                    cute.arch.mbarrier_wait(c_full + slot, (epi_count // self.epi_slots) % 2)
+                    rSum.store(rSum.load() + tRS_slot.load())
                     rOut.store(rSum.load().to(self.out_dtype))
                     cute.copy(tiled_copy_r2s, rOut, tRS_slot)
                     cute.arch.fence_proxy("async.shared", space="cta")
@@ -461,24 +498,56 @@ class GroupedWgradSm90:
                                 bSG_gD[(None, mt, nt * self.num_steps + step)],
                             )
                         store_pipe.producer_commit()
-                    if const_expr(self.accumulate):
-                        # refill the slot of the previous step (its store may still be reading
-                        # only if it is the one just issued) with sub-tile step + slots - 1
-                        if const_expr(step + self.epi_slots - 1 < self.num_steps):
-                            if is_store_warp:
-                                cute.arch.cp_async_bulk_wait_group(1, read=True)
-                                self._load_c(
-                                    tma_c, bGS_gC, bGS_sC, c_full, mt, nt,
-                                    step + self.epi_slots - 1, epi_count + self.epi_slots - 1,
-                                )
-                    else:
+                    # refill the slot of the previous step (its store may still be reading only
+                    # if it is the one just issued) with sub-tile step + slots - 1
+                    if const_expr(step + self.epi_slots - 1 < self.num_steps):
                         if is_store_warp:
-                            store_pipe.producer_acquire()
-                        self.epi_barrier.arrive_and_wait()
+                            cute.arch.cp_async_bulk_wait_group(1, read=True)
+                            self._load_c(
+                                tma_c, bGS_gC, bGS_sC, c_full, mt, nt,
+                                step + self.epi_slots - 1, epi_count + self.epi_slots - 1,
+                            )
                     epi_count = epi_count + 1
+                if const_expr(not self.accumulate):  # stored under the next tile's k-tiles
+                    for step in cutlass.range_constexpr(self.num_steps):
+                        for v in cutlass.range_constexpr(frag):
+                            rSum[v] = tRS_rAcc[step * frag + v]
+                        pending[step].store(rSum.load().to(self.out_dtype))
+                    has_pending = cutlass.Boolean(True)
+                    pending_g, pending_mt, pending_nt, pending_rows = g, mt, nt, has_rows
                 tile_id = tile_id + num_clusters
+            if const_expr(not self.accumulate):
+                if has_pending:
+                    for step in cutlass.range_constexpr(self.num_steps):
+                        self._store_step(
+                            tiled_copy_r2s, pending[step], dest, (pending_g, pending_mt, pending_nt, pending_rows),
+                            step, epi_count, store_pipe, is_store_warp,
+                        )
+                        epi_count = epi_count + 1
             if is_store_warp:
                 store_pipe.producer_tail()
+
+    @cute.jit
+    def _store_step(self, tiled_copy_r2s, rOut, dest, tile, step, epi_count, store_pipe, is_store_warp):
+        """dW sub-tile ``step`` (128 x 32, in ``rOut``) of ``tile`` (g, mt, nt, has_rows) through
+        epilogue slot epi_count % epi_slots to ``dest`` (tRS_sD, sD, tma_d, mD) by TMA; the slot is
+        free again on return."""
+        tRS_sD, sD, tma_d, mD = dest
+        g, mt, nt, has_rows = tile
+        slot = epi_count % self.epi_slots
+        cute.copy(tiled_copy_r2s, rOut, tRS_sD[(None, None, None, slot)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        self.epi_barrier.arrive_and_wait()
+        if is_store_warp:
+            if has_rows:
+                gD = cute.local_tile(mD[(None, None, g)], self.epi_tile, (None, None))
+                bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+                    tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), cute.group_modes(gD, 0, 2),
+                )
+                cute.copy(tma_d, bSG_sD[(None, slot)], bSG_gD[(None, mt, nt * self.num_steps + step)])
+            store_pipe.producer_commit()
+            store_pipe.producer_acquire()
+        self.epi_barrier.arrive_and_wait()
 
     @cute.jit
     def _rank_groups(self, sSched, is_sorted, mOffsets, num_groups, m_total, tidx):
