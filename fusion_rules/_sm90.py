@@ -10,6 +10,7 @@ from te_fused_ops.kernels.block_quantize import (
     transpose_fp8_sm90,
 )
 from te_fused_ops.kernels.grouped_gemm import (
+    grouped_gemm_act_quant_sm90,
     grouped_gemm_fp8_sm90,
     grouped_gemm_sm90,
     sm90_grouped_gemm_fp8_unsupported_reason,
@@ -87,16 +88,25 @@ def epilogue_args(act: Activation, ctx) -> dict:
     return args
 
 
-def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=None, **epilogue):
+def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=None, act_cast=None, **epilogue):
     """The sm90 kernel on the weight (natural layout, GLU too) this call read; fills ctx like the op.
 
     A quantized ``x`` (FP8_KERNEL_RECIPES) runs the block-scaled FP8 kernel on the weight cast
     with the same recipe on this call. Returns (pre, act), or with ``act_amax=True`` in
-    ``epilogue`` (pre, act, amax parts), as `grouped_gemm_sm90`.
+    ``epilogue`` (pre, act, amax parts), as `grouped_gemm_sm90`; with ``act_cast`` (a
+    Float8BlockScaling recipe; bf16/fp16 x, GLU activation) the act is cast to E4M3 in the
+    epilogue and not written: (pre, act data, act multipliers), as `grouped_gemm_act_quant_sm90`.
     """
     weight, bias = ctx.params["weight"], ctx.params.get("bias")
     linear.check_input(x, weight)
     bias = None if bias is None else bias.detach()
+    if act_cast is not None:
+        outputs = grouped_gemm_act_quant_sm90(
+            x, weight.detach(), ctx.side["offsets"], activation=activation, bias=bias,
+            power_2_scales=act_cast.power_2_scales, **epilogue,
+        )
+        linear.keep_for_backward(ctx, x, None)
+        return outputs
     if is_quantized(x):
         w_data, w_scale_inv = quantize_weight_blocks(weight.detach(), x.recipe)
         x_scale_inv = block_multipliers(x.rowwise_scale_inv, x.shape)
@@ -146,12 +156,18 @@ def quantize_rows(x: torch.Tensor, recipe, offsets, amax_parts=None) -> Quantize
     """``x`` (..., K) as the Quantize op makes it (row-wise data and scales), on the cast kernels;
     ``amax_parts``: fp8_current's amax from the GEMM epilogue that wrote x."""
     data, scale_inv = cast_kernel(x.reshape(-1, x.shape[-1]), recipe, 1, offsets, amax_parts)
+    return rows_quantized(data, scale_inv, x.shape, x.dtype, recipe, offsets)
+
+
+def rows_quantized(data, scale_inv, shape, dtype, recipe, offsets) -> QuantizedTensor:
+    """The Quantize op's row-wise QuantizedTensor of ``shape`` / ``dtype`` from a 1 x 128 cast's
+    (data (M, K) E4M3, multipliers (M, ceil(K/128))) with ``recipe``."""
     if isinstance(recipe, Float8BlockScaling):
-        scale_inv = scale_inv.view(*x.shape[:-1], -1)
+        scale_inv = scale_inv.view(*shape[:-1], -1)
     else:  # one scale, repeated over the grid
-        scale_inv = scale_inv.view(-1)[0] if scale_inv.numel() else torch.ones((), device=x.device)
-    return QuantizedTensor(x.shape, x.dtype, x.device, recipe=recipe, role="activation",
-                           rowwise_data=data.view(x.shape), rowwise_scale_inv=scale_inv, offsets=offsets)
+        scale_inv = scale_inv.view(-1)[0] if scale_inv.numel() else torch.ones((), device=data.device)
+    return QuantizedTensor(shape, dtype, data.device, recipe=recipe, role="activation",
+                           rowwise_data=data.view(shape), rowwise_scale_inv=scale_inv, offsets=offsets)
 
 
 def dequantize_rows(x):

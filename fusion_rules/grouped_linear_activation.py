@@ -4,8 +4,9 @@ The fused forward keeps the pre-activation (which the activation's backward need
 not the activation output: the next GroupedLinear's weight gradient recomputes it (memory
 contract: less saved than the unfused chain, which keeps both).
 
-On sm90 an "fp8_current" Quantize after the activation takes its amax from the GEMM's epilogue
-(partial maxima per consumer warp), so the cast kernel runs without an amax pass over the act.
+On sm90 a Quantize after the activation: "fp8_blockwise" (bf16/fp16 x, GLU activation) casts
+the act to E4M3 in the GEMM's epilogue, which never writes it in bf16; "fp8_current" takes its amax
+from the epilogue (partial maxima per consumer warp), so the cast kernel runs without an amax pass.
 """
 
 import torch
@@ -13,9 +14,10 @@ import torch
 from te_fused_ops import FusionRule, register_rule
 from te_fused_ops.ops import Activation, GroupedLinear, Quantize, Transpose
 from te_fused_ops.ops.base import Recompute
-from te_fused_ops.quantization import Float8CurrentScaling
+from te_fused_ops.kernels.activations import ACTIVATIONS
+from te_fused_ops.quantization import Float8BlockScaling, Float8CurrentScaling
 
-from ._sm90 import epilogue_args, kernel_unsupported_reason, quantize_rows, run_grouped_gemm
+from ._sm90 import epilogue_args, kernel_unsupported_reason, quantize_rows, rows_quantized, run_grouped_gemm
 
 
 def finish_activation(act: Activation, ctx, pre: torch.Tensor, out: torch.Tensor, keep_output: bool) -> torch.Tensor:
@@ -44,13 +46,16 @@ def _forward_sm90(ops, ctxs, x):
     return finish_activation(act, ctxs[1], pre, out, keep_output=False)
 
 
-def _forward_sm90_current_cast(ops, ctxs, x):
+def _forward_sm90_cast(ops, ctxs, x):
     linear, act, quantize = ops
-    pre, out, amax_parts = run_grouped_gemm(
-        linear, ctxs[0], x, act.kernel_name, act_amax=True, **epilogue_args(act, ctxs[1])
-    )
+    recipe, offsets, epilogue = quantize.recipe, ctxs[2].side["offsets"], epilogue_args(act, ctxs[1])
+    if isinstance(recipe, Float8BlockScaling):
+        pre, data, scale_inv = run_grouped_gemm(linear, ctxs[0], x, act.kernel_name, act_cast=recipe, **epilogue)
+        finish_activation(act, ctxs[1], pre, None, keep_output=False)
+        return rows_quantized(data, scale_inv, data.shape, pre.dtype, recipe, offsets)
+    pre, out, amax_parts = run_grouped_gemm(linear, ctxs[0], x, act.kernel_name, act_amax=True, **epilogue)
     finish_activation(act, ctxs[1], pre, out, keep_output=False)
-    return quantize_rows(out, quantize.recipe, ctxs[2].side["offsets"], amax_parts)
+    return quantize_rows(out, recipe, offsets, amax_parts)
 
 
 def _supports_sm90(ops, info, backend):
@@ -62,13 +67,19 @@ def _supports_sm90(ops, info, backend):
     return kernel_unsupported_reason(ops[0], info, act.kernel_name)
 
 
-def _supports_sm90_current_cast(ops, info, backend):
+def _supports_sm90_cast(ops, info, backend):
     reason = _supports_sm90(ops, info, backend)
     if backend != "sm90" or reason:
         return reason
-    if not isinstance(ops[2].recipe, Float8CurrentScaling):
-        return (f"{ops[2].recipe.name}: the act is cast after the kernel (rule 'quantize'); the epilogue makes "
-                "fp8_current's amax only")
+    recipe = ops[2].recipe
+    if isinstance(recipe, Float8CurrentScaling):
+        return None
+    if not isinstance(recipe, Float8BlockScaling):
+        return f"{recipe.name}: the act is cast after the kernel (rule 'quantize')"
+    if info.input_recipe[0] is not None:
+        return "quantized input: the FP8 kernel has no act-cast epilogue (the act is cast after it, rule 'quantize')"
+    if not ACTIVATIONS[ops[1].kernel_name].glu:
+        return f"{ops[1].op_name}: the act-cast epilogue takes GLU activations (the act is cast after the kernel)"
     return None
 
 
@@ -80,9 +91,9 @@ grouped_linear_activation.implementation("torch")(_forward_torch)
 
 grouped_linear_activation_quantize = FusionRule(
     "grouped_linear+activation+quantize", pattern=(GroupedLinear, Activation, Quantize), passes="forward",
-    supports=_supports_sm90_current_cast,
+    supports=_supports_sm90_cast,
 )
-grouped_linear_activation_quantize.implementation("sm90")(_forward_sm90_current_cast)
+grouped_linear_activation_quantize.implementation("sm90")(_forward_sm90_cast)
 grouped_linear_activation_quantize.implementation("torch")(_forward_torch)
 
 grouped_linear_activation_quantize_transpose = FusionRule(

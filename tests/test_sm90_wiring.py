@@ -127,6 +127,18 @@ def block_cast(x, block_rows, power_2_scales=False):
     return q.rowwise_data, q.rowwise_scale_inv
 
 
+ACT_CASTS = []  # power_2_scales of each stood-in GEMM with the act cast in its epilogue
+
+
+def gemm_act_cast(x, weight, offsets, *, activation, power_2_scales=False, **epilogue):
+    """`grouped_gemm_act_quant_sm90`'s contract: `gemm`'s pre, and its act as the torch quantizer
+    casts it (1 x 128 blocks), the act itself not returned."""
+    ACT_CASTS.append(power_2_scales)
+    pre, act = gemm(x, weight, offsets, activation=activation, **epilogue)
+    q = quantize(act, Float8BlockScaling(power_2_scales=power_2_scales))
+    return pre, q.rowwise_data, q.rowwise_scale_inv
+
+
 def tensor_cast(x, block_rows, offsets=None, amax_parts=None):
     """`tensor_quantize_sm90`'s contract: the torch quantizer's data, its one scale over the grid
     (from ``amax_parts`` when given: they must hold the amax of x's grouped rows)."""
@@ -186,6 +198,7 @@ def sm90_stand_ins(monkeypatch):
     monkeypatch.setattr(sm90, "transpose_fp8_sm90", lambda data: data.transpose(1, 2).contiguous())
     monkeypatch.setattr(sm90, "grouped_wgrad_sm90", wgrad)
     monkeypatch.setattr(sm90, "grouped_gemm_sm90", gemm)
+    monkeypatch.setattr(sm90, "grouped_gemm_act_quant_sm90", gemm_act_cast)
     monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_sm90", dgrad_dact)
     monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_fp8_sm90", dgrad_dact_fp8)
 
@@ -247,9 +260,11 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
     dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
     text = seq.explain(x, split_sizes=SPLITS)
     first = int(quantize_x)  # index of FC1
-    # fp8_current: the act's amax from FC1's epilogue; fp8_blockwise: the act cast after FC1
+    # fp8_current: the act's amax from FC1's epilogue; fp8_blockwise: the act cast in FC1's
+    # epilogue (bf16 x), or after FC1 (FP8 x: the FP8 kernel has no act-cast epilogue)
+    epilogue_cast = not current and not quantize_x
     fc1_forward = ([f"[{first}:{first + 3}] GroupedLinear, SwiGLU, Quantize -> rule "
-                    "'grouped_linear+activation+quantize' (backend sm90)"] if current else
+                    "'grouped_linear+activation+quantize' (backend sm90)"] if current or epilogue_cast else
                    [f"[{first}:{first + 2}] GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend sm90)",
                     f"[{first + 2}] Quantize -> rule 'quantize' (backend sm90)"])
     # all fp8_current: d_pre's amax from the dAct epilogue, for FC1's data gradient in the same rule
@@ -270,6 +285,7 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
         assert step_text in text, text
     CASTS.clear()
     CAST_POWER_2.clear()
+    ACT_CASTS.clear()
     UNCASTS.clear()
     DACT_FP8_CALLS.clear()
     AMAX_PARTS.clear()
@@ -278,8 +294,9 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
     power_2 = isinstance(recipe, Float8BlockScaling) and recipe.power_2_scales
     assert CAST_POWER_2 == [power_2] * len(CASTS), CAST_POWER_2
     assert DACT_FP8_CALLS == [(G, I, H)], DACT_FP8_CALLS  # FC2's dgrad + dSwiGLU: one FP8 kernel
-    # the activation and FC2's dy, with x: x and FC1's dy; each weight once
-    assert sorted(CASTS) == [1] * (2 + 2 * quantize_x) + [128] * (1 + quantize_x), CASTS
+    assert ACT_CASTS == [power_2] * epilogue_cast, ACT_CASTS
+    # the activation (unless cast in FC1's epilogue) and FC2's dy, with x: x and FC1's dy; each weight once
+    assert sorted(CASTS) == [1] * (2 + 2 * quantize_x - epilogue_cast) + [128] * (1 + quantize_x), CASTS
     # the bf16 weight gradients read the quantized inputs through the dequantize kernel
     assert sorted(UNCASTS) == [(ROWS, I)] + [(ROWS, H)] * quantize_x, UNCASTS
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
@@ -314,11 +331,18 @@ def test_fp8_dact_without_transpose_matches_the_emulation(act, sm90_stand_ins, m
     dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
     side = {"probs": torch.rand(ROWS, requires_grad=True)} if act is ScaledSwiGLU else {}
     text = seq.explain(x, split_sizes=SPLITS, **side)
-    expected = f"[1:4] {act.__name__}, Quantize, GroupedLinear -> rule 'dactivation+quantize+grouped_linear' (backend sm90)"
-    assert expected in text, text
+    # forward: a GLU act cast to E4M3 in FC1's epilogue, SReLU's after FC1
+    forward = (f"[0:3] GroupedLinear, {act.__name__}, Quantize -> rule 'grouped_linear+activation+quantize'" if glu
+               else "[0:2] GroupedLinear, SReLU -> rule 'grouped_linear+activation'")
+    for expected in (forward + " (backend sm90)",
+                     f"[1:4] {act.__name__}, Quantize, GroupedLinear -> rule 'dactivation+quantize+grouped_linear' "
+                     "(backend sm90)"):
+        assert expected in text, text
     DACT_FP8_CALLS.clear()
+    ACT_CASTS.clear()
     got = step(seq, x, dy, **side)
     assert DACT_FP8_CALLS == [(G, I, H)], DACT_FP8_CALLS
+    assert ACT_CASTS == [False] * glu, ACT_CASTS
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
     want = step(seq, x, dy, **side)
     for i, (a, b) in enumerate(zip(got, want)):
