@@ -436,36 +436,29 @@ class GroupedWgradSm90:
 
                 # ------------------------------------------------------ mainloop
                 acc.fill(0.0)
-                peeled = Int32(0)  # k-tiles issued before the loop (deferred stores: num_steps)
-                if const_expr(not self.accumulate):
-                    peeled = Int32(self.num_steps)
-                    for step in cutlass.range_constexpr(self.num_steps):
-                        if step < k_tiles:
-                            if const_expr(step == 0):
-                                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                                cute.nvgpu.warpgroup.fence()
-                            ab_pipe.consumer_wait(read_state)
-                            self._mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
-                            cute.nvgpu.warpgroup.commit_group()
-                            read_state.advance()
-                            if const_expr(step > 0):
-                                cute.nvgpu.warpgroup.wait_group(1)
-                                ab_pipe.consumer_release(release_state)
-                                release_state.advance()
+                # the first k-tiles are issued outside the loop: one, or with deferred stores
+                # (dW) num_steps, each followed by one sub-tile store of the previous tile
+                peeled = 1 if self.accumulate else self.num_steps
+                for step in cutlass.range_constexpr(peeled):
+                    if step < k_tiles:
+                        if const_expr(step == 0):
+                            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                            cute.nvgpu.warpgroup.fence()
+                        ab_pipe.consumer_wait(read_state)
+                        self._mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
+                        cute.nvgpu.warpgroup.commit_group()
+                        read_state.advance()
+                        if const_expr(step > 0):
+                            cute.nvgpu.warpgroup.wait_group(1)
+                            ab_pipe.consumer_release(release_state)
+                            release_state.advance()
+                    if const_expr(not self.accumulate):
                         if has_pending:
                             self._store_step(
                                 tiled_copy_r2s, pending[step], dest, (pending_g, pending_mt, pending_nt, pending_rows),
                                 step, epi_count, store_pipe, is_store_warp,
                             )
                             epi_count = epi_count + 1
-                elif k_tiles > 0:
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.fence()
-                    ab_pipe.consumer_wait(read_state)
-                    self._mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
-                    cute.nvgpu.warpgroup.commit_group()
-                    read_state.advance()
-                    peeled = Int32(1)
                 for _ in range(peeled, k_tiles):
                     ab_pipe.consumer_wait(read_state)
                     self._mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
