@@ -415,14 +415,13 @@ class GroupedWgradSm90:
                 start, length = _group_rows(mOffsets, g, m_total)
                 k_tiles = (length + self.tile_k - 1) // self.tile_k
                 has_rows = mt * self.tile_m < n_rows  # else only feeds its cluster peer
-                gD = cute.local_tile(mD[(None, None, g)], self.epi_tile, (None, None))
-                bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-                    tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2),
-                    cute.group_modes(gD, 0, 2),
-                )
-                bGS_sC = bSG_sD
-                bGS_gC = bSG_gD
+                bSG_sD, bSG_gD, bGS_sC, bGS_gC = None, None, None, None
                 if const_expr(self.accumulate):
+                    gD = cute.local_tile(mD[(None, None, g)], self.epi_tile, (None, None))
+                    bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+                        tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2),
+                        cute.group_modes(gD, 0, 2),
+                    )
                     gC = cute.local_tile(mC[(None, None, g)], self.epi_tile, (None, None))
                     bGS_sC, bGS_gC = cute.nvgpu.cpasync.tma_partition(
                         tma_c, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2),
@@ -473,35 +472,36 @@ class GroupedWgradSm90:
                     release_state.advance()
 
                 # ------------------------------------------------------ epilogue
-                for step in cutlass.range_constexpr(self.num_steps if self.accumulate else 0):
-                    slot = epi_count % self.epi_slots
-                    tRS_slot = tRS_sD[(None, None, None, slot)]
-                    for v in cutlass.range_constexpr(frag):
-                        rSum[v] = tRS_rAcc[step * frag + v]
-                    cute.arch.mbarrier_wait(c_full + slot, (epi_count // self.epi_slots) % 2)
-                    rSum.store(rSum.load() + tRS_slot.load())
-                    rOut.store(rSum.load().to(self.out_dtype))
-                    cute.copy(tiled_copy_r2s, rOut, tRS_slot)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    self.epi_barrier.arrive_and_wait()
-                    if is_store_warp:
-                        if has_rows:
-                            cute.copy(
-                                tma_d, bSG_sD[(None, slot)],
-                                bSG_gD[(None, mt, nt * self.num_steps + step)],
-                            )
-                        store_pipe.producer_commit()
-                    # refill the slot of the previous step (its store may still be reading only
-                    # if it is the one just issued) with sub-tile step + slots - 1
-                    if const_expr(step + self.epi_slots - 1 < self.num_steps):
+                if const_expr(self.accumulate):  # main_grad += dW, slot by slot
+                    for step in cutlass.range_constexpr(self.num_steps):
+                        slot = epi_count % self.epi_slots
+                        tRS_slot = tRS_sD[(None, None, None, slot)]
+                        for v in cutlass.range_constexpr(frag):
+                            rSum[v] = tRS_rAcc[step * frag + v]
+                        cute.arch.mbarrier_wait(c_full + slot, (epi_count // self.epi_slots) % 2)
+                        rSum.store(rSum.load() + tRS_slot.load())
+                        rOut.store(rSum.load().to(self.out_dtype))
+                        cute.copy(tiled_copy_r2s, rOut, tRS_slot)
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        self.epi_barrier.arrive_and_wait()
                         if is_store_warp:
-                            cute.arch.cp_async_bulk_wait_group(1, read=True)
-                            self._load_c(
-                                tma_c, bGS_gC, bGS_sC, c_full, mt, nt,
-                                step + self.epi_slots - 1, epi_count + self.epi_slots - 1,
-                            )
-                    epi_count = epi_count + 1
-                if const_expr(not self.accumulate):  # stored under the next tile's k-tiles
+                            if has_rows:
+                                cute.copy(
+                                    tma_d, bSG_sD[(None, slot)],
+                                    bSG_gD[(None, mt, nt * self.num_steps + step)],
+                                )
+                            store_pipe.producer_commit()
+                        # refill the slot of the previous step (its store may still be reading only
+                        # if it is the one just issued) with sub-tile step + slots - 1
+                        if const_expr(step + self.epi_slots - 1 < self.num_steps):
+                            if is_store_warp:
+                                cute.arch.cp_async_bulk_wait_group(1, read=True)
+                                self._load_c(
+                                    tma_c, bGS_gC, bGS_sC, c_full, mt, nt,
+                                    step + self.epi_slots - 1, epi_count + self.epi_slots - 1,
+                                )
+                        epi_count = epi_count + 1
+                else:  # dW: stored under the next tile's k-tiles
                     for step in cutlass.range_constexpr(self.num_steps):
                         for v in cutlass.range_constexpr(frag):
                             rSum[v] = tRS_rAcc[step * frag + v]
