@@ -47,6 +47,7 @@ from .activation_math_sm90 import ACTIVATION_MATH
 from .activations import activation_spec
 from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled
 from .group_tile_scheduler import RASTER_BAND, cluster_tile, locate_tile, segment_rows
+from .mainloop_sm90 import mma_stage
 
 _BIG = 2**30
 _HUGE = 2**31 - 1
@@ -572,12 +573,12 @@ class GroupedGemmSm90:
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     cute.nvgpu.warpgroup.fence()
                     ab_pipe.consumer_wait(read_state)
-                    self._mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
+                    mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
                     cute.nvgpu.warpgroup.commit_group()
                     read_state.advance()
                     for k in range(1, k_tiles):
                         ab_pipe.consumer_wait(read_state)
-                        self._mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
+                        mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
                         cute.nvgpu.warpgroup.commit_group()
                         cute.nvgpu.warpgroup.wait_group(1)
                         ab_pipe.consumer_release(release_state)
@@ -685,12 +686,6 @@ class GroupedGemmSm90:
                 bGS_sC[(None, c_write.index * self.num_in + i)],
                 tma_bar_ptr=bar,
             )
-
-    @cute.jit
-    def _mma_stage(self, tiled_mma, acc, tCrA, tCrB, stage):
-        """acc += the (tile_m, tile_n) product of the k-tile held in pipeline stage ``stage``."""
-        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc)
 
     @cute.jit
     def _mma_block(self, tiled_mma, acc_block, tCrA, tCrB, stage):

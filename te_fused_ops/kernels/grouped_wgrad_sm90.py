@@ -43,6 +43,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.tensor_utils import LayoutEnum
 
 from .group_tile_scheduler import RASTER_BAND, banded_tile
+from .mainloop_sm90 import mma_stage
 
 _BIG = 2**30
 _HUGE = 2**31 - 1
@@ -444,7 +445,7 @@ class GroupedWgradSm90:
                             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                             cute.nvgpu.warpgroup.fence()
                         ab_pipe.consumer_wait(read_state)
-                        self._mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
+                        mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
                         cute.nvgpu.warpgroup.commit_group()
                         read_state.advance()
                         if const_expr(step > 0):
@@ -460,7 +461,7 @@ class GroupedWgradSm90:
                             epi_count = epi_count + 1
                 for _ in range(peeled, k_tiles):
                     ab_pipe.consumer_wait(read_state)
-                    self._mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
+                    mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
                     cute.nvgpu.warpgroup.commit_group()
                     cute.nvgpu.warpgroup.wait_group(1)
                     ab_pipe.consumer_release(release_state)
@@ -591,11 +592,3 @@ class GroupedWgradSm90:
             bGS_sC[(None, slot)],
             tma_bar_ptr=c_full + slot,
         )
-
-    @cute.jit
-    def _mma_stage(self, tiled_mma, acc, tCrA, tCrB, stage):
-        """acc += the (tile_m, tile_n) product of the k-tile held in pipeline stage ``stage``."""
-        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-            cute.gemm(
-                tiled_mma, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc
-            )

@@ -1,0 +1,15 @@
+"""The WGMMA step shared by the sm90 grouped GEMM core and the varlen-K weight gradient.
+
+(The k-loop around it stays in each kernel: the DSL carries pipeline states through a dynamic
+loop only when the loop body itself advances them.)
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+
+@cute.jit
+def mma_stage(tiled_mma, acc, tCrA, tCrB, stage):
+    """acc += the (tile_m, tile_n) product of the k-tile held in pipeline stage ``stage``."""
+    for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+        cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc)
