@@ -75,7 +75,7 @@ def _supports_sm90_cast(ops, info, backend):
     if isinstance(recipe, Float8CurrentScaling):
         return None
     if not isinstance(recipe, Float8BlockScaling):
-        return f"{recipe.name}: the act is cast after the kernel (rule 'quantize')"
+        return f"{recipe.name}: no act-cast epilogue for this recipe (the act is cast after the kernel)"
     if info.input_recipe[0] is not None:
         return "quantized input: the FP8 kernel has no act-cast epilogue (the act is cast after it, rule 'quantize')"
     if not ACTIVATIONS[ops[1].kernel_name].glu:
