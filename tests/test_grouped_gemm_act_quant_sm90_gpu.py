@@ -1,6 +1,7 @@
-"""GPU tests of the forward GroupGemm + GLU activation + E4M3 cast epilogue: the E4M3 activation
-and its 1x128 scales equal, bit for bit, the torch quantizer applied to the bf16/fp16 activation
-that the plain kernel writes; pre equals the plain kernel's."""
+"""GPU tests of the forward GroupGemm (+ GLU activation) + E4M3 cast epilogue: the E4M3 activation
+(or, without an activation, GEMM output) and its 1x128 scales equal, bit for bit, the torch
+quantizer applied to the bf16/fp16 tensor that the plain kernel writes; pre equals the plain
+kernel's."""
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ pytestmark = [
 
 
 def run_case(splits, m, k, n, activation, dtype=torch.bfloat16, has_bias=False, weight_layout="nk", cluster_m=None,
-             seed=0, power_2_scales=False, row_scale=None):
+             seed=0, power_2_scales=False, row_scale=None, tile_n=None):
     """``row_scale`` (M,) multiplies the rows of x (tiny rows: subnormal-sized scales)."""
     torch.manual_seed(seed)
     g = len(splits)
@@ -35,11 +36,15 @@ def run_case(splits, m, k, n, activation, dtype=torch.bfloat16, has_bias=False, 
     offsets = offsets_from_splits(splits)
     kwargs = dict(bias=bias, activation=activation, probs=probs, limit=LIMIT, alpha=ALPHA, weight_layout=weight_layout,
                   cluster_m=cluster_m)
-    pre_out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+    pre_out = None if activation is None else torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
     pre, data, scale_inv = grouped_gemm_act_quant_sm90(x, w, offsets, out=pre_out, power_2_scales=power_2_scales,
-                                                       **kwargs)
+                                                       tile_n=tile_n, **kwargs)
     want_pre, want_act = grouped_gemm_sm90(x, w, offsets, tile_n=256, **kwargs)
-    assert torch.equal(pre, want_pre)
+    if activation is None:  # the cast output is the GEMM output; no pre written
+        assert pre is None
+        want_act = want_pre
+    else:
+        assert torch.equal(pre, want_pre)
     want = quantize(want_act, Float8BlockScaling(power_2_scales=power_2_scales))
     assert torch.equal(scale_inv, want.rowwise_scale_inv)
     assert_same_bytes(data, want.rowwise_data)
@@ -70,6 +75,27 @@ def test_rows_over_many_binades(power_2_scales):
     below 2**-100 (the two-multiplier path) to far above 1."""
     row_scale = torch.exp2(torch.linspace(-60, 20, 700, device="cuda"))
     run_case([300, 0, 400], 700, 128, 256, "swiglu", power_2_scales=power_2_scales, row_scale=row_scale)
+
+
+@pytest.mark.parametrize("power_2_scales", [False, True])
+@pytest.mark.parametrize("tile_n,cluster_m", [(128, 1), (128, 2), (256, 1), (256, 2)])
+def test_without_activation(tile_n, cluster_m, power_2_scales):
+    """The GEMM output itself cast (GroupGemm + Quantize); at tile_n 256 each tile row holds two
+    scale blocks. N = 320: the last n-tile's second block (tile 256) lies past N, and N = 200 ends
+    in a partial block."""
+    run_case(UNEVEN, 1000, 256, 320, None, has_bias=True, tile_n=tile_n, cluster_m=cluster_m,
+             power_2_scales=power_2_scales)
+    run_case([7, 0, 13, 1, 600], 700, 64, 200, None, tile_n=tile_n, cluster_m=cluster_m, power_2_scales=power_2_scales)
+
+
+@pytest.mark.parametrize("power_2_scales", [False, True])
+def test_without_activation_over_many_binades(power_2_scales):
+    row_scale = torch.exp2(torch.linspace(-120, 40, 700, device="cuda"))
+    run_case([300, 0, 400], 700, 128, 512, None, power_2_scales=power_2_scales, row_scale=row_scale)
+
+
+def test_without_activation_fp16_in_place_layout_and_padding_rows():
+    run_case([400, 0, 500], 1000, 128, 256, None, dtype=torch.float16, weight_layout="kn", seed=4)
 
 
 def test_fp16_and_weight_in_place_layout():
@@ -112,8 +138,12 @@ def test_argument_errors():
     w = torch.zeros(2, 256, 128, device="cuda", dtype=torch.bfloat16)
     off = torch.tensor([0, 32, 64], dtype=torch.int32, device="cuda")
     name = "grouped_gemm_act_quant_sm90"
-    with pytest.raises(ValueError, match=f"{name}: activation must be a GLU activation"):
+    with pytest.raises(ValueError, match=f"{name}: activation must be None or a GLU activation"):
         grouped_gemm_act_quant_sm90(x, w, off, activation="srelu")
+    with pytest.raises(ValueError, match=f"{name}: tile_n must be 256 with activation 'swiglu'"):
+        grouped_gemm_act_quant_sm90(x, w, off, activation="swiglu", tile_n=128)
+    with pytest.raises(ValueError, match=f"{name}: out .* needs an activation"):
+        grouped_gemm_act_quant_sm90(x, w, off, activation=None, out=x.new_zeros(64, 256))
     with pytest.raises(TypeError, match=f"{name}: weight has dtype"):
         grouped_gemm_act_quant_sm90(x, w.half(), off, activation="swiglu")
     with pytest.raises(ValueError, match=f"{name}: out must have shape"):

@@ -189,11 +189,15 @@ def test_transpose_fp8_compiles():
     assert compile_transpose_fp8(tvm_ffi=False) is not None
 
 
-@pytest.mark.parametrize("activation,has_bias,weight_layout", [("swiglu", True, "nk"), ("scaled_swiglu", False, "kn")])
-def test_grouped_gemm_act_quant_compiles(activation, has_bias, weight_layout):
+@pytest.mark.parametrize(
+    "activation,has_bias,weight_layout,tile_n",
+    [("swiglu", True, "nk", 256), ("scaled_swiglu", False, "kn", 256), (None, True, "nk", 128), (None, False, "kn", 256)],
+)
+def test_grouped_gemm_act_quant_compiles(activation, has_bias, weight_layout, tile_n):
     from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm_act_quant
 
-    fn = compile_grouped_gemm_act_quant(torch.bfloat16, activation, has_bias, tvm_ffi=False, weight_layout=weight_layout)
+    fn = compile_grouped_gemm_act_quant(torch.bfloat16, activation, has_bias, tvm_ffi=False, weight_layout=weight_layout,
+                                        tile_n=tile_n)
     assert fn is not None
 
 

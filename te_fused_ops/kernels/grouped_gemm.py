@@ -203,10 +203,10 @@ def compile_grouped_gemm(
 
 @functools.cache
 def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cluster_m=2, weight_layout="nk",
-                                   **kernel_opts):
+                                   tile_n=256, **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_gemm_act_quant_sm90``:
-    fn(x, weight, offsets, pre, act_data, act_scale_inv, bias, probs, limit, alpha, max_clusters).
-    ``kernel_opts``: `GroupedGemmActQuantSm90` options (power_2_scales, ab_stages, ...)."""
+    fn(x, weight, offsets, pre, data, scale_inv, bias, probs, limit, alpha, max_clusters), pre None
+    without an activation. ``kernel_opts``: `GroupedGemmActQuantSm90` options (power_2_scales, ...)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -214,17 +214,17 @@ def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cl
 
     dt = _cutlass_dtype(dtype)
     spec = activation_spec(activation, "compile_grouped_gemm_act_quant")
-    (m, g, n), operands = _forward_fakes(dt, weight_layout, GLU_N_MULTIPLE)
-    i, i_blocks = cute.sym_int(divisibility=8), cute.sym_int()
+    (m, g, n), (x, weight, offsets, pre) = _forward_fakes(dt, weight_layout, GLU_N_MULTIPLE if spec else 8)
+    cols, col_blocks = (cute.sym_int(divisibility=8) if spec else n), cute.sym_int()
     args = (
-        *operands,
-        fake_tensor(cutlass.Float8E4M3FN, (m, i), 16),
-        fake_tensor(cutlass.Float32, (m, i_blocks), 4),
+        x, weight, offsets, pre if spec else None,
+        fake_tensor(cutlass.Float8E4M3FN, (m, cols), 16),
+        fake_tensor(cutlass.Float32, (m, col_blocks), 4),
         fake_tensor(dt, (g, n)) if has_bias else None,
-        fake_tensor(cutlass.Float32, (m,), 4) if spec.takes_probs else None,
+        fake_tensor(cutlass.Float32, (m,), 4) if spec and spec.takes_probs else None,
     )
     b_major = {"nk": "k", "kn": "mn"}[weight_layout]
-    kernel = GroupedGemmActQuantSm90(dt, activation, has_bias, b_major, cluster_m, **kernel_opts)
+    kernel = GroupedGemmActQuantSm90(dt, activation, has_bias, b_major, cluster_m, tile_n=tile_n, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -474,50 +474,61 @@ def _forward_checks(
 
 def grouped_gemm_act_quant_sm90(
     x, weight, offsets, *, activation, bias=None, probs=None, limit=7.0, alpha=1.702, out=None, weight_layout="nk",
-    power_2_scales=False, cluster_m=None, sm_margin=None,
+    power_2_scales=False, tile_n=None, cluster_m=None, sm_margin=None,
 ):
-    """`grouped_gemm_sm90` with a GLU ``activation`` whose output is cast to E4M3 in 1 x 128 blocks
-    in the epilogue ("fp8_blockwise"): bit for bit `quantization.quantize` of the bf16/fp16 act
-    that `grouped_gemm_sm90` returns, without writing it (``Float8BlockScaling(power_2_scales)``).
+    """`grouped_gemm_sm90` whose cast output, the GLU ``activation``'s or (``activation=None``) the
+    GEMM output itself, is cast to E4M3 in 1 x 128 blocks in the epilogue ("fp8_blockwise"): bit
+    for bit `quantization.quantize` of the bf16/fp16 tensor `grouped_gemm_sm90` returns for it,
+    without writing that (``Float8BlockScaling(power_2_scales)``).
 
-    Returns (pre (M, N), act_data (M, N/2) float8_e4m3fn, act_scale_inv (M, ceil(N/256)) float32).
-    Rows >= offsets[G]: pre and data zero, scale_inv 1. tile_n is 256. No host sync.
+    Returns (pre (M, N) for GLU, None without an activation; data (M, C) float8_e4m3fn;
+    scale_inv (M, ceil(C/128)) float32), C = N/2 for GLU, N without an activation. Rows >=
+    offsets[G]: pre and data zero, scale_inv 1. GLU: tile_n 256. No host sync.
     """
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, x, weight, offsets, bias, probs, out),
-        _ACT_QUANT, activation, weight_layout, power_2_scales, cluster_m, sm_margin, sm_margin_setting(),
+        _ACT_QUANT, activation, weight_layout, power_2_scales, tile_n, cluster_m, sm_margin, sm_margin_setting(),
     )
-    args = (x, weight, offsets, bias, activation, probs, out, weight_layout, power_2_scales, cluster_m, sm_margin)
+    args = (x, weight, offsets, bias, activation, probs, out, weight_layout, power_2_scales, tile_n, cluster_m,
+            sm_margin)
     launch = _MEMO.get(key) or _MEMO.put(key, _act_quant_launch(*args))
-    fn, pre_shape, act_shape, clusters = launch
-    pre = out if out is not None else x.new_empty(pre_shape)
-    act_data = torch.empty(act_shape, dtype=torch.float8_e4m3fn, device=x.device)
-    act_scale_inv = torch.empty(act_shape[0], -(-act_shape[1] // 128), dtype=torch.float32, device=x.device)
-    _run(fn, tvm_ffi, _act_quant_launch, args, (x, weight, offsets, pre, act_data, act_scale_inv, bias, probs), limit,
+    fn, pre_shape, data_shape, clusters = launch
+    pre = None
+    if pre_shape is not None:
+        pre = out if out is not None else x.new_empty(pre_shape)
+    data = torch.empty(data_shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale_inv = torch.empty(data_shape[0], -(-data_shape[1] // 128), dtype=torch.float32, device=x.device)
+    _run(fn, tvm_ffi, _act_quant_launch, args, (x, weight, offsets, pre, data, scale_inv, bias, probs), limit,
          alpha, clusters)
-    return pre, act_data, act_scale_inv
+    return pre, data, scale_inv
 
 
-def _act_quant_launch(x, weight, offsets, bias, activation, probs, out, weight_layout, power_2_scales, cluster_m,
-                      sm_margin):
-    """Every check of `grouped_gemm_act_quant_sm90`; (launcher or None when M == 0, pre shape, act
-    shape, persistent grid in clusters)."""
+def _act_quant_launch(x, weight, offsets, bias, activation, probs, out, weight_layout, power_2_scales, tile_n,
+                      cluster_m, sm_margin):
+    """Every check of `grouped_gemm_act_quant_sm90`; (launcher or None when M == 0, pre shape or
+    None, cast output shape, persistent grid in clusters)."""
     spec = activation_spec(activation, _ACT_QUANT)
-    if spec is None or not spec.glu:
+    if spec is not None and not spec.glu:
         glus = tuple(name for name, s in ACTIVATIONS.items() if s.glu)
-        raise ValueError(f"{_ACT_QUANT}: activation must be a GLU activation {glus}, got {activation!r}")
-    m, n, act_shape, _, cluster_m, clusters = _forward_checks(
-        _ACT_QUANT, x, weight, offsets, bias, activation, probs, out, None, weight_layout, 256, cluster_m, sm_margin
+        raise ValueError(f"{_ACT_QUANT}: activation must be None or a GLU activation {glus}, got {activation!r}")
+    if spec is not None and tile_n not in (None, 256):
+        raise ValueError(f"{_ACT_QUANT}: tile_n must be 256 with activation {activation!r}, got {tile_n}")
+    if spec is None and out is not None:
+        raise ValueError(f"{_ACT_QUANT}: out (the pre-activation buffer) needs an activation")
+    m, n, act_shape, tile_n, cluster_m, clusters = _forward_checks(
+        _ACT_QUANT, x, weight, offsets, bias, activation, probs, out, None, weight_layout,
+        256 if spec else tile_n, cluster_m, sm_margin,
     )
+    pre_shape, data_shape = ((m, n), act_shape) if spec else (None, (m, n))
     if m == 0:
-        return None, (m, n), act_shape, clusters
-    key = (_ACT_QUANT, x.dtype, activation, bias is not None, tvm_ffi_available(), cluster_m, weight_layout,
+        return None, pre_shape, data_shape, clusters
+    key = (_ACT_QUANT, x.dtype, activation, bias is not None, tvm_ffi_available(), cluster_m, weight_layout, tile_n,
            bool(power_2_scales))
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_gemm_act_quant(*key[1:-1], power_2_scales=key[-1])
-    return fn, (m, n), act_shape, clusters
+    return fn, pre_shape, data_shape, clusters
 
 
 def grouped_gemm_fp8_sm90(

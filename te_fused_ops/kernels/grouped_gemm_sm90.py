@@ -191,7 +191,7 @@ class GroupedGemmSm90:
         sA_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dt, self.ab_stages)
         sB_layout = sm90_utils.make_smem_layout_b(self.b_layout, tile_mnk, dt, self.ab_stages)
         sD_layout = sm90_utils.make_smem_layout_epi(
-            self.dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.num_out * self.epi_slots
+            self.dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, max(self.num_out, 1) * self.epi_slots
         )
         sC_layout = sm90_utils.make_smem_layout_epi(
             self.dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, max(self.num_in, 1) * self.c_stages
@@ -241,7 +241,9 @@ class GroupedGemmSm90:
             c_full_empty: cute.struct.MemRange[cutlass.Int64, self.c_stages * 2]
             sA: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sB_layout)], 1024]
-            sD: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sD_layout)], 1024]
+            sD: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sD_layout) if self.num_out else 0], 1024
+            ]
             sC: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sC_layout) if self.num_in else 0], 1024
             ]
@@ -372,7 +374,9 @@ class GroupedGemmSm90:
 
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-        sD = storage.sD.get_tensor(sD_layout.outer, swizzle=sD_layout.inner)
+        sD = None
+        if const_expr(self.num_out > 0):
+            sD = storage.sD.get_tensor(sD_layout.outer, swizzle=sD_layout.inner)
         sC = None
         if const_expr(self.num_in > 0):
             sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
@@ -476,11 +480,13 @@ class GroupedGemmSm90:
                 copy_atom_c,
             )
             thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
-            tRS_sD = thr_copy_r2s.partition_D(sD)  # (R2S, R2S_M, R2S_N, buf)
+            tRS_sD = None
+            if const_expr(self.num_out > 0):
+                tRS_sD = thr_copy_r2s.partition_D(sD)  # (R2S, R2S_M, R2S_N, buf)
             tRS_rAcc = tiled_copy_r2s.retile(acc)
             # coordinates (row, col in the chunk) of each register value
             tRS_cD = thr_copy_r2s.partition_S(cute.make_identity_tensor(self.epi_tile))
-            rD_shape = cute.shape(thr_copy_r2s.partition_S(sD))[:3]
+            rD_shape = cute.shape(tRS_cD)
             frag = cute.size(rD_shape)
             rAcc = [cute.make_rmem_tensor(rD_shape, self.acc_dtype) for _ in range(self.b_boxes)]
             rOut = [cute.make_rmem_tensor(rD_shape, self.acc_dtype) for _ in range(self.num_out)]
@@ -507,12 +513,14 @@ class GroupedGemmSm90:
                 )
             state = self.epi_make_state(tiled_copy_r2s)
 
-            store_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_slots,
-                producer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, 128 * self.num_mma_wg
-                ),
-            )
+            store_pipe = None
+            if const_expr(self.num_out > 0):
+                store_pipe = pipeline.PipelineTmaStore.create(
+                    num_stages=self.epi_slots,
+                    producer_group=pipeline.CooperativeGroup(
+                        pipeline.Agent.Thread, 128 * self.num_mma_wg
+                    ),
+                )
             is_store_warp = warp_idx == 4
             read_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.ab_stages
@@ -623,34 +631,36 @@ class GroupedGemmSm90:
                                 rIn[i].fill(0.0)
                     self.epi_visit(epi_params, tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state)
                     slot = epi_count % self.epi_slots
-                    for o in cutlass.range_constexpr(self.num_out):
-                        rStore.store(rOut[o].load().to(self.dtype))
-                        cute.copy(
-                            tiled_copy_r2s,
-                            rStore,
-                            tRS_sD[(None, None, None, slot * self.num_out + o)],
-                        )
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    self.epi_barrier.arrive_and_wait()
+                    if const_expr(self.num_out > 0):  # else the subclass stored from registers
+                        for o in cutlass.range_constexpr(self.num_out):
+                            rStore.store(rOut[o].load().to(self.dtype))
+                            cute.copy(
+                                tiled_copy_r2s,
+                                rStore,
+                                tRS_sD[(None, None, None, slot * self.num_out + o)],
+                            )
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        self.epi_barrier.arrive_and_wait()
                     if const_expr(self.num_in > 0 and step + self.c_stages < self.num_steps):
                         if is_group and is_store_warp:
                             self._load_c(load_tmas, c_pipe, c_write, bGS_sC, bGS_gC, mt,
                                          chunk + self.c_stages, half_chunks)
                             c_write.advance()
-                    if is_store_warp and has_rows:
-                        if chunk * self.epi_n < n_box:
-                            for o in cutlass.range_constexpr(self.num_out):
-                                t, half = self.epi_stores[o]
-                                cute.copy(
-                                    store_tmas[t][0],
-                                    bSG_sD[(None, slot * self.num_out + o)],
-                                    bSG_gD[t][(None, mt, chunk + half * half_chunks)],
-                                )
-                    if is_store_warp:
-                        store_pipe.producer_commit()
-                        store_pipe.producer_acquire()
-                    self.epi_barrier.arrive_and_wait()
-                    epi_count = epi_count + 1
+                    if const_expr(self.num_out > 0):
+                        if is_store_warp and has_rows:
+                            if chunk * self.epi_n < n_box:
+                                for o in cutlass.range_constexpr(self.num_out):
+                                    t, half = self.epi_stores[o]
+                                    cute.copy(
+                                        store_tmas[t][0],
+                                        bSG_sD[(None, slot * self.num_out + o)],
+                                        bSG_gD[t][(None, mt, chunk + half * half_chunks)],
+                                    )
+                        if is_store_warp:
+                            store_pipe.producer_commit()
+                            store_pipe.producer_acquire()
+                        self.epi_barrier.arrive_and_wait()
+                        epi_count = epi_count + 1
                 self.epi_end_tile(epi_params, tile, n_box, tRS_cD, state)
 
                 tile_id = tile_id + num_clusters
@@ -658,8 +668,9 @@ class GroupedGemmSm90:
                     tile_id, c_start, c_base, mOffsets, num_groups, m_total, n_tiles, self.tile_m, self.cluster_m, self.split_tail
                 )
             self.epi_end_kernel(epi_params, mma_tidx // 32, state)
-            if is_store_warp:
-                store_pipe.producer_tail()
+            if const_expr(self.num_out > 0):
+                if is_store_warp:
+                    store_pipe.producer_tail()
 
     def _partition_loads(self, load_tmas, sC, start):
         """TMA partitions (smem buffers, gmem chunks) of the C-tile inputs for a segment."""
@@ -831,6 +842,7 @@ class GroupedGemmActSm90(GroupedGemmSm90):
     """
 
     stores_act = True  # False: a subclass writes the activation itself
+    stores_pre = True  # False (no activation only): a subclass writes the output itself
 
     def __init__(self, dtype, tile_n, activation, has_bias, b_major="k", cluster_m=2, act_amax=False, **opts):
         self.spec = activation_spec(activation, "GroupedGemmActSm90")
@@ -842,7 +854,7 @@ class GroupedGemmActSm90(GroupedGemmSm90):
         self.b_boxes = 2 if glu else 1
         # output buffers: GLU (gate, up) -> pre, act -> act; srelu pre, act; none pre
         if self.spec is None:
-            self.epi_stores = ((0, 0),)
+            self.epi_stores = ((0, 0),) if self.stores_pre else ()
         elif glu:
             self.epi_stores = ((0, 0), (0, 1), (1, 0)) if self.stores_act else ((0, 0), (0, 1))
         else:
@@ -929,29 +941,34 @@ class GroupedGemmActSm90(GroupedGemmSm90):
 
 
 class GroupedGemmActQuantSm90(GroupedGemmActSm90):
-    """`GroupedGemmActSm90` with a GLU activation whose output leaves as E4M3 in 1 x 128 blocks
-    ("fp8_blockwise") instead of bf16: act_data (M, I) float8_e4m3fn and act_scale_inv
-    (M, ceil(I / 128)) float32, bit for bit the torch quantizer (``Float8BlockScaling(
-    power_2_scales)``) applied to the act that `GroupedGemmActSm90` writes (its bf16 rounding
-    included); pre (M, 2I) as before.
+    """`GroupedGemmActSm90` whose cast output, the GLU activation or, without an activation, the
+    GEMM output itself, leaves as E4M3 in 1 x 128 blocks ("fp8_blockwise") instead of bf16:
+    data (M, C) float8_e4m3fn and scale_inv (M, ceil(C / 128)) float32 (C = I = N/2 for GLU, N
+    without an activation), bit for bit the torch quantizer (``Float8BlockScaling(
+    power_2_scales)``) applied to what `GroupedGemmActSm90` writes (its bf16 rounding included).
+    GLU: pre (M, 2I) as before, tile_n 256 (a tile's 128 act columns are one block of each of its
+    rows). Without an activation nothing else is written; tile_n 128 or 256 (one or two blocks).
 
-    tile_n is 256, so a tile's 128 act columns are one block of each of its rows: before the
-    steps, a pass over the whole accumulator computes the act once, keeps it in registers as
-    stored (dtype, 64 values per thread) and takes each row's amax (a quad holds a row; two
-    shuffles); each step then scales its chunk (`e4m3_scaled`: a reciprocal multiplication with an
-    exact-residual correction, or two exact multiplications with power-of-two scales) and stores
-    the E4M3 bytes straight from registers, two adjacent columns per 16-bit store (rows of the
-    tile's group only).
+    Before the steps, a pass over the whole accumulator computes each value as stored and takes
+    each row's amax per block (a quad holds a row; two shuffles); GLU keeps the act in registers
+    (dtype, 64 values per thread), the plain output is recomputed from the accumulator. Each step
+    then scales its chunk (`e4m3_scaled`: a reciprocal multiplication with an exact-residual
+    correction, or two exact multiplications with power-of-two scales) and stores the E4M3 bytes
+    straight from registers, two adjacent columns per 16-bit store (rows of the tile's group only).
     """
 
     stores_act = False
 
-    def __init__(self, dtype, activation, has_bias, b_major="k", cluster_m=2, power_2_scales=False, **opts):
+    def __init__(self, dtype, activation, has_bias, b_major="k", cluster_m=2, power_2_scales=False, tile_n=256,
+                 **opts):
         spec = activation_spec(activation, "GroupedGemmActQuantSm90")
-        if spec is None or not spec.glu:
-            raise ValueError("GroupedGemmActQuantSm90 needs a GLU activation")
+        if spec is not None and (not spec.glu or tile_n != 256):
+            raise ValueError("GroupedGemmActQuantSm90 casts a GLU activation (tile_n 256) or the plain output")
         self.power_2_scales = power_2_scales
-        super().__init__(dtype, 256, activation, has_bias, b_major, cluster_m, **opts)
+        self.stores_pre = spec is not None
+        super().__init__(dtype, tile_n, activation, has_bias, b_major, cluster_m, **opts)
+        self.blocks = self.box_n // 128  # cast blocks per row of a tile
+        self.block_steps = 128 // self.epi_n
 
     @cute.jit
     def __call__(
@@ -959,9 +976,9 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
         mX: cute.Tensor,  # (M, K)
         mW: cute.Tensor,  # (G, N, K) "k" / (G, K, N) "mn"
         mOffsets: cute.Tensor,  # (G + 1,) int32
-        mPre: cute.Tensor,  # (M, N)
-        mActData: cute.Tensor,  # (M, N/2) float8_e4m3fn
-        mActScale: cute.Tensor,  # (M, ceil(N/256)) float32
+        mPre: cute.Tensor,  # (M, N) GLU, else None
+        mData: cute.Tensor,  # (M, C) float8_e4m3fn
+        mScale: cute.Tensor,  # (M, ceil(C/128)) float32
         mBias: cute.Tensor,  # (G, N) or None
         mProbs: cute.Tensor,  # (M,) float32 or None
         limit: Float32,
@@ -970,27 +987,36 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
         stream,
     ):
         m_total = cute.size(mX, mode=[0])
-        self.launch(mX, mW, mOffsets, (mPre,), (), (mBias, mProbs, limit, alpha, m_total, None, mActData, mActScale),
+        outputs = (mPre,) if const_expr(self.stores_pre) else ()
+        self.launch(mX, mW, mOffsets, outputs, (), (mBias, mProbs, limit, alpha, m_total, None, mData, mScale),
                     max_clusters, stream)
 
     def epi_make_state(self, tiled_copy_r2s):
-        """(per row slot: scale_inv and the two multipliers of `e4m3_scale_inv`; the tile's act as
-        stored, step-major; fp32 and E4M3 scratch of one chunk)."""
+        """(per block and row slot: scale_inv and the two multipliers of `e4m3_scale_inv`; GLU: the
+        tile's act as stored, step-major, else None; fp32 and E4M3 scratch of one chunk)."""
         self.row_slot, self.slot_value = fragment_row_slots(tiled_copy_r2s, self.epi_tile)
         assert_column_pairs(tiled_copy_r2s, self.epi_tile)
         frag, slots = len(self.row_slot), len(self.slot_value)
         return (
-            [cute.make_rmem_tensor((slots,), Float32) for _ in range(3)],
-            cute.make_rmem_tensor((self.num_steps * frag,), self.dtype),
+            [cute.make_rmem_tensor((self.blocks * slots,), Float32) for _ in range(3)],
+            cute.make_rmem_tensor((self.num_steps * frag,), self.dtype) if self.spec is not None else None,
             cute.make_rmem_tensor((frag,), Float32),
             cute.make_rmem_tensor((frag,), cutlass.Float8E4M3FN),
         )
 
     @cute.jit
+    def _stored(self, params, tile: Tile, chunk, n_box, rAcc, rPre, tRS_cD, v):
+        """Value v of the chunk as `GroupedGemmActSm90` stores it (dtype): the act, or the output."""
+        act = self._pre_act(params, tile, chunk, n_box, rAcc, rPre, tRS_cD, v)
+        if const_expr(self.spec is None):
+            act = rPre[0][v]
+        return act.to(self.dtype)
+
+    @cute.jit
     def epi_begin_tile(self, params, tile: Tile, n_box, tRS_rAcc, tRS_cD, state):
-        m_total, mActScale = params[4], params[7]
+        m_total, mScale = params[4], params[7]
         scales, acts = state[0], state[1]
-        frag = len(self.row_slot)
+        frag, slots = len(self.row_slot), len(self.slot_value)
         rAcc = [cute.make_rmem_tensor((frag,), Float32) for _ in range(self.b_boxes)]
         rPre = [cute.make_rmem_tensor((frag,), Float32) for _ in range(self.b_boxes)]
         amax = scales[0]
@@ -1001,44 +1027,54 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
                 for j in cutlass.range_constexpr(self.b_boxes):
                     rAcc[j][v] = tRS_rAcc[(step + j * self.num_steps) * frag + v]
             for v in cutlass.range_constexpr(frag):
-                act = self._pre_act(params, tile, chunk, n_box, rAcc, rPre, tRS_cD, v).to(self.dtype)
-                acts[step * frag + v] = act
-                value = act.to(Float32)
+                stored = self._stored(params, tile, chunk, n_box, rAcc, rPre, tRS_cD, v)
+                if const_expr(self.spec is not None):
+                    acts[step * frag + v] = stored
+                value = stored.to(Float32)
                 magnitude = cutlass.max(value, -value)
-                slot = self.row_slot[v]
+                slot = step // self.block_steps * slots + self.row_slot[v]
                 if magnitude < Float32(float("inf")) and chunk * self.epi_n + tRS_cD[v][1] < n_box:
                     amax[slot] = cutlass.max(amax[slot], magnitude)  # NaN, Inf count as 0
         lane = cute.arch.lane_idx()
-        for r in cutlass.range_constexpr(len(self.slot_value)):
-            row_amax = amax[r]
-            row_amax = cutlass.max(row_amax, cute.arch.shuffle_sync_bfly(row_amax, offset=1))
-            row_amax = cutlass.max(row_amax, cute.arch.shuffle_sync_bfly(row_amax, offset=2))
-            scale_inv, m1, m2 = e4m3_scale_inv(row_amax, self.power_2_scales)
-            scales[0][r], scales[1][r], scales[2][r] = scale_inv, m1, m2
-            row = tile.row0 + tRS_cD[self.slot_value[r]][0]
-            if lane % 4 == 0 and row < tile.end and row < m_total:
-                mActScale[row, tile.nt] = scale_inv
+        for b in cutlass.range_constexpr(self.blocks):
+            for r in cutlass.range_constexpr(slots):
+                slot = b * slots + r
+                row_amax = amax[slot]
+                row_amax = cutlass.max(row_amax, cute.arch.shuffle_sync_bfly(row_amax, offset=1))
+                row_amax = cutlass.max(row_amax, cute.arch.shuffle_sync_bfly(row_amax, offset=2))
+                scale_inv, m1, m2 = e4m3_scale_inv(row_amax, self.power_2_scales)
+                scales[0][slot], scales[1][slot], scales[2][slot] = scale_inv, m1, m2
+                row = tile.row0 + tRS_cD[self.slot_value[r]][0]
+                block = tile.nt * self.blocks + b
+                in_cols = True
+                if const_expr(self.blocks > 1):  # the tile's second block may lie past C
+                    in_cols = block * 128 < n_box
+                if lane % 4 == 0 and row < tile.end and row < m_total and in_cols:
+                    mScale[row, block] = scale_inv
 
     @cute.jit
     def epi_visit(self, params, tile: Tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
-        m_total, mActData = params[4], params[6]
+        m_total, mData = params[4], params[6]
         (scale_inv, m1, m2), acts, scaled, data = state
-        frag = cute.size(rAcc[0])
+        frag, slots = cute.size(rAcc[0]), len(self.slot_value)
         for v in cutlass.range_constexpr(frag):
-            self._pre(params, tile, chunk, n_box, rAcc, rOut, tRS_cD, v)
-            slot = self.row_slot[v]
-            scaled[v] = e4m3_scaled(acts[step * frag + v].to(Float32), scale_inv[slot], m1[slot], m2[slot],
-                                    self.power_2_scales)
+            if const_expr(self.spec is not None):
+                self._pre(params, tile, chunk, n_box, rAcc, rOut, tRS_cD, v)
+                value = acts[step * frag + v].to(Float32)
+            else:  # recomputed as the first pass did; `scaled` is the scratch of `_pre`
+                value = self._stored(params, tile, chunk, n_box, rAcc, [scaled], tRS_cD, v).to(Float32)
+            slot = step // self.block_steps * slots + self.row_slot[v]
+            scaled[v] = e4m3_scaled(value, scale_inv[slot], m1[slot], m2[slot], self.power_2_scales)
         data.store(scaled.load().to(cutlass.Float8E4M3FN))  # round to nearest even, saturating
         # values 2p, 2p + 1 are columns c, c + 1 of one row (c even; `assert_column_pairs`), and
         # n_box is even: one 16-bit store per pair
         pairs = cute.recast_tensor(data, cutlass.Int16)
-        mActPairs = cute.recast_tensor(mActData, cutlass.Int16)
+        mDataPairs = cute.recast_tensor(mData, cutlass.Int16)
         for p in cutlass.range_constexpr(cute.size(pairs)):
             row = tile.row0 + tRS_cD[2 * p][0]
             col = chunk * self.epi_n + tRS_cD[2 * p][1]
             if row < tile.end and row < m_total and col < n_box:
-                mActPairs[row, col // 2] = pairs[p]
+                mDataPairs[row, col // 2] = pairs[p]
 
 
 class GroupedGemmActFp8Sm90(GroupedGemmActSm90):
