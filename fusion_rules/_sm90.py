@@ -94,8 +94,9 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
     A quantized ``x`` (FP8_KERNEL_RECIPES) runs the block-scaled FP8 kernel on the weight cast
     with the same recipe on this call. Returns (pre, act), or with ``act_amax=True`` in
     ``epilogue`` (pre, act, amax parts), as `grouped_gemm_sm90`; with ``act_cast`` (a
-    Float8BlockScaling recipe; bf16/fp16 x, GLU activation) the act is cast to E4M3 in the
-    epilogue and not written: (pre, act data, act multipliers), as `grouped_gemm_act_quant_sm90`.
+    Float8BlockScaling recipe; bf16/fp16 x, a GLU activation or none) the act, or without an
+    activation the output, is cast to E4M3 in the epilogue and not written: (pre or None, data,
+    multipliers), as `grouped_gemm_act_quant_sm90`.
     """
     weight, bias = ctx.params["weight"], ctx.params.get("bias")
     linear.check_input(x, weight)

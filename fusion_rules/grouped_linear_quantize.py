@@ -1,7 +1,15 @@
-"""Forward GroupGemm + Quantize (+ Transpose): the GEMM output cast in its epilogue."""
+"""Forward GroupGemm + Quantize (+ Transpose): the GEMM output cast in its epilogue.
+
+On sm90, "fp8_blockwise" after a bf16/fp16 input casts the output to E4M3 in the GEMM's epilogue,
+which never writes it in bf16; other recipes (and an FP8 input) run the GEMM and then the cast
+(rules 'grouped_linear' and 'quantize'). The Transpose variant runs in torch.
+"""
 
 from te_fused_ops import FusionRule, register_rule
 from te_fused_ops.ops import GroupedLinear, Quantize, Transpose
+from te_fused_ops.quantization import Float8BlockScaling
+
+from ._sm90 import kernel_unsupported_reason, rows_quantized, run_grouped_gemm
 
 
 def _forward_torch(ops, ctxs, x):
@@ -10,7 +18,27 @@ def _forward_torch(ops, ctxs, x):
     return x
 
 
-grouped_linear_quantize = FusionRule("grouped_linear+quantize", pattern=(GroupedLinear, Quantize), passes="forward")
+def _supports_sm90(ops, info, backend):
+    if backend != "sm90":
+        return None
+    recipe = ops[1].recipe
+    if not isinstance(recipe, Float8BlockScaling):
+        return f"{recipe.name}: no cast epilogue for this recipe (the output is cast after the kernel, rule 'quantize')"
+    if info.input_recipe[0] is not None:
+        return "quantized input: the FP8 kernel has no cast epilogue (the output is cast after it, rule 'quantize')"
+    return kernel_unsupported_reason(ops[0], info)
+
+
+def _forward_sm90(ops, ctxs, x):
+    recipe = ops[1].recipe
+    _, data, scale_inv = run_grouped_gemm(ops[0], ctxs[0], x, act_cast=recipe)
+    return rows_quantized(data, scale_inv, data.shape, x.dtype, recipe, ctxs[1].side["offsets"])
+
+
+grouped_linear_quantize = FusionRule(
+    "grouped_linear+quantize", pattern=(GroupedLinear, Quantize), passes="forward", supports=_supports_sm90
+)
+grouped_linear_quantize.implementation("sm90")(_forward_sm90)
 grouped_linear_quantize.implementation("torch")(_forward_torch)
 
 grouped_linear_quantize_transpose = FusionRule(

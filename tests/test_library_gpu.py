@@ -219,6 +219,32 @@ def test_sm90_fp8_chain_runs_on_the_kernels(quantize_x, recipe, monkeypatch):
             in text), text
 
 
+@pytest.mark.parametrize("recipe", [Float8BlockScaling(), Float8BlockScaling(power_2_scales=True)])
+def test_sm90_output_cast_in_the_gemm_epilogue(recipe, monkeypatch):
+    """GroupedLinear, Quantize, GroupedLinear: FC1's output cast to E4M3 in its epilogue (never
+    written in bf16), FC2 on the FP8 kernel; bit for bit the plan that casts after FC1, and
+    within rounding of the torch backend."""
+    _require_hopper()
+    torch.manual_seed(0)
+    seq = Sequential(GroupedLinear(G, H, I, bias=True, dtype=torch.bfloat16, device="cuda"), Quantize(recipe),
+                     GroupedLinear(G, I, H, dtype=torch.bfloat16, device="cuda"))
+    text = _fp8_step_matches_torch_backend(seq, 5e-2, 5e-2, monkeypatch, seed=10)
+    assert "[0:2] GroupedLinear, Quantize -> rule 'grouped_linear+quantize' (backend sm90)" in text, text
+    x = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16)
+    split_sizes = routing(11, ROWS - 40)
+    fused = seq[:2](x, split_sizes=split_sizes)
+    tfo.unregister_rule("grouped_linear+quantize")
+    try:
+        cast_after = seq[:2](x, split_sizes=split_sizes)
+        assert "rule 'grouped_linear+quantize'" not in seq.explain(x, split_sizes=split_sizes)
+    finally:
+        import fusion_rules.grouped_linear_quantize as rule
+
+        tfo.register_rule(rule.grouped_linear_quantize)
+    assert torch.equal(fused.rowwise_data.view(torch.uint8), cast_after.rowwise_data.view(torch.uint8))
+    assert torch.equal(fused.rowwise_scale_inv, cast_after.rowwise_scale_inv)
+
+
 def fresh_copy(seq):
     other = copy.deepcopy(seq)
     other.load_state_dict({k: v.clone() for k, v in seq.state_dict().items()})

@@ -132,9 +132,12 @@ ACT_CASTS = []  # power_2_scales of each stood-in GEMM with the act cast in its 
 
 def gemm_act_cast(x, weight, offsets, *, activation, power_2_scales=False, **epilogue):
     """`grouped_gemm_act_quant_sm90`'s contract: `gemm`'s pre, and its act as the torch quantizer
-    casts it (1 x 128 blocks), the act itself not returned."""
+    casts it (1 x 128 blocks), the act itself not returned; without an activation no pre, and
+    the output cast."""
     ACT_CASTS.append(power_2_scales)
     pre, act = gemm(x, weight, offsets, activation=activation, **epilogue)
+    if activation is None:
+        pre, act = None, pre
     q = quantize(act, Float8BlockScaling(power_2_scales=power_2_scales))
     return pre, q.rowwise_data, q.rowwise_scale_inv
 
@@ -304,6 +307,35 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
     for name, a, b in zip(("y", "dx", "dW1", "dW2"), got, want):
         assert ref.rel_err(a, b) <= 5e-2, name
     assert torch.all(got[0][SPLITS.sum():] == 0)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_blockwise_pow2", "fp8_current"])
+def test_output_cast_in_the_epilogue(recipe, sm90_stand_ins, monkeypatch):
+    """GroupedLinear, Quantize, GroupedLinear: fp8_blockwise casts FC1's output in its epilogue
+    (rule 'grouped_linear+quantize'), fp8_current after it; FC2 runs the FP8 kernel either way.
+    Results against the torch backend."""
+    current = recipe == "fp8_current"
+    if recipe == "fp8_blockwise_pow2":
+        recipe = Float8BlockScaling(power_2_scales=True)
+    torch.manual_seed(0)
+    seq = Sequential(GroupedLinear(G, H, I, bias=True, dtype=torch.bfloat16), Quantize(recipe),
+                     GroupedLinear(G, I, H, dtype=torch.bfloat16))
+    x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
+    text = seq.explain(x, split_sizes=SPLITS)
+    forward = (["[0] GroupedLinear -> rule 'grouped_linear' (backend sm90)",
+                "[1] Quantize -> rule 'quantize' (backend sm90)"] if current else
+               ["[0:2] GroupedLinear, Quantize -> rule 'grouped_linear+quantize' (backend sm90)"])
+    for line in (*forward, "[2] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)"):
+        assert line in text, text
+    ACT_CASTS.clear()
+    got = step(seq, x, dy)
+    power_2 = isinstance(recipe, Float8BlockScaling) and recipe.power_2_scales
+    assert ACT_CASTS == [power_2] * (not current), ACT_CASTS
+    monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
+    want = step(seq, x, dy)
+    for name, a, b in zip(("y", "dx", "dW1", "db1", "dW2"), got, want):
+        assert ref.rel_err(a, b) <= 5e-2, name
 
 
 def test_fp8_dact_rule_declines_a_quantized_gradient(sm90_stand_ins):
