@@ -40,7 +40,7 @@ import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Boolean, Float32, Int32, Int64, const_expr
+from cutlass import Boolean, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.tensor_utils import LayoutEnum
 
 from .activation_math_sm90 import ACTIVATION_MATH
@@ -783,6 +783,59 @@ def assert_column_pairs(tiled_copy_r2s, epi_tile):
             assert r0 == r1 and c1 == c0 + 1 and c0 % 2 == 0, "column pairs assume the sm90 accumulator layout"
 
 
+def quad_column_groups(tiled_copy_r2s, epi_tile):
+    """[slot][j] -> the pair index p whose values 2p, 2p + 1 sit at columns 8 j + 2 q, + 1 of the
+    thread's row slot (q = lane % 4, the quad position): an 8-column group of a row is spread over a
+    quad, two columns per lane (sm90 accumulator layout; asserted for every lane)."""
+    row_slot, _ = fragment_row_slots(tiled_copy_r2s, epi_tile)
+    first = _value_coords(tiled_copy_r2s, epi_tile, 0)
+    groups = {}
+    for p in range(len(first) // 2):
+        groups[(row_slot[2 * p], first[2 * p][1] // 8)] = p
+    slots, width = max(row_slot) + 1, epi_tile[1] // 8
+    assert sorted(groups) == [(s, j) for s in range(slots) for j in range(width)], "quad groups"
+    for lane in range(128):
+        coords = _value_coords(tiled_copy_r2s, epi_tile, lane)
+        for (slot, j), p in groups.items():
+            assert coords[2 * p][1] == 8 * j + 2 * (lane % 4), "quad groups assume the sm90 accumulator layout"
+    return [[groups[(slot, j)] for j in range(width)] for slot in range(slots)]
+
+
+@cute.jit
+def quad_gather(values, q):
+    """Four 16-bit values per lane of a quad (``values[j]``: this lane's 2 bytes of column group
+    j, in the low half of a Uint32) -> the 8 bytes of group q (``q`` = lane % 4) as two Uint32
+    words (columns 8q .. 8q + 3, 8q + 4 .. 8q + 7): a 4 x 4 transpose across the quad in two
+    shuffles."""
+    def pick(cond, if_value, else_value):  # select_ may hand back a signed value: keep it unsigned
+        return Uint32(cutlass.select_(cond, if_value, else_value))
+
+    def hi(word):  # the upper 16 bits, as a low half
+        return (word >> 16) & Uint32(0xFFFF)
+
+    def lo(word):
+        return word & Uint32(0xFFFF)
+
+    # round 1, with lane q ^ 2: lane q keeps groups 2 (q // 2), + 1 of lanes q % 2 (a) and q % 2 + 2 (b)
+    upper = q >= 2
+    w0 = values[0] | (values[1] << 16)
+    w1 = values[2] | (values[3] << 16)
+    got = Uint32(cute.arch.shuffle_sync_bfly(pick(upper, w0, w1), offset=2))
+    a = pick(upper, got, w0)
+    b = pick(upper, w1, got)
+    # round 2, with lane q ^ 1: each lane keeps its own group's halves, sends the partner's
+    odd = (q % 2) == 1
+    send = pick(odd, lo(a) | (lo(b) << 16), hi(a) | (hi(b) << 16))
+    got = Uint32(cute.arch.shuffle_sync_bfly(send, offset=1))
+    keep_a = pick(odd, hi(a), lo(a))  # group q of lane q % 2
+    keep_b = pick(odd, hi(b), lo(b))  # group q of lane q % 2 + 2
+    lane0 = pick(odd, lo(got), keep_a)
+    lane1 = pick(odd, keep_a, lo(got))
+    lane2 = pick(odd, hi(got), keep_b)
+    lane3 = pick(odd, keep_b, hi(got))
+    return lane0 | (lane1 << 16), lane2 | (lane3 << 16)
+
+
 def make_amax_state():
     """A consumer thread's running max |output| (one fp32 register, 0), kept over all its tiles."""
     amax = cute.make_rmem_tensor((1,), Float32)
@@ -996,6 +1049,7 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
         tile's act as stored, step-major, else None; fp32 and E4M3 scratch of one chunk)."""
         self.row_slot, self.slot_value = fragment_row_slots(tiled_copy_r2s, self.epi_tile)
         assert_column_pairs(tiled_copy_r2s, self.epi_tile)
+        self.quad_pairs = quad_column_groups(tiled_copy_r2s, self.epi_tile)
         frag, slots = len(self.row_slot), len(self.slot_value)
         return (
             [cute.make_rmem_tensor((self.blocks * slots,), Float32) for _ in range(3)],
@@ -1066,15 +1120,19 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
             slot = step // self.block_steps * slots + self.row_slot[v]
             scaled[v] = e4m3_scaled(value, scale_inv[slot], m1[slot], m2[slot], self.power_2_scales)
         data.store(scaled.load().to(cutlass.Float8E4M3FN))  # round to nearest even, saturating
-        # values 2p, 2p + 1 are columns c, c + 1 of one row (c even; `assert_column_pairs`), and
-        # n_box is even: one 16-bit store per pair
+        # values 2p, 2p + 1 are columns c, c + 1 of one row (`assert_column_pairs`); a quad holds
+        # a row's 8-column groups two bytes per lane, so a transpose across the quad
+        # (`quad_gather`) gives lane q group q whole: one 8-byte store per row (n_box % 8 == 0)
         pairs = cute.recast_tensor(data, cutlass.Int16)
-        mDataPairs = cute.recast_tensor(mData, cutlass.Int16)
-        for p in cutlass.range_constexpr(cute.size(pairs)):
-            row = tile.row0 + tRS_cD[2 * p][0]
-            col = chunk * self.epi_n + tRS_cD[2 * p][1]
+        mDataGroups = cute.recast_tensor(mData, cutlass.Uint64)
+        q = cute.arch.lane_idx() % 4
+        for slot in cutlass.range_constexpr(slots):
+            word0, word1 = quad_gather([Uint32(pairs[p]) & Uint32(0xFFFF) for p in self.quad_pairs[slot]], q)
+            row = tile.row0 + tRS_cD[2 * self.quad_pairs[slot][0]][0]
+            col = chunk * self.epi_n + 8 * q
             if row < tile.end and row < m_total and col < n_box:
-                mDataPairs[row, col // 2] = pairs[p]
+                mDataGroups[row, col // 8] = (cutlass.Uint64(word0) & cutlass.Uint64(0xFFFFFFFF)) | (
+                    cutlass.Uint64(word1) << 32)
 
 
 class GroupedGemmActFp8Sm90(GroupedGemmActSm90):
