@@ -4,8 +4,8 @@
 e.g. the data gradient dx = dy @ W[g] of a GroupedLinear, W read in place), + bias / activation.
 ``grouped_dgrad_dact_sm90``: the backward of FC2 fused with the activation's backward.
 ``grouped_gemm_fp8_sm90``: the forward on block-scaled FP8 operands (x 1x128, W 128x128 blocks).
-``grouped_gemm_act_quant_sm90``: the forward + GLU activation with the activation cast to E4M3 in
-1x128 blocks in the epilogue (FC2's fp8_blockwise input, no bf16 round trip).
+``grouped_gemm_act_quant_sm90``: the forward + GLU activation with the activation (or, without an
+activation, the output) cast to E4M3 in 1x128 blocks in the epilogue (no bf16 round trip).
 
 Tensors cross into the kernels through TVM-FFI (``apache-tvm-ffi``) when it is installed, which keeps
 the per-call host overhead to a few microseconds; without it the classic CuTe DSL call path is used.

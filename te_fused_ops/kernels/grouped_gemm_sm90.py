@@ -17,7 +17,8 @@ into smem, issued ahead by the first consumer warp, before the tile's mainloop f
 the subclass's element-wise ``epi_visit`` in fp32 registers, registers -> smem -> TMA store.
 Subclasses declare their outputs as ``epi_stores`` and loaded inputs as ``epi_loads``: one
 (tensor index, half) pair per smem buffer, half 1 being the columns [n_box, 2 n_box) of a
-[gate, up] tensor. Stores never cross a group's last row: outputs get a "ragged" TMA view (the
+[gate, up] tensor; with no ``epi_stores`` the steps skip shared memory and its barriers (the
+subclass stores from registers). Stores never cross a group's last row: outputs get a "ragged" TMA view (the
 idea of Triton's ragged TMA descriptors) with two extra modes whose strides wrap around the 64-bit
 address space, so a tile of group g sees a tensor whose row extent ends exactly at the group's last
 row and the TMA unit clips the rest.
