@@ -18,10 +18,10 @@ the subclass's element-wise ``epi_visit`` in fp32 registers, registers -> smem -
 Subclasses declare their outputs as ``epi_stores`` and loaded inputs as ``epi_loads``: one
 (tensor index, half) pair per smem buffer, half 1 being the columns [n_box, 2 n_box) of a
 [gate, up] tensor; with no ``epi_stores`` the steps skip shared memory and its barriers (the
-subclass stores from registers). Stores never cross a group's last row: outputs get a "ragged" TMA view (the
-idea of Triton's ragged TMA descriptors) with two extra modes whose strides wrap around the 64-bit
-address space, so a tile of group g sees a tensor whose row extent ends exactly at the group's last
-row and the TMA unit clips the rest.
+subclass stores from registers). Stores never cross a group's last row: outputs get a "ragged" TMA
+view (the idea of Triton's ragged TMA descriptors) with two extra modes whose strides wrap around
+the 64-bit address space, so a tile of group g sees a tensor whose row extent ends exactly at the
+group's last row and the TMA unit clips the rest.
 
 With ``b_boxes`` = 2 (forward GLU), n-tile nt covers B rows [nt * tile_n/2, (nt+1) * tile_n/2) and
 the same rows of the second half: each B stage is filled by two TMA boxes of tile_n/2 (gate, then
@@ -775,30 +775,21 @@ def fragment_row_slots(tiled_copy_r2s, epi_tile):
     return [distinct.index(r) for r in rows], [rows.index(r) for r in distinct]
 
 
-def assert_column_pairs(tiled_copy_r2s, epi_tile):
-    """Assert that each thread's epilogue values 2p, 2p + 1 sit at columns c, c + 1 of one row with
-    c even (sm90 accumulator layout), so they can leave as one 2-element store."""
-    for lane in range(128):
-        coords = _value_coords(tiled_copy_r2s, epi_tile, lane)
-        for (r0, c0), (r1, c1) in zip(coords[0::2], coords[1::2]):
-            assert r0 == r1 and c1 == c0 + 1 and c0 % 2 == 0, "column pairs assume the sm90 accumulator layout"
-
-
-def quad_column_groups(tiled_copy_r2s, epi_tile):
+def quad_column_groups(tiled_copy_r2s, epi_tile, row_slot):
     """[slot][j] -> the pair index p whose values 2p, 2p + 1 sit at columns 8 j + 2 q, + 1 of the
-    thread's row slot (q = lane % 4, the quad position): an 8-column group of a row is spread over a
-    quad, two columns per lane (sm90 accumulator layout; asserted for every lane)."""
-    row_slot, _ = fragment_row_slots(tiled_copy_r2s, epi_tile)
+    thread's row slot (``row_slot`` of `fragment_row_slots`; q = lane % 4, the quad position): an
+    8-column group of a row is spread over a quad, two adjacent columns per lane (sm90 accumulator
+    layout; asserted for every lane)."""
     first = _value_coords(tiled_copy_r2s, epi_tile, 0)
-    groups = {}
-    for p in range(len(first) // 2):
-        groups[(row_slot[2 * p], first[2 * p][1] // 8)] = p
+    groups = {(row_slot[2 * p], first[2 * p][1] // 8): p for p in range(len(first) // 2)}
     slots, width = max(row_slot) + 1, epi_tile[1] // 8
     assert sorted(groups) == [(s, j) for s in range(slots) for j in range(width)], "quad groups"
     for lane in range(128):
         coords = _value_coords(tiled_copy_r2s, epi_tile, lane)
         for (slot, j), p in groups.items():
-            assert coords[2 * p][1] == 8 * j + 2 * (lane % 4), "quad groups assume the sm90 accumulator layout"
+            (r0, c0), (r1, c1) = coords[2 * p], coords[2 * p + 1]
+            assert r0 == r1 and c0 == 8 * j + 2 * (lane % 4) and c1 == c0 + 1, (
+                "quad groups assume the sm90 accumulator layout")
     return [[groups[(slot, j)] for j in range(width)] for slot in range(slots)]
 
 
@@ -1008,7 +999,8 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
     (dtype, 64 values per thread), the plain output is recomputed from the accumulator. Each step
     then scales its chunk (`e4m3_scaled`: a reciprocal multiplication with an exact-residual
     correction, or two exact multiplications with power-of-two scales) and stores the E4M3 bytes
-    straight from registers, two adjacent columns per 16-bit store (rows of the tile's group only).
+    straight from registers, one 8-byte store per row and quad lane after `quad_gather` (rows of
+    the tile's group only).
     """
 
     stores_act = False
@@ -1049,8 +1041,7 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
         """(per block and row slot: scale_inv and the two multipliers of `e4m3_scale_inv`; GLU: the
         tile's act as stored, step-major, else None; fp32 and E4M3 scratch of one chunk)."""
         self.row_slot, self.slot_value = fragment_row_slots(tiled_copy_r2s, self.epi_tile)
-        assert_column_pairs(tiled_copy_r2s, self.epi_tile)
-        self.quad_pairs = quad_column_groups(tiled_copy_r2s, self.epi_tile)
+        self.quad_pairs = quad_column_groups(tiled_copy_r2s, self.epi_tile, self.row_slot)
         frag, slots = len(self.row_slot), len(self.slot_value)
         return (
             [cute.make_rmem_tensor((self.blocks * slots,), Float32) for _ in range(3)],
@@ -1121,9 +1112,9 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
             slot = step // self.block_steps * slots + self.row_slot[v]
             scaled[v] = e4m3_scaled(value, scale_inv[slot], m1[slot], m2[slot], self.power_2_scales)
         data.store(scaled.load().to(cutlass.Float8E4M3FN))  # round to nearest even, saturating
-        # values 2p, 2p + 1 are columns c, c + 1 of one row (`assert_column_pairs`); a quad holds
-        # a row's 8-column groups two bytes per lane, so a transpose across the quad
-        # (`quad_gather`) gives lane q group q whole: one 8-byte store per row (n_box % 8 == 0)
+        # a quad holds a row's 8-column groups two bytes per lane (`quad_column_groups`), so a
+        # transpose across the quad (`quad_gather`) gives lane q group q whole: one 8-byte store
+        # per row (n_box % 8 == 0)
         pairs = cute.recast_tensor(data, cutlass.Int16)
         mDataGroups = cute.recast_tensor(mData, cutlass.Uint64)
         q = cute.arch.lane_idx() % 4
@@ -1132,8 +1123,7 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
             row = tile.row0 + tRS_cD[2 * self.quad_pairs[slot][0]][0]
             col = chunk * self.epi_n + 8 * q
             if row < tile.end and row < m_total and col < n_box:
-                mDataGroups[row, col // 8] = (cutlass.Uint64(word0) & cutlass.Uint64(0xFFFFFFFF)) | (
-                    cutlass.Uint64(word1) << 32)
+                mDataGroups[row, col // 8] = cutlass.Uint64(word0) | (cutlass.Uint64(word1) << 32)
 
 
 class GroupedGemmActFp8Sm90(GroupedGemmActSm90):
