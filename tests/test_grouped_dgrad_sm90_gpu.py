@@ -225,15 +225,28 @@ def dact_width(activation):
     return 160 if ACTIVATIONS[activation].glu else 168
 
 
+@pytest.mark.parametrize("epilogue_warps", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("activation", list(ACTIVATIONS))
-def test_dact_activations(activation, dtype):
-    run_dact(UNEVEN, 500, 256, dact_width(activation), activation, dtype, tile_n=128, cluster_m=2)
+def test_dact_activations(activation, dtype, epilogue_warps):
+    run_dact(UNEVEN, 500, 256, dact_width(activation), activation, dtype, tile_n=128, cluster_m=2,
+             epilogue_warps=epilogue_warps)
 
 
+@pytest.mark.parametrize("epilogue_warps", [True, False])
 @pytest.mark.parametrize("activation", ["swiglu", "scaled_swiglu", "srelu"])
-def test_dact_tile_256_without_cluster(activation):
-    run_dact(UNEVEN, 500, 192, dact_width(activation), activation, seed=1, tile_n=256, cluster_m=1)
+def test_dact_tile_256_without_cluster(activation, epilogue_warps):
+    run_dact(UNEVEN, 500, 192, dact_width(activation), activation, seed=1, tile_n=256, cluster_m=1,
+             epilogue_warps=epilogue_warps)
+
+
+def test_dact_epilogue_warps_round_h_only():
+    """The epilogue warps see h rounded to dy's dtype: act is bitwise the MMA-warpgroup epilogue's,
+    d_pre within that rounding."""
+    fused = run_dact(UNEVEN, 700, 256, 256, "scaled_swiglu", seed=4, tile_n=256, epilogue_warps=True)
+    mma = run_dact(UNEVEN, 700, 256, 256, "scaled_swiglu", seed=4, tile_n=256, epilogue_warps=False)
+    assert torch.equal(fused[1], mma[1])
+    assert rel_err(fused[0], mma[0].double()) <= 4e-3
 
 
 @pytest.mark.parametrize(
@@ -393,6 +406,8 @@ def test_argument_errors():
                                 activation="swiglu")
     with pytest.raises(ValueError, match=f"{name}: sm_margin must be >= 0"):
         grouped_dgrad_dact_sm90(dy, w, off, pre, activation="swiglu", sm_margin=-1)
+    with pytest.raises(TypeError, match=f"{name}: epilogue_warps must be a bool"):
+        grouped_dgrad_dact_sm90(dy, w, off, pre, activation="swiglu", epilogue_warps="yes")
     with pytest.raises(ValueError, match="grouped_gemm_sm90: weight_layout"):
         grouped_gemm_sm90(dy, w, off, weight_layout="tn")
     with pytest.raises(ValueError, match="grouped_gemm_sm90: weight has K=64"):

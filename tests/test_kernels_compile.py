@@ -74,12 +74,13 @@ def test_grouped_gemm_kn_compiles(dtype, tile_n, activation, has_bias, cluster_m
     assert fn is not None
 
 
+@pytest.mark.parametrize("epilogue_warps", [True, False])
 @pytest.mark.parametrize("tile_n", [128, 256])
 @pytest.mark.parametrize("activation", list(ACTIVATIONS))
-def test_grouped_dgrad_dact_compiles(activation, tile_n):
+def test_grouped_dgrad_dact_compiles(activation, tile_n, epilogue_warps):
     from te_fused_ops.kernels.grouped_gemm import compile_grouped_dgrad_dact
 
-    assert compile_grouped_dgrad_dact(torch.bfloat16, tile_n, activation, False) is not None
+    assert compile_grouped_dgrad_dact(torch.bfloat16, tile_n, activation, False, 2, epilogue_warps) is not None
 
 
 @pytest.mark.parametrize(
@@ -89,7 +90,8 @@ def test_grouped_dgrad_dact_compiles(activation, tile_n):
 def test_grouped_dgrad_dact_compiles_fp16_and_without_cluster(dtype, activation, cluster_m):
     from te_fused_ops.kernels.grouped_gemm import compile_grouped_dgrad_dact
 
-    assert compile_grouped_dgrad_dact(dtype, 128, activation, False, cluster_m) is not None
+    for epilogue_warps in (True, False):
+        assert compile_grouped_dgrad_dact(dtype, 128, activation, False, cluster_m, epilogue_warps) is not None
 
 
 def test_device_math_covers_the_registry():
@@ -101,13 +103,17 @@ def test_device_math_covers_the_registry():
 def test_unknown_epilogue_rejected():
     import cutlass
 
-    from te_fused_ops.kernels.grouped_dact_sm90 import GroupedGemmDActSm90
-    from te_fused_ops.kernels.grouped_gemm_sm90 import GroupedGemmActSm90
+    from te_fused_ops.kernels.grouped_dact_sm90 import GroupedGemmDActFp8Sm90, GroupedGemmDActSm90
+    from te_fused_ops.kernels.grouped_gemm_sm90 import GroupedGemmActQuantSm90, GroupedGemmActSm90
 
     with pytest.raises(ValueError, match="activation"):
         GroupedGemmActSm90(cutlass.BFloat16, 128, "relu", False)
     with pytest.raises(ValueError, match="needs an activation"):
         GroupedGemmDActSm90(cutlass.BFloat16, 128, None)
+    with pytest.raises(ValueError, match="epilogue_warps"):  # its hooks need the whole accumulator
+        GroupedGemmActQuantSm90(cutlass.BFloat16, "swiglu", False, epilogue_warps=True)
+    with pytest.raises(ValueError, match="epilogue_warps"):  # FP8 operands
+        GroupedGemmDActFp8Sm90(cutlass.BFloat16, "swiglu", epilogue_warps=True)
 
 
 def test_unsupported_reasons():

@@ -27,7 +27,9 @@ COMPILE = {  # name: Python that compiles one configuration (torch as torch, bf1
     "wgrad main_grad tile 128": "from te_fused_ops.kernels.grouped_wgrad import compile_grouped_wgrad as c;"
                                 "c(bf16, 128, True, 1, False)",
     "dgrad + dScaledSwiGLU tile 128": "from te_fused_ops.kernels.grouped_gemm import compile_grouped_dgrad_dact as c;"
-                                      "c(bf16, 128, 'scaled_swiglu', False, 2)",
+                                      "c(bf16, 128, 'scaled_swiglu', False, 2, False)",
+    "dgrad + dSwiGLU tile 256, epilogue warps": "from te_fused_ops.kernels.grouped_gemm import"
+                                                " compile_grouped_dgrad_dact as c; c(bf16, 256, 'swiglu', False, 2, True)",
     "forward + SwiGLU tile 256": "from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm as c;"
                                  "c(bf16, 256, 'swiglu', False, False, 2)",
     "FP8 forward + SwiGLU": "from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm_fp8 as c;"

@@ -45,6 +45,8 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
     options.
     """
 
+    supports_epilogue_warps = True
+
     def __init__(self, dtype, tile_n, activation, cluster_m=2, b_major="mn", emit_act=True, d_pre_amax=False,
                  **opts):
         self.spec = activation_spec(activation, "GroupedGemmDActSm90")
@@ -79,12 +81,12 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
         self.launch(mDy, mW, mOffsets, (mDPre, mAct), (mPre,),
                     (mProbs, mDProbsPart, limit, alpha, m_total, None), max_clusters, stream)
 
-    def epi_make_state(self, tiled_copy_r2s):
+    def epi_make_state(self, tiled_copy, epi_tile):
         """(scaled_swiglu: per-thread d_probs sums of its rows (fp32) and a scratch fragment, else
         None, None; d_pre_amax: the thread's running max |d_pre|, else None)."""
         probs = (None, None)
         if self.spec.takes_probs:
-            self.row_slot, self.slot_value = fragment_row_slots(tiled_copy_r2s, self.epi_tile)
+            self.row_slot, self.slot_value = fragment_row_slots(tiled_copy, epi_tile)
             probs = (
                 cute.make_rmem_tensor((len(self.slot_value),), Float32),
                 cute.make_rmem_tensor((len(self.row_slot),), Float32),
@@ -141,7 +143,7 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
     @cute.jit
     def epi_end_kernel(self, params, consumer_warp, state):
         if const_expr(self.d_pre_amax):
-            write_amax_parts(params[5], state[2], consumer_warp, 4 * self.num_mma_wg)
+            write_amax_parts(params[5], state[2], consumer_warp, self.hook_warps)
 
 
 class GroupedGemmDActFp8Sm90(GroupedGemmDActSm90):

@@ -229,7 +229,8 @@ def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cl
 
 
 @functools.cache
-def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_m=2, **kernel_opts):
+def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_m=2, epilogue_warps=False,
+                               **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_dgrad_dact_sm90``:
     fn(dy, weight, offsets, pre, d_pre, act, probs, d_probs_part, limit, alpha, max_clusters[, stream])."""
     import cutlass
@@ -253,7 +254,7 @@ def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_
         fake_tensor(cutlass.Float32, (m,), 4) if spec.takes_probs else None,
         fake_tensor(cutlass.Float32, (n_tiles, m), 4) if spec.takes_probs else None,
     )
-    kernel = GroupedGemmDActSm90(dt, tile_n, activation, cluster_m, **kernel_opts)
+    kernel = GroupedGemmDActSm90(dt, tile_n, activation, cluster_m, epilogue_warps=epilogue_warps, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -626,7 +627,7 @@ def _check_fp8_operands(fn_name, a, b, offsets):
 
 def grouped_dgrad_dact_sm90(
     dy, weight, offsets, pre, *, activation, probs=None, limit=7.0, alpha=1.702, out=None, act_out=None,
-    sm_margin=None, tile_n=None, cluster_m=None,
+    sm_margin=None, tile_n=None, cluster_m=None, epilogue_warps=None,
 ):
     """Backward of FC2 fused with the activation's backward: h = dy_g @ W[g], then dActivation.
 
@@ -637,14 +638,17 @@ def grouped_dgrad_dact_sm90(
     Returns (d_pre like pre, act (M, I) = activation(pre) (times probs for scaled_swiglu: the input
     of FC2's weight gradient), d_probs (M,) float32 for scaled_swiglu else None).
     Rows >= offsets[G] are zero. No host sync. H a multiple of 8; I a multiple of 32 (GLU) or 8.
+    ``epilogue_warps`` (None: False): True runs the dActivation on three warps of its own, on h
+    rounded to dy's dtype (as the unfused path stores it), while the MMA warpgroups run the next
+    tile; False: the MMA warpgroups run it from their fp32 accumulator between tiles.
     Checks run once per argument signature, as for `grouped_gemm_sm90`.
     """
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, dy, weight, offsets, pre, probs, out, act_out),
-        _DACT, activation, tile_n, cluster_m, sm_margin, sm_margin_setting(),
+        _DACT, activation, tile_n, cluster_m, sm_margin, sm_margin_setting(), epilogue_warps,
     )
-    args = (dy, weight, offsets, pre, activation, probs, out, act_out, tile_n, cluster_m, sm_margin)
+    args = (dy, weight, offsets, pre, activation, probs, out, act_out, tile_n, cluster_m, sm_margin, epilogue_warps)
     launch = _MEMO.get(key) or _MEMO.put(key, _dact_launch(*args))
     fn, act_shape, partial_shape, clusters = launch
     d_pre = out if out is not None else torch.empty_like(pre)
@@ -655,7 +659,8 @@ def grouped_dgrad_dact_sm90(
     return d_pre, act, None if d_probs_part is None else d_probs_part.sum(0)
 
 
-def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile_n, cluster_m, sm_margin):
+def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile_n, cluster_m, sm_margin,
+                 epilogue_warps):
     """Every check of `grouped_dgrad_dact_sm90`; (launcher or None when M == 0, act shape,
     d_probs partials shape or None, persistent grid in clusters)."""
     dev = check_input(_DACT, dy, "dy")
@@ -690,7 +695,11 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
     partial_shape = (-(-i // tile_n), m) if spec.takes_probs else None
     if m == 0:
         return None, (m, i), partial_shape, clusters
-    key = (_DACT, dy.dtype, tile_n, activation, tvm_ffi_available(), cluster_m)
+    if epilogue_warps is None:
+        epilogue_warps = False  # faster alone (H100: 1.02-1.07x), not in the training step (NOTES_sm90.md)
+    elif not isinstance(epilogue_warps, bool):
+        raise TypeError(f"{_DACT}: epilogue_warps must be a bool or None, got {type(epilogue_warps).__name__}")
+    key = (_DACT, dy.dtype, tile_n, activation, tvm_ffi_available(), cluster_m, bool(epilogue_warps))
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_dgrad_dact(*key[1:])

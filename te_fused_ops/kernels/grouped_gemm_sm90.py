@@ -23,6 +23,13 @@ view (the idea of Triton's ragged TMA descriptors) with two extra modes whose st
 the 64-bit address space, so a tile of group g sees a tensor whose row extent ends exactly at the
 group's last row and the TMA unit clips the rest.
 
+With ``epilogue_warps`` (subclasses with ``supports_epilogue_warps``, 16-bit operands) the epilogue
+overlaps the next tile's mainloop instead: the MMA warpgroups hand the accumulator over in dtype
+through one shared-memory buffer (an mbarrier pair) and go on; warps 1-3 of the producer
+warpgroup run the same hooks on 8-row blocks with 16-byte loads and stores straight between
+global memory and registers (no TMA, no C or D buffers). A fourth warpgroup would cap every thread
+at 128 registers (ptxas budgets the kernel by its thread count, whatever setmaxnreg says later).
+
 With ``b_boxes`` = 2 (forward GLU), n-tile nt covers B rows [nt * tile_n/2, (nt+1) * tile_n/2) and
 the same rows of the second half: each B stage is filled by two TMA boxes of tile_n/2 (gate, then
 up) from a view of W with a separate half mode, (N/2, K, 2, G), so each half is clipped at its
@@ -96,7 +103,8 @@ class GroupedGemmSm90:
     to a CTA pair), ``ab_stages`` / ``epi_slots`` (None: fill shared memory), ``c_stages`` (C-tile
     load buffers: chunks loaded ahead, default 2), ``raster_band`` (m-tiles per band of the tile
     order inside a group, `banded_tile`), ``split_tail`` (cluster_m 2: a group's odd last m-tile
-    split along N over the pair, `cluster_tile`). Subclasses set ``b_boxes``, ``epi_stores``,
+    split along N over the pair, `cluster_tile`), ``epilogue_warps`` (the epilogue on warps of its
+    own, module docstring). Subclasses set ``b_boxes``, ``epi_stores``,
     ``epi_loads`` before calling this ``__init__``.
     """
 
@@ -107,9 +115,11 @@ class GroupedGemmSm90:
     epi_stores: tuple  # set by subclasses
     epi_loads = ()
 
+    supports_epilogue_warps = False  # subclasses whose hooks are element-wise over (row, col)
+
     def __init__(
         self, dtype, tile_n, b_major="k", cluster_m=2, ab_stages=None, epi_slots=None, ab_dtype=None, c_stages=2,
-        raster_band=RASTER_BAND, split_tail=True,
+        raster_band=RASTER_BAND, split_tail=True, epilogue_warps=False,
     ):
         if b_major not in ("k", "mn"):
             raise ValueError("b_major must be 'k' or 'mn'")
@@ -141,7 +151,13 @@ class GroupedGemmSm90:
         self.num_in = len(self.epi_loads)
         self.num_steps = self.box_n // self.epi_n
         self.num_mma_wg = 2
+        if epilogue_warps and (self.block_scaled or not self.supports_epilogue_warps or self.num_out == 0):
+            raise ValueError(f"{type(self).__name__}: epilogue_warps needs 16-bit operands and stored outputs")
+        # epilogue_warps: warps 1-3 of the producer warpgroup run the epilogue; every warpgroup keeps the
+        # launch's 168 registers (no setmaxnreg)
+        self.epilogue_warps = epilogue_warps
         self.threads = 128 * (1 + self.num_mma_wg)
+        self.hook_warps = 3 if epilogue_warps else 4 * self.num_mma_wg  # warps running the epilogue hooks
         self.epi_tile = (self.tile_m, self.epi_n)
         stage_bytes = (self.tile_m + tile_n) * self.tile_k * self.ab_dtype.width // 8
         buf_bytes = self.tile_m * self.epi_n * dtype.width // 8
@@ -150,6 +166,8 @@ class GroupedGemmSm90:
             epi_slots = 1 if self.num_out + self.num_in >= 3 and tile_n == 256 else 2
         self.epi_slots = epi_slots
         epi_bytes = buf_bytes * (self.num_out * epi_slots + self.num_in * self.c_stages)
+        if epilogue_warps:  # no store or load buffers: the accumulator handed over in dtype, one chunk per step
+            epi_bytes = buf_bytes * self.b_boxes * self.num_steps
         if ab_stages is None:
             ab_stages = (smem - epi_bytes) // stage_bytes
         if ab_stages * stage_bytes + epi_bytes > smem or ab_stages < 2:
@@ -215,38 +233,48 @@ class GroupedGemmSm90:
             (self.box_n, self.tile_k),
             num_multicast=self.cluster_m,
         )
+        sAcc_layout = sm90_utils.make_smem_layout_epi(
+            self.dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.b_boxes * self.num_steps
+        )
         sD_one = cute.slice_(sD_layout, (None, None, 0))
-        store_tmas = tuple(
-            cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), _ragged_rows(t), sD_one, self.epi_tile
+        store_tmas, load_tmas, epi_tensors = (), (), ((), ())
+        if const_expr(self.epilogue_warps):  # global memory straight from the epilogue warps' registers
+            epi_tensors = (outputs, inputs)
+        else:
+            store_tmas = tuple(
+                cute.nvgpu.cpasync.make_tiled_tma_atom(
+                    cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), _ragged_rows(t), sD_one, self.epi_tile
+                )
+                for t in outputs
             )
-            for t in outputs
-        )
-        load_tmas = tuple(
-            cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-                t,
-                cute.slice_(sC_layout, (None, None, 0)),
-                self.epi_tile,
+            load_tmas = tuple(
+                cute.nvgpu.cpasync.make_tiled_tma_atom(
+                    cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+                    t,
+                    cute.slice_(sC_layout, (None, None, 0)),
+                    self.epi_tile,
+                )
+                for t in inputs
             )
-            for t in inputs
-        )
         self.ab_bytes = cute.size_in_bytes(dt, cute.slice_(sA_layout, (None, None, 0))) + (
             cute.size_in_bytes(dt, cute.slice_(sB_layout, (None, None, 0)))
         )
         self.c_bytes = self.num_in * cute.size_in_bytes(self.dtype, cute.slice_(sC_layout, (None, None, 0)))
 
+        sD_used = self.num_out > 0 and not self.epilogue_warps
+        sC_used = self.num_in > 0 and not self.epilogue_warps
+
         @cute.struct
         class SharedStorage:
             ab_full_empty: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
             c_full_empty: cute.struct.MemRange[cutlass.Int64, self.c_stages * 2]
+            acc_full_empty: cute.struct.MemRange[cutlass.Int64, 2 if self.epilogue_warps else 0]
             sA: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sB_layout)], 1024]
-            sD: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sD_layout) if self.num_out else 0], 1024
-            ]
-            sC: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sC_layout) if self.num_in else 0], 1024
+            sD: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sD_layout) if sD_used else 0], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sC_layout) if sC_used else 0], 1024]
+            sAcc: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sAcc_layout) if self.epilogue_warps else 0], 1024
             ]
 
         self.shared_storage = SharedStorage
@@ -265,6 +293,7 @@ class GroupedGemmSm90:
             tma_mB,
             store_tmas,
             load_tmas,
+            epi_tensors,
             mOffsets,
             epi_params,
             scales,
@@ -273,6 +302,7 @@ class GroupedGemmSm90:
             sB_layout,
             sD_layout,
             sC_layout,
+            sAcc_layout,
         ).launch(
             grid=[grid_x, 1, 1],
             block=[self.threads, 1, 1],
@@ -282,8 +312,9 @@ class GroupedGemmSm90:
         )
 
     # ------------------------------------------------------------------ epilogue hooks
-    def epi_make_state(self, tiled_copy_r2s):
-        """Per-thread register state carried across the epilogue steps of a tile, or None."""
+    def epi_make_state(self, tiled_copy, epi_tile):
+        """Per-thread register state carried across the epilogue steps of a tile, or None;
+        ``tiled_copy`` gives each thread's values of an ``epi_tile`` sub-tile."""
         return None
 
     def epi_begin_tile(self, params, tile: Tile, n_box, tRS_rAcc, tRS_cD, state):
@@ -314,6 +345,7 @@ class GroupedGemmSm90:
         mB: cute.Tensor,
         store_tmas: tuple,
         load_tmas: tuple,
+        epi_tensors: tuple,
         mOffsets: cute.Tensor,
         epi_params: tuple,
         scales,
@@ -322,6 +354,7 @@ class GroupedGemmSm90:
         sB_layout: cute.ComposedLayout,
         sD_layout: cute.ComposedLayout,
         sC_layout: cute.ComposedLayout,
+        sAcc_layout: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -361,7 +394,7 @@ class GroupedGemmSm90:
             defer_sync=True,
         )
         c_pipe = None
-        if const_expr(self.num_in > 0):
+        if const_expr(self.num_in > 0 and not self.epilogue_warps):
             # CTA-local: the first consumer warp loads, every consumer warp's lane 0 releases
             c_pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.c_full_empty.data_ptr(),
@@ -371,16 +404,29 @@ class GroupedGemmSm90:
                 tx_count=self.c_bytes,
                 defer_sync=True,
             )
+        acc_pipe = None
+        if const_expr(self.epilogue_warps):  # MMA warpgroups -> epilogue warps, one accumulator buffer
+            acc_pipe = pipeline.PipelineAsync.create(
+                barrier_storage=storage.acc_full_empty.data_ptr(),
+                num_stages=1,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_mma_wg),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * self.hook_warps),
+                defer_sync=True,
+            )
         pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)
 
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         sD = None
-        if const_expr(self.num_out > 0):
-            sD = storage.sD.get_tensor(sD_layout.outer, swizzle=sD_layout.inner)
         sC = None
-        if const_expr(self.num_in > 0):
-            sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
+        sAcc = None
+        if const_expr(self.epilogue_warps):
+            sAcc = storage.sAcc.get_tensor(sAcc_layout.outer, swizzle=sAcc_layout.inner)
+        else:
+            if const_expr(self.num_out > 0):
+                sD = storage.sD.get_tensor(sD_layout.outer, swizzle=sD_layout.inner)
+            if const_expr(self.num_in > 0):
+                sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
         # ((box_n, tile_k), b_boxes, 1, stages): box h fills rows [h * box_n, (h+1) * box_n)
         sB_boxes = cute.group_modes(cute.flat_divide(sB, (self.box_n, self.tile_k)), 0, 2)
 
@@ -388,7 +434,8 @@ class GroupedGemmSm90:
 
         if wg_idx == 0:
             # ---------------------------------------------------------- TMA producer
-            cute.arch.setmaxregister_decrease(40)
+            if const_expr(not self.epilogue_warps):
+                cute.arch.setmaxregister_decrease(40)
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.ab_stages
@@ -457,9 +504,16 @@ class GroupedGemmSm90:
                         tile_id, c_start, c_base, mOffsets, num_groups, m_total, n_tiles, self.tile_m, self.cluster_m, self.split_tail
                     )
                 ab_pipe.producer_tail(state)
+            elif const_expr(self.epilogue_warps):
+                # ------------------------------------------------------ epilogue warps
+                self._run_epilogue_warps(
+                    acc_pipe, sAcc, epi_tensors, mOffsets, epi_params, first_tile, num_clusters, rank, num_groups,
+                    m_total, n_tiles, n_box,
+                )
         else:
-            # ---------------------------------------------------------- MMA + epilogue
-            cute.arch.setmaxregister_increase(232)
+            # ---------------------------------------------------------- MMA (+ epilogue)
+            if const_expr(not self.epilogue_warps):
+                cute.arch.setmaxregister_increase(232)
             mma_tidx = tidx - 128
             thr_mma = tiled_mma.get_slice(mma_tidx)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
@@ -482,7 +536,9 @@ class GroupedGemmSm90:
             )
             thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
             tRS_sD = None
-            if const_expr(self.num_out > 0):
+            if const_expr(self.epilogue_warps):
+                tRS_sD = thr_copy_r2s.partition_D(sAcc)  # (R2S, R2S_M, R2S_N, chunk)
+            elif const_expr(self.num_out > 0):
                 tRS_sD = thr_copy_r2s.partition_D(sD)  # (R2S, R2S_M, R2S_N, buf)
             tRS_rAcc = tiled_copy_r2s.retile(acc)
             # coordinates (row, col in the chunk) of each register value
@@ -498,7 +554,7 @@ class GroupedGemmSm90:
             tSR_rIn = None
             c_write = None
             c_read = None
-            if const_expr(self.num_in > 0):
+            if const_expr(self.num_in > 0 and not self.epilogue_warps):
                 tiled_copy_s2r = cute.make_tiled_copy_S(
                     cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), self.dtype),
                     copy_atom_c,
@@ -512,10 +568,13 @@ class GroupedGemmSm90:
                 c_read = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Consumer, self.c_stages
                 )
-            state = self.epi_make_state(tiled_copy_r2s)
+            state = self.epi_make_state(tiled_copy_r2s, self.epi_tile)
 
             store_pipe = None
-            if const_expr(self.num_out > 0):
+            acc_write = None
+            if const_expr(self.epilogue_warps):
+                acc_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            if const_expr(self.num_out > 0 and not self.epilogue_warps):
                 store_pipe = pipeline.PipelineTmaStore.create(
                     num_stages=self.epi_slots,
                     producer_group=pipeline.CooperativeGroup(
@@ -549,7 +608,7 @@ class GroupedGemmSm90:
                 # their inputs read as zeros)
                 bGS_sC = None
                 bGS_gC = None
-                if const_expr(self.num_in > 0):
+                if const_expr(self.num_in > 0 and not self.epilogue_warps):
                     bGS_sC, bGS_gC = self._partition_loads(load_tmas, sC, start)
                     if is_group and is_store_warp:
                         for step in cutlass.range_constexpr(min(self.c_stages, self.num_steps)):
@@ -598,80 +657,216 @@ class GroupedGemmSm90:
                     release_state.advance()
 
                 # ------------------------------------------------------ epilogue
-                bSG_sD = None
-                bSG_gD = []
-                for atom, mD in store_tmas:
-                    gD = cute.local_tile(_segment_view(mD, start, length), self.epi_tile, (None, None))
-                    bSG_sD, bSG_g = cute.nvgpu.cpasync.tma_partition(
-                        atom, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2),
-                        cute.group_modes(gD, 0, 2),
-                    )
-                    bSG_gD.append(bSG_g)
-                self.epi_begin_tile(epi_params, tile, n_box, tRS_rAcc, tRS_cD, state)
+                if const_expr(self.epilogue_warps):
+                    # hand the accumulator over in dtype (the epilogue warpgroup waits on the padding
+                    # segment for nothing, and a tile without rows has no epilogue)
+                    if is_group and has_rows:
+                        acc_pipe.producer_acquire(acc_write)
+                        for sub in cutlass.range_constexpr(self.b_boxes * self.num_steps):
+                            for v in cutlass.range_constexpr(frag):
+                                rStore[v] = tRS_rAcc[sub * frag + v].to(self.dtype)
+                            cute.copy(tiled_copy_r2s, rStore, tRS_sD[(None, None, None, sub)])
+                        acc_pipe.producer_commit(acc_write)
+                        acc_write.advance()
+                else:
+                    bSG_sD = None
+                    bSG_gD = []
+                    for atom, mD in store_tmas:
+                        gD = cute.local_tile(_segment_view(mD, start, length), self.epi_tile, (None, None))
+                        bSG_sD, bSG_g = cute.nvgpu.cpasync.tma_partition(
+                            atom, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2),
+                            cute.group_modes(gD, 0, 2),
+                        )
+                        bSG_gD.append(bSG_g)
+                    self.epi_begin_tile(epi_params, tile, n_box, tRS_rAcc, tRS_cD, state)
 
-                for step in cutlass.range_constexpr(self.num_steps):
-                    chunk = nt * self.num_steps + step  # 32-column chunk (of each half)
-                    # forward GLU: sub-tile `step` is gate (j = 0), `step + num_steps` up (j = 1)
-                    for j in cutlass.range_constexpr(self.b_boxes):
-                        sub = step + j * self.num_steps
-                        for v in cutlass.range_constexpr(frag):
-                            rAcc[j][v] = tRS_rAcc[sub * frag + v]
-                    if const_expr(self.num_in > 0):
-                        if is_group:
-                            c_pipe.consumer_wait(c_read)
-                            for i in cutlass.range_constexpr(self.num_in):
-                                cute.copy(
-                                    tiled_copy_s2r,
-                                    tSR_sC[(None, None, None, c_read.index * self.num_in + i)],
-                                    tSR_rIn[i],
-                                )
-                            c_pipe.consumer_release(c_read)
-                            c_read.advance()
-                        else:
-                            for i in cutlass.range_constexpr(self.num_in):
-                                rIn[i].fill(0.0)
-                    self.epi_visit(epi_params, tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state)
-                    slot = epi_count % self.epi_slots
-                    if const_expr(self.num_out > 0):  # else the subclass stored from registers
-                        for o in cutlass.range_constexpr(self.num_out):
-                            rStore.store(rOut[o].load().to(self.dtype))
-                            cute.copy(
-                                tiled_copy_r2s,
-                                rStore,
-                                tRS_sD[(None, None, None, slot * self.num_out + o)],
-                            )
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        self.epi_barrier.arrive_and_wait()
-                    if const_expr(self.num_in > 0 and step + self.c_stages < self.num_steps):
-                        if is_group and is_store_warp:
-                            self._load_c(load_tmas, c_pipe, c_write, bGS_sC, bGS_gC, mt,
-                                         chunk + self.c_stages, half_chunks)
-                            c_write.advance()
-                    if const_expr(self.num_out > 0):
-                        if is_store_warp and has_rows:
-                            if chunk * self.epi_n < n_box:
-                                for o in cutlass.range_constexpr(self.num_out):
-                                    t, half = self.epi_stores[o]
+                    for step in cutlass.range_constexpr(self.num_steps):
+                        chunk = nt * self.num_steps + step  # 32-column chunk (of each half)
+                        # forward GLU: sub-tile `step` is gate (j = 0), `step + num_steps` up (j = 1)
+                        for j in cutlass.range_constexpr(self.b_boxes):
+                            sub = step + j * self.num_steps
+                            for v in cutlass.range_constexpr(frag):
+                                rAcc[j][v] = tRS_rAcc[sub * frag + v]
+                        if const_expr(self.num_in > 0):
+                            if is_group:
+                                c_pipe.consumer_wait(c_read)
+                                for i in cutlass.range_constexpr(self.num_in):
                                     cute.copy(
-                                        store_tmas[t][0],
-                                        bSG_sD[(None, slot * self.num_out + o)],
-                                        bSG_gD[t][(None, mt, chunk + half * half_chunks)],
+                                        tiled_copy_s2r,
+                                        tSR_sC[(None, None, None, c_read.index * self.num_in + i)],
+                                        tSR_rIn[i],
                                     )
-                        if is_store_warp:
-                            store_pipe.producer_commit()
-                            store_pipe.producer_acquire()
-                        self.epi_barrier.arrive_and_wait()
-                        epi_count = epi_count + 1
-                self.epi_end_tile(epi_params, tile, n_box, tRS_cD, state)
+                                c_pipe.consumer_release(c_read)
+                                c_read.advance()
+                            else:
+                                for i in cutlass.range_constexpr(self.num_in):
+                                    rIn[i].fill(0.0)
+                        self.epi_visit(epi_params, tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state)
+                        slot = epi_count % self.epi_slots
+                        if const_expr(self.num_out > 0):  # else the subclass stored from registers
+                            for o in cutlass.range_constexpr(self.num_out):
+                                rStore.store(rOut[o].load().to(self.dtype))
+                                cute.copy(
+                                    tiled_copy_r2s,
+                                    rStore,
+                                    tRS_sD[(None, None, None, slot * self.num_out + o)],
+                                )
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                            self.epi_barrier.arrive_and_wait()
+                        if const_expr(self.num_in > 0 and step + self.c_stages < self.num_steps):
+                            if is_group and is_store_warp:
+                                self._load_c(load_tmas, c_pipe, c_write, bGS_sC, bGS_gC, mt,
+                                             chunk + self.c_stages, half_chunks)
+                                c_write.advance()
+                        if const_expr(self.num_out > 0):
+                            if is_store_warp and has_rows:
+                                if chunk * self.epi_n < n_box:
+                                    for o in cutlass.range_constexpr(self.num_out):
+                                        t, half = self.epi_stores[o]
+                                        cute.copy(
+                                            store_tmas[t][0],
+                                            bSG_sD[(None, slot * self.num_out + o)],
+                                            bSG_gD[t][(None, mt, chunk + half * half_chunks)],
+                                        )
+                            if is_store_warp:
+                                store_pipe.producer_commit()
+                                store_pipe.producer_acquire()
+                            self.epi_barrier.arrive_and_wait()
+                            epi_count = epi_count + 1
+                    self.epi_end_tile(epi_params, tile, n_box, tRS_cD, state)
 
                 tile_id = tile_id + num_clusters
                 found, seg, seg_first, c_start, c_base = locate_tile(
                     tile_id, c_start, c_base, mOffsets, num_groups, m_total, n_tiles, self.tile_m, self.cluster_m, self.split_tail
                 )
-            self.epi_end_kernel(epi_params, mma_tidx // 32, state)
-            if const_expr(self.num_out > 0):
-                if is_store_warp:
-                    store_pipe.producer_tail()
+            if const_expr(self.epilogue_warps):
+                acc_pipe.producer_tail(acc_write)
+            else:
+                self.epi_end_kernel(epi_params, mma_tidx // 32, state)
+                if const_expr(self.num_out > 0):
+                    if is_store_warp:
+                        store_pipe.producer_tail()
+
+    @cute.jit
+    def _run_epilogue_warps(
+        self, acc_pipe, sAcc, epi_tensors, mOffsets, epi_params, first_tile, num_clusters, rank, num_groups,
+        m_total, n_tiles, n_box,
+    ):
+        """``epilogue_warps``, warps 1-3: the epilogue of each tile the MMA warpgroups hand over (its
+        accumulator in ``sAcc`` as dtype, one 128 x 32 chunk per step) while they run the next tile's
+        mainloop.
+
+        A warp takes 8-row blocks of the tile (warp w: blocks w, w + 3, ...), a lane 8 adjacent columns
+        of one row (row lane // 4 of the block, columns 8 (lane % 4) of each chunk); inputs and
+        outputs move as 16-byte loads and stores between global memory and registers. The hooks see
+        one block at a time: begin / visit every chunk / end per (tile, block), with the coordinates
+        of the block's values in the chunk. Loads are clamped to the tensor, stores predicated on the
+        segment's rows and the columns < n_box.
+        """
+        outputs, inputs = epi_tensors
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) - 1
+        lane = cute.arch.lane_idx()
+        vec = 8
+        vec_cols = self.epi_n // vec  # lanes along a chunk row
+        block_rows = 32 // vec_cols
+        blocks = self.tile_m // block_rows
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        tiled_copy = cute.make_tiled_copy_tv(
+            atom, cute.make_layout((block_rows, vec_cols), stride=(vec_cols, 1)), cute.make_layout((1, vec))
+        )
+        thr_copy = tiled_copy.get_slice(lane)
+        tEsAcc = thr_copy.partition_S(sAcc)  # (vec, block, 1, chunk)
+        tEcD = thr_copy.partition_S(cute.make_identity_tensor(self.epi_tile))  # (vec, block, 1)
+        state = self.epi_make_state(tiled_copy, (block_rows, self.epi_n))
+        frag_shape = cute.shape(tEcD[(None, 0, 0)])
+        frags = (  # registers: the accumulator as loaded and in fp32, every step's inputs, outputs, a store
+            cute.make_rmem_tensor(frag_shape, self.dtype),
+            [cute.make_rmem_tensor(frag_shape, self.acc_dtype) for _ in range(self.b_boxes)],
+            [[cute.make_rmem_tensor((vec,), self.dtype) for _ in range(self.num_in)] for _ in range(self.num_steps)],
+            [cute.make_rmem_tensor(frag_shape, self.acc_dtype) for _ in range(self.num_out)],
+            cute.make_rmem_tensor((vec,), self.dtype),
+        )
+        acc_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+
+        tile_id = first_tile
+        found, seg, seg_first, c_start, c_base = locate_tile(
+            tile_id, Int32(0), Int32(0), mOffsets, num_groups, m_total, n_tiles, self.tile_m, self.cluster_m,
+            self.split_tail,
+        )
+        while found:
+            start, end = segment_rows(mOffsets, seg, num_groups, m_total)
+            mt, nt, _ = cluster_tile(
+                tile_id - seg_first, end - start, n_tiles, rank, self.tile_m, self.cluster_m, self.split_tail,
+                self.raster_band,
+            )
+            has_rows = mt * self.tile_m < end - start
+            is_group = seg < num_groups
+            tile = Tile(seg, start, end, mt, nt, start + mt * self.tile_m, is_group)
+            if is_group and has_rows:
+                acc_pipe.consumer_wait(acc_read)
+            for b in range(warp if has_rows else blocks, blocks, self.hook_warps):
+                if is_group:
+                    self._epilogue_block(epi_params, tile, b, True, tEsAcc, tEcD, inputs, outputs, state, frags,
+                                         m_total, n_box)
+                else:  # padding rows: the epilogue of zeros
+                    self._epilogue_block(epi_params, tile, b, False, tEsAcc, tEcD, inputs, outputs, state, frags,
+                                         m_total, n_box)
+            if is_group and has_rows:
+                acc_pipe.consumer_release(acc_read)
+                acc_read.advance()
+            tile_id = tile_id + num_clusters
+            found, seg, seg_first, c_start, c_base = locate_tile(
+                tile_id, c_start, c_base, mOffsets, num_groups, m_total, n_tiles, self.tile_m, self.cluster_m,
+                self.split_tail,
+            )
+        self.epi_end_kernel(epi_params, warp, state)
+
+    @cute.jit
+    def _epilogue_block(self, params, tile: Tile, b, loaded: cutlass.Constexpr, tEsAcc, tEcD, inputs, outputs, state,
+                        frags, m_total, n_box):
+        """The hooks over 8-row block ``b`` of the tile (`_run_epilogue_warps`); ``loaded``: the
+        accumulator and inputs are read (every step's inputs first, so their loads overlap), else
+        they are zeros (padding rows)."""
+        rLoad, rAcc, rIns, rOut, rStore = frags
+        lane = cute.arch.lane_idx()
+        vec = 8
+        vec_cols = self.epi_n // vec
+        vecs = n_box // vec  # column vectors of a half
+        tEcD_b = tEcD[(None, b, 0)]
+        row = tile.row0 + b * (32 // vec_cols) + lane // vec_cols
+        load_row = cutlass.min(row, m_total - 1)
+        cols = [(tile.nt * self.num_steps + step) * vec_cols + lane % vec_cols for step in range(self.num_steps)]
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        for step in cutlass.range_constexpr(self.num_steps):
+            for i in cutlass.range_constexpr(self.num_in):
+                if const_expr(loaded):
+                    t, half = self.epi_loads[i]
+                    col = cutlass.min(cols[step], vecs - 1) + half * vecs
+                    cute.copy(atom, self._vector(inputs[t], load_row, col), rIns[step][i])
+                else:
+                    rIns[step][i].fill(0.0)
+        self.epi_begin_tile(params, tile, n_box, None, tEcD_b, state)
+        for step in cutlass.range_constexpr(self.num_steps):
+            for j in cutlass.range_constexpr(self.b_boxes):
+                if const_expr(loaded):
+                    cute.autovec_copy(tEsAcc[(None, b, 0, step + j * self.num_steps)], rLoad)
+                    rAcc[j].store(rLoad.load().to(self.acc_dtype))
+                else:
+                    rAcc[j].fill(0.0)
+            chunk = tile.nt * self.num_steps + step
+            self.epi_visit(params, tile, step, chunk, n_box, rAcc, rIns[step], rOut, tEcD_b, state)
+            for o in cutlass.range_constexpr(self.num_out):
+                t, half = self.epi_stores[o]
+                for v in cutlass.range_constexpr(vec):
+                    rStore[v] = rOut[o][v].to(self.dtype)
+                if row < tile.end and cols[step] < vecs:
+                    cute.copy(atom, rStore, self._vector(outputs[t], row, cols[step] + half * vecs))
+        self.epi_end_tile(params, tile, n_box, tEcD_b, state)
+
+    @staticmethod
+    def _vector(mT: cute.Tensor, row, col_vec):
+        """The 8 elements (one 16-byte vector) of row ``row``, columns 8 col_vec .. 8 col_vec + 7."""
+        return cute.group_modes(cute.local_tile(mT, (1, 8), (row, col_vec)), 0, 2)
 
     def _partition_loads(self, load_tmas, sC, start):
         """TMA partitions (smem buffers, gmem chunks) of the C-tile inputs for a segment."""
@@ -934,7 +1129,7 @@ class GroupedGemmActSm90(GroupedGemmSm90):
         self.launch(mX, mW, mOffsets, outputs, (), (mBias, mProbs, limit, alpha, m_total, mActAmax),
                     max_clusters, stream, scales)
 
-    def epi_make_state(self, tiled_copy_r2s):
+    def epi_make_state(self, tiled_copy, epi_tile):
         """With act_amax: the thread's running max |act|, over all its tiles."""
         return make_amax_state() if self.act_amax else None
 
@@ -949,7 +1144,7 @@ class GroupedGemmActSm90(GroupedGemmSm90):
     @cute.jit
     def epi_end_kernel(self, params, consumer_warp, state):
         if const_expr(self.act_amax):
-            write_amax_parts(params[5], state, consumer_warp, 4 * self.num_mma_wg)
+            write_amax_parts(params[5], state, consumer_warp, self.hook_warps)
 
     @cute.jit
     def _pre(self, params, tile: Tile, chunk, n_box, rAcc, rOut, tRS_cD, v):
@@ -1037,11 +1232,11 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
         self.launch(mX, mW, mOffsets, outputs, (), (mBias, mProbs, limit, alpha, m_total, None, mData, mScale),
                     max_clusters, stream)
 
-    def epi_make_state(self, tiled_copy_r2s):
+    def epi_make_state(self, tiled_copy, epi_tile):
         """(per block and row slot: scale_inv and the two multipliers of `e4m3_scale_inv`; GLU: the
         tile's act as stored, step-major, else None; fp32 and E4M3 scratch of one chunk)."""
-        self.row_slot, self.slot_value = fragment_row_slots(tiled_copy_r2s, self.epi_tile)
-        self.quad_pairs = quad_column_groups(tiled_copy_r2s, self.epi_tile, self.row_slot)
+        self.row_slot, self.slot_value = fragment_row_slots(tiled_copy, epi_tile)
+        self.quad_pairs = quad_column_groups(tiled_copy, epi_tile, self.row_slot)
         frag, slots = len(self.row_slot), len(self.slot_value)
         return (
             [cute.make_rmem_tensor((self.blocks * slots,), Float32) for _ in range(3)],
