@@ -57,6 +57,7 @@ from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled
 from .group_tile_scheduler import RASTER_BAND, cluster_tile, locate_tile, segment_rows
 from .mainloop_sm90 import mma_stage
 
+_EPI_VEC = 8  # 16-bit elements per 16-byte load / store of the epilogue warps
 _BIG = 2**30
 _HUGE = 2**31 - 1
 
@@ -320,13 +321,13 @@ class GroupedGemmSm90:
     def epi_begin_tile(self, params, tile: Tile, n_box, tRS_rAcc, tRS_cD, state):
         """Before the tile's first step (all consumer threads): reset ``state``, or read the
         whole accumulator (``tRS_rAcc``: chunk s of B box j at values [(s + j num_steps) frag,
-        ...))."""
+        ...)). With ``epilogue_warps``: once per 8-row block of the tile, ``tRS_rAcc`` None."""
 
     def epi_visit(self, params, tile: Tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
         """fp32 outputs of one 128 x 32 chunk (``step`` of the tile, static; ``chunk`` its index in
         the output): rAcc[j] the accumulator of B box j, rIn[i] the loaded inputs (epi_loads
         order), rOut[o] to fill (epi_stores order); per-thread fragments, element v at (row, col)
-        = tRS_cD[v] of the chunk."""
+        = tRS_cD[v] of the chunk (with ``epilogue_warps``: 8 columns of one row of the chunk)."""
         raise NotImplementedError
 
     def epi_end_tile(self, params, tile: Tile, n_box, tRS_cD, state):
@@ -766,13 +767,13 @@ class GroupedGemmSm90:
         outputs, inputs = epi_tensors
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) - 1
         lane = cute.arch.lane_idx()
-        vec = 8
-        vec_cols = self.epi_n // vec  # lanes along a chunk row
-        block_rows = 32 // vec_cols
+        vec = _EPI_VEC
+        block_rows = 32 // (self.epi_n // vec)
         blocks = self.tile_m // block_rows
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
         tiled_copy = cute.make_tiled_copy_tv(
-            atom, cute.make_layout((block_rows, vec_cols), stride=(vec_cols, 1)), cute.make_layout((1, vec))
+            atom, cute.make_layout((block_rows, 32 // block_rows), stride=(32 // block_rows, 1)),
+            cute.make_layout((1, vec)),
         )
         thr_copy = tiled_copy.get_slice(lane)
         tEsAcc = thr_copy.partition_S(sAcc)  # (vec, block, 1, chunk)
@@ -829,8 +830,8 @@ class GroupedGemmSm90:
         they are zeros (padding rows)."""
         rLoad, rAcc, rIns, rOut, rStore = frags
         lane = cute.arch.lane_idx()
-        vec = 8
-        vec_cols = self.epi_n // vec
+        vec = _EPI_VEC
+        vec_cols = self.epi_n // vec  # lanes along a chunk row
         vecs = n_box // vec  # column vectors of a half
         tEcD_b = tEcD[(None, b, 0)]
         row = tile.row0 + b * (32 // vec_cols) + lane // vec_cols
@@ -866,7 +867,7 @@ class GroupedGemmSm90:
     @staticmethod
     def _vector(mT: cute.Tensor, row, col_vec):
         """The 8 elements (one 16-byte vector) of row ``row``, columns 8 col_vec .. 8 col_vec + 7."""
-        return cute.group_modes(cute.local_tile(mT, (1, 8), (row, col_vec)), 0, 2)
+        return cute.group_modes(cute.local_tile(mT, (1, _EPI_VEC), (row, col_vec)), 0, 2)
 
     def _partition_loads(self, load_tmas, sC, start):
         """TMA partitions (smem buffers, gmem chunks) of the C-tile inputs for a segment."""
