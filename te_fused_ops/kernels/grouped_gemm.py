@@ -691,15 +691,15 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
         if buf is not None:
             check_tensor(_DACT, buf, arg, dy.dtype, 2, dev)
             _check_shape(_DACT, buf, arg, tuple(shape))
-    tile_n, cluster_m, clusters = _launch_config(_DACT, m, i, g, dev, tile_n, cluster_m, sm_margin)
-    partial_shape = (-(-i // tile_n), m) if spec.takes_probs else None
-    if m == 0:
-        return None, (m, i), partial_shape, clusters
     if epilogue_warps is None:
         epilogue_warps = False  # faster alone (H100: 1.02-1.07x), not in the training step (NOTES_sm90.md)
     elif not isinstance(epilogue_warps, bool):
         raise TypeError(f"{_DACT}: epilogue_warps must be a bool or None, got {type(epilogue_warps).__name__}")
-    key = (_DACT, dy.dtype, tile_n, activation, tvm_ffi_available(), cluster_m, bool(epilogue_warps))
+    tile_n, cluster_m, clusters = _launch_config(_DACT, m, i, g, dev, tile_n, cluster_m, sm_margin)
+    partial_shape = (-(-i // tile_n), m) if spec.takes_probs else None
+    if m == 0:
+        return None, (m, i), partial_shape, clusters
+    key = (_DACT, dy.dtype, tile_n, activation, tvm_ffi_available(), cluster_m, epilogue_warps)
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_dgrad_dact(*key[1:])

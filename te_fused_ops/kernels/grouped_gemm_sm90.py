@@ -595,15 +595,10 @@ class GroupedGemmSm90:
                 tile_id, Int32(0), Int32(0), mOffsets, num_groups, m_total, n_tiles, self.tile_m, self.cluster_m, self.split_tail
             )
             while found:
-                start, end = segment_rows(mOffsets, seg, num_groups, m_total)
-                length = end - start
-                mt, nt, _ = cluster_tile(
-                    tile_id - seg_first, length, n_tiles, rank, self.tile_m, self.cluster_m, self.split_tail,
-                    self.raster_band,
-                )
-                has_rows = mt * self.tile_m < length  # else only helps its peer load B
-                is_group = seg < num_groups
-                tile = Tile(seg, start, end, mt, nt, start + mt * self.tile_m, is_group)
+                tile, has_rows = self._consumer_tile(tile_id, seg, seg_first, mOffsets, num_groups, m_total,
+                                                     n_tiles, rank)
+                start, mt, nt, is_group = tile.start, tile.mt, tile.nt, tile.is_group
+                length = tile.end - start
 
                 # C-tile loads of the first steps run under the mainloop (padding tiles: none,
                 # their inputs read as zeros)
@@ -749,6 +744,18 @@ class GroupedGemmSm90:
                         store_pipe.producer_tail()
 
     @cute.jit
+    def _consumer_tile(self, tile_id, seg, seg_first, mOffsets, num_groups, m_total, n_tiles, rank):
+        """(Tile, has_rows) of this CTA for linear tile ``tile_id`` of segment ``seg`` (first tile
+        ``seg_first``); has_rows False: the CTA's m-tile lies past the segment's end (it only helps
+        its peer load B)."""
+        start, end = segment_rows(mOffsets, seg, num_groups, m_total)
+        mt, nt, _ = cluster_tile(
+            tile_id - seg_first, end - start, n_tiles, rank, self.tile_m, self.cluster_m, self.split_tail,
+            self.raster_band,
+        )
+        return Tile(seg, start, end, mt, nt, start + mt * self.tile_m, seg < num_groups), mt * self.tile_m < end - start
+
+    @cute.jit
     def _run_epilogue_warps(
         self, acc_pipe, sAcc, epi_tensors, mOffsets, epi_params, first_tile, num_clusters, rank, num_groups,
         m_total, n_tiles, n_box,
@@ -795,14 +802,9 @@ class GroupedGemmSm90:
             self.split_tail,
         )
         while found:
-            start, end = segment_rows(mOffsets, seg, num_groups, m_total)
-            mt, nt, _ = cluster_tile(
-                tile_id - seg_first, end - start, n_tiles, rank, self.tile_m, self.cluster_m, self.split_tail,
-                self.raster_band,
-            )
-            has_rows = mt * self.tile_m < end - start
-            is_group = seg < num_groups
-            tile = Tile(seg, start, end, mt, nt, start + mt * self.tile_m, is_group)
+            tile, has_rows = self._consumer_tile(tile_id, seg, seg_first, mOffsets, num_groups, m_total, n_tiles,
+                                                 rank)
+            is_group = tile.is_group
             if is_group and has_rows:
                 acc_pipe.consumer_wait(acc_read)
             for b in range(warp if has_rows else blocks, blocks, self.hook_warps):
