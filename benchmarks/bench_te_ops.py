@@ -7,19 +7,25 @@ the same splits for every variant), a training step (forward + backward, gradien
 first; triton.testing.do_bench medians, common.rotated_medians over the variants) of
   te          te.ops.Sequential(GroupedLinear, SwiGLU, GroupedLinear), TE 2.20 alone
   te+tfo      the same module after te_fused_ops.integrations.transformer_engine.install()
+  te+tfo 1p   the same with TE's one-parameter grouped weight (single_grouped_weight,
+              NVTE_GROUPED_LINEAR_SINGLE_PARAM=1): 2 parameters instead of 2 x G
   tfo         te_fused_ops' own Sequential(GroupedLinear, SwiGLU, GroupedLinear)
   torch       plain torch: torch._grouped_mm + compiled SwiGLU / dSwiGLU (bench_train_step.ReferenceMLP)
 Gradients of te+tfo are checked against te first (rel. Frobenius <= 2e-2).
 """
 
 import argparse
+import os
+import warnings
 
 import torch
 import transformer_engine
 import transformer_engine.pytorch as te
 import triton.testing
 from bench_train_step import ReferenceMLP
-from common import MODEL_SHAPES, device_tag, gpu_us_per_kernel, rotated_medians, skewed_splits, write_results
+from common import (
+    MODEL_SHAPES, device_tag, gpu_us_per_kernel, host_us_per_call, rotated_medians, skewed_splits, write_results,
+)
 
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU
 from te_fused_ops.integrations import transformer_engine as tfo_te
@@ -29,12 +35,29 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def te_mlp(h, i, e):
+def te_mlp(h, i, e, **kwargs):
     return te.ops.Sequential(
-        te.ops.GroupedLinear(e, h, 2 * i, bias=False, device="cuda", dtype=torch.bfloat16),
+        te.ops.GroupedLinear(e, h, 2 * i, bias=False, device="cuda", dtype=torch.bfloat16, **kwargs),
         te.ops.SwiGLU(),
-        te.ops.GroupedLinear(e, i, h, bias=False, device="cuda", dtype=torch.bfloat16),
+        te.ops.GroupedLinear(e, i, h, bias=False, device="cuda", dtype=torch.bfloat16, **kwargs),
     )
+
+
+def single_param_mlp(plain, h, i, e):
+    """te_mlp with TE's one-parameter grouped weights (TE 2.20 gates them on an environment
+    variable), holding ``plain``'s values."""
+    os.environ["NVTE_GROUPED_LINEAR_SINGLE_PARAM"] = "1"
+    try:
+        model = te_mlp(h, i, e, single_grouped_weight=True)
+    finally:
+        del os.environ["NVTE_GROUPED_LINEAR_SINGLE_PARAM"]
+    with torch.no_grad():
+        for k in (0, 2):
+            fc = model[k]
+            fc.weight.rowwise_data.view(e, fc.out_features, fc.in_features).copy_(
+                torch.stack(list(plain[k]._get_weight_tensors()))
+            )
+    return model
 
 
 def step_fn(call, leaves, dy):
@@ -77,7 +100,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="also print the kernels of a te+tfo and a tfo step")
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
-    rows, payload = [], {"device": gpu, "te": transformer_engine.__version__, "shapes": {}}
+    rows, host_rows, payload = [], [], {"device": gpu, "te": transformer_engine.__version__, "shapes": {}}
     for name in args.shapes.split(","):
         m, h, i, e = MODEL_SHAPES[name]
         torch.manual_seed(0)
@@ -90,6 +113,9 @@ def main():
         fused.load_state_dict(plain.state_dict())  # in place: the packed buffers stay
         want = grads(lambda: plain(x, splits, splits), [x, *plain.parameters()], dy)  # fuses without tfo
         tfo_te.install(fused)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TE calls single grouped parameters experimental
+            single = single_param_mlp(plain, h, i, e)
         ours = Sequential(
             GroupedLinear(e, h, 2 * i, dtype=torch.bfloat16, device="cuda"), SwiGLU(),
             GroupedLinear(e, i, h, dtype=torch.bfloat16, device="cuda"),
@@ -99,37 +125,52 @@ def main():
         calls = {
             "te": (lambda: plain(x, splits, splits), [x, *plain.parameters()]),
             "te+tfo": (lambda: fused(x, splits, splits), [x, *fused.parameters()]),
+            "te+tfo 1p": (lambda: single(x, splits, splits), [x, *single.parameters()]),
             "tfo": (lambda: ours(x, split_sizes=splits), [x, *ours.parameters()]),
             "torch": (lambda: ReferenceMLP.apply(x, w1, w2, ends), [x, w1, w2]),
         }
-        fused(x, splits, splits)  # fuse (with the integration installed) before checking
-        explained = tfo_te.explain(fused)
-        assert "-> te_fused_ops" in explained and "stacked" not in explained, explained
+        for model in (fused, single):  # fuse (with the integration installed) before checking
+            model(x, splits, splits)
+            explained = tfo_te.explain(model)
+            assert "-> te_fused_ops" in explained and "stacked" not in explained, explained
         got = grads(*calls["te+tfo"], dy)
         err = max(rel_err(a, b) for a, b in zip(got, want))
+        dx, dw1, dw2 = grads(*calls["te+tfo 1p"], dy)
+        per_group = [want[0], torch.cat(want[1 : 1 + e]), torch.cat(want[1 + e :])]
+        err = max([err] + [rel_err(a.reshape(b.shape), b) for a, b in zip((dx, dw1, dw2), per_group)])
         assert err <= 2e-2, f"{name}: te+tfo gradients differ from te's by {err:.3e}"
         flops = 3 * 2 * m * h * 3 * i  # forward: 2*m*h*2i + 2*m*i*h; step: 3x
         runs = {k: step_fn(*v, dy) for k, v in calls.items()}
         times = rotated_medians(runs, step_ms)
         if args.profile:
             print(f"--- {name}: kernels of one step\n{kernel_diff({k: runs[k] for k in ('te+tfo', 'tfo')})}", flush=True)
-        payload["shapes"][name] = {"ms": times, "max_grad_rel_err": err}
+        host = {k: host_us_per_call(runs[k], calls=2, batches=10) / 1e3 for k in ("te+tfo", "te+tfo 1p", "tfo")}
+        payload["shapes"][name] = {"ms": times, "host_ms": host, "max_grad_rel_err": err}
+        host_rows.append(f"| {name} | " + " | ".join(f"{host[k]:.2f}" for k in host) + f" | {times['tfo']:.2f} |")
         rows.append(
             f"| {name} | {times['te']:.2f} ({flops / times['te'] / 1e9:.0f}) | {times['te+tfo']:.2f} "
-            f"({flops / times['te+tfo'] / 1e9:.0f}) | {times['tfo']:.2f} | {times['torch']:.2f} "
-            f"| {times['te'] / times['te+tfo']:.2f}x | {times['te+tfo'] / times['tfo']:.3f} "
+            f"({flops / times['te+tfo'] / 1e9:.0f}) | {times['te+tfo 1p']:.2f} | {times['tfo']:.2f} "
+            f"| {times['torch']:.2f} | {times['te'] / times['te+tfo']:.2f}x | {times['te+tfo'] / times['tfo']:.3f} "
+            f"| {times['te+tfo 1p'] / times['tfo']:.3f} "
             f"| {times['torch'] / times['te+tfo']:.2f}x |"
         )
-        print(f"{name}: te {times['te']:.2f} ms, te+tfo {times['te+tfo']:.2f} ms, tfo {times['tfo']:.2f} ms, "
+        print(f"{name}: te {times['te']:.2f} ms, te+tfo {times['te+tfo']:.2f} ms, "
+              f"te+tfo 1p {times['te+tfo 1p']:.2f} ms, tfo {times['tfo']:.2f} ms, "
               f"torch {times['torch']:.2f} ms", flush=True)
     table = "\n".join(
         [
             f"{gpu}, TE {transformer_engine.__version__}, bf16 SwiGLU MLP training step, ms (TFLOPS)",
             "",
-            "| shape | te.ops | te.ops + install() | te_fused_ops Sequential | plain torch | speedup | (te+tfo)/tfo "
-            "| te+tfo vs plain torch |",
-            "|---|---|---|---|---|---|---|---|",
+            "| shape | te.ops | te.ops + install() | the same, 1p | te_fused_ops Sequential | plain torch | speedup "
+            "| (te+tfo)/tfo | (te+tfo 1p)/tfo | te+tfo vs plain torch |",
+            "|---|---|---|---|---|---|---|---|---|---|",
             *rows,
+            "",
+            "Host time to issue one step (ms; the GPU time is about the Sequential's step)",
+            "",
+            "| shape | te+tfo | te+tfo 1p | te_fused_ops Sequential | Sequential step |",
+            "|---|---|---|---|---|",
+            *host_rows,
         ]
     )
     print(table)

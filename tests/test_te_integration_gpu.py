@@ -217,3 +217,70 @@ def test_uninstall_restores_te_behaviour():
     assert fusers and not any(
         type(op).__name__ == "TEGroupedOps" for f in fusers for op, _ in f._forward_ops
     ), "uninstall(model) must make the model fuse again without te_fused_ops"
+
+
+def grouped_weight(fc):
+    """(G, out, in) view of a single-grouped-weight GroupedLinear's parameter."""
+    return fc.weight.rowwise_data.view(fc.num_groups, fc.out_features, fc.in_features)
+
+
+@pytest.mark.parametrize("act,bias", [("swiglu", False), ("scaled_swiglu", True)])
+def test_single_grouped_weight_matches_te(monkeypatch, act, bias):
+    """TE's one-parameter (G, out, in) weight (NVTE_GROUPED_LINEAR_SINGLE_PARAM=1), read in place
+    and given one gradient, against TE's per-group path on the same values (TE 2.20 runs single
+    grouped parameters only on its grouped-tensor path, which needs cuBLASLt 13.4 on Hopper)."""
+    reference = mlp(act, bias)
+    monkeypatch.setenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "1")
+    model = mlp(act, bias, single_grouped_weight=True, single_grouped_bias=bias)
+    assert model[0].single_grouped_weight and len(list(model.parameters())) == 2 * (1 + bias)
+    for k in (0, 2):
+        assert torch.equal(grouped_weight(model[k]), torch.stack(list(reference[k]._get_weight_tensors())))
+    x, s, probs, dy = inputs(256, [100, 0, 37, 119])
+    y, dx, dp, grads = step(model, act, x, s, probs, dy)
+    text = tfo_te.explain(model)
+    assert "[0:3]" in text and "-> te_fused_ops" in text and "stacked" not in text, text
+    tfo_te.uninstall(reference)
+
+    def per_group(ref):  # the reference's gradients in the single-parameter layout
+        y, dx, dp, grads = ref
+        out = {f"{k}.weight": torch.stack([grads[f"{k}.weight{i}"] for i in range(G)]) for k in (0, 2)}
+        if bias:
+            out.update({f"{k}.bias": torch.stack([grads[f"{k}.bias{i}"] for i in range(G)]) for k in (0, 2)})
+        return y, dx, dp, out
+
+    compare((y, dx, dp, grads), per_group(step(reference, act, x, s, probs, dy)))
+    for m in (model, reference):  # an optimizer step updates the grouped weight in place: no stale read
+        torch.optim.SGD(m.parameters(), lr=0.5).step()
+    x, s, probs, dy = inputs(256, [3, 250, 0, 3], seed=2)
+    want = per_group(step(reference, act, x, s, probs, dy))
+    tfo_te.install()  # the reference keeps the TE fusion it made without te_fused_ops
+    compare(step(model, act, x, s, probs, dy), want)
+
+
+def test_single_grouped_weight_main_grad(monkeypatch):
+    x, s, _, _ = inputs(256, [10, 200, 0, 46])
+    dy = torch.randn(256, I, device="cuda", dtype=DT, generator=torch.Generator(device="cuda").manual_seed(3))
+    outs = []
+    for single in (True, False):
+        if single:
+            monkeypatch.setenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "1")
+        else:
+            monkeypatch.delenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM")
+            tfo_te.uninstall()
+        torch.manual_seed(0)
+        model = te.ops.Sequential(te.ops.GroupedLinear(
+            G, H, I, bias=False, device="cuda", dtype=DT, accumulate_into_main_grad=True, single_grouped_weight=single
+        ))
+        main = torch.zeros(G, I, H, device="cuda")  # one packed float32 buffer, as Megatron's
+        weights = [model[0].weight] if single else [getattr(model[0], f"weight{i}") for i in range(G)]
+        for i, w in enumerate(weights):
+            w.main_grad = main if single else main[i]
+            w.grad_added_to_main_grad = False
+        xi = x.clone().requires_grad_()
+        for _ in range(2):  # accumulates over two backward passes
+            model(xi, s).backward(dy)
+        assert all(w.grad_added_to_main_grad for w in weights)
+        assert ("integration: installed" in tfo_te.explain(model)) == single
+        outs.append((xi.grad, main))
+    for a, b in zip(*outs):
+        assert rel_err(a, b) <= 2e-2

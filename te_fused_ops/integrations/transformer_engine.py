@@ -302,7 +302,8 @@ def _fused_class():
                     params["weight"] = _packed_weight(op, weights, memo).requires_grad_(
                         ctx.requires_grad and weight.requires_grad
                     )
-                    self._decision.copied_weights |= params["weight"].data_ptr() != weight.data_ptr()
+                    if not op.single_grouped_weight:  # that one is always read in place
+                        self._decision.copied_weights |= params["weight"].data_ptr() != weight.data_ptr()
                     if op._accumulate_into_main_grad and params["weight"].requires_grad:
                         main_grad = _main_grads(op)
                         if isinstance(main_grad, str):
