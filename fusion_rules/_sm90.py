@@ -2,7 +2,6 @@
 
 import torch
 
-from te_fused_ops.grouped_mm import grouped_row_sum
 from te_fused_ops.kernels.block_quantize import (
     block_dequantize_sm90,
     block_quantize_sm90,
@@ -16,7 +15,11 @@ from te_fused_ops.kernels.grouped_gemm import (
     sm90_grouped_gemm_fp8_unsupported_reason,
     sm90_grouped_gemm_unsupported_reason,
 )
-from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90, sm90_wgrad_unsupported_reason
+from te_fused_ops.kernels.grouped_wgrad import (
+    grouped_column_sums_sm90,
+    grouped_wgrad_sm90,
+    sm90_wgrad_unsupported_reason,
+)
 from te_fused_ops.ops import Activation, GroupedLinear
 from te_fused_ops.ops.base import is_quantized
 from te_fused_ops.quantization import Float8BlockScaling, Float8CurrentScaling, QuantizedTensor, reuse_or_make
@@ -208,7 +211,7 @@ def linear_param_grads(ctx, dy: torch.Tensor, x: torch.Tensor = None) -> dict:
         if main_grad is None:
             grads["weight"] = dw
     if ctx.needs_grad("bias"):
-        grads["bias"] = grouped_row_sum(dy, offsets)
+        grads["bias"] = grouped_column_sums_sm90(dy, offsets)
     return grads
 
 

@@ -96,9 +96,19 @@ def align_groups(offsets: torch.Tensor, *tensors: torch.Tensor, align: int = 8):
 
 
 def grouped_row_sum(dy: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Per-group column sums (the bias gradient): dy (M, N) -> (G, N), accumulated in float32."""
+    """Per-group column sums (the bias gradient): dy (M, N) -> (G, N) in dy's dtype, summed in
+    float32 in a fixed order (run to run identical). CUDA: the (G, M) row-membership matrix times
+    dy, one read of dy and no host sync; CPU: each group's rows summed over host offsets."""
     num_groups = offsets.shape[0] - 1
-    group_ids = row_group_ids(offsets, dy.shape[0])
-    sums = dy.new_zeros(num_groups + 1, dy.shape[1], dtype=torch.float32)
-    sums.index_add_(0, group_ids, dy.float())
-    return sums[:num_groups].to(dy.dtype)
+    if dy.device.type == "cpu":
+        bounds = _host_bounds(offsets)
+        sums = dy.new_zeros(num_groups, dy.shape[1], dtype=torch.float32)
+        for g in range(num_groups):
+            if bounds[g + 1] > bounds[g]:
+                sums[g] = dy[bounds[g] : bounds[g + 1]].float().sum(0)
+        return sums.to(dy.dtype)
+    rows = torch.arange(dy.shape[0], device=dy.device, dtype=offsets.dtype)
+    members = ((rows >= offsets[:-1, None]) & (rows < offsets[1:, None])).to(dy.dtype)
+    if dy.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(members, dy, out_dtype=torch.float32).to(dy.dtype)
+    return members @ dy

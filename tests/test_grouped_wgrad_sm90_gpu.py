@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from te_fused_ops.kernels import grouped_wgrad, sm90_unavailable_reason
-from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90
+from te_fused_ops.grouped_mm import grouped_row_sum
+from te_fused_ops.kernels.grouped_wgrad import grouped_column_sums_sm90, grouped_wgrad_sm90
 from te_fused_ops.kernels.launch import SM_MARGIN_ENV
 
 pytestmark = [
@@ -122,6 +123,28 @@ def test_large_groups(cluster_m):
 def test_tall_dw_in_bands(cluster_m):
     # N=2320: 19 m-tiles (10 pairs) per group, more than RASTER_BAND: walked in bands
     run_case([300, 0, 517], 900, 2320, 384, seed=6, tile_n=128, cluster_m=cluster_m)
+
+
+@pytest.mark.parametrize(
+    "splits,m",
+    [(UNEVEN, sum(UNEVEN) + 40), ([0, 0, 777, 0], 777), ([333], 400), ([0, 0, 0], 50)],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_bias_gradient_column_sums(splits, m, dtype):
+    """Per-group column sums (the bias gradient): the sm90 path (this kernel, ones operand; bf16 /
+    fp16) and the torch reference on CUDA against float64, padding rows excluded, empty groups 0,
+    run to run identical."""
+    dy, _, offsets = make_inputs(splits, m, 264, 8, dtype, seed=7)
+    want = reference(dy, torch.ones(m, 8, dtype=dtype, device="cuda"), offsets)[:, :, 0]
+    paths = [grouped_row_sum] + ([grouped_column_sums_sm90] if dtype != torch.float32 else [])
+    for sums in paths:
+        got = sums(dy, offsets)
+        assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous(), sums.__name__
+        if sum(splits):
+            check_dw(got, want, splits)
+        else:
+            assert torch.all(got == 0), sums.__name__
+        assert torch.equal(sums(dy, offsets), got), sums.__name__
 
 
 @pytest.mark.parametrize("cluster_m", [1, 2])

@@ -115,6 +115,14 @@ def grouped_wgrad_sm90(
     return result
 
 
+def grouped_column_sums_sm90(dy, offsets, *, sm_margin=None):
+    """Per-group column sums of dy (M, N) -> (G, N) in dy's dtype (a bias gradient): the kernel
+    above against an (M, 8) ones operand, so float32 sums in a fixed order, one read of dy, rows
+    >= offsets[G] ignored and empty groups 0, as for dW."""
+    ones = dy.new_ones(dy.shape[0], 8)
+    return grouped_wgrad_sm90(dy, ones, offsets, sm_margin=sm_margin)[:, :, 0].contiguous()
+
+
 def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m):
     """Every check of `grouped_wgrad_sm90`; (launcher or None when there is nothing to compute,
     dW shape, persistent grid in CTAs)."""
