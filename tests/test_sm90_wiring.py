@@ -21,7 +21,7 @@ from te_fused_ops import (
     SwiGLU,
     Transpose,
 )
-from te_fused_ops.grouped_mm import grouped_wgrad
+from te_fused_ops.grouped_mm import grouped_row_sum, grouped_wgrad
 from te_fused_ops.quantization import Float8BlockScaling, quantize, quantize_weight
 
 G, H, I, ROWS = 4, 256, 128, 300
@@ -200,6 +200,7 @@ def sm90_stand_ins(monkeypatch):
     monkeypatch.setattr(sm90, "block_dequantize_sm90", block_uncast)
     monkeypatch.setattr(sm90, "transpose_fp8_sm90", lambda data: data.transpose(1, 2).contiguous())
     monkeypatch.setattr(sm90, "grouped_wgrad_sm90", wgrad)
+    monkeypatch.setattr(sm90, "grouped_column_sums_sm90", grouped_row_sum)
     monkeypatch.setattr(sm90, "grouped_gemm_sm90", gemm)
     monkeypatch.setattr(sm90, "grouped_gemm_act_quant_sm90", gemm_act_cast)
     monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_sm90", dgrad_dact)
