@@ -171,6 +171,21 @@ def test_windows_and_reasons():
     assert "delay_wgrad_compute" in tfo_te._decide(ops_of(SwiGLU(), delay_wgrad_compute=True), None).reason
 
 
+def test_explain_describes_a_fused_module_as_it_runs():
+    mlp = ops_of(SwiGLU())
+    seq = Sequential(*mlp)
+    seq._module_groups = [types.SimpleNamespace(_forward_ops=[(op, [0]) for op in tfo_te.fuse(mlp, recipe=None)])]
+    text = tfo_te.explain(seq)
+    assert "[0:3] GroupedLinear, SwiGLU, GroupedLinear -> te_fused_ops" in text and "not run yet" not in text, text
+    # fused again without the integration (uninstall(seq), then a forward): TE's ops, whatever was decided before
+    seq._module_groups = [types.SimpleNamespace(_forward_ops=[(op, [i]) for i, op in enumerate(mlp)])]
+    text = tfo_te.explain(seq)
+    want = "-> TE: its own ops (the module fused while te_fused_ops was not installed)"
+    assert f"[0:3] GroupedLinear, SwiGLU, GroupedLinear {want}" in text and "-> te_fused_ops" not in text, text
+    # a module not run yet: what it would do
+    assert "-> te_fused_ops (sm90 kernels, forward + backward) (not run yet)" in tfo_te.explain(Sequential(*ops_of(SwiGLU())))
+
+
 def test_install_is_idempotent_and_uninstall_refreshes():
     seq = Sequential(*ops_of(SwiGLU()))
     tfo_te.install()

@@ -211,6 +211,7 @@ def test_uninstall_restores_te_behaviour():
     assert not tfo_te.installed()
     plain = copy.deepcopy(model)
     got, want = step(model, "swiglu", x, s, probs, dy), step(plain, "swiglu", x, s, probs, dy)
+    assert "-> te_fused_ops" not in tfo_te.explain(model) and "its own ops" in tfo_te.explain(model)
     for a, b in zip(got[:2], want[:2]):
         assert torch.equal(a, b)  # the same TE kernels
     fusers = [f for f in model._module_groups if hasattr(f, "_forward_ops")]

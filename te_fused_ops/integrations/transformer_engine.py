@@ -454,10 +454,20 @@ def installed() -> bool:
 
 
 def _op_runs(module):
-    """Runs of consecutive TE basic ops among the children of each te.ops.Sequential in ``module``."""
+    """(the te.ops.Sequential's fused windows or None, run) for each run of consecutive TE basic ops
+    among the children of each te.ops.Sequential in ``module``. The fused windows, for a Sequential
+    that fused (ran since it was built or refreshed): {(id of first op, length): Decision} of the
+    `TEGroupedOps` in its fusers, i.e. what runs now."""
     te_ops = _te()[0]
     sequentials = [m for m in module.modules() if isinstance(m, te_ops.Sequential)]
     for seq in sequentials or [module]:
+        fusers = [g for g in getattr(seq, "_module_groups", None) or () if hasattr(g, "_forward_ops")]
+        fused = None
+        if fusers:
+            fused = {
+                (id(op.basic_ops[0]), len(op.basic_ops)): op._decision
+                for fuser in fusers for op, _ in fuser._forward_ops if isinstance(op, _fused_class())
+            }
         run = []
         for child in seq.children():
             if isinstance(child, te_ops.BasicOperation):
@@ -466,25 +476,34 @@ def _op_runs(module):
                 run.extend(child.basic_ops)
             else:
                 if run:
-                    yield run
+                    yield fused, run
                 run = []
         if run:
-            yield run
+            yield fused, run
 
 
 def explain(module) -> str:
     """Which windows of the te.ops.Sequential(s) in ``module`` run te_fused_ops, and for the others
-    the first reason why not (as decided at their last fusion; a module not run yet is judged
-    without a recipe), plus the latest run-time fallback to TE's ops."""
+    the first reason why not, plus the latest run-time fallback to TE's ops. A Sequential that
+    fused is described as it runs now (with the reason recorded at its fusion); one not run since
+    it was built or refreshed, as it would fuse without a recipe."""
     lines = [f"te_fused_ops integration: {'installed' if installed() else 'not installed'}"]
-    for ops in _op_runs(module):
+    for fused, ops in _op_runs(module):
         pending = []
 
         def decide(window):
-            decision = _decisions.get(window[0], {}).get(len(window))
-            if decision is None:
-                pending.append(decision := _decide(window, None))
-            return decision
+            recorded = _decisions.get(window[0], {}).get(len(window))
+            if fused is None:
+                if recorded is None:
+                    pending.append(recorded := _decide(window, None))
+                return recorded
+            taken = fused.get((id(window[0]), len(window)))
+            if taken is not None:
+                return taken
+            if recorded is not None and recorded.reason is not None:
+                return recorded
+            names = [type(op).__name__ for op in window]
+            return Decision(names, reason="its own ops (the module fused while te_fused_ops was not installed)")
 
         for start, stop, decision in _windows(ops, decide):
             where = f"[{start}]" if stop - start == 1 else f"[{start}:{stop}]"
