@@ -47,11 +47,15 @@ def te_mlp(h, i, e, **kwargs):
 def single_param_mlp(plain, h, i, e):
     """te_mlp with TE's one-parameter grouped weights (TE 2.20 gates them on an environment
     variable), holding ``plain``'s values."""
+    before = os.environ.get("NVTE_GROUPED_LINEAR_SINGLE_PARAM")
     os.environ["NVTE_GROUPED_LINEAR_SINGLE_PARAM"] = "1"
     try:
         model = te_mlp(h, i, e, single_grouped_weight=True)
     finally:
-        del os.environ["NVTE_GROUPED_LINEAR_SINGLE_PARAM"]
+        if before is None:
+            del os.environ["NVTE_GROUPED_LINEAR_SINGLE_PARAM"]
+        else:
+            os.environ["NVTE_GROUPED_LINEAR_SINGLE_PARAM"] = before
     with torch.no_grad():
         for k in (0, 2):
             fc = model[k]

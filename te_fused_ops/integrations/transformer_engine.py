@@ -205,13 +205,15 @@ def _weights(fc) -> list:
     return [params[name] for name in _weight_names(fc.num_groups)]
 
 
-def _packed_weight(fc, weights, memo: dict) -> torch.Tensor:
-    """(G, out, in): TE's weights (``_weights(fc)``) in place (one view when the per-group
-    weights are consecutive views of one buffer, as TE allocates them; else a stacked copy)."""
+def _packed_weight(fc, weights, memo: dict) -> tuple:
+    """((G, out, in) tensor, whether it is a copy): TE's weights (``_weights(fc)``) in place (the
+    single grouped weight's buffer, or one view when the per-group weights are consecutive views
+    of one buffer, as TE allocates them; else a stacked copy)."""
     g, shape = fc.num_groups, (fc.out_features, fc.in_features)
     if fc.single_grouped_weight:
-        return fc.weight.rowwise_data.view(g, *shape)
-    return _packed(weights, (g, *shape), memo)
+        return fc.weight.rowwise_data.view(g, *shape), False
+    packed = _packed(weights, (g, *shape), memo)
+    return packed, packed.data_ptr() != weights[0].data_ptr()
 
 
 def _packed(tensors, shape, memo=None) -> torch.Tensor:
@@ -299,11 +301,9 @@ def _fused_class():
                 if isinstance(op, te_ops.GroupedLinear):
                     weights = _weights(op)
                     weight = weights[0]
-                    params["weight"] = _packed_weight(op, weights, memo).requires_grad_(
-                        ctx.requires_grad and weight.requires_grad
-                    )
-                    if not op.single_grouped_weight:  # that one is always read in place
-                        self._decision.copied_weights |= params["weight"].data_ptr() != weight.data_ptr()
+                    packed, copied = _packed_weight(op, weights, memo)
+                    params["weight"] = packed.requires_grad_(ctx.requires_grad and weight.requires_grad)
+                    self._decision.copied_weights |= copied
                     if op._accumulate_into_main_grad and params["weight"].requires_grad:
                         main_grad = _main_grads(op)
                         if isinstance(main_grad, str):
