@@ -112,7 +112,7 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
         linear.keep_for_backward(ctx, x, None)
         return outputs
     if is_quantized(x):
-        w_data, w_scale_inv = quantize_weight_blocks(weight.detach(), x.recipe)
+        w_data, w_scale_inv = quantize_weight_blocks(weight.detach(), x.recipe, ctx.reuse_scope)
         x_scale_inv = block_multipliers(x.rowwise_scale_inv, x.shape)
         outputs = grouped_gemm_fp8_sm90(
             x.rowwise_data, x_scale_inv, w_data, w_scale_inv, ctx.side["offsets"],
@@ -183,20 +183,20 @@ def dequantize_rows(x):
     return x.dequantize()
 
 
-def quantize_weight_blocks(weight: torch.Tensor, recipe, transposed: bool = False, cast=None):
+def quantize_weight_blocks(weight: torch.Tensor, recipe, reuse_scope, transposed: bool = False, cast=None):
     """(data (G, N, K) E4M3, multipliers (G, N/128, K/128)) of ``weight`` cast with ``recipe``
     (128 x 128 blocks, or one scale broadcast to them), or with ``transposed`` both per-group
     transposed ((G, K, N), (G, K/128, N/128): the data gradient's K-major operand), from ``cast``
     (the forward's (data, multipliers)) when given. Made on every call on the cast kernels (the
-    transpose on a kernel too), unless inside `reuse_quantized_weights`."""
+    transpose on a kernel too), unless ``reuse_scope`` (the op context's) is open."""
 
     def make():
         if transposed:
-            data, scale_inv = cast if cast is not None else quantize_weight_blocks(weight, recipe)
+            data, scale_inv = cast if cast is not None else quantize_weight_blocks(weight, recipe, reuse_scope)
             return transpose_fp8_sm90(data), scale_inv.transpose(1, 2).contiguous()
         return cast_kernel(weight.contiguous(), recipe, 128)
 
-    return reuse_or_make(weight, recipe, "blocks transposed" if transposed else "blocks", make)
+    return reuse_or_make(weight, recipe, "blocks transposed" if transposed else "blocks", make, reuse_scope)
 
 
 def linear_param_grads(ctx, dy: torch.Tensor, x: torch.Tensor = None) -> dict:
@@ -243,7 +243,7 @@ def fp8_dgrad_operands(ctx, dy, recipe, dy_amax_parts=None):
     transposed (FP8 WGMMA reads K-major operands)."""
     dy_data, dy_scale_inv = cast_kernel(dy, recipe, 1, ctx.side["offsets"], dy_amax_parts)
     w_data, w_scale_inv = quantize_weight_blocks(
-        ctx.saved["weight"].detach(), recipe, transposed=True, cast=ctx.saved.get("weight_fp8")
+        ctx.saved["weight"].detach(), recipe, ctx.reuse_scope, transposed=True, cast=ctx.saved.get("weight_fp8")
     )
     return dy_data, dy_scale_inv, w_data, w_scale_inv
 

@@ -580,6 +580,21 @@ def fake_quantize(x, recipe, role="activation", offsets=None) -> torch.Tensor:
 _reuse = threading.local()
 
 
+class ReuseScope:
+    """The copies of one outermost `reuse_quantized_weights` scope (``copies`` None once closed).
+
+    Each op context takes the scope open in the forward's thread (`current_reuse_scope`), so the
+    backward, which autograd runs on another thread for CUDA tensors, reuses the same copies."""
+
+    def __init__(self):
+        self.copies: dict = {}
+
+
+def current_reuse_scope():
+    """The `ReuseScope` open in this thread, or None."""
+    return getattr(_reuse, "scope", None)
+
+
 @contextmanager
 def reuse_quantized_weights():
     """Opt-in scope in which each weight is quantized once and the copy reused until it closes.
@@ -595,22 +610,25 @@ def reuse_quantized_weights():
         optimizer.step()
 
     Copies are keyed on the weight tensor (address, shape, dtype) and recipe, and dropped when the
-    outermost scope exits. Per thread; nested scopes share the outer one's copies.
+    outermost scope exits. A forward run inside the scope makes and reuses them in its backward
+    too (on autograd's thread); a backward run after the scope closed makes fresh ones. Opened per
+    thread; nested scopes share the outer one's copies.
     """
-    outer = getattr(_reuse, "copies", None)
-    if outer is None:
-        _reuse.copies = {}
+    if current_reuse_scope() is not None:
+        yield
+        return
+    scope = _reuse.scope = ReuseScope()
     try:
         yield
     finally:
-        if outer is None:
-            _reuse.copies = None
+        scope.copies = None
+        _reuse.scope = None
 
 
-def reuse_or_make(weight: torch.Tensor, recipe, kind: str, make):
-    """``make()`` (a copy derived from ``weight``), or inside `reuse_quantized_weights` the one
-    made earlier in the scope for the same weight, recipe and ``kind`` of copy."""
-    copies = getattr(_reuse, "copies", None)
+def reuse_or_make(weight: torch.Tensor, recipe, kind: str, make, scope):
+    """``make()`` (a copy derived from ``weight``), or while ``scope`` (a `ReuseScope` or None) is
+    open the one made earlier in it for the same weight, recipe and ``kind`` of copy."""
+    copies = None if scope is None else scope.copies
     if copies is None:
         return make()
     key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, recipe, kind)
@@ -619,7 +637,9 @@ def reuse_or_make(weight: torch.Tensor, recipe, kind: str, make):
     return copies[key][1]
 
 
-def quantized_weight_values(weight: torch.Tensor, recipe) -> torch.Tensor:
+def quantized_weight_values(weight: torch.Tensor, recipe, scope) -> torch.Tensor:
     """``weight`` quantized with ``recipe`` and dequantized (the values an FP8 GEMM computes with);
-    fresh on every call unless inside `reuse_quantized_weights`."""
-    return reuse_or_make(weight, recipe, "values", lambda: quantize_weight(weight.detach(), recipe).dequantize())
+    fresh on every call unless ``scope`` (the op context's `ReuseScope`) is open."""
+    return reuse_or_make(
+        weight, recipe, "values", lambda: quantize_weight(weight.detach(), recipe).dequantize(), scope
+    )

@@ -219,6 +219,50 @@ def test_sm90_fp8_chain_runs_on_the_kernels(quantize_x, recipe, monkeypatch):
             in text), text
 
 
+def test_sm90_fp8_weight_copies_are_made_once_per_reuse_scope(monkeypatch):
+    """Gradient-accumulation micro-batches in `reuse_quantized_weights`: each weight is cast once
+    and its data gradient's transposed copy made once for the whole scope (the backward runs on
+    autograd's device thread, where the scope is reached through the op contexts), with outputs
+    and gradients equal bit for bit to the scope-free steps."""
+    import fusion_rules._sm90 as sm90
+
+    _require_hopper()
+    made = []
+    for name in ("block_quantize_sm90", "transpose_fp8_sm90"):
+        real = getattr(sm90, name)
+
+        def counted(data, *args, _real=real, _name=name):
+            if _name == "transpose_fp8_sm90" or args[0] == 128:
+                made.append(_name)
+            return _real(data, *args)
+
+        monkeypatch.setattr(sm90, name, counted)
+    torch.manual_seed(0)
+    seq = fp8_mlp(True)
+    split_sizes = routing(3, ROWS - 40)
+    batches = [torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    dy = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16)
+
+    def micro_batches():
+        results = []
+        for x in batches:
+            x = x.clone().requires_grad_(True)
+            y = train_step(seq, x, dy, split_sizes=split_sizes)
+            results.append([y.detach(), x.grad, *(p.grad.clone() for p in seq.parameters())])
+            seq.zero_grad(set_to_none=True)
+        return results
+
+    fresh = micro_batches()
+    assert made.count("block_quantize_sm90") == 6 and made.count("transpose_fp8_sm90") == 6
+    made.clear()
+    with tfo.reuse_quantized_weights():
+        reused = micro_batches()
+    assert sorted(made) == ["block_quantize_sm90"] * 2 + ["transpose_fp8_sm90"] * 2, made
+    for a, b in zip(reused, fresh):
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
+
+
 @pytest.mark.parametrize("recipe", [Float8BlockScaling(), Float8BlockScaling(power_2_scales=True)])
 def test_sm90_output_cast_in_the_gemm_epilogue(recipe, monkeypatch):
     """GroupedLinear, Quantize, GroupedLinear: FC1's output cast to E4M3 in its epilogue (never

@@ -324,6 +324,51 @@ def test_reuse_quantized_weights_is_an_explicit_scope():
     assert torch.equal(after, fresh_copy(seq)(x, split_sizes=SPLITS))
 
 
+def test_reuse_scope_reaches_the_backward_on_autograd_thread(monkeypatch):
+    """Autograd runs a CUDA graph's backward on a thread of its own, where the forward thread's
+    scope is not open: the copies a forward made in the scope are reused by its backward (run here
+    on another thread, as autograd does on a GPU) and by the next micro-batch; a backward after the
+    scope closed makes fresh ones, and every gradient equals the scope-free run's."""
+    import te_fused_ops.quantization as quantization
+
+    casts = []
+    real_quantize_weight = quantization.quantize_weight
+
+    def counted(weight, recipe, **kw):
+        casts.append(weight.shape)
+        return real_quantize_weight(weight, recipe, **kw)
+
+    monkeypatch.setattr(quantization, "quantize_weight", counted)
+
+    def micro_batch(seq, seed, backward_thread):
+        x = batch(seed).requires_grad_(True)
+        y = seq(x, split_sizes=SPLITS)
+        backward = lambda: y.square().sum().backward()  # noqa: E731
+        if backward_thread:
+            thread = threading.Thread(target=backward)
+            thread.start()
+            thread.join()
+        else:
+            backward()
+        return [x.grad, *(p.grad.clone() for p in seq.parameters())]
+
+    seq, plain = mlp(), mlp()
+    expected = [micro_batch(plain, seed, False) for seed in (1, 2)]
+    assert len(casts) == 4  # FC1's weight, in each forward and each data gradient
+    casts.clear()
+    with tfo.reuse_quantized_weights():
+        got = [micro_batch(seq, seed, True) for seed in (1, 2)]
+        assert len(casts) == 1
+        x = batch(3).requires_grad_(True)
+        y = seq(x, split_sizes=SPLITS)
+    assert len(casts) == 1
+    y.sum().backward()  # the scope has closed: a fresh copy
+    assert len(casts) == 2
+    for a, b in zip(got, expected):
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
+
+
 def test_accumulate_main_grad_adds_weight_gradients_in_float32():
     torch.manual_seed(3)
     ops = [GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16, accumulate_main_grad=True), SwiGLU(),
@@ -347,7 +392,7 @@ def test_sm90_fp8_weight_casts_are_made_once_per_reuse_scope(monkeypatch):
     fresh on every call, and made once inside `reuse_quantized_weights` (the kernel is stood in
     for by the torch quantizer it equals bit for bit, the byte transpose by torch's)."""
     import fusion_rules._sm90 as sm90
-    from te_fused_ops.quantization import Float8BlockScaling, get_recipe, quantize_weight
+    from te_fused_ops.quantization import Float8BlockScaling, current_reuse_scope, get_recipe, quantize_weight
 
     casts = []
 
@@ -360,16 +405,17 @@ def test_sm90_fp8_weight_casts_are_made_once_per_reuse_scope(monkeypatch):
     monkeypatch.setattr(sm90, "transpose_fp8_sm90", lambda data: data.transpose(1, 2).contiguous())
     recipe = get_recipe("fp8_blockwise")
     w = torch.randn(2, 256, 128, dtype=torch.bfloat16)
-    sm90.quantize_weight_blocks(w, recipe)
-    sm90.quantize_weight_blocks(w, recipe, transposed=True)
+    sm90.quantize_weight_blocks(w, recipe, None)
+    sm90.quantize_weight_blocks(w, recipe, None, transposed=True)
     assert casts == [128, 128]
     with tfo.reuse_quantized_weights():
-        first = sm90.quantize_weight_blocks(w, recipe)
-        transposed = sm90.quantize_weight_blocks(w, recipe, transposed=True)
-        again = sm90.quantize_weight_blocks(w, recipe)
-        assert sm90.quantize_weight_blocks(w, recipe, transposed=True)[0] is transposed[0]
+        scope = current_reuse_scope()
+        first = sm90.quantize_weight_blocks(w, recipe, scope)
+        transposed = sm90.quantize_weight_blocks(w, recipe, scope, transposed=True)
+        again = sm90.quantize_weight_blocks(w, recipe, scope)
+        assert sm90.quantize_weight_blocks(w, recipe, scope, transposed=True)[0] is transposed[0]
     assert casts == [128, 128, 128] and again[0] is first[0]
     assert torch.equal(transposed[0].view(torch.uint8), first[0].transpose(1, 2).view(torch.uint8))
     assert torch.equal(transposed[1], first[1].transpose(1, 2))
-    sm90.quantize_weight_blocks(w, recipe)
+    sm90.quantize_weight_blocks(w, recipe, scope)
     assert len(casts) == 4  # fresh again once the scope closed

@@ -6,7 +6,7 @@ import weakref
 import torch
 from torch import nn
 
-from ..quantization import QuantizedTensor
+from ..quantization import QuantizedTensor, current_reuse_scope
 
 _owners: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
 _uids = itertools.count()
@@ -54,6 +54,8 @@ class OpContext:
     main_grads:           parameter name -> fp32 buffer the backward accumulates that gradient
                           into instead of returning it (an output, so not a saved tensor)
     forward_rule:         name of the fusion rule whose forward ran this op, or None (error hints)
+    reuse_scope:          the `reuse_quantized_weights` scope open when the forward ran (or None):
+                          both passes make or reuse weight copies in it
     """
 
     def __init__(self, op, index: int, input_requires_grad: bool, params_require_grad: bool):
@@ -69,6 +71,7 @@ class OpContext:
         self.input_recompute = None
         self.main_grads: dict = {}
         self.forward_rule = None
+        self.reuse_scope = current_reuse_scope()
 
     def save_input(self, x) -> None:
         """Keep the op's input for the backward, lazily when its producer can recompute it."""

@@ -22,13 +22,14 @@ def _main_grad(weight: torch.Tensor) -> torch.Tensor:
     return main_grad
 
 
-def gemm_weight(weight: torch.Tensor, recipe) -> torch.Tensor:
-    """The weight as the GEMM sees it: itself, or quantized with ``recipe`` and dequantized."""
+def gemm_weight(weight: torch.Tensor, recipe, reuse_scope) -> torch.Tensor:
+    """The weight as the GEMM sees it: itself, or quantized with ``recipe`` and dequantized
+    (reused while the op context's ``reuse_scope`` is open)."""
     if recipe is None:
         return weight
     from ..quantization import quantized_weight_values
 
-    return quantized_weight_values(weight, recipe)
+    return quantized_weight_values(weight, recipe, reuse_scope)
 
 
 def columnwise_view(x) -> torch.Tensor:
@@ -135,7 +136,7 @@ class GroupedLinear(BasicOp):
         offsets = ctx.side["offsets"]
         x_values = x.dequantize() if is_quantized(x) else x
         recipe = x.recipe if is_quantized(x) else None
-        y = grouped_mm_nt(x_values, gemm_weight(weight, recipe), offsets)
+        y = grouped_mm_nt(x_values, gemm_weight(weight, recipe, ctx.reuse_scope), offsets)
         y = self.add_bias(y, ctx.params.get("bias"), offsets)
         self.keep_for_backward(ctx, x, recipe)
         return y
@@ -163,7 +164,8 @@ class GroupedLinear(BasicOp):
         grads = {}
         dx = None
         if ctx.input_requires_grad:
-            dx = grouped_mm_nn(dy_data, gemm_weight(ctx.saved["weight"], ctx.saved["recipe"]).detach(), offsets)
+            weight = gemm_weight(ctx.saved["weight"], ctx.saved["recipe"], ctx.reuse_scope)
+            dx = grouped_mm_nn(dy_data, weight.detach(), offsets)
         if ctx.needs_grad("weight"):
             dw = grouped_wgrad(dy_wgrad, columnwise_view(ctx.load_input()), offsets)
             if "weight" in ctx.main_grads:
