@@ -29,6 +29,10 @@ apart), and each FP8 step's distance from bf16 is recorded:
   all fp8 sm90      the same after a Quantize of x (FC1 in FP8 too)
   ... p2            the same with power-of-two scales (Float8BlockScaling(power_2_scales=True))
   ... current       the same with one scale per tensor ("fp8_current")
+  ... reuse         "fc2 fp8 sm90" / "all fp8 sm90" as gradient-accumulation micro-batches: inside
+                    `reuse_quantized_weights()`, after a first micro-batch made the weights' casts
+                    and transposed copies (checked bit for bit against the fresh step first);
+                    timed in a group of their own with "bf16 fused", and compared with that
   fc2 fp8 emulated  "fc2 fp8 sm90" with TE_FUSED_OPS_BACKEND=torch (quantize, dequantize, bf16)
   plain torch bf16  the strongest bf16 step a user writes without the library (six
                     torch._grouped_mm + compiled SwiGLU / dSwiGLU: bench_train_step.ReferenceMLP)
@@ -50,7 +54,7 @@ from common import MODEL_SHAPES, device_tag, gpu_us_per_kernel, rotated_medians,
 from te_fused_ops import GroupedLinear, Quantize, Sequential, SwiGLU, Transpose
 from te_fused_ops.kernels.block_quantize import block_dequantize_sm90, block_quantize_sm90, tensor_quantize_sm90
 from te_fused_ops.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_fp8_sm90, grouped_gemm_sm90
-from te_fused_ops.quantization import Float8BlockScaling, quantize, quantize_weight
+from te_fused_ops.quantization import Float8BlockScaling, quantize, quantize_weight, reuse_quantized_weights
 from te_fused_ops.splits import split_offsets
 
 
@@ -204,6 +208,16 @@ def run_step(name, profile=False):
     forward = rotated_medians({k: functools.partial(m, x, split_sizes=splits) for k, m in models.items()}, bench_us)
     steps = rotated_medians({k: functools.partial(step, m) for k, m in models.items()}, bench_us)
     times = {k: {"forward": forward[k], "step": steps[k]} for k in models}
+    reuse_group = {label: models[label] for label in ("bf16 fused", "fc2 fp8 sm90", "all fp8 sm90")}
+    with reuse_quantized_weights():  # micro-batches after the first: the weight copies exist
+        for label, model in reuse_group.items():
+            again = step(model)
+            assert all(torch.equal(a, b) for a, b in zip(again, outputs[label])), f"{name}: {label} in the reuse scope"
+        forward = rotated_medians({k: functools.partial(m, x, split_sizes=splits) for k, m in reuse_group.items()},
+                                  bench_us)
+        steps = rotated_medians({k: functools.partial(step, m) for k, m in reuse_group.items()}, bench_us)
+    reuse_bf16 = {"forward": forward.pop("bf16 fused"), "step": steps.pop("bf16 fused")}
+    times.update({f"{k} reuse": {"forward": forward[k], "step": steps[k]} for k in forward})
     os.environ["TE_FUSED_OPS_BACKEND"] = "torch"  # the emulation: timed apart (far slower), same bytes in
     try:
         outputs["fc2 fp8 emulated"] = step(fp8)
@@ -221,8 +235,8 @@ def run_step(name, profile=False):
     same_recipe = errors("fc2 fp8 sm90", "fc2 fp8 emulated")  # output, dx, dW1, dW2
     # the quantization turns last-bit differences of the activation into whole E4M3 steps
     assert max(same_recipe) <= 5e-2, f"{name}: fp8 sm90 vs fp8 emulated, relative errors {same_recipe}"
-    return {"shape": name, "us": times, "rel_err_vs_emulated": same_recipe,
-            "rel_err_fp8_vs_bf16": {label: errors(label, "bf16 fused") for label in times if "fp8 sm90" in label}}
+    return {"shape": name, "us": times, "reuse_group_bf16_fused_us": reuse_bf16, "rel_err_vs_emulated": same_recipe,
+            "rel_err_fp8_vs_bf16": {label: errors(label, "bf16 fused") for label in outputs if "fp8 sm90" in label}}
 
 
 def kernel_tables(rows, device):
@@ -259,8 +273,8 @@ def step_table(steps, device):
         f"Training step, SwiGLU MLP, {device}; median us, forward / forward + backward",
         "",
         "| shape | " + " | ".join(labels) + " | fc2 fp8 sm90 step vs bf16 fused / vs plain torch | the same, p2 "
-        "| the same, current |",
-        "|---|" + "---|" * (len(labels) + 3),
+        "| the same, current | fc2 / all fp8 reuse step vs bf16 fused (same group) |",
+        "|---|" + "---|" * (len(labels) + 4),
     ]
     for r in steps:
         cells = [f"{r['us'][k]['forward']:.0f} / {r['us'][k]['step']:.0f}" for k in labels]
@@ -268,6 +282,8 @@ def step_table(steps, device):
         for label in ("fc2 fp8 sm90", "fc2 fp8 sm90 p2", "fc2 fp8 sm90 current"):
             fp8 = r["us"][label]["step"]
             ratios.append(f"{r['us']['bf16 fused']['step'] / fp8:.2f}x / {r['us']['plain torch bf16']['step'] / fp8:.2f}x")
+        bf16 = r["reuse_group_bf16_fused_us"]["step"]
+        ratios.append(" / ".join(f"{bf16 / r['us'][f'{k} fp8 sm90 reuse']['step']:.2f}x" for k in ("fc2", "all")))
         lines.append(f"| {r['shape']} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     return lines
 
