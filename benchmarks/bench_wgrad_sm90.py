@@ -53,7 +53,7 @@ def variant_launcher(cluster_m, sort_groups):
     assert tvm_ffi_available()
     fn = compile_grouped_wgrad(torch.bfloat16, 256, False, cluster_m, True, sort_groups=sort_groups)
     sms = num_sms(torch.cuda.current_device())
-    return lambda dy, x, off, out: fn(dy, x, off, out, sms)
+    return lambda dy, x, off, out: fn(dy, x, off, out, None, None, None, sms)
 
 
 def main():

@@ -91,3 +91,41 @@ def test_cpu_inputs_rejected():
         grouped_wgrad_sm90(dy.float(), dy, off)
     with pytest.raises(TypeError, match="grouped_wgrad_sm90: dy must be a torch.Tensor"):
         grouped_wgrad_sm90([1.0], dy, off)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("cluster_m", [1, 2])
+@pytest.mark.parametrize("main_grad", [False, True])
+def test_fp8_wgrad_compiles(main_grad, cluster_m):
+    import cutlass
+
+    from te_fused_ops.kernels.grouped_wgrad import FP8_MAX_GROUPS, compile_grouped_wgrad
+    from te_fused_ops.kernels.grouped_wgrad_sm90 import SORT_MAX_G, GroupedWgradSm90
+
+    assert compile_grouped_wgrad(torch.bfloat16, 128, main_grad, cluster_m, tvm_ffi=False, fp8=True) is not None
+    assert FP8_MAX_GROUPS == SORT_MAX_G
+    assert GroupedWgradSm90(cutlass.BFloat16, 128, main_grad, ab_dtype=cutlass.Float8E4M3FN).ab_stages >= 4
+    with pytest.raises(ValueError, match="FP8 operands need tile_n 128"):
+        GroupedWgradSm90(cutlass.BFloat16, 256, main_grad, ab_dtype=cutlass.Float8E4M3FN)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("from_rows, rows, power_2_scales", [(False, True, False), (True, False, False), (False, False, True)])
+def test_block_columns_compile(from_rows, rows, power_2_scales):
+    from te_fused_ops.kernels.block_quantize import COLUMN_MAX_GROUPS, compile_block_columns
+    from te_fused_ops.kernels.block_quantize_sm90 import COLUMN_SCAN_GROUPS
+
+    assert compile_block_columns(torch.bfloat16, from_rows, rows, power_2_scales, tvm_ffi=False) is not None
+    assert COLUMN_MAX_GROUPS == COLUMN_SCAN_GROUPS
+
+
+def test_fp8_wrappers_reject_cpu_inputs():
+    from te_fused_ops.kernels.block_quantize import BlockColumns, block_columns_sm90
+    from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_fp8_sm90
+
+    off = torch.tensor([0, 16], dtype=torch.int32)
+    cols = BlockColumns(torch.zeros(16, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 16), 16)
+    with pytest.raises(ValueError, match="grouped_wgrad_fp8_sm90: dy_columns.data must be on a CUDA device"):
+        grouped_wgrad_fp8_sm90(cols, cols, off)
+    with pytest.raises(ValueError, match="block_columns_sm90: x must be a contiguous 2-D CUDA tensor"):
+        block_columns_sm90(torch.zeros(16, 16, dtype=torch.bfloat16), off)

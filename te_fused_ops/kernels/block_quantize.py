@@ -17,6 +17,10 @@ E4M3 and multipliers (M, ceil(K/128)) -> (M, K) ``dtype``, bit for bit
 ``transpose_fp8_sm90(data)``: (G, R, C) E4M3 -> (G, C, R) contiguous, R and C multiples of 16
 (the K-major weight of the FP8 data gradient, from the forward's cast).
 
+``block_columns_sm90(x, offsets, ...)``: the per-group column-wise 1 x 128 E4M3 copy of x (M, K)
+(bf16/fp16, or E4M3 with its row-wise multipliers) in the block-padded layout the FP8 weight
+gradient reads (`BlockColumns`), optionally with x's row-wise copy from the same read.
+
 K is a multiple of 8. One launch each, no host sync. Compiled once per configuration, all
 extents symbolic.
 """
@@ -24,6 +28,7 @@ extents symbolic.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -93,6 +98,30 @@ def compile_block_dequantize(dtype, tvm_ffi=None):
     from .block_quantize_sm90 import BlockDequantizeSm90
 
     return _compile(BlockDequantizeSm90(torch.finfo(dtype).max), dtype, True, tvm_ffi)
+
+
+@functools.cache
+def compile_block_columns(dtype, from_rows, rows, power_2_scales, tvm_ffi=None):
+    """Compile (once per configuration) and return fn(x (M, C), x multipliers or None, offsets
+    (G+1,), data (C, 128 blocks), scale_inv (blocks, C), row data or None, row scale_inv or None,
+    max_ctas); x E4M3 with ``from_rows``, else ``dtype``."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .block_quantize_sm90 import BlockColumnQuantizeSm90
+
+    m, c, cb, blocks = cute.sym_int(), cute.sym_int(divisibility=VEC), cute.sym_int(), cute.sym_int()
+    padded = cute.sym_int(divisibility=128)
+    f8 = cutlass.Float8E4M3FN
+    source = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+    x = fake_tensor(f8 if from_rows else source, (m, c))
+    x_scale = fake_tensor(cutlass.Float32, (m, cb), 4) if from_rows else None
+    row_outputs = (fake_tensor(f8, (m, c)), fake_tensor(cutlass.Float32, (m, cb), 4)) if rows else (None, None)
+    args = (
+        x, x_scale, fake_tensor(cutlass.Int32, (cute.sym_int(),), 4), fake_tensor(f8, (c, padded)),
+        fake_tensor(cutlass.Float32, (blocks, c)), *row_outputs, cutlass.Int32(1),
+    )
+    return compile_launcher(BlockColumnQuantizeSm90(from_rows, rows, power_2_scales), args, tvm_ffi)
 
 
 @functools.cache
@@ -254,6 +283,70 @@ def transpose_fp8_sm90(data: torch.Tensor) -> torch.Tensor:
         items = g * -(-r // 256) * -(-c // 32)
         _launch(compile_transpose_fp8(), (data.view(torch.uint8), out.view(torch.uint8)), _ctas(items, data.get_device()))
     return out
+
+
+class BlockColumns(NamedTuple):
+    """A per-group column-wise 1 x 128 E4M3 copy of x (M, C), block-padded (`block_columns_sm90`):
+    data (C, 128 * blocks) with block b in columns [128 b, 128 b + 128), scale_inv (blocks, C)
+    float32, blocks = ceil(M / 128) + G; num_tokens = M."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    num_tokens: int
+
+
+COLUMN_MAX_GROUPS = 512  # = block_quantize_sm90.COLUMN_SCAN_GROUPS
+COLUMN_CTAS_PER_SM = 3  # ~70 KB of shared memory per CTA
+
+
+def block_columns_sm90(x, offsets, *, x_scale_inv=None, rows=False, power_2_scales=False):
+    """x (M, C)'s per-group column-wise copy for the FP8 weight gradient (`BlockColumns`).
+
+    x: bf16/fp16, or float8_e4m3fn row-wise data with ``x_scale_inv`` (M, ceil(C/128)) float32
+    (the copy is then made from the dequantized values, as `add_columnwise` does); offsets (G+1,)
+    int32, G <= 512 (group g's tokens form ceil(rows_g / 128) blocks from its first row; rows
+    past offsets[G] are not read). C a multiple of 8. ``rows`` (16-bit x): also return x's
+    row-wise copy (data (M, C) E4M3, scale_inv (M, ceil(C/128))) of the grouped rows from the
+    same read: (columns, data, scale_inv). Bit for bit the torch quantizer of
+    ``Float8BlockScaling(power_2_scales)``. One launch, no host sync.
+    """
+    name = "block_columns_sm90"
+    from_rows = x_scale_inv is not None
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in ((torch.float8_e4m3fn,) if from_rows else DTYPES):
+        want = "float8_e4m3fn (x_scale_inv given)" if from_rows else "bfloat16 or float16"
+        raise TypeError(f"{name}: x has dtype {x.dtype}, expected {want}")
+    if x.get_device() < 0 or x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"{name}: x must be a contiguous 2-D CUDA tensor, got shape {tuple(x.shape)} on {x.device}")
+    m, c = x.shape
+    if c % VEC or (x.numel() and x.data_ptr() % 16):
+        raise ValueError(f"{name}: x needs a last dim that is a multiple of 8 and a 16-byte aligned start")
+    if rows and from_rows:
+        raise ValueError(f"{name}: rows=True needs a bf16/fp16 x (the row-wise copy is x_scale_inv's)")
+    if from_rows and (not isinstance(x_scale_inv, torch.Tensor) or x_scale_inv.dtype != torch.float32
+                      or tuple(x_scale_inv.shape) != (m, -(-c // 128)) or not x_scale_inv.is_contiguous()
+                      or x_scale_inv.device != x.device):
+        raise ValueError(f"{name}: x_scale_inv must be a contiguous float32 ({m}, {-(-c // 128)}) tensor on x's device")
+    _check_vector(name, "offsets", offsets, torch.int32, "an int32", x.device)
+    g = offsets.shape[0] - 1
+    if not 1 <= g <= COLUMN_MAX_GROUPS:
+        raise ValueError(f"{name}: offsets must have G+1 entries with 1 <= G <= {COLUMN_MAX_GROUPS}, got "
+                         f"{offsets.shape[0]}")
+    blocks = -(-m // 128) + g
+    data = torch.empty(c, 128 * blocks, dtype=torch.float8_e4m3fn, device=x.device)
+    scale_inv = torch.empty(blocks, c, dtype=torch.float32, device=x.device)
+    row_outputs = (None, None)
+    if rows:
+        row_outputs = (torch.empty(m, c, dtype=torch.float8_e4m3fn, device=x.device),
+                       torch.empty(m, -(-c // 128), dtype=torch.float32, device=x.device))
+    if x.numel():
+        dtype = torch.bfloat16 if from_rows else x.dtype
+        fn = compile_block_columns(dtype, from_rows, bool(rows), bool(power_2_scales))
+        ctas = min(blocks * -(-c // 128), num_sms(x.get_device()) * COLUMN_CTAS_PER_SM)
+        _launch(fn, (x, x_scale_inv, offsets, data, scale_inv, *row_outputs), ctas)
+    columns = BlockColumns(data, scale_inv, m)
+    return (columns, *row_outputs) if rows else columns
 
 
 def _call_classic(fn, tensors, ctas):

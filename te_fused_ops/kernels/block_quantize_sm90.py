@@ -35,6 +35,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .group_tile_scheduler import scan_group_blocks
+
 WARP = 32
 WARPS = 8
 COLS = 128
@@ -434,3 +436,139 @@ class ByteTransposeSm90:
                 for j in cutlass.range_constexpr(16):
                     cute.local_tile(mOut[g, col + j, None], (16,), (row // 16,)).store(block[None, j].load())
             item = item + gdim * WARPS
+
+
+COLUMN_SCAN_GROUPS = 512  # groups `BlockColumnQuantizeSm90` scans into shared memory
+TILE_STRIDE = COLS + 1  # float32 row stride of its staging tile: a warp reading one column hits 32 banks
+
+
+class BlockColumnQuantizeSm90:
+    """Block-padded per-group column-wise E4M3 copy of x (M, C) for the FP8 weight gradient.
+
+    Group g's rows [start_g, end_g) (offsets clamped to [0, M], made non-decreasing, group 0
+    from row 0: `scan_group_blocks`) form ceil(rows_g / 128) blocks of 128 tokens from its first
+    row, numbered from block_start[g] = the blocks of the groups before it. Block b's column c
+    goes to mData[c, 128 b : 128 b + 128] (C, 128 * blocks) E4M3, zeros past the group's last
+    token, with its multiplier mScaleInv[b, c] (blocks, C) float32; blocks past the groups' last
+    are not written. Rows past offsets[G] are not read.
+
+    Source: bf16/fp16 x, or with ``from_rows`` x's E4M3 row-wise copy and its 1 x 128
+    multipliers mXScale (M, ceil(C / 128)), dequantized to float32 first (as
+    `QuantizedTensor.dequantize` does before `add_columnwise` requantizes). With ``rows`` (16-bit
+    source) the same read also writes the row-wise copy mRowData (M, C) and mRowScale (M,
+    ceil(C / 128)) of the grouped rows, as `BlockQuantizeSm90` (block_rows 1) does. Every value
+    and multiplier bit for bit what the torch quantizer computes.
+
+    Work item: one block x 128 columns. The CTA loads its 128 x 128 values (a half-warp per row,
+    8 columns per lane, rows past the group's end as zeros) into a float32 tile in shared
+    memory, casting each row as it goes with ``rows``; then each warp takes 16 columns, lane l
+    tokens l + 32 j, and writes the column's scale and its 128 bytes (one byte per lane and j).
+    """
+
+    def __init__(self, from_rows: bool, rows: bool, power_2_scales: bool = False):
+        if from_rows and rows:
+            raise ValueError("the row-wise copy is written from a 16-bit source only")
+        self.from_rows = from_rows
+        self.rows = rows
+        self.power_2_scales = power_2_scales
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mXScale, mOffsets: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor,
+                 mRowData, mRowScale, max_ctas: cutlass.Int32, stream):
+        self.kernel(mX, mXScale, mOffsets, mData, mScaleInv, mRowData, mRowScale).launch(
+            grid=(max_ctas, 1, 1), block=(WARP * WARPS, 1, 1), stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mXScale, mOffsets: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor,
+               mRowData, mRowScale):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp, half, lane_col = _lane_split()
+        lane = tidx % WARP
+        m_total = cute.size(mX, mode=[0])
+        cols = cute.size(mX, mode=[1])
+        num_groups = cute.size(mOffsets) - 1
+        smem = cutlass.memory.SmemAllocator()
+        sScan = smem.allocate_tensor(Int32, cute.make_layout(2 * (COLUMN_SCAN_GROUPS + 1)), byte_alignment=16)
+        sTile = smem.allocate_tensor(Float32, cute.make_layout((COLS, COLS), stride=(TILE_STRIDE, 1)), byte_alignment=16)
+        if warp == 0:
+            scan_group_blocks(sScan, COLUMN_SCAN_GROUPS + 1, mOffsets, num_groups, m_total, COLS)
+        cute.arch.sync_threads()
+        first_blocks = COLUMN_SCAN_GROUPS + 1
+        col_blocks = (cols + COLS - 1) // COLS
+        num_items = sScan[first_blocks + num_groups] * col_blocks
+        tXr = cute.make_rmem_tensor(cute.make_layout((COLS // 16, VEC), stride=(VEC, 1)), Float32)
+        tCol = cute.make_rmem_tensor(cute.make_layout(COLS // WARP), Float32)
+        item = bidx
+        while item < num_items:
+            block = item // col_blocks
+            cb = item % col_blocks
+            # the group holding block: the last g with first block <= block (binary search)
+            lo, hi = Int32(0), num_groups - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if sScan[first_blocks + mid] <= block:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            first_row = sScan[lo] + (block - sScan[first_blocks + lo]) * COLS
+            row_end = sScan[lo + 1]
+            col = cb * COLS + lane_col
+            # ---- rows: 16 lanes per row, rows tidx // 16 + 16 k
+            for k in cutlass.range_constexpr(COLS // 16):
+                tXr[k, None].fill(0.0)
+                row = first_row + tidx // 16 + 16 * k
+                if row < row_end and col < cols:
+                    if const_expr(self.from_rows):
+                        scale_inv = mXScale[row, cb]
+                        tXr[k, None].store(cute.local_tile(mX[row, None], (VEC,), (col // VEC,)).load().to(Float32))
+                        for i in cutlass.range_constexpr(VEC):
+                            tXr[k, i] = tXr[k, i] * scale_inv
+                    else:
+                        tXr[k, None].store(cute.local_tile(mX[row, None], (VEC,), (col // VEC,)).load().to(Float32))
+            for k in cutlass.range_constexpr(COLS // 16):
+                r = tidx // 16 + 16 * k
+                if const_expr(self.rows):
+                    row_amax = Float32(0.0)
+                    for i in cutlass.range_constexpr(VEC):
+                        row_amax = cutlass.max(row_amax, _finite_abs(tXr[k, i]))
+                    for step in cutlass.range_constexpr(4):  # the half-warp holding the row
+                        row_amax = cutlass.max(row_amax, cute.arch.shuffle_sync_bfly(row_amax, 1 << step))
+                    row_scales = e4m3_scale_inv(row_amax, self.power_2_scales)
+                    row = first_row + r
+                    if row < row_end and col < cols:
+                        values = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+                        for i in cutlass.range_constexpr(VEC):
+                            values[i] = e4m3_scaled(tXr[k, i], *row_scales, self.power_2_scales)
+                        cute.local_tile(mRowData[row, None], (VEC,), (col // VEC,)).store(
+                            values.load().to(cutlass.Float8E4M3FN)
+                        )
+                        if lane_col == 0:
+                            mRowScale[row, cb] = row_scales[0]
+                for i in cutlass.range_constexpr(VEC):
+                    sTile[r, lane_col + i] = tXr[k, i]
+            cute.arch.sync_threads()
+            # ---- columns: warp w takes columns 16 w .. 16 w + 15, lane l tokens l + 32 j
+            for c in cutlass.range_constexpr(COLS // WARPS):
+                tile_col = warp * (COLS // WARPS) + c
+                out_col = cb * COLS + tile_col
+                if out_col < cols:
+                    col_amax = Float32(0.0)
+                    for j in cutlass.range_constexpr(COLS // WARP):
+                        tCol[j] = sTile[lane + WARP * j, tile_col]
+                        col_amax = cutlass.max(col_amax, _finite_abs(tCol[j]))
+                    for step in cutlass.range_constexpr(5):
+                        col_amax = cutlass.max(col_amax, cute.arch.shuffle_sync_bfly(col_amax, 1 << step))
+                    col_scales = e4m3_scale_inv(col_amax, self.power_2_scales)
+                    for j in cutlass.range_constexpr(COLS // WARP):
+                        tCol[j] = e4m3_scaled(tCol[j], *col_scales, self.power_2_scales)
+                    quantized = cute.make_rmem_tensor(cute.make_layout(COLS // WARP), cutlass.Float8E4M3FN)
+                    quantized.store(tCol.load().to(cutlass.Float8E4M3FN))
+                    for j in cutlass.range_constexpr(COLS // WARP):
+                        mData[out_col, block * COLS + lane + WARP * j] = quantized[j]
+                    if lane == 0:
+                        mScaleInv[block, out_col] = col_scales[0]
+            cute.arch.sync_threads()  # the tile is refilled next
+            item = item + gdim

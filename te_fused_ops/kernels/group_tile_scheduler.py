@@ -147,3 +147,45 @@ def locate_tile(
             chunk_start = chunk_start + 32
             searching = chunk_start <= num_groups
     return found, seg, seg_first, chunk_start, chunk_base
+
+
+@cute.jit
+def scan_group_blocks(sScan: cute.Tensor, second: int, mOffsets: cute.Tensor, num_groups: Int32, m_total: Int32,
+                      block: int):
+    """One warp: the groups' rows and first ``block``-row blocks, into shared memory sScan.
+
+    sScan[g] (g <= G) = group g's first row: the offsets clamped to [0, M] and made
+    non-decreasing, group 0 from row 0 (as `quantization.group_block_index` reads them);
+    sScan[second + g] (g <= G) = group g's first block, the blocks (ceil(rows / block)) of the
+    groups before it, so sScan[second + G] is their total. Scans 32 groups at a time."""
+    lane = cute.arch.lane_idx()
+    end_before = Int32(0)
+    blocks_before = Int32(0)
+    if lane == 0:
+        sScan[0] = Int32(0)
+    for base in range(0, num_groups, 32):
+        g = base + lane
+        end = Int32(0)
+        if g < num_groups:
+            end = cutlass.max(cutlass.min(mOffsets[g + 1], m_total), Int32(0))
+        for step in cutlass.range_constexpr(5):
+            other = cute.arch.shuffle_sync_up(end, 1 << step)
+            if lane >= (1 << step):
+                end = cutlass.max(end, other)
+        end = cutlass.max(end, end_before)
+        begin = cute.arch.shuffle_sync_up(end, 1)
+        if lane == 0:
+            begin = end_before
+        blocks = (end - begin + block - 1) // block
+        through = blocks  # blocks of this chunk's groups up to this lane's
+        for step in cutlass.range_constexpr(5):
+            other = cute.arch.shuffle_sync_up(through, 1 << step)
+            if lane >= (1 << step):
+                through = through + other
+        if g < num_groups:
+            sScan[g + 1] = end
+            sScan[second + g] = blocks_before + through - blocks
+        end_before = cute.arch.shuffle_sync(end, 31)
+        blocks_before = blocks_before + cute.arch.shuffle_sync(through, 31)
+    if lane == 0:
+        sScan[second + num_groups] = blocks_before

@@ -55,7 +55,7 @@ from .activation_math_sm90 import ACTIVATION_MATH
 from .activations import activation_spec
 from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled
 from .group_tile_scheduler import RASTER_BAND, cluster_tile, locate_tile, segment_rows
-from .mainloop_sm90 import mma_stage
+from .mainloop_sm90 import mma_block, mma_stage
 
 _EPI_VEC = 8  # 16-bit elements per 16-byte load / store of the epilogue warps
 _BIG = 2**30
@@ -624,7 +624,7 @@ class GroupedGemmSm90:
                         ab_pipe.consumer_wait(read_state)
                         cute.nvgpu.warpgroup.fence()
                         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                        self._mma_block(tiled_mma, acc_block, tCrA, tCrB, read_state.index)
+                        mma_block(tiled_mma, acc_block, tCrA, tCrB, read_state.index)
                         cute.nvgpu.warpgroup.commit_group()
                         read_state.advance()
                         ahead = self._block_scales(scales, tile, tCcAcc, k + 1, n_box, m_total)
@@ -896,14 +896,6 @@ class GroupedGemmSm90:
                 bGS_sC[(None, c_write.index * self.num_in + i)],
                 tma_bar_ptr=bar,
             )
-
-    @cute.jit
-    def _mma_block(self, tiled_mma, acc_block, tCrA, tCrB, stage):
-        """acc_block = the product of the k-tile (one FP8 scale block) in stage ``stage``; the
-        caller turns ACCUMULATE off first, in its loop body (so the MMA stays loop-carried)."""
-        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-            cute.gemm(tiled_mma, acc_block, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc_block)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
 
     @cute.jit
     def _block_scales(self, scales, tile: Tile, tCcAcc, k, n_box, m_total):

@@ -1,6 +1,9 @@
-"""Torch-facing wrapper of the sm90 grouped weight-gradient kernel: checks, config, compile cache.
+"""Torch-facing wrappers of the sm90 grouped weight-gradient kernel: checks, config, compile cache.
 
     dW[g] = dy[s:e].T @ x[s:e]      s, e = offsets[g], offsets[g+1], clamped to [0, M] on the device
+
+`grouped_wgrad_sm90` reads bf16/fp16 dy and x in place; `grouped_wgrad_fp8_sm90` reads their
+per-group column-wise E4M3 copies (block-scaled FP8, 1 x 128 token blocks).
 
 Importable without cutlass. Kernels are compiled once per (dtype, tile_n, main_grad, cluster_m,
 TVM-FFI) with M, N, K and G symbolic; the persistent grid size (SM count minus the SM margin) is a
@@ -30,6 +33,7 @@ from .launch import (
 
 _NAME = "grouped_wgrad_sm90"
 _MAX_ROWS = 2**30  # the ragged token view's mode extent
+FP8_MAX_GROUPS = 512  # the FP8 kernel scans the groups into shared memory: grouped_wgrad_sm90.SORT_MAX_G
 
 
 def sm90_wgrad_unsupported_reason(dtype, n, k) -> str | None:
@@ -53,24 +57,34 @@ def choose_config(n: int, k: int, max_ctas: int) -> tuple[int, int]:
 
 
 @functools.cache
-def compile_grouped_wgrad(dtype, tile_n, main_grad, cluster_m=1, tvm_ffi=None, **kernel_opts):
-    """Compile (once per configuration) and return the launcher. Shapes are symbolic."""
+def compile_grouped_wgrad(dtype, tile_n, main_grad, cluster_m=1, tvm_ffi=None, fp8=False, **kernel_opts):
+    """Compile (once per configuration) and return the launcher fn(dy, x, offsets, out, dy scales,
+    x scales, tokens, max_ctas): 16-bit dy (M, N), x (M, K), no scales or tokens (None), or with
+    ``fp8`` the block-padded E4M3 copies dy^T (N, 128 blocks), x^T (K, 128 blocks), their
+    (blocks, N), (blocks, K) float32 multipliers and M (Int32); dW in ``dtype``. Shapes are
+    symbolic."""
     import cutlass
     import cutlass.cute as cute
 
     from .grouped_wgrad_sm90 import GroupedWgradSm90
 
     dt = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
-    m, g, g1 = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    n, k = cute.sym_int(divisibility=8), cute.sym_int(divisibility=8)
-    args = (
-        fake_tensor(dt, (m, n)),
-        fake_tensor(dt, (m, k)),
-        fake_tensor(cutlass.Int32, (g1,), 4),
-        fake_tensor(cutlass.Float32 if main_grad else dt, (g, n, k)),
-        cutlass.Int32(1),
-    )
-    kernel = GroupedWgradSm90(dt, tile_n, main_grad, cluster_m, **kernel_opts)
+    g, g1, blocks = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    if fp8:
+        padded = cute.sym_int(divisibility=128)
+        n, k = cute.sym_int(divisibility=16), cute.sym_int(divisibility=16)
+        f8 = cutlass.Float8E4M3FN
+        operands = (fake_tensor(f8, (n, padded)), fake_tensor(f8, (k, padded)))
+        scales = (fake_tensor(cutlass.Float32, (blocks, n)), fake_tensor(cutlass.Float32, (blocks, k)), cutlass.Int32(1))
+    else:
+        m = cute.sym_int()
+        n, k = cute.sym_int(divisibility=8), cute.sym_int(divisibility=8)
+        operands = (fake_tensor(dt, (m, n)), fake_tensor(dt, (m, k)))
+        scales = (None, None, None)
+    out = fake_tensor(cutlass.Float32 if main_grad else dt, (g, n, k))
+    args = (*operands, fake_tensor(cutlass.Int32, (g1,), 4), out, *scales, cutlass.Int32(1))
+    kernel = GroupedWgradSm90(dt, tile_n, main_grad, cluster_m, ab_dtype=cutlass.Float8E4M3FN if fp8 else None,
+                              **kernel_opts)
     return compile_launcher(kernel, args, tvm_ffi)
 
 
@@ -106,9 +120,9 @@ def grouped_wgrad_sm90(
         return result
     try:
         if tvm_ffi:
-            fn(dy, x, offsets, result, max_ctas)
+            fn(dy, x, offsets, result, None, None, None, max_ctas)
         else:
-            _call_classic(fn, dy, x, offsets, result, max_ctas)
+            _call_classic(fn, (dy, x, offsets, result, None, None), None, max_ctas)
     except Exception:
         _launch(*args)  # raises the error naming the argument the kernel rejected
         raise
@@ -165,20 +179,127 @@ def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m):
     tile_n = tile_n or auto_tile_n
     cluster_m = cluster_m or auto_cluster_m
     max_ctas = max(max_ctas, cluster_m)
-    key = (dy.dtype, tile_n, main_grad is not None, cluster_m, tvm_ffi_available())
+    key = (dy.dtype, tile_n, main_grad is not None, cluster_m, tvm_ffi_available(), False)
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_wgrad(*key)
     return fn, (g, n, k), max_ctas
 
 
-def _call_classic(fn, dy, x, offsets, result, max_ctas):
+def grouped_wgrad_fp8_sm90(dy_columns, x_columns, offsets, *, out_dtype=torch.bfloat16, out=None, main_grad=None,
+                           sm_margin=None, cluster_m=None):
+    """dW[g] = dy_g^T @ x_g from block-padded column-wise FP8 copies of dy (M, N) and x (M, K).
+
+    dy_columns, x_columns: `block_quantize.BlockColumns` of dy and x with the same M and blocks
+    (`block_columns_sm90`; data (C, 128 * blocks) E4M3, scale_inv (blocks, C) float32, blocks =
+    ceil(M / 128) + G); offsets (G+1,) int32 on the same device, G <= 512, the offsets the copies
+    were made with. N and K multiples of 16. Returns dW (G, N, K) in ``out_dtype`` (bf16/fp16;
+    into ``out`` if given), or with ``main_grad`` (fp32) main_grad += dW. Each 128-token block's
+    product is added in float32, scaled by its two multipliers. sm_margin and cluster_m as for
+    `grouped_wgrad_sm90` (tile_n is 128). No host sync.
+    """
+    tvm_ffi = tvm_ffi_available()
+    try:
+        dy_t, dy_scales, m = dy_columns
+        x_t, x_scales, x_m = x_columns
+    except (TypeError, ValueError):
+        raise TypeError(f"{_FP8_NAME}: dy_columns and x_columns must be BlockColumns (data, scale_inv, num_tokens)")
+    key = (
+        call_signature(tvm_ffi, dy_t, x_t, offsets, out, main_grad, dy_scales, x_scales),
+        m, x_m, out_dtype, cluster_m, sm_margin, sm_margin_setting(),
+    )
+    args = (dy_t, dy_scales, x_t, x_scales, m, x_m, offsets, out_dtype, out, main_grad, sm_margin, cluster_m)
+    launch = _MEMO.get(key) or _MEMO.put(key, _fp8_launch(*args))
+    fn, shape, max_ctas = launch
+    result = main_grad if main_grad is not None else out if out is not None else dy_t.new_empty(shape, dtype=out_dtype)
+    if fn is None:
+        if main_grad is None and result.numel():
+            result.zero_()
+        return result
+    try:
+        if tvm_ffi:
+            fn(dy_t, x_t, offsets, result, dy_scales, x_scales, m, max_ctas)
+        else:
+            _call_classic(fn, (dy_t, x_t, offsets, result, dy_scales, x_scales), m, max_ctas)
+    except Exception:
+        _fp8_launch(*args)
+        raise
+    return result
+
+
+_FP8_NAME = "grouped_wgrad_fp8_sm90"
+
+
+def _fp8_launch(dy_t, dy_scales, x_t, x_scales, m, x_m, offsets, out_dtype, out, main_grad, sm_margin, cluster_m):
+    """Every check of `grouped_wgrad_fp8_sm90`; (launcher or None, dW shape, grid in CTAs)."""
+    name = _FP8_NAME
+    if not isinstance(dy_t, torch.Tensor):
+        raise TypeError(f"{name}: dy_columns.data must be a torch.Tensor, got {type(dy_t).__name__}")
+    dev = dy_t.get_device()
+    if dev < 0:
+        raise ValueError(f"{name}: dy_columns.data must be on a CUDA device, got {dy_t.device}")
+    if out_dtype not in DTYPES:
+        raise TypeError(f"{name}: out_dtype must be bfloat16 or float16, got {out_dtype}")
+    check_tensor(name, dy_t, "dy_columns.data", torch.float8_e4m3fn, 2, dev)
+    check_tensor(name, x_t, "x_columns.data", torch.float8_e4m3fn, 2, dev)
+    check_tensor(name, offsets, "offsets", torch.int32, 1, dev)
+    if m != x_m:
+        raise ValueError(f"{name}: dy_columns has {m} tokens, x_columns {x_m}")
+    n, padded = dy_t.shape
+    k = x_t.shape[0]
+    g = offsets.shape[0] - 1
+    if not 1 <= g <= FP8_MAX_GROUPS:
+        raise ValueError(f"{name}: offsets must have G+1 entries with 1 <= G <= {FP8_MAX_GROUPS}, got shape "
+                         f"{tuple(offsets.shape)}")
+    if not isinstance(m, int) or not 0 <= m <= _MAX_ROWS:
+        raise ValueError(f"{name}: num_tokens must be an int in [0, {_MAX_ROWS}], got {m!r}")
+    blocks = -(-m // 128) + g
+    for arg, data, scales, rows in (("dy_columns", dy_t, dy_scales, n), ("x_columns", x_t, x_scales, k)):
+        if tuple(data.shape) != (rows, 128 * blocks):
+            raise ValueError(f"{name}: {arg}.data must have shape {(rows, 128 * blocks)} (128 * (ceil(M/128) + G) "
+                             f"columns), got {tuple(data.shape)}")
+        check_tensor(name, scales, f"{arg}.scale_inv", torch.float32, 2, dev)
+        if tuple(scales.shape) != (blocks, rows):
+            raise ValueError(f"{name}: {arg}.scale_inv must have shape {(blocks, rows)}, got {tuple(scales.shape)}")
+    for arg, value in (("N (dy_columns.data.shape[0])", n), ("K (x_columns.data.shape[0])", k)):
+        if value % 16:
+            raise ValueError(f"{name}: {arg}={value} must be a multiple of 16")
+    if out is not None and main_grad is not None:
+        raise ValueError(f"{name}: pass at most one of out and main_grad")
+    if main_grad is not None:
+        check_tensor(name, main_grad, "main_grad", torch.float32, 3, dev)
+    elif out is not None:
+        check_tensor(name, out, "out", out_dtype, 3, dev)
+    given = main_grad if main_grad is not None else out
+    if given is not None and tuple(given.shape) != (g, n, k):
+        arg = "main_grad" if main_grad is not None else "out"
+        raise ValueError(f"{name}: {arg} must have shape {(g, n, k)}, got {tuple(given.shape)}")
+    margin = resolve_sm_margin(sm_margin, name)
+    if cluster_m not in (None, 1, 2):
+        raise ValueError(f"{name}: cluster_m must be 1 or 2, got {cluster_m!r}")
+    if g * n * k == 0 or m == 0:
+        return None, (g, n, k), 0
+    max_ctas = max(1, num_sms(dev) - margin)
+    cluster_m = cluster_m or choose_config(n, k, max_ctas)[1]
+    max_ctas = max(max_ctas, cluster_m)
+    key = (out_dtype, 128, main_grad is not None, cluster_m, tvm_ffi_available(), True)
+    fn = _LAUNCHERS.get(key)
+    if fn is None:
+        fn = _LAUNCHERS[key] = compile_grouped_wgrad(*key)
+    return fn, (g, n, k), max_ctas
+
+
+def _call_classic(fn, tensors, tokens, max_ctas):
     import cuda.bindings.driver as cuda
     import cutlass
     from cutlass.cute.runtime import from_dlpack
 
-    def cv(t, align=16):
+    def cv(t):
+        if t is None:
+            return None
+        align = 4 if t.dim() == 1 else 16  # offsets: 4 bytes, as compiled
         return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
-    stream = cuda.CUstream(torch.cuda.current_stream(dy.device).cuda_stream)
-    fn(cv(dy), cv(x), cv(offsets, 4), cv(result), cutlass.Int32(max_ctas), stream)
+    stream = cuda.CUstream(torch.cuda.current_stream(tensors[0].device).cuda_stream)
+    tokens = None if tokens is None else cutlass.Int32(tokens)
+    fn(*(cv(t) for t in tensors), tokens, cutlass.Int32(max_ctas), stream)

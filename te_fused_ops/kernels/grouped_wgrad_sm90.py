@@ -29,6 +29,18 @@ is stored one 128 x 32 sub-tile after each of the next tile's first tile_n / 32 
 so the stores run under its WGMMAs; the last tile's after the loop. Every code path before a
 WGMMA stays warpgroup-uniform (ptxas otherwise serializes all WGMMAs of the kernel: C7520).
 
+Block-scaled FP8 (``ab_dtype`` E4M3, the weight gradient of the DeepSeek-V3 recipe): the operands
+are per-group column-wise copies of dy and x, E4M3 with 1 x 128 token blocks that never straddle
+groups, in the block-padded layout of `BlockColumnQuantizeSm90`: dy^T (N, 128 * blocks) and x^T
+(K, 128 * blocks), block b in columns [128 b, 128 b + 128), zeros past a group's last token,
+group g's blocks from block_start[g] = sum over h < g of ceil(rows_h / 128); multipliers
+(blocks, N) and (blocks, K). FP8 WGMMA reads K-major operands only, and a TMA box must start on a
+16-byte boundary: the padding puts every k-tile (one block) on a 128-byte one and makes the
+operands' tails zero, so no load is clipped. A k-tile's product goes to a second accumulator and
+is added to the first scaled per (row, column) by the two blocks' multipliers, which the producer
+loads by TMA into the stage next to the operands. Group boundaries and block starts come from one
+warp's prefix scan over the offsets at kernel start (`scan_group_blocks`, G <= SORT_MAX_G).
+
 With ``accumulate`` the epilogue is fp32 and works in place in each epilogue slot: TMA-load a
 128 x 32 sub-tile of main_grad, add the accumulator, TMA-store it back. The first slots - 1
 sub-tile loads of a tile are issued before its mainloop; each epilogue step issues the next.
@@ -42,8 +54,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.tensor_utils import LayoutEnum
 
-from .group_tile_scheduler import RASTER_BAND, banded_tile
-from .mainloop_sm90 import mma_stage
+from .group_tile_scheduler import RASTER_BAND, banded_tile, scan_group_blocks
+from .mainloop_sm90 import mma_block, mma_stage
 
 _BIG = 2**30
 _HUGE = 2**31 - 1
@@ -61,6 +73,13 @@ def _ragged_tokens(t: cute.Tensor) -> cute.Tensor:
         (t.shape[1], _BIG, _HUGE, _HUGE), stride=(1, ld, Int64(2**34) - ld, ld)
     )
     return cute.make_tensor(t.iterator, layout)
+
+
+def _rows_by_block(t: cute.Tensor) -> cute.Tensor:
+    """(blocks, C) row-major multipliers -> the (C, blocks) view the scale TMA tiles (tile, 1)."""
+    return cute.make_tensor(
+        t.iterator, cute.make_layout((t.shape[1], t.shape[0]), stride=(1, t.stride[0]))
+    )
 
 
 def _group_tokens(mRagged: cute.Tensor, start: Int32, length: Int32) -> cute.Tensor:
@@ -82,7 +101,9 @@ class GroupedWgradSm90:
     """Grouped dW = dy_g^T @ x_g for sm_90a (see the module docstring).
 
     Compile-time configuration: ``dtype`` of dy and x (cutlass.BFloat16 / Float16), ``tile_n``
-    (128 or 256, along K of dW; tile_m = 128 along N, tile_k = 64 tokens), ``accumulate``
+    (128 or 256, along K of dW; tile_m = 128 along N, tile_k = 64 tokens), ``ab_dtype``
+    (None: ``dtype``; cutlass.Float8E4M3FN: block-scaled FP8 operands, module docstring, dW in
+    ``dtype``; tile_n 128, tile_k 128), ``accumulate``
     (fp32 main_grad += dW instead of writing dW in ``dtype``), ``cluster_m`` (1, or 2: CTA pairs
     multicast the x tile), ``sort_groups`` (visit groups largest first), ``ab_stages`` /
     ``epi_slots`` (None: defaults that fill shared memory), ``raster_band`` (m-tiles per band of
@@ -96,10 +117,18 @@ class GroupedWgradSm90:
 
     def __init__(
         self, dtype, tile_n, accumulate, cluster_m=1, sort_groups=True, ab_stages=None,
-        epi_slots=None, raster_band=RASTER_BAND,
+        epi_slots=None, raster_band=RASTER_BAND, ab_dtype=None,
     ):
         if tile_n not in (128, 256):
             raise ValueError("tile_n must be 128 or 256")
+        self.ab_dtype = dtype if ab_dtype is None else ab_dtype
+        # FP8: one k-tile is one 128-token scale block; its product waits in a second accumulator
+        # of the same size, so tile_n is 128 (64 + 64 registers per thread)
+        self.block_scaled = self.ab_dtype.width == 8
+        if self.block_scaled:
+            if tile_n != 128:
+                raise ValueError("FP8 operands need tile_n 128")
+            self.tile_k = 128
         if cluster_m not in (1, 2):
             raise ValueError("cluster_m must be 1 or 2")
         self.cluster_m = cluster_m
@@ -114,11 +143,15 @@ class GroupedWgradSm90:
         self.num_mma_wg = 2
         self.threads = 128 * (1 + self.num_mma_wg)
         self.epi_tile = (self.tile_m, self.epi_n)
-        stage_bytes = (self.tile_m + tile_n) * self.tile_k * dtype.width // 8
+        stage_bytes = (self.tile_m + tile_n) * self.tile_k * self.ab_dtype.width // 8
+        if self.block_scaled:  # the two blocks' multipliers ride in the stage
+            stage_bytes += (self.tile_m + tile_n) * 4
         buf_bytes = self.tile_m * self.epi_n * self.out_dtype.width // 8
         smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90") - 1024
         if sort_groups:
             smem -= 2 * SORT_MAX_G * 4
+        if self.block_scaled:  # group edges and first blocks
+            smem -= 2 * (SORT_MAX_G + 1) * 4
         if ab_stages is None:
             # accumulate: leave room for 4 main_grad slots (prefetch 3 sub-tiles ahead)
             ab_stages = (smem - (4 if accumulate else 2) * buf_bytes) // stage_bytes
@@ -140,25 +173,26 @@ class GroupedWgradSm90:
     @cute.jit
     def __call__(
         self,
-        mDy: cute.Tensor,  # (M, N)
-        mX: cute.Tensor,  # (M, K)
+        mDy: cute.Tensor,  # (M, N); FP8: dy^T (N, M)
+        mX: cute.Tensor,  # (M, K); FP8: x^T (K, M)
         mOffsets: cute.Tensor,  # (G + 1,) int32
         mOut: cute.Tensor,  # (G, N, K): dW in dtype, or fp32 main_grad (accumulate)
+        mScaleDy,  # FP8: (blocks, N) float32 multipliers of dy^T's token blocks; else None
+        mScaleX,  # FP8: (blocks, K) of x^T's; else None
+        num_tokens,  # FP8: M, the rows the offsets index (Int32); else None
         max_ctas: Int32,  # persistent grid size (SMs left free by the caller's margin)
         stream,
     ):
-        dt = self.dtype
-        mn = cute.nvgpu.OperandMajorMode.MN
+        dt = self.ab_dtype
+        major = cute.nvgpu.OperandMajorMode.K if const_expr(self.block_scaled) else cute.nvgpu.OperandMajorMode.MN
+        smem_major = LayoutEnum.ROW_MAJOR if const_expr(self.block_scaled) else LayoutEnum.COL_MAJOR
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, mn, mn, self.acc_dtype, (self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_n)
+            dt, dt, major, major, self.acc_dtype, (self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_n)
         )
         mma_tiler = (self.tile_m, self.tile_n, self.tile_k)
-        self.sA_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.COL_MAJOR, mma_tiler, dt, self.ab_stages
-        )
-        self.sB_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.COL_MAJOR, mma_tiler, dt, self.ab_stages
-        )
+        self.sA_layout = sm90_utils.make_smem_layout_a(smem_major, mma_tiler, dt, self.ab_stages)
+        self.sB_layout = sm90_utils.make_smem_layout_b(smem_major, mma_tiler, dt, self.ab_stages)
+        sSFA_layout, sSFB_layout = self._scale_layouts()
         self.sD_layout = sm90_utils.make_smem_layout_epi(
             self.out_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_slots
         )
@@ -166,18 +200,29 @@ class GroupedWgradSm90:
         sB_one = cute.slice_(self.sB_layout, (None, None, 0))
         sD_one = cute.slice_(self.sD_layout, (None, None, 0))
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        # FP8: (rows, tokens) K-major copies, clipped in shared memory; 16-bit: ragged token views
         tma_a, tma_mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            g2s, _ragged_tokens(mDy), sA_one, (self.tile_m, self.tile_k)
+            g2s, mDy if const_expr(self.block_scaled) else _ragged_tokens(mDy), sA_one, (self.tile_m, self.tile_k)
         )
         tma_b, tma_mB = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
             if const_expr(self.cluster_m > 1)
             else g2s,
-            _ragged_tokens(mX),
+            mX if const_expr(self.block_scaled) else _ragged_tokens(mX),
             sB_one,
             (self.tile_n, self.tile_k),
             num_multicast=self.cluster_m,
         )
+        tma_sfa, tma_mSFA, tma_sfb, tma_mSFB = None, None, None, None
+        m_total = cute.size(mDy, mode=[0])
+        if const_expr(self.block_scaled):
+            m_total = num_tokens
+            tma_sfa, tma_mSFA = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                g2s, _rows_by_block(mScaleDy), cute.slice_(sSFA_layout, (None, None, 0)), (self.tile_m, 1)
+            )
+            tma_sfb, tma_mSFB = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                g2s, _rows_by_block(mScaleX), cute.slice_(sSFB_layout, (None, None, 0)), (self.tile_n, 1)
+            )
         n = cute.size(mOut, mode=[1])
         k = cute.size(mOut, mode=[2])
         num_groups = cute.size(mOut, mode=[0])
@@ -193,6 +238,8 @@ class GroupedWgradSm90:
         if const_expr(self.accumulate):
             tma_c, tma_mC = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mD, sD_one, self.epi_tile)
         self.tma_bytes = cute.size_in_bytes(dt, sA_one) + cute.size_in_bytes(dt, sB_one)
+        if const_expr(self.block_scaled):
+            self.tma_bytes += (self.tile_m + self.tile_n) * 4
         self.c_bytes = cute.size_in_bytes(self.out_dtype, sD_one)
 
         @cute.struct
@@ -200,6 +247,13 @@ class GroupedWgradSm90:
             ab_full_empty: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
             c_full: cute.struct.MemRange[cutlass.Int64, self.epi_slots]
             sched: cute.struct.MemRange[Int32, 2 * SORT_MAX_G if self.sort_groups else 1]
+            edges: cute.struct.MemRange[Int32, 2 * (SORT_MAX_G + 1) if self.block_scaled else 1]
+            sSFA: cute.struct.Align[
+                cute.struct.MemRange[Float32, cute.cosize(sSFA_layout) if self.block_scaled else 1], 128
+            ]
+            sSFB: cute.struct.Align[
+                cute.struct.MemRange[Float32, cute.cosize(sSFB_layout) if self.block_scaled else 1], 128
+            ]
             sA: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.sB_layout)], 1024]
             sD: cute.struct.Align[
@@ -222,8 +276,9 @@ class GroupedWgradSm90:
             tma_mD,
             tma_c,
             tma_mC,
+            (tma_sfa, tma_mSFA, tma_sfb, tma_mSFB),
             mOffsets,
-            cute.size(mDy, mode=[0]),
+            m_total,
             self.tiled_mma,
             self.sA_layout,
             self.sB_layout,
@@ -248,6 +303,7 @@ class GroupedWgradSm90:
         mD: cute.Tensor,  # (N, K, G)
         tma_c: cute.CopyAtom,
         mC: cute.Tensor,  # (N, K, G) load view of main_grad, or None
+        block_scales: tuple,  # FP8: (tma_sfa, mSFA (N, blocks), tma_sfb, mSFB (K, blocks)); else Nones
         mOffsets: cute.Tensor,
         m_total: Int32,
         tiled_mma: cute.TiledMma,
@@ -270,6 +326,9 @@ class GroupedWgradSm90:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
+            if const_expr(self.block_scaled):
+                cute.nvgpu.cpasync.prefetch_descriptor(block_scales[0])
+                cute.nvgpu.cpasync.prefetch_descriptor(block_scales[2])
             if const_expr(self.accumulate):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_c)
 
@@ -311,8 +370,20 @@ class GroupedWgradSm90:
             cute.make_layout(2 * SORT_MAX_G if self.sort_groups else 1)
         )
         is_sorted = num_groups <= SORT_MAX_G
+        sEdges = None  # FP8: `scan_group_blocks` (group rows and first blocks)
+        if const_expr(self.block_scaled):
+            sEdges = storage.edges.get_tensor(cute.make_layout(2 * (SORT_MAX_G + 1)))
+            if warp_idx == 0:
+                scan_group_blocks(sEdges, SORT_MAX_G + 1, mOffsets, num_groups, m_total, self.tile_k)
+            cute.arch.sync_threads()
         if const_expr(self.sort_groups):
-            self._rank_groups(sSched, is_sorted, mOffsets, num_groups, m_total, tidx)
+            self._rank_groups(sSched, is_sorted, mOffsets, sEdges, num_groups, m_total, tidx)
+        tma_sfa, mSFA, tma_sfb, mSFB = block_scales
+        sSFA, sSFB = None, None
+        if const_expr(self.block_scaled):
+            sSFA_layout, sSFB_layout = self._scale_layouts()
+            sSFA = storage.sSFA.get_tensor(sSFA_layout)
+            sSFB = storage.sSFB.get_tensor(sSFB_layout)
 
         if wg_idx == 0:
             # ---------------------------------------------------------- TMA producer
@@ -329,13 +400,23 @@ class GroupedWgradSm90:
                     g, mt, nt = self._tile_coords(
                         tile_id, m_tiles, n_tiles, rank, sSched, is_sorted
                     )
-                    start, length = _group_rows(mOffsets, g, m_total)
+                    start, length, block0 = self._group_span(mOffsets, sEdges, g, num_groups, m_total)
                     gA = cute.local_tile(  # (tile_m, tile_k, k-tiles)
-                        _group_tokens(mA, start, length), (self.tile_m, self.tile_k), (mt, None)
+                        self._group_view(mA, start, length, block0), (self.tile_m, self.tile_k), (mt, None)
                     )
                     gB = cute.local_tile(
-                        _group_tokens(mB, start, length), (self.tile_n, self.tile_k), (nt, None)
+                        self._group_view(mB, start, length, block0), (self.tile_n, self.tile_k), (nt, None)
                     )
+                    tSFAs, tSFAg, tSFBs, tSFBg = None, None, None, None
+                    if const_expr(self.block_scaled):  # (tile, blocks) of each operand's multipliers
+                        tSFAs, tSFAg = cute.nvgpu.cpasync.tma_partition(
+                            tma_sfa, 0, cute.make_layout(1), cute.group_modes(sSFA, 0, 2),
+                            cute.group_modes(cute.local_tile(mSFA, (self.tile_m, 1), (mt, None)), 0, 2),
+                        )
+                        tSFBs, tSFBg = cute.nvgpu.cpasync.tma_partition(
+                            tma_sfb, 0, cute.make_layout(1), cute.group_modes(sSFB, 0, 2),
+                            cute.group_modes(cute.local_tile(mSFB, (self.tile_n, 1), (nt, None)), 0, 2),
+                        )
                     tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
                         tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
                         cute.group_modes(gA, 0, 2),
@@ -354,6 +435,13 @@ class GroupedWgradSm90:
                             tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar,
                             mcast_mask=b_mcast_mask,
                         )
+                        if const_expr(self.block_scaled):
+                            cute.copy(
+                                tma_sfa, tSFAg[(None, block0 + kt)], tSFAs[(None, state.index)], tma_bar_ptr=bar
+                            )
+                            cute.copy(
+                                tma_sfb, tSFBg[(None, block0 + kt)], tSFBs[(None, state.index)], tma_bar_ptr=bar
+                            )
                         ab_pipe.producer_commit(state)
                         state.advance()
                     tile_id = tile_id + num_clusters
@@ -368,6 +456,13 @@ class GroupedWgradSm90:
             acc = cute.make_rmem_tensor(
                 thr_mma.partition_shape_C((self.tile_m, self.tile_n)), self.acc_dtype
             )
+            acc_block, tCcAcc = None, None  # FP8: one token block's product, before promotion into acc
+            if const_expr(self.block_scaled):
+                acc_block = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
+                tCcAcc = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+            fp8_args = None  # FP8 k-tile: (block accumulator, operands, multipliers)
+            if const_expr(self.block_scaled):
+                fp8_args = (acc_block, tCrA, tCrB, (sSFA, sSFB, tCcAcc))
 
             # register <-> smem copies in the accumulator's thread-value layout (stmatrix: 16-bit)
             copy_atom_c = cute.make_copy_atom(
@@ -413,7 +508,7 @@ class GroupedWgradSm90:
                 g, mt, nt = self._tile_coords(
                     tile_id, m_tiles, n_tiles, rank, sSched, is_sorted
                 )
-                start, length = _group_rows(mOffsets, g, m_total)
+                start, length, _ = self._group_span(mOffsets, sEdges, g, num_groups, m_total)
                 k_tiles = (length + self.tile_k - 1) // self.tile_k
                 has_rows = mt * self.tile_m < n_rows  # else only feeds its cluster peer
                 bSG_sD, bSG_gD, bGS_sC, bGS_gC = None, None, None, None
@@ -441,17 +536,23 @@ class GroupedWgradSm90:
                 peeled = 1 if self.accumulate else self.num_steps
                 for step in cutlass.range_constexpr(peeled):
                     if step < k_tiles:
-                        if const_expr(step == 0):
-                            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                            cute.nvgpu.warpgroup.fence()
-                        ab_pipe.consumer_wait(read_state)
-                        mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
-                        cute.nvgpu.warpgroup.commit_group()
-                        read_state.advance()
-                        if const_expr(step > 0):
-                            cute.nvgpu.warpgroup.wait_group(1)
-                            ab_pipe.consumer_release(release_state)
-                            release_state.advance()
+                        if const_expr(self.block_scaled):
+                            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                            multipliers = self._fp8_block(ab_pipe, read_state, tiled_mma, fp8_args)
+                            read_state.advance()
+                            self._promote(acc, acc_block, multipliers)
+                        else:
+                            if const_expr(step == 0):
+                                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                                cute.nvgpu.warpgroup.fence()
+                            ab_pipe.consumer_wait(read_state)
+                            mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
+                            cute.nvgpu.warpgroup.commit_group()
+                            read_state.advance()
+                            if const_expr(step > 0):
+                                cute.nvgpu.warpgroup.wait_group(1)
+                                ab_pipe.consumer_release(release_state)
+                                release_state.advance()
                     if const_expr(not self.accumulate):
                         if has_pending:
                             self._store_step(
@@ -459,18 +560,25 @@ class GroupedWgradSm90:
                                 step, epi_count, store_pipe, is_store_warp,
                             )
                             epi_count = epi_count + 1
-                for _ in range(peeled, k_tiles):
-                    ab_pipe.consumer_wait(read_state)
-                    mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
-                    cute.nvgpu.warpgroup.commit_group()
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    ab_pipe.consumer_release(release_state)
-                    release_state.advance()
-                    read_state.advance()
-                cute.nvgpu.warpgroup.wait_group(0)  # unconditional: ptxas sees every path waited
-                if k_tiles > 0:
-                    ab_pipe.consumer_release(release_state)
-                    release_state.advance()
+                for kt in range(peeled, k_tiles):
+                    if const_expr(self.block_scaled):
+                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                        multipliers = self._fp8_block(ab_pipe, read_state, tiled_mma, fp8_args)
+                        read_state.advance()
+                        self._promote(acc, acc_block, multipliers)
+                    else:
+                        ab_pipe.consumer_wait(read_state)
+                        mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
+                        cute.nvgpu.warpgroup.commit_group()
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        ab_pipe.consumer_release(release_state)
+                        release_state.advance()
+                        read_state.advance()
+                if const_expr(not self.block_scaled):
+                    cute.nvgpu.warpgroup.wait_group(0)  # unconditional: ptxas sees every path waited
+                    if k_tiles > 0:
+                        ab_pipe.consumer_release(release_state)
+                        release_state.advance()
 
                 # ------------------------------------------------------ epilogue
                 if const_expr(self.accumulate):  # main_grad += dW, slot by slot
@@ -543,8 +651,64 @@ class GroupedWgradSm90:
             store_pipe.producer_acquire()
         self.epi_barrier.arrive_and_wait()
 
+    def _scale_layouts(self):
+        """FP8: shared-memory layouts of the per-stage multipliers, (tile_m, 1, stages) of A's rows
+        and (tile_n, 1, stages) of B's."""
+        return tuple(
+            cute.make_layout((rows, 1, self.ab_stages), stride=(1, 0, rows)) for rows in (self.tile_m, self.tile_n)
+        )
+
     @cute.jit
-    def _rank_groups(self, sSched, is_sorted, mOffsets, num_groups, m_total, tidx):
+    def _group_span(self, mOffsets, sEdges, g, num_groups, m_total):
+        """(first row, rows, first scale block) of group g: `_group_rows` (block 0); FP8, from the
+        scan of `_scan_groups`."""
+        if const_expr(self.block_scaled):
+            start = sEdges[g]
+            return start, sEdges[g + 1] - start, sEdges[SORT_MAX_G + 1 + g]
+        start, length = _group_rows(mOffsets, g, m_total)
+        return start, length, Int32(0)
+
+    def _group_view(self, mTokens, start, length, block0):
+        """TMA coordinate view of one group's tokens: FP8, (rows, tokens) of the block-padded copy
+        from the group's first block ``block0``; 16-bit, the ragged view clipped at its last token."""
+        if const_expr(self.block_scaled):
+            return cute.domain_offset((0, block0 * self.tile_k), mTokens)
+        return _group_tokens(mTokens, start, length)
+
+    @cute.jit
+    def _fp8_block(self, ab_pipe, read_state, tiled_mma, fp8_args):
+        """FP8: acc_block = the product of the k-tile in ``read_state``'s stage (the caller has turned
+        ACCUMULATE off); returns the block's multipliers (`_block_multipliers`) and releases the stage."""
+        acc_block, tCrA, tCrB, scales = fp8_args
+        ab_pipe.consumer_wait(read_state)
+        cute.nvgpu.warpgroup.fence()
+        mma_block(tiled_mma, acc_block, tCrA, tCrB, read_state.index)
+        cute.nvgpu.warpgroup.commit_group()
+        cute.nvgpu.warpgroup.wait_group(0)
+        multipliers = self._block_multipliers(scales, read_state.index)
+        ab_pipe.consumer_release(read_state)
+        return multipliers
+
+    @cute.jit
+    def _block_multipliers(self, scales, stage):
+        """FP8: this thread's multipliers of the k-tile in ``stage``: (rows, columns), the A rows
+        row0 and row0 + 8 and the B columns col0 + i + 8 j of its accumulator values (i, r, j)."""
+        sSFA, sSFB, tCcAcc = scales
+        row0, col0 = tCcAcc[0]
+        rows = (sSFA[row0, 0, stage], sSFA[row0 + 8, 0, stage])
+        cols = [sSFB[col0 + v % 2 + v // 2 * 8, 0, stage] for v in range(self.tile_n // 4)]
+        return rows, cols
+
+    @cute.jit
+    def _promote(self, acc, acc_block, multipliers):
+        """acc += acc_block scaled per (row, column) by the two operands' block multipliers."""
+        rows, cols = multipliers
+        for v in cutlass.range_constexpr(cute.size(acc)):
+            scale = rows[v // 2 % 2] * cols[v // 4 * 2 + v % 2]
+            acc[v] = acc[v] + acc_block[v] * scale
+
+    @cute.jit
+    def _rank_groups(self, sSched, is_sorted, mOffsets, sEdges, num_groups, m_total, tidx):
         """sSched[SORT_MAX_G + r] = the group of rank r by k-tile count (descending, then index).
         All threads of the CTA take part; sSched[:G] holds the counts. The loops' trip counts do not
         depend on the thread (a per-thread loop here made ptxas serialize every WGMMA: C7520)."""
@@ -552,7 +716,7 @@ class GroupedWgradSm90:
             for base in range(0, num_groups, self.threads):
                 g = base + tidx
                 if g < num_groups:
-                    _, length = _group_rows(mOffsets, g, m_total)
+                    _, length, _ = self._group_span(mOffsets, sEdges, g, num_groups, m_total)
                     sSched[g] = (length + self.tile_k - 1) // self.tile_k
         cute.arch.sync_threads()
         if is_sorted:

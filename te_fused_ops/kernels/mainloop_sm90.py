@@ -1,4 +1,4 @@
-"""The WGMMA step shared by the sm90 grouped GEMM core and the varlen-K weight gradient.
+"""The WGMMA steps shared by the sm90 grouped GEMM core and the varlen-K weight gradient.
 
 (The k-loop around it stays in each kernel: the DSL carries pipeline states through a dynamic
 loop only when the loop body itself advances them.)
@@ -13,3 +13,12 @@ def mma_stage(tiled_mma, acc, tCrA, tCrB, stage):
     """acc += the (tile_m, tile_n) product of the k-tile held in pipeline stage ``stage``."""
     for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
         cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc)
+
+
+@cute.jit
+def mma_block(tiled_mma, acc_block, tCrA, tCrB, stage):
+    """acc_block = the product of the k-tile (one FP8 scale block) in stage ``stage``; the
+    caller turns ACCUMULATE off first, in its loop body (so the MMA stays loop-carried)."""
+    for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+        cute.gemm(tiled_mma, acc_block, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc_block)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)

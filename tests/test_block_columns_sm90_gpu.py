@@ -1,0 +1,124 @@
+"""GPU tests of the block-padded column-wise cast (`block_columns_sm90`): bit for bit the torch
+quantizer's per-group column-wise copy (and row-wise copy), laid out as the FP8 weight gradient reads it."""
+
+import pytest
+import torch
+from test_grouped_wgrad_fp8_sm90_gpu import block_padded
+from test_grouped_wgrad_sm90_gpu import offsets_from_splits
+
+from te_fused_ops.kernels import sm90_unavailable_reason
+from te_fused_ops.kernels.block_quantize import block_columns_sm90
+from te_fused_ops.quantization import Float8BlockScaling, add_columnwise, quantize
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        torch.cuda.is_available() and sm90_unavailable_reason() is not None,
+        reason=str(sm90_unavailable_reason()) if torch.cuda.is_available() else "",
+    ),
+]
+
+
+def make_x(m, c, dtype, seed, specials=True):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, c, device="cuda", generator=gen) * 4.0 ** torch.randint(-8, 8, (m, 1), device="cuda", generator=gen)
+    if specials and m > 40 and c > 3:
+        x[3, 1], x[40, 2], x[17, 0] = float("nan"), float("inf"), 0.0
+        x[20:30, 3] = 0.0  # an all-zero column block piece
+    return x.to(dtype)
+
+
+def used_blocks(offsets, m):
+    ends = offsets[1:].long().clamp(0, m).cummax(0).values
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    return int(((ends - starts + 127) // 128).sum())
+
+
+def check_columns(columns, expected, used):
+    """Data bytes and multipliers of the first ``used`` blocks equal."""
+    assert columns.num_tokens == expected.num_tokens
+    assert torch.equal(columns.data.view(torch.uint8)[:, : 128 * used], expected.data.view(torch.uint8)[:, : 128 * used])
+    assert torch.equal(columns.scale_inv[:used], expected.scale_inv[:used])
+
+
+SPLITS = [0, 1, 127, 128, 129, 300, 0, 513, 17, 256]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("power_2_scales", [False, True])
+@pytest.mark.parametrize("c", [8, 200, 384])
+def test_from_16bit_with_rows(dtype, power_2_scales, c):
+    m = sum(SPLITS) + 29  # padding rows past the last group
+    x = make_x(m, c, dtype, seed=c)
+    offsets = offsets_from_splits(SPLITS)
+    recipe = Float8BlockScaling(power_2_scales)
+    columns, row_data, row_scale_inv = block_columns_sm90(x, offsets, rows=True, power_2_scales=power_2_scales)
+    q = quantize(x, recipe, rowwise=True, columnwise=True, offsets=offsets)
+    check_columns(columns, block_padded(q.columnwise_data, q.columnwise_scale_inv, offsets), used_blocks(offsets, m))
+    grouped = sum(SPLITS)
+    assert torch.equal(row_data.view(torch.uint8)[:grouped], q.rowwise_data.view(torch.uint8)[:grouped])
+    assert torch.equal(row_scale_inv[:grouped], q.rowwise_scale_inv[:grouped])
+    alone = block_columns_sm90(x, offsets, power_2_scales=power_2_scales)
+    check_columns(alone, columns, used_blocks(offsets, m))
+
+
+@pytest.mark.parametrize("power_2_scales", [False, True])
+def test_from_rowwise_e4m3(power_2_scales):
+    """The copy `add_columnwise` makes from the dequantized row-wise values (Quantize, Transpose)."""
+    m, c = sum(SPLITS) + 3, 256
+    x = make_x(m, c, torch.bfloat16, seed=7, specials=False)
+    offsets = offsets_from_splits(SPLITS)
+    q = quantize(x, Float8BlockScaling(power_2_scales))
+    columns = block_columns_sm90(q.rowwise_data, offsets, x_scale_inv=q.rowwise_scale_inv, power_2_scales=power_2_scales)
+    add_columnwise(q, offsets)
+    check_columns(columns, block_padded(q.columnwise_data, q.columnwise_scale_inv, offsets), used_blocks(offsets, m))
+
+
+def test_pads_are_zero_and_offsets_clamped():
+    """Tokens past a group's end read as zeros; offsets past M or decreasing are clamped as the
+    torch quantizer clamps them."""
+    m, c = 300, 128
+    x = make_x(m, c, torch.bfloat16, seed=3, specials=False)
+    offsets = torch.tensor([0, 100, 90, 250, 1000], dtype=torch.int32, device="cuda")
+    columns = block_columns_sm90(x, offsets)
+    q = quantize(x, "fp8_blockwise", rowwise=False, columnwise=True, offsets=offsets)
+    used = used_blocks(offsets, m)
+    check_columns(columns, block_padded(q.columnwise_data, q.columnwise_scale_inv, offsets), used)
+    assert torch.all(columns.data.view(torch.uint8)[:, 100:128] == 0)
+
+
+def test_many_groups_no_sync_cuda_graph():
+    splits = [(g * 53) % 300 for g in range(500)]
+    m = sum(splits)
+    x = make_x(m, 64, torch.bfloat16, seed=5)
+    offsets = offsets_from_splits(splits)
+    q = quantize(x, "fp8_blockwise", rowwise=False, columnwise=True, offsets=offsets)
+    expected = block_padded(q.columnwise_data, q.columnwise_scale_inv, offsets)
+    block_columns_sm90(x, offsets)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        block_columns_sm90(x, offsets)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        columns = block_columns_sm90(x, offsets)
+    columns.data.fill_(float("nan"))
+    graph.replay()
+    check_columns(columns, expected, used_blocks(offsets, m))
+
+
+def test_argument_errors():
+    x = torch.zeros(32, 16, dtype=torch.bfloat16, device="cuda")
+    offsets = offsets_from_splits([16, 16])
+    with pytest.raises(TypeError, match="x has dtype torch.float32"):
+        block_columns_sm90(x.float(), offsets)
+    with pytest.raises(ValueError, match="x_scale_inv must be a contiguous float32"):
+        block_columns_sm90(x.to(torch.float8_e4m3fn), offsets, x_scale_inv=torch.ones(32, 2, device="cuda"))
+    with pytest.raises(ValueError, match="rows=True needs a bf16/fp16 x"):
+        block_columns_sm90(x.to(torch.float8_e4m3fn), offsets, x_scale_inv=torch.ones(32, 1, device="cuda"), rows=True)
+    with pytest.raises(ValueError, match="G <= 512"):
+        block_columns_sm90(x, offsets_from_splits([0] * 513))
+    with pytest.raises(TypeError, match="offsets must be an int32"):
+        block_columns_sm90(x, offsets.long())
