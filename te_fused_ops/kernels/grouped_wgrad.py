@@ -5,7 +5,7 @@
 `grouped_wgrad_sm90` reads bf16/fp16 dy and x in place; `grouped_wgrad_fp8_sm90` reads their
 per-group column-wise E4M3 copies (block-scaled FP8, 1 x 128 token blocks).
 
-Importable without cutlass. Kernels are compiled once per (dtype, tile_n, main_grad, cluster_m,
+Importable without cutlass. Kernels are compiled once per (dtype, tile_n, main_grad, cluster_m, FP8,
 TVM-FFI) with M, N, K and G symbolic; the persistent grid size (SM count minus the SM margin) is a
 launch argument, so margins share one compiled kernel. The launch depends on tensor shapes only.
 """
