@@ -521,13 +521,11 @@ class BlockColumnQuantizeSm90:
                 tXr[k, None].fill(0.0)
                 row = first_row + tidx // 16 + 16 * k
                 if row < row_end and col < cols:
-                    if const_expr(self.from_rows):
+                    tXr[k, None].store(cute.local_tile(mX[row, None], (VEC,), (col // VEC,)).load().to(Float32))
+                    if const_expr(self.from_rows):  # dequantized
                         scale_inv = mXScale[row, cb]
-                        tXr[k, None].store(cute.local_tile(mX[row, None], (VEC,), (col // VEC,)).load().to(Float32))
                         for i in cutlass.range_constexpr(VEC):
                             tXr[k, i] = tXr[k, i] * scale_inv
-                    else:
-                        tXr[k, None].store(cute.local_tile(mX[row, None], (VEC,), (col // VEC,)).load().to(Float32))
             for k in cutlass.range_constexpr(COLS // 16):
                 r = tidx // 16 + 16 * k
                 if const_expr(self.rows):

@@ -137,6 +137,17 @@ def grouped_column_sums_sm90(dy, offsets, *, sm_margin=None):
     return grouped_wgrad_sm90(dy, ones, offsets, sm_margin=sm_margin)[:, :, 0].contiguous()
 
 
+def _check_destination(name, out, main_grad, dtype, shape, dev):
+    """The checks of a wrapper's ``out`` (dW in ``dtype``) or ``main_grad`` (fp32), at most one given."""
+    if out is not None and main_grad is not None:
+        raise ValueError(f"{name}: pass at most one of out and main_grad")
+    given, arg = (main_grad, "main_grad") if main_grad is not None else (out, "out")
+    if given is not None:
+        check_tensor(name, given, arg, torch.float32 if main_grad is not None else dtype, 3, dev)
+        if tuple(given.shape) != shape:
+            raise ValueError(f"{name}: {arg} must have shape {shape}, got {tuple(given.shape)}")
+
+
 def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m):
     """Every check of `grouped_wgrad_sm90`; (launcher or None when there is nothing to compute,
     dW shape, persistent grid in CTAs)."""
@@ -156,16 +167,7 @@ def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m):
     if offsets.shape[0] < 1:
         raise ValueError(f"{_NAME}: offsets must have G+1 >= 1 entries, got shape (0,)")
     g = offsets.shape[0] - 1
-    if out is not None and main_grad is not None:
-        raise ValueError(f"{_NAME}: pass at most one of out and main_grad")
-    if main_grad is not None:
-        check_tensor(_NAME, main_grad, "main_grad", torch.float32, 3, dev)
-    elif out is not None:
-        check_tensor(_NAME, out, "out", dy.dtype, 3, dev)
-    given = main_grad if main_grad is not None else out
-    if given is not None and tuple(given.shape) != (g, n, k):
-        arg = "main_grad" if main_grad is not None else "out"
-        raise ValueError(f"{_NAME}: {arg} must have shape {(g, n, k)}, got {tuple(given.shape)}")
+    _check_destination(_NAME, out, main_grad, dy.dtype, (g, n, k), dev)
     margin = resolve_sm_margin(sm_margin, _NAME)
     if tile_n not in (None, 128, 256):
         raise ValueError(f"{_NAME}: tile_n must be 128 or 256, got {tile_n!r}")
@@ -264,16 +266,7 @@ def _fp8_launch(dy_t, dy_scales, x_t, x_scales, m, x_m, offsets, out_dtype, out,
     for arg, value in (("N (dy_columns.data.shape[0])", n), ("K (x_columns.data.shape[0])", k)):
         if value % 16:
             raise ValueError(f"{name}: {arg}={value} must be a multiple of 16")
-    if out is not None and main_grad is not None:
-        raise ValueError(f"{name}: pass at most one of out and main_grad")
-    if main_grad is not None:
-        check_tensor(name, main_grad, "main_grad", torch.float32, 3, dev)
-    elif out is not None:
-        check_tensor(name, out, "out", out_dtype, 3, dev)
-    given = main_grad if main_grad is not None else out
-    if given is not None and tuple(given.shape) != (g, n, k):
-        arg = "main_grad" if main_grad is not None else "out"
-        raise ValueError(f"{name}: {arg} must have shape {(g, n, k)}, got {tuple(given.shape)}")
+    _check_destination(name, out, main_grad, out_dtype, (g, n, k), dev)
     margin = resolve_sm_margin(sm_margin, name)
     if cluster_m not in (None, 1, 2):
         raise ValueError(f"{name}: cluster_m must be 1 or 2, got {cluster_m!r}")

@@ -200,7 +200,7 @@ class GroupedWgradSm90:
         sB_one = cute.slice_(self.sB_layout, (None, None, 0))
         sD_one = cute.slice_(self.sD_layout, (None, None, 0))
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        # FP8: (rows, tokens) K-major copies, clipped in shared memory; 16-bit: ragged token views
+        # FP8: the block-padded (rows, tokens) K-major copies as they are; 16-bit: ragged token views
         tma_a, tma_mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
             g2s, mDy if const_expr(self.block_scaled) else _ragged_tokens(mDy), sA_one, (self.tile_m, self.tile_k)
         )
@@ -456,12 +456,10 @@ class GroupedWgradSm90:
             acc = cute.make_rmem_tensor(
                 thr_mma.partition_shape_C((self.tile_m, self.tile_n)), self.acc_dtype
             )
-            acc_block, tCcAcc = None, None  # FP8: one token block's product, before promotion into acc
+            acc_block, fp8_args = None, None  # FP8: one token block's product; its k-tile's arguments
             if const_expr(self.block_scaled):
                 acc_block = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
                 tCcAcc = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-            fp8_args = None  # FP8 k-tile: (block accumulator, operands, multipliers)
-            if const_expr(self.block_scaled):
                 fp8_args = (acc_block, tCrA, tCrB, (sSFA, sSFB, tCcAcc))
 
             # register <-> smem copies in the accumulator's thread-value layout (stmatrix: 16-bit)
@@ -661,7 +659,7 @@ class GroupedWgradSm90:
     @cute.jit
     def _group_span(self, mOffsets, sEdges, g, num_groups, m_total):
         """(first row, rows, first scale block) of group g: `_group_rows` (block 0); FP8, from the
-        scan of `_scan_groups`."""
+        scan of `scan_group_blocks`."""
         if const_expr(self.block_scaled):
             start = sEdges[g]
             return start, sEdges[g + 1] - start, sEdges[SORT_MAX_G + 1 + g]
