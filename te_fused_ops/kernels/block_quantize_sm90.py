@@ -439,7 +439,31 @@ class ByteTransposeSm90:
 
 
 COLUMN_SCAN_GROUPS = 512  # groups `BlockColumnQuantizeSm90` scans into shared memory
-TILE_STRIDE = COLS + 1  # float32 row stride of its staging tile: a warp reading one column hits 32 banks
+ROW_LANES = 4  # lanes per row in its load phase, 4 segments of VEC columns each
+ROW_SEGMENTS_PER_LANE = COLS // (ROW_LANES * VEC)
+ROW_PASSES = COLS * ROW_LANES // (WARP * WARPS)  # rows per thread
+COLUMN_HALVES = WARP * WARPS // COLS  # threads per column in its cast phase
+COLUMN_CHUNK = 16  # tokens per 16-byte store of the column-wise copy
+TILE_STRIDE = COLS + 4  # float32 row stride of the staging tile: conflict-free 16-byte row writes
+
+
+@cute.jit
+def _abs_max(value: Float32, amax: Float32, finite_only: cutlass.Constexpr[bool]) -> Float32:
+    """max(amax, |value|): NaN ignored (FMNMX); with ``finite_only`` +-Inf ignored too."""
+    result = amax
+    if const_expr(finite_only):
+        result = cutlass.max(amax, _finite_abs(value))
+    else:
+        result = cute.arch.fmax(amax, cute.math.absf(value))
+    return result
+
+
+@cute.jit
+def _lanes_max(value: Float32, lanes: cutlass.Constexpr[int]) -> Float32:
+    """The max of ``value`` over aligned groups of ``lanes`` lanes (butterfly; NaN-free input)."""
+    for step in cutlass.range_constexpr(lanes.bit_length() - 1):
+        value = cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, 1 << step))
+    return value
 
 
 class BlockColumnQuantizeSm90:
@@ -459,10 +483,13 @@ class BlockColumnQuantizeSm90:
     ceil(C / 128)) of the grouped rows, as `BlockQuantizeSm90` (block_rows 1) does. Every value
     and multiplier bit for bit what the torch quantizer computes.
 
-    Work item: one block x 128 columns. The CTA loads its 128 x 128 values (a half-warp per row,
-    8 columns per lane, rows past the group's end as zeros) into a float32 tile in shared
-    memory, casting each row as it goes with ``rows``; then each warp takes 16 columns, lane l
-    tokens l + 32 j, and writes the column's scale and its 128 bytes (one byte per lane and j).
+    Work item: one block x 128 columns, in a float32 tile in shared memory (rows past the
+    group's end as zeros). Rows: 4 lanes per row, lane q the columns 8 q + 32 i (i < 4), all
+    loads issued before any is used; with ``rows`` each row is cast from registers on the way.
+    Columns: thread t takes column t % 128, tokens 64 (t // 128) .. + 63: its amax over them,
+    the other half's through shared memory, then four 16-byte stores of 16 tokens each.
+    Amaxes are plain maxima of |x| (NaN ignored); a warp that meets an Inf recomputes its
+    amaxes without Infs, so the common case pays one instruction per value.
     """
 
     def __init__(self, from_rows: bool, rows: bool, power_2_scales: bool = False):
@@ -479,94 +506,139 @@ class BlockColumnQuantizeSm90:
             grid=(max_ctas, 1, 1), block=(WARP * WARPS, 1, 1), stream=stream
         )
 
+    @cute.jit
+    def _cast_row(self, mRowData: cute.Tensor, mRowScale: cute.Tensor, tRow: cute.Tensor, row, row_end, cb,
+                  lane_cols, cols, quarter):
+        """The row-wise copy of one row from tRow (ROW_SEGMENTS_PER_LANE, VEC) float32: its amax
+        over the row's 4 lanes, then the lane's segments and (lane 0 of the 4) the scale."""
+        amax = Float32(0.0)
+        for i in cutlass.range_constexpr(cute.size(tRow)):
+            amax = _abs_max(tRow[i], amax, False)
+        amax = _lanes_max(amax, ROW_LANES)
+        if cute.arch.vote_any_sync(amax == Float32(float("inf"))):
+            amax = Float32(0.0)
+            for i in cutlass.range_constexpr(cute.size(tRow)):
+                amax = _abs_max(tRow[i], amax, True)
+            amax = _lanes_max(amax, ROW_LANES)
+        scales = e4m3_scale_inv(amax, self.power_2_scales)
+        if row < row_end:
+            for s in cutlass.range_constexpr(ROW_SEGMENTS_PER_LANE):
+                col = cb * COLS + lane_cols + s * ROW_LANES * VEC
+                if col < cols:
+                    values = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+                    for i in cutlass.range_constexpr(VEC):
+                        values[i] = e4m3_scaled(tRow[s, i], *scales, self.power_2_scales)
+                    cute.local_tile(mRowData[row, None], (VEC,), (col // VEC,)).store(
+                        values.load().to(cutlass.Float8E4M3FN)
+                    )
+            if quarter == 0:
+                mRowScale[row, cb] = scales[0]
+
+    @cute.jit
+    def _locate(self, sScan: cute.Tensor, item, col_blocks, num_groups):
+        """(block, column block, first row, the group's end row) of work item ``item``: the group
+        holding the block is the last g whose first block is <= block (binary search)."""
+        first_blocks = COLUMN_SCAN_GROUPS + 1
+        block = item // col_blocks
+        lo, hi = Int32(0), num_groups - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if sScan[first_blocks + mid] <= block:
+                lo = mid
+            else:
+                hi = mid - 1
+        return block, item % col_blocks, sScan[lo] + (block - sScan[first_blocks + lo]) * COLS, sScan[lo + 1]
+
+    @cute.jit
+    def _load(self, mX: cute.Tensor, mXScale, tXs: cute.Tensor, tRowScale: cute.Tensor, first_row, row_end, cb,
+              cols, row_in_pass, lane_cols):
+        """Issue this thread's loads of a work item: rows first_row + row_in_pass + 64 p, columns
+        cb * 128 + lane_cols + 32 s, into tXs (zeros out of bounds), their multipliers into
+        tRowScale with ``from_rows`` (1 out of bounds)."""
+        tXs.fill(0.0)
+        for p in cutlass.range_constexpr(ROW_PASSES):
+            row = first_row + row_in_pass + p * (COLS // ROW_PASSES)
+            tRowScale[p] = Float32(1.0)
+            if row < row_end:
+                if const_expr(self.from_rows):
+                    tRowScale[p] = mXScale[row, cb]
+                for s in cutlass.range_constexpr(ROW_SEGMENTS_PER_LANE):
+                    col = cb * COLS + lane_cols + s * ROW_LANES * VEC
+                    if col < cols:
+                        tXs[p, s, None].store(cute.local_tile(mX[row, None], (VEC,), (col // VEC,)).load())
+
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mXScale, mOffsets: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor,
                mRowData, mRowScale):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
-        warp, half, lane_col = _lane_split()
-        lane = tidx % WARP
         m_total = cute.size(mX, mode=[0])
         cols = cute.size(mX, mode=[1])
         num_groups = cute.size(mOffsets) - 1
         smem = cutlass.memory.SmemAllocator()
         sScan = smem.allocate_tensor(Int32, cute.make_layout(2 * (COLUMN_SCAN_GROUPS + 1)), byte_alignment=16)
+        sHalfMax = smem.allocate_tensor(Float32, cute.make_layout((COLS, COLUMN_HALVES)), byte_alignment=16)
         sTile = smem.allocate_tensor(Float32, cute.make_layout((COLS, COLS), stride=(TILE_STRIDE, 1)), byte_alignment=16)
-        if warp == 0:
+        if tidx // WARP == 0:
             scan_group_blocks(sScan, COLUMN_SCAN_GROUPS + 1, mOffsets, num_groups, m_total, COLS)
         cute.arch.sync_threads()
-        first_blocks = COLUMN_SCAN_GROUPS + 1
         col_blocks = (cols + COLS - 1) // COLS
-        num_items = sScan[first_blocks + num_groups] * col_blocks
-        tXr = cute.make_rmem_tensor(cute.make_layout((COLS // 16, VEC), stride=(VEC, 1)), Float32)
-        tCol = cute.make_rmem_tensor(cute.make_layout(COLS // WARP), Float32)
+        num_items = sScan[COLUMN_SCAN_GROUPS + 1 + num_groups] * col_blocks
+        # rows: thread t rows t // 4 + 64 p, columns 8 (t % 4) + 32 s
+        quarter = tidx % ROW_LANES
+        lane_cols = quarter * VEC
+        row_in_pass = tidx // ROW_LANES
+        tXs = cute.make_rmem_tensor(
+            cute.make_layout((ROW_PASSES, ROW_SEGMENTS_PER_LANE, VEC), stride=(COLS // ROW_LANES, VEC, 1)),
+            mX.element_type,
+        )
+        tRowScale = cute.make_rmem_tensor(cute.make_layout(ROW_PASSES), Float32)
+        tRow = cute.make_rmem_tensor(cute.make_layout((ROW_SEGMENTS_PER_LANE, VEC), stride=(VEC, 1)), Float32)
+        # columns: thread t column t % 128, tokens 64 (t // 128) + j
+        tile_col = tidx % COLS
+        half = tidx // COLS
+        first_token = half * (COLS // COLUMN_HALVES)
+        tCol = cute.make_rmem_tensor(cute.make_layout(COLUMN_CHUNK), Float32)
         item = bidx
         while item < num_items:
-            block = item // col_blocks
-            cb = item % col_blocks
-            # the group holding block: the last g with first block <= block (binary search)
-            lo, hi = Int32(0), num_groups - 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if sScan[first_blocks + mid] <= block:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            first_row = sScan[lo] + (block - sScan[first_blocks + lo]) * COLS
-            row_end = sScan[lo + 1]
-            col = cb * COLS + lane_col
-            # ---- rows: 16 lanes per row, rows tidx // 16 + 16 k
-            for k in cutlass.range_constexpr(COLS // 16):
-                tXr[k, None].fill(0.0)
-                row = first_row + tidx // 16 + 16 * k
-                if row < row_end and col < cols:
-                    tXr[k, None].store(cute.local_tile(mX[row, None], (VEC,), (col // VEC,)).load().to(Float32))
+            block, cb, first_row, row_end = self._locate(sScan, item, col_blocks, num_groups)
+            self._load(mX, mXScale, tXs, tRowScale, first_row, row_end, cb, cols, row_in_pass, lane_cols)
+            # ---- stage the item in the tile, casting its rows with ``rows``
+            for p in cutlass.range_constexpr(ROW_PASSES):
+                r = row_in_pass + p * (COLS // ROW_PASSES)
+                for s in cutlass.range_constexpr(ROW_SEGMENTS_PER_LANE):
+                    tRow[s, None].store(tXs[p, s, None].load().to(Float32))
                     if const_expr(self.from_rows):  # dequantized
-                        scale_inv = mXScale[row, cb]
                         for i in cutlass.range_constexpr(VEC):
-                            tXr[k, i] = tXr[k, i] * scale_inv
-            for k in cutlass.range_constexpr(COLS // 16):
-                r = tidx // 16 + 16 * k
+                            tRow[s, i] = tRow[s, i] * tRowScale[p]
+                    cute.local_tile(sTile[r, None], (VEC,), (quarter + s * ROW_LANES,)).store(tRow[s, None].load())
                 if const_expr(self.rows):
-                    row_amax = Float32(0.0)
-                    for i in cutlass.range_constexpr(VEC):
-                        row_amax = cutlass.max(row_amax, _finite_abs(tXr[k, i]))
-                    for step in cutlass.range_constexpr(4):  # the half-warp holding the row
-                        row_amax = cutlass.max(row_amax, cute.arch.shuffle_sync_bfly(row_amax, 1 << step))
-                    row_scales = e4m3_scale_inv(row_amax, self.power_2_scales)
-                    row = first_row + r
-                    if row < row_end and col < cols:
-                        values = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
-                        for i in cutlass.range_constexpr(VEC):
-                            values[i] = e4m3_scaled(tXr[k, i], *row_scales, self.power_2_scales)
-                        cute.local_tile(mRowData[row, None], (VEC,), (col // VEC,)).store(
-                            values.load().to(cutlass.Float8E4M3FN)
-                        )
-                        if lane_col == 0:
-                            mRowScale[row, cb] = row_scales[0]
-                for i in cutlass.range_constexpr(VEC):
-                    sTile[r, lane_col + i] = tXr[k, i]
+                    self._cast_row(mRowData, mRowScale, tRow, first_row + r, row_end, cb, lane_cols, cols, quarter)
             cute.arch.sync_threads()
-            # ---- columns: warp w takes columns 16 w .. 16 w + 15, lane l tokens l + 32 j
-            for c in cutlass.range_constexpr(COLS // WARPS):
-                tile_col = warp * (COLS // WARPS) + c
-                out_col = cb * COLS + tile_col
-                if out_col < cols:
-                    col_amax = Float32(0.0)
-                    for j in cutlass.range_constexpr(COLS // WARP):
-                        tCol[j] = sTile[lane + WARP * j, tile_col]
-                        col_amax = cutlass.max(col_amax, _finite_abs(tCol[j]))
-                    for step in cutlass.range_constexpr(5):
-                        col_amax = cutlass.max(col_amax, cute.arch.shuffle_sync_bfly(col_amax, 1 << step))
-                    col_scales = e4m3_scale_inv(col_amax, self.power_2_scales)
-                    for j in cutlass.range_constexpr(COLS // WARP):
-                        tCol[j] = e4m3_scaled(tCol[j], *col_scales, self.power_2_scales)
-                    quantized = cute.make_rmem_tensor(cute.make_layout(COLS // WARP), cutlass.Float8E4M3FN)
-                    quantized.store(tCol.load().to(cutlass.Float8E4M3FN))
-                    for j in cutlass.range_constexpr(COLS // WARP):
-                        mData[out_col, block * COLS + lane + WARP * j] = quantized[j]
-                    if lane == 0:
-                        mScaleInv[block, out_col] = col_scales[0]
-            cute.arch.sync_threads()  # the tile is refilled next
+            # ---- columns: this thread's half-column amax, the column's from both halves
+            amax = Float32(0.0)
+            for j in cutlass.range_constexpr(COLS // COLUMN_HALVES):
+                amax = _abs_max(sTile[first_token + j, tile_col], amax, False)
+            if cute.arch.vote_any_sync(amax == Float32(float("inf"))):
+                amax = Float32(0.0)
+                for j in cutlass.range_constexpr(COLS // COLUMN_HALVES):
+                    amax = _abs_max(sTile[first_token + j, tile_col], amax, True)
+            sHalfMax[tile_col, half] = amax
+            cute.arch.sync_threads()
+            for h in cutlass.range_constexpr(COLUMN_HALVES):
+                amax = cute.arch.fmax(amax, sHalfMax[tile_col, h])
+            scales = e4m3_scale_inv(amax, self.power_2_scales)
+            out_col = cb * COLS + tile_col
+            if out_col < cols:
+                for chunk in cutlass.range_constexpr(COLS // COLUMN_HALVES // COLUMN_CHUNK):
+                    first = first_token + chunk * COLUMN_CHUNK
+                    for j in cutlass.range_constexpr(COLUMN_CHUNK):
+                        tCol[j] = e4m3_scaled(sTile[first + j, tile_col], *scales, self.power_2_scales)
+                    cute.local_tile(
+                        mData[out_col, None], (COLUMN_CHUNK,), (block * (COLS // COLUMN_CHUNK) + first // COLUMN_CHUNK,)
+                    ).store(tCol.load().to(cutlass.Float8E4M3FN))
+                if half == 0:
+                    mScaleInv[block, out_col] = scales[0]
+            cute.arch.sync_threads()  # the tile and the half maxima are rewritten next
             item = item + gdim
