@@ -3,6 +3,7 @@
 import torch
 
 from te_fused_ops.kernels.block_quantize import (
+    block_columns_sm90,
     block_dequantize_sm90,
     block_quantize_sm90,
     tensor_quantize_sm90,
@@ -16,7 +17,9 @@ from te_fused_ops.kernels.grouped_gemm import (
     sm90_grouped_gemm_unsupported_reason,
 )
 from te_fused_ops.kernels.grouped_wgrad import (
+    FP8_MAX_GROUPS,
     grouped_column_sums_sm90,
+    grouped_wgrad_fp8_sm90,
     grouped_wgrad_sm90,
     sm90_wgrad_unsupported_reason,
 )
@@ -199,15 +202,19 @@ def quantize_weight_blocks(weight: torch.Tensor, recipe, reuse_scope, transposed
     return reuse_or_make(weight, recipe, "blocks transposed" if transposed else "blocks", make, reuse_scope)
 
 
-def linear_param_grads(ctx, dy: torch.Tensor, x: torch.Tensor = None) -> dict:
+def linear_param_grads(ctx, dy: torch.Tensor, x=None, dy_columns=None) -> dict:
     """GroupedLinear's weight gradient (varlen-K kernel, dy and x read in place; accumulated into
-    ``weight.main_grad`` when the op asks for it) and bias gradient.
+    ``weight.main_grad`` when the op asks for it) and bias gradient (from dy).
 
-    ``x``: the op's input (default: what its forward saved)."""
+    ``x``: the op's input (default: what its forward saved). With ``dy_columns`` (`BlockColumns`
+    of dy) x is x's `BlockColumns` too and the weight gradient runs on the FP8 kernel."""
     offsets, grads = ctx.side["offsets"], {}
     if ctx.needs_grad("weight"):
         main_grad = ctx.main_grads.get("weight")  # accumulated in place by the kernel's epilogue
-        dw = grouped_wgrad_sm90(dy, ctx.load_input() if x is None else x, offsets, main_grad=main_grad)
+        if dy_columns is None:
+            dw = grouped_wgrad_sm90(dy, ctx.load_input() if x is None else x, offsets, main_grad=main_grad)
+        else:
+            dw = grouped_wgrad_fp8_sm90(dy_columns, x, offsets, out_dtype=dy.dtype, main_grad=main_grad)
         if main_grad is None:
             grads["weight"] = dw
     if ctx.needs_grad("bias"):
@@ -220,8 +227,8 @@ def linear_backward(linear: GroupedLinear, ctx, dy, dy_amax_parts=None):
 
     After an FP8 forward the data gradient is an FP8 GEMM: dy cast with the forward's recipe
     (fp8_current: its amax from ``dy_amax_parts`` when the kernel that wrote dy made them), W as
-    the forward cast it, transposed (the kernel reads K-major operands); the weight gradient
-    stays bf16 (dy as it came, x dequantized on a kernel). A quantized dy takes the torch path."""
+    the forward cast it, transposed (the kernel reads K-major operands); the weight gradient as
+    `fp8_grad_casts` and `quantized_input_param_grads` say. A quantized dy takes the torch path."""
     recipe = ctx.saved["recipe"]
     if is_quantized(dy):
         return linear.op_backward(ctx, dy)
@@ -232,24 +239,62 @@ def linear_backward(linear: GroupedLinear, ctx, dy, dy_amax_parts=None):
         if ctx.input_requires_grad:
             dx = grouped_gemm_sm90(dy, ctx.saved["weight"].detach(), offsets, weight_layout="kn")[0]
         return dx, linear_param_grads(ctx, dy)
+    x = ctx.load_input() if ctx.needs_grad("weight") else None
+    dy_rows, dy_columns = fp8_grad_casts(ctx, dy, recipe, x, ctx.input_requires_grad, dy_amax_parts)
     if ctx.input_requires_grad:
-        dx = grouped_gemm_fp8_sm90(*fp8_dgrad_operands(ctx, dy, recipe, dy_amax_parts), offsets, out_dtype=dy.dtype)[0]
-    return dx, quantized_input_param_grads(ctx, dy)
+        dx = grouped_gemm_fp8_sm90(*fp8_dgrad_operands(ctx, dy_rows, recipe), offsets, out_dtype=dy.dtype)[0]
+    return dx, quantized_input_param_grads(ctx, dy, x, dy_columns)
 
 
-def fp8_dgrad_operands(ctx, dy, recipe, dy_amax_parts=None):
+def fp8_wgrad_applies(ctx, recipe, x) -> bool:
+    """Whether a GroupedLinear's weight gradient after an FP8 forward, on its saved input ``x``
+    (None: no weight gradient), runs on the FP8 kernel: fp8_blockwise (1 x 128 blocks along each
+    group's tokens, the torch backend's column-wise copies), x 2-D with a row-wise copy, N and K
+    multiples of 16, G <= 512. Otherwise (fp8_current too) it is bf16, on dy as it came and x
+    dequantized."""
+    linear = ctx.op
+    return (
+        x is not None
+        and isinstance(recipe, Float8BlockScaling)
+        and is_quantized(x) and x.has_rowwise and x.dim() == 2
+        and linear.in_features % 16 == 0
+        and linear.out_features % 16 == 0
+        and ctx.side["offsets"].shape[0] - 1 <= FP8_MAX_GROUPS
+    )
+
+
+def fp8_grad_casts(ctx, dy, recipe, x, rows: bool, dy_amax_parts=None):
+    """dy's FP8 copies in the backward of a GroupedLinear after an FP8 forward, ``x`` its saved
+    input or None: (row-wise (data, multipliers) for the data gradient with ``rows``, else None;
+    dy's `BlockColumns` where the weight gradient runs in FP8 (`fp8_wgrad_applies`), else
+    None), both from one read of dy."""
+    offsets = ctx.side["offsets"]
+    if fp8_wgrad_applies(ctx, recipe, x):
+        made = block_columns_sm90(dy, offsets, rows=rows, power_2_scales=recipe.power_2_scales)
+        return (tuple(made[1:]), made[0]) if rows else (None, made)
+    return (cast_kernel(dy, recipe, 1, offsets, dy_amax_parts) if rows else None), None
+
+
+def fp8_dgrad_operands(ctx, dy_rows, recipe):
     """(dy data, multipliers, W^T data (G, in, out), multipliers) of a GroupedLinear's FP8 data
-    gradient after an FP8 forward: dy cast with the forward's recipe, W as the forward cast it,
-    transposed (FP8 WGMMA reads K-major operands)."""
-    dy_data, dy_scale_inv = cast_kernel(dy, recipe, 1, ctx.side["offsets"], dy_amax_parts)
+    gradient after an FP8 forward: dy's row-wise cast ``dy_rows`` (`fp8_grad_casts`), W as the
+    forward cast it, transposed (FP8 WGMMA reads K-major operands)."""
     w_data, w_scale_inv = quantize_weight_blocks(
         ctx.saved["weight"].detach(), recipe, ctx.reuse_scope, transposed=True, cast=ctx.saved.get("weight_fp8")
     )
-    return dy_data, dy_scale_inv, w_data, w_scale_inv
+    return (*dy_rows, w_data, w_scale_inv)
 
 
-def quantized_input_param_grads(ctx, dy) -> dict:
-    """`linear_param_grads` of a GroupedLinear whose forward saved a quantized input: the bf16
-    weight gradient reads it dequantized."""
-    x = dequantize_rows(ctx.load_input()) if ctx.needs_grad("weight") else None
-    return linear_param_grads(ctx, dy, x)
+def quantized_input_param_grads(ctx, dy, x, dy_columns=None) -> dict:
+    """`linear_param_grads` of a GroupedLinear whose forward saved a quantized input ``x`` (None
+    when no weight gradient is needed): with ``dy_columns`` the FP8 weight gradient on the
+    column-wise copies of dy and of x (made from its row-wise copy, as `add_columnwise` does),
+    else the bf16 one on x dequantized."""
+    if x is None:
+        return linear_param_grads(ctx, dy)
+    if dy_columns is None:
+        return linear_param_grads(ctx, dy, dequantize_rows(x))
+    x_columns = block_columns_sm90(
+        x.rowwise_data, ctx.side["offsets"], x_scale_inv=x.rowwise_scale_inv, power_2_scales=x.recipe.power_2_scales
+    )
+    return linear_param_grads(ctx, dy, x_columns, dy_columns)

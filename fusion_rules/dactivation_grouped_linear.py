@@ -5,8 +5,9 @@ kernel runs the GroupedLinear's data-gradient GEMM with the activation's backwar
 epilogue, ``d_pre = act'(pre) * (dy @ W[g])``. Without Quantize it also emits the activation
 output the weight gradient needs from the saved ``pre`` (the fused forward keeps no activation
 output); after a Quantize (fp8_blockwise / fp8_current) the GEMM runs on FP8 operands (dy cast
-1x128, the forward's weight cast transposed) and the weight gradient reads the quantized input
-dequantized, as the torch backend does. The torch backend is the reference: the same steps in
+1x128, the forward's weight cast transposed) and the weight gradient runs on per-group
+column-wise FP8 copies of dy and of the quantized input (fp8_blockwise; fp8_current reads the
+input dequantized), as the torch backend does. The torch backend is the reference: the same steps in
 sequence, one rule, one plan step.
 
 With "fp8_current" the rules that also take the preceding GroupedLinear (FC1) hand d_pre's amax
@@ -30,6 +31,7 @@ from ._sm90 import (
     emulated_recipe_reason,
     epilogue_args,
     fp8_dgrad_operands,
+    fp8_grad_casts,
     linear_backward,
     linear_param_grads,
     quantized_input_param_grads,
@@ -93,7 +95,8 @@ def _backward_sm90(ops, ctxs, dy):
 
 def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool):
     """One kernel: d_pre = act'(pre) * (dy @ W[g]) on FP8 operands (the forward's recipe); then
-    the bf16 weight gradient on the dequantized input. Quantize and Transpose pass dy through.
+    the weight gradient (`fp8_grad_casts`: FP8 for fp8_blockwise, else bf16 on the dequantized
+    input). Quantize and Transpose pass dy through.
     A quantized dy takes the torch path. Returns (d_pre, grads, d_pre's amax parts with
     ``d_pre_amax`` after the kernel, else None)."""
     act = ops[0]
@@ -101,8 +104,11 @@ def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool):
     if is_quantized(dy):
         return (*_backward_torch(ops, ctxs, dy), None)
     dy = dy.contiguous()
+    recipe = linear_ctx.saved["recipe"]
+    x = linear_ctx.load_input() if linear_ctx.needs_grad("weight") else None
+    dy_rows, dy_columns = fp8_grad_casts(linear_ctx, dy, recipe, x, True)
     outputs = grouped_dgrad_dact_fp8_sm90(
-        *fp8_dgrad_operands(linear_ctx, dy, linear_ctx.saved["recipe"]),
+        *fp8_dgrad_operands(linear_ctx, dy_rows, recipe),
         linear_ctx.side["offsets"],
         act_ctx.load_input(),
         activation=act.kernel_name,
@@ -110,7 +116,7 @@ def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool):
         **epilogue_args(act, act_ctx),
     )
     passed_through = [{} for _ in ops[1:-1]]
-    grads = [_act_grads(act_ctx, outputs[1]), *passed_through, quantized_input_param_grads(linear_ctx, dy)]
+    grads = [_act_grads(act_ctx, outputs[1]), *passed_through, quantized_input_param_grads(linear_ctx, dy, x, dy_columns)]
     return outputs[0], grads, outputs[2] if d_pre_amax else None
 
 

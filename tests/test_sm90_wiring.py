@@ -10,6 +10,7 @@ import torch
 
 import reference as ref
 import te_fused_ops as tfo
+from test_grouped_wgrad_fp8_sm90_gpu import block_padded
 from te_fused_ops import (
     ClampedSwiGLU,
     GeGLU,
@@ -180,6 +181,40 @@ def block_uncast(data, scale_inv, dtype):
     return (data.float() * _expand(scale_inv, data.shape[-1:])).clamp(-finite_max, finite_max).to(dtype)
 
 
+COLUMN_CASTS = []  # (with rows, from E4M3 rows) of each stood-in column-wise cast
+
+
+def column_cast(x, offsets, *, x_scale_inv=None, rows=False, power_2_scales=False):
+    """`block_columns_sm90`'s contract: the torch quantizer's per-group column-wise copy of x (of
+    its dequantized row-wise copy with ``x_scale_inv``), block-padded; with ``rows`` also x's
+    row-wise cast (data, multipliers)."""
+    COLUMN_CASTS.append((rows, x_scale_inv is not None))
+    CAST_POWER_2.append(power_2_scales)
+    values = x if x_scale_inv is None else x.float() * _expand(x_scale_inv, x.shape[-1:])
+    q = quantize(values, Float8BlockScaling(power_2_scales=power_2_scales), rowwise=rows, columnwise=True,
+                 offsets=offsets)
+    columns = block_padded(q.columnwise_data, q.columnwise_scale_inv, offsets)
+    return (columns, q.rowwise_data, q.rowwise_scale_inv) if rows else columns
+
+
+WGRAD_FP8_CALLS = []  # (G, N, K) of each stood-in FP8 weight gradient
+
+
+def wgrad_fp8(dy_columns, x_columns, offsets, *, out_dtype, main_grad=None):
+    """`grouped_wgrad_fp8_sm90`'s contract in float32: per group, the sum over its 128-token
+    blocks of the blocks' dequantized products."""
+    values = [(c.data.float() * c.scale_inv.t().repeat_interleave(128, dim=1)) for c in (dy_columns, x_columns)]
+    ends = offsets[1:].long().clamp(0, dy_columns.num_tokens).cummax(0).values
+    blocks = (ends - torch.cat([ends.new_zeros(1), ends[:-1]]) + 127) // 128
+    first = torch.cat([blocks.new_zeros(1), blocks.cumsum(0)]).tolist()
+    dw = torch.stack([values[0][:, 128 * first[g]:128 * first[g + 1]] @ values[1][:, 128 * first[g]:128 * first[g + 1]].t()
+                      for g in range(len(blocks))])
+    WGRAD_FP8_CALLS.append(tuple(dw.shape))
+    if main_grad is not None:
+        main_grad.add_(dw)
+    return dw.to(out_dtype)
+
+
 def wgrad(dy, x, offsets, main_grad=None):
     dw = grouped_wgrad(dy, x, offsets)
     if main_grad is not None:
@@ -200,6 +235,8 @@ def sm90_stand_ins(monkeypatch):
     monkeypatch.setattr(sm90, "block_dequantize_sm90", block_uncast)
     monkeypatch.setattr(sm90, "transpose_fp8_sm90", lambda data: data.transpose(1, 2).contiguous())
     monkeypatch.setattr(sm90, "grouped_wgrad_sm90", wgrad)
+    monkeypatch.setattr(sm90, "block_columns_sm90", column_cast)
+    monkeypatch.setattr(sm90, "grouped_wgrad_fp8_sm90", wgrad_fp8)
     monkeypatch.setattr(sm90, "grouped_column_sums_sm90", grouped_row_sum)
     monkeypatch.setattr(sm90, "grouped_gemm_sm90", gemm)
     monkeypatch.setattr(sm90, "grouped_gemm_act_quant_sm90", gemm_act_cast)
@@ -287,22 +324,27 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
         expected.append("[0] Quantize -> rule 'quantize' (backend sm90)")
     for step_text in expected:
         assert step_text in text, text
-    CASTS.clear()
-    CAST_POWER_2.clear()
-    ACT_CASTS.clear()
-    UNCASTS.clear()
-    DACT_FP8_CALLS.clear()
-    AMAX_PARTS.clear()
+    for calls in (CASTS, CAST_POWER_2, ACT_CASTS, UNCASTS, DACT_FP8_CALLS, AMAX_PARTS, COLUMN_CASTS, WGRAD_FP8_CALLS):
+        calls.clear()
     got = step(seq, x, dy)
     assert len(AMAX_PARTS) == int(current) * (1 + quantize_x), AMAX_PARTS  # the act's, d_pre's
     power_2 = isinstance(recipe, Float8BlockScaling) and recipe.power_2_scales
-    assert CAST_POWER_2 == [power_2] * len(CASTS), CAST_POWER_2
+    assert CAST_POWER_2 == [power_2] * (len(CASTS) + len(COLUMN_CASTS)), CAST_POWER_2
     assert DACT_FP8_CALLS == [(G, I, H)], DACT_FP8_CALLS  # FC2's dgrad + dSwiGLU: one FP8 kernel
     assert ACT_CASTS == [power_2] * epilogue_cast, ACT_CASTS
-    # the activation (unless cast in FC1's epilogue) and FC2's dy, with x: x and FC1's dy; each weight once
-    assert sorted(CASTS) == [1] * (2 + 2 * quantize_x - epilogue_cast) + [128] * (1 + quantize_x), CASTS
-    # the bf16 weight gradients read the quantized inputs through the dequantize kernel
-    assert sorted(UNCASTS) == [(ROWS, I)] + [(ROWS, H)] * quantize_x, UNCASTS
+    fp8_linears = 1 + quantize_x  # FC2, and FC1 after a Quantize of x
+    # row-wise: the activation (unless cast in FC1's epilogue) and x; each weight once
+    row_casts = [1] * (1 + quantize_x - epilogue_cast) + [128] * fp8_linears
+    if current:  # fp8_current: each dy cast row-wise, the bf16 weight gradients on the inputs dequantized
+        assert sorted(CASTS) == sorted(row_casts + [1] * fp8_linears), CASTS
+        assert COLUMN_CASTS == [] and WGRAD_FP8_CALLS == [], (COLUMN_CASTS, WGRAD_FP8_CALLS)
+        assert sorted(UNCASTS) == [(ROWS, I)] + [(ROWS, H)] * quantize_x, UNCASTS
+    else:  # fp8_blockwise: each dy's row- and column-wise copies from one cast, each input's columns
+        # from its rows, the FP8 weight gradients on those; nothing dequantized
+        assert sorted(CASTS) == row_casts, CASTS
+        assert sorted(COLUMN_CASTS) == [(False, True)] * fp8_linears + [(True, False)] * fp8_linears, COLUMN_CASTS
+        assert WGRAD_FP8_CALLS == [(G, H, I)] + [(G, 2 * I, H)] * quantize_x, WGRAD_FP8_CALLS
+        assert UNCASTS == [], UNCASTS
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
     want = step(seq, x, dy)
     for name, a, b in zip(("y", "dx", "dW1", "dW2"), got, want):
