@@ -25,7 +25,7 @@ apart), and each FP8 step's distance from bf16 is recorded:
   fc2 fp8 sm90      Sequential(GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear)
                     "fp8_blockwise" (the recipe's MLP: FC1 bf16, FC2 on E4M3 activations): casts
                     on the quantization kernel, FC2's forward and data-gradient GEMMs on the FP8
-                    kernel, weight gradients bf16
+                    kernel, FC2's weight gradient on the FP8 kernel too (bf16 with fp8_current)
   all fp8 sm90      the same after a Quantize of x (FC1 in FP8 too)
   ... p2            the same with power-of-two scales (Float8BlockScaling(power_2_scales=True))
   ... current       the same with one scale per tensor ("fp8_current")

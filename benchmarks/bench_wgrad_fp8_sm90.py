@@ -1,9 +1,10 @@
-"""FP8 weight gradient on Hopper: the block-scaled path against the bf16 one it would replace.
+"""FP8 weight gradient on Hopper: the block-scaled path (what an fp8_blockwise step runs) against
+the bf16 one (what it ran before, and what fp8_current runs).
 
 Per shape and linear (uneven seeded routing; FC1: dy = d_pre (M, 2I), x (M, H); FC2: dy (M, H),
 x = act (M, I)), the weight gradient of an FP8 MLP step, with the casts each path needs beyond
 the row-wise cast of dy that the FP8 data gradient makes anyway:
-  wgrad bf16      grouped_wgrad_sm90(dy, x dequantized), what the step runs today
+  wgrad bf16      grouped_wgrad_sm90(dy, x dequantized)
   dy row cast     block_quantize_sm90(dy, 1)  (the data gradient's operand, both paths)
   x dequant       block_dequantize_sm90 of x's row-wise E4M3 copy (bf16 path)
   wgrad fp8       grouped_wgrad_fp8_sm90 on block-padded column-wise copies (c1: cluster_m 1)
