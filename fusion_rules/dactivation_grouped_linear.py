@@ -7,8 +7,8 @@ output the weight gradient needs from the saved ``pre`` (the fused forward keeps
 output); after a Quantize (fp8_blockwise / fp8_current) the GEMM runs on FP8 operands (dy cast
 1x128, the forward's weight cast transposed) and the weight gradient runs on per-group
 column-wise FP8 copies of dy and of the quantized input (fp8_blockwise; fp8_current reads the
-input dequantized), as the torch backend does. The torch backend is the reference: the same steps in
-sequence, one rule, one plan step.
+input dequantized), as the torch backend does. The torch backend is the reference: the same
+steps in sequence, one rule, one plan step.
 
 With "fp8_current" the rules that also take the preceding GroupedLinear (FC1) hand d_pre's amax
 from the kernel's epilogue to FC1's data gradient, whose cast of d_pre then skips its amax pass.
@@ -116,7 +116,8 @@ def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool):
         **epilogue_args(act, act_ctx),
     )
     passed_through = [{} for _ in ops[1:-1]]
-    grads = [_act_grads(act_ctx, outputs[1]), *passed_through, quantized_input_param_grads(linear_ctx, dy, x, dy_columns)]
+    linear_grads = quantized_input_param_grads(linear_ctx, dy, x, dy_columns)
+    grads = [_act_grads(act_ctx, outputs[1]), *passed_through, linear_grads]
     return outputs[0], grads, outputs[2] if d_pre_amax else None
 
 

@@ -207,8 +207,8 @@ def wgrad_fp8(dy_columns, x_columns, offsets, *, out_dtype, main_grad=None):
     ends = offsets[1:].long().clamp(0, dy_columns.num_tokens).cummax(0).values
     blocks = (ends - torch.cat([ends.new_zeros(1), ends[:-1]]) + 127) // 128
     first = torch.cat([blocks.new_zeros(1), blocks.cumsum(0)]).tolist()
-    dw = torch.stack([values[0][:, 128 * first[g]:128 * first[g + 1]] @ values[1][:, 128 * first[g]:128 * first[g + 1]].t()
-                      for g in range(len(blocks))])
+    spans = [slice(128 * first[g], 128 * first[g + 1]) for g in range(len(blocks))]
+    dw = torch.stack([values[0][:, span] @ values[1][:, span].t() for span in spans])
     WGRAD_FP8_CALLS.append(tuple(dw.shape))
     if main_grad is not None:
         main_grad.add_(dw)

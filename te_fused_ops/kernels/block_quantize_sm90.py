@@ -612,7 +612,8 @@ class BlockColumnQuantizeSm90:
                     if const_expr(self.from_rows):  # dequantized
                         for i in cutlass.range_constexpr(VEC):
                             tRow[s, i] = tRow[s, i] * tRowScale[p]
-                    cute.local_tile(sTile[r, None], (VEC,), (quarter + s * ROW_LANES,)).store(tRow[s, None].load())
+                    segment = cute.local_tile(sTile[r, None], (VEC,), (quarter + s * ROW_LANES,))
+                    segment.store(tRow[s, None].load())
                 if const_expr(self.rows):
                     self._cast_row(mRowData, mRowScale, tRow, first_row + r, row_end, cb, lane_cols, cols, quarter)
             cute.arch.sync_threads()
