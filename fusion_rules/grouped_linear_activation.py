@@ -2,7 +2,8 @@
 
 The fused forward keeps the pre-activation (which the activation's backward needs anyway) and
 not the activation output: the next GroupedLinear's weight gradient recomputes it (memory
-contract: less saved than the unfused chain, which keeps both).
+contract: less saved than the unfused chain, which keeps both). With
+``GroupedLinear(recompute_output=True)`` it keeps neither: the backward reruns the GEMM for pre.
 
 On sm90 a Quantize after the activation: "fp8_blockwise" (bf16/fp16 x, GLU activation) casts
 the act to E4M3 in the GEMM's epilogue, which never writes it in bf16; "fp8_current" takes its amax
@@ -20,13 +21,16 @@ from te_fused_ops.quantization import Float8BlockScaling, Float8CurrentScaling
 from ._sm90 import epilogue_args, kernel_unsupported_reason, quantize_rows, rows_quantized, run_grouped_gemm
 
 
-def finish_activation(act: Activation, ctx, pre: torch.Tensor, out: torch.Tensor, keep_output: bool) -> torch.Tensor:
+def finish_activation(act: Activation, ctx, pre: torch.Tensor, out: torch.Tensor, keep_output: bool,
+                      pre_recompute=None) -> torch.Tensor:
     """Fill the activation's ctx as its own forward would; unless ``keep_output``, let consumers
-    recompute ``out`` from the saved pre-activation instead of keeping it."""
+    recompute ``out`` from the saved pre-activation instead of keeping it. ``pre_recompute``
+    (the GroupedLinear's ``recompute_output``): keep that instead of ``pre``."""
     if ctx.input_requires_grad or ctx.params_require_grad:
+        ctx.input_recompute = pre_recompute
         ctx.save_input(pre)
         if not keep_output:
-            ctx.recompute_output = Recompute(act.compute, ctx.side, pre)
+            ctx.recompute_output = Recompute(act.compute, ctx.side, ctx.saved["input"])
     return out
 
 
@@ -34,7 +38,7 @@ def _forward_torch(ops, ctxs, x):
     linear, act = ops[0], ops[1]
     pre = linear.op_forward(ctxs[0], x)
     act.check_input(pre)
-    y = finish_activation(act, ctxs[1], pre, act.compute(ctxs[1].side, pre), keep_output=len(ops) > 2)
+    y = finish_activation(act, ctxs[1], pre, act.compute(ctxs[1].side, pre), len(ops) > 2, ctxs[0].recompute_output)
     for op, ctx in zip(ops[2:], ctxs[2:]):
         y = op.op_forward(ctx, y)
     return y
@@ -43,7 +47,7 @@ def _forward_torch(ops, ctxs, x):
 def _forward_sm90(ops, ctxs, x):
     linear, act = ops
     pre, out = run_grouped_gemm(linear, ctxs[0], x, act.kernel_name, **epilogue_args(act, ctxs[1]))
-    return finish_activation(act, ctxs[1], pre, out, keep_output=False)
+    return finish_activation(act, ctxs[1], pre, out, False, ctxs[0].recompute_output)
 
 
 def _forward_sm90_cast(ops, ctxs, x):
@@ -51,10 +55,10 @@ def _forward_sm90_cast(ops, ctxs, x):
     recipe, offsets, epilogue = quantize.recipe, ctxs[2].side["offsets"], epilogue_args(act, ctxs[1])
     if isinstance(recipe, Float8BlockScaling):
         pre, data, scale_inv = run_grouped_gemm(linear, ctxs[0], x, act.kernel_name, act_cast=recipe, **epilogue)
-        finish_activation(act, ctxs[1], pre, None, keep_output=False)
+        finish_activation(act, ctxs[1], pre, None, False, ctxs[0].recompute_output)
         return rows_quantized(data, scale_inv, data.shape, pre.dtype, recipe, offsets)
     pre, out, amax_parts = run_grouped_gemm(linear, ctxs[0], x, act.kernel_name, act_amax=True, **epilogue)
-    finish_activation(act, ctxs[1], pre, out, keep_output=False)
+    finish_activation(act, ctxs[1], pre, out, False, ctxs[0].recompute_output)
     return quantize_rows(out, recipe, offsets, amax_parts)
 
 

@@ -617,3 +617,36 @@ def test_compiled_step_is_sync_free_and_replays_as_a_cuda_graph():
         want = [want_loss, x.grad, *[p.grad for p in eager.parameters()]]
         for a, b in zip(got, want):
             assert ref.rel_err(a, b) <= 1e-2
+
+
+@pytest.mark.parametrize("fp8_fc2", [False, True])  # True: the act cast in FC1's epilogue, FC2 in FP8
+def test_sm90_recompute_output_matches_and_saves_pre(fp8_fc2):
+    """GroupedLinear(recompute_output=True) as FC1 on the sm90 kernels: bit for bit the step that
+    keeps the pre-activation, with the (M, 2I) pre-activation no longer among the saved tensors."""
+    _require_hopper()
+
+    def run(recompute):
+        torch.manual_seed(0)
+        tail = [Quantize("fp8_blockwise"), Transpose()] if fp8_fc2 else []
+        seq = Sequential(
+            GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16, device="cuda", recompute_output=recompute),
+            SwiGLU(), *tail, GroupedLinear(G, I, H, dtype=torch.bfloat16, device="cuda"),
+        )
+        x = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16)
+        saved = []
+
+        def pack(t):
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = seq(x, split_sizes=routing(3, ROWS - 100))
+        y.backward(dy)
+        return [y, x.grad, *[p.grad for p in seq.parameters()]], sum(saved)
+
+    kept, kept_bytes = run(False)
+    recomputed, recomputed_bytes = run(True)
+    for a, b in zip(kept, recomputed):
+        assert torch.equal(a, b)
+    assert recomputed_bytes == kept_bytes - ROWS * 2 * I * 2, (kept_bytes, recomputed_bytes)

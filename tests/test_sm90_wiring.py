@@ -62,9 +62,13 @@ def with_act_amax(outputs, offsets, act_amax):
     return (*outputs, amax_parts(outputs[1], offsets)) if act_amax else outputs
 
 
+GEMM_CALLS = []  # activation of each stood-in grouped_gemm_sm90 call
+
+
 def gemm(x, weight, offsets, *, bias=None, activation=None, probs=None, limit=7.0, alpha=1.702, out=None,
          act_out=None, weight_layout="nk", act_amax=False, **_):
     """`grouped_gemm_sm90`'s contract in float32 (rows past offsets[G] zero)."""
+    GEMM_CALLS.append(activation)
     w = weight if weight_layout == "nk" else weight.transpose(1, 2)
     pre = x.new_zeros(x.shape[0], w.shape[1], dtype=torch.float32)
     for g, rows in enumerate(grouped_rows(offsets)):
@@ -422,3 +426,24 @@ def test_fp8_dact_without_transpose_matches_the_emulation(act, sm90_stand_ins, m
     want = step(seq, x, dy, **side)
     for i, (a, b) in enumerate(zip(got, want)):
         assert ref.rel_err(a, b) <= 5e-2, i
+
+
+@pytest.mark.parametrize("fp8_fc2", [False, True])  # True: FC1's act cast in its epilogue, FC2 in FP8
+def test_recompute_output_reruns_fc1_in_the_backward(fp8_fc2, sm90_stand_ins):
+    """GroupedLinear(recompute_output=True) as FC1: the forward keeps no pre-activation, the
+    backward's dSwiGLU reads it from one more run of the plain GEMM; results as without it."""
+    def run(recompute):
+        torch.manual_seed(0)
+        tail = [Quantize("fp8_blockwise"), Transpose()] if fp8_fc2 else []
+        seq = Sequential(GroupedLinear(G, H, 2 * I, bias=True, recompute_output=recompute, dtype=torch.bfloat16),
+                         SwiGLU(), *tail, GroupedLinear(G, I, H, dtype=torch.bfloat16))
+        x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
+        GEMM_CALLS.clear()
+        return step(seq, x, dy), list(GEMM_CALLS)
+
+    kept, kept_calls = run(False)
+    recomputed, recomputed_calls = run(True)
+    assert recomputed_calls == kept_calls + [None], (kept_calls, recomputed_calls)  # FC1 again, no activation
+    for a, b in zip(kept, recomputed):
+        assert torch.equal(a, b)

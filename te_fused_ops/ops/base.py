@@ -27,15 +27,16 @@ def registered_owner(uid: int) -> nn.Module:
 class Recompute:
     """Stands in for a saved tensor that can be recomputed in the backward as ``fn(*args)``.
 
-    ``args`` may hold tensors (saved through autograd like any other saved value); ``fn`` must
-    not capture tensors itself (a bound method of the op, a module-level function).
+    ``args`` may hold tensors (saved through autograd like any other saved value) and other
+    `Recompute`s (called first); ``fn`` must not capture tensors itself (a bound method of the
+    op, a module-level function).
     """
 
     def __init__(self, fn, *args):
         self.fn, self.args = fn, args
 
     def __call__(self):
-        return self.fn(*self.args)
+        return self.fn(*(arg() if isinstance(arg, Recompute) else arg for arg in self.args))
 
 
 class OpContext:

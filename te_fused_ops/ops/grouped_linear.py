@@ -7,7 +7,7 @@ from torch import nn
 
 from ..grouped_mm import grouped_mm_nn, grouped_mm_nt, grouped_row_sum, grouped_wgrad
 from ..splits import bind_offsets, row_group_ids
-from .base import BasicOp, OpContext, is_quantized
+from .base import BasicOp, OpContext, Recompute, is_quantized
 
 
 def _main_grad(weight: torch.Tensor) -> torch.Tensor:
@@ -51,6 +51,10 @@ class GroupedLinear(BasicOp):
     caller owns and zeroes) and ``weight.grad`` stays None.
     A quantized input (`te_fused_ops.quantization.QuantizedTensor`) computes in its format: the
     weight is quantized with the same recipe on every call (see `reuse_quantized_weights`).
+    ``recompute_output=True`` (bf16/fp16 input): the op's output is not kept for the backward of
+    the op that consumes it (an activation's pre-activation); that backward reruns this GEMM from
+    the input and weight, which the gradients keep anyway. One (M, out_features) tensor less per
+    layer for one extra GEMM, where checkpointing the whole MLP reruns its whole forward.
     """
 
     side_inputs = ("split_sizes",)
@@ -65,6 +69,7 @@ class GroupedLinear(BasicOp):
         dtype=None,
         device=None,
         accumulate_main_grad: bool = False,
+        recompute_output: bool = False,
     ):
         super().__init__()
         for arg, value in (("num_groups", num_groups), ("in_features", in_features), ("out_features", out_features)):
@@ -75,6 +80,7 @@ class GroupedLinear(BasicOp):
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(num_groups, out_features, **factory)) if bias else None
         self.accumulate_main_grad = bool(accumulate_main_grad)
+        self.recompute_output = bool(recompute_output)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -90,6 +96,7 @@ class GroupedLinear(BasicOp):
         return (
             f"num_groups={self.num_groups}, in_features={self.in_features}, "
             f"out_features={self.out_features}, bias={self.bias is not None}"
+            + (", recompute_output=True" if self.recompute_output else "")
         )
 
     def plan_signature(self) -> tuple:
@@ -117,6 +124,21 @@ class GroupedLinear(BasicOp):
         bias_rows = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
         return y + bias_rows[row_group_ids(offsets, y.shape[0])]
 
+    def recompute_with(self, ctx: OpContext, fn, x) -> None:
+        """With ``recompute_output``: let the consumer of this call's output get it again as
+        ``fn(x, weight, bias, offsets)`` (the weight and bias as this call read them) instead of
+        keeping it. Every forward of a GroupedLinear calls this with its backend's GEMM."""
+        if not self.recompute_output:
+            return
+        if is_quantized(x):
+            raise ValueError("GroupedLinear: recompute_output=True takes a bf16/fp16 input, got a QuantizedTensor")
+        ctx.recompute_output = Recompute(fn, x, ctx.params["weight"], ctx.params.get("bias"), ctx.side["offsets"])
+
+    @staticmethod
+    def output_torch(x, weight, bias, offsets) -> torch.Tensor:
+        """The op's output on the torch path (unquantized input), for `recompute_with`."""
+        return GroupedLinear.add_bias(grouped_mm_nt(x, weight.detach(), offsets), bias, offsets).detach()
+
     @staticmethod
     def keep_for_backward(ctx: OpContext, x, recipe) -> None:
         """Save what op_backward needs: the input for the weight gradient, the weight (as this
@@ -139,6 +161,7 @@ class GroupedLinear(BasicOp):
         y = grouped_mm_nt(x_values, gemm_weight(weight, recipe, ctx.reuse_scope), offsets)
         y = self.add_bias(y, ctx.params.get("bias"), offsets)
         self.keep_for_backward(ctx, x, recipe)
+        self.recompute_with(ctx, self.output_torch, x)
         return y
 
     def grad_operands(self, ctx: OpContext, dy):
