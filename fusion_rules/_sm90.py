@@ -112,11 +112,9 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
             x, weight.detach(), ctx.side["offsets"], activation=activation, bias=bias,
             power_2_scales=act_cast.power_2_scales, **epilogue,
         )
-        linear.keep_for_backward(ctx, x, None)
-        linear.recompute_with(ctx, linear_output_sm90, x)
+        linear.keep_for_backward(ctx, x, None, linear_output_sm90)
         return outputs
     if is_quantized(x):
-        linear.recompute_with(ctx, None, x)  # raises: recompute_output takes a 16-bit input
         w_data, w_scale_inv = quantize_weight_blocks(weight.detach(), x.recipe, ctx.reuse_scope)
         x_scale_inv = block_multipliers(x.rowwise_scale_inv, x.shape)
         outputs = grouped_gemm_fp8_sm90(
@@ -128,13 +126,12 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
             ctx.saved["weight_fp8"] = (w_data, w_scale_inv)
         return outputs
     outputs = grouped_gemm_sm90(x, weight.detach(), ctx.side["offsets"], bias=bias, activation=activation, **epilogue)
-    linear.keep_for_backward(ctx, x, None)
-    linear.recompute_with(ctx, linear_output_sm90, x)
+    linear.keep_for_backward(ctx, x, None, linear_output_sm90)
     return outputs
 
 
 def linear_output_sm90(x, weight, bias, offsets) -> torch.Tensor:
-    """A GroupedLinear's output on the sm90 kernel, recomputed in the backward (`recompute_with`)."""
+    """A GroupedLinear's output on the sm90 kernel, recomputed in the backward (``recompute_output``)."""
     return grouped_gemm_sm90(x, weight.detach(), offsets, bias=None if bias is None else bias.detach())[0]
 
 

@@ -124,26 +124,19 @@ class GroupedLinear(BasicOp):
         bias_rows = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
         return y + bias_rows[row_group_ids(offsets, y.shape[0])]
 
-    def recompute_with(self, ctx: OpContext, fn, x) -> None:
-        """With ``recompute_output``: let the consumer of this call's output get it again as
-        ``fn(x, weight, bias, offsets)`` (the weight and bias as this call read them) instead of
-        keeping it. Every forward of a GroupedLinear calls this with its backend's GEMM."""
-        if not self.recompute_output:
-            return
-        if is_quantized(x):
-            raise ValueError("GroupedLinear: recompute_output=True takes a bf16/fp16 input, got a QuantizedTensor")
-        ctx.recompute_output = Recompute(fn, x, ctx.params["weight"], ctx.params.get("bias"), ctx.side["offsets"])
-
     @staticmethod
     def output_torch(x, weight, bias, offsets) -> torch.Tensor:
-        """The op's output on the torch path (unquantized input), for `recompute_with`."""
+        """The op's output on the torch path (unquantized input), recomputed for ``recompute_output``."""
         return GroupedLinear.add_bias(grouped_mm_nt(x, weight.detach(), offsets), bias, offsets).detach()
 
     @staticmethod
-    def keep_for_backward(ctx: OpContext, x, recipe) -> None:
+    def keep_for_backward(ctx: OpContext, x, recipe, output_fn=None) -> None:
         """Save what op_backward needs: the input for the weight gradient, the weight (as this
         call read it) for the data gradient, the recipe. Every fused forward of a GroupedLinear
-        calls this so the backward can be planned independently."""
+        calls this so the backward can be planned independently. With ``recompute_output`` the
+        consumer of this call's output gets it again as ``output_fn(x, weight, bias, offsets)``
+        (this backend's GEMM, default `output_torch`; the weight and bias as this call read
+        them) instead of keeping it; a quantized x raises."""
         if ctx.needs_grad("weight"):
             ctx.save_input(x)
             if ctx.op.accumulate_main_grad:
@@ -151,6 +144,11 @@ class GroupedLinear(BasicOp):
         if ctx.input_requires_grad:
             ctx.saved["weight"] = ctx.params["weight"]
         ctx.saved["recipe"] = recipe
+        if ctx.op.recompute_output:
+            if is_quantized(x):
+                raise ValueError("GroupedLinear: recompute_output=True takes a bf16/fp16 input, got a QuantizedTensor")
+            params = (ctx.params["weight"], ctx.params.get("bias"))
+            ctx.recompute_output = Recompute(output_fn or GroupedLinear.output_torch, x, *params, ctx.side["offsets"])
 
     def op_forward(self, ctx: OpContext, x) -> torch.Tensor:
         weight = ctx.params["weight"]
@@ -161,7 +159,6 @@ class GroupedLinear(BasicOp):
         y = grouped_mm_nt(x_values, gemm_weight(weight, recipe, ctx.reuse_scope), offsets)
         y = self.add_bias(y, ctx.params.get("bias"), offsets)
         self.keep_for_backward(ctx, x, recipe)
-        self.recompute_with(ctx, self.output_torch, x)
         return y
 
     def grad_operands(self, ctx: OpContext, dy):
