@@ -111,6 +111,24 @@ def test_weight_blocks_match_torch_bit_for_bit(shape, power_2_scales):
     assert_same_bytes(data, want.rowwise_data)
 
 
+@pytest.mark.parametrize("power_2_scales", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(2, 128, 128), (3, 304, 208), (8, 384, 1024), (1, 16, 16), (2, 1536, 2048)])
+def test_weight_blocks_with_transposed_copy(shape, dtype, power_2_scales):
+    """transposed=True: the same data and scales as the plain cast (the torch quantizer's), and
+    each group of both transposed; edge blocks of 16-multiple extents; outputs poisoned."""
+    w = tiny_rows(sample(shape, dtype, seed=sum(shape) + 1))
+    g, n, k = shape
+    poison_allocator((shape, torch.float8_e4m3fn), ((g, k, n), torch.float8_e4m3fn))
+    data, scale_inv, data_t, scale_inv_t = block_quantize_sm90(w, 128, power_2_scales, transposed=True)
+    want = quantize_weight(w, Float8BlockScaling(power_2_scales=power_2_scales))
+    assert torch.equal(scale_inv, want.rowwise_scale_inv)
+    assert_same_bytes(data, want.rowwise_data)
+    assert data_t.shape == (g, k, n) and data_t.is_contiguous() and scale_inv_t.is_contiguous()
+    assert torch.equal(data_t.view(torch.uint8), data.view(torch.uint8).transpose(1, 2))
+    assert torch.equal(scale_inv_t, scale_inv.transpose(1, 2))
+
+
 def tensor_case(shape, dtype, seed, scale):
     """``sample`` scaled by ``scale`` (1e-39: a subnormal per-tensor scale_inv; 0: all zeros)."""
     x = sample(shape, dtype, seed).float()
@@ -211,6 +229,7 @@ def test_empty_and_no_host_sync():
         block_quantize_sm90(x.view(4, 128, 512), 128)
         block_dequantize_sm90(*block_quantize_sm90(x, 1), torch.bfloat16)
         transpose_fp8_sm90(block_quantize_sm90(x.view(4, 128, 512), 128)[0])
+        block_quantize_sm90(x.view(4, 128, 512), 128, transposed=True)
         tensor_quantize_sm90(x, 1, offsets)
         tensor_quantize_sm90(x.view(4, 128, 512), 128)
     finally:
@@ -248,6 +267,10 @@ def test_argument_errors():
         block_dequantize_sm90(data, scale_inv[:, :1].contiguous(), torch.bfloat16)
     with pytest.raises(ValueError, match="block_dequantize_sm90: scale_inv must be on data's CUDA device"):
         block_dequantize_sm90(data, scale_inv.cpu(), torch.bfloat16)
+    with pytest.raises(ValueError, match="block_quantize_sm90: transposed=True needs a .G, N, K. weight"):
+        block_quantize_sm90(x, 1, transposed=True)
+    with pytest.raises(ValueError, match=r"N and K multiples of 16, got block_rows=128, shape \(2, 64, 120\)"):
+        block_quantize_sm90(torch.zeros(2, 64, 120, dtype=torch.bfloat16, device="cuda"), 128, transposed=True)
     w8 = block_quantize_sm90(torch.zeros(2, 64, 128, dtype=torch.bfloat16, device="cuda"), 128)[0]
     with pytest.raises(ValueError, match=r"transpose_fp8_sm90: data must be contiguous \(G, R, C\) with R and C multiples of 16"):
         transpose_fp8_sm90(w8[:, :, :120])

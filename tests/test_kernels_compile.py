@@ -156,13 +156,14 @@ def test_grouped_gemm_fp8_compiles(activation, dtype, has_bias, cluster_m, tile_
     assert fn is not None
 
 
-@pytest.mark.parametrize("dtype,block_rows,power_2_scales,tensor_scale",
-                         [(torch.bfloat16, 1, False, False), (torch.float16, 128, True, False),
-                          (torch.bfloat16, 1, False, True), (torch.bfloat16, 128, False, True)])
-def test_block_quantize_compiles(dtype, block_rows, power_2_scales, tensor_scale):
+@pytest.mark.parametrize("dtype,block_rows,power_2_scales,tensor_scale,transposed",
+                         [(torch.bfloat16, 1, False, False, False), (torch.float16, 128, True, False, False),
+                          (torch.bfloat16, 1, False, True, False), (torch.bfloat16, 128, False, True, False),
+                          (torch.bfloat16, 128, False, False, True), (torch.float16, 128, True, False, True)])
+def test_block_quantize_compiles(dtype, block_rows, power_2_scales, tensor_scale, transposed):
     from te_fused_ops.kernels.block_quantize import compile_block_quantize
 
-    assert compile_block_quantize(dtype, block_rows, False, power_2_scales, tensor_scale) is not None
+    assert compile_block_quantize(dtype, block_rows, False, power_2_scales, tensor_scale, transposed) is not None
 
 
 @pytest.mark.parametrize("dtype,with_offsets", [(torch.bfloat16, True), (torch.float16, False)])

@@ -49,32 +49,39 @@ def _fake_x(dtype, g, r, c):
     return fake_tensor({torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype], (g, r, c))
 
 
-def _compile(kernel, dtype, data_first: bool, tvm_ffi, extra=()):
+def _compile(kernel, dtype, data_first: bool, tvm_ffi, extra=(), transposed=None):
     """cute.compile ``kernel`` on symbolic (G, R, C) operands: (x, data, scale_inv, *extra) or,
-    with ``data_first``, (data, scale_inv, out)."""
+    with ``data_first``, (data, scale_inv, out); ``transposed`` (True, False: R and C multiples of
+    16 and a (G, C, R) copy with its scales after ``extra``, or None for neither)."""
     import cutlass
     import cutlass.cute as cute
 
-    g, r, rb, cb = (cute.sym_int() for _ in range(4))
-    c = cute.sym_int(divisibility=VEC)
+    g, rb, cb = (cute.sym_int() for _ in range(3))
+    r = cute.sym_int(divisibility=16) if transposed else cute.sym_int()
+    c = cute.sym_int(divisibility=16 if transposed else VEC)
     x, data = _fake_x(dtype, g, r, c), fake_tensor(cutlass.Float8E4M3FN, (g, r, c))
     scale_inv = fake_tensor(cutlass.Float32, (g, rb, cb), 4)
     tensors = (data, scale_inv, x) if data_first else (x, data, scale_inv)
+    if transposed is not None:
+        copy = (fake_tensor(cutlass.Float8E4M3FN, (g, c, r)), fake_tensor(cutlass.Float32, (g, cb, rb), 4))
+        extra = (*extra, *(copy if transposed else (None, None)))
     return compile_launcher(kernel, (*tensors, *extra, cutlass.Int32(1)), tvm_ffi)
 
 
 @functools.cache
-def compile_block_quantize(dtype, block_rows, tvm_ffi=None, power_2_scales=False, tensor_scale=False):
+def compile_block_quantize(dtype, block_rows, tvm_ffi=None, power_2_scales=False, tensor_scale=False,
+                           transposed=False):
     """Compile (once per configuration) and return fn(x (G, R, C), data, scale_inv, amax_parts,
-    max_ctas); amax_parts (P,) float32 with ``tensor_scale``, else None."""
+    data_t, scale_inv_t, max_ctas); amax_parts (P,) float32 with ``tensor_scale``, else None;
+    data_t (G, C, R) and scale_inv_t with ``transposed``, else None."""
     import cutlass
     import cutlass.cute as cute
 
     from .block_quantize_sm90 import BlockQuantizeSm90
 
     parts = fake_tensor(cutlass.Float32, (cute.sym_int(),), 4) if tensor_scale else None
-    kernel = BlockQuantizeSm90(block_rows, power_2_scales, tensor_scale)
-    return _compile(kernel, dtype, False, tvm_ffi, (parts,))
+    kernel = BlockQuantizeSm90(block_rows, power_2_scales, tensor_scale, transposed)
+    return _compile(kernel, dtype, False, tvm_ffi, (parts,), transposed)
 
 
 @functools.cache
@@ -197,18 +204,27 @@ def _as_given(x, data, scale_inv):
     return (data[0], scale_inv[0]) if x.dim() == 2 else (data, scale_inv)
 
 
-def block_quantize_sm90(x: torch.Tensor, block_rows: int, power_2_scales: bool = False):
-    """(data, scale_inv) of ``x`` in E4M3 blocks of ``block_rows`` x 128 (see the module)."""
+def block_quantize_sm90(x: torch.Tensor, block_rows: int, power_2_scales: bool = False, transposed: bool = False):
+    """(data, scale_inv) of ``x`` in E4M3 blocks of ``block_rows`` x 128 (see the module); with
+    ``transposed`` (weights (G, N, K), N and K multiples of 16) also (data_t (G, K, N), scale_inv_t
+    (G, ceil(K/128), ceil(N/128))), each group of both transposed, from the same read."""
     x3 = _cast_input(_NAME, x, block_rows)
+    if transposed and (block_rows != 128 or x3.shape[1] % 16 or x3.shape[2] % 16):
+        raise ValueError(f"{_NAME}: transposed=True needs a (G, N, K) weight (block_rows=128) with N and K multiples "
+                         f"of 16, got block_rows={block_rows}, shape {tuple(x.shape)}")
     data, scale_inv = _cast_outputs(x3, block_rows)
+    copy = (None, None)
+    if transposed:
+        copy = (torch.empty(x3.shape[0], x3.shape[2], x3.shape[1], dtype=data.dtype, device=x.device),
+                scale_inv.new_empty(scale_inv.shape[0], scale_inv.shape[2], scale_inv.shape[1]))
     if x3.numel():
         if block_rows == 1:  # a warp per 8 rows of a 128-column block
             ctas = _row_item_ctas(x3)
         else:  # a CTA per block
             ctas = min(scale_inv.numel(), num_sms(x.get_device()) * CTAS_PER_SM)
-        fn = compile_block_quantize(x.dtype, block_rows, None, bool(power_2_scales))
-        _launch(fn, (x3, data, scale_inv, None), ctas)
-    return _as_given(x, data, scale_inv)
+        fn = compile_block_quantize(x.dtype, block_rows, None, bool(power_2_scales), False, bool(transposed))
+        _launch(fn, (x3, data, scale_inv, None, *copy), ctas)
+    return (*_as_given(x, data, scale_inv), *copy) if transposed else _as_given(x, data, scale_inv)
 
 
 def tensor_quantize_sm90(x: torch.Tensor, block_rows: int, offsets: torch.Tensor = None,
@@ -236,7 +252,7 @@ def tensor_quantize_sm90(x: torch.Tensor, block_rows: int, offsets: torch.Tensor
     if parts is None:
         parts = torch.empty(min(ctas, num_sms(x.get_device()) * AMAX_CTAS_PER_SM), dtype=torch.float32, device=x.device)
         _launch(compile_tensor_amax(x.dtype, offsets is not None), (x3, offsets, parts))
-    _launch(compile_block_quantize(x.dtype, block_rows, None, False, True), (x3, data, scale_inv, parts), ctas)
+    _launch(compile_block_quantize(x.dtype, block_rows, None, False, True), (x3, data, scale_inv, parts, None, None), ctas)
     return _as_given(x, data, scale_inv)
 
 

@@ -60,6 +60,22 @@ def _fma(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
     return Float32(llvm.intr_fma(*(Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c)), loc=loc, ip=ip))
 
 
+@dsl_user_op
+def _prmt(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
+    """prmt.b32: byte i of the result is byte ``selector``'s nibble i of the 8 bytes (b, a), a lowest."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
+            f"prmt.b32 $0, $1, $2, {selector:#x};",
+            "=r,r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
 @cute.jit
 def _pow2_ceil(value: Float32) -> Float32:
     """The least power of two >= value (finite, >= 0; 0 stays 0), exactly, subnormals included:
@@ -149,14 +165,19 @@ def _row_kernel_indices(mX: cute.Tensor):
     return tidx, bidx, gdim, warp, half, lane_col, cute.size(mX, mode=[1]), cute.size(mX, mode=[2])
 
 
-def _row_staging(segments: int, dtype):
+def _row_staging(segments: int, dtype, transposed_tile: bool = False):
     """(sMax: WARPS floats of shared memory for `_cta_max`, tXr (segments, VEC) of ``dtype`` and
-    tAmax (segments,) float32 registers for `_load_rows`)."""
+    tAmax (segments,) float32 registers for `_load_rows`), and with ``transposed_tile`` the
+    shared-memory tile of `BlockQuantizeSm90._store_transposed` (else None)."""
     smem = cutlass.memory.SmemAllocator()
     sMax = smem.allocate_tensor(Float32, cute.make_layout(WARPS), byte_alignment=16)
     tXr = cute.make_rmem_tensor(cute.make_layout((segments, VEC), stride=(VEC, 1)), dtype)
     tAmax = cute.make_rmem_tensor(cute.make_layout(segments), Float32)
-    return sMax, tXr, tAmax
+    sT = None
+    if transposed_tile:  # [column, 16-row chunk (swizzled), byte]
+        layout = cute.make_layout((COLS, COLS // 16, 16), stride=(COLS, 16, 1))
+        sT = smem.allocate_tensor(cutlass.Float8E4M3FN, layout, byte_alignment=128)
+    return sMax, tXr, tAmax, sT
 
 
 def _row_item(item, row_items, col_blocks, item_rows: int, half, lane_col):
@@ -246,7 +267,7 @@ class TensorAmaxSm90:
         row_end = rows
         if const_expr(mOffsets is not None):
             row_end = self._valid_rows(mOffsets, rows)
-        sMax, tXr, tAmax = _row_staging(ROW_SEGMENTS, mX.element_type)
+        sMax, tXr, tAmax, _ = _row_staging(ROW_SEGMENTS, mX.element_type)
         col_blocks = (cols + COLS - 1) // COLS
         row_items = (row_end + 2 * ROW_SEGMENTS - 1) // (2 * ROW_SEGMENTS)
         num_items = cute.size(mX, mode=[0]) * row_items * col_blocks
@@ -274,39 +295,93 @@ class BlockQuantizeSm90:
 
     ``tensor_scale`` (fp8_current): one scale from the amax parts mAmaxParts (P,) of
     `TensorAmaxSm90`, reduced by every CTA first; the work is split as for 1 x 128 blocks and the
-    scale is written to every block of mScaleInv. Otherwise mAmaxParts is None."""
+    scale is written to every block of mScaleInv. Otherwise mAmaxParts is None.
 
-    def __init__(self, block_rows: int, power_2_scales: bool = False, tensor_scale: bool = False):
+    ``transposed`` (128 x 128 blocks; R and C multiples of 16): also mDataT (G, C, R) E4M3, each
+    group's data transposed (the FP8 data gradient's K-major weight), and mScaleInvT (G,
+    ceil(C / 128), ceil(R / 128)), from the same registers (`_store_transposed`). Otherwise both
+    are None."""
+
+    def __init__(self, block_rows: int, power_2_scales: bool = False, tensor_scale: bool = False,
+                 transposed: bool = False):
         if block_rows not in (1, 128):
             raise ValueError("block_rows must be 1 or 128")
         if tensor_scale and power_2_scales:
             raise ValueError("per-tensor scales are float32 (fp8_current), not powers of two")
+        if transposed and (block_rows != 128 or tensor_scale):
+            raise ValueError("the transposed copy is made for 128 x 128 blocks")
         self.block_rows = block_rows
         self.power_2_scales = power_2_scales
         self.tensor_scale = tensor_scale
+        self.transposed = transposed
         self.row_items = block_rows == 1 or tensor_scale  # warp items of 8 rows
         self.segments = ROW_SEGMENTS if self.row_items else 128 // WARPS // 2  # row segments per lane
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor, mAmaxParts,
-                 max_ctas: cutlass.Int32, stream):
-        self.kernel(mX, mData, mScaleInv, mAmaxParts).launch(
+    def __call__(self, mX: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor, mAmaxParts, mDataT,
+                 mScaleInvT, max_ctas: cutlass.Int32, stream):
+        self.kernel(mX, mData, mScaleInv, mAmaxParts, mDataT, mScaleInvT).launch(
             grid=(max_ctas, 1, 1), block=(WARP * WARPS, 1, 1), stream=stream
         )
 
     @cute.jit
-    def _store_cast(self, mData: cute.Tensor, g, row, row_end, col, cols, tXr_k: cute.Tensor, scales):
+    def _store_cast(self, mData: cute.Tensor, g, row, row_end, col, cols, tXr_k: cute.Tensor, scales,
+                    tQr_k: cute.Tensor):
+        """The lane's VEC values of ``row`` cast into tQr_k (E4M3 registers) and stored."""
+        values = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+        for i in cutlass.range_constexpr(VEC):
+            values[i] = e4m3_scaled(Float32(tXr_k[i]), *scales, self.power_2_scales, self.tensor_scale)
+        tQr_k.store(values.load().to(cutlass.Float8E4M3FN))
         if row < row_end and col < cols:
-            values = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
-            for i in cutlass.range_constexpr(VEC):
-                values[i] = e4m3_scaled(Float32(tXr_k[i]), *scales, self.power_2_scales, self.tensor_scale)
-            _segment(mData, g, row, col).store(values.load().to(cutlass.Float8E4M3FN))
+            _segment(mData, g, row, col).store(tQr_k.load())
+
+    @cute.jit
+    def _store_transposed(self, mDataT: cute.Tensor, g, rb, cb, rows, cols, tQr: cute.Tensor, sT: cute.Tensor):
+        """The block (rb, cb)'s cast bytes, transposed, into mDataT (G, C, R). Lanes l and l ^ 16
+        of warp w hold columns 8 (l % 16) .. + 7 of the block's 16-row stripe 16 w .. 16 w + 15
+        (tQr (8, VEC): its rows 2k + l // 16). They swap halves, so lane l keeps four of those
+        columns for all 16 rows, transpose them 4 x 4 bytes at a time (`_prmt`) and write each
+        column's 16 bytes into sT[column, chunk w ^ (column / 8 % 8)] (the XOR: the 8 lanes of a
+        16-byte access hit 8 different bank groups); after a barrier the CTA stores sT's rows,
+        8 lanes per 128-byte row of mDataT."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp, half, lane_col = _lane_split()
+        words = cute.recast_tensor(tQr, Int32)  # (8, 2): columns 0-3 and 4-7 of row 2k + half
+        lower = half == 0
+        even, odd = [], []  # the stripe's rows 2k and 2k + 1, this lane's four columns
+        for k in cutlass.range_constexpr(self.segments):
+            got = Int32(cute.arch.shuffle_sync_bfly(Int32(cutlass.select_(lower, words[k, 1], words[k, 0])), offset=16))
+            even.append(Int32(cutlass.select_(lower, words[k, 0], got)))
+            odd.append(Int32(cutlass.select_(lower, got, words[k, 1])))
+        tOut = cute.make_rmem_tensor(cute.make_layout((4, 4), stride=(4, 1)), Int32)  # [column, rows 4q .. 4q + 3]
+        for q in cutlass.range_constexpr(4):
+            low01 = _prmt(even[2 * q], odd[2 * q], 0x5140)  # bytes 0, 1 of rows 4q, 4q + 1 interleaved
+            high01 = _prmt(even[2 * q], odd[2 * q], 0x7362)
+            low23 = _prmt(even[2 * q + 1], odd[2 * q + 1], 0x5140)
+            high23 = _prmt(even[2 * q + 1], odd[2 * q + 1], 0x7362)
+            tOut[0, q] = _prmt(low01, low23, 0x5410)
+            tOut[1, q] = _prmt(low01, low23, 0x7632)
+            tOut[2, q] = _prmt(high01, high23, 0x5410)
+            tOut[3, q] = _prmt(high01, high23, 0x7632)
+        tOutBytes = cute.recast_tensor(tOut, cutlass.Float8E4M3FN)  # (4, 16)
+        for j in cutlass.range_constexpr(4):
+            column = lane_col + 4 * half + j
+            sT[column, warp ^ (column // 8 % 8), None].store(tOutBytes[j, None].load())
+        cute.arch.sync_threads()
+        chunk = tidx % 8
+        row = rb * COLS + 16 * chunk
+        for i in cutlass.range_constexpr(COLS * 8 // (WARP * WARPS)):
+            column = i * (WARP * WARPS // 8) + tidx // 8
+            if row < rows and cb * COLS + column < cols:
+                values = sT[column, chunk ^ (column // 8 % 8), None].load()
+                cute.local_tile(mDataT[g, cb * COLS + column, None], (16,), (row // 16,)).store(values)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor, mAmaxParts):
+    def kernel(self, mX: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor, mAmaxParts, mDataT, mScaleInvT):
         tidx, bidx, gdim, warp, half, lane_col, rows, cols = _row_kernel_indices(mX)
         col_blocks = cute.size(mScaleInv, mode=[2])
-        sAmax, tXr, tAmax = _row_staging(self.segments, mX.element_type)
+        sAmax, tXr, tAmax, sT = _row_staging(self.segments, mX.element_type, self.transposed)
+        tQr = cute.make_rmem_tensor(cute.make_layout((self.segments, VEC), stride=(VEC, 1)), cutlass.Float8E4M3FN)
         with_amax = not self.tensor_scale
 
         if cutlass.const_expr(self.row_items):
@@ -331,7 +406,7 @@ class BlockQuantizeSm90:
                     else:
                         scales = tensor_scales
                     row = first_row + 2 * k
-                    self._store_cast(mData, g, row, rows, col, cols, tXr[k, None], scales)
+                    self._store_cast(mData, g, row, rows, col, cols, tXr[k, None], scales, tQr[k, None])
                     if row < rows and lane_col == 0 and row % self.block_rows == 0:
                         mScaleInv[g, row // self.block_rows, cb] = scales[0]
                 item = item + gdim * WARPS
@@ -351,9 +426,13 @@ class BlockQuantizeSm90:
                     amax = cutlass.max(amax, tAmax[k])
                 scales = e4m3_scale_inv(_cta_max(amax, sAmax), self.power_2_scales)
                 for k in cutlass.range_constexpr(self.segments):
-                    self._store_cast(mData, g, first_row + 2 * k, rows, col, cols, tXr[k, None], scales)
+                    self._store_cast(mData, g, first_row + 2 * k, rows, col, cols, tXr[k, None], scales, tQr[k, None])
+                if const_expr(self.transposed):
+                    self._store_transposed(mDataT, g, rb, cb, rows, cols, tQr, sT)
                 if warp == 0 and half == 0 and lane_col == 0:
                     mScaleInv[g, rb, cb] = scales[0]
+                    if const_expr(self.transposed):
+                        mScaleInvT[g, cb, rb] = scales[0]
                 item = item + gdim
 
 

@@ -714,7 +714,7 @@ def grouped_dgrad_dact_fp8_sm90(
 
     dy (M, H) float8_e4m3fn with dy_scale_inv (M, ceil(H/128)) float32 per 1x128 block; weight_t
     (G, I, H) float8_e4m3fn, FC2's weight (G, H, I) cast in 128x128 blocks and transposed per
-    group (`transpose_fp8_sm90` of the forward's cast), with weight_t_scale_inv
+    group (`block_quantize_sm90(..., transposed=True)`), with weight_t_scale_inv
     (G, ceil(I/128), ceil(H/128)); pre, probs, limit, alpha as for `grouped_dgrad_dact_sm90`, pre's
     dtype (bf16/fp16) the output's. Returns (d_pre like pre, d_probs (M,) float32 for
     scaled_swiglu else None); no act output. Rows >= offsets[G] are zero. H a multiple of 16; I of
