@@ -70,7 +70,7 @@ def backward_unsupported_reason(linear: GroupedLinear, info, index: int):
             reason = sm90_grouped_gemm_fp8_unsupported_reason(info.dtype, linear.in_features, linear.out_features, None)
             if reason:
                 return _reason(reason)
-            if linear.in_features % 16:  # transpose_fp8_sm90 makes the K-major W^T from 16 x 16 byte blocks
+            if linear.in_features % 16:  # the K-major W^T is written in 16 x 16 byte blocks (out_features: above)
                 return f"in_features={linear.in_features} not a multiple of 16 (FP8 data gradient's weight transpose)"
         if info.params_require_grad[index]:
             return _reason(sm90_wgrad_unsupported_reason(info.dtype, linear.out_features, linear.in_features))
@@ -115,15 +115,18 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
         linear.keep_for_backward(ctx, x, None, linear_output_sm90)
         return outputs
     if is_quantized(x):
-        w_data, w_scale_inv = quantize_weight_blocks(weight.detach(), x.recipe, ctx.reuse_scope)
+        # with a data gradient ahead, the cast also writes its transposed copy, kept for it
+        w_data, w_scale_inv, *w_transposed = quantize_weight_blocks(
+            weight.detach(), x.recipe, ctx.reuse_scope, transposed=ctx.input_requires_grad
+        )
         x_scale_inv = block_multipliers(x.rowwise_scale_inv, x.shape)
         outputs = grouped_gemm_fp8_sm90(
             x.rowwise_data, x_scale_inv, w_data, w_scale_inv, ctx.side["offsets"],
             bias=bias, activation=activation, out_dtype=x.dtype, **epilogue,
         )
         linear.keep_for_backward(ctx, x, x.recipe)
-        if ctx.input_requires_grad:  # the data gradient transposes this cast instead of casting again
-            ctx.saved["weight_fp8"] = (w_data, w_scale_inv)
+        if w_transposed:
+            ctx.saved["weight_fp8_t"] = tuple(w_transposed)
         return outputs
     outputs = grouped_gemm_sm90(x, weight.detach(), ctx.side["offsets"], bias=bias, activation=activation, **epilogue)
     linear.keep_for_backward(ctx, x, None, linear_output_sm90)
@@ -191,20 +194,23 @@ def dequantize_rows(x):
     return x.dequantize()
 
 
-def quantize_weight_blocks(weight: torch.Tensor, recipe, reuse_scope, transposed: bool = False, cast=None):
+def quantize_weight_blocks(weight: torch.Tensor, recipe, reuse_scope, transposed: bool = False):
     """(data (G, N, K) E4M3, multipliers (G, N/128, K/128)) of ``weight`` cast with ``recipe``
-    (128 x 128 blocks, or one scale broadcast to them), or with ``transposed`` both per-group
-    transposed ((G, K, N), (G, K/128, N/128): the data gradient's K-major operand), from ``cast``
-    (the forward's (data, multipliers)) when given. Made on every call on the cast kernels (the
-    transpose on a kernel too), unless ``reuse_scope`` (the op context's) is open."""
+    (128 x 128 blocks, or one scale broadcast to them); with ``transposed`` followed by both
+    per-group transposed ((G, K, N), (G, K/128, N/128): the data gradient's K-major operand),
+    written by the same cast for fp8_blockwise (one read of the weight), by a byte transpose
+    after it for fp8_current. Made on every call, unless ``reuse_scope`` (the op context's) is
+    open."""
 
     def make():
-        if transposed:
-            data, scale_inv = cast if cast is not None else quantize_weight_blocks(weight, recipe, reuse_scope)
-            return transpose_fp8_sm90(data), scale_inv.transpose(1, 2).contiguous()
-        return cast_kernel(weight.contiguous(), recipe, 128)
+        if not transposed:
+            return cast_kernel(weight.contiguous(), recipe, 128)
+        if isinstance(recipe, Float8BlockScaling):
+            return block_quantize_sm90(weight.contiguous(), 128, recipe.power_2_scales, transposed=True)
+        data, scale_inv = cast_kernel(weight.contiguous(), recipe, 128)
+        return data, scale_inv, transpose_fp8_sm90(data), scale_inv.transpose(1, 2).contiguous()
 
-    return reuse_or_make(weight, recipe, "blocks transposed" if transposed else "blocks", make, reuse_scope)
+    return reuse_or_make(weight, recipe, "blocks and transposed" if transposed else "blocks", make, reuse_scope)
 
 
 def linear_param_grads(ctx, dy: torch.Tensor, x=None, dy_columns=None) -> dict:
@@ -282,12 +288,12 @@ def fp8_grad_casts(ctx, dy, recipe, x, rows: bool, dy_amax_parts=None):
 
 def fp8_dgrad_operands(ctx, dy_rows, recipe):
     """(dy data, multipliers, W^T data (G, in, out), multipliers) of a GroupedLinear's FP8 data
-    gradient after an FP8 forward: dy's row-wise cast ``dy_rows`` (`fp8_grad_casts`), W as the
-    forward cast it, transposed (FP8 WGMMA reads K-major operands)."""
-    w_data, w_scale_inv = quantize_weight_blocks(
-        ctx.saved["weight"].detach(), recipe, ctx.reuse_scope, transposed=True, cast=ctx.saved.get("weight_fp8")
-    )
-    return (*dy_rows, w_data, w_scale_inv)
+    gradient after an FP8 forward: dy's row-wise cast ``dy_rows`` (`fp8_grad_casts`), and W's
+    transposed copy the forward's cast wrote (FP8 WGMMA reads K-major operands)."""
+    w_transposed = ctx.saved.get("weight_fp8_t")
+    if w_transposed is None:
+        w_transposed = quantize_weight_blocks(ctx.saved["weight"].detach(), recipe, ctx.reuse_scope, True)[2:]
+    return (*dy_rows, *w_transposed)
 
 
 def quantized_input_param_grads(ctx, dy, x, dy_columns=None) -> dict:

@@ -220,10 +220,10 @@ def test_sm90_fp8_chain_runs_on_the_kernels(quantize_x, recipe, monkeypatch):
 
 
 def test_sm90_fp8_weight_copies_are_made_once_per_reuse_scope(monkeypatch):
-    """Gradient-accumulation micro-batches in `reuse_quantized_weights`: each weight is cast once
-    and its data gradient's transposed copy made once for the whole scope (the backward runs on
-    autograd's device thread, where the scope is reached through the op contexts), with outputs
-    and gradients equal bit for bit to the scope-free steps."""
+    """Gradient-accumulation micro-batches in `reuse_quantized_weights`: each weight is cast once,
+    with its data gradient's transposed copy from the same cast, for the whole scope (the backward
+    runs on autograd's device thread, where the scope is reached through the op contexts), with
+    outputs and gradients equal bit for bit to the scope-free steps."""
     import fusion_rules._sm90 as sm90
 
     _require_hopper()
@@ -231,10 +231,10 @@ def test_sm90_fp8_weight_copies_are_made_once_per_reuse_scope(monkeypatch):
     for name in ("block_quantize_sm90", "transpose_fp8_sm90"):
         real = getattr(sm90, name)
 
-        def counted(data, *args, _real=real, _name=name):
+        def counted(data, *args, _real=real, _name=name, **kwargs):
             if _name == "transpose_fp8_sm90" or args[0] == 128:
-                made.append(_name)
-            return _real(data, *args)
+                made.append(_name + " transposed" * kwargs.get("transposed", False))
+            return _real(data, *args, **kwargs)
 
         monkeypatch.setattr(sm90, name, counted)
     torch.manual_seed(0)
@@ -253,11 +253,11 @@ def test_sm90_fp8_weight_copies_are_made_once_per_reuse_scope(monkeypatch):
         return results
 
     fresh = micro_batches()
-    assert made.count("block_quantize_sm90") == 6 and made.count("transpose_fp8_sm90") == 6
+    assert made == ["block_quantize_sm90 transposed"] * 6, made  # both weights of each micro-batch
     made.clear()
     with tfo.reuse_quantized_weights():
         reused = micro_batches()
-    assert sorted(made) == ["block_quantize_sm90"] * 2 + ["transpose_fp8_sm90"] * 2, made
+    assert made == ["block_quantize_sm90 transposed"] * 2, made
     for a, b in zip(reused, fresh):
         for u, v in zip(a, b):
             assert torch.equal(u, v)

@@ -388,34 +388,35 @@ def test_accumulate_main_grad_adds_weight_gradients_in_float32():
 
 
 def test_sm90_fp8_weight_casts_are_made_once_per_reuse_scope(monkeypatch):
-    """The sm90 FP8 path's weight casts (forward and the data gradient's transposed copy) are
-    fresh on every call, and made once inside `reuse_quantized_weights` (the kernel is stood in
-    for by the torch quantizer it equals bit for bit, the byte transpose by torch's)."""
+    """The sm90 FP8 path's weight casts (forward, and with the data gradient's transposed copy)
+    are fresh on every call, and made once inside `reuse_quantized_weights` (the kernel is stood
+    in for by the torch quantizer it equals bit for bit, its transposed copy by torch's)."""
     import fusion_rules._sm90 as sm90
     from te_fused_ops.quantization import Float8BlockScaling, current_reuse_scope, get_recipe, quantize_weight
 
     casts = []
 
-    def torch_cast(weight, block_rows, power_2_scales=False):
-        casts.append(block_rows)
+    def torch_cast(weight, block_rows, power_2_scales=False, transposed=False):
+        casts.append((block_rows, transposed))
         q = quantize_weight(weight, Float8BlockScaling(power_2_scales=power_2_scales))
-        return q.rowwise_data, q.rowwise_scale_inv
+        made = (q.rowwise_data, q.rowwise_scale_inv)
+        return (*made, *(t.transpose(1, 2).contiguous() for t in made)) if transposed else made
 
     monkeypatch.setattr(sm90, "block_quantize_sm90", torch_cast)
-    monkeypatch.setattr(sm90, "transpose_fp8_sm90", lambda data: data.transpose(1, 2).contiguous())
     recipe = get_recipe("fp8_blockwise")
     w = torch.randn(2, 256, 128, dtype=torch.bfloat16)
     sm90.quantize_weight_blocks(w, recipe, None)
     sm90.quantize_weight_blocks(w, recipe, None, transposed=True)
-    assert casts == [128, 128]
+    assert casts == [(128, False), (128, True)]
     with tfo.reuse_quantized_weights():
         scope = current_reuse_scope()
         first = sm90.quantize_weight_blocks(w, recipe, scope)
-        transposed = sm90.quantize_weight_blocks(w, recipe, scope, transposed=True)
+        both = sm90.quantize_weight_blocks(w, recipe, scope, transposed=True)
         again = sm90.quantize_weight_blocks(w, recipe, scope)
-        assert sm90.quantize_weight_blocks(w, recipe, scope, transposed=True)[0] is transposed[0]
-    assert casts == [128, 128, 128] and again[0] is first[0]
-    assert torch.equal(transposed[0].view(torch.uint8), first[0].transpose(1, 2).view(torch.uint8))
-    assert torch.equal(transposed[1], first[1].transpose(1, 2))
+        assert all(a is b for a, b in zip(sm90.quantize_weight_blocks(w, recipe, scope, transposed=True), both))
+    assert casts == [(128, False), (128, True), (128, False), (128, True)] and again[0] is first[0]
+    assert torch.equal(both[0].view(torch.uint8), first[0].view(torch.uint8)) and torch.equal(both[1], first[1])
+    assert torch.equal(both[2].view(torch.uint8), first[0].transpose(1, 2).view(torch.uint8))
+    assert torch.equal(both[3], first[1].transpose(1, 2))
     sm90.quantize_weight_blocks(w, recipe, scope)
-    assert len(casts) == 4  # fresh again once the scope closed
+    assert len(casts) == 5  # fresh again once the scope closed
