@@ -7,7 +7,6 @@ from te_fused_ops.kernels.block_quantize import (
     block_dequantize_sm90,
     block_quantize_sm90,
     tensor_quantize_sm90,
-    transpose_fp8_sm90,
 )
 from te_fused_ops.kernels.grouped_gemm import (
     grouped_gemm_act_quant_sm90,
@@ -157,14 +156,15 @@ def casts_on_kernel(recipe) -> bool:
     return isinstance(recipe, FP8_KERNEL_RECIPES)
 
 
-def cast_kernel(x: torch.Tensor, recipe, block_rows: int, offsets=None, amax_parts=None):
+def cast_kernel(x: torch.Tensor, recipe, block_rows: int, offsets=None, amax_parts=None, transposed=False):
     """(data, multipliers) of ``x`` cast with ``recipe`` (`casts_on_kernel`) in 1 x 128
-    (block_rows 1, x (M, K)) or 128 x 128 blocks (x (G, N, K)); a per-tensor scale fills its
-    grid. ``offsets``: the grouped rows of x (M, K), which alone set a per-tensor scale;
-    ``amax_parts``: that scale's amax from the kernel that wrote x (fp8_current)."""
+    (block_rows 1, x (M, K)) or 128 x 128 blocks (x (G, N, K); ``transposed``: followed by both
+    transposed per group); a per-tensor scale fills its grid. ``offsets``: the grouped rows of x
+    (M, K), which alone set a per-tensor scale; ``amax_parts``: that scale's amax from the kernel
+    that wrote x (fp8_current)."""
     if isinstance(recipe, Float8BlockScaling):
-        return block_quantize_sm90(x, block_rows, recipe.power_2_scales)
-    return tensor_quantize_sm90(x, block_rows, offsets, amax_parts)
+        return block_quantize_sm90(x, block_rows, recipe.power_2_scales, transposed=transposed)
+    return tensor_quantize_sm90(x, block_rows, offsets, amax_parts, transposed=transposed)
 
 
 def quantize_rows(x: torch.Tensor, recipe, offsets, amax_parts=None) -> QuantizedTensor:
@@ -198,17 +198,11 @@ def quantize_weight_blocks(weight: torch.Tensor, recipe, reuse_scope, transposed
     """(data (G, N, K) E4M3, multipliers (G, N/128, K/128)) of ``weight`` cast with ``recipe``
     (128 x 128 blocks, or one scale broadcast to them); with ``transposed`` followed by both
     per-group transposed ((G, K, N), (G, K/128, N/128): the data gradient's K-major operand),
-    written by the same cast for fp8_blockwise (one read of the weight), by a byte transpose
-    after it for fp8_current. Made on every call, unless ``reuse_scope`` (the op context's) is
-    open."""
+    written by the same cast (one read of the weight). Made on every call, unless
+    ``reuse_scope`` (the op context's) is open."""
 
     def make():
-        if not transposed:
-            return cast_kernel(weight.contiguous(), recipe, 128)
-        if isinstance(recipe, Float8BlockScaling):
-            return block_quantize_sm90(weight.contiguous(), 128, recipe.power_2_scales, transposed=True)
-        data, scale_inv = cast_kernel(weight.contiguous(), recipe, 128)
-        return data, scale_inv, transpose_fp8_sm90(data), scale_inv.transpose(1, 2).contiguous()
+        return cast_kernel(weight.contiguous(), recipe, 128, transposed=transposed)
 
     return reuse_or_make(weight, recipe, "blocks and transposed" if transposed else "blocks", make, reuse_scope)
 

@@ -10,7 +10,6 @@ from te_fused_ops.kernels.block_quantize import (
     block_dequantize_sm90,
     block_quantize_sm90,
     tensor_quantize_sm90,
-    transpose_fp8_sm90,
 )
 from te_fused_ops.quantization import Float8BlockScaling, quantize, quantize_weight
 from test_grouped_dgrad_sm90_gpu import poison_allocator
@@ -124,6 +123,11 @@ def test_weight_blocks_with_transposed_copy(shape, dtype, power_2_scales):
     want = quantize_weight(w, Float8BlockScaling(power_2_scales=power_2_scales))
     assert torch.equal(scale_inv, want.rowwise_scale_inv)
     assert_same_bytes(data, want.rowwise_data)
+    assert_transposed_copy(data, scale_inv, data_t, scale_inv_t)
+
+
+def assert_transposed_copy(data, scale_inv, data_t, scale_inv_t):
+    g, n, k = data.shape
     assert data_t.shape == (g, k, n) and data_t.is_contiguous() and scale_inv_t.is_contiguous()
     assert torch.equal(data_t.view(torch.uint8), data.view(torch.uint8).transpose(1, 2))
     assert torch.equal(scale_inv_t, scale_inv.transpose(1, 2))
@@ -179,6 +183,21 @@ def test_tensor_scale_weights_match_torch_bit_for_bit(shape, scale):
     assert_same_bytes(data, want.rowwise_data)
 
 
+@pytest.mark.parametrize("scale", [1.0, 1e-39, 0.0])
+@pytest.mark.parametrize("shape", [(2, 128, 128), (3, 304, 208), (8, 384, 1024), (1, 16, 16)])
+def test_tensor_scale_weights_with_transposed_copy(shape, scale):
+    """fp8_current's weight cast with ``transposed``: the plain cast's bytes and multipliers, and
+    each group of both transposed; outputs poisoned."""
+    w = tensor_case(shape, torch.bfloat16, sum(shape) + 3, scale)
+    g, n, k = shape
+    poison_allocator((shape, torch.float8_e4m3fn), ((g, k, n), torch.float8_e4m3fn))
+    data, multipliers, data_t, multipliers_t = tensor_quantize_sm90(w, 128, transposed=True)
+    want = quantize_weight(w, "fp8_current")
+    assert_tensor_scale(multipliers, want.rowwise_scale_inv, (g, -(-n // 128), -(-k // 128)))
+    assert_same_bytes(data, want.rowwise_data)
+    assert_transposed_copy(data, multipliers, data_t, multipliers_t)
+
+
 def assert_same_values(out, expected):
     both_nan = torch.isnan(out) & torch.isnan(expected)
     bits = out.view(torch.int16) != expected.view(torch.int16)
@@ -203,22 +222,15 @@ def test_dequantize_matches_torch_bit_for_bit(shape, recipe, dtype):
     assert_same_values(out, expected)
 
 
-@pytest.mark.parametrize("shape", [(1, 16, 16), (3, 48, 272), (2, 512, 96), (4, 1536, 2048)])
-def test_transpose_matches_torch(shape):
-    """Every byte pattern (NaN encodings too) lands at its transposed place; poisoned output."""
-    gen = torch.Generator(device="cuda").manual_seed(sum(shape))
-    data = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=gen).view(torch.float8_e4m3fn)
-    out = transpose_fp8_sm90(data)
-    assert out.shape == (shape[0], shape[2], shape[1]) and out.is_contiguous()
-    assert torch.equal(out.view(torch.uint8), data.view(torch.uint8).transpose(1, 2))
-
-
 def test_empty_and_no_host_sync():
     data, scale_inv = block_quantize_sm90(torch.zeros(0, 256, dtype=torch.bfloat16, device="cuda"), 1)
     assert data.shape == (0, 256) and scale_inv.shape == (0, 2)
     data, scale_inv = tensor_quantize_sm90(torch.zeros(0, 256, dtype=torch.bfloat16, device="cuda"), 1)
     assert data.shape == (0, 256) and scale_inv.shape == (0, 2)
     assert block_dequantize_sm90(data, scale_inv, torch.bfloat16).shape == (0, 256)
+    for cast in (block_quantize_sm90, tensor_quantize_sm90):
+        made = cast(torch.zeros(2, 0, 128, dtype=torch.bfloat16, device="cuda"), 128, transposed=True)
+        assert [tuple(t.shape) for t in made] == [(2, 0, 128), (2, 0, 1), (2, 128, 0), (2, 1, 0)]
     x = sample((512, 512), torch.bfloat16, seed=3)
     offsets = torch.tensor([0, 100, 300], dtype=torch.int32, device="cuda")
     block_quantize_sm90(x, 1)
@@ -228,8 +240,8 @@ def test_empty_and_no_host_sync():
         block_quantize_sm90(x, 1)
         block_quantize_sm90(x.view(4, 128, 512), 128)
         block_dequantize_sm90(*block_quantize_sm90(x, 1), torch.bfloat16)
-        transpose_fp8_sm90(block_quantize_sm90(x.view(4, 128, 512), 128)[0])
         block_quantize_sm90(x.view(4, 128, 512), 128, transposed=True)
+        tensor_quantize_sm90(x.view(4, 128, 512), 128, transposed=True)
         tensor_quantize_sm90(x, 1, offsets)
         tensor_quantize_sm90(x.view(4, 128, 512), 128)
     finally:
@@ -271,8 +283,5 @@ def test_argument_errors():
         block_quantize_sm90(x, 1, transposed=True)
     with pytest.raises(ValueError, match=r"N and K multiples of 16, got block_rows=128, shape \(2, 64, 120\)"):
         block_quantize_sm90(torch.zeros(2, 64, 120, dtype=torch.bfloat16, device="cuda"), 128, transposed=True)
-    w8 = block_quantize_sm90(torch.zeros(2, 64, 128, dtype=torch.bfloat16, device="cuda"), 128)[0]
-    with pytest.raises(ValueError, match=r"transpose_fp8_sm90: data must be contiguous \(G, R, C\) with R and C multiples of 16"):
-        transpose_fp8_sm90(w8[:, :, :120])
-    with pytest.raises(TypeError, match="transpose_fp8_sm90: data must be a float8_e4m3fn tensor"):
-        transpose_fp8_sm90(w8.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"tensor_quantize_sm90: transposed=True needs a .G, N, K. weight .* shape \(2, 72, 128\)"):
+        tensor_quantize_sm90(torch.zeros(2, 72, 128, dtype=torch.bfloat16, device="cuda"), 128, transposed=True)

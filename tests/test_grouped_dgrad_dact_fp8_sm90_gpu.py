@@ -9,7 +9,7 @@ import torch
 
 from te_fused_ops.kernels import sm90_unavailable_reason
 from te_fused_ops.kernels.activations import ACTIVATIONS
-from te_fused_ops.kernels.block_quantize import block_quantize_sm90, transpose_fp8_sm90
+from te_fused_ops.kernels.block_quantize import block_quantize_sm90
 from te_fused_ops.kernels.grouped_gemm import grouped_dgrad_dact_fp8_sm90
 from test_grouped_dgrad_sm90_gpu import (
     ALPHA, LIMIT, TOL, UNEVEN, dact_reference, offsets_from_splits, poison_allocator, rel_err,
@@ -33,8 +33,7 @@ def operands(splits, m, h, i, activation, dtype, seed):
     w = (torch.randn(g, h, i, device="cuda") / math.sqrt(h)).to(dtype)
     w[:, :128] *= 16  # and 128x128 blocks of different ranges
     dy_data, dy_scale = block_quantize_sm90(dy, 1)
-    w_data, w_scale = block_quantize_sm90(w, 128)
-    w_t, w_t_scale = transpose_fp8_sm90(w_data), w_scale.transpose(1, 2).contiguous()
+    w_data, w_scale, w_t, w_t_scale = block_quantize_sm90(w, 128, transposed=True)
     dy_values = dy_data.float() * dy_scale.repeat_interleave(128, 1)[:, :h]
     w_values = w_data.float() * w_scale.repeat_interleave(128, 1)[:, :h].repeat_interleave(128, 2)[:, :, :i]
     pre = (2 * torch.randn(m, 2 * i if spec.glu else i, device="cuda")).to(dtype)

@@ -159,7 +159,8 @@ def test_grouped_gemm_fp8_compiles(activation, dtype, has_bias, cluster_m, tile_
 @pytest.mark.parametrize("dtype,block_rows,power_2_scales,tensor_scale,transposed",
                          [(torch.bfloat16, 1, False, False, False), (torch.float16, 128, True, False, False),
                           (torch.bfloat16, 1, False, True, False), (torch.bfloat16, 128, False, True, False),
-                          (torch.bfloat16, 128, False, False, True), (torch.float16, 128, True, False, True)])
+                          (torch.bfloat16, 128, False, False, True), (torch.float16, 128, True, False, True),
+                          (torch.bfloat16, 128, False, True, True)])
 def test_block_quantize_compiles(dtype, block_rows, power_2_scales, tensor_scale, transposed):
     from te_fused_ops.kernels.block_quantize import compile_block_quantize
 
@@ -188,12 +189,6 @@ def test_grouped_dgrad_dact_fp8_compiles(activation, dtype, cluster_m):
     assert compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=False, cluster_m=cluster_m) is not None
     # d_pre's amax parts from the epilogue (fp8_current)
     assert compile_grouped_dgrad_dact_fp8(dtype, activation, False, cluster_m, d_pre_amax=True) is not None
-
-
-def test_transpose_fp8_compiles():
-    from te_fused_ops.kernels.block_quantize import compile_transpose_fp8
-
-    assert compile_transpose_fp8(tvm_ffi=False) is not None
 
 
 @pytest.mark.parametrize(

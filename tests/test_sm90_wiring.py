@@ -122,7 +122,14 @@ def fp8_gemm(x, x_scale_inv, weight, weight_scale_inv, offsets, *, bias=None, ac
 CASTS = []  # block_rows of each stood-in cast
 CAST_POWER_2 = []  # power_2_scales of each
 TRANSPOSED_CASTS = []  # shapes of the weights cast with their transposed copy
-BYTE_TRANSPOSES = []  # shapes of the E4M3 weights transposed after their cast
+
+
+def with_transposed(x, data, scale_inv, transposed):
+    """A cast's outputs, with ``transposed`` (recorded) followed by both transposed per group."""
+    if not transposed:
+        return data, scale_inv
+    TRANSPOSED_CASTS.append(tuple(x.shape))
+    return data, scale_inv, *(t.transpose(1, 2).contiguous() for t in (data, scale_inv))
 
 
 def block_cast(x, block_rows, power_2_scales=False, transposed=False):
@@ -132,15 +139,7 @@ def block_cast(x, block_rows, power_2_scales=False, transposed=False):
     CAST_POWER_2.append(power_2_scales)
     recipe = Float8BlockScaling(power_2_scales=power_2_scales)
     q = quantize(x, recipe) if block_rows == 1 else quantize_weight(x, recipe)
-    if not transposed:
-        return q.rowwise_data, q.rowwise_scale_inv
-    TRANSPOSED_CASTS.append(tuple(x.shape))
-    return q.rowwise_data, q.rowwise_scale_inv, *(t.transpose(1, 2).contiguous() for t in (q.rowwise_data, q.rowwise_scale_inv))
-
-
-def byte_transpose(data):
-    BYTE_TRANSPOSES.append(tuple(data.shape))
-    return data.transpose(1, 2).contiguous()
+    return with_transposed(x, q.rowwise_data, q.rowwise_scale_inv, transposed)
 
 
 ACT_CASTS = []  # power_2_scales of each stood-in GEMM with the act cast in its epilogue
@@ -158,9 +157,10 @@ def gemm_act_cast(x, weight, offsets, *, activation, power_2_scales=False, **epi
     return pre, q.rowwise_data, q.rowwise_scale_inv
 
 
-def tensor_cast(x, block_rows, offsets=None, amax_parts=None):
+def tensor_cast(x, block_rows, offsets=None, amax_parts=None, transposed=False):
     """`tensor_quantize_sm90`'s contract: the torch quantizer's data, its one scale over the grid
-    (from ``amax_parts`` when given: they must hold the amax of x's grouped rows)."""
+    (from ``amax_parts`` when given: they must hold the amax of x's grouped rows), with
+    ``transposed`` followed by both transposed per group."""
     CASTS.append(block_rows)
     CAST_POWER_2.append(False)
     assert (offsets is not None) == (block_rows == 1), "rows are cast with their offsets, weights without"
@@ -169,7 +169,7 @@ def tensor_cast(x, block_rows, offsets=None, amax_parts=None):
         assert any(parts is amax_parts for parts in AMAX_PARTS), "amax parts not from the GEMM that wrote x"
         assert torch.equal(amax_parts.max() / torch.tensor(448.0), q.rowwise_scale_inv)
     grid = (-(-x.shape[-2] // block_rows), -(-x.shape[-1] // 128))
-    return q.rowwise_data, q.rowwise_scale_inv.expand(*x.shape[:-2], *grid).contiguous()
+    return with_transposed(x, q.rowwise_data, q.rowwise_scale_inv.expand(*x.shape[:-2], *grid).contiguous(), transposed)
 
 
 DACT_FP8_CALLS = []
@@ -248,7 +248,6 @@ def sm90_stand_ins(monkeypatch):
     monkeypatch.setattr(sm90, "block_quantize_sm90", block_cast)
     monkeypatch.setattr(sm90, "tensor_quantize_sm90", tensor_cast)
     monkeypatch.setattr(sm90, "block_dequantize_sm90", block_uncast)
-    monkeypatch.setattr(sm90, "transpose_fp8_sm90", byte_transpose)
     monkeypatch.setattr(sm90, "grouped_wgrad_sm90", wgrad)
     monkeypatch.setattr(sm90, "block_columns_sm90", column_cast)
     monkeypatch.setattr(sm90, "grouped_wgrad_fp8_sm90", wgrad_fp8)
@@ -340,7 +339,7 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
     for step_text in expected:
         assert step_text in text, text
     for calls in (CASTS, CAST_POWER_2, ACT_CASTS, UNCASTS, DACT_FP8_CALLS, AMAX_PARTS, COLUMN_CASTS, WGRAD_FP8_CALLS,
-                  TRANSPOSED_CASTS, BYTE_TRANSPOSES):
+                  TRANSPOSED_CASTS):
         calls.clear()
     got = step(seq, x, dy)
     assert len(AMAX_PARTS) == int(current) * (1 + quantize_x), AMAX_PARTS  # the act's, d_pre's
@@ -351,12 +350,8 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
     fp8_linears = 1 + quantize_x  # FC2, and FC1 after a Quantize of x
     # row-wise: the activation (unless cast in FC1's epilogue) and x; each weight once
     row_casts = [1] * (1 + quantize_x - epilogue_cast) + [128] * fp8_linears
-    # each FP8 weight's transposed copy (its data gradient's operand) once: written by the cast
-    # itself for fp8_blockwise, a byte transpose after the cast for fp8_current
-    weights = [(G, H, I)] + [(G, 2 * I, H)] * quantize_x
-    made = BYTE_TRANSPOSES if current else TRANSPOSED_CASTS
-    assert sorted(made) == sorted(weights) and len(TRANSPOSED_CASTS + BYTE_TRANSPOSES) == len(weights), (
-        TRANSPOSED_CASTS, BYTE_TRANSPOSES)
+    # each FP8 weight cast once, writing its transposed copy (its data gradient's operand) too
+    assert sorted(TRANSPOSED_CASTS) == sorted([(G, H, I)] + [(G, 2 * I, H)] * quantize_x), TRANSPOSED_CASTS
     if current:  # fp8_current: each dy cast row-wise, the bf16 weight gradients on the inputs dequantized
         assert sorted(CASTS) == sorted(row_casts + [1] * fp8_linears), CASTS
         assert COLUMN_CASTS == [] and WGRAD_FP8_CALLS == [], (COLUMN_CASTS, WGRAD_FP8_CALLS)

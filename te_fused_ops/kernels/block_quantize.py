@@ -3,7 +3,9 @@
 ``block_quantize_sm90(x, block_rows, power_2_scales=False)``: x (M, K) with 1 x 128 blocks
 (block_rows=1, activations) or (G, N, K) with 128 x 128 blocks (block_rows=128, weights) ->
 (data like x in E4M3, scale_inv float32 (M, ceil(K/128)) or (G, ceil(N/128), ceil(K/128))), bit for
-bit the torch quantizer of ``Float8BlockScaling(power_2_scales)``.
+bit the torch quantizer of ``Float8BlockScaling(power_2_scales)``; weights with ``transposed=True``
+also (data_t (G, K, N), scale_inv_t (G, ceil(K/128), ceil(N/128))), each group transposed (the
+FP8 data gradient's K-major operand), from the same read.
 
 ``tensor_quantize_sm90(x, block_rows, offsets=None, amax_parts=None)``: the same shapes with one
 scale for the whole tensor (``Float8CurrentScaling``; with ``offsets`` the amax covers x (M, K)'s
@@ -13,9 +15,6 @@ the cast; or only the cast, from the amax parts the producing GEMM's epilogue wr
 ``block_dequantize_sm90(data, scale_inv, dtype)``: the inverse for 1 x 128 blocks, data (M, K)
 E4M3 and multipliers (M, ceil(K/128)) -> (M, K) ``dtype``, bit for bit
 `QuantizedTensor.dequantize` (any recipe whose multipliers are given per 1 x 128 block).
-
-``transpose_fp8_sm90(data)``: (G, R, C) E4M3 -> (G, C, R) contiguous, R and C multiples of 16
-(the K-major weight of the FP8 data gradient, from the forward's cast).
 
 ``block_columns_sm90(x, offsets, ...)``: the per-group column-wise 1 x 128 E4M3 copy of x (M, K)
 (bf16/fp16, or E4M3 with its row-wise multipliers) in the block-padded layout the FP8 weight
@@ -131,20 +130,6 @@ def compile_block_columns(dtype, from_rows, rows, power_2_scales, tvm_ffi=None):
     return compile_launcher(BlockColumnQuantizeSm90(from_rows, rows, power_2_scales), args, tvm_ffi)
 
 
-@functools.cache
-def compile_transpose_fp8(tvm_ffi=None):
-    """Compile (once) and return fn(data (G, R, C) uint8, out (G, C, R) uint8, max_ctas)."""
-    import cutlass
-    import cutlass.cute as cute
-
-    from .block_quantize_sm90 import ByteTransposeSm90
-
-    g = cute.sym_int()
-    r, c = cute.sym_int(divisibility=16), cute.sym_int(divisibility=16)
-    args = (fake_tensor(cutlass.Uint8, (g, r, c)), fake_tensor(cutlass.Uint8, (g, c, r)), cutlass.Int32(1))
-    return compile_launcher(ByteTransposeSm90(), args, tvm_ffi)
-
-
 def _ctas(work_items: int, device_index: int) -> int:
     return max(1, min(-(-work_items // WARPS_PER_CTA), num_sms(device_index) * CTAS_PER_SM))
 
@@ -209,30 +194,39 @@ def block_quantize_sm90(x: torch.Tensor, block_rows: int, power_2_scales: bool =
     ``transposed`` (weights (G, N, K), N and K multiples of 16) also (data_t (G, K, N), scale_inv_t
     (G, ceil(K/128), ceil(N/128))), each group of both transposed, from the same read."""
     x3 = _cast_input(_NAME, x, block_rows)
-    if transposed and (block_rows != 128 or x3.shape[1] % 16 or x3.shape[2] % 16):
-        raise ValueError(f"{_NAME}: transposed=True needs a (G, N, K) weight (block_rows=128) with N and K multiples "
-                         f"of 16, got block_rows={block_rows}, shape {tuple(x.shape)}")
     data, scale_inv = _cast_outputs(x3, block_rows)
-    copy = (None, None)
-    if transposed:
-        copy = (torch.empty(x3.shape[0], x3.shape[2], x3.shape[1], dtype=data.dtype, device=x.device),
-                scale_inv.new_empty(scale_inv.shape[0], scale_inv.shape[2], scale_inv.shape[1]))
+    copy = _transposed_outputs(_NAME, x, x3, block_rows, data, scale_inv) if transposed else (None, None)
     if x3.numel():
         if block_rows == 1:  # a warp per 8 rows of a 128-column block
             ctas = _row_item_ctas(x3)
         else:  # a CTA per block
-            ctas = min(scale_inv.numel(), num_sms(x.get_device()) * CTAS_PER_SM)
+            ctas = _block_ctas(scale_inv)
         fn = compile_block_quantize(x.dtype, block_rows, None, bool(power_2_scales), False, bool(transposed))
         _launch(fn, (x3, data, scale_inv, None, *copy), ctas)
     return (*_as_given(x, data, scale_inv), *copy) if transposed else _as_given(x, data, scale_inv)
 
 
+def _transposed_outputs(name, x, x3, block_rows, data, scale_inv):
+    """Empty (data_t (G, C, R), scale_inv_t) for a cast of ``x`` (as x3) with ``transposed``, after its checks."""
+    if block_rows != 128 or x3.shape[1] % 16 or x3.shape[2] % 16:
+        raise ValueError(f"{name}: transposed=True needs a (G, N, K) weight (block_rows=128) with N and K multiples "
+                         f"of 16, got block_rows={block_rows}, shape {tuple(x.shape)}")
+    return (torch.empty(x3.shape[0], x3.shape[2], x3.shape[1], dtype=data.dtype, device=x3.device),
+            scale_inv.new_empty(scale_inv.shape[0], scale_inv.shape[2], scale_inv.shape[1]))
+
+
+def _block_ctas(scale_inv):
+    """CTAs of a launch with a CTA per 128 x 128 block."""
+    return min(scale_inv.numel(), num_sms(scale_inv.get_device()) * CTAS_PER_SM)
+
+
 def tensor_quantize_sm90(x: torch.Tensor, block_rows: int, offsets: torch.Tensor = None,
-                         amax_parts: torch.Tensor = None):
+                         amax_parts: torch.Tensor = None, transposed: bool = False):
     """(data, multipliers) of ``x`` cast with one scale (fp8_current): ``scale_inv = amax / 448``
     (1 where 0), amax over x's finite values, or with ``offsets`` (G+1,) int32 (x (M, K) only)
     over its rows below ``clamp(max(offsets), 0, M)``; multipliers that scale in every block of
     the 1 x 128 / 128 x 128 grid of `block_quantize_sm90`. Two launches, no host sync.
+    ``transposed``: as `block_quantize_sm90`'s, (data, multipliers, data_t, multipliers_t).
 
     ``amax_parts``: (P,) float32 whose max is that amax (the ``act_amax`` output of the GEMM that
     wrote x); then only the cast runs and ``offsets`` is not used."""
@@ -245,15 +239,20 @@ def tensor_quantize_sm90(x: torch.Tensor, block_rows: int, offsets: torch.Tensor
         if block_rows != 1:
             raise ValueError(f"{name}: offsets group the rows of a 2-D x (block_rows=1)")
     data, scale_inv = _cast_outputs(x3, block_rows)
+    copy = _transposed_outputs(name, x, x3, block_rows, data, scale_inv) if transposed else (None, None)
+    given = (lambda: (*_as_given(x, data, scale_inv), *copy)) if transposed else (lambda: _as_given(x, data, scale_inv))
     if not x3.numel():
-        return _as_given(x, data, scale_inv.fill_(1.0))
+        for scales in (scale_inv, copy[1]) if transposed else (scale_inv,):
+            scales.fill_(1.0)
+        return given()
     ctas = _row_item_ctas(x3)
     parts = amax_parts
     if parts is None:
         parts = torch.empty(min(ctas, num_sms(x.get_device()) * AMAX_CTAS_PER_SM), dtype=torch.float32, device=x.device)
         _launch(compile_tensor_amax(x.dtype, offsets is not None), (x3, offsets, parts))
-    _launch(compile_block_quantize(x.dtype, block_rows, None, False, True), (x3, data, scale_inv, parts, None, None), ctas)
-    return _as_given(x, data, scale_inv)
+    fn = compile_block_quantize(x.dtype, block_rows, None, False, True, bool(transposed))
+    _launch(fn, (x3, data, scale_inv, parts, *copy), _block_ctas(scale_inv) if transposed else ctas)
+    return given()
 
 
 def block_dequantize_sm90(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -278,26 +277,6 @@ def block_dequantize_sm90(data: torch.Tensor, scale_inv: torch.Tensor, dtype: to
     if data.numel():
         tensors = (data.unsqueeze(0), scale_inv.unsqueeze(0), out.unsqueeze(0))
         _launch(compile_block_dequantize(dtype), tensors, _ctas(-(-m // 2) * scale_inv.shape[1], data.get_device()))
-    return out
-
-
-def transpose_fp8_sm90(data: torch.Tensor) -> torch.Tensor:
-    """(G, C, R) contiguous copy of E4M3 ``data`` (G, R, C), each group transposed."""
-    name = "transpose_fp8_sm90"
-    if not isinstance(data, torch.Tensor) or data.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"{name}: data must be a float8_e4m3fn tensor, got {getattr(data, 'dtype', type(data).__name__)}")
-    if data.get_device() < 0:
-        raise ValueError(f"{name}: data must be on a CUDA device, got {data.device}")
-    if data.dim() != 3 or not data.is_contiguous() or data.shape[1] % 16 or data.shape[2] % 16:
-        raise ValueError(f"{name}: data must be contiguous (G, R, C) with R and C multiples of 16, got shape "
-                         f"{tuple(data.shape)}")
-    if data.numel() and data.data_ptr() % 16:
-        raise ValueError(f"{name}: data must start 16-byte aligned")
-    g, r, c = data.shape
-    out = torch.empty(g, c, r, dtype=data.dtype, device=data.device)
-    if data.numel():
-        items = g * -(-r // 256) * -(-c // 32)
-        _launch(compile_transpose_fp8(), (data.view(torch.uint8), out.view(torch.uint8)), _ctas(items, data.get_device()))
     return out
 
 

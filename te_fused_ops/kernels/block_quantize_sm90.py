@@ -294,8 +294,9 @@ class BlockQuantizeSm90:
     its amax across the warps through shared memory.
 
     ``tensor_scale`` (fp8_current): one scale from the amax parts mAmaxParts (P,) of
-    `TensorAmaxSm90`, reduced by every CTA first; the work is split as for 1 x 128 blocks and the
-    scale is written to every block of mScaleInv. Otherwise mAmaxParts is None.
+    `TensorAmaxSm90`, reduced by every CTA first; the work is split as for 1 x 128 blocks (or
+    128 x 128 ones with ``transposed``) and the scale is written to every block of mScaleInv.
+    Otherwise mAmaxParts is None.
 
     ``transposed`` (128 x 128 blocks; R and C multiples of 16): also mDataT (G, C, R) E4M3, each
     group's data transposed (the FP8 data gradient's K-major weight), and mScaleInvT (G,
@@ -308,13 +309,13 @@ class BlockQuantizeSm90:
             raise ValueError("block_rows must be 1 or 128")
         if tensor_scale and power_2_scales:
             raise ValueError("per-tensor scales are float32 (fp8_current), not powers of two")
-        if transposed and (block_rows != 128 or tensor_scale):
+        if transposed and block_rows != 128:
             raise ValueError("the transposed copy is made for 128 x 128 blocks")
         self.block_rows = block_rows
         self.power_2_scales = power_2_scales
         self.tensor_scale = tensor_scale
         self.transposed = transposed
-        self.row_items = block_rows == 1 or tensor_scale  # warp items of 8 rows
+        self.row_items = (block_rows == 1 or tensor_scale) and not transposed  # warp items of 8 rows
         self.segments = ROW_SEGMENTS if self.row_items else 128 // WARPS // 2  # row segments per lane
 
     @cute.jit
@@ -387,12 +388,12 @@ class BlockQuantizeSm90:
         tQr = cute.make_rmem_tensor(cute.make_layout((self.segments, VEC), stride=(VEC, 1)), cutlass.Float8E4M3FN)
         with_amax = not self.tensor_scale
 
+        if const_expr(self.tensor_scale):
+            amax = Float32(0.0)
+            for j in cutlass.range(tidx, cute.size(mAmaxParts), WARP * WARPS):
+                amax = cutlass.max(amax, mAmaxParts[j])
+            tensor_scales = e4m3_scale_inv(_cta_max(amax, sAmax), False)
         if cutlass.const_expr(self.row_items):
-            if const_expr(self.tensor_scale):
-                amax = Float32(0.0)
-                for j in cutlass.range(tidx, cute.size(mAmaxParts), WARP * WARPS):
-                    amax = cutlass.max(amax, mAmaxParts[j])
-                tensor_scales = e4m3_scale_inv(_cta_max(amax, sAmax), False)
             item_rows = 2 * self.segments
             row_items = (rows + item_rows - 1) // item_rows
             num_items = cute.size(mX, mode=[0]) * row_items * col_blocks
@@ -423,11 +424,16 @@ class BlockQuantizeSm90:
                 cb = item % col_blocks
                 col = cb * COLS + lane_col
                 first_row = rb * self.block_rows + warp * 2 * self.segments + half
-                _load_rows(mX, g, first_row, rows, col, cols, tXr, tAmax, self.segments, True)
-                amax = Float32(0.0)
-                for k in cutlass.range_constexpr(self.segments):
-                    amax = cutlass.max(amax, tAmax[k])
-                scales = e4m3_scale_inv(_cta_max(amax, sAmax), self.power_2_scales)
+                _load_rows(mX, g, first_row, rows, col, cols, tXr, tAmax, self.segments, with_amax)
+                if const_expr(with_amax):
+                    block_amax = Float32(0.0)
+                    for k in cutlass.range_constexpr(self.segments):
+                        block_amax = cutlass.max(block_amax, tAmax[k])
+                    scales = e4m3_scale_inv(_cta_max(block_amax, sAmax), self.power_2_scales)  # its barriers guard sT
+                else:
+                    scales = tensor_scales
+                    if const_expr(self.transposed):
+                        cute.arch.sync_threads()  # the previous item's sT has been read
                 for k in cutlass.range_constexpr(self.segments):
                     self._store_cast(mData, g, first_row + 2 * k, rows, col, cols, tXr[k, None], scales, tQr[k, None])
                 if const_expr(self.transposed):
@@ -477,46 +483,6 @@ class BlockDequantizeSm90:
                         v = -finite_max
                     values[i] = v
                 _segment(mOut, g, r, col).store(values.load().to(mOut.element_type))
-            item = item + gdim * WARPS
-
-
-class ByteTransposeSm90:
-    """mIn (G, R, C) -> mOut (G, C, R), 1-byte elements (E4M3 data viewed as uint8); R and C
-    multiples of 16 (the FP8 data gradient's K-major weight from the forward's cast).
-
-    A thread moves a 16 x 16 byte block: 16 row loads of 16 bytes, the transpose in registers, 16
-    row stores. A warp covers 256 rows x 32 columns (lane l: row block l % 16, column block l // 16),
-    so each load instruction reads whole 32-byte sectors and each store writes 256 contiguous bytes
-    of two output rows."""
-
-    @cute.jit
-    def __call__(self, mIn: cute.Tensor, mOut: cute.Tensor, max_ctas: cutlass.Int32, stream):
-        self.kernel(mIn, mOut).launch(grid=(max_ctas, 1, 1), block=(WARP * WARPS, 1, 1), stream=stream)
-
-    @cute.kernel
-    def kernel(self, mIn: cute.Tensor, mOut: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        warp = cute.arch.make_warp_uniform(tidx // WARP)
-        lane = tidx % WARP
-        rows = cute.size(mIn, mode=[1])
-        cols = cute.size(mIn, mode=[2])
-        row_tiles = (rows + 255) // 256
-        col_tiles = (cols + 31) // 32
-        num_items = cute.size(mIn, mode=[0]) * row_tiles * col_tiles
-        block = cute.make_rmem_tensor(cute.make_layout((16, 16), stride=(16, 1)), mIn.element_type)
-
-        item = bidx * WARPS + warp
-        while item < num_items:
-            g = item // (row_tiles * col_tiles)
-            row = item // col_tiles % row_tiles * 256 + lane % 16 * 16
-            col = item % col_tiles * 32 + lane // 16 * 16
-            if row < rows and col < cols:
-                for i in cutlass.range_constexpr(16):
-                    block[i, None].store(cute.local_tile(mIn[g, row + i, None], (16,), (col // 16,)).load())
-                for j in cutlass.range_constexpr(16):
-                    cute.local_tile(mOut[g, col + j, None], (16,), (row // 16,)).store(block[None, j].load())
             item = item + gdim * WARPS
 
 
