@@ -185,7 +185,10 @@ def _row_item_ctas(x3):
     return _ctas(g * -(-r // 8) * -(-c // 128), x3.get_device())
 
 
-def _as_given(x, data, scale_inv):
+def _as_given(x, data, scale_inv, copy=(None, None)):
+    """The cast's outputs shaped as x was given, followed by the transposed copy when made."""
+    if copy[0] is not None:
+        return data, scale_inv, *copy
     return (data[0], scale_inv[0]) if x.dim() == 2 else (data, scale_inv)
 
 
@@ -203,7 +206,7 @@ def block_quantize_sm90(x: torch.Tensor, block_rows: int, power_2_scales: bool =
             ctas = _block_ctas(scale_inv)
         fn = compile_block_quantize(x.dtype, block_rows, None, bool(power_2_scales), False, bool(transposed))
         _launch(fn, (x3, data, scale_inv, None, *copy), ctas)
-    return (*_as_given(x, data, scale_inv), *copy) if transposed else _as_given(x, data, scale_inv)
+    return _as_given(x, data, scale_inv, copy)
 
 
 def _transposed_outputs(name, x, x3, block_rows, data, scale_inv):
@@ -240,11 +243,10 @@ def tensor_quantize_sm90(x: torch.Tensor, block_rows: int, offsets: torch.Tensor
             raise ValueError(f"{name}: offsets group the rows of a 2-D x (block_rows=1)")
     data, scale_inv = _cast_outputs(x3, block_rows)
     copy = _transposed_outputs(name, x, x3, block_rows, data, scale_inv) if transposed else (None, None)
-    given = (lambda: (*_as_given(x, data, scale_inv), *copy)) if transposed else (lambda: _as_given(x, data, scale_inv))
     if not x3.numel():
         for scales in (scale_inv, copy[1]) if transposed else (scale_inv,):
             scales.fill_(1.0)
-        return given()
+        return _as_given(x, data, scale_inv, copy)
     ctas = _row_item_ctas(x3)
     parts = amax_parts
     if parts is None:
@@ -252,7 +254,7 @@ def tensor_quantize_sm90(x: torch.Tensor, block_rows: int, offsets: torch.Tensor
         _launch(compile_tensor_amax(x.dtype, offsets is not None), (x3, offsets, parts))
     fn = compile_block_quantize(x.dtype, block_rows, None, False, True, bool(transposed))
     _launch(fn, (x3, data, scale_inv, parts, *copy), _block_ctas(scale_inv) if transposed else ctas)
-    return given()
+    return _as_given(x, data, scale_inv, copy)
 
 
 def block_dequantize_sm90(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
