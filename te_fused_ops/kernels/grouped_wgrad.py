@@ -32,6 +32,7 @@ from .launch import (
 )
 
 _NAME = "grouped_wgrad_sm90"
+_FP8_NAME = "grouped_wgrad_fp8_sm90"
 _MAX_ROWS = 2**30  # the ragged token view's mode extent
 FP8_MAX_GROUPS = 512  # the FP8 kernel scans the groups into shared memory: grouped_wgrad_sm90.SORT_MAX_G
 
@@ -227,9 +228,6 @@ def grouped_wgrad_fp8_sm90(dy_columns, x_columns, offsets, *, out_dtype=torch.bf
         _fp8_launch(*args)
         raise
     return result
-
-
-_FP8_NAME = "grouped_wgrad_fp8_sm90"
 
 
 def _fp8_launch(dy_t, dy_scales, x_t, x_scales, m, x_m, offsets, out_dtype, out, main_grad, sm_margin, cluster_m):
