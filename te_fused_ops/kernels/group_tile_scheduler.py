@@ -17,6 +17,8 @@ from cutlass import Boolean, Int32
 # m-tiles per raster band: a wave of ~66 clusters then spans about 8 x 8 tiles of a segment, so
 # it reads ~16 distinct operand tiles where a tall segment walked m-fastest reads ~67
 RASTER_BAND = 8
+# varlen-K: groups ranked by size in shared memory up to this count (and FP8's group scan)
+SORT_MAX_G = 512
 
 
 @cute.jit

@@ -36,6 +36,16 @@ up) from a view of W with a separate half mode, (N/2, K, 2, G), so each half is 
 own end. Accumulator columns [0, tile_n/2) are gate and [tile_n/2, tile_n) up; epilogue step s
 pairs 32-column sub-tile s with s + tile_n/64.
 
+Varlen-K (``varlen_k``, `GroupedWgradSm90` in ``grouped_wgrad_sm90``: dW[g] = dy_g^T @ x_g) is a
+second schedule of the same kernel: the token dim is K, so every group owns the same
+ceil(N/128) * ceil(K_out/tile_n) output tiles (a static schedule over (group, m-tile, n-tile),
+groups visited largest first when ranked in shared memory at start) and only the k-loop length
+ceil(rows_g / tile_k) comes from the offsets (0 for an empty group: its tiles store zeros). A and
+B are the MN-major token views dy^T and x^T of the group ("ragged" token views ending at its last
+row; FP8: K-major block-padded column copies whose per-block multipliers ride in the stage).
+With ``defer_stores`` a tile's outputs wait in registers and leave one 128 x 32 chunk after each of
+the next tile's first k-tiles (the stores run under its WGMMAs).
+
 Variants: ``GroupedGemmActSm90`` (below; bias + activation forward, and the plain GEMM in both
 weight layouts, e.g. the data gradient dx = dy_g @ W[g]) and ``GroupedGemmDActSm90``
 (``grouped_dact_sm90``; data gradient + the activation's backward, C-tile load of ``pre``).
@@ -54,7 +64,15 @@ from cutlass.tensor_utils import LayoutEnum
 from .activation_math_sm90 import ACTIVATION_MATH
 from .activations import activation_spec
 from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled
-from .group_tile_scheduler import RASTER_BAND, cluster_tile, locate_tile, segment_rows
+from .group_tile_scheduler import (
+    RASTER_BAND,
+    SORT_MAX_G,
+    banded_tile,
+    cluster_tile,
+    locate_tile,
+    scan_group_blocks,
+    segment_rows,
+)
 from .mainloop_sm90 import mma_block, mma_stage
 
 _EPI_VEC = 8  # 16-bit elements per 16-byte load / store of the epilogue warps
@@ -82,6 +100,28 @@ def _segment_view(mD_ragged: cute.Tensor, start: Int32, length: Int32) -> cute.T
     )
 
 
+def _ragged_tokens(t: cute.Tensor) -> cute.Tensor:
+    """(tokens, C) row-major -> (C, BIG, HUGE, HUGE) view whose token mode can be clipped.
+
+    Element (c, BIG - length + r, BIG, start + length) sits at offset
+    c + (start + r) * ld + BIG * 2**34 = c + (start + r) * ld (mod 2**64); tokens r >= length
+    fall outside mode 1 and the TMA unit zero-fills them."""
+    ld = t.stride[0]
+    layout = cute.make_layout((t.shape[1], _BIG, _HUGE, _HUGE), stride=(1, ld, Int64(2**34) - ld, ld))
+    return cute.make_tensor(t.iterator, layout)
+
+
+def _group_tokens(mRagged: cute.Tensor, start: Int32, length: Int32) -> cute.Tensor:
+    """(C, tokens) coordinate view of one group of a `_ragged_tokens` view: token r < length is
+    row start + r."""
+    return cute.domain_offset((None, _BIG - length), mRagged[(None, None, _BIG, start + length)])
+
+
+def _rows_by_block(t: cute.Tensor) -> cute.Tensor:
+    """(blocks, C) row-major multipliers -> the (C, blocks) view the scale TMA tiles (tile, 1)."""
+    return cute.make_tensor(t.iterator, cute.make_layout((t.shape[1], t.shape[0]), stride=(1, t.stride[0])))
+
+
 class Tile(NamedTuple):
     """Where the current tile sits: segment ``seg`` (a group, or the padding rows when seg == G)
     with rows [start, end); m-tile mt of the segment (first row ``row0``), n-tile nt."""
@@ -98,15 +138,18 @@ class Tile(NamedTuple):
 class GroupedGemmSm90:
     """Persistent grouped GEMM core for sm_90a; subclasses add the epilogue and ``__call__``.
 
-    Compile-time configuration: ``dtype`` (cutlass.BFloat16 / Float16, A, B and all epilogue
-    tensors), ``tile_n`` (128 or 256; tile_m is 128, tile_k 64; FP8 operands: 128 or 192, tile_k
-    128), ``b_major`` ("k": W (G, N, K); "mn": W (G, K, N)), ``cluster_m`` (1, or 2: B multicast
-    to a CTA pair), ``ab_stages`` / ``epi_slots`` (None: fill shared memory), ``c_stages`` (C-tile
-    load buffers: chunks loaded ahead, default 2), ``raster_band`` (m-tiles per band of the tile
-    order inside a group, `banded_tile`), ``split_tail`` (cluster_m 2: a group's odd last m-tile
-    split along N over the pair, `cluster_tile`), ``epilogue_warps`` (the epilogue on warps of its
-    own, module docstring). Subclasses set ``b_boxes``, ``epi_stores``,
-    ``epi_loads`` before calling this ``__init__``.
+    Compile-time configuration: ``dtype`` (cutlass.BFloat16 / Float16: A, B and the epilogue
+    tensors; Float32 epilogue tensors with a 16-bit ``ab_dtype``), ``tile_n`` (128 or 256; tile_m
+    is 128, tile_k 64; FP8 operands: 128 or 192, tile_k 128), ``a_major`` / ``b_major`` ("k" or
+    "mn": A (M, K) / (K, M) and W (G, N, K) / (G, K, N); varlen-K: the token views), ``cluster_m``
+    (1, or 2: B multicast to a CTA pair), ``ab_stages`` / ``epi_slots`` (None: fill shared
+    memory), ``c_stages`` (C-tile load buffers: chunks loaded ahead, default 2), ``raster_band``
+    (m-tiles per band of the tile order inside a group, `banded_tile`), ``split_tail`` (varlen-M,
+    cluster_m 2: a group's odd last m-tile split along N over the pair, `cluster_tile`),
+    ``epilogue_warps`` (the epilogue on warps of its own, module docstring), ``defer_stores`` (one
+    output, no loads: stored under the next tile's mainloop). Subclasses set ``b_boxes``,
+    ``epi_stores``, ``epi_loads`` (and ``varlen_k``, ``sort_groups``) before calling this
+    ``__init__``.
     """
 
     tile_m = 128
@@ -115,15 +158,17 @@ class GroupedGemmSm90:
     b_boxes = 1
     epi_stores: tuple  # set by subclasses
     epi_loads = ()
+    varlen_k = False  # the token (K) dim grouped: module docstring
+    sort_groups = False  # varlen-K: visit groups largest first (ranked in shared memory, G <= SORT_MAX_G)
 
     supports_epilogue_warps = False  # subclasses whose hooks are element-wise over (row, col)
 
     def __init__(
         self, dtype, tile_n, b_major="k", cluster_m=2, ab_stages=None, epi_slots=None, ab_dtype=None, c_stages=2,
-        raster_band=RASTER_BAND, split_tail=True, epilogue_warps=False,
+        raster_band=RASTER_BAND, split_tail=True, epilogue_warps=False, a_major="k", defer_stores=False,
     ):
-        if b_major not in ("k", "mn"):
-            raise ValueError("b_major must be 'k' or 'mn'")
+        if b_major not in ("k", "mn") or a_major not in ("k", "mn"):
+            raise ValueError("a_major and b_major must be 'k' or 'mn'")
         if cluster_m not in (1, 2):
             raise ValueError("cluster_m must be 1 or 2")
         self.dtype = dtype
@@ -133,36 +178,51 @@ class GroupedGemmSm90:
         # tile_n is at most 192: 96 + 96 registers per thread)
         self.block_scaled = self.ab_dtype.width == 8
         if self.block_scaled:
-            if tile_n not in (128, 192) or b_major != "k":
-                raise ValueError("FP8 operands need tile_n 128 or 192 and a K-major weight (b_major='k')")
+            if tile_n not in ((128,) if self.varlen_k else (128, 192)) or "mn" in (a_major, b_major):
+                raise ValueError(
+                    f"FP8 operands need tile_n {'128' if self.varlen_k else '128 or 192'} and K-major operands"
+                )
             self.tile_k = 128
         elif tile_n not in (128, 256):
             raise ValueError("tile_n must be 128 or 256")
         self.acc_dtype = Float32
         self.tile_n = tile_n
+        self.a_layout = LayoutEnum.ROW_MAJOR if a_major == "k" else LayoutEnum.COL_MAJOR
         self.b_major = b_major
         self.b_layout = LayoutEnum.ROW_MAJOR if b_major == "k" else LayoutEnum.COL_MAJOR
         self.cluster_m = cluster_m
         self.c_stages = c_stages
         self.raster_band = raster_band
-        self.split_tail = split_tail and cluster_m == 2
+        self.split_tail = split_tail and cluster_m == 2 and not self.varlen_k
+        # varlen-K FP8: the k-tile's multipliers (A rows, B columns) are loaded with the operands
+        self.stage_scales = self.varlen_k and self.block_scaled
         self.box_n = tile_n // self.b_boxes
         self.box_may_split = 128 % self.box_n != 0  # FP8: a B box can cross a W scale block
         self.num_out = len(self.epi_stores)
         self.num_in = len(self.epi_loads)
         self.num_steps = self.box_n // self.epi_n
         self.num_mma_wg = 2
-        if epilogue_warps and (self.block_scaled or not self.supports_epilogue_warps or self.num_out == 0):
+        if epilogue_warps and (self.block_scaled or not self.supports_epilogue_warps or self.num_out == 0
+                               or self.varlen_k):
             raise ValueError(f"{type(self).__name__}: epilogue_warps needs 16-bit operands and stored outputs")
+        if defer_stores and (self.num_out != 1 or self.num_in or self.b_boxes != 1 or epilogue_warps):
+            raise ValueError(f"{type(self).__name__}: defer_stores needs one output and no loaded inputs")
         # epilogue_warps: warps 1-3 of the producer warpgroup run the epilogue; every warpgroup keeps the
         # launch's 168 registers (no setmaxnreg)
         self.epilogue_warps = epilogue_warps
+        self.defer_stores = defer_stores
         self.threads = 128 * (1 + self.num_mma_wg)
         self.hook_warps = 3 if epilogue_warps else 4 * self.num_mma_wg  # warps running the epilogue hooks
         self.epi_tile = (self.tile_m, self.epi_n)
         stage_bytes = (self.tile_m + tile_n) * self.tile_k * self.ab_dtype.width // 8
+        if self.stage_scales:
+            stage_bytes += (self.tile_m + tile_n) * 4
         buf_bytes = self.tile_m * self.epi_n * dtype.width // 8
         smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90") - 1024
+        if self.varlen_k and self.sort_groups:  # k-tile counts and the ranked order
+            smem -= 2 * SORT_MAX_G * 4
+        if self.stage_scales:  # group edges and first blocks (`scan_group_blocks`)
+            smem -= 2 * (SORT_MAX_G + 1) * 4
         if epi_slots is None:
             epi_slots = 1 if self.num_out + self.num_in >= 3 and tile_n == 256 else 2
         self.epi_slots = epi_slots
@@ -177,38 +237,46 @@ class GroupedGemmSm90:
         self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=128 * self.num_mma_wg)
 
     # ------------------------------------------------------------------ host side (traced)
-    def launch(self, mA, mW, mOffsets, outputs, inputs, epi_params, max_clusters, stream, scales=None):
+    def launch(self, mA, mW, mOffsets, outputs, inputs, epi_params, max_clusters, stream, scales=None, m_total=None):
         """Build the TMA atoms and launch; called from a subclass's ``@cute.jit __call__``.
 
-        mA (M, K); mW (G, N, K) or (G, K, N) per ``b_major``; outputs / inputs: tuples of
-        row-major (M, cols) tensors, indexed by ``epi_stores`` / ``epi_loads``; epi_params: tuple
-        handed to the epilogue hooks; max_clusters: Int32, the persistent grid in clusters;
-        scales (FP8 operands): (mSFA (M, ceil(K/128)), mSFB (G, ceil(N/128), ceil(K/128))) float32
+        Varlen-M: mA (M, K); mW (G, N, K) or (G, K, N) per ``b_major``; outputs / inputs: tuples
+        of row-major (M, cols) tensors, indexed by ``epi_stores`` / ``epi_loads``; scales (FP8
+        operands): (mSFA (M, ceil(K/128)), mSFB (G, ceil(N/128), ceil(K/128))) float32
         dequantization multipliers of A's 1x128 and W's 128x128 blocks.
+        Varlen-K: mA (N, tokens) and mW (K_out, tokens) token views (`_ragged_tokens`, or FP8's
+        block-padded copies), outputs / inputs (N, K_out, G) views, scales (FP8) the (blocks, N)
+        and (blocks, K_out) multipliers, m_total the rows the offsets index.
+        epi_params: tuple handed to the epilogue hooks; max_clusters: Int32, the persistent grid in
+        clusters.
         """
         dt = self.ab_dtype
-        n_mode, k_mode = (1, 2) if const_expr(self.b_major == "k") else (2, 1)
-        n = cute.size(mW, mode=[n_mode])
-        n_box = n // self.b_boxes
-        # B as (N / b_boxes, K, b_boxes, G): forward GLU (N/2, K, 2, G), box h = 0 gate, 1 up
-        mB = cute.make_tensor(
-            mW.iterator,
-            cute.make_layout(
-                (n_box, cute.size(mW, mode=[k_mode]), self.b_boxes, cute.size(mW, mode=[0])),
-                stride=(mW.stride[n_mode], mW.stride[k_mode], n_box * mW.stride[n_mode], mW.stride[0]),
-            ),
-        )
+        if const_expr(self.varlen_k):
+            mB = mW
+        else:
+            m_total = cute.size(mA, mode=[0])
+            n_mode, k_mode = (1, 2) if const_expr(self.b_major == "k") else (2, 1)
+            n_box = cute.size(mW, mode=[n_mode]) // self.b_boxes
+            # B as (N / b_boxes, K, b_boxes, G): forward GLU (N/2, K, 2, G), box h = 0 gate, 1 up
+            mB = cute.make_tensor(
+                mW.iterator,
+                cute.make_layout(
+                    (n_box, cute.size(mW, mode=[k_mode]), self.b_boxes, cute.size(mW, mode=[0])),
+                    stride=(mW.stride[n_mode], mW.stride[k_mode], n_box * mW.stride[n_mode], mW.stride[0]),
+                ),
+            )
+        n_box = cute.size(mB, mode=[0])
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             dt,
             dt,
-            cute.nvgpu.OperandMajorMode.K,
+            self.a_layout.sm90_mma_major_mode(),
             self.b_layout.sm90_mma_major_mode(),
             self.acc_dtype,
             (self.num_mma_wg, 1, 1),
             tiler_mn=(64, self.tile_n),
         )
         tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
-        sA_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, dt, self.ab_stages)
+        sA_layout = sm90_utils.make_smem_layout_a(self.a_layout, tile_mnk, dt, self.ab_stages)
         sB_layout = sm90_utils.make_smem_layout_b(self.b_layout, tile_mnk, dt, self.ab_stages)
         sD_layout = sm90_utils.make_smem_layout_epi(
             self.dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, max(self.num_out, 1) * self.epi_slots
@@ -216,19 +284,15 @@ class GroupedGemmSm90:
         sC_layout = sm90_utils.make_smem_layout_epi(
             self.dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, max(self.num_in, 1) * self.c_stages
         )
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_a, tma_mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-            mA,
-            cute.slice_(sA_layout, (None, None, 0)),
-            (self.tile_m, self.tile_k),
+            g2s, mA, cute.slice_(sA_layout, (None, None, 0)), (self.tile_m, self.tile_k)
         )
         sB_box_layout = sm90_utils.make_smem_layout_b(
             self.b_layout, (self.tile_m, self.box_n, self.tile_k), dt, 1
         )
         tma_b, tma_mB = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
-            if const_expr(self.cluster_m > 1)
-            else cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster_m > 1) else g2s,
             mB,
             cute.slice_(sB_box_layout, (None, None, 0)),
             (self.box_n, self.tile_k),
@@ -244,32 +308,48 @@ class GroupedGemmSm90:
         else:
             store_tmas = tuple(
                 cute.nvgpu.cpasync.make_tiled_tma_atom(
-                    cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), _ragged_rows(t), sD_one, self.epi_tile
+                    cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+                    t if const_expr(self.varlen_k) else _ragged_rows(t),
+                    sD_one,
+                    self.epi_tile,
                 )
                 for t in outputs
             )
             load_tmas = tuple(
-                cute.nvgpu.cpasync.make_tiled_tma_atom(
-                    cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-                    t,
-                    cute.slice_(sC_layout, (None, None, 0)),
-                    self.epi_tile,
-                )
+                cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, t, cute.slice_(sC_layout, (None, None, 0)), self.epi_tile)
                 for t in inputs
             )
         self.ab_bytes = cute.size_in_bytes(dt, cute.slice_(sA_layout, (None, None, 0))) + (
             cute.size_in_bytes(dt, cute.slice_(sB_layout, (None, None, 0)))
         )
+        sSFA_layout, sSFB_layout = self._stage_scale_layouts()
+        if const_expr(self.stage_scales):  # (tile, 1) boxes of each operand's multipliers, into the stage
+            self.ab_bytes += (self.tile_m + self.tile_n) * 4
+            scales = tuple(
+                cute.nvgpu.cpasync.make_tiled_tma_atom(
+                    g2s, _rows_by_block(t), cute.slice_(layout, (None, None, 0)), (cute.size(layout, mode=[0]), 1)
+                )
+                for t, layout in zip(scales, (sSFA_layout, sSFB_layout))
+            )
         self.c_bytes = self.num_in * cute.size_in_bytes(self.dtype, cute.slice_(sC_layout, (None, None, 0)))
 
         sD_used = self.num_out > 0 and not self.epilogue_warps
         sC_used = self.num_in > 0 and not self.epilogue_warps
+        sorted_groups = self.varlen_k and self.sort_groups
 
         @cute.struct
         class SharedStorage:
             ab_full_empty: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
             c_full_empty: cute.struct.MemRange[cutlass.Int64, self.c_stages * 2]
             acc_full_empty: cute.struct.MemRange[cutlass.Int64, 2 if self.epilogue_warps else 0]
+            sched: cute.struct.MemRange[Int32, 2 * SORT_MAX_G if sorted_groups else 0]
+            edges: cute.struct.MemRange[Int32, 2 * (SORT_MAX_G + 1) if self.stage_scales else 0]
+            sSFA: cute.struct.Align[
+                cute.struct.MemRange[Float32, cute.cosize(sSFA_layout) if self.stage_scales else 0], 128
+            ]
+            sSFB: cute.struct.Align[
+                cute.struct.MemRange[Float32, cute.cosize(sSFB_layout) if self.stage_scales else 0], 128
+            ]
             sA: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sB_layout)], 1024]
             sD: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sD_layout) if sD_used else 0], 1024]
@@ -280,12 +360,12 @@ class GroupedGemmSm90:
 
         self.shared_storage = SharedStorage
 
-        m_total = cute.size(mA, mode=[0])
-        num_groups = cute.size(mW, mode=[0])
         n_tiles = (n_box + self.box_n - 1) // self.box_n
-        # upper bound on the number of cluster tiles (shape-only): no idle CTAs on small problems
         rows = self.tile_m * self.cluster_m
-        max_tiles = ((m_total + rows - 1) // rows + num_groups + 1) * n_tiles
+        if const_expr(self.varlen_k):  # every group's (N, K_out) tiles
+            max_tiles = cute.size(outputs[0], mode=[2]) * ((cute.size(mA, mode=[0]) + rows - 1) // rows) * n_tiles
+        else:  # upper bound on the number of cluster tiles (shape-only): no idle CTAs on small problems
+            max_tiles = ((m_total + rows - 1) // rows + cute.size(mW, mode=[0]) + 1) * n_tiles
         grid_x = cutlass.min(max_tiles, max_clusters) * self.cluster_m
         self.kernel(
             tma_a,
@@ -296,6 +376,7 @@ class GroupedGemmSm90:
             load_tmas,
             epi_tensors,
             mOffsets,
+            m_total,
             epi_params,
             scales,
             tiled_mma,
@@ -310,6 +391,13 @@ class GroupedGemmSm90:
             cluster=[self.cluster_m, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
+        )
+
+    def _stage_scale_layouts(self):
+        """Varlen-K FP8: shared-memory layouts of the per-stage multipliers, (tile_m, 1, stages) of
+        A's rows and (tile_n, 1, stages) of B's."""
+        return tuple(
+            cute.make_layout((rows, 1, self.ab_stages), stride=(1, 0, rows)) for rows in (self.tile_m, self.tile_n)
         )
 
     # ------------------------------------------------------------------ epilogue hooks
@@ -348,6 +436,7 @@ class GroupedGemmSm90:
         load_tmas: tuple,
         epi_tensors: tuple,
         mOffsets: cute.Tensor,
+        m_total: Int32,
         epi_params: tuple,
         scales,
         tiled_mma: cute.TiledMma,
@@ -373,13 +462,18 @@ class GroupedGemmSm90:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
             for atom, _ in store_tmas + load_tmas:
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
+            if const_expr(self.stage_scales):
+                for atom, _ in scales:
+                    cute.nvgpu.cpasync.prefetch_descriptor(atom)
 
-        m_total = cute.size(mA, mode=[0])
-        k_tiles = (cute.size(mA, mode=[1]) + self.tile_k - 1) // self.tile_k
-        n_box = cute.size(mB, mode=[0])  # N / b_boxes
-        num_groups = cute.size(mB, mode=[3])
+        n_box = cute.size(mB, mode=[0])  # N / b_boxes; varlen-K: K_out
         n_tiles = (n_box + self.box_n - 1) // self.box_n
         half_chunks = n_box // self.epi_n  # chunk offset of half 1 in a [gate, up] tensor
+        k_tiles = (cute.size(mA, mode=[1]) + self.tile_k - 1) // self.tile_k  # varlen-M
+        if const_expr(self.varlen_k):
+            num_groups = cute.size(store_tmas[0][1], mode=[2])
+        else:
+            num_groups = cute.size(mB, mode=[3])
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -430,8 +524,15 @@ class GroupedGemmSm90:
                 sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
         # ((box_n, tile_k), b_boxes, 1, stages): box h fills rows [h * box_n, (h+1) * box_n)
         sB_boxes = cute.group_modes(cute.flat_divide(sB, (self.box_n, self.tile_k)), 0, 2)
+        sSFA, sSFB = None, None
+        if const_expr(self.stage_scales):
+            sSFA_layout, sSFB_layout = self._stage_scale_layouts()
+            sSFA = storage.sSFA.get_tensor(sSFA_layout)
+            sSFB = storage.sSFB.get_tensor(sSFB_layout)
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
+        sched = self._schedule(storage, mOffsets, num_groups, m_total, n_tiles, cute.size(mA, mode=[0]), tidx,
+                               warp_idx)
 
         if wg_idx == 0:
             # ---------------------------------------------------------- TMA producer
@@ -442,33 +543,40 @@ class GroupedGemmSm90:
                     pipeline.PipelineUserType.Producer, self.ab_stages
                 )
                 tile_id = first_tile
-                found, seg, seg_first, c_start, c_base = locate_tile(
-                    tile_id, Int32(0), Int32(0), mOffsets, num_groups, m_total, n_tiles, self.tile_m, self.cluster_m, self.split_tail
-                )
+                found, seg, seg_first, c_start, c_base = self._locate(tile_id, Int32(0), Int32(0), sched)
                 while found:
                     if seg < num_groups:
-                        start, end = segment_rows(mOffsets, seg, num_groups, m_total)
-                        mt, nt, split = cluster_tile(
-                            tile_id - seg_first, end - start, n_tiles, rank, self.tile_m, self.cluster_m,
-                            self.split_tail, self.raster_band,
-                        )
-                        gA = cute.local_tile(
-                            cute.domain_offset((start, None), mA),
-                            (self.tile_m, self.tile_k),
-                            (mt, None),
-                        )
-                        gB = cute.local_tile(  # (box_n, tile_k, k_tiles, b_boxes)
-                            mB[(None, None, None, seg)], (self.box_n, self.tile_k), (nt, None, None)
-                        )
-                        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                            tma_a,
-                            0,
-                            cute.make_layout(1),
-                            cute.group_modes(sA, 0, 2),
-                            cute.group_modes(gA, 0, 2),
-                        )
                         # slice r of the B box is what CTA r of a pair loads for both; a split
                         # tile's CTA loads every slice of its own box, for itself only
+                        split = Boolean(False)
+                        tile_k_tiles = k_tiles
+                        block0 = Int32(0)
+                        if const_expr(self.varlen_k):
+                            tile, _ = self._consumer_tile(tile_id, seg, seg_first, rank, sched)
+                            mt, nt = tile.mt, tile.nt
+                            start, length, block0 = self._group_span(seg, sched)
+                            tile_k_tiles = (length + self.tile_k - 1) // self.tile_k
+                            gA = cute.local_tile(  # (tile_m, tile_k, k-tiles)
+                                self._group_view(mA, start, length, block0), (self.tile_m, self.tile_k), (mt, None)
+                            )
+                            gB = cute.local_tile(
+                                self._group_view(mB, start, length, block0), (self.box_n, self.tile_k), (nt, None)
+                            )
+                        else:
+                            start, end = segment_rows(mOffsets, seg, num_groups, m_total)
+                            mt, nt, split = cluster_tile(
+                                tile_id - seg_first, end - start, n_tiles, rank, self.tile_m, self.cluster_m,
+                                self.split_tail, self.raster_band,
+                            )
+                            gA = cute.local_tile(
+                                cute.domain_offset((start, None), mA), (self.tile_m, self.tile_k), (mt, None)
+                            )
+                            gB = cute.local_tile(  # (box_n, tile_k, k_tiles, b_boxes)
+                                mB[(None, None, None, seg)], (self.box_n, self.tile_k), (nt, None, None)
+                            )
+                        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+                        )
                         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
                             tma_b, rank, cute.make_layout(self.cluster_m), sB_boxes, cute.group_modes(gB, 0, 2)
                         )
@@ -478,8 +586,17 @@ class GroupedGemmSm90:
                             )
                             for r in range(self.cluster_m if const_expr(self.split_tail) else 0)
                         ]
+                        scale_parts = ()
+                        if const_expr(self.stage_scales):  # (tile, blocks) of each operand's multipliers
+                            scale_parts = tuple(
+                                cute.nvgpu.cpasync.tma_partition(
+                                    atom, 0, cute.make_layout(1), cute.group_modes(sSF, 0, 2),
+                                    cute.group_modes(cute.local_tile(mSF, (cute.size(sSF, mode=[0]), 1), (t, None)), 0, 2),
+                                )
+                                for (atom, mSF), sSF, t in zip(scales, (sSFA, sSFB), (mt, nt))
+                            )
                         own_mask = cutlass.Int16(1) << rank
-                        for k in range(k_tiles):
+                        for k in range(tile_k_tiles):
                             ab_pipe.producer_acquire(state)
                             bar = ab_pipe.producer_get_barrier(state)
                             cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
@@ -493,23 +610,23 @@ class GroupedGemmSm90:
                                 else:
                                     cute.copy(
                                         tma_b,
-                                        tBgB[(None, k, h)],
+                                        tBgB[(None, k) if const_expr(self.varlen_k) else (None, k, h)],
                                         tBsB[(None, h, 0, state.index)],
                                         tma_bar_ptr=bar,
                                         mcast_mask=b_mcast_mask if const_expr(self.cluster_m > 1) else 0,
                                     )
+                            for (atom, _), (tSFs, tSFg) in zip(scales if const_expr(self.stage_scales) else (),
+                                                                scale_parts):
+                                cute.copy(atom, tSFg[(None, block0 + k)], tSFs[(None, state.index)], tma_bar_ptr=bar)
                             ab_pipe.producer_commit(state)
                             state.advance()
                     tile_id = tile_id + num_clusters
-                    found, seg, seg_first, c_start, c_base = locate_tile(
-                        tile_id, c_start, c_base, mOffsets, num_groups, m_total, n_tiles, self.tile_m, self.cluster_m, self.split_tail
-                    )
+                    found, seg, seg_first, c_start, c_base = self._locate(tile_id, c_start, c_base, sched)
                 ab_pipe.producer_tail(state)
             elif const_expr(self.epilogue_warps):
                 # ------------------------------------------------------ epilogue warps
                 self._run_epilogue_warps(
-                    acc_pipe, sAcc, epi_tensors, mOffsets, epi_params, first_tile, num_clusters, rank, num_groups,
-                    m_total, n_tiles, n_box,
+                    acc_pipe, sAcc, epi_tensors, epi_params, first_tile, num_clusters, rank, sched, n_box,
                 )
         else:
             # ---------------------------------------------------------- MMA (+ epilogue)
@@ -521,14 +638,18 @@ class GroupedGemmSm90:
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             acc_shape = thr_mma.partition_shape_C((self.tile_m, self.tile_n))
             acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-            acc_block = None  # FP8: one scale block's product, before promotion into acc
-            tCcAcc = None
+            fp8_args = None  # FP8: one scale block's product (before promotion into acc), its scales
             if const_expr(self.block_scaled):
-                acc_block = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
                 tCcAcc = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+                block_scales = (sSFA, sSFB) if const_expr(self.stage_scales) else scales
+                fp8_args = (cute.make_rmem_tensor(acc_shape, self.acc_dtype), tCrA, tCrB, block_scales, tCcAcc)
 
+            # register -> smem copies in the accumulator's thread-value layout (stmatrix: 16-bit)
             copy_atom_c = cute.make_tiled_copy_C_atom(
-                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype),
+                cute.make_copy_atom(
+                    cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4),
+                    self.dtype if const_expr(self.dtype.width == 16) else cutlass.Float16,
+                ),
                 tiled_mma,
             )
             tiled_copy_r2s = cute.make_tiled_copy_S(
@@ -556,13 +677,16 @@ class GroupedGemmSm90:
             c_write = None
             c_read = None
             if const_expr(self.num_in > 0 and not self.epilogue_warps):
-                tiled_copy_s2r = cute.make_tiled_copy_S(
-                    cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), self.dtype),
-                    copy_atom_c,
-                )
-                thr_copy_s2r = tiled_copy_s2r.get_slice(mma_tidx)
-                tSR_sC = thr_copy_s2r.partition_S(sC)
-                tSR_rIn = [thr_copy_s2r.retile(r) for r in rIn]
+                if const_expr(self.dtype.width == 16):  # ldmatrix
+                    tiled_copy_s2r = cute.make_tiled_copy_S(
+                        cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), self.dtype),
+                        copy_atom_c,
+                    )
+                    thr_copy_s2r = tiled_copy_s2r.get_slice(mma_tidx)
+                    tSR_sC = thr_copy_s2r.partition_S(sC)
+                    tSR_rIn = [thr_copy_s2r.retile(r) for r in rIn]
+                else:  # 32-bit inputs: plain loads in the store's thread-value layout
+                    tSR_sC = thr_copy_r2s.partition_D(sC)
                 c_write = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.c_stages
                 )
@@ -570,6 +694,14 @@ class GroupedGemmSm90:
                     pipeline.PipelineUserType.Consumer, self.c_stages
                 )
             state = self.epi_make_state(tiled_copy_r2s, self.epi_tile)
+            # defer_stores: the previous tile's output chunks in dtype, and where they go
+            # (valid, seg, start, length, mt, nt, has_rows)
+            pending = None
+            pending_tile = None
+            if const_expr(self.defer_stores):
+                pending = [cute.make_rmem_tensor(rD_shape, self.dtype) for _ in range(self.num_steps)]
+                pending_tile = cute.make_rmem_tensor((7,), Int32)
+                pending_tile[0] = Int32(0)
 
             store_pipe = None
             acc_write = None
@@ -583,29 +715,33 @@ class GroupedGemmSm90:
                     ),
                 )
             is_store_warp = warp_idx == 4
+            store_args = (tiled_copy_r2s, tRS_sD, sD, store_tmas, store_pipe, is_store_warp)
             read_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.ab_stages
             )
             release_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.ab_stages
             )
+            # the first k-tiles are issued outside the k-loop: with defer_stores num_steps, each
+            # followed by one chunk store of the previous tile; else one (16-bit: it starts the
+            # WGMMA chain) or none (FP8: every block is alike)
+            peeled = self.num_steps if const_expr(self.defer_stores) else 0 if const_expr(self.block_scaled) else 1
             epi_count = Int32(0)
             tile_id = first_tile
-            found, seg, seg_first, c_start, c_base = locate_tile(
-                tile_id, Int32(0), Int32(0), mOffsets, num_groups, m_total, n_tiles, self.tile_m, self.cluster_m, self.split_tail
-            )
+            found, seg, seg_first, c_start, c_base = self._locate(tile_id, Int32(0), Int32(0), sched)
             while found:
-                tile, has_rows = self._consumer_tile(tile_id, seg, seg_first, mOffsets, num_groups, m_total,
-                                                     n_tiles, rank)
+                tile, has_rows = self._consumer_tile(tile_id, seg, seg_first, rank, sched)
                 start, mt, nt, is_group = tile.start, tile.mt, tile.nt, tile.is_group
-                length = tile.end - start
+                tile_k_tiles = k_tiles if is_group else 0
+                if const_expr(self.varlen_k):
+                    tile_k_tiles = (tile.end - start + self.tile_k - 1) // self.tile_k
 
                 # C-tile loads of the first steps run under the mainloop (padding tiles: none,
                 # their inputs read as zeros)
                 bGS_sC = None
                 bGS_gC = None
                 if const_expr(self.num_in > 0 and not self.epilogue_warps):
-                    bGS_sC, bGS_gC = self._partition_loads(load_tmas, sC, start)
+                    bGS_sC, bGS_gC = self._partition_loads(load_tmas, sC, tile)
                     if is_group and is_store_warp:
                         for step in cutlass.range_constexpr(min(self.c_stages, self.num_steps)):
                             self._load_c(load_tmas, c_pipe, c_write, bGS_sC, bGS_gC, mt,
@@ -613,44 +749,59 @@ class GroupedGemmSm90:
                             c_write.advance()
 
                 # ------------------------------------------------------ mainloop
+                # FP8: each block's WGMMAs, then its promotion (`_fp8_k_tile`). A k-tile count of 0
+                # (padding tiles, empty groups) leaves acc at zero; the accumulate flag changes
+                # inside the loops and stays loop-carried
                 acc.fill(0.0)
-                # FP8: each block's WGMMAs, then its promotion; the multipliers of the next
-                # block are loaded right after the current block's WGMMAs are issued and carried
-                # into the next iteration. No k-tiles for padding tiles (a loop, not an `if`: the
-                # MMA's accumulate flag changes inside it and must stay loop-carried)
-                if const_expr(self.block_scaled):
-                    multipliers = self._block_scales(scales, tile, tCcAcc, 0, n_box, m_total)
-                    for k in range(k_tiles if is_group else 0):
-                        ab_pipe.consumer_wait(read_state)
-                        cute.nvgpu.warpgroup.fence()
-                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                        mma_block(tiled_mma, acc_block, tCrA, tCrB, read_state.index)
-                        cute.nvgpu.warpgroup.commit_group()
-                        read_state.advance()
-                        ahead = self._block_scales(scales, tile, tCcAcc, k + 1, n_box, m_total)
-                        cute.nvgpu.warpgroup.wait_group(0)
-                        ab_pipe.consumer_release(release_state)
-                        release_state.advance()
-                        self._promote(acc, acc_block, multipliers)
-                        multipliers = ahead
-                elif is_group:
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.fence()
-                    ab_pipe.consumer_wait(read_state)
-                    mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
-                    cute.nvgpu.warpgroup.commit_group()
-                    read_state.advance()
-                    for k in range(1, k_tiles):
-                        ab_pipe.consumer_wait(read_state)
-                        mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
-                        cute.nvgpu.warpgroup.commit_group()
-                        cute.nvgpu.warpgroup.wait_group(1)
-                        ab_pipe.consumer_release(release_state)
-                        release_state.advance()
-                        read_state.advance()
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    ab_pipe.consumer_release(release_state)
-                    release_state.advance()
+                multipliers = Float32(0.0)
+                if const_expr(self.block_scaled and not self.stage_scales):
+                    multipliers = self._block_scales(scales, tile, fp8_args[4], 0, n_box, m_total)
+                # varlen-M: one branch around the whole mainloop (k-tiles or none); defer_stores: the
+                # previous tile's stores run whatever this tile's k-tile count
+                runs = Boolean(True) if const_expr(self.defer_stores) else tile_k_tiles > 0
+                if runs:
+                    for step in cutlass.range_constexpr(peeled):
+                        if step < tile_k_tiles:
+                            if const_expr(self.block_scaled):
+                                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                                multipliers = self._fp8_k_tile(ab_pipe, read_state, tiled_mma, acc, fp8_args, tile,
+                                                               step, multipliers, n_box, m_total)
+                                read_state.advance()
+                            else:
+                                if const_expr(step == 0):
+                                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                                    cute.nvgpu.warpgroup.fence()
+                                ab_pipe.consumer_wait(read_state)
+                                mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
+                                cute.nvgpu.warpgroup.commit_group()
+                                read_state.advance()
+                                if const_expr(step > 0):
+                                    cute.nvgpu.warpgroup.wait_group(1)
+                                    ab_pipe.consumer_release(release_state)
+                                    release_state.advance()
+                        if const_expr(self.defer_stores):
+                            if pending_tile[0] != 0:
+                                self._store_chunk(store_args, pending[step], pending_tile, step, epi_count)
+                                epi_count = epi_count + 1
+                    for k in range(peeled, tile_k_tiles):
+                        if const_expr(self.block_scaled):
+                            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                            multipliers = self._fp8_k_tile(ab_pipe, read_state, tiled_mma, acc, fp8_args, tile, k,
+                                                           multipliers, n_box, m_total)
+                            read_state.advance()
+                        else:
+                            ab_pipe.consumer_wait(read_state)
+                            mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
+                            cute.nvgpu.warpgroup.commit_group()
+                            cute.nvgpu.warpgroup.wait_group(1)
+                            ab_pipe.consumer_release(release_state)
+                            release_state.advance()
+                            read_state.advance()
+                    if const_expr(not self.block_scaled):
+                        cute.nvgpu.warpgroup.wait_group(0)  # unconditional: ptxas sees every path waited
+                        if tile_k_tiles > 0:
+                            ab_pipe.consumer_release(release_state)
+                            release_state.advance()
 
                 # ------------------------------------------------------ epilogue
                 if const_expr(self.epilogue_warps):
@@ -664,15 +815,22 @@ class GroupedGemmSm90:
                             cute.copy(tiled_copy_r2s, rStore, tRS_sD[(None, None, None, sub)])
                         acc_pipe.producer_commit(acc_write)
                         acc_write.advance()
+                elif const_expr(self.defer_stores):  # outputs wait for the next tile's k-tiles
+                    self.epi_begin_tile(epi_params, tile, n_box, tRS_rAcc, tRS_cD, state)
+                    for step in cutlass.range_constexpr(self.num_steps):
+                        for v in cutlass.range_constexpr(frag):
+                            rAcc[0][v] = tRS_rAcc[step * frag + v]
+                        self.epi_visit(epi_params, tile, step, nt * self.num_steps + step, n_box, rAcc, rIn, rOut,
+                                       tRS_cD, state)
+                        pending[step].store(rOut[0].load().to(self.dtype))
+                    self.epi_end_tile(epi_params, tile, n_box, tRS_cD, state)
+                    for i, value in enumerate((1, seg, start, tile.end - start, mt, nt, Int32(has_rows))):
+                        pending_tile[i] = Int32(value)
                 else:
                     bSG_sD = None
                     bSG_gD = []
-                    for atom, mD in store_tmas:
-                        gD = cute.local_tile(_segment_view(mD, start, length), self.epi_tile, (None, None))
-                        bSG_sD, bSG_g = cute.nvgpu.cpasync.tma_partition(
-                            atom, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2),
-                            cute.group_modes(gD, 0, 2),
-                        )
+                    for atom_and_view in store_tmas:
+                        bSG_sD, bSG_g = self._partition_store(atom_and_view, sD, seg, start, tile.end - start)
                         bSG_gD.append(bSG_g)
                     self.epi_begin_tile(epi_params, tile, n_box, tRS_rAcc, tRS_cD, state)
 
@@ -687,11 +845,11 @@ class GroupedGemmSm90:
                             if is_group:
                                 c_pipe.consumer_wait(c_read)
                                 for i in cutlass.range_constexpr(self.num_in):
-                                    cute.copy(
-                                        tiled_copy_s2r,
-                                        tSR_sC[(None, None, None, c_read.index * self.num_in + i)],
-                                        tSR_rIn[i],
-                                    )
+                                    sC_i = tSR_sC[(None, None, None, c_read.index * self.num_in + i)]
+                                    if const_expr(self.dtype.width == 16):
+                                        cute.copy(tiled_copy_s2r, sC_i, tSR_rIn[i])
+                                    else:
+                                        rIn[i].store(sC_i.load())
                                 c_pipe.consumer_release(c_read)
                                 c_read.advance()
                             else:
@@ -732,9 +890,12 @@ class GroupedGemmSm90:
                     self.epi_end_tile(epi_params, tile, n_box, tRS_cD, state)
 
                 tile_id = tile_id + num_clusters
-                found, seg, seg_first, c_start, c_base = locate_tile(
-                    tile_id, c_start, c_base, mOffsets, num_groups, m_total, n_tiles, self.tile_m, self.cluster_m, self.split_tail
-                )
+                found, seg, seg_first, c_start, c_base = self._locate(tile_id, c_start, c_base, sched)
+            if const_expr(self.defer_stores):
+                if pending_tile[0] != 0:
+                    for step in cutlass.range_constexpr(self.num_steps):
+                        self._store_chunk(store_args, pending[step], pending_tile, step, epi_count)
+                        epi_count = epi_count + 1
             if const_expr(self.epilogue_warps):
                 acc_pipe.producer_tail(acc_write)
             else:
@@ -743,23 +904,161 @@ class GroupedGemmSm90:
                     if is_store_warp:
                         store_pipe.producer_tail()
 
+    # ------------------------------------------------------------------ schedules
     @cute.jit
-    def _consumer_tile(self, tile_id, seg, seg_first, mOffsets, num_groups, m_total, n_tiles, rank):
-        """(Tile, has_rows) of this CTA for linear tile ``tile_id`` of segment ``seg`` (first tile
-        ``seg_first``); has_rows False: the CTA's m-tile lies past the segment's end (it only helps
-        its peer load B)."""
-        start, end = segment_rows(mOffsets, seg, num_groups, m_total)
-        mt, nt, _ = cluster_tile(
-            tile_id - seg_first, end - start, n_tiles, rank, self.tile_m, self.cluster_m, self.split_tail,
-            self.raster_band,
-        )
-        return Tile(seg, start, end, mt, nt, start + mt * self.tile_m, seg < num_groups), mt * self.tile_m < end - start
+    def _schedule(self, storage, mOffsets, num_groups, m_total, n_tiles, a_rows, tidx, warp_idx):
+        """The tile schedule's state (all threads, before the roles split). Varlen-M: (mOffsets,
+        num_groups, m_total, n_tiles). Varlen-K adds m_tiles (cluster tiles along N = ``a_rows``),
+        N, the group order (sSched, is_sorted: `_rank_groups`) and FP8's group scan (sEdges)."""
+        sched = (mOffsets, num_groups, m_total, n_tiles)
+        if const_expr(self.varlen_k):
+            rows = self.tile_m * self.cluster_m
+            sSched = None
+            is_sorted = num_groups <= SORT_MAX_G
+            sEdges = None  # FP8: `scan_group_blocks` (group rows and first blocks)
+            if const_expr(self.stage_scales):
+                sEdges = storage.edges.get_tensor(cute.make_layout(2 * (SORT_MAX_G + 1)))
+                if warp_idx == 0:
+                    scan_group_blocks(sEdges, SORT_MAX_G + 1, mOffsets, num_groups, m_total, self.tile_k)
+                cute.arch.sync_threads()
+            sched = (mOffsets, num_groups, m_total, n_tiles, (a_rows + rows - 1) // rows, a_rows, sSched, is_sorted,
+                     sEdges)
+            if const_expr(self.sort_groups):
+                sSched = storage.sched.get_tensor(cute.make_layout(2 * SORT_MAX_G))
+                sched = (*sched[:6], sSched, is_sorted, sEdges)
+                self._rank_groups(sched, tidx)
+        return sched
 
     @cute.jit
-    def _run_epilogue_warps(
-        self, acc_pipe, sAcc, epi_tensors, mOffsets, epi_params, first_tile, num_clusters, rank, num_groups,
-        m_total, n_tiles, n_box,
-    ):
+    def _locate(self, tile_id, c_start, c_base, sched):
+        """(found, seg, seg_first, c_start, c_base) of linear cluster tile ``tile_id``: segment (group)
+        ``seg`` whose first tile is ``seg_first``; pass c_start, c_base back in with the next id
+        (varlen-M: `locate_tile`'s search state; varlen-K: unused, groups by rank)."""
+        if const_expr(self.varlen_k):
+            _, num_groups, _, n_tiles, m_tiles, _, sSched, is_sorted, _ = sched
+            per_group = m_tiles * n_tiles
+            found = tile_id < num_groups * per_group
+            g = tile_id // per_group
+            seg = g
+            if const_expr(self.sort_groups):
+                if is_sorted & found:
+                    seg = sSched[SORT_MAX_G + g]
+            result = (found, seg, g * per_group, c_start, c_base)
+        else:
+            mOffsets, num_groups, m_total, n_tiles = sched
+            result = locate_tile(tile_id, c_start, c_base, mOffsets, num_groups, m_total, n_tiles, self.tile_m,
+                                 self.cluster_m, self.split_tail)
+        return result
+
+    @cute.jit
+    def _consumer_tile(self, tile_id, seg, seg_first, rank, sched):
+        """(Tile, has_rows) of this CTA for linear tile ``tile_id`` of segment ``seg`` (first tile
+        ``seg_first``); has_rows False: the CTA's m-tile lies past the segment's end (varlen-K: past
+        N), it only helps its peer load B."""
+        if const_expr(self.varlen_k):
+            _, _, _, n_tiles, m_tiles, n_rows, _, _, _ = sched
+            mt, nt = banded_tile(tile_id - seg_first, m_tiles, n_tiles, self.raster_band)
+            mt = mt * self.cluster_m + rank
+            start, length, _ = self._group_span(seg, sched)
+            result = (Tile(seg, start, start + length, mt, nt, mt * self.tile_m, Boolean(True)),
+                      mt * self.tile_m < n_rows)
+        else:
+            mOffsets, num_groups, m_total, n_tiles = sched
+            start, end = segment_rows(mOffsets, seg, num_groups, m_total)
+            mt, nt, _ = cluster_tile(
+                tile_id - seg_first, end - start, n_tiles, rank, self.tile_m, self.cluster_m, self.split_tail,
+                self.raster_band,
+            )
+            result = (Tile(seg, start, end, mt, nt, start + mt * self.tile_m, seg < num_groups),
+                      mt * self.tile_m < end - start)
+        return result
+
+    @cute.jit
+    def _group_span(self, g, sched):
+        """Varlen-K: (first row, rows, first scale block) of group g, offsets clamped to [0, M]
+        (block 0); FP8, from the scan of `scan_group_blocks`."""
+        mOffsets, _, m_total, _, _, _, _, _, sEdges = sched
+        start = cutlass.max(cutlass.min(mOffsets[g], m_total), Int32(0))
+        length = cutlass.max(cutlass.min(mOffsets[g + 1], m_total), start) - start
+        block0 = Int32(0)
+        if const_expr(self.stage_scales):
+            start = sEdges[g]
+            length = sEdges[g + 1] - start
+            block0 = sEdges[SORT_MAX_G + 1 + g]
+        return start, length, block0
+
+    def _group_view(self, mTokens, start, length, block0):
+        """Varlen-K: TMA coordinate view of one group's tokens: FP8, (rows, tokens) of the
+        block-padded copy from the group's first block ``block0``; 16-bit, the ragged view clipped
+        at its last token."""
+        if const_expr(self.stage_scales):
+            return cute.domain_offset((0, block0 * self.tile_k), mTokens)
+        return _group_tokens(mTokens, start, length)
+
+    @cute.jit
+    def _rank_groups(self, sched, tidx):
+        """Varlen-K: sSched[SORT_MAX_G + r] = the group of rank r by k-tile count (descending, then
+        index). All threads of the CTA take part; sSched[:G] holds the counts. The loops' trip counts
+        do not depend on the thread (a per-thread loop here made ptxas serialize every WGMMA: C7520)."""
+        num_groups, sSched, is_sorted = sched[1], sched[6], sched[7]
+        if is_sorted:
+            for base in range(0, num_groups, self.threads):
+                g = base + tidx
+                if g < num_groups:
+                    _, length, _ = self._group_span(g, sched)
+                    sSched[g] = (length + self.tile_k - 1) // self.tile_k
+        cute.arch.sync_threads()
+        if is_sorted:
+            for base in range(0, num_groups, self.threads):
+                g = base + tidx
+                if g < num_groups:
+                    kg = sSched[g]
+                    r = Int32(0)
+                    for h in range(num_groups):
+                        kh = sSched[h]
+                        if (kh > kg) | ((kh == kg) & (h < g)):
+                            r = r + 1
+                    sSched[SORT_MAX_G + r] = g
+        cute.arch.sync_threads()
+
+    # ------------------------------------------------------------------ epilogue pieces
+    def _partition_store(self, atom_and_view, sD, seg, start, length):
+        """TMA partitions (smem buffers, gmem chunks (mt, chunk)) of one output for a tile of segment
+        ``seg`` (rows [start, start + length)): the ragged rows of the segment; varlen-K, group seg's
+        (N, K_out) slice."""
+        atom, mD = atom_and_view
+        if const_expr(self.varlen_k):
+            view = mD[(None, None, seg)]
+        else:
+            view = _segment_view(mD, start, length)
+        gD = cute.local_tile(view, self.epi_tile, (None, None))
+        return cute.nvgpu.cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), cute.group_modes(gD, 0, 2)
+        )
+
+    @cute.jit
+    def _store_chunk(self, store_args, rChunk, pending_tile, step, epi_count):
+        """defer_stores: chunk ``step`` (128 x 32, in dtype in ``rChunk``) of the tile recorded in
+        ``pending_tile`` through epilogue slot epi_count % epi_slots by TMA; the slot is free again
+        on return."""
+        tiled_copy_r2s, tRS_sD, sD, store_tmas, store_pipe, is_store_warp = store_args
+        slot = epi_count % self.epi_slots
+        cute.copy(tiled_copy_r2s, rChunk, tRS_sD[(None, None, None, slot)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        self.epi_barrier.arrive_and_wait()
+        if is_store_warp:
+            if pending_tile[6] != 0:
+                bSG_sD, bSG_gD = self._partition_store(
+                    store_tmas[0], sD, pending_tile[1], pending_tile[2], pending_tile[3]
+                )
+                chunk = pending_tile[5] * self.num_steps + step
+                cute.copy(store_tmas[0][0], bSG_sD[(None, slot)], bSG_gD[(None, pending_tile[4], chunk)])
+            store_pipe.producer_commit()
+            store_pipe.producer_acquire()
+        self.epi_barrier.arrive_and_wait()
+
+    @cute.jit
+    def _run_epilogue_warps(self, acc_pipe, sAcc, epi_tensors, epi_params, first_tile, num_clusters, rank, sched, n_box):
         """``epilogue_warps``, warps 1-3: the epilogue of each tile the MMA warpgroups hand over (its
         accumulator in ``sAcc`` as dtype, one 128 x 32 chunk per step) while they run the next tile's
         mainloop.
@@ -796,14 +1095,11 @@ class GroupedGemmSm90:
         )
         acc_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
 
+        m_total = sched[2]
         tile_id = first_tile
-        found, seg, seg_first, c_start, c_base = locate_tile(
-            tile_id, Int32(0), Int32(0), mOffsets, num_groups, m_total, n_tiles, self.tile_m, self.cluster_m,
-            self.split_tail,
-        )
+        found, seg, seg_first, c_start, c_base = self._locate(tile_id, Int32(0), Int32(0), sched)
         while found:
-            tile, has_rows = self._consumer_tile(tile_id, seg, seg_first, mOffsets, num_groups, m_total, n_tiles,
-                                                 rank)
+            tile, has_rows = self._consumer_tile(tile_id, seg, seg_first, rank, sched)
             is_group = tile.is_group
             if is_group and has_rows:
                 acc_pipe.consumer_wait(acc_read)
@@ -818,10 +1114,7 @@ class GroupedGemmSm90:
                 acc_pipe.consumer_release(acc_read)
                 acc_read.advance()
             tile_id = tile_id + num_clusters
-            found, seg, seg_first, c_start, c_base = locate_tile(
-                tile_id, c_start, c_base, mOffsets, num_groups, m_total, n_tiles, self.tile_m, self.cluster_m,
-                self.split_tail,
-            )
+            found, seg, seg_first, c_start, c_base = self._locate(tile_id, c_start, c_base, sched)
         self.epi_end_kernel(epi_params, warp, state)
 
     @cute.jit
@@ -871,12 +1164,14 @@ class GroupedGemmSm90:
         """The 8 elements (one 16-byte vector) of row ``row``, columns 8 col_vec .. 8 col_vec + 7."""
         return cute.group_modes(cute.local_tile(mT, (1, _EPI_VEC), (row, col_vec)), 0, 2)
 
-    def _partition_loads(self, load_tmas, sC, start):
-        """TMA partitions (smem buffers, gmem chunks) of the C-tile inputs for a segment."""
+    def _partition_loads(self, load_tmas, sC, tile: Tile):
+        """TMA partitions (smem buffers, gmem chunks (mt, chunk)) of the C-tile inputs for a tile: its
+        segment's rows; varlen-K, group seg's (N, K_out) slice."""
         bGS_sC = None
         bGS_gC = []
         for atom, mC in load_tmas:
-            gC = cute.local_tile(cute.domain_offset((start, None), mC), self.epi_tile, (None, None))
+            view = mC[(None, None, tile.seg)] if const_expr(self.varlen_k) else cute.domain_offset((tile.start, None), mC)
+            gC = cute.local_tile(view, self.epi_tile, (None, None))
             bGS_sC, bGS_g = cute.nvgpu.cpasync.tma_partition(
                 atom, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), cute.group_modes(gC, 0, 2)
             )
@@ -945,6 +1240,47 @@ class GroupedGemmSm90:
             if const_expr(self.box_may_split):
                 scale = Float32(cutlass.select_(j % cols_per_box < boxes[h][2], first[r][h], second[r][h]))
             acc[v] = acc[v] + acc_block[v] * scale
+
+    @cute.jit
+    def _fp8_k_tile(self, ab_pipe, read_state, tiled_mma, acc, fp8_args, tile: Tile, k, held, n_box, m_total):
+        """FP8: acc += the product of the k-tile in ``read_state``'s stage (one scale block; the caller
+        has turned ACCUMULATE off) scaled by its multipliers, and release the stage. Varlen-M: ``held``
+        are this block's multipliers (`_block_scales`), the next block's are loaded under the WGMMAs
+        and returned; varlen-K: they ride in the stage (`_stage_multipliers`), ``held`` is returned."""
+        acc_block, tCrA, tCrB, scales, tCcAcc = fp8_args
+        ab_pipe.consumer_wait(read_state)
+        cute.nvgpu.warpgroup.fence()
+        mma_block(tiled_mma, acc_block, tCrA, tCrB, read_state.index)
+        cute.nvgpu.warpgroup.commit_group()
+        ahead = held
+        if const_expr(self.stage_scales):
+            cute.nvgpu.warpgroup.wait_group(0)
+            current = self._stage_multipliers(scales, tCcAcc, read_state.index)
+            ab_pipe.consumer_release(read_state)
+            self._promote_columns(acc, acc_block, current)
+        else:
+            ahead = self._block_scales(scales, tile, tCcAcc, k + 1, n_box, m_total)
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipe.consumer_release(read_state)
+            self._promote(acc, acc_block, held)
+        return ahead
+
+    @cute.jit
+    def _stage_multipliers(self, scales, tCcAcc, stage):
+        """Varlen-K FP8: this thread's multipliers of the k-tile in ``stage``: (rows, columns), the A
+        rows row0 and row0 + 8 and the B columns col0 + i + 8 j of its accumulator values (i, r, j)."""
+        sSFA, sSFB = scales
+        row0, col0 = tCcAcc[0]
+        rows = (sSFA[row0, 0, stage], sSFA[row0 + 8, 0, stage])
+        cols = [sSFB[col0 + v % 2 + v // 2 * 8, 0, stage] for v in range(self.tile_n // 4)]
+        return rows, cols
+
+    @cute.jit
+    def _promote_columns(self, acc, acc_block, multipliers):
+        """acc += acc_block scaled per (row, column) (`_stage_multipliers`)."""
+        rows, cols = multipliers
+        for v in cutlass.range_constexpr(cute.size(acc)):
+            acc[v] = acc[v] + acc_block[v] * (rows[v // 2 % 2] * cols[v // 4 * 2 + v % 2])
 
 
 def _value_coords(tiled_copy_r2s, epi_tile, lane: int) -> list:

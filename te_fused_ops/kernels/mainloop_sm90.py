@@ -1,7 +1,7 @@
-"""The WGMMA steps shared by the sm90 grouped GEMM core and the varlen-K weight gradient.
+"""The WGMMA steps of the sm90 grouped GEMM core's mainloop (`grouped_gemm_sm90`, both schedules).
 
-(The k-loop around it stays in each kernel: the DSL carries pipeline states through a dynamic
-loop only when the loop body itself advances them.)
+(The k-loops around them stay in the kernel body: the DSL carries pipeline states through a
+dynamic loop only when the loop body itself advances them.)
 """
 
 import cutlass
