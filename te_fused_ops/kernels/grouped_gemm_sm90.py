@@ -552,8 +552,7 @@ class GroupedGemmSm90:
                         tile_k_tiles = k_tiles
                         block0 = Int32(0)
                         if const_expr(self.varlen_k):
-                            tile, _ = self._consumer_tile(tile_id, seg, seg_first, rank, sched)
-                            mt, nt = tile.mt, tile.nt
+                            mt, nt = self._varlen_k_tile(tile_id, seg_first, rank, sched)
                             start, length, block0 = self._group_span(seg, sched)
                             tile_k_tiles = (length + self.tile_k - 1) // self.tile_k
                             gA = cute.local_tile(  # (tile_m, tile_k, k-tiles)
@@ -921,11 +920,11 @@ class GroupedGemmSm90:
                 if warp_idx == 0:
                     scan_group_blocks(sEdges, SORT_MAX_G + 1, mOffsets, num_groups, m_total, self.tile_k)
                 cute.arch.sync_threads()
+            if const_expr(self.sort_groups):
+                sSched = storage.sched.get_tensor(cute.make_layout(2 * SORT_MAX_G))
             sched = (mOffsets, num_groups, m_total, n_tiles, (a_rows + rows - 1) // rows, a_rows, sSched, is_sorted,
                      sEdges)
             if const_expr(self.sort_groups):
-                sSched = storage.sched.get_tensor(cute.make_layout(2 * SORT_MAX_G))
-                sched = (*sched[:6], sSched, is_sorted, sEdges)
                 self._rank_groups(sched, tidx)
         return sched
 
@@ -956,10 +955,9 @@ class GroupedGemmSm90:
         ``seg_first``); has_rows False: the CTA's m-tile lies past the segment's end (varlen-K: past
         N), it only helps its peer load B."""
         if const_expr(self.varlen_k):
-            _, _, _, n_tiles, m_tiles, n_rows, _, _, _ = sched
-            mt, nt = banded_tile(tile_id - seg_first, m_tiles, n_tiles, self.raster_band)
-            mt = mt * self.cluster_m + rank
+            mt, nt = self._varlen_k_tile(tile_id, seg_first, rank, sched)
             start, length, _ = self._group_span(seg, sched)
+            n_rows = sched[5]
             result = (Tile(seg, start, start + length, mt, nt, mt * self.tile_m, Boolean(True)),
                       mt * self.tile_m < n_rows)
         else:
@@ -974,17 +972,26 @@ class GroupedGemmSm90:
         return result
 
     @cute.jit
+    def _varlen_k_tile(self, tile_id, seg_first, rank, sched):
+        """Varlen-K: (m-tile, n-tile) of this CTA for linear tile ``tile_id`` of a group whose first tile
+        is ``seg_first`` (`banded_tile` over cluster tiles; CTA ``rank`` takes the pair's m-tile)."""
+        n_tiles, m_tiles = sched[3], sched[4]
+        mt, nt = banded_tile(tile_id - seg_first, m_tiles, n_tiles, self.raster_band)
+        return mt * self.cluster_m + rank, nt
+
+    @cute.jit
     def _group_span(self, g, sched):
         """Varlen-K: (first row, rows, first scale block) of group g, offsets clamped to [0, M]
         (block 0); FP8, from the scan of `scan_group_blocks`."""
         mOffsets, _, m_total, _, _, _, _, _, sEdges = sched
-        start = cutlass.max(cutlass.min(mOffsets[g], m_total), Int32(0))
-        length = cutlass.max(cutlass.min(mOffsets[g + 1], m_total), start) - start
-        block0 = Int32(0)
         if const_expr(self.stage_scales):
             start = sEdges[g]
             length = sEdges[g + 1] - start
             block0 = sEdges[SORT_MAX_G + 1 + g]
+        else:
+            start = cutlass.max(cutlass.min(mOffsets[g], m_total), Int32(0))
+            length = cutlass.max(cutlass.min(mOffsets[g + 1], m_total), start) - start
+            block0 = Int32(0)
         return start, length, block0
 
     def _group_view(self, mTokens, start, length, block0):
