@@ -7,8 +7,10 @@ A (M, K) K-major. The weight is read in place in either major mode (``b_major``)
 acc = A_g @ W[g].T; "mn": W (G, K, N), acc = A_g @ W[g] (16-bit WGMMA reads MN-major B from smem).
 Persistent, warp-specialized: warpgroup 0 is the TMA producer (one warp issues the loads),
 warpgroups 1-2 run WGMMA on a 128 x tile_n tile (64 rows each) and the epilogue. Tiles come from
-``group_tile_scheduler`` (device prefix sums over the offsets tensor); the launch depends on tensor
-shapes only, the grid size (SM margin) is a runtime argument. With cluster_m=2 a pair of CTAs takes
+``group_tile_scheduler`` (device prefix sums over the offsets tensor), searched by the producer
+warp, which passes each tile on to the MMA warpgroups through a small shared-memory ring (so no
+search sits between their tiles); the launch depends on tensor shapes only, the grid size (SM
+margin) is a runtime argument. With cluster_m=2 a pair of CTAs takes
 two vertically adjacent tiles of one group and multicasts the shared B tile (each CTA loads half);
 a CTA whose tile lies past its group's end still runs the mainloop for its peer and stores nothing.
 
@@ -76,6 +78,10 @@ from .group_tile_scheduler import (
 from .mainloop_sm90 import mma_block, mma_stage
 
 _EPI_VEC = 8  # 16-bit elements per 16-byte load / store of the epilogue warps
+# the tile ring: tiles the producer warp has located, read by the MMA warpgroups
+# (entry: found, seg, start, end, mt, nt, row0, has_rows)
+_TILE_SLOTS = 4
+_TILE_FIELDS = 8
 _BIG = 2**30
 _HUGE = 2**31 - 1
 
@@ -218,7 +224,7 @@ class GroupedGemmSm90:
         if self.stage_scales:
             stage_bytes += (self.tile_m + tile_n) * 4
         buf_bytes = self.tile_m * self.epi_n * dtype.width // 8
-        smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90") - 1024
+        smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90") - 1024 - _TILE_SLOTS * (_TILE_FIELDS * 4 + 16)
         if self.varlen_k and self.sort_groups:  # k-tile counts and the ranked order
             smem -= 2 * SORT_MAX_G * 4
         if self.stage_scales:  # group edges and first blocks (`scan_group_blocks`)
@@ -342,6 +348,8 @@ class GroupedGemmSm90:
             ab_full_empty: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
             c_full_empty: cute.struct.MemRange[cutlass.Int64, self.c_stages * 2]
             acc_full_empty: cute.struct.MemRange[cutlass.Int64, 2 if self.epilogue_warps else 0]
+            tile_full_empty: cute.struct.MemRange[cutlass.Int64, 2 * _TILE_SLOTS]
+            tiles: cute.struct.MemRange[Int32, _TILE_FIELDS * _TILE_SLOTS]
             sched: cute.struct.MemRange[Int32, 2 * SORT_MAX_G if sorted_groups else 0]
             edges: cute.struct.MemRange[Int32, 2 * (SORT_MAX_G + 1) if self.stage_scales else 0]
             sSFA: cute.struct.Align[
@@ -508,6 +516,16 @@ class GroupedGemmSm90:
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * self.hook_warps),
                 defer_sync=True,
             )
+        # producer warp -> MMA warpgroups: where each tile sits (`_publish_tile`), so that no
+        # schedule search sits between their tiles (the epilogue warps, off that path, search)
+        tile_pipe = pipeline.PipelineAsync.create(
+            barrier_storage=storage.tile_full_empty.data_ptr(),
+            num_stages=_TILE_SLOTS,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_mma_wg),
+            defer_sync=True,
+        )
+        sTiles = storage.tiles.get_tensor(cute.make_layout((_TILE_FIELDS, _TILE_SLOTS)))
         pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)
 
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
@@ -542,18 +560,20 @@ class GroupedGemmSm90:
                 state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.ab_stages
                 )
+                tile_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, _TILE_SLOTS)
                 tile_id = first_tile
                 found, seg, seg_first, c_start, c_base = self._locate(tile_id, Int32(0), Int32(0), sched)
                 while found:
-                    if seg < num_groups:
+                    tile, has_rows, split, block0 = self._tile(tile_id, seg, seg_first, rank, sched)
+                    self._publish_tile(tile_pipe, tile_write, sTiles, Int32(1), tile, has_rows)
+                    tile_write.advance()
+                    if tile.is_group:
                         # slice r of the B box is what CTA r of a pair loads for both; a split
                         # tile's CTA loads every slice of its own box, for itself only
-                        split = Boolean(False)
+                        start, mt, nt = tile.start, tile.mt, tile.nt
                         tile_k_tiles = k_tiles
-                        block0 = Int32(0)
                         if const_expr(self.varlen_k):
-                            mt, nt = self._varlen_k_tile(tile_id, seg_first, rank, sched)
-                            start, length, block0 = self._group_span(seg, sched)
+                            length = tile.end - start
                             tile_k_tiles = (length + self.tile_k - 1) // self.tile_k
                             gA = cute.local_tile(  # (tile_m, tile_k, k-tiles)
                                 self._group_view(mA, start, length, block0), (self.tile_m, self.tile_k), (mt, None)
@@ -562,11 +582,6 @@ class GroupedGemmSm90:
                                 self._group_view(mB, start, length, block0), (self.box_n, self.tile_k), (nt, None)
                             )
                         else:
-                            start, end = segment_rows(mOffsets, seg, num_groups, m_total)
-                            mt, nt, split = cluster_tile(
-                                tile_id - seg_first, end - start, n_tiles, rank, self.tile_m, self.cluster_m,
-                                self.split_tail, self.raster_band,
-                            )
                             gA = cute.local_tile(
                                 cute.domain_offset((start, None), mA), (self.tile_m, self.tile_k), (mt, None)
                             )
@@ -621,6 +636,10 @@ class GroupedGemmSm90:
                             state.advance()
                     tile_id = tile_id + num_clusters
                     found, seg, seg_first, c_start, c_base = self._locate(tile_id, c_start, c_base, sched)
+                tile_pipe.producer_acquire(tile_write)
+                if cute.arch.lane_idx() == 0:
+                    sTiles[0, tile_write.index] = Int32(0)  # the end of the schedule
+                tile_pipe.producer_commit(tile_write)
                 ab_pipe.producer_tail(state)
             elif const_expr(self.epilogue_warps):
                 # ------------------------------------------------------ epilogue warps
@@ -726,10 +745,13 @@ class GroupedGemmSm90:
             # WGMMA chain) or none (FP8: every block is alike)
             peeled = self.num_steps if const_expr(self.defer_stores) else 0 if const_expr(self.block_scaled) else 1
             epi_count = Int32(0)
-            tile_id = first_tile
-            found, seg, seg_first, c_start, c_base = self._locate(tile_id, Int32(0), Int32(0), sched)
+            tile_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, _TILE_SLOTS)
+            tile_pipe.consumer_wait(tile_read)
+            found = sTiles[0, tile_read.index] != 0
             while found:
-                tile, has_rows = self._consumer_tile(tile_id, seg, seg_first, rank, sched)
+                tile, has_rows = self._read_tile(sTiles, tile_read.index, num_groups)
+                tile_pipe.consumer_release(tile_read)
+                tile_read.advance()
                 start, mt, nt, is_group = tile.start, tile.mt, tile.nt, tile.is_group
                 tile_k_tiles = k_tiles if is_group else 0
                 if const_expr(self.varlen_k):
@@ -823,13 +845,13 @@ class GroupedGemmSm90:
                                        tRS_cD, state)
                         pending[step].store(rOut[0].load().to(self.dtype))
                     self.epi_end_tile(epi_params, tile, n_box, tRS_cD, state)
-                    for i, value in enumerate((1, seg, start, tile.end - start, mt, nt, Int32(has_rows))):
+                    for i, value in enumerate((1, tile.seg, start, tile.end - start, mt, nt, Int32(has_rows))):
                         pending_tile[i] = Int32(value)
                 else:
                     bSG_sD = None
                     bSG_gD = []
                     for atom_and_view in store_tmas:
-                        bSG_sD, bSG_g = self._partition_store(atom_and_view, sD, seg, start, tile.end - start)
+                        bSG_sD, bSG_g = self._partition_store(atom_and_view, sD, tile.seg, start, tile.end - start)
                         bSG_gD.append(bSG_g)
                     self.epi_begin_tile(epi_params, tile, n_box, tRS_rAcc, tRS_cD, state)
 
@@ -888,8 +910,8 @@ class GroupedGemmSm90:
                             epi_count = epi_count + 1
                     self.epi_end_tile(epi_params, tile, n_box, tRS_cD, state)
 
-                tile_id = tile_id + num_clusters
-                found, seg, seg_first, c_start, c_base = self._locate(tile_id, c_start, c_base, sched)
+                tile_pipe.consumer_wait(tile_read)
+                found = sTiles[0, tile_read.index] != 0
             if const_expr(self.defer_stores):
                 if pending_tile[0] != 0:
                     for step in cutlass.range_constexpr(self.num_steps):
@@ -950,26 +972,43 @@ class GroupedGemmSm90:
         return result
 
     @cute.jit
-    def _consumer_tile(self, tile_id, seg, seg_first, rank, sched):
-        """(Tile, has_rows) of this CTA for linear tile ``tile_id`` of segment ``seg`` (first tile
-        ``seg_first``); has_rows False: the CTA's m-tile lies past the segment's end (varlen-K: past
-        N), it only helps its peer load B."""
+    def _tile(self, tile_id, seg, seg_first, rank, sched):
+        """(Tile, has_rows, split, block0) of this CTA for linear tile ``tile_id`` of segment ``seg``
+        (first tile ``seg_first``). has_rows False: the CTA's m-tile lies past the segment's end
+        (varlen-K: past N), it only helps its peer load B; split: `cluster_tile`'s split tail (varlen-M);
+        block0: the group's first scale block (varlen-K FP8, else 0)."""
         if const_expr(self.varlen_k):
             mt, nt = self._varlen_k_tile(tile_id, seg_first, rank, sched)
-            start, length, _ = self._group_span(seg, sched)
+            start, length, block0 = self._group_span(seg, sched)
             n_rows = sched[5]
             result = (Tile(seg, start, start + length, mt, nt, mt * self.tile_m, Boolean(True)),
-                      mt * self.tile_m < n_rows)
+                      mt * self.tile_m < n_rows, Boolean(False), block0)
         else:
             mOffsets, num_groups, m_total, n_tiles = sched
             start, end = segment_rows(mOffsets, seg, num_groups, m_total)
-            mt, nt, _ = cluster_tile(
+            mt, nt, split = cluster_tile(
                 tile_id - seg_first, end - start, n_tiles, rank, self.tile_m, self.cluster_m, self.split_tail,
                 self.raster_band,
             )
             result = (Tile(seg, start, end, mt, nt, start + mt * self.tile_m, seg < num_groups),
-                      mt * self.tile_m < end - start)
+                      mt * self.tile_m < end - start, split, Int32(0))
         return result
+
+    @cute.jit
+    def _publish_tile(self, tile_pipe, tile_write, sTiles, found, tile: Tile, has_rows):
+        """Producer warp: one entry of the tile ring (``found`` 0: the schedule's end)."""
+        tile_pipe.producer_acquire(tile_write)
+        if cute.arch.lane_idx() == 0:
+            for i, value in enumerate((found, tile.seg, tile.start, tile.end, tile.mt, tile.nt, tile.row0, has_rows)):
+                sTiles[i, tile_write.index] = Int32(value)
+        tile_pipe.producer_commit(tile_write)
+
+    @cute.jit
+    def _read_tile(self, sTiles, index, num_groups):
+        """(Tile, has_rows) of tile-ring entry ``index``."""
+        seg, start, end, mt, nt, row0, has_rows = (sTiles[i, index] for i in range(1, _TILE_FIELDS))
+        is_group = Boolean(True) if const_expr(self.varlen_k) else seg < num_groups
+        return Tile(seg, start, end, mt, nt, row0, is_group), has_rows != 0
 
     @cute.jit
     def _varlen_k_tile(self, tile_id, seg_first, rank, sched):
@@ -1106,7 +1145,7 @@ class GroupedGemmSm90:
         tile_id = first_tile
         found, seg, seg_first, c_start, c_base = self._locate(tile_id, Int32(0), Int32(0), sched)
         while found:
-            tile, has_rows = self._consumer_tile(tile_id, seg, seg_first, rank, sched)
+            tile, has_rows, _, _ = self._tile(tile_id, seg, seg_first, rank, sched)
             is_group = tile.is_group
             if is_group and has_rows:
                 acc_pipe.consumer_wait(acc_read)
