@@ -82,6 +82,7 @@ _EPI_VEC = 8  # 16-bit elements per 16-byte load / store of the epilogue warps
 # (entry: found, seg, start, end, mt, nt, row0, has_rows)
 _TILE_SLOTS = 4
 _TILE_FIELDS = 8
+_MAX_EPI_SLOTS = 2  # TMA-store slots of 128 x 32 (tile_m x epi_n) where shared memory has room
 _BIG = 2**30
 _HUGE = 2**31 - 1
 
@@ -229,16 +230,23 @@ class GroupedGemmSm90:
             smem -= 2 * SORT_MAX_G * 4
         if self.stage_scales:  # group edges and first blocks (`scan_group_blocks`)
             smem -= 2 * (SORT_MAX_G + 1) * 4
-        if epi_slots is None:
-            epi_slots = 1 if self.num_out + self.num_in >= 3 and tile_n == 256 else 2
-        self.epi_slots = epi_slots
-        epi_bytes = buf_bytes * (self.num_out * epi_slots + self.num_in * self.c_stages)
+        # store slots: the fewest that keep the stores off the tile's critical path decide the
+        # A/B stages; the room those stages leave then holds more slots, up to _MAX_EPI_SLOTS
+        slots = epi_slots
+        if slots is None:
+            slots = 1 if self.num_out + self.num_in >= 3 and tile_n == 256 else 2
+        in_bytes = buf_bytes * self.num_in * self.c_stages
+        epi_bytes = buf_bytes * self.num_out * slots + in_bytes
         if epilogue_warps:  # no store or load buffers: the accumulator handed over in dtype, one chunk per step
             epi_bytes = buf_bytes * self.b_boxes * self.num_steps
         if ab_stages is None:
             ab_stages = (smem - epi_bytes) // stage_bytes
         if ab_stages * stage_bytes + epi_bytes > smem or ab_stages < 2:
             raise ValueError("tile configuration does not fit in shared memory")
+        if epi_slots is None and self.num_out and not epilogue_warps:
+            room = smem - ab_stages * stage_bytes - in_bytes
+            slots = max(slots, min(_MAX_EPI_SLOTS, room // (buf_bytes * self.num_out)))
+        self.epi_slots = slots
         self.ab_stages = ab_stages
         self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=128 * self.num_mma_wg)
 
