@@ -230,8 +230,8 @@ class GroupedGemmSm90:
             smem -= 2 * SORT_MAX_G * 4
         if self.stage_scales:  # group edges and first blocks (`scan_group_blocks`)
             smem -= 2 * (SORT_MAX_G + 1) * 4
-        # store slots: the fewest that keep the stores off the tile's critical path decide the
-        # A/B stages; the room those stages leave then holds more slots, up to _MAX_EPI_SLOTS
+        # store slots: one for three-buffer epilogues at tile_n 256, else two, decide the A/B
+        # stages; the room those stages leave then takes more slots, up to _MAX_EPI_SLOTS
         slots = epi_slots
         if slots is None:
             slots = 1 if self.num_out + self.num_in >= 3 and tile_n == 256 else 2
