@@ -18,7 +18,7 @@ import argparse
 
 import torch
 import torch.utils.checkpoint
-from bench_train_step import SHAPES, ReferenceMLP, problem, time_variant
+from bench_train_step import SHAPES, ReferenceMLP, problem, time_variants
 from common import device_tag, write_results
 
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU
@@ -71,8 +71,9 @@ def main():
             got = grads_of(runs[label], leaves, dy)
             assert all(torch.equal(a, b) for a, b in zip(got, want)), f"{name}: {label} gradients differ"
         row = {"shape": name}
+        timed = time_variants({label: (forward, leaves) for label, forward in runs.items()}, dy)
         for label, forward in runs.items():
-            r = time_variant(forward, leaves, dy)
+            r = timed[label]
             r["saved_mib"] = saved_mib(forward)
             row[label] = r
             print(f"{name:16s} {label:14s} step {r['step_ms']:8.3f} ms  bwd {r['bwd_ms']:8.3f} ms  "

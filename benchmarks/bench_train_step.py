@@ -9,8 +9,8 @@ multiples of 8 so that torch._grouped_mm accepts them, the same splits for every
 Rows: forward, backward (retained graph, gradients set to None first), step (forward + backward,
 gradients set to None first), step TFLOPS (3 x forward FLOPs / step time), peak memory of the
 step above the inputs and weights; then per-kernel rows of the fused backward against their
-torch counterparts (timed in rotated order, `common.rotated_medians`). Median of
-triton.testing.do_bench (L2 flushed before every run).
+torch counterparts. Every time is a median of triton.testing.do_bench (L2 flushed before every
+run) over the variants timed in rotated order (`common.rotated_medians`).
 Gradients of fused and reference are checked against each other (rel. Frobenius <= 1e-2) first.
 
     python benchmarks/bench_train_step.py [--shapes qwen3-30b-a3b,...] [--out DIR] [--profile]
@@ -100,32 +100,44 @@ def variants(mlp, splits, offsets, x):
     }
 
 
-def time_variant(forward, leaves, dy):
-    def clear():
+def time_variants(runs, dy):
+    """label -> {fwd_ms, bwd_ms, step_ms, peak_mib} for each (forward, leaves) of ``runs``. Forward,
+    backward (one retained graph per variant, replayed) and step are each timed over all variants
+    in rotated order (`common.rotated_medians`), so no variant gains from its place in the run."""
+    def clear(leaves):
         for t in leaves:
             t.grad = None
 
-    def step():
-        clear()
-        forward().backward(dy)
+    steps, backwards, graphs = {}, {}, {}
+    for label, (forward, leaves) in runs.items():
+        def step(forward=forward, leaves=leaves):
+            clear(leaves)
+            forward().backward(dy)
 
-    step()
-    fwd = bench(forward)
-    graph = [forward()]  # one forward graph, its backward replayed (retain_graph)
+        def backward(label=label, leaves=leaves):
+            clear(leaves)
+            graphs[label].backward(dy, retain_graph=True)
 
-    def backward():
-        clear()
-        graph[0].backward(dy, retain_graph=True)
-
-    bwd = bench(backward)
-    graph.clear()
-    clear()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    peak = torch.cuda.max_memory_allocated() - base
-    return {"fwd_ms": fwd, "bwd_ms": bwd, "step_ms": bench(step), "peak_mib": peak / 2**20}
+        step()
+        steps[label], backwards[label] = step, backward
+        graphs[label] = forward()
+    fwd = rotated_medians({label: forward for label, (forward, _) in runs.items()}, bench)
+    bwd = rotated_medians(backwards, bench)
+    graphs.clear()
+    peaks = {}
+    for label, (_, leaves) in runs.items():
+        clear(leaves)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        steps[label]()
+        peaks[label] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        clear(leaves)
+    step_ms = rotated_medians(steps, bench)
+    return {
+        label: {"fwd_ms": fwd[label], "bwd_ms": bwd[label], "step_ms": step_ms[label], "peak_mib": peaks[label]}
+        for label in runs
+    }
 
 
 def kernel_rows(mlp, offsets, x, dy):
@@ -259,8 +271,7 @@ def main():
         del grads
         row = {"shape": name, "M": m, "H": h, "I": i, "E": e, "max_rel_err": max(errs)}
         flops = 2 * m * h * 2 * i + 2 * m * i * h  # forward
-        for label, (forward, leaves) in runs.items():
-            r = time_variant(forward, leaves, dy)
+        for label, r in time_variants(runs, dy).items():
             r["step_tflops"] = 3 * flops / (r["step_ms"] * 1e-3) / 1e12
             row[label] = r
             print(f"  {label:9s} fwd {r['fwd_ms']:8.3f} ms  bwd {r['bwd_ms']:8.3f} ms  step {r['step_ms']:8.3f} ms"
