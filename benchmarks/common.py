@@ -42,7 +42,7 @@ def rotated_medians(fns: dict, time_us) -> dict:
     """label -> median of ``time_us(fn)`` over 2 x len(fns) rounds in which every variant takes
     every position, in rotated and then reversed order, after one warm-up pass: a variant timed
     first after an idle gap runs at a higher clock under the power cap, so a fixed order (or the
-    least of a few rounds) favours it."""
+    least of a few rounds) favours it (`sustained_ms` removes most of that bias itself)."""
     labels = list(fns)
     for label in labels:
         time_us(fns[label])
@@ -52,6 +52,39 @@ def rotated_medians(fns: dict, time_us) -> dict:
         for label in order if r < len(labels) else order[::-1]:
             samples[label].append(time_us(fns[label]))
     return {label: sorted(v)[len(v) // 2] for label, v in samples.items()}
+
+
+_L2_FLUSH = []  # one 256 MiB buffer, zeroed before every timed call (as triton's do_bench does)
+
+
+def sustained_ms(fn, warm_s: float = 0.4, time_s: float = 0.4) -> float:
+    """Median ms per call of ``fn`` at the clock a long run settles at: ``fn`` runs back to back
+    for ``warm_s`` first, then ~``time_s`` of calls are each timed by CUDA events (L2 flushed
+    before each), with no host sync between them. An H100 at its 700 W cap leaves its 1980 MHz
+    boost within ~0.1 s of a GEMM load and settles at 1300-1700 MHz depending on the kernels, so a
+    ~100 ms do_bench window measures a mix of the two that depends on what ran just before."""
+    if not _L2_FLUSH:
+        _L2_FLUSH.append(torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda"))
+    flush = _L2_FLUSH[0]
+    calls, start = 0, time.perf_counter()
+    while True:
+        for _ in range(4):
+            fn()
+        calls += 4
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if elapsed >= warm_s:
+            break
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(max(8, round(time_s * calls / elapsed)))]
+    for begin, end in events:
+        flush.zero_()
+        begin.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(begin.elapsed_time(end) for begin, end in events)
+    return times[len(times) // 2]
 
 
 def gpu_us_per_kernel(fn) -> dict:
