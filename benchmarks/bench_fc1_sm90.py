@@ -26,7 +26,7 @@ import sys
 
 import torch
 import triton.testing
-from common import MODEL_SHAPES, host_us_per_call, skewed_splits
+from common import MODEL_SHAPES, compile_per_shape, host_us_per_call, skewed_splits
 
 from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm, grouped_gemm_sm90, max_clusters
 from te_fused_ops.kernels.launch import num_sms
@@ -45,12 +45,7 @@ def problem(name):
     return m, n, k, e, offsets, x, w
 
 
-torch._dynamo.config.recompile_limit = 64  # 4 shapes x 2 (fc1/fc2 or dtypes): past 8, dynamo runs eager
-
-
-# dynamic=False: one static kernel per shape, what a user training one model gets; the default
-# recompiles with dynamic sizes once the shape loop reaches a second shape (5-9% slower steps).
-@torch.compile(dynamic=False)
+@compile_per_shape
 def swiglu(pre):
     gate, up = pre.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

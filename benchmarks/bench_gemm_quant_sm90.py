@@ -19,7 +19,7 @@ import argparse
 
 import torch
 import triton.testing
-from common import MODEL_SHAPES, device_tag, rotated_medians, skewed_splits, write_results
+from common import MODEL_SHAPES, compile_per_shape, device_tag, rotated_medians, skewed_splits, write_results
 
 from te_fused_ops.kernels.block_quantize import block_quantize_sm90
 from te_fused_ops.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_sm90
@@ -30,12 +30,7 @@ def bench_us(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median") * 1e3
 
 
-torch._dynamo.config.recompile_limit = 64  # 4 shapes x 2 (fc1/fc2 or dtypes): past 8, dynamo runs eager
-
-
-# dynamic=False: one static kernel per shape, what a user training one model gets; the default
-# recompiles with dynamic sizes once the shape loop reaches a second shape (5-9% slower steps).
-@torch.compile(dynamic=False)
+@compile_per_shape
 def compiled_block_cast(y):
     """A user's 1 x 128 E4M3 cast of y (M, N): (data, scale_inv (M, ceil(N/128)))."""
     n = y.shape[-1]

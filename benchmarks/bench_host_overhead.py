@@ -20,7 +20,7 @@ import statistics
 import time
 
 import torch
-from common import MODEL_SHAPES, device_tag, host_us_per_call, skewed_splits, write_results
+from common import MODEL_SHAPES, compile_per_shape, device_tag, host_us_per_call, skewed_splits, write_results
 
 import te_fused_ops as tfo
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU
@@ -32,9 +32,7 @@ def routing(m, e, seed):
     return skewed_splits(m, e, seed, align=8).cuda()
 
 
-# dynamic=False: one static kernel per shape, what a user training one model gets; the default
-# recompiles with dynamic sizes once the shape loop reaches a second shape (5-9% slower steps).
-@torch.compile(dynamic=False)
+@compile_per_shape
 def swiglu(pre):
     gate, up = pre.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

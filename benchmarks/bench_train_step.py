@@ -24,7 +24,8 @@ import argparse
 
 import torch
 from common import (
-    MODEL_SHAPES, device_tag, gpu_us_per_kernel, rotated_medians, skewed_splits, sustained_ms, write_results,
+    MODEL_SHAPES, compile_per_shape, device_tag, gpu_us_per_kernel, rotated_medians, skewed_splits, sustained_ms,
+    write_results,
 )
 
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU
@@ -32,15 +33,13 @@ from te_fused_ops import GroupedLinear, Sequential, SwiGLU
 SHAPES = MODEL_SHAPES
 
 
-# dynamic=False: one static kernel per shape, what a user training one model gets; the default
-# recompiles with dynamic sizes once the shape loop reaches a second shape (5-9% slower steps).
-@torch.compile(dynamic=False)
+@compile_per_shape
 def swiglu(pre):
     gate, up = pre.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(pre.dtype)
 
 
-@torch.compile(dynamic=False)
+@compile_per_shape
 def dswiglu(pre, d_act):
     gate, up = pre.float().chunk(2, dim=-1)
     s = torch.sigmoid(gate)
@@ -68,10 +67,6 @@ class ReferenceMLP(torch.autograd.Function):
         dx = torch._grouped_mm(d_pre, w1, offs=ends)
         dw1 = torch._grouped_mm(d_pre.t(), x, offs=ends)
         return dx, dw1, dw2, None
-
-
-def bench(fn):
-    return sustained_ms(fn)
 
 
 def rel_err(a, b):
@@ -125,8 +120,8 @@ def time_variants(runs, dy):
         step()
         steps[label], backwards[label] = step, backward
         graphs[label] = forward()
-    fwd = rotated_medians({label: forward for label, (forward, _) in runs.items()}, bench)
-    bwd = rotated_medians(backwards, bench)
+    fwd = rotated_medians({label: forward for label, (forward, _) in runs.items()}, sustained_ms)
+    bwd = rotated_medians(backwards, sustained_ms)
     graphs.clear()
     peaks = {}
     for label, (_, leaves) in runs.items():
@@ -137,7 +132,7 @@ def time_variants(runs, dy):
         steps[label]()
         peaks[label] = (torch.cuda.max_memory_allocated() - base) / 2**20
         clear(leaves)
-    step_ms = rotated_medians(steps, bench)
+    step_ms = rotated_medians(steps, sustained_ms)
     return {
         label: {"fwd_ms": fwd[label], "bwd_ms": bwd[label], "step_ms": step_ms[label], "peak_mib": peaks[label]}
         for label in runs
@@ -173,7 +168,7 @@ def kernel_rows(mlp, offsets, x, dy):
         ),
     }
     return {
-        name: rotated_medians({"ours_us": ours, "torch_us": theirs}, lambda fn: bench(fn) * 1e3)
+        name: rotated_medians({"ours_us": ours, "torch_us": theirs}, lambda fn: sustained_ms(fn) * 1e3)
         for name, (ours, theirs) in rows.items()
     }
 
@@ -203,9 +198,9 @@ def sweep_configs(mlp, offsets, x, dy):
     """Median us of each sm90 kernel of the step per (tile_n, cluster_m), and with the wrapper's choice."""
     table = {}
     for name, fn in step_kernels(mlp, offsets, x, dy).items():
-        times = {"auto": bench(fn) * 1e3}
+        times = {"auto": sustained_ms(fn) * 1e3}
         for tile_n, cluster_m in CONFIGS:
-            times[f"{tile_n}x{cluster_m}"] = bench(lambda: fn(tile_n=tile_n, cluster_m=cluster_m)) * 1e3
+            times[f"{tile_n}x{cluster_m}"] = sustained_ms(lambda: fn(tile_n=tile_n, cluster_m=cluster_m)) * 1e3
         table[name] = times
         print(f"  {name:22s} " + "  ".join(f"{k} {v:7.0f}" for k, v in times.items()), flush=True)
     return table

@@ -1,5 +1,6 @@
-"""Pieces the benchmarks share: model shapes, routing, host timing, result files."""
+"""Pieces the benchmarks share: model shapes, routing, torch baselines, timing, result files."""
 
+import functools
 import json
 import os
 import time
@@ -54,7 +55,19 @@ def rotated_medians(fns: dict, time_us) -> dict:
     return {label: sorted(v)[len(v) // 2] for label, v in samples.items()}
 
 
-_L2_FLUSH = []  # one 256 MiB buffer, zeroed before every timed call (as triton's do_bench does)
+def compile_per_shape(fn):
+    """``torch.compile`` with one static kernel per shape, what a user training one model gets: the
+    default recompiles with dynamic sizes once a shape loop reaches its second shape (a 5-9% slower
+    plain-torch step on H100). Dynamo's recompile limit (8) is raised so every shape of a run keeps
+    its kernel instead of falling back to eager."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(fn, dynamic=False)
+
+
+@functools.cache
+def _l2_flush_buffer() -> torch.Tensor:
+    """256 MiB, zeroed before every timed call (as triton's do_bench does)."""
+    return torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
 
 
 def sustained_ms(fn, warm_s: float = 0.4, time_s: float = 0.4) -> float:
@@ -63,9 +76,7 @@ def sustained_ms(fn, warm_s: float = 0.4, time_s: float = 0.4) -> float:
     before each), with no host sync between them. An H100 at its 700 W cap leaves its 1980 MHz
     boost within ~0.1 s of a GEMM load and settles at 1300-1700 MHz depending on the kernels, so a
     ~100 ms do_bench window measures a mix of the two that depends on what ran just before."""
-    if not _L2_FLUSH:
-        _L2_FLUSH.append(torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda"))
-    flush = _L2_FLUSH[0]
+    flush = _l2_flush_buffer()
     calls, start = 0, time.perf_counter()
     while True:
         for _ in range(4):
