@@ -129,3 +129,13 @@ def test_argument_errors():
     with pytest.raises(ValueError, match=f"{name}: weight_t has K=256"):
         grouped_dgrad_dact_fp8_sm90(dy[:, :128].contiguous(), dy_scale[:, :1].contiguous(), w_t, w_t_scale,
                                     offsets, pre, activation="swiglu")
+
+
+def test_output_dtype_follows_pre_between_calls():
+    """The memoized launch is keyed by pre's dtype (the output's): an fp16 call, then a bf16 call of
+    the same shapes, each gets its own kernel (the bf16 one was once handed the fp16 kernel)."""
+    fp8, _, _, pre, _ = operands([100, 28], 128, 256, 128, "swiglu", torch.bfloat16, 6)
+    offsets = offsets_from_splits([100, 28])
+    for dtype in (torch.float16, torch.bfloat16):
+        d_pre, _ = grouped_dgrad_dact_fp8_sm90(*fp8, offsets, pre.to(dtype), activation="swiglu")
+        assert d_pre.dtype == dtype

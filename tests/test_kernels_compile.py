@@ -135,6 +135,13 @@ def test_unsupported_reasons():
     assert "H=12" in why_dact(torch.bfloat16, 12, 64, "swiglu")
     assert "needs an activation" in why_dact(torch.bfloat16, 64, 64, None)
 
+    from te_fused_ops.kernels.grouped_gemm import sm90_grouped_dgrad_dact_quant_fp8_unsupported_reason as why_quant
+
+    assert why_quant(torch.bfloat16, 2048, 768, 128, "swiglu") is None
+    assert "I=2880" in why_quant(torch.bfloat16, 2880, 2880, 32, "swiglu")
+    assert "513 groups" in why_quant(torch.bfloat16, 256, 128, 513, "srelu")
+    assert "H=200" in why_quant(torch.bfloat16, 200, 128, 8, "swiglu")
+
 
 @pytest.mark.parametrize("size_dtype", [torch.int32, torch.int64])
 def test_split_offsets_compiles(size_dtype):
@@ -189,6 +196,16 @@ def test_grouped_dgrad_dact_fp8_compiles(activation, dtype, cluster_m):
     assert compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=False, cluster_m=cluster_m) is not None
     # d_pre's amax parts from the epilogue (fp8_current)
     assert compile_grouped_dgrad_dact_fp8(dtype, activation, False, cluster_m, d_pre_amax=True) is not None
+
+
+@pytest.mark.parametrize("activation,dtype,cluster_m,power_2_scales", [
+    ("swiglu", torch.bfloat16, 2, False), ("scaled_swiglu", torch.float16, 1, True), ("srelu", torch.bfloat16, 2, True),
+])
+def test_grouped_dgrad_dact_quant_fp8_compiles(activation, dtype, cluster_m, power_2_scales):
+    """d_pre cast in the epilogue: rows and per-group columns (fp8_blockwise, FC1's backward)."""
+    from te_fused_ops.kernels.grouped_gemm import compile_grouped_dgrad_dact_quant_fp8
+
+    assert compile_grouped_dgrad_dact_quant_fp8(dtype, activation, False, cluster_m, power_2_scales) is not None
 
 
 @pytest.mark.parametrize(

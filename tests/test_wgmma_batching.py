@@ -36,6 +36,8 @@ COMPILE = {  # name: Python that compiles one configuration (torch as torch, bf1
                          "c(bf16, 128, False, 2, False, True)",
     "FP8 forward + SwiGLU": "from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm_fp8 as c;"
                             "c(bf16, 'swiglu', False, False, 2, 128)",
+    "FP8 dgrad + dSwiGLU, d_pre cast": "from te_fused_ops.kernels.grouped_gemm import"
+                                       " compile_grouped_dgrad_dact_quant_fp8 as c; c(bf16, 'swiglu', False, 2, False)",
 }
 
 

@@ -21,16 +21,20 @@ amax as partial maxima per consumer warp (`grouped_gemm_sm90.write_amax_parts`).
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Uint64, const_expr
 
 from .activation_math_sm90 import ACTIVATION_MATH
 from .activations import activation_spec
+from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled
+from .group_tile_scheduler import SORT_MAX_G
 from .grouped_gemm_sm90 import (
     GroupedGemmSm90,
     Tile,
     _row_value,
     fragment_row_slots,
     make_amax_state,
+    quad_column_groups,
+    store_quad_rows,
     track_amax,
     write_amax_parts,
 )
@@ -41,21 +45,23 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
 
     Compile-time configuration: ``dtype``, ``tile_n`` (over I), ``activation`` (a name of
     ``activations.ACTIVATIONS``), ``cluster_m``, ``b_major`` (bf16: "mn", W (G, H, I) read in
-    place), ``emit_act`` (store act), ``d_pre_amax`` (params[5] the amax parts) and the core's
-    options.
+    place), ``emit_act`` (store act), ``store_d_pre`` (False: a subclass writes d_pre itself),
+    ``d_pre_amax`` (params[5] the amax parts) and the core's options.
     """
 
     supports_epilogue_warps = True
 
     def __init__(self, dtype, tile_n, activation, cluster_m=2, b_major="mn", emit_act=True, d_pre_amax=False,
-                 **opts):
+                 store_d_pre=True, **opts):
         self.spec = activation_spec(activation, "GroupedGemmDActSm90")
         if self.spec is None:
             raise ValueError("GroupedGemmDActSm90 needs an activation")
         self.d_pre_amax = d_pre_amax
         # outputs: d_pre (gate and up halves for GLU), act (``emit_act``); input: pre (both halves)
         self.emit_act = emit_act
-        self.epi_stores = ((0, 0), (0, 1)) if self.spec.glu else ((0, 0),)
+        self.epi_stores = ()
+        if store_d_pre:
+            self.epi_stores = ((0, 0), (0, 1)) if self.spec.glu else ((0, 0),)
         if emit_act:
             self.epi_stores += ((1, 0),)
         self.epi_loads = ((0, 0), (0, 1)) if self.spec.glu else ((0, 0),)
@@ -81,7 +87,7 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
         self.launch(mDy, mW, mOffsets, (mDPre, mAct), (mPre,),
                     (mProbs, mDProbsPart, limit, alpha, m_total, None), max_clusters, stream)
 
-    def epi_make_state(self, tiled_copy, epi_tile):
+    def epi_make_state(self, tiled_copy, epi_tile, shared):
         """(scaled_swiglu: per-thread d_probs sums of its rows (fp32) and a scratch fragment, else
         None, None; d_pre_amax: the thread's running max |d_pre|, else None)."""
         probs = (None, None)
@@ -181,3 +187,186 @@ class GroupedGemmDActFp8Sm90(GroupedGemmDActSm90):
         m_total = cute.size(mDy, mode=[0])
         self.launch(mDy, mW, mOffsets, (mDPre,), (mPre,), (mProbs, mDProbsPart, limit, alpha, m_total, mDPreAmax),
                     max_clusters, stream, scales=(mDyScale, mWScale))
+
+
+# the transposed tile's column stride in elements: 264 bytes, so the accumulator layout's stores
+# (lanes 4 apart 2 columns apart) and 8-byte loads along 16 columns per warp hit distinct banks
+_COLUMN_STRIDE = 132
+
+
+class GroupedGemmDActQuantFp8Sm90(GroupedGemmDActFp8Sm90):
+    """`GroupedGemmDActFp8Sm90` whose d_pre leaves only as the two E4M3 copies FC1's backward reads
+    ("fp8_blockwise", 1 x 128 blocks), bit for bit the torch quantizer (``Float8BlockScaling(
+    power_2_scales)``) of the d_pre `GroupedGemmDActFp8Sm90` writes (its dtype rounding included):
+
+    rows (FC1's data gradient): data (M, C) float8_e4m3fn, scale_inv (M, C / 128) float32, rows of
+    the groups only; columns (FC1's weight gradient, `BlockColumns`): data (C, 128 * blocks) with
+    group g's 128-row block j at columns 128 (first_block[g] + j) (zeros past the group's end),
+    scale_inv (blocks, C). C = 2I (GLU) or I; I a multiple of 128, so a tile's columns of each half
+    are one block of every row, and (varlen-M tiles start at their group's first row) its 128 rows
+    one column block of its group.
+
+    Each step keeps its d_pre chunk in registers (dtype). After the tile's last step: each row's
+    amax per block across the quad (two shuffles), the row bytes stored per quad (`store_quad_rows`);
+    then per half, the tile staged transposed in shared memory (128 columns x 128 rows of dtype, rows
+    past the group's end as zeros), two threads per column (64 rows each) take its amax, scale and
+    store 64 bytes.
+    """
+
+    group_blocks = True
+
+    def __init__(self, dtype, activation, cluster_m=2, power_2_scales=False, **opts):
+        self.power_2_scales = power_2_scales
+        self.epi_scratch = 128 * _COLUMN_STRIDE  # one half of the tile, transposed
+        super().__init__(dtype, activation, cluster_m, store_d_pre=False, **opts)
+        self.halves = 2 if self.spec.glu else 1
+
+    @cute.jit
+    def __call__(
+        self,
+        mDy: cute.Tensor,  # (M, H) E4M3
+        mDyScale: cute.Tensor,  # (M, ceil(H/128)) float32
+        mW: cute.Tensor,  # (G, I, H) E4M3
+        mWScale: cute.Tensor,  # (G, ceil(I/128), ceil(H/128)) float32
+        mOffsets: cute.Tensor,  # (G + 1,) int32
+        mPre: cute.Tensor,  # (M, C)
+        mRowData: cute.Tensor,  # (M, C) E4M3
+        mRowScale: cute.Tensor,  # (M, C/128) float32
+        mColData: cute.Tensor,  # (C, 128 * blocks) E4M3
+        mColScale: cute.Tensor,  # (blocks, C) float32
+        mProbs: cute.Tensor,  # (M,) float32 or None
+        mDProbsPart: cute.Tensor,  # (I / 128, M) float32 or None
+        limit: Float32,
+        alpha: Float32,
+        max_clusters: Int32,
+        stream,
+    ):
+        m_total = cute.size(mDy, mode=[0])
+        self.launch(mDy, mW, mOffsets, (), (mPre,),
+                    (mProbs, mDProbsPart, limit, alpha, m_total, None, mRowData, mRowScale, mColData, mColScale),
+                    max_clusters, stream, scales=(mDyScale, mWScale))
+
+    def epi_make_state(self, tiled_copy, epi_tile, shared):
+        """(the parent's state; the tile's d_pre as stored (dtype, step- then half-major); one
+        step's d_pre in fp32 per half; per half and row slot scale_inv and the two multipliers of
+        `e4m3_scale_inv`; fp32 and E4M3 scratch of one chunk; the transposed tile (shared); the
+        groups' first blocks (shared))."""
+        parent = super().epi_make_state(tiled_copy, epi_tile, shared)
+        self.row_slot, self.slot_value = fragment_row_slots(tiled_copy, epi_tile)
+        self.quad_pairs = quad_column_groups(tiled_copy, epi_tile, self.row_slot)
+        frag, slots = len(self.row_slot), len(self.slot_value)
+        sScratch, sEdges = shared
+        return (
+            parent,
+            [cute.make_rmem_tensor((frag,), self.dtype) for _ in range(self.num_steps * self.halves)],
+            [cute.make_rmem_tensor((frag,), Float32) for _ in range(self.halves)],
+            [cute.make_rmem_tensor((slots,), Float32) for _ in range(3)],
+            cute.make_rmem_tensor((frag,), Float32),
+            cute.make_rmem_tensor((frag,), cutlass.Float8E4M3FN),
+            sScratch,
+            sEdges,
+        )
+
+    def epi_begin_tile(self, params, tile: Tile, n_box, tRS_rAcc, tRS_cD, state):
+        super().epi_begin_tile(params, tile, n_box, tRS_rAcc, tRS_cD, state[0])
+
+    @cute.jit
+    def epi_visit(self, params, tile: Tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
+        values, rDPre = state[1], state[2]
+        # the parent named: the DSL's rewrite of a jit method resolves super() from type(self)
+        GroupedGemmDActFp8Sm90.epi_visit(self, params, tile, step, chunk, n_box, rAcc, rIn, rDPre, tRS_cD, state[0])
+        for h in cutlass.range_constexpr(self.halves):  # packed conversions: two values per register
+            values[step * self.halves + h].store(rDPre[h].load().to(self.dtype))
+
+    @cute.jit
+    def epi_end_tile(self, params, tile: Tile, n_box, tRS_cD, state):
+        GroupedGemmDActFp8Sm90.epi_end_tile(self, params, tile, n_box, tRS_cD, state[0])
+        if tile.is_group and tile.row0 < tile.end:  # the same for every thread of the CTA
+            block = state[7][SORT_MAX_G + 1 + tile.seg] + tile.mt  # the tile's column block
+            for h in cutlass.range_constexpr(self.halves):  # a half's values are dead after its pass
+                self._store_rows(params, tile, n_box, tRS_cD, state, h)
+                self._store_columns(params, tile, n_box, tRS_cD, state, h, block)
+
+    @cute.jit
+    def _store_rows(self, params, tile: Tile, n_box, tRS_cD, state, h: cutlass.Constexpr[int]):
+        """Half h's row-wise copy of the tile: scale_inv per row, then the bytes, chunk by chunk."""
+        m_total, mRowData, mRowScale = params[4], params[6], params[7]
+        values, (scale_inv, m1, m2), scaled, data = state[1], state[3], state[4], state[5]
+        frag, slots = len(self.row_slot), len(self.slot_value)
+        amax = scale_inv
+        amax.fill(0.0)
+        for step in cutlass.range_constexpr(self.num_steps):
+            scaled.store(values[step * self.halves + h].load().to(Float32))
+            for v in cutlass.range_constexpr(frag):
+                value = scaled[v]
+                magnitude = cutlass.max(value, -value)
+                if magnitude < Float32(float("inf")):  # NaN, Inf count as 0
+                    amax[self.row_slot[v]] = cutlass.max(amax[self.row_slot[v]], magnitude)
+        lane = cute.arch.lane_idx()
+        for slot in cutlass.range_constexpr(slots):
+            row_amax = amax[slot]
+            row_amax = cutlass.max(row_amax, cute.arch.shuffle_sync_bfly(row_amax, offset=1))
+            row_amax = cutlass.max(row_amax, cute.arch.shuffle_sync_bfly(row_amax, offset=2))
+            scale_inv[slot], m1[slot], m2[slot] = e4m3_scale_inv(row_amax, self.power_2_scales)
+            row = tile.row0 + tRS_cD[self.slot_value[slot]][0]
+            if lane % 4 == 0 and row < tile.end:
+                mRowScale[row, h * (n_box // 128) + tile.nt] = scale_inv[slot]
+        for step in cutlass.range_constexpr(self.num_steps):
+            scaled.store(values[step * self.halves + h].load().to(Float32))
+            for v in cutlass.range_constexpr(frag):
+                slot = self.row_slot[v]
+                scaled[v] = e4m3_scaled(scaled[v], scale_inv[slot], m1[slot], m2[slot], self.power_2_scales)
+            data.store(scaled.load().to(cutlass.Float8E4M3FN))  # round to nearest even, saturating
+            col0 = h * n_box + (tile.nt * self.num_steps + step) * self.epi_n
+            store_quad_rows(mRowData, data, self.quad_pairs, tile, tRS_cD, col0, (h + 1) * n_box, m_total)
+
+    @cute.jit
+    def _store_columns(self, params, tile: Tile, n_box, tRS_cD, state, h: cutlass.Constexpr[int], block):
+        """Half h's column-wise copy of the tile (column block ``block`` of the copy) through the
+        transposed tile in shared memory (element (col, row) at col * _COLUMN_STRIDE + row). Two
+        threads per column, 64 rows each: the amax over 16 8-byte loads, then the loads again, 16
+        values at a time, scaled and stored as 16 bytes."""
+        mColData, mColScale = params[8], params[9]
+        values, sScratch, sEdges = state[1], state[6], state[7]
+        frag = len(self.row_slot)
+        for step in cutlass.range_constexpr(self.num_steps):
+            for v in cutlass.range_constexpr(frag):
+                row, col = tRS_cD[v][0], step * self.epi_n + tRS_cD[v][1]
+                value = values[step * self.halves + h][v]
+                sScratch[col * _COLUMN_STRIDE + row] = self.dtype(
+                    cutlass.select_(tile.row0 + row < tile.end, value, self.dtype(0.0)))
+        self.epi_barrier.arrive_and_wait()
+        tidx, _, _ = cute.arch.thread_idx()
+        column, part = (tidx - 128) // 2, tidx % 2  # the column this thread casts, rows 64 part ..
+        sUnits = cute.recast_tensor(sScratch, Uint64)
+        rUnits = cute.make_rmem_tensor((4,), Uint64)
+        rValues = cute.recast_tensor(rUnits, self.dtype)
+        amax = Float32(0.0)
+        for b in cutlass.range_constexpr(4):
+            for k in cutlass.range_constexpr(4):
+                rUnits[k] = sUnits[column * (_COLUMN_STRIDE // 4) + 16 * part + 4 * b + k]
+            for j in cutlass.range_constexpr(16):
+                value = rValues[j].to(Float32)
+                magnitude = cutlass.max(value, -value)
+                if magnitude < Float32(float("inf")):  # NaN, Inf count as 0
+                    amax = cutlass.max(amax, magnitude)
+        amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
+        scale_inv, m1, m2 = e4m3_scale_inv(amax, self.power_2_scales)
+        col_out = h * n_box + tile.nt * 128 + column
+        in_bounds = block < sEdges[SORT_MAX_G + 2 + tile.seg]  # offsets that decrease give fewer blocks
+        if part == 0 and in_bounds:
+            mColScale[block, col_out] = scale_inv
+        scaled = cute.make_rmem_tensor((16,), Float32)
+        data = cute.make_rmem_tensor((16,), cutlass.Float8E4M3FN)
+        words = cute.recast_tensor(data, Uint64)
+        mColUnits = cute.recast_tensor(mColData, Uint64)
+        for b in cutlass.range_constexpr(4):
+            for k in cutlass.range_constexpr(4):
+                rUnits[k] = sUnits[column * (_COLUMN_STRIDE // 4) + 16 * part + 4 * b + k]
+            for j in cutlass.range_constexpr(16):
+                scaled[j] = e4m3_scaled(rValues[j].to(Float32), scale_inv, m1, m2, self.power_2_scales)
+            data.store(scaled.load().to(cutlass.Float8E4M3FN))
+            if in_bounds:
+                for w in cutlass.range_constexpr(2):
+                    mColUnits[col_out, block * 16 + part * 8 + 2 * b + w] = words[w]
+        self.epi_barrier.arrive_and_wait()  # the tile is read before the next half (or tile) writes it

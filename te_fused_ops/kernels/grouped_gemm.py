@@ -6,6 +6,8 @@ e.g. the data gradient dx = dy @ W[g] of a GroupedLinear, W read in place), + bi
 ``grouped_gemm_fp8_sm90``: the forward on block-scaled FP8 operands (x 1x128, W 128x128 blocks).
 ``grouped_gemm_act_quant_sm90``: the forward + GLU activation with the activation (or, without an
 activation, the output) cast to E4M3 in 1x128 blocks in the epilogue (no bf16 round trip).
+``grouped_dgrad_dact_quant_fp8_sm90``: the FP8 backward of FC2 + dActivation whose d_pre leaves as
+its row-wise and per-group column-wise 1x128 E4M3 copies (no bf16 round trip).
 
 Tensors cross into the kernels through TVM-FFI (``apache-tvm-ffi``) when it is installed, which keeps
 the per-call host overhead to a few microseconds; without it the classic CuTe DSL call path is used.
@@ -45,6 +47,9 @@ _FP8 = "grouped_gemm_fp8_sm90"
 FP8_TILE_N = 128  # the FP8 forward's default n-tile
 _DACT_FP8 = "grouped_dgrad_dact_fp8_sm90"
 _ACT_QUANT = "grouped_gemm_act_quant_sm90"
+_DACT_QUANT_FP8 = "grouped_dgrad_dact_quant_fp8_sm90"
+DACT_QUANT_I_MULTIPLE = 128  # a tile's columns of each half are one 1x128 block
+DACT_QUANT_MAX_GROUPS = 512  # the kernel scans the groups' blocks into shared memory (SORT_MAX_G)
 
 
 def _common_unsupported_reason(dtype, activation):
@@ -106,6 +111,17 @@ def sm90_grouped_dgrad_dact_fp8_unsupported_reason(dtype, h, i, activation) -> s
     reason = sm90_grouped_dgrad_dact_unsupported_reason(dtype, h, i, activation)
     if reason is None and h % 16 != 0:
         return f"sm90 backend: H={h} not a multiple of 16 (FP8)"
+    return reason
+
+
+def sm90_grouped_dgrad_dact_quant_fp8_unsupported_reason(dtype, h, i, g, activation) -> str | None:
+    """None if ``grouped_dgrad_dact_quant_fp8_sm90`` can run that FP8 dgrad + d``activation`` for
+    ``g`` groups with d_pre cast in the epilogue."""
+    reason = sm90_grouped_dgrad_dact_fp8_unsupported_reason(dtype, h, i, activation)
+    if reason is None and i % DACT_QUANT_I_MULTIPLE != 0:
+        return f"sm90 backend: I={i} not a multiple of {DACT_QUANT_I_MULTIPLE} (d_pre's 1x128 blocks cross tiles)"
+    if reason is None and g > DACT_QUANT_MAX_GROUPS:
+        return f"sm90 backend: {g} groups, more than {DACT_QUANT_MAX_GROUPS} (d_pre's column-wise cast)"
     return reason
 
 
@@ -283,6 +299,38 @@ def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2,
         _amax_parts_fake() if d_pre_amax else None,
     )
     kernel = GroupedGemmDActFp8Sm90(dt, activation, cluster_m, d_pre_amax=d_pre_amax, **kernel_opts)
+    return _compile(kernel, args, tvm_ffi)
+
+
+@functools.cache
+def compile_grouped_dgrad_dact_quant_fp8(dtype, activation, tvm_ffi=None, cluster_m=2, power_2_scales=False,
+                                         **kernel_opts):
+    """Compile (once per configuration) and return the launcher of ``grouped_dgrad_dact_quant_fp8_sm90``:
+    fn(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, row_data, row_scale, col_data, col_scale, probs,
+    d_probs_part, limit, alpha, max_clusters)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .grouped_dact_sm90 import GroupedGemmDActQuantFp8Sm90
+
+    dt = _cutlass_dtype(dtype)
+    spec = activation_spec(activation, "compile_grouped_dgrad_dact_quant_fp8")
+    m, g, n_tiles, blocks, c_blocks = (cute.sym_int() for _ in range(5))
+    h = cute.sym_int(divisibility=16)
+    i = cute.sym_int(divisibility=DACT_QUANT_I_MULTIPLE)
+    c = cute.sym_int(divisibility=2 * DACT_QUANT_I_MULTIPLE) if spec.glu else i
+    f8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
+    args = (
+        *_fp8_operand_fakes(m, h, g, i),
+        fake_tensor(dt, (m, c)),
+        fake_tensor(f8, (m, c)),
+        fake_tensor(f32, (m, c_blocks), 4),
+        fake_tensor(f8, (c, cute.sym_int(divisibility=128))),
+        fake_tensor(f32, (blocks, c), 4),
+        fake_tensor(f32, (m,), 4) if spec.takes_probs else None,
+        fake_tensor(f32, (n_tiles, m), 4) if spec.takes_probs else None,
+    )
+    kernel = GroupedGemmDActQuantFp8Sm90(dt, activation, cluster_m, power_2_scales=power_2_scales, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -725,7 +773,7 @@ def grouped_dgrad_dact_fp8_sm90(
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, probs),
-        _DACT_FP8, activation, cluster_m, sm_margin, sm_margin_setting(), d_pre_amax,
+        _DACT_FP8, pre.dtype, activation, cluster_m, sm_margin, sm_margin_setting(), d_pre_amax,
     )
     args = (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation, probs, cluster_m, sm_margin,
             d_pre_amax)
@@ -742,34 +790,84 @@ def grouped_dgrad_dact_fp8_sm90(
 
 
 def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activation, probs, cluster_m, sm_margin,
-                     d_pre_amax=False):
-    """Every check of `grouped_dgrad_dact_fp8_sm90`; (launcher or None when M == 0, d_probs
-    partials shape or None, persistent grid in clusters, d_pre amax parts or 0)."""
+                     d_pre_amax=False, power_2_scales=None):
+    """Every check of `grouped_dgrad_dact_fp8_sm90` (with ``power_2_scales`` a bool: of
+    `grouped_dgrad_dact_quant_fp8_sm90`); (launcher or None when M == 0, d_probs partials shape or
+    None, persistent grid in clusters, d_pre amax parts or 0)."""
+    quantize = power_2_scales is not None
+    name = _DACT_QUANT_FP8 if quantize else _DACT_FP8
     dev, (m, h), (g, i, _) = _check_fp8_operands(
-        _DACT_FP8, ("dy", dy, dy_scale), ("weight_t", weight_t, weight_t_scale), offsets
+        name, ("dy", dy, dy_scale), ("weight_t", weight_t, weight_t_scale), offsets
     )
-    spec = activation_spec(activation, _DACT_FP8)
+    spec = activation_spec(activation, name)
     if spec is None:
-        raise ValueError(f"{_DACT_FP8}: activation is required, one of {tuple(ACTIVATIONS)}")
-    multiple = DACT_GLU_I_MULTIPLE if spec.glu else 8
+        raise ValueError(f"{name}: activation is required, one of {tuple(ACTIVATIONS)}")
+    multiple = DACT_QUANT_I_MULTIPLE if quantize else DACT_GLU_I_MULTIPLE if spec.glu else 8
     if i % multiple:
-        raise ValueError(f"{_DACT_FP8}: I={i} (weight_t.shape[1]) must be a multiple of {multiple} for activation "
+        raise ValueError(f"{name}: I={i} (weight_t.shape[1]) must be a multiple of {multiple} for activation "
                          f"{activation!r}")
+    if quantize and g > DACT_QUANT_MAX_GROUPS:
+        raise ValueError(f"{name}: weight_t holds {g} groups, at most {DACT_QUANT_MAX_GROUPS} are supported")
+    if quantize and not isinstance(power_2_scales, bool):
+        raise TypeError(f"{name}: power_2_scales must be a bool, got {type(power_2_scales).__name__}")
     if not isinstance(pre, torch.Tensor) or pre.dtype not in DTYPES:
-        raise TypeError(f"{_DACT_FP8}: pre must be a bfloat16 or float16 tensor, got {getattr(pre, 'dtype', type(pre))}")
-    check_tensor(_DACT_FP8, pre, "pre", pre.dtype, 2, dev)
-    _check_shape(_DACT_FP8, pre, "pre", (m, 2 * i if spec.glu else i))
-    _check_probs(_DACT_FP8, spec, probs, m, dev)
-    _, cluster_m, clusters = _launch_config(_DACT_FP8, m, i, g, dev, 128, cluster_m, sm_margin)
+        raise TypeError(f"{name}: pre must be a bfloat16 or float16 tensor, got {getattr(pre, 'dtype', type(pre))}")
+    check_tensor(name, pre, "pre", pre.dtype, 2, dev)
+    _check_shape(name, pre, "pre", (m, 2 * i if spec.glu else i))
+    _check_probs(name, spec, probs, m, dev)
+    _, cluster_m, clusters = _launch_config(name, m, i, g, dev, 128, cluster_m, sm_margin)
     partial_shape = (-(-i // 128), m) if spec.takes_probs else None
-    num_parts = _check_amax_request(_DACT_FP8, "d_pre_amax", d_pre_amax, True, clusters, cluster_m)
+    num_parts = _check_amax_request(name, "d_pre_amax", d_pre_amax, True, clusters, cluster_m)
     if m == 0:
         return None, partial_shape, clusters, num_parts
-    key = (_DACT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, bool(d_pre_amax))
+    if quantize:
+        key = (_DACT_QUANT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, power_2_scales)
+        compile_fn = compile_grouped_dgrad_dact_quant_fp8
+    else:
+        key = (_DACT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, bool(d_pre_amax))
+        compile_fn = compile_grouped_dgrad_dact_fp8
     fn = _LAUNCHERS.get(key)
     if fn is None:
-        fn = _LAUNCHERS[key] = compile_grouped_dgrad_dact_fp8(*key[1:])
+        fn = _LAUNCHERS[key] = compile_fn(*key[1:])
     return fn, partial_shape, clusters, num_parts
+
+
+def grouped_dgrad_dact_quant_fp8_sm90(
+    dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, activation, probs=None, limit=7.0,
+    alpha=1.702, power_2_scales=False, cluster_m=None, sm_margin=None,
+):
+    """`grouped_dgrad_dact_fp8_sm90` whose d_pre leaves only as the E4M3 copies FC1's backward
+    reads (fp8_blockwise), cast in the epilogue: bit for bit the torch quantizer
+    (``Float8BlockScaling(power_2_scales)``) of the d_pre `grouped_dgrad_dact_fp8_sm90` returns.
+
+    Arguments as for `grouped_dgrad_dact_fp8_sm90`; I a multiple of 128, G <= 512. Returns
+    ((row data (M, C) float8_e4m3fn, row scale_inv (M, C/128) float32), columns (`BlockColumns`,
+    as `block_columns_sm90` makes them), d_probs (M,) float32 for scaled_swiglu else None), C =
+    pre.shape[1]; row-wise rows >= offsets[G] are not written. No host sync.
+    """
+    from .block_quantize import BlockColumns
+
+    tvm_ffi = tvm_ffi_available()
+    key = (
+        call_signature(tvm_ffi, dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, probs),
+        _DACT_QUANT_FP8, pre.dtype, activation, cluster_m, sm_margin, sm_margin_setting(), power_2_scales,
+    )
+    args = (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation, probs, cluster_m, sm_margin,
+            False, power_2_scales)
+    launch = _MEMO.get(key) or _MEMO.put(key, _dact_fp8_launch(*args))
+    fn, partial_shape, clusters, _ = launch
+    (m, c), g = pre.shape, offsets.shape[0] - 1
+    blocks = -(-m // 128) + g
+    row_data = torch.empty(m, c, dtype=torch.float8_e4m3fn, device=pre.device)
+    row_scale = torch.empty(m, c // 128, dtype=torch.float32, device=pre.device)
+    col_data = torch.empty(c, 128 * blocks, dtype=torch.float8_e4m3fn, device=pre.device)
+    col_scale = torch.empty(blocks, c, dtype=torch.float32, device=pre.device)
+    d_probs_part = None if partial_shape is None else pre.new_empty(partial_shape, dtype=torch.float32)
+    _run(fn, tvm_ffi, _dact_fp8_launch, args,
+         (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, row_data, row_scale, col_data, col_scale,
+          probs, d_probs_part), limit, alpha, clusters)
+    d_probs = None if d_probs_part is None else d_probs_part.sum(0)
+    return (row_data, row_scale), BlockColumns(col_data, col_scale, m), d_probs
 
 
 def _run(fn, tvm_ffi, checks, check_args, tensors, limit, alpha, clusters):

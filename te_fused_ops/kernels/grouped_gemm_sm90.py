@@ -166,6 +166,10 @@ class GroupedGemmSm90:
     epi_stores: tuple  # set by subclasses
     epi_loads = ()
     varlen_k = False  # the token (K) dim grouped: module docstring
+    # varlen-M: each group's first 128-row block (`scan_group_blocks`) in shared memory for the
+    # epilogue hooks (per-group column-wise casts), G <= SORT_MAX_G
+    group_blocks = False
+    epi_scratch = 0  # elements of dtype of shared memory the epilogue hooks use themselves
     sort_groups = False  # varlen-K: visit groups largest first (ranked in shared memory, G <= SORT_MAX_G)
 
     supports_epilogue_warps = False  # subclasses whose hooks are element-wise over (row, col)
@@ -228,8 +232,9 @@ class GroupedGemmSm90:
         smem = cutlass.memory.get_smem_capacity_in_bytes("sm_90") - 1024 - _TILE_SLOTS * (_TILE_FIELDS * 4 + 16)
         if self.varlen_k and self.sort_groups:  # k-tile counts and the ranked order
             smem -= 2 * SORT_MAX_G * 4
-        if self.stage_scales:  # group edges and first blocks (`scan_group_blocks`)
+        if self.stage_scales or self.group_blocks:  # group edges and first blocks (`scan_group_blocks`)
             smem -= 2 * (SORT_MAX_G + 1) * 4
+        smem -= self.epi_scratch * dtype.width // 8  # the epilogue hooks' own shared memory
         # store slots: one for three-buffer epilogues at tile_n 256, else two, decide the A/B
         # stages; the room those stages leave then takes more slots, up to _MAX_EPI_SLOTS
         slots = epi_slots
@@ -359,7 +364,8 @@ class GroupedGemmSm90:
             tile_full_empty: cute.struct.MemRange[cutlass.Int64, 2 * _TILE_SLOTS]
             tiles: cute.struct.MemRange[Int32, _TILE_FIELDS * _TILE_SLOTS]
             sched: cute.struct.MemRange[Int32, 2 * SORT_MAX_G if sorted_groups else 0]
-            edges: cute.struct.MemRange[Int32, 2 * (SORT_MAX_G + 1) if self.stage_scales else 0]
+            edges: cute.struct.MemRange[Int32, 2 * (SORT_MAX_G + 1) if self.stage_scales or self.group_blocks else 0]
+            scratch: cute.struct.Align[cute.struct.MemRange[self.dtype, self.epi_scratch], 128]
             sSFA: cute.struct.Align[
                 cute.struct.MemRange[Float32, cute.cosize(sSFA_layout) if self.stage_scales else 0], 128
             ]
@@ -417,9 +423,11 @@ class GroupedGemmSm90:
         )
 
     # ------------------------------------------------------------------ epilogue hooks
-    def epi_make_state(self, tiled_copy, epi_tile):
+    def epi_make_state(self, tiled_copy, epi_tile, shared):
         """Per-thread register state carried across the epilogue steps of a tile, or None;
-        ``tiled_copy`` gives each thread's values of an ``epi_tile`` sub-tile."""
+        ``tiled_copy`` gives each thread's values of an ``epi_tile`` sub-tile; ``shared``:
+        (``epi_scratch`` elements of dtype in shared memory as a 1-D tensor, or None; with
+        ``group_blocks`` the `scan_group_blocks` tensor (first blocks from SORT_MAX_G + 1), or None)."""
         return None
 
     def epi_begin_tile(self, params, tile: Tile, n_box, tRS_rAcc, tRS_cD, state):
@@ -559,6 +567,10 @@ class GroupedGemmSm90:
         pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
         sched = self._schedule(storage, mOffsets, num_groups, m_total, n_tiles, cute.size(mA, mode=[0]), tidx,
                                warp_idx)
+        epi_shared = (
+            storage.scratch.get_tensor(cute.make_layout(self.epi_scratch)) if const_expr(self.epi_scratch) else None,
+            storage.edges.get_tensor(cute.make_layout(2 * (SORT_MAX_G + 1))) if const_expr(self.group_blocks) else None,
+        )
 
         if wg_idx == 0:
             # ---------------------------------------------------------- TMA producer
@@ -719,7 +731,7 @@ class GroupedGemmSm90:
                 c_read = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Consumer, self.c_stages
                 )
-            state = self.epi_make_state(tiled_copy_r2s, self.epi_tile)
+            state = self.epi_make_state(tiled_copy_r2s, self.epi_tile, epi_shared)
             # defer_stores: the previous tile's output chunks in dtype, and where they go
             # (valid, seg, start, length, mt, nt, has_rows)
             pending = None
@@ -938,18 +950,19 @@ class GroupedGemmSm90:
     def _schedule(self, storage, mOffsets, num_groups, m_total, n_tiles, a_rows, tidx, warp_idx):
         """The tile schedule's state (all threads, before the roles split). Varlen-M: (mOffsets,
         num_groups, m_total, n_tiles). Varlen-K adds m_tiles (cluster tiles along N = ``a_rows``),
-        N, the group order (sSched, is_sorted: `_rank_groups`) and FP8's group scan (sEdges)."""
+        N, the group order (sSched, is_sorted: `_rank_groups`) and FP8's group scan (sEdges).
+        FP8 varlen-K and ``group_blocks`` scan the groups' 128-row blocks into shared memory first."""
         sched = (mOffsets, num_groups, m_total, n_tiles)
+        sEdges = None  # `scan_group_blocks` (group rows and first blocks)
+        if const_expr(self.stage_scales or self.group_blocks):
+            sEdges = storage.edges.get_tensor(cute.make_layout(2 * (SORT_MAX_G + 1)))
+            if warp_idx == 0:
+                scan_group_blocks(sEdges, SORT_MAX_G + 1, mOffsets, num_groups, m_total, 128)
+            cute.arch.sync_threads()
         if const_expr(self.varlen_k):
             rows = self.tile_m * self.cluster_m
             sSched = None
             is_sorted = num_groups <= SORT_MAX_G
-            sEdges = None  # FP8: `scan_group_blocks` (group rows and first blocks)
-            if const_expr(self.stage_scales):
-                sEdges = storage.edges.get_tensor(cute.make_layout(2 * (SORT_MAX_G + 1)))
-                if warp_idx == 0:
-                    scan_group_blocks(sEdges, SORT_MAX_G + 1, mOffsets, num_groups, m_total, self.tile_k)
-                cute.arch.sync_threads()
             if const_expr(self.sort_groups):
                 sSched = storage.sched.get_tensor(cute.make_layout(2 * SORT_MAX_G))
             sched = (mOffsets, num_groups, m_total, n_tiles, (a_rows + rows - 1) // rows, a_rows, sSched, is_sorted,
@@ -1138,7 +1151,7 @@ class GroupedGemmSm90:
         thr_copy = tiled_copy.get_slice(lane)
         tEsAcc = thr_copy.partition_S(sAcc)  # (vec, block, 1, chunk)
         tEcD = thr_copy.partition_S(cute.make_identity_tensor(self.epi_tile))  # (vec, block, 1)
-        state = self.epi_make_state(tiled_copy, (block_rows, self.epi_n))
+        state = self.epi_make_state(tiled_copy, (block_rows, self.epi_n), (None, None))
         frag_shape = cute.shape(tEcD[(None, 0, 0)])
         frags = (  # registers: the accumulator as loaded and in fp32, every step's inputs, outputs, a store
             cute.make_rmem_tensor(frag_shape, self.dtype),
@@ -1408,6 +1421,23 @@ def quad_gather(values, q):
     return lane0 | (lane1 << 16), lane2 | (lane3 << 16)
 
 
+@cute.jit
+def store_quad_rows(mData: cute.Tensor, data: cute.Tensor, quad_pairs, tile: Tile, tRS_cD, col0, col_end, m_total):
+    """One chunk's E4M3 bytes ``data`` (a thread's fragment) into mData (M, C) at columns col0 ..:
+    a quad holds a row's 8-column groups two bytes per lane (`quad_column_groups` ``quad_pairs``),
+    so a transpose across the quad (`quad_gather`) gives lane q group q whole: one 8-byte store per
+    row slot, rows of the tile's group and columns below ``col_end`` only (C % 8 == 0)."""
+    pairs = cute.recast_tensor(data, cutlass.Int16)
+    mDataGroups = cute.recast_tensor(mData, cutlass.Uint64)
+    q = cute.arch.lane_idx() % 4
+    for slot in cutlass.range_constexpr(len(quad_pairs)):
+        word0, word1 = quad_gather([Uint32(pairs[p]) & Uint32(0xFFFF) for p in quad_pairs[slot]], q)
+        row = tile.row0 + tRS_cD[2 * quad_pairs[slot][0]][0]
+        col = col0 + 8 * q
+        if row < tile.end and row < m_total and col < col_end:
+            mDataGroups[row, col // 8] = cutlass.Uint64(word0) | (cutlass.Uint64(word1) << 32)
+
+
 def make_amax_state():
     """A consumer thread's running max |output| (one fp32 register, 0), kept over all its tiles."""
     amax = cute.make_rmem_tensor((1,), Float32)
@@ -1514,7 +1544,7 @@ class GroupedGemmActSm90(GroupedGemmSm90):
         self.launch(mX, mW, mOffsets, outputs, (), (mBias, mProbs, limit, alpha, m_total, mActAmax),
                     max_clusters, stream, scales)
 
-    def epi_make_state(self, tiled_copy, epi_tile):
+    def epi_make_state(self, tiled_copy, epi_tile, shared):
         """With act_amax: the thread's running max |act|, over all its tiles."""
         return make_amax_state() if self.act_amax else None
 
@@ -1617,7 +1647,7 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
         self.launch(mX, mW, mOffsets, outputs, (), (mBias, mProbs, limit, alpha, m_total, None, mData, mScale),
                     max_clusters, stream)
 
-    def epi_make_state(self, tiled_copy, epi_tile):
+    def epi_make_state(self, tiled_copy, epi_tile, shared):
         """(per block and row slot: scale_inv and the two multipliers of `e4m3_scale_inv`; GLU: the
         tile's act as stored, step-major, else None; fp32 and E4M3 scratch of one chunk)."""
         self.row_slot, self.slot_value = fragment_row_slots(tiled_copy, epi_tile)
@@ -1692,18 +1722,7 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
             slot = step // self.block_steps * slots + self.row_slot[v]
             scaled[v] = e4m3_scaled(value, scale_inv[slot], m1[slot], m2[slot], self.power_2_scales)
         data.store(scaled.load().to(cutlass.Float8E4M3FN))  # round to nearest even, saturating
-        # a quad holds a row's 8-column groups two bytes per lane (`quad_column_groups`), so a
-        # transpose across the quad (`quad_gather`) gives lane q group q whole: one 8-byte store
-        # per row (n_box % 8 == 0)
-        pairs = cute.recast_tensor(data, cutlass.Int16)
-        mDataGroups = cute.recast_tensor(mData, cutlass.Uint64)
-        q = cute.arch.lane_idx() % 4
-        for slot in cutlass.range_constexpr(slots):
-            word0, word1 = quad_gather([Uint32(pairs[p]) & Uint32(0xFFFF) for p in self.quad_pairs[slot]], q)
-            row = tile.row0 + tRS_cD[2 * self.quad_pairs[slot][0]][0]
-            col = chunk * self.epi_n + 8 * q
-            if row < tile.end and row < m_total and col < n_box:
-                mDataGroups[row, col // 8] = cutlass.Uint64(word0) | (cutlass.Uint64(word1) << 32)
+        store_quad_rows(mData, data, self.quad_pairs, tile, tRS_cD, chunk * self.epi_n, n_box, m_total)
 
 
 class GroupedGemmActFp8Sm90(GroupedGemmActSm90):
