@@ -207,19 +207,21 @@ def quantize_weight_blocks(weight: torch.Tensor, recipe, reuse_scope, transposed
     return reuse_or_make(weight, recipe, "blocks and transposed" if transposed else "blocks", make, reuse_scope)
 
 
-def linear_param_grads(ctx, dy: torch.Tensor, x=None, dy_columns=None) -> dict:
+def linear_param_grads(ctx, dy: torch.Tensor, x=None, dy_columns=None, out_dtype=None) -> dict:
     """GroupedLinear's weight gradient (varlen-K kernel, dy and x read in place; accumulated into
     ``weight.main_grad`` when the op asks for it) and bias gradient (from dy).
 
     ``x``: the op's input (default: what its forward saved). With ``dy_columns`` (`BlockColumns`
-    of dy) x is x's `BlockColumns` too and the weight gradient runs on the FP8 kernel."""
+    of dy) x is x's `BlockColumns` too and the weight gradient runs on the FP8 kernel, into
+    ``out_dtype`` (default dy's; dy may then be None when no bias gradient is needed)."""
     offsets, grads = ctx.side["offsets"], {}
     if ctx.needs_grad("weight"):
         main_grad = ctx.main_grads.get("weight")  # accumulated in place by the kernel's epilogue
         if dy_columns is None:
             dw = grouped_wgrad_sm90(dy, ctx.load_input() if x is None else x, offsets, main_grad=main_grad)
         else:
-            dw = grouped_wgrad_fp8_sm90(dy_columns, x, offsets, out_dtype=dy.dtype, main_grad=main_grad)
+            out_dtype = dy.dtype if out_dtype is None else out_dtype
+            dw = grouped_wgrad_fp8_sm90(dy_columns, x, offsets, out_dtype=out_dtype, main_grad=main_grad)
         if main_grad is None:
             grads["weight"] = dw
     if ctx.needs_grad("bias"):
@@ -247,7 +249,7 @@ def linear_backward(linear: GroupedLinear, ctx, dy, dy_amax_parts=None):
     x = ctx.load_input() if ctx.needs_grad("weight") else None
     dy_rows, dy_columns = fp8_grad_casts(ctx, dy, recipe, x, ctx.input_requires_grad, dy_amax_parts)
     if ctx.input_requires_grad:
-        dx = grouped_gemm_fp8_sm90(*fp8_dgrad_operands(ctx, dy_rows, recipe), offsets, out_dtype=dy.dtype)[0]
+        dx = fp8_data_grad(ctx, dy_rows, recipe, dy.dtype)
     return dx, quantized_input_param_grads(ctx, dy, x, dy_columns)
 
 
@@ -290,11 +292,18 @@ def fp8_dgrad_operands(ctx, dy_rows, recipe):
     return (*dy_rows, *w_transposed)
 
 
-def quantized_input_param_grads(ctx, dy, x, dy_columns=None) -> dict:
+def fp8_data_grad(ctx, dy_rows, recipe, out_dtype) -> torch.Tensor:
+    """A GroupedLinear's FP8 data gradient after an FP8 forward: dy's row-wise copy ``dy_rows``
+    (data, multipliers) @ W[g] (`fp8_dgrad_operands`), in ``out_dtype``."""
+    return grouped_gemm_fp8_sm90(*fp8_dgrad_operands(ctx, dy_rows, recipe), ctx.side["offsets"],
+                                 out_dtype=out_dtype)[0]
+
+
+def quantized_input_param_grads(ctx, dy, x, dy_columns=None, out_dtype=None) -> dict:
     """`linear_param_grads` of a GroupedLinear whose forward saved a quantized input ``x`` (None
     when no weight gradient is needed): with ``dy_columns`` the FP8 weight gradient on the
-    column-wise copies of dy and of x (made from its row-wise copy, as `add_columnwise` does),
-    else the bf16 one on x dequantized."""
+    column-wise copies of dy and of x (made from its row-wise copy, as `add_columnwise` does;
+    ``out_dtype`` as there), else the bf16 one on x dequantized."""
     if x is None:
         return linear_param_grads(ctx, dy)
     if dy_columns is None:
@@ -302,4 +311,4 @@ def quantized_input_param_grads(ctx, dy, x, dy_columns=None) -> dict:
     x_columns = block_columns_sm90(
         x.rowwise_data, ctx.side["offsets"], x_scale_inv=x.rowwise_scale_inv, power_2_scales=x.recipe.power_2_scales
     )
-    return linear_param_grads(ctx, dy, x_columns, dy_columns)
+    return linear_param_grads(ctx, dy, x_columns, dy_columns, out_dtype)

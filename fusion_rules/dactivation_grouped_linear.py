@@ -10,28 +10,34 @@ column-wise FP8 copies of dy and of the quantized input (fp8_blockwise; fp8_curr
 input dequantized), as the torch backend does. The torch backend is the reference: the same
 steps in sequence, one rule, one plan step.
 
-With "fp8_current" the rules that also take the preceding GroupedLinear (FC1) hand d_pre's amax
-from the kernel's epilogue to FC1's data gradient, whose cast of d_pre then skips its amax pass.
+The rules that also take the preceding GroupedLinear (FC1) feed FC1's backward from the kernel's
+epilogue: with "fp8_current" d_pre's amax, so FC1's cast of d_pre skips its amax pass; with
+"fp8_blockwise" d_pre itself as the row-wise and per-group column-wise E4M3 copies FC1's FP8 data
+and weight gradients read (`grouped_dgrad_dact_quant_fp8_sm90`: no bf16 d_pre, no cast kernel).
 """
 
 from te_fused_ops import FusionRule, register_rule
 from te_fused_ops.kernels.grouped_gemm import (
     grouped_dgrad_dact_fp8_sm90,
+    grouped_dgrad_dact_quant_fp8_sm90,
     grouped_dgrad_dact_sm90,
     sm90_grouped_dgrad_dact_fp8_unsupported_reason,
+    sm90_grouped_dgrad_dact_quant_fp8_unsupported_reason,
     sm90_grouped_dgrad_dact_unsupported_reason,
 )
 from te_fused_ops.ops import Activation, GroupedLinear, Quantize, Transpose
 from te_fused_ops.ops.base import is_quantized
-from te_fused_ops.quantization import Float8CurrentScaling
+from te_fused_ops.quantization import Float8BlockScaling, Float8CurrentScaling
 
 from ._sm90 import (
     FP8_KERNEL_RECIPES,
     backward_unsupported_reason,
     emulated_recipe_reason,
     epilogue_args,
+    fp8_data_grad,
     fp8_dgrad_operands,
     fp8_grad_casts,
+    fp8_wgrad_applies,
     linear_backward,
     linear_param_grads,
     quantized_input_param_grads,
@@ -93,12 +99,13 @@ def _backward_sm90(ops, ctxs, dy):
     return d_pre, [_act_grads(act_ctx, d_probs), linear_param_grads(linear_ctx, dy, x=out)]
 
 
-def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool):
+def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool, d_pre_recipe=None):
     """One kernel: d_pre = act'(pre) * (dy @ W[g]) on FP8 operands (the forward's recipe); then
     the weight gradient (`fp8_grad_casts`: FP8 for fp8_blockwise, else bf16 on the dequantized
     input). Quantize and Transpose pass dy through.
     A quantized dy takes the torch path. Returns (d_pre, grads, d_pre's amax parts with
-    ``d_pre_amax`` after the kernel, else None)."""
+    ``d_pre_amax`` after the kernel, else None); with ``d_pre_recipe`` (a Float8BlockScaling) d_pre
+    is ((row data, row multipliers), `BlockColumns`), cast in the kernel's epilogue."""
     act = ops[0]
     act_ctx, linear_ctx = ctxs[0], ctxs[-1]
     if is_quantized(dy):
@@ -107,14 +114,14 @@ def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool):
     recipe = linear_ctx.saved["recipe"]
     x = linear_ctx.load_input() if linear_ctx.needs_grad("weight") else None
     dy_rows, dy_columns = fp8_grad_casts(linear_ctx, dy, recipe, x, True)
-    outputs = grouped_dgrad_dact_fp8_sm90(
-        *fp8_dgrad_operands(linear_ctx, dy_rows, recipe),
-        linear_ctx.side["offsets"],
-        act_ctx.load_input(),
-        activation=act.kernel_name,
-        d_pre_amax=d_pre_amax,
-        **epilogue_args(act, act_ctx),
-    )
+    operands = (*fp8_dgrad_operands(linear_ctx, dy_rows, recipe), linear_ctx.side["offsets"], act_ctx.load_input())
+    kwargs = dict(activation=act.kernel_name, **epilogue_args(act, act_ctx))
+    if d_pre_recipe is None:
+        outputs = grouped_dgrad_dact_fp8_sm90(*operands, d_pre_amax=d_pre_amax, **kwargs)
+    else:
+        rows, columns, d_probs = grouped_dgrad_dact_quant_fp8_sm90(
+            *operands, power_2_scales=d_pre_recipe.power_2_scales, **kwargs)
+        outputs = ((rows, columns), d_probs)
     passed_through = [{} for _ in ops[1:-1]]
     linear_grads = quantized_input_param_grads(linear_ctx, dy, x, dy_columns)
     grads = [_act_grads(act_ctx, outputs[1]), *passed_through, linear_grads]
@@ -126,22 +133,47 @@ def _backward_fp8_sm90(ops, ctxs, dy):
 
 
 def _supports_with_fc1(ops, info, backend):
-    """fp8_current all the way: FC1's input and FC2's cast in it, FC1's input needing its
-    gradient (the cast of d_pre this rule feeds), both backwards on the kernels."""
+    """FC1's input fp8_current or fp8_blockwise (FC2's cast either), FC1's input needing its
+    gradient (the cast of d_pre this rule feeds), both backwards on the kernels; fp8_blockwise:
+    d_pre's cast in the kernel's epilogue (`grouped_dgrad_dact_quant_fp8_sm90`) and no FC1 bias
+    (its gradient would sum d_pre in bf16)."""
     if backend != "sm90":
         return None
-    if not isinstance(info.input_recipe[0], Float8CurrentScaling):
-        return "FC1's input is not fp8_current (no per-tensor cast of d_pre to feed)"
+    recipe = info.input_recipe[0]
+    if not isinstance(recipe, (Float8CurrentScaling, Float8BlockScaling)):
+        return "FC1's input is neither fp8_current nor fp8_blockwise (no cast of d_pre to feed)"
     if not info.input_requires_grad[0]:
         return "FC1's input needs no gradient (no cast of d_pre)"
-    return _supports_sm90(ops[1:], info.window(1, len(ops)), backend) or backward_unsupported_reason(ops[0], info, 0)
+    reason = _supports_sm90(ops[1:], info.window(1, len(ops)), backend) or backward_unsupported_reason(ops[0], info, 0)
+    if reason or isinstance(recipe, Float8CurrentScaling):
+        return reason
+    fc1, act, fc2 = ops[0], ops[1], ops[-1]
+    if fc1.bias is not None:
+        return "FC1 has a bias (its gradient sums d_pre in bf16)"
+    reason = sm90_grouped_dgrad_dact_quant_fp8_unsupported_reason(
+        info.dtype, fc2.out_features, fc2.in_features, fc2.num_groups, act.kernel_name)
+    return reason.removeprefix("sm90 backend: ") if reason else None
 
 
 def _backward_with_fc1_sm90(ops, ctxs, dy):
-    """`_dact_fp8` with d_pre's amax from its epilogue, then FC1's backward (`linear_backward`),
-    whose fp8_current cast of d_pre takes that amax."""
-    d_pre, grads, amax_parts = _dact_fp8(ops[1:], ctxs[1:], dy, True)
-    dx, fc1_grads = linear_backward(ops[0], ctxs[0], d_pre, amax_parts)
+    """fp8_current: `_dact_fp8` with d_pre's amax from its epilogue, then FC1's backward
+    (`linear_backward`), whose cast of d_pre takes that amax. fp8_blockwise: d_pre cast in the
+    kernel's epilogue, FC1's FP8 data and weight gradients on those copies (the unfused order
+    where FC1's weight gradient does not run in FP8, or dy arrives quantized)."""
+    fc1, fc1_ctx = ops[0], ctxs[0]
+    recipe = fc1_ctx.saved["recipe"]
+    if isinstance(recipe, Float8CurrentScaling):
+        d_pre, grads, amax_parts = _dact_fp8(ops[1:], ctxs[1:], dy, True)
+        dx, fc1_grads = linear_backward(fc1, fc1_ctx, d_pre, amax_parts)
+        return dx, [fc1_grads, *grads]
+    x = fc1_ctx.load_input() if fc1_ctx.needs_grad("weight") else None
+    if is_quantized(dy) or not fp8_wgrad_applies(fc1_ctx, recipe, x):
+        d_pre, grads, _ = _dact_fp8(ops[1:], ctxs[1:], dy, False)
+        dx, fc1_grads = linear_backward(fc1, fc1_ctx, d_pre)
+        return dx, [fc1_grads, *grads]
+    (d_pre_rows, d_pre_columns), grads, _ = _dact_fp8(ops[1:], ctxs[1:], dy, False, recipe)
+    dx = fp8_data_grad(fc1_ctx, d_pre_rows, recipe, dy.dtype)
+    fc1_grads = quantized_input_param_grads(fc1_ctx, None, x, d_pre_columns, out_dtype=dy.dtype)
     return dx, [fc1_grads, *grads]
 
 

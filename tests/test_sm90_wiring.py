@@ -186,6 +186,15 @@ def dgrad_dact_fp8(dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre,
     return (d_pre, d_probs, amax_parts(d_pre, offsets)) if d_pre_amax else (d_pre, d_probs)
 
 
+def dgrad_dact_quant_fp8(dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, power_2_scales=False,
+                         **epilogue):
+    """`grouped_dgrad_dact_quant_fp8_sm90`'s contract: `dgrad_dact_fp8`'s d_pre cast as
+    `block_columns_sm90` casts it with rows: ((row data, multipliers), columns, d_probs)."""
+    d_pre, d_probs = dgrad_dact_fp8(dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, **epilogue)
+    columns, data, scale_inv = column_cast(d_pre, offsets, rows=True, power_2_scales=power_2_scales)
+    return (data, scale_inv), columns, d_probs
+
+
 UNCASTS = []  # shapes of each stood-in dequantization
 
 
@@ -256,6 +265,7 @@ def sm90_stand_ins(monkeypatch):
     monkeypatch.setattr(sm90, "grouped_gemm_act_quant_sm90", gemm_act_cast)
     monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_sm90", dgrad_dact)
     monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_fp8_sm90", dgrad_dact_fp8)
+    monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_quant_fp8_sm90", dgrad_dact_quant_fp8)
 
 
 def fp8_mlp(recipe, quantize_x=True):
@@ -322,10 +332,11 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
                     "'grouped_linear+activation+quantize' (backend sm90)"] if current or epilogue_cast else
                    [f"[{first}:{first + 2}] GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend sm90)",
                     f"[{first + 2}] Quantize -> rule 'quantize' (backend sm90)"])
-    # all fp8_current: d_pre's amax from the dAct epilogue, for FC1's data gradient in the same rule
+    # all FP8: FC1's backward fed from the dAct epilogue in the same rule (fp8_current: d_pre's
+    # amax; fp8_blockwise: d_pre's row- and column-wise copies)
     backward = ([f"[{first}:{first + 5}] GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear -> rule "
                  "'grouped_linear+dactivation+quantize+transpose+grouped_linear' (backend sm90)"]
-                if current and quantize_x else
+                if quantize_x else
                 [f"[{first + 1}:{first + 5}] SwiGLU, Quantize, Transpose, GroupedLinear -> rule "
                  "'dactivation+quantize+transpose+grouped_linear' (backend sm90)",
                  f"[{first}] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)"])
@@ -460,3 +471,25 @@ def test_recompute_output_reruns_fc1_in_the_backward(fp8_fc2, sm90_stand_ins):
     assert recomputed_calls == kept_calls + [None], (kept_calls, recomputed_calls)  # FC1 again, no activation
     for a, b in zip(kept, recomputed):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bias,i", [(True, I), (False, 96)])
+def test_blockwise_d_pre_cast_needs_no_fc1_bias_and_whole_blocks(bias, i, sm90_stand_ins, monkeypatch):
+    """fp8_blockwise all the way casts d_pre in the dAct epilogue only without an FC1 bias (its
+    gradient sums d_pre in bf16) and with I a multiple of 128 (a tile's columns one 1x128 block);
+    otherwise the dAct rule and FC1's own backward run, and the step still matches the emulation."""
+    torch.manual_seed(0)
+    fc1 = GroupedLinear(G, H, 2 * i, bias=bias, dtype=torch.bfloat16)
+    fc2 = GroupedLinear(G, i, H, dtype=torch.bfloat16)
+    seq = Sequential(Quantize("fp8_blockwise"), fc1, SwiGLU(), Quantize("fp8_blockwise"), Transpose(), fc2)
+    x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
+    text = seq.explain(x, split_sizes=SPLITS)
+    assert ("[2:6] SwiGLU, Quantize, Transpose, GroupedLinear -> rule "
+            "'dactivation+quantize+transpose+grouped_linear' (backend sm90)") in text, text
+    assert "[1] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)" in text, text
+    got = step(seq, x, dy)
+    monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
+    want = step(seq, x, dy)
+    for name, a, b in zip(("y", "dx", "dW1", "db1", "dW2"), got, want):
+        assert ref.rel_err(a, b) <= 5e-2, name
