@@ -4,7 +4,8 @@
 
 Per shape (common.MODEL_SHAPES; bf16, SwiGLU, no bias, skewed routing with counts multiples of 8,
 the same splits for every variant), a training step (forward + backward, gradients set to None
-first; triton.testing.do_bench medians, common.rotated_medians over the variants) of
+first; common.sustained_ms medians at the power-capped steady clock, common.rotated_medians over
+the variants) of
   te          te.ops.Sequential(GroupedLinear, SwiGLU, GroupedLinear), TE 2.20 alone
   te+tfo      the same module after te_fused_ops.integrations.transformer_engine.install()
   te+tfo 1p   the same with TE's one-parameter grouped weight (single_grouped_weight,
@@ -22,10 +23,10 @@ import warnings
 import torch
 import transformer_engine
 import transformer_engine.pytorch as te
-import triton.testing
 from bench_train_step import ReferenceMLP
 from common import (
-    MODEL_SHAPES, device_tag, gpu_us_per_kernel, host_us_per_call, rotated_medians, skewed_splits, write_results,
+    MODEL_SHAPES, device_tag, gpu_us_per_kernel, host_us_per_call, rotated_medians, skewed_splits, sustained_ms,
+    write_results,
 )
 
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU
@@ -75,7 +76,7 @@ def step_fn(call, leaves, dy):
 
 
 def step_ms(run):
-    return triton.testing.do_bench(run, warmup=10, rep=100, return_mode="median")
+    return sustained_ms(run, 0.25, 0.25)
 
 
 def grads(call, leaves, dy):
