@@ -206,9 +206,9 @@ class GroupedGemmDActQuantFp8Sm90(GroupedGemmDActFp8Sm90):
     are one block of every row, and (varlen-M tiles start at their group's first row) its 128 rows
     one column block of its group.
 
-    Each step keeps its d_pre chunk in registers (dtype). After the tile's last step: each row's
-    amax per block across the quad (two shuffles), the row bytes stored per quad (`store_quad_rows`);
-    then per half, the tile staged transposed in shared memory (128 columns x 128 rows of dtype, rows
+    Each step keeps its d_pre chunk in registers (dtype). After the tile's last step, per half:
+    each row's amax across the quad (two shuffles), the row bytes stored per quad (`store_quad_rows`);
+    then the half staged transposed in shared memory (128 columns x 128 rows of dtype, rows
     past the group's end as zeros), two threads per column (64 rows each) take its amax, scale and
     store 64 bytes.
     """
@@ -248,8 +248,8 @@ class GroupedGemmDActQuantFp8Sm90(GroupedGemmDActFp8Sm90):
 
     def epi_make_state(self, tiled_copy, epi_tile, shared):
         """(the parent's state; the tile's d_pre as stored (dtype, step- then half-major); one
-        step's d_pre in fp32 per half; per half and row slot scale_inv and the two multipliers of
-        `e4m3_scale_inv`; fp32 and E4M3 scratch of one chunk; the transposed tile (shared); the
+        step's d_pre in fp32 per half; per row slot (one half at a time) scale_inv and the two
+        multipliers of `e4m3_scale_inv`; fp32 and E4M3 scratch of one chunk; the transposed tile (shared); the
         groups' first blocks (shared))."""
         parent = super().epi_make_state(tiled_copy, epi_tile, shared)
         self.row_slot, self.slot_value = fragment_row_slots(tiled_copy, epi_tile)
