@@ -249,8 +249,8 @@ class GroupedGemmDActQuantFp8Sm90(GroupedGemmDActFp8Sm90):
     def epi_make_state(self, tiled_copy, epi_tile, shared):
         """(the parent's state; the tile's d_pre as stored (dtype, step- then half-major); one
         step's d_pre in fp32 per half; per row slot (one half at a time) scale_inv and the two
-        multipliers of `e4m3_scale_inv`; fp32 and E4M3 scratch of one chunk; the transposed tile (shared); the
-        groups' first blocks (shared))."""
+        multipliers of `e4m3_scale_inv`; fp32 and E4M3 scratch of one chunk; the transposed tile
+        (shared); the groups' first blocks (shared))."""
         parent = super().epi_make_state(tiled_copy, epi_tile, shared)
         self.row_slot, self.slot_value = fragment_row_slots(tiled_copy, epi_tile)
         self.quad_pairs = quad_column_groups(tiled_copy, epi_tile, self.row_slot)
