@@ -401,8 +401,9 @@ def _plan_pass(ops, info: PlanInfo, passes: str, fuse: bool):
         if candidates:  # min() keeps list_rules' order among equals
             chosen = min(candidates, key=lambda s: (-_registry[s.rule.name].priority, backend_rank[s.backend]))
             for step in candidates:
-                if step is not chosen:
-                    reason = f"overlaps rule '{chosen.rule.name}' chosen first"
+                if step is not chosen:  # with why its better backends could not take it
+                    reason = "".join([f"overlaps rule '{chosen.rule.name}' chosen first"] + [
+                        f"; {b} backend: {r}" for b, r in step.skipped_backends])
                     not_fired.append((step.rule.name, step.start, step.stop, reason))
         else:
             chosen = Step(pos, pos + 1)
