@@ -229,8 +229,9 @@ def linear_param_grads(ctx, dy: torch.Tensor, x=None, dy_columns=None, out_dtype
     return grads
 
 
-def linear_backward(linear: GroupedLinear, ctx, dy, dy_amax_parts=None):
-    """GroupedLinear's backward on sm90: dx = dy @ W[g] (W read in place) and the parameter grads.
+def linear_backward(linear: GroupedLinear, ctx, dy, dy_amax_parts=None, x=None):
+    """GroupedLinear's backward on sm90: dx = dy @ W[g] (W read in place) and the parameter grads
+    (``x``: the op's saved input when the caller loaded it already, else loaded here if needed).
 
     After an FP8 forward the data gradient is an FP8 GEMM: dy cast with the forward's recipe
     (fp8_current: its amax from ``dy_amax_parts`` when the kernel that wrote dy made them), W as
@@ -246,7 +247,8 @@ def linear_backward(linear: GroupedLinear, ctx, dy, dy_amax_parts=None):
         if ctx.input_requires_grad:
             dx = grouped_gemm_sm90(dy, ctx.saved["weight"].detach(), offsets, weight_layout="kn")[0]
         return dx, linear_param_grads(ctx, dy)
-    x = ctx.load_input() if ctx.needs_grad("weight") else None
+    if x is None and ctx.needs_grad("weight"):
+        x = ctx.load_input()
     dy_rows, dy_columns = fp8_grad_casts(ctx, dy, recipe, x, ctx.input_requires_grad, dy_amax_parts)
     if ctx.input_requires_grad:
         dx = fp8_data_grad(ctx, dy_rows, recipe, dy.dtype)

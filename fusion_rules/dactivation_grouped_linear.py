@@ -166,10 +166,10 @@ def _backward_with_fc1_sm90(ops, ctxs, dy):
         d_pre, grads, amax_parts = _dact_fp8(ops[1:], ctxs[1:], dy, True)
         dx, fc1_grads = linear_backward(fc1, fc1_ctx, d_pre, amax_parts)
         return dx, [fc1_grads, *grads]
-    x = fc1_ctx.load_input() if fc1_ctx.needs_grad("weight") else None
-    if is_quantized(dy) or not fp8_wgrad_applies(fc1_ctx, recipe, x):
+    x = None if is_quantized(dy) or not fc1_ctx.needs_grad("weight") else fc1_ctx.load_input()
+    if not fp8_wgrad_applies(fc1_ctx, recipe, x):  # x loaded once, whichever order runs
         d_pre, grads, _ = _dact_fp8(ops[1:], ctxs[1:], dy, False)
-        dx, fc1_grads = linear_backward(fc1, fc1_ctx, d_pre)
+        dx, fc1_grads = linear_backward(fc1, fc1_ctx, d_pre, x=x)
         return dx, [fc1_grads, *grads]
     (d_pre_rows, d_pre_columns), grads, _ = _dact_fp8(ops[1:], ctxs[1:], dy, False, recipe)
     dx = fp8_data_grad(fc1_ctx, d_pre_rows, recipe, dy.dtype)

@@ -25,6 +25,7 @@ import torch
 
 from . import sm90_unavailable_reason
 from .activations import ACTIVATIONS, GLU_N_MULTIPLE, activation_spec
+from .grouped_wgrad import FP8_MAX_GROUPS  # the FP8 kernels' group scan in shared memory
 from .launch import (
     DTYPES,
     LaunchMemo,
@@ -49,7 +50,6 @@ _DACT_FP8 = "grouped_dgrad_dact_fp8_sm90"
 _ACT_QUANT = "grouped_gemm_act_quant_sm90"
 _DACT_QUANT_FP8 = "grouped_dgrad_dact_quant_fp8_sm90"
 DACT_QUANT_I_MULTIPLE = 128  # a tile's columns of each half are one 1x128 block
-DACT_QUANT_MAX_GROUPS = 512  # the kernel scans the groups' blocks into shared memory (SORT_MAX_G)
 
 
 def _common_unsupported_reason(dtype, activation):
@@ -120,8 +120,8 @@ def sm90_grouped_dgrad_dact_quant_fp8_unsupported_reason(dtype, h, i, g, activat
     reason = sm90_grouped_dgrad_dact_fp8_unsupported_reason(dtype, h, i, activation)
     if reason is None and i % DACT_QUANT_I_MULTIPLE != 0:
         return f"sm90 backend: I={i} not a multiple of {DACT_QUANT_I_MULTIPLE} (d_pre's 1x128 blocks cross tiles)"
-    if reason is None and g > DACT_QUANT_MAX_GROUPS:
-        return f"sm90 backend: {g} groups, more than {DACT_QUANT_MAX_GROUPS} (d_pre's column-wise cast)"
+    if reason is None and g > FP8_MAX_GROUPS:
+        return f"sm90 backend: {g} groups, more than {FP8_MAX_GROUPS} (d_pre's column-wise cast)"
     return reason
 
 
@@ -806,8 +806,8 @@ def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activ
     if i % multiple:
         raise ValueError(f"{name}: I={i} (weight_t.shape[1]) must be a multiple of {multiple} for activation "
                          f"{activation!r}")
-    if quantize and g > DACT_QUANT_MAX_GROUPS:
-        raise ValueError(f"{name}: weight_t holds {g} groups, at most {DACT_QUANT_MAX_GROUPS} are supported")
+    if quantize and g > FP8_MAX_GROUPS:
+        raise ValueError(f"{name}: weight_t holds {g} groups, at most {FP8_MAX_GROUPS} are supported")
     if quantize and not isinstance(power_2_scales, bool):
         raise TypeError(f"{name}: power_2_scales must be a bool, got {type(power_2_scales).__name__}")
     if not isinstance(pre, torch.Tensor) or pre.dtype not in DTYPES:
