@@ -209,14 +209,17 @@ def test_grouped_dgrad_dact_quant_fp8_compiles(activation, dtype, cluster_m, pow
 
 
 @pytest.mark.parametrize(
-    "activation,has_bias,weight_layout,tile_n",
-    [("swiglu", True, "nk", 256), ("scaled_swiglu", False, "kn", 256), (None, True, "nk", 128), (None, False, "kn", 256)],
+    "activation,has_bias,weight_layout,tile_n,columns",
+    [("swiglu", True, "nk", 256, False), ("scaled_swiglu", False, "kn", 256, False), (None, True, "nk", 128, False),
+     (None, False, "kn", 256, False), ("swiglu", False, "nk", 256, True), ("geglu", True, "kn", 256, True),
+     (None, False, "nk", 128, True)],
 )
-def test_grouped_gemm_act_quant_compiles(activation, has_bias, weight_layout, tile_n):
+def test_grouped_gemm_act_quant_compiles(activation, has_bias, weight_layout, tile_n, columns):
+    """columns: the per-group column-wise copy too (a Transpose after the cast)."""
     from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm_act_quant
 
     fn = compile_grouped_gemm_act_quant(torch.bfloat16, activation, has_bias, tvm_ffi=False, weight_layout=weight_layout,
-                                        tile_n=tile_n)
+                                        tile_n=tile_n, columns=columns)
     assert fn is not None
 
 

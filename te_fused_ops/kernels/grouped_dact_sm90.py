@@ -21,20 +21,22 @@ amax as partial maxima per consumer warp (`grouped_gemm_sm90.write_amax_parts`).
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint64, const_expr
+from cutlass import Float32, Int32, const_expr
 
 from .activation_math_sm90 import ACTIVATION_MATH
 from .activations import activation_spec
 from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled
-from .group_tile_scheduler import SORT_MAX_G
 from .grouped_gemm_sm90 import (
+    COLUMN_SCRATCH,
     GroupedGemmSm90,
     Tile,
     _row_value,
     fragment_row_slots,
     make_amax_state,
     quad_column_groups,
+    stage_transposed,
     store_quad_rows,
+    store_staged_columns,
     track_amax,
     write_amax_parts,
 )
@@ -189,11 +191,6 @@ class GroupedGemmDActFp8Sm90(GroupedGemmDActSm90):
                     max_clusters, stream, scales=(mDyScale, mWScale))
 
 
-# the transposed tile's column stride in elements: 264 bytes, so the accumulator layout's stores
-# (lanes 4 apart 2 columns apart) and 8-byte loads along 16 columns per warp hit distinct banks
-_COLUMN_STRIDE = 132
-
-
 class GroupedGemmDActQuantFp8Sm90(GroupedGemmDActFp8Sm90):
     """`GroupedGemmDActFp8Sm90` whose d_pre leaves only as the two E4M3 copies FC1's backward reads
     ("fp8_blockwise", 1 x 128 blocks), bit for bit the torch quantizer (``Float8BlockScaling(
@@ -217,7 +214,7 @@ class GroupedGemmDActQuantFp8Sm90(GroupedGemmDActFp8Sm90):
 
     def __init__(self, dtype, activation, cluster_m=2, power_2_scales=False, **opts):
         self.power_2_scales = power_2_scales
-        self.epi_scratch = 128 * _COLUMN_STRIDE  # one half of the tile, transposed
+        self.epi_scratch = COLUMN_SCRATCH  # one half of the tile, transposed
         super().__init__(dtype, activation, cluster_m, store_d_pre=False, **opts)
         self.halves = 2 if self.spec.glu else 1
 
@@ -282,10 +279,9 @@ class GroupedGemmDActQuantFp8Sm90(GroupedGemmDActFp8Sm90):
     def epi_end_tile(self, params, tile: Tile, n_box, tRS_cD, state):
         GroupedGemmDActFp8Sm90.epi_end_tile(self, params, tile, n_box, tRS_cD, state[0])
         if tile.is_group and tile.row0 < tile.end:  # the same for every thread of the CTA
-            block = state[7][SORT_MAX_G + 1 + tile.seg] + tile.mt  # the tile's column block
             for h in cutlass.range_constexpr(self.halves):  # a half's values are dead after its pass
                 self._store_rows(params, tile, n_box, tRS_cD, state, h)
-                self._store_columns(params, tile, n_box, tRS_cD, state, h, block)
+                self._store_columns(params, tile, n_box, tRS_cD, state, h)
 
     @cute.jit
     def _store_rows(self, params, tile: Tile, n_box, tRS_cD, state, h: cutlass.Constexpr[int]):
@@ -321,52 +317,12 @@ class GroupedGemmDActQuantFp8Sm90(GroupedGemmDActFp8Sm90):
             store_quad_rows(mRowData, data, self.quad_pairs, tile, tRS_cD, col0, (h + 1) * n_box, m_total)
 
     @cute.jit
-    def _store_columns(self, params, tile: Tile, n_box, tRS_cD, state, h: cutlass.Constexpr[int], block):
-        """Half h's column-wise copy of the tile (column block ``block`` of the copy) through the
-        transposed tile in shared memory (element (col, row) at col * _COLUMN_STRIDE + row). Two
-        threads per column, 64 rows each: the amax over 16 8-byte loads, then the loads again, 16
-        values at a time, scaled and stored as 16 bytes."""
-        mColData, mColScale = params[8], params[9]
+    def _store_columns(self, params, tile: Tile, n_box, tRS_cD, state, h: cutlass.Constexpr[int]):
+        """Half h's column-wise copy of the tile, staged transposed (`store_staged_columns`)."""
         values, sScratch, sEdges = state[1], state[6], state[7]
-        frag = len(self.row_slot)
         for step in cutlass.range_constexpr(self.num_steps):
-            for v in cutlass.range_constexpr(frag):
-                row, col = tRS_cD[v][0], step * self.epi_n + tRS_cD[v][1]
-                value = values[step * self.halves + h][v]
-                sScratch[col * _COLUMN_STRIDE + row] = self.dtype(
-                    cutlass.select_(tile.row0 + row < tile.end, value, self.dtype(0.0)))
-        self.epi_barrier.arrive_and_wait()
-        tidx, _, _ = cute.arch.thread_idx()
-        column, part = (tidx - 128) // 2, tidx % 2  # the column this thread casts, rows 64 part ..
-        sUnits = cute.recast_tensor(sScratch, Uint64)
-        rUnits = cute.make_rmem_tensor((4,), Uint64)
-        rValues = cute.recast_tensor(rUnits, self.dtype)
-        amax = Float32(0.0)
-        for b in cutlass.range_constexpr(4):
-            for k in cutlass.range_constexpr(4):
-                rUnits[k] = sUnits[column * (_COLUMN_STRIDE // 4) + 16 * part + 4 * b + k]
-            for j in cutlass.range_constexpr(16):
-                value = rValues[j].to(Float32)
-                magnitude = cutlass.max(value, -value)
-                if magnitude < Float32(float("inf")):  # NaN, Inf count as 0
-                    amax = cutlass.max(amax, magnitude)
-        amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
-        scale_inv, m1, m2 = e4m3_scale_inv(amax, self.power_2_scales)
-        col_out = h * n_box + tile.nt * 128 + column
-        in_bounds = block < sEdges[SORT_MAX_G + 2 + tile.seg]  # offsets that decrease give fewer blocks
-        if part == 0 and in_bounds:
-            mColScale[block, col_out] = scale_inv
-        scaled = cute.make_rmem_tensor((16,), Float32)
-        data = cute.make_rmem_tensor((16,), cutlass.Float8E4M3FN)
-        words = cute.recast_tensor(data, Uint64)
-        mColUnits = cute.recast_tensor(mColData, Uint64)
-        for b in cutlass.range_constexpr(4):
-            for k in cutlass.range_constexpr(4):
-                rUnits[k] = sUnits[column * (_COLUMN_STRIDE // 4) + 16 * part + 4 * b + k]
-            for j in cutlass.range_constexpr(16):
-                scaled[j] = e4m3_scaled(rValues[j].to(Float32), scale_inv, m1, m2, self.power_2_scales)
-            data.store(scaled.load().to(cutlass.Float8E4M3FN))
-            if in_bounds:
-                for w in cutlass.range_constexpr(2):
-                    mColUnits[col_out, block * 16 + part * 8 + 2 * b + w] = words[w]
-        self.epi_barrier.arrive_and_wait()  # the tile is read before the next half (or tile) writes it
+            for v in cutlass.range_constexpr(len(self.row_slot)):
+                stage_transposed(sScratch, values[step * self.halves + h][v], tile, tRS_cD[v][0],
+                                 step * self.epi_n + tRS_cD[v][1], self.dtype)
+        store_staged_columns(params[8], params[9], sScratch, sEdges, tile, h * n_box + tile.nt * 128, self.dtype,
+                             self.power_2_scales, self.epi_barrier)

@@ -50,6 +50,7 @@ _DACT_FP8 = "grouped_dgrad_dact_fp8_sm90"
 _ACT_QUANT = "grouped_gemm_act_quant_sm90"
 _DACT_QUANT_FP8 = "grouped_dgrad_dact_quant_fp8_sm90"
 DACT_QUANT_I_MULTIPLE = 128  # a tile's columns of each half are one 1x128 block
+ACT_QUANT_COLUMNS_MULTIPLE = 128  # the cast output's columns: each tile's are one 1x128 block
 
 
 def _common_unsupported_reason(dtype, activation):
@@ -219,10 +220,11 @@ def compile_grouped_gemm(
 
 @functools.cache
 def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cluster_m=2, weight_layout="nk",
-                                   tile_n=256, **kernel_opts):
+                                   tile_n=256, columns=False, **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_gemm_act_quant_sm90``:
-    fn(x, weight, offsets, pre, data, scale_inv, bias, probs, limit, alpha, max_clusters), pre None
-    without an activation. ``kernel_opts``: `GroupedGemmActQuantSm90` options (power_2_scales, ...)."""
+    fn(x, weight, offsets, pre, data, scale_inv, col_data, col_scale, bias, probs, limit, alpha,
+    max_clusters), pre None without an activation, col_data / col_scale None without ``columns``.
+    ``kernel_opts``: `GroupedGemmActQuantSm90` options (power_2_scales, ...)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -230,17 +232,23 @@ def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cl
 
     dt = _cutlass_dtype(dtype)
     spec = activation_spec(activation, "compile_grouped_gemm_act_quant")
-    (m, g, n), (x, weight, offsets, pre) = _forward_fakes(dt, weight_layout, GLU_N_MULTIPLE if spec else 8)
-    cols, col_blocks = (cute.sym_int(divisibility=8) if spec else n), cute.sym_int()
+    multiple = (2 * ACT_QUANT_COLUMNS_MULTIPLE if spec else ACT_QUANT_COLUMNS_MULTIPLE) if columns else (
+        GLU_N_MULTIPLE if spec else 8)
+    (m, g, n), (x, weight, offsets, pre) = _forward_fakes(dt, weight_layout, multiple)
+    cols, col_blocks = (cute.sym_int(divisibility=128 if columns else 8) if spec else n), cute.sym_int()
+    blocks = cute.sym_int()
     args = (
         x, weight, offsets, pre if spec else None,
         fake_tensor(cutlass.Float8E4M3FN, (m, cols), 16),
         fake_tensor(cutlass.Float32, (m, col_blocks), 4),
+        fake_tensor(cutlass.Float8E4M3FN, (cols, cute.sym_int(divisibility=128)), 16) if columns else None,
+        fake_tensor(cutlass.Float32, (blocks, cols), 4) if columns else None,
         fake_tensor(dt, (g, n)) if has_bias else None,
         fake_tensor(cutlass.Float32, (m,), 4) if spec and spec.takes_probs else None,
     )
     b_major = {"nk": "k", "kn": "mn"}[weight_layout]
-    kernel = GroupedGemmActQuantSm90(dt, activation, has_bias, b_major, cluster_m, tile_n=tile_n, **kernel_opts)
+    kernel = GroupedGemmActQuantSm90(dt, activation, has_bias, b_major, cluster_m, tile_n=tile_n, columns=columns,
+                                     **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -523,7 +531,7 @@ def _forward_checks(
 
 def grouped_gemm_act_quant_sm90(
     x, weight, offsets, *, activation, bias=None, probs=None, limit=7.0, alpha=1.702, out=None, weight_layout="nk",
-    power_2_scales=False, tile_n=None, cluster_m=None, sm_margin=None,
+    power_2_scales=False, columns=False, tile_n=None, cluster_m=None, sm_margin=None,
 ):
     """`grouped_gemm_sm90` whose cast output, the GLU ``activation``'s or (``activation=None``) the
     GEMM output itself, is cast to E4M3 in 1 x 128 blocks in the epilogue ("fp8_blockwise"): bit
@@ -532,29 +540,53 @@ def grouped_gemm_act_quant_sm90(
 
     Returns (pre (M, N) for GLU, None without an activation; data (M, C) float8_e4m3fn;
     scale_inv (M, ceil(C/128)) float32), C = N/2 for GLU, N without an activation. Rows >=
-    offsets[G]: pre and data zero, scale_inv 1. GLU: tile_n 256. No host sync.
+    offsets[G]: pre and data zero, scale_inv 1. GLU: tile_n 256. ``columns`` (a `Transpose`
+    after the cast): a fourth output, the per-group column-wise copy of the same values as
+    `block_columns_sm90` makes it (`BlockColumns`); needs C % 128 == 0, G <= 512 and, without an
+    activation, tile_n 128. No host sync.
     """
+    from .block_quantize import BlockColumns
+
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, x, weight, offsets, bias, probs, out),
-        _ACT_QUANT, activation, weight_layout, power_2_scales, tile_n, cluster_m, sm_margin, sm_margin_setting(),
+        _ACT_QUANT, activation, weight_layout, power_2_scales, columns, tile_n, cluster_m, sm_margin,
+        sm_margin_setting(),
     )
-    args = (x, weight, offsets, bias, activation, probs, out, weight_layout, power_2_scales, tile_n, cluster_m,
-            sm_margin)
+    args = (x, weight, offsets, bias, activation, probs, out, weight_layout, power_2_scales, columns, tile_n,
+            cluster_m, sm_margin)
     launch = _MEMO.get(key) or _MEMO.put(key, _act_quant_launch(*args))
     fn, pre_shape, data_shape, clusters = launch
     pre = None
     if pre_shape is not None:
         pre = out if out is not None else x.new_empty(pre_shape)
-    data = torch.empty(data_shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scale_inv = torch.empty(data_shape[0], -(-data_shape[1] // 128), dtype=torch.float32, device=x.device)
-    _run(fn, tvm_ffi, _act_quant_launch, args, (x, weight, offsets, pre, data, scale_inv, bias, probs), limit,
-         alpha, clusters)
+    (m, c), dev = data_shape, x.device
+    data = torch.empty(data_shape, dtype=torch.float8_e4m3fn, device=dev)
+    scale_inv = torch.empty(m, -(-c // 128), dtype=torch.float32, device=dev)
+    col_data = col_scale = None
+    if columns:
+        blocks = -(-m // 128) + offsets.shape[0] - 1
+        col_data = torch.empty(c, 128 * blocks, dtype=torch.float8_e4m3fn, device=dev)
+        col_scale = torch.empty(blocks, c, dtype=torch.float32, device=dev)
+    _run(fn, tvm_ffi, _act_quant_launch, args,
+         (x, weight, offsets, pre, data, scale_inv, col_data, col_scale, bias, probs), limit, alpha, clusters)
+    if columns:
+        return pre, data, scale_inv, BlockColumns(col_data, col_scale, m)
     return pre, data, scale_inv
 
 
-def _act_quant_launch(x, weight, offsets, bias, activation, probs, out, weight_layout, power_2_scales, tile_n,
-                      cluster_m, sm_margin):
+def sm90_act_quant_columns_unsupported_reason(c, g) -> str | None:
+    """None if `grouped_gemm_act_quant_sm90` can also write the column-wise copy of a cast output
+    with ``c`` columns over ``g`` groups (``columns=True``)."""
+    if c % ACT_QUANT_COLUMNS_MULTIPLE:
+        return f"sm90 backend: {c} cast columns, not a multiple of {ACT_QUANT_COLUMNS_MULTIPLE} (column-wise copy)"
+    if g > FP8_MAX_GROUPS:
+        return f"sm90 backend: {g} groups, more than {FP8_MAX_GROUPS} (column-wise copy)"
+    return None
+
+
+def _act_quant_launch(x, weight, offsets, bias, activation, probs, out, weight_layout, power_2_scales, columns,
+                      tile_n, cluster_m, sm_margin):
     """Every check of `grouped_gemm_act_quant_sm90`; (launcher or None when M == 0, pre shape or
     None, cast output shape, persistent grid in clusters)."""
     spec = activation_spec(activation, _ACT_QUANT)
@@ -565,15 +597,23 @@ def _act_quant_launch(x, weight, offsets, bias, activation, probs, out, weight_l
         raise ValueError(f"{_ACT_QUANT}: tile_n must be 256 with activation {activation!r}, got {tile_n}")
     if spec is None and out is not None:
         raise ValueError(f"{_ACT_QUANT}: out (the pre-activation buffer) needs an activation")
+    if not isinstance(columns, bool):
+        raise TypeError(f"{_ACT_QUANT}: columns must be a bool, got {type(columns).__name__}")
+    if columns and spec is None and tile_n not in (None, 128):
+        raise ValueError(f"{_ACT_QUANT}: tile_n must be 128 with columns and no activation, got {tile_n}")
     m, n, act_shape, tile_n, cluster_m, clusters = _forward_checks(
         _ACT_QUANT, x, weight, offsets, bias, activation, probs, out, None, weight_layout,
-        256 if spec else tile_n, cluster_m, sm_margin,
+        256 if spec else 128 if columns else tile_n, cluster_m, sm_margin,
     )
     pre_shape, data_shape = ((m, n), act_shape) if spec else (None, (m, n))
+    if columns:
+        reason = sm90_act_quant_columns_unsupported_reason(data_shape[1], offsets.shape[0] - 1)
+        if reason:
+            raise ValueError(f"{_ACT_QUANT}: {reason.removeprefix('sm90 backend: ')}")
     if m == 0:
         return None, pre_shape, data_shape, clusters
     key = (_ACT_QUANT, x.dtype, activation, bias is not None, tvm_ffi_available(), cluster_m, weight_layout, tile_n,
-           bool(power_2_scales))
+           columns, bool(power_2_scales))
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_gemm_act_quant(*key[1:-1], power_2_scales=key[-1])

@@ -1438,6 +1438,69 @@ def store_quad_rows(mData: cute.Tensor, data: cute.Tensor, quad_pairs, tile: Til
             mDataGroups[row, col // 8] = cutlass.Uint64(word0) | (cutlass.Uint64(word1) << 32)
 
 
+# a 128 x 128 tile staged transposed for its column-wise cast: the column stride in elements (264
+# bytes of 16-bit values, so the accumulator layout's stores (lanes 4 apart 2 columns apart) and
+# 8-byte loads along 16 columns per warp hit distinct banks), and the staging tile's elements
+COLUMN_STRIDE = 132
+COLUMN_SCRATCH = 128 * COLUMN_STRIDE
+
+
+@cute.jit
+def stage_transposed(sScratch: cute.Tensor, value, tile: Tile, row, col, dtype: cutlass.Constexpr):
+    """Value (row, col) of a 128 x 128 tile (tile coordinates) into the transposed staging tile,
+    zero for rows past the group's end."""
+    sScratch[col * COLUMN_STRIDE + row] = dtype(cutlass.select_(tile.row0 + row < tile.end, value, dtype(0.0)))
+
+
+@cute.jit
+def store_staged_columns(mColData: cute.Tensor, mColScale: cute.Tensor, sScratch: cute.Tensor, sEdges: cute.Tensor,
+                         tile: Tile, col0, dtype: cutlass.Constexpr, power_2_scales: cutlass.Constexpr[bool],
+                         barrier):
+    """The column-wise 1 x 128 E4M3 copy (`BlockColumns`: data (C, 128 * blocks), scale_inv
+    (blocks, C)) of a varlen-M tile's 128 columns col0 .. col0 + 127, staged by every consumer
+    thread with `stage_transposed`: the tile's 128 rows are one column block of its group (tiles
+    start at their group's first row; ``sEdges`` from `scan_group_blocks`). Two consumer threads
+    per column, 64 rows each: the amax over 16 8-byte loads, then the loads again, 16 values at a
+    time, scaled and stored as 16 bytes. Waits on ``barrier`` (the consumer threads) before, and
+    after, so the next staging cannot overwrite what is read."""
+    barrier.arrive_and_wait()
+    block = sEdges[SORT_MAX_G + 1 + tile.seg] + tile.mt
+    tidx, _, _ = cute.arch.thread_idx()
+    column, part = (tidx - 128) // 2, tidx % 2  # the column this thread casts, rows 64 part ..
+    sUnits = cute.recast_tensor(sScratch, cutlass.Uint64)
+    rUnits = cute.make_rmem_tensor((4,), cutlass.Uint64)
+    rValues = cute.recast_tensor(rUnits, dtype)
+    amax = Float32(0.0)
+    for b in cutlass.range_constexpr(4):
+        for k in cutlass.range_constexpr(4):
+            rUnits[k] = sUnits[column * (COLUMN_STRIDE // 4) + 16 * part + 4 * b + k]
+        for j in cutlass.range_constexpr(16):
+            value = rValues[j].to(Float32)
+            magnitude = cutlass.max(value, -value)
+            if magnitude < Float32(float("inf")):  # NaN, Inf count as 0
+                amax = cutlass.max(amax, magnitude)
+    amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
+    scale_inv, m1, m2 = e4m3_scale_inv(amax, power_2_scales)
+    col_out = col0 + column
+    in_bounds = block < sEdges[SORT_MAX_G + 2 + tile.seg]  # offsets that decrease give fewer blocks
+    if part == 0 and in_bounds:
+        mColScale[block, col_out] = scale_inv
+    scaled = cute.make_rmem_tensor((16,), Float32)
+    data = cute.make_rmem_tensor((16,), cutlass.Float8E4M3FN)
+    words = cute.recast_tensor(data, cutlass.Uint64)
+    mColUnits = cute.recast_tensor(mColData, cutlass.Uint64)
+    for b in cutlass.range_constexpr(4):
+        for k in cutlass.range_constexpr(4):
+            rUnits[k] = sUnits[column * (COLUMN_STRIDE // 4) + 16 * part + 4 * b + k]
+        for j in cutlass.range_constexpr(16):
+            scaled[j] = e4m3_scaled(rValues[j].to(Float32), scale_inv, m1, m2, power_2_scales)
+        data.store(scaled.load().to(cutlass.Float8E4M3FN))
+        if in_bounds:
+            for w in cutlass.range_constexpr(2):
+                mColUnits[col_out, block * 16 + part * 8 + 2 * b + w] = words[w]
+    barrier.arrive_and_wait()
+
+
 def make_amax_state():
     """A consumer thread's running max |output| (one fp32 register, 0), kept over all its tiles."""
     amax = cute.make_rmem_tensor((1,), Float32)
@@ -1611,16 +1674,30 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
     correction, or two exact multiplications with power-of-two scales) and stores the E4M3 bytes
     straight from registers, one 8-byte store per row and quad lane after `quad_gather` (rows of
     the tile's group only).
+
+    ``columns`` (`Transpose` after the cast): also the per-group column-wise copy the next
+    GroupedLinear's FP8 weight gradient reads (`BlockColumns`: data (C, 128 * blocks), group g's
+    128-row block j at columns 128 (first_block[g] + j), scale_inv (blocks, C)), cast from the
+    same stored values: the first pass stages the tile transposed in shared memory and
+    `store_staged_columns` casts it after the steps. Needs one block per tile (GLU tile_n 256,
+    else tile_n 128), C % 128 == 0 and G <= 512 (the groups' first blocks scanned into shared
+    memory).
     """
 
     stores_act = False
 
     def __init__(self, dtype, activation, has_bias, b_major="k", cluster_m=2, power_2_scales=False, tile_n=256,
-                 **opts):
+                 columns=False, **opts):
         spec = activation_spec(activation, "GroupedGemmActQuantSm90")
         if spec is not None and (not spec.glu or tile_n != 256):
             raise ValueError("GroupedGemmActQuantSm90 casts a GLU activation (tile_n 256) or the plain output")
+        if columns and spec is None and tile_n != 128:
+            raise ValueError("GroupedGemmActQuantSm90: columns without an activation need tile_n 128 (one block)")
         self.power_2_scales = power_2_scales
+        self.columns = columns
+        if columns:
+            self.group_blocks = True
+            self.epi_scratch = COLUMN_SCRATCH
         self.stores_pre = spec is not None
         super().__init__(dtype, tile_n, activation, has_bias, b_major, cluster_m, **opts)
         self.blocks = self.box_n // 128  # cast blocks per row of a tile
@@ -1635,6 +1712,8 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
         mPre: cute.Tensor,  # (M, N) GLU, else None
         mData: cute.Tensor,  # (M, C) float8_e4m3fn
         mScale: cute.Tensor,  # (M, ceil(C/128)) float32
+        mColData: cute.Tensor,  # (C, 128 * blocks) float8_e4m3fn with columns, else None
+        mColScale: cute.Tensor,  # (blocks, C) float32 with columns, else None
         mBias: cute.Tensor,  # (G, N) or None
         mProbs: cute.Tensor,  # (M,) float32 or None
         limit: Float32,
@@ -1644,12 +1723,14 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
     ):
         m_total = cute.size(mX, mode=[0])
         outputs = (mPre,) if const_expr(self.stores_pre) else ()
-        self.launch(mX, mW, mOffsets, outputs, (), (mBias, mProbs, limit, alpha, m_total, None, mData, mScale),
+        self.launch(mX, mW, mOffsets, outputs, (),
+                    (mBias, mProbs, limit, alpha, m_total, None, mData, mScale, mColData, mColScale),
                     max_clusters, stream)
 
     def epi_make_state(self, tiled_copy, epi_tile, shared):
         """(per block and row slot: scale_inv and the two multipliers of `e4m3_scale_inv`; GLU: the
-        tile's act as stored, step-major, else None; fp32 and E4M3 scratch of one chunk)."""
+        tile's act as stored, step-major, else None; fp32 and E4M3 scratch of one chunk; with
+        ``columns`` the transposed staging tile and the groups' first blocks (shared))."""
         self.row_slot, self.slot_value = fragment_row_slots(tiled_copy, epi_tile)
         self.quad_pairs = quad_column_groups(tiled_copy, epi_tile, self.row_slot)
         frag, slots = len(self.row_slot), len(self.slot_value)
@@ -1658,6 +1739,7 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
             cute.make_rmem_tensor((self.num_steps * frag,), self.dtype) if self.spec is not None else None,
             cute.make_rmem_tensor((frag,), Float32),
             cute.make_rmem_tensor((frag,), cutlass.Float8E4M3FN),
+            *shared,
         )
 
     @cute.jit
@@ -1686,6 +1768,9 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
                 stored = self._stored(params, tile, chunk, n_box, rAcc, rPre, tRS_cD, v)
                 if const_expr(self.spec is not None):
                     acts[step * frag + v] = stored
+                if const_expr(self.columns):
+                    stage_transposed(state[4], stored, tile, tRS_cD[v][0], step * self.epi_n + tRS_cD[v][1],
+                                     self.dtype)
                 value = stored.to(Float32)
                 magnitude = cutlass.max(value, -value)
                 slot = step // self.block_steps * slots + self.row_slot[v]
@@ -1711,7 +1796,7 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
     @cute.jit
     def epi_visit(self, params, tile: Tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
         m_total, mData = params[4], params[6]
-        (scale_inv, m1, m2), acts, scaled, data = state
+        (scale_inv, m1, m2), acts, scaled, data = state[:4]
         frag, slots = cute.size(rAcc[0]), len(self.slot_value)
         for v in cutlass.range_constexpr(frag):
             if const_expr(self.spec is not None):
@@ -1723,6 +1808,13 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
             scaled[v] = e4m3_scaled(value, scale_inv[slot], m1[slot], m2[slot], self.power_2_scales)
         data.store(scaled.load().to(cutlass.Float8E4M3FN))  # round to nearest even, saturating
         store_quad_rows(mData, data, self.quad_pairs, tile, tRS_cD, chunk * self.epi_n, n_box, m_total)
+
+    @cute.jit
+    def epi_end_tile(self, params, tile: Tile, n_box, tRS_cD, state):
+        if const_expr(self.columns):
+            if tile.is_group and tile.row0 < tile.end:  # the same for every thread of the CTA
+                store_staged_columns(params[8], params[9], state[4], state[5], tile, tile.nt * 128, self.dtype,
+                                     self.power_2_scales, self.epi_barrier)
 
 
 class GroupedGemmActFp8Sm90(GroupedGemmActSm90):
