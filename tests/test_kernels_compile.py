@@ -212,7 +212,7 @@ def test_grouped_dgrad_dact_quant_fp8_compiles(activation, dtype, cluster_m, pow
     "activation,has_bias,weight_layout,tile_n,columns",
     [("swiglu", True, "nk", 256, False), ("scaled_swiglu", False, "kn", 256, False), (None, True, "nk", 128, False),
      (None, False, "kn", 256, False), ("swiglu", False, "nk", 256, True), ("geglu", True, "kn", 256, True),
-     (None, False, "nk", 128, True)],
+     (None, False, "nk", 128, True), (None, True, "kn", 256, True)],
 )
 def test_grouped_gemm_act_quant_compiles(activation, has_bias, weight_layout, tile_n, columns):
     """columns: the per-group column-wise copy too (a Transpose after the cast)."""

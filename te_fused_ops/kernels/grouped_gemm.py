@@ -542,8 +542,7 @@ def grouped_gemm_act_quant_sm90(
     scale_inv (M, ceil(C/128)) float32), C = N/2 for GLU, N without an activation. Rows >=
     offsets[G]: pre and data zero, scale_inv 1. GLU: tile_n 256. ``columns`` (a `Transpose`
     after the cast): a fourth output, the per-group column-wise copy of the same values as
-    `block_columns_sm90` makes it (`BlockColumns`); needs C % 128 == 0, G <= 512 and, without an
-    activation, tile_n 128. No host sync.
+    `block_columns_sm90` makes it (`BlockColumns`); needs C % 128 == 0 and G <= 512. No host sync.
     """
     from .block_quantize import BlockColumns
 
@@ -599,11 +598,9 @@ def _act_quant_launch(x, weight, offsets, bias, activation, probs, out, weight_l
         raise ValueError(f"{_ACT_QUANT}: out (the pre-activation buffer) needs an activation")
     if not isinstance(columns, bool):
         raise TypeError(f"{_ACT_QUANT}: columns must be a bool, got {type(columns).__name__}")
-    if columns and spec is None and tile_n not in (None, 128):
-        raise ValueError(f"{_ACT_QUANT}: tile_n must be 128 with columns and no activation, got {tile_n}")
     m, n, act_shape, tile_n, cluster_m, clusters = _forward_checks(
         _ACT_QUANT, x, weight, offsets, bias, activation, probs, out, None, weight_layout,
-        256 if spec else 128 if columns else tile_n, cluster_m, sm_margin,
+        256 if spec else tile_n, cluster_m, sm_margin,
     )
     pre_shape, data_shape = ((m, n), act_shape) if spec else (None, (m, n))
     if columns:

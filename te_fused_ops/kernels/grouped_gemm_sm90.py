@@ -1678,10 +1678,10 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
     ``columns`` (`Transpose` after the cast): also the per-group column-wise copy the next
     GroupedLinear's FP8 weight gradient reads (`BlockColumns`: data (C, 128 * blocks), group g's
     128-row block j at columns 128 (first_block[g] + j), scale_inv (blocks, C)), cast from the
-    same stored values: the first pass stages the tile transposed in shared memory and
-    `store_staged_columns` casts it after the steps. Needs one block per tile (GLU tile_n 256,
-    else tile_n 128), C % 128 == 0 and G <= 512 (the groups' first blocks scanned into shared
-    memory).
+    same stored values: each step stages its chunk transposed in shared memory, and after a
+    block's last step `store_staged_columns` casts the block's 128 columns (a varlen-M tile's 128
+    rows are one column block of its group). Needs C % 128 == 0 and G <= 512 (the groups' first
+    blocks scanned into shared memory).
     """
 
     stores_act = False
@@ -1691,8 +1691,6 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
         spec = activation_spec(activation, "GroupedGemmActQuantSm90")
         if spec is not None and (not spec.glu or tile_n != 256):
             raise ValueError("GroupedGemmActQuantSm90 casts a GLU activation (tile_n 256) or the plain output")
-        if columns and spec is None and tile_n != 128:
-            raise ValueError("GroupedGemmActQuantSm90: columns without an activation need tile_n 128 (one block)")
         self.power_2_scales = power_2_scales
         self.columns = columns
         if columns:
@@ -1768,9 +1766,6 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
                 stored = self._stored(params, tile, chunk, n_box, rAcc, rPre, tRS_cD, v)
                 if const_expr(self.spec is not None):
                     acts[step * frag + v] = stored
-                if const_expr(self.columns):
-                    stage_transposed(state[4], stored, tile, tRS_cD[v][0], step * self.epi_n + tRS_cD[v][1],
-                                     self.dtype)
                 value = stored.to(Float32)
                 magnitude = cutlass.max(value, -value)
                 slot = step // self.block_steps * slots + self.row_slot[v]
@@ -1801,19 +1796,20 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
         for v in cutlass.range_constexpr(frag):
             if const_expr(self.spec is not None):
                 self._pre(params, tile, chunk, n_box, rAcc, rOut, tRS_cD, v)
-                value = acts[step * frag + v].to(Float32)
+                stored = acts[step * frag + v]
             else:  # recomputed as the first pass did; `scaled` is the scratch of `_pre`
-                value = self._stored(params, tile, chunk, n_box, rAcc, [scaled], tRS_cD, v).to(Float32)
+                stored = self._stored(params, tile, chunk, n_box, rAcc, [scaled], tRS_cD, v)
+            if const_expr(self.columns):
+                stage_transposed(state[4], stored, tile, tRS_cD[v][0],
+                                 step % self.block_steps * self.epi_n + tRS_cD[v][1], self.dtype)
             slot = step // self.block_steps * slots + self.row_slot[v]
-            scaled[v] = e4m3_scaled(value, scale_inv[slot], m1[slot], m2[slot], self.power_2_scales)
+            scaled[v] = e4m3_scaled(stored.to(Float32), scale_inv[slot], m1[slot], m2[slot], self.power_2_scales)
         data.store(scaled.load().to(cutlass.Float8E4M3FN))  # round to nearest even, saturating
         store_quad_rows(mData, data, self.quad_pairs, tile, tRS_cD, chunk * self.epi_n, n_box, m_total)
-
-    @cute.jit
-    def epi_end_tile(self, params, tile: Tile, n_box, tRS_cD, state):
-        if const_expr(self.columns):
-            if tile.is_group and tile.row0 < tile.end:  # the same for every thread of the CTA
-                store_staged_columns(params[8], params[9], state[4], state[5], tile, tile.nt * 128, self.dtype,
+        if const_expr(self.columns and step % self.block_steps == self.block_steps - 1):
+            col0 = (chunk + 1) * self.epi_n - 128  # the block's first column
+            if tile.is_group and tile.row0 < tile.end and col0 < n_box:  # the same for every thread of the CTA
+                store_staged_columns(params[8], params[9], state[4], state[5], tile, col0, self.dtype,
                                      self.power_2_scales, self.epi_barrier)
 
 
