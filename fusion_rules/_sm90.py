@@ -3,6 +3,7 @@
 import torch
 
 from te_fused_ops.kernels.block_quantize import (
+    BlockColumns,
     block_columns_sm90,
     block_dequantize_sm90,
     block_quantize_sm90,
@@ -13,6 +14,7 @@ from te_fused_ops.kernels.grouped_gemm import (
     grouped_gemm_fp8_sm90,
     grouped_gemm_sm90,
     sm90_grouped_gemm_fp8_unsupported_reason,
+    sm90_act_quant_columns_unsupported_reason,
     sm90_grouped_gemm_unsupported_reason,
 )
 from te_fused_ops.kernels.grouped_wgrad import (
@@ -83,6 +85,15 @@ def backward_unsupported_reason(linear: GroupedLinear, info, index: int):
     return None
 
 
+def columns_unsupported_reason(recipe, cols: int, groups: int):
+    """Why a cast epilogue cannot also write the per-group column-wise copy (a Transpose after the
+    Quantize) of a ``cols``-column output over ``groups`` groups; the copy is then made later
+    (rule 'transpose+grouped_linear' skips it: the FP8 weight gradient makes it from the rows)."""
+    if not isinstance(recipe, Float8BlockScaling):
+        return f"{recipe.name}: no block-padded column-wise copy for this recipe (rule 'transpose+grouped_linear')"
+    return _reason(sm90_act_quant_columns_unsupported_reason(cols, groups))
+
+
 def epilogue_args(act: Activation, ctx) -> dict:
     """Keyword arguments of the activation's kernel epilogue (constants, router probs)."""
     args = {}
@@ -93,7 +104,8 @@ def epilogue_args(act: Activation, ctx) -> dict:
     return args
 
 
-def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=None, act_cast=None, **epilogue):
+def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=None, act_cast=None, columns=False,
+                     **epilogue):
     """The sm90 kernel on the weight (natural layout, GLU too) this call read; fills ctx like the op.
 
     A quantized ``x`` (FP8_KERNEL_RECIPES) runs the block-scaled FP8 kernel on the weight cast
@@ -101,7 +113,7 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
     ``epilogue`` (pre, act, amax parts), as `grouped_gemm_sm90`; with ``act_cast`` (a
     Float8BlockScaling recipe; bf16/fp16 x, a GLU activation or none) the act, or without an
     activation the output, is cast to E4M3 in the epilogue and not written: (pre or None, data,
-    multipliers), as `grouped_gemm_act_quant_sm90`.
+    multipliers[, `BlockColumns` with ``columns``]), as `grouped_gemm_act_quant_sm90`.
     """
     weight, bias = ctx.params["weight"], ctx.params.get("bias")
     linear.check_input(x, weight)
@@ -109,7 +121,7 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
     if act_cast is not None:
         outputs = grouped_gemm_act_quant_sm90(
             x, weight.detach(), ctx.side["offsets"], activation=activation, bias=bias,
-            power_2_scales=act_cast.power_2_scales, **epilogue,
+            power_2_scales=act_cast.power_2_scales, columns=columns, **epilogue,
         )
         linear.keep_for_backward(ctx, x, None, linear_output_sm90)
         return outputs
@@ -123,13 +135,23 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
             x.rowwise_data, x_scale_inv, w_data, w_scale_inv, ctx.side["offsets"],
             bias=bias, activation=activation, out_dtype=x.dtype, **epilogue,
         )
-        linear.keep_for_backward(ctx, x, x.recipe)
+        linear.keep_for_backward(ctx, _kept_for_weight_gradient(ctx, x), x.recipe)
         if w_transposed:
             ctx.saved["weight_fp8_t"] = tuple(w_transposed)
         return outputs
     outputs = grouped_gemm_sm90(x, weight.detach(), ctx.side["offsets"], bias=bias, activation=activation, **epilogue)
     linear.keep_for_backward(ctx, x, None, linear_output_sm90)
     return outputs
+
+
+def _kept_for_weight_gradient(ctx, x: QuantizedTensor) -> QuantizedTensor:
+    """What a GroupedLinear keeps of its quantized input ``x``: x, or only its block-padded
+    column-wise copy when x carries one and the weight gradient runs on the FP8 kernel (the row-wise
+    copy is then dead after the forward GEMM)."""
+    if x.block_columns_data is None or not fp8_wgrad_applies(ctx, x.recipe, x):
+        return x
+    return QuantizedTensor(x.shape, x.dtype, x.device, recipe=x.recipe, role=x.role, offsets=x.offsets,
+                           block_columns_data=x.block_columns_data, block_columns_scale_inv=x.block_columns_scale_inv)
 
 
 def linear_output_sm90(x, weight, bias, offsets) -> torch.Tensor:
@@ -174,15 +196,17 @@ def quantize_rows(x: torch.Tensor, recipe, offsets, amax_parts=None) -> Quantize
     return rows_quantized(data, scale_inv, x.shape, x.dtype, recipe, offsets)
 
 
-def rows_quantized(data, scale_inv, shape, dtype, recipe, offsets) -> QuantizedTensor:
+def rows_quantized(data, scale_inv, shape, dtype, recipe, offsets, columns=None) -> QuantizedTensor:
     """The Quantize op's row-wise QuantizedTensor of ``shape`` / ``dtype`` from a 1 x 128 cast's
-    (data (M, K) E4M3, multipliers (M, ceil(K/128))) with ``recipe``."""
+    (data (M, K) E4M3, multipliers (M, ceil(K/128))) with ``recipe``; ``columns``: the same
+    cast's `BlockColumns` (a Transpose after the Quantize), kept as its block-padded copy."""
     if isinstance(recipe, Float8BlockScaling):
         scale_inv = scale_inv.view(*shape[:-1], -1)
     else:  # one scale, repeated over the grid
         scale_inv = scale_inv.view(-1)[0] if scale_inv.numel() else torch.ones((), device=data.device)
+    blocks = {} if columns is None else dict(block_columns_data=columns.data, block_columns_scale_inv=columns.scale_inv)
     return QuantizedTensor(shape, dtype, data.device, recipe=recipe, role="activation",
-                           rowwise_data=data.view(shape), rowwise_scale_inv=scale_inv, offsets=offsets)
+                           rowwise_data=data.view(shape), rowwise_scale_inv=scale_inv, offsets=offsets, **blocks)
 
 
 def dequantize_rows(x):
@@ -265,7 +289,7 @@ def fp8_wgrad_applies(ctx, recipe, x) -> bool:
     return (
         x is not None
         and isinstance(recipe, Float8BlockScaling)
-        and is_quantized(x) and x.has_rowwise and x.dim() == 2
+        and is_quantized(x) and (x.has_rowwise or x.block_columns_data is not None) and x.dim() == 2
         and linear.in_features % 16 == 0
         and linear.out_features % 16 == 0
         and ctx.side["offsets"].shape[0] - 1 <= FP8_MAX_GROUPS
@@ -304,13 +328,16 @@ def fp8_data_grad(ctx, dy_rows, recipe, out_dtype) -> torch.Tensor:
 def quantized_input_param_grads(ctx, dy, x, dy_columns=None, out_dtype=None) -> dict:
     """`linear_param_grads` of a GroupedLinear whose forward saved a quantized input ``x`` (None
     when no weight gradient is needed): with ``dy_columns`` the FP8 weight gradient on the
-    column-wise copies of dy and of x (made from its row-wise copy, as `add_columnwise` does;
-    ``out_dtype`` as there), else the bf16 one on x dequantized."""
+    column-wise copies of dy and of x (the block-padded copy x carries, else made from its
+    row-wise copy, as `add_columnwise` does; ``out_dtype`` as there), else the bf16 one on x
+    dequantized."""
     if x is None:
         return linear_param_grads(ctx, dy)
     if dy_columns is None:
         return linear_param_grads(ctx, dy, dequantize_rows(x))
-    x_columns = block_columns_sm90(
-        x.rowwise_data, ctx.side["offsets"], x_scale_inv=x.rowwise_scale_inv, power_2_scales=x.recipe.power_2_scales
-    )
+    if x.block_columns_data is not None:
+        x_columns = BlockColumns(x.block_columns_data, x.block_columns_scale_inv, x.shape[0])
+    else:
+        x_columns = block_columns_sm90(x.rowwise_data, ctx.side["offsets"], x_scale_inv=x.rowwise_scale_inv,
+                                       power_2_scales=x.recipe.power_2_scales)
     return linear_param_grads(ctx, dy, x_columns, dy_columns, out_dtype)

@@ -6,8 +6,10 @@ contract: less saved than the unfused chain, which keeps both). With
 ``GroupedLinear(recompute_output=True)`` it keeps neither: the backward reruns the GEMM for pre.
 
 On sm90 a Quantize after the activation: "fp8_blockwise" (bf16/fp16 x, GLU activation) casts
-the act to E4M3 in the GEMM's epilogue, which never writes it in bf16; "fp8_current" takes its amax
-from the epilogue (partial maxima per consumer warp), so the cast kernel runs without an amax pass.
+the act to E4M3 in the GEMM's epilogue, which never writes it in bf16, and with a Transpose after
+it also writes the per-group column-wise copy the next GroupedLinear's FP8 weight gradient reads
+(I % 128 == 0, G <= 512); "fp8_current" takes its amax from the epilogue (partial maxima per
+consumer warp), so the cast kernel runs without an amax pass.
 """
 
 import torch
@@ -18,7 +20,14 @@ from te_fused_ops.ops.base import Recompute
 from te_fused_ops.kernels.activations import ACTIVATIONS
 from te_fused_ops.quantization import Float8BlockScaling, Float8CurrentScaling
 
-from ._sm90 import epilogue_args, kernel_unsupported_reason, quantize_rows, rows_quantized, run_grouped_gemm
+from ._sm90 import (
+    columns_unsupported_reason,
+    epilogue_args,
+    kernel_unsupported_reason,
+    quantize_rows,
+    rows_quantized,
+    run_grouped_gemm,
+)
 
 
 def finish_activation(act: Activation, ctx, pre: torch.Tensor, out: torch.Tensor, keep_output: bool,
@@ -62,6 +71,15 @@ def _forward_sm90_cast(ops, ctxs, x):
     return quantize_rows(out, recipe, offsets, amax_parts)
 
 
+def _forward_sm90_cast_columns(ops, ctxs, x):
+    linear, act, quantize = ops[:3]
+    recipe = quantize.recipe
+    pre, data, scale_inv, columns = run_grouped_gemm(linear, ctxs[0], x, act.kernel_name, act_cast=recipe,
+                                                     columns=True, **epilogue_args(act, ctxs[1]))
+    finish_activation(act, ctxs[1], pre, None, False, ctxs[0].recompute_output)
+    return rows_quantized(data, scale_inv, data.shape, pre.dtype, recipe, ctxs[2].side["offsets"], columns)
+
+
 def _supports_sm90(ops, info, backend):
     if backend != "sm90":
         return None
@@ -87,6 +105,13 @@ def _supports_sm90_cast(ops, info, backend):
     return None
 
 
+def _supports_sm90_cast_columns(ops, info, backend):
+    reason = _supports_sm90_cast(ops, info, backend)
+    if backend != "sm90" or reason:
+        return reason
+    return columns_unsupported_reason(ops[2].recipe, ops[0].out_features // 2, ops[0].num_groups)
+
+
 grouped_linear_activation = FusionRule(
     "grouped_linear+activation", pattern=(GroupedLinear, Activation), passes="forward", supports=_supports_sm90
 )
@@ -104,7 +129,9 @@ grouped_linear_activation_quantize_transpose = FusionRule(
     "grouped_linear+activation+quantize+transpose",
     pattern=(GroupedLinear, Activation, Quantize, Transpose),
     passes="forward",
+    supports=_supports_sm90_cast_columns,
 )
+grouped_linear_activation_quantize_transpose.implementation("sm90")(_forward_sm90_cast_columns)
 grouped_linear_activation_quantize_transpose.implementation("torch")(_forward_torch)
 
 for _rule in (

@@ -321,7 +321,11 @@ class QuantizedTensor(torch.Tensor):
     ``recipe``, ``role`` ("activation", "gradient" or "weight"), ``rowwise_data`` (the original
     shape, E4M3) + ``rowwise_scale_inv``, optionally ``columnwise_data`` + ``columnwise_scale_inv``
     (layouts in the module docstring), and ``offsets`` (the (G+1,) group offsets of the columnwise
-    copy, or None). Any torch op other than detach/alias (which keep the quantized data, shared)
+    copy, or None). An fp8_blockwise activation cast in an sm90 GEMM epilogue with a ``Transpose``
+    after it carries, instead of the columnwise copy, ``block_columns_data`` (K, 128 * blocks) +
+    ``block_columns_scale_inv`` (blocks, K): the same blocks, each group's padded to whole
+    128-token blocks (``kernels.block_quantize.BlockColumns``), read by the sm90 FP8 weight
+    gradient only. Any torch op other than detach/alias (which keep the quantized data, shared)
     runs on the dequantized values; in-place ops on a QuantizedTensor raise.
     """
 
@@ -339,6 +343,8 @@ class QuantizedTensor(torch.Tensor):
         columnwise_data=None,
         columnwise_scale_inv=None,
         offsets=None,
+        block_columns_data=None,
+        block_columns_scale_inv=None,
         requires_grad=False,
     ):
         self = torch.Tensor._make_wrapper_subclass(
@@ -351,6 +357,8 @@ class QuantizedTensor(torch.Tensor):
         self.columnwise_data = columnwise_data
         self.columnwise_scale_inv = columnwise_scale_inv
         self.offsets = offsets
+        self.block_columns_data = block_columns_data
+        self.block_columns_scale_inv = block_columns_scale_inv
         return self
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -375,6 +383,8 @@ class QuantizedTensor(torch.Tensor):
             columnwise_data=self.columnwise_data,
             columnwise_scale_inv=self.columnwise_scale_inv,
             offsets=self.offsets,
+            block_columns_data=self.block_columns_data,
+            block_columns_scale_inv=self.block_columns_scale_inv,
         )
 
     def _out_dtype(self, dtype, op):
@@ -386,6 +396,8 @@ class QuantizedTensor(torch.Tensor):
     def dequantize(self, dtype=None) -> torch.Tensor:
         """The values, ``self.shape``, from the rowwise copy (else from the columnwise copy)."""
         dtype = self._out_dtype(dtype, "QuantizedTensor.dequantize")
+        if not self.has_rowwise and not self.has_columnwise and self.block_columns_data is not None:
+            return self._dequantize_block_columns(dtype)
         if not self.has_rowwise:
             values = self.dequantize_columnwise(dtype).transpose(-1, -2)
             return values.reshape(self.shape)
@@ -396,6 +408,19 @@ class QuantizedTensor(torch.Tensor):
             values = data * _expand_2d(scale_inv, *data.shape[-2:], recipe.block_size)
         else:
             values = data * _expand_last(scale_inv, data.shape[-1], recipe.block_size)
+        return _saturate_to(values, dtype)
+
+    def _dequantize_block_columns(self, dtype) -> torch.Tensor:
+        """The (M, K) values of the block-padded column-wise copy (padding rows 0); sync-free."""
+        data, scale_inv, m = self.block_columns_data, self.block_columns_scale_inv, self.shape[0]
+        block, _ = group_block_index(self.offsets, m, 128)
+        rows = torch.arange(m, device=data.device)
+        ends = self.offsets[1:].to(torch.int64).clamp(0, m).cummax(0).values
+        group = torch.searchsorted(ends, rows, right=True)  # G: the padding rows
+        starts = torch.cat([ends.new_zeros(1), ends])[group]
+        position = 128 * block + (rows - starts) % 128  # the row's token column in its group's blocks
+        values = data[:, position].float().t() * scale_inv[block]
+        values = torch.where((group < ends.numel())[:, None], values, 0.0)
         return _saturate_to(values, dtype)
 
     def dequantize_columnwise(self, dtype=None) -> torch.Tensor:
@@ -438,6 +463,8 @@ class QuantizedTensor(torch.Tensor):
 
     def __repr__(self):
         copies = [name for name in ("rowwise", "columnwise") if getattr(self, f"has_{name}")]
+        if self.block_columns_data is not None:
+            copies.append("block_columns")
         return (
             f"QuantizedTensor(recipe={self.recipe}, role={self.role!r}, copies={copies}, "
             f"values={self.dequantize()})"

@@ -15,7 +15,8 @@ import torch
 from .ops.base import Recompute
 from .quantization import QuantizedTensor
 
-_QUANTIZED_FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv", "offsets")
+_QUANTIZED_FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv", "offsets",
+                     "block_columns_data", "block_columns_scale_inv")
 
 
 @dataclass(frozen=True)

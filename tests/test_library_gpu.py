@@ -208,15 +208,20 @@ def test_sm90_fp8_chain_runs_on_the_kernels(quantize_x, recipe, monkeypatch):
         assert (f"[{first + 1}:{first + 5}] SwiGLU, Quantize, Transpose, GroupedLinear -> rule "
                 "'dactivation+quantize+transpose+grouped_linear' (backend sm90)") in text, text
     # fp8_current: the act's amax from FC1's epilogue; fp8_blockwise after a bf16 FC1: the act
-    # cast in its epilogue; after an FP8 FC1: the act cast after it
-    if recipe == "fp8_current" or not quantize_x:
+    # and its column-wise copy cast in its epilogue; after an FP8 FC1: the act cast after it
+    if recipe == "fp8_current":
         assert (f"[{first}:{first + 3}] GroupedLinear, SwiGLU, Quantize -> rule "
                 "'grouped_linear+activation+quantize' (backend sm90)") in text, text
+    elif not quantize_x:
+        assert (f"[{first}:{first + 4}] GroupedLinear, SwiGLU, Quantize, Transpose -> rule "
+                "'grouped_linear+activation+quantize+transpose' (backend sm90)") in text, text
+        assert f"[{first + 4}] GroupedLinear -> rule 'grouped_linear' (backend sm90)" in text, text
     else:
         assert "rule 'grouped_linear+activation' (backend sm90)" in text, text
         assert f"[{first + 2}] Quantize -> rule 'quantize' (backend sm90)" in text, text
-    assert (f"[{first + 3}:{first + 5}] Transpose, GroupedLinear -> rule 'transpose+grouped_linear' (backend sm90)"
-            in text), text
+    if recipe == "fp8_current" or quantize_x:
+        assert (f"[{first + 3}:{first + 5}] Transpose, GroupedLinear -> rule 'transpose+grouped_linear' "
+                "(backend sm90)") in text, text
 
 
 def test_sm90_fp8_weight_copies_are_made_once_per_reuse_scope(monkeypatch):
@@ -335,13 +340,14 @@ def test_sm90_fused_adamw_training_matches_a_fresh_model_every_step(act):
 
 
 def test_sm90_fp8_act_cast_trains_on_fresh_weights_and_checkpoints():
-    """fp8_blockwise with FC1 in bf16 (the act cast in FC1's epilogue): fused AdamW steps read the
-    weights as they are now, and non-reentrant activation checkpointing gives the same gradients."""
+    """fp8_blockwise with FC1 in bf16 (the act and its column-wise copy cast in FC1's epilogue):
+    fused AdamW steps read the weights as they are now, and non-reentrant activation
+    checkpointing gives the same gradients."""
     _require_hopper()
     torch.manual_seed(0)
     seq = fp8_mlp(False)
-    assert ("GroupedLinear, SwiGLU, Quantize -> rule 'grouped_linear+activation+quantize' (backend sm90)"
-            in seq.explain(torch.empty(ROWS, H, device="cuda", dtype=torch.bfloat16), split_sizes=routing(0, ROWS)))
+    assert ("GroupedLinear, SwiGLU, Quantize, Transpose -> rule 'grouped_linear+activation+quantize+transpose' "
+            "(backend sm90)" in seq.explain(torch.empty(ROWS, H, device="cuda", dtype=torch.bfloat16), split_sizes=routing(0, ROWS)))
     opt = torch.optim.AdamW(seq.parameters(), lr=1e-2, fused=True)
     for step in range(4):
         x = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16)

@@ -23,7 +23,7 @@ from te_fused_ops import (
     Transpose,
 )
 from te_fused_ops.grouped_mm import grouped_row_sum, grouped_wgrad
-from te_fused_ops.quantization import Float8BlockScaling, quantize, quantize_weight
+from te_fused_ops.quantization import Float8BlockScaling, QuantizedTensor, quantize, quantize_weight
 
 G, H, I, ROWS = 4, 256, 128, 300
 SPLITS = torch.tensor([70, 0, 130, 60])  # 40 padding rows
@@ -145,14 +145,19 @@ def block_cast(x, block_rows, power_2_scales=False, transposed=False):
 ACT_CASTS = []  # power_2_scales of each stood-in GEMM with the act cast in its epilogue
 
 
-def gemm_act_cast(x, weight, offsets, *, activation, power_2_scales=False, **epilogue):
+def gemm_act_cast(x, weight, offsets, *, activation, power_2_scales=False, columns=False, **epilogue):
     """`grouped_gemm_act_quant_sm90`'s contract: `gemm`'s pre, and its act as the torch quantizer
     casts it (1 x 128 blocks), the act itself not returned; without an activation no pre, and
-    the output cast."""
-    ACT_CASTS.append(power_2_scales)
+    the output cast; with ``columns`` also the act's `BlockColumns` (as `column_cast` makes them)."""
+    ACT_CASTS.append((power_2_scales, columns))
     pre, act = gemm(x, weight, offsets, activation=activation, **epilogue)
     if activation is None:
         pre, act = None, pre
+    if columns:
+        made, data, scale_inv = column_cast(act, offsets, rows=True, power_2_scales=power_2_scales)
+        COLUMN_CASTS.pop()  # made in the epilogue, not by a cast kernel
+        CAST_POWER_2.pop()
+        return pre, data, scale_inv, made
     q = quantize(act, Float8BlockScaling(power_2_scales=power_2_scales))
     return pre, q.rowwise_data, q.rowwise_scale_inv
 
@@ -326,12 +331,22 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
     text = seq.explain(x, split_sizes=SPLITS)
     first = int(quantize_x)  # index of FC1
     # fp8_current: the act's amax from FC1's epilogue; fp8_blockwise: the act cast in FC1's
-    # epilogue (bf16 x), or after FC1 (FP8 x: the FP8 kernel has no act-cast epilogue)
+    # epilogue (bf16 x) with its column-wise copy (the Transpose), or after FC1 (FP8 x: the FP8
+    # kernel has no act-cast epilogue)
     epilogue_cast = not current and not quantize_x
-    fc1_forward = ([f"[{first}:{first + 3}] GroupedLinear, SwiGLU, Quantize -> rule "
-                    "'grouped_linear+activation+quantize' (backend sm90)"] if current or epilogue_cast else
-                   [f"[{first}:{first + 2}] GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend sm90)",
-                    f"[{first + 2}] Quantize -> rule 'quantize' (backend sm90)"])
+    fc2 = f"[{first + 3}:{first + 5}] Transpose, GroupedLinear -> rule 'transpose+grouped_linear' (backend sm90)"
+    if epilogue_cast:
+        fc1_forward = [f"[{first}:{first + 4}] GroupedLinear, SwiGLU, Quantize, Transpose -> rule "
+                       "'grouped_linear+activation+quantize+transpose' (backend sm90)"]
+        fc2 = f"[{first + 4}] GroupedLinear -> rule 'grouped_linear' (backend sm90)"
+    elif current:
+        fc1_forward = [f"[{first}:{first + 3}] GroupedLinear, SwiGLU, Quantize -> rule "
+                       "'grouped_linear+activation+quantize' (backend sm90)",
+                       f"not fired: rule 'grouped_linear+activation+quantize+transpose' on [{first}:{first + 4}]: ",
+                       "sm90 backend: fp8_current: no block-padded column-wise copy for this recipe"]
+    else:
+        fc1_forward = [f"[{first}:{first + 2}] GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend sm90)",
+                       f"[{first + 2}] Quantize -> rule 'quantize' (backend sm90)"]
     # all FP8: FC1's backward fed from the dAct epilogue in the same rule (fp8_current: d_pre's
     # amax; fp8_blockwise: d_pre's row- and column-wise copies)
     backward = ([f"[{first}:{first + 5}] GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear -> rule "
@@ -340,11 +355,7 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
                 [f"[{first + 1}:{first + 5}] SwiGLU, Quantize, Transpose, GroupedLinear -> rule "
                  "'dactivation+quantize+transpose+grouped_linear' (backend sm90)",
                  f"[{first}] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)"])
-    expected = [
-        *fc1_forward,
-        f"[{first + 3}:{first + 5}] Transpose, GroupedLinear -> rule 'transpose+grouped_linear' (backend sm90)",
-        *backward,
-    ]
+    expected = [*fc1_forward, fc2, *backward]
     if quantize_x:
         expected.append("[0] Quantize -> rule 'quantize' (backend sm90)")
     for step_text in expected:
@@ -357,7 +368,7 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
     power_2 = isinstance(recipe, Float8BlockScaling) and recipe.power_2_scales
     assert CAST_POWER_2 == [power_2] * (len(CASTS) + len(COLUMN_CASTS)), CAST_POWER_2
     assert DACT_FP8_CALLS == [(G, I, H)], DACT_FP8_CALLS  # FC2's dgrad + dSwiGLU: one FP8 kernel
-    assert ACT_CASTS == [power_2] * epilogue_cast, ACT_CASTS
+    assert ACT_CASTS == [(power_2, True)] * epilogue_cast, ACT_CASTS
     fp8_linears = 1 + quantize_x  # FC2, and FC1 after a Quantize of x
     # row-wise: the activation (unless cast in FC1's epilogue) and x; each weight once
     row_casts = [1] * (1 + quantize_x - epilogue_cast) + [128] * fp8_linears
@@ -368,9 +379,11 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
         assert COLUMN_CASTS == [] and WGRAD_FP8_CALLS == [], (COLUMN_CASTS, WGRAD_FP8_CALLS)
         assert sorted(UNCASTS) == [(ROWS, I)] + [(ROWS, H)] * quantize_x, UNCASTS
     else:  # fp8_blockwise: each dy's row- and column-wise copies from one cast, each input's columns
-        # from its rows, the FP8 weight gradients on those; nothing dequantized
+        # from its rows (the act's from FC1's epilogue where it casts the act), the FP8 weight
+        # gradients on those; nothing dequantized
         assert sorted(CASTS) == row_casts, CASTS
-        assert sorted(COLUMN_CASTS) == [(False, True)] * fp8_linears + [(True, False)] * fp8_linears, COLUMN_CASTS
+        from_rows = fp8_linears - epilogue_cast
+        assert sorted(COLUMN_CASTS) == [(False, True)] * from_rows + [(True, False)] * fp8_linears, COLUMN_CASTS
         assert WGRAD_FP8_CALLS == [(G, H, I)] + [(G, 2 * I, H)] * quantize_x, WGRAD_FP8_CALLS
         assert UNCASTS == [], UNCASTS
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
@@ -402,11 +415,70 @@ def test_output_cast_in_the_epilogue(recipe, sm90_stand_ins, monkeypatch):
     ACT_CASTS.clear()
     got = step(seq, x, dy)
     power_2 = isinstance(recipe, Float8BlockScaling) and recipe.power_2_scales
-    assert ACT_CASTS == [power_2] * (not current), ACT_CASTS
+    assert ACT_CASTS == [(power_2, False)] * (not current), ACT_CASTS
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
     want = step(seq, x, dy)
     for name, a, b in zip(("y", "dx", "dW1", "db1", "dW2"), got, want):
         assert ref.rel_err(a, b) <= 5e-2, name
+
+
+@pytest.mark.parametrize("power_2", [False, True])
+def test_output_cast_with_columns_in_the_epilogue(power_2, sm90_stand_ins, monkeypatch):
+    """GroupedLinear, Quantize, Transpose, GroupedLinear (fp8_blockwise): FC1's epilogue writes
+    the output's rows and its column-wise copy (rule 'grouped_linear+quantize+transpose'); FC2
+    keeps only the column copy for its FP8 weight gradient (no column cast, the rows not saved).
+    Results against the torch backend."""
+    torch.manual_seed(0)
+    recipe = Float8BlockScaling(power_2_scales=power_2)
+    seq = Sequential(GroupedLinear(G, H, I, bias=True, dtype=torch.bfloat16), Quantize(recipe), Transpose(),
+                     GroupedLinear(G, I, H, dtype=torch.bfloat16))
+    x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
+    text = seq.explain(x, split_sizes=SPLITS)
+    for line in ("[0:3] GroupedLinear, Quantize, Transpose -> rule 'grouped_linear+quantize+transpose' (backend sm90)",
+                 "[3] GroupedLinear -> rule 'grouped_linear' (backend sm90)",
+                 "[3] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)"):
+        assert line in text, text
+    for calls in (ACT_CASTS, COLUMN_CASTS, WGRAD_FP8_CALLS):
+        calls.clear()
+    saved = []
+
+    def keep(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        got = step(seq, x, dy)
+    assert ACT_CASTS == [(power_2, True)], ACT_CASTS
+    assert COLUMN_CASTS == [(True, False)], COLUMN_CASTS  # dy's rows and columns only
+    assert WGRAD_FP8_CALLS == [(G, H, I)], WGRAD_FP8_CALLS
+    assert ((ROWS, I), torch.float8_e4m3fn) not in saved, saved  # FC2 keeps the column copy, not the rows
+    assert ((I, 128 * (-(-ROWS // 128) + G)), torch.float8_e4m3fn) in saved, saved
+    monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
+    want = step(seq, x, dy)
+    for name, a, b in zip(("y", "dx", "dW1", "db1", "dW2"), got, want):
+        assert ref.rel_err(a, b) <= 5e-2, name
+
+
+def test_block_columns_only_input_dequantizes_in_torch():
+    """A QuantizedTensor holding only the block-padded column copy (what FC2 keeps) dequantizes
+    to the values of that copy, padding rows zero, and round-trips through the saved-tensor
+    packing with its fields."""
+    from te_fused_ops.saved import pack, unpack
+
+    torch.manual_seed(0)
+    offsets = torch.tensor([0, 70, 70, 200, 260], dtype=torch.int32)
+    values = torch.randn(ROWS, I)
+    q = quantize(values, "fp8_blockwise", rowwise=False, columnwise=True, offsets=offsets)
+    columns = column_cast(values, offsets)
+    kept = QuantizedTensor(values.shape, values.dtype, values.device, recipe=q.recipe, role="activation",
+                           offsets=offsets, block_columns_data=columns.data, block_columns_scale_inv=columns.scale_inv)
+    tensors = []
+    kept = unpack(pack(kept, tensors, {}), tensors)
+    assert kept.block_columns_data is columns.data and kept.block_columns_scale_inv is columns.scale_inv
+    got = kept.dequantize()
+    assert torch.equal(got[:260], q.dequantize()[:260])
+    assert torch.all(got[260:] == 0)
 
 
 def test_fp8_dact_rule_declines_a_quantized_gradient(sm90_stand_ins):
@@ -445,7 +517,7 @@ def test_fp8_dact_without_transpose_matches_the_emulation(act, sm90_stand_ins, m
     ACT_CASTS.clear()
     got = step(seq, x, dy, **side)
     assert DACT_FP8_CALLS == [(G, I, H)], DACT_FP8_CALLS
-    assert ACT_CASTS == [False] * glu, ACT_CASTS
+    assert ACT_CASTS == [(False, False)] * glu, ACT_CASTS
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
     want = step(seq, x, dy, **side)
     for i, (a, b) in enumerate(zip(got, want)):
