@@ -1,0 +1,170 @@
+"""GroupGemm (+ SwiGLU) + Quantize + Transpose on sm90: the forward cast epilogue writing the
+column-wise copy too, against the plans without it, per kernel and per step (fp8_blockwise).
+
+Kernels (bf16 operands, uneven seeded routing):
+  FC1 + SwiGLU (x (M, H) @ W (E, 2I, H)), the act cast:
+    act quant              grouped_gemm_act_quant_sm90: the act's row-wise E4M3 copy (no columns)
+    act quant, then cols   the same, then block_columns_sm90 from those E4M3 rows: the copy today's
+                           plan makes in FC2's backward (rule 'transpose+grouped_linear')
+    act, then cast         grouped_gemm_sm90 (bf16 act), then block_columns_sm90(rows=True): both
+                           copies from one read of the bf16 act (the unfused kernels)
+    act quant + cols       grouped_gemm_act_quant_sm90(columns=True): both copies from the epilogue
+  FC2 (act (M, I) @ W (E, H, I)) without an activation, the output cast (GroupGemm + Quantize +
+  Transpose): the same four with the plain GEMM.
+The fused copies are checked bit for bit against block_columns_sm90 of the bf16 output first.
+Step: Sequential(GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear) (FC2 in FP8; gradients
+set to None first) with rule 'grouped_linear+activation+quantize+transpose' and with that rule
+unregistered (the act cast in the epilogue, its columns made in FC2's backward from the rows);
+output, dx and dW1 checked bit-equal; dW2 differs (its x operand's column copy is cast from the
+bf16 act once instead of again from the E4M3 rows): its relative error against the bf16 fused
+step's dW2 is reported for both and checked not larger for the fused copy; extra peak memory of
+one step. Times:
+`common.sustained_ms` medians, variants in rotated order. gptoss-120b-ep4 (I = H = 2880) is not a
+multiple of 128: not run.
+
+    python benchmarks/bench_quant_transpose_sm90.py [--shapes qwen3-30b-a3b,...] [--out DIR]
+"""
+
+import argparse
+import math
+import os
+
+import torch
+from common import MODEL_SHAPES, device_tag, rotated_medians, skewed_splits, sustained_ms, write_results
+
+import te_fused_ops as tfo
+from fusion_rules.grouped_linear_activation import grouped_linear_activation_quantize_transpose as columns_rule
+from te_fused_ops import GroupedLinear, Quantize, Sequential, SwiGLU, Transpose
+from te_fused_ops.kernels.block_quantize import block_columns_sm90
+from te_fused_ops.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_sm90
+
+SHAPES = ("qwen3-30b-a3b", "dsv3-ep8", "mixtral-8x7b")
+
+
+def time_us(fn):
+    return sustained_ms(fn, 0.3, 0.3) * 1e3
+
+
+def same_bytes(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def kernels(label, x, w, offsets, activation):
+    """The four variants of one GEMM (+ activation) with its output cast, checked, then timed."""
+    used = int(((offsets.diff() + 127) // 128).sum())
+
+    def quant(columns=False):
+        return grouped_gemm_act_quant_sm90(x, w, offsets, activation=activation, columns=columns)
+
+    def quant_then_columns():
+        _, data, scale_inv = quant()
+        return block_columns_sm90(data, offsets, x_scale_inv=scale_inv)
+
+    def plain_then_cast():
+        pre, act = grouped_gemm_sm90(x, w, offsets, activation=activation)
+        return block_columns_sm90(pre if activation is None else act, offsets, rows=True)
+
+    want_columns, want_rows, want_scale = plain_then_cast()
+    _, rows, scale, columns = quant(True)
+    grouped = int(offsets[-1])
+    assert same_bytes(rows[:grouped], want_rows[:grouped]) and torch.equal(scale[:grouped], want_scale[:grouped]), label
+    assert same_bytes(columns.data[:, : 128 * used], want_columns.data[:, : 128 * used]), f"{label}: column data"
+    assert torch.equal(columns.scale_inv[:used], want_columns.scale_inv[:used]), f"{label}: column scales"
+    us = rotated_medians({"quant": quant, "quant, then cols": quant_then_columns, "plain, then cast": plain_then_cast,
+                          "quant + cols": lambda: quant(True)}, time_us)
+    return {"kernel": label, "us": us}
+
+
+def step(name):
+    m, h, i, e = MODEL_SHAPES[name]
+    torch.manual_seed(0)
+    splits = skewed_splits(m, e, 0, align=8).cuda()
+    fc1 = GroupedLinear(e, h, 2 * i, dtype=torch.bfloat16, device="cuda")
+    fc2 = GroupedLinear(e, i, h, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(m, h, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    dy = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
+    model = Sequential(fc1, SwiGLU(), Quantize("fp8_blockwise"), Transpose(), fc2)
+    leaves = [x, fc1.weight, fc2.weight]
+
+    def run(fused):
+        if not fused:
+            tfo.unregister_rule(columns_rule)
+        try:
+            for t in leaves:
+                t.grad = None
+            y = model(x, split_sizes=splits)
+            y.backward(dy)
+        finally:
+            if not fused:
+                tfo.register_rule(columns_rule)
+        return [y.detach(), *[t.grad for t in leaves]]
+
+    assert "grouped_linear+activation+quantize+transpose' (backend sm90)" in model.explain(x, split_sizes=splits)
+    variants = {"columns in epilogue": True, "columns from rows": False}
+    outputs, peak_mib = {}, {}
+    for label, fused in variants.items():
+        outputs[label] = run(fused)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        run(fused)
+        torch.cuda.synchronize()
+        peak_mib[label] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    got, want = outputs["columns in epilogue"], outputs["columns from rows"]
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3])), f"{name}: y, dx or dW1 differ"
+    y = Sequential(fc1, SwiGLU(), fc2)(x, split_sizes=splits)
+    dw2_bf16 = torch.autograd.grad(y, fc2.weight, dy)[0].float()
+    dw2_err = {label: ((out[3].float() - dw2_bf16).norm() / dw2_bf16.norm()).item() for label, out in outputs.items()}
+    assert dw2_err["columns in epilogue"] <= dw2_err["columns from rows"], f"{name}: dW2 errors {dw2_err}"
+    us = rotated_medians({label: (lambda f=f: run(f)) for label, f in variants.items()}, time_us)
+    return {"shape": name, "us": us, "peak_mib": peak_mib, "dw2_rel_err_vs_bf16": dw2_err}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    device = torch.cuda.get_device_name()
+    kernel_rows, step_rows = [], []
+    for name in args.shapes.split(","):
+        m, h, i, e = MODEL_SHAPES[name]
+        torch.manual_seed(0)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), skewed_splits(m, e, 0, align=8).cumsum(0)])
+        offsets = offsets.to(torch.int32).cuda()
+        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+        act = torch.randn(m, i, device="cuda", dtype=torch.bfloat16)
+        w1 = (torch.randn(e, 2 * i, h, device="cuda") / math.sqrt(h)).to(torch.bfloat16)
+        w2 = (torch.randn(e, h, i, device="cuda") / math.sqrt(i)).to(torch.bfloat16)
+        kernel_rows.append(kernels(f"{name} fc1 + swiglu", x, w1, offsets, "swiglu"))
+        kernel_rows.append(kernels(f"{name} fc2", act, w2, offsets, None))
+        del x, act, w1, w2
+        step_rows.append(step(name))
+        print(kernel_rows[-2:], step_rows[-1], flush=True)
+    labels = list(kernel_rows[0]["us"])
+    lines = [f"GroupGemm (+ SwiGLU) + Quantize + Transpose (fp8_blockwise), {device}; median us", "",
+             "| kernel | " + " | ".join(labels) + " | fused vs quant, then cols | fused vs plain, then cast "
+             "| columns over quant |", "|---|" + "---|" * (len(labels) + 3)]
+    for r in kernel_rows:
+        us = r["us"]
+        lines.append(f"| {r['kernel']} | " + " | ".join(f"{us[k]:.0f}" for k in labels) +
+                     f" | {us['quant, then cols'] / us['quant + cols']:.2f}x | "
+                     f"{us['plain, then cast'] / us['quant + cols']:.2f}x | {us['quant + cols'] / us['quant'] - 1:+.0%} |")
+    lines += ["", "Step, FC2 in FP8 (y, dx, dW1 bit-equal); median us, extra peak MiB of one step", "",
+              "| shape | columns in epilogue | columns from rows | epilogue vs rows | peak MiB epilogue / rows "
+              "| dW2 rel. error vs bf16, epilogue / rows |", "|---|---|---|---|---|---|"]
+    for r in step_rows:
+        us, mib = r["us"], r["peak_mib"]
+        lines.append(f"| {r['shape']} | {us['columns in epilogue']:.0f} | {us['columns from rows']:.0f} | "
+                     f"{us['columns from rows'] / us['columns in epilogue']:.3f}x | "
+                     f"{mib['columns in epilogue']:.0f} / {mib['columns from rows']:.0f} | "
+                     f"{r['dw2_rel_err_vs_bf16']['columns in epilogue']:.4f} / "
+                     f"{r['dw2_rel_err_vs_bf16']['columns from rows']:.4f} |")
+    text = "\n".join(lines)
+    print(text)
+    write_results(args.out, f"quant_transpose_sm90_{device_tag(device)}", {"device": device, "kernels": kernel_rows,
+                                                                          "steps": step_rows}, text)
+
+
+if __name__ == "__main__":
+    main()
