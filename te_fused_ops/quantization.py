@@ -394,7 +394,7 @@ class QuantizedTensor(torch.Tensor):
         return dtype
 
     def dequantize(self, dtype=None) -> torch.Tensor:
-        """The values, ``self.shape``, from the rowwise copy (else from the columnwise copy)."""
+        """The values, ``self.shape``, from the rowwise copy (else the columnwise, else the block-padded one)."""
         dtype = self._out_dtype(dtype, "QuantizedTensor.dequantize")
         if not self.has_rowwise and not self.has_columnwise and self.block_columns_data is not None:
             return self._dequantize_block_columns(dtype)

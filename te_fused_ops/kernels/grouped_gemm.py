@@ -232,11 +232,11 @@ def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cl
 
     dt = _cutlass_dtype(dtype)
     spec = activation_spec(activation, "compile_grouped_gemm_act_quant")
-    multiple = (2 * ACT_QUANT_COLUMNS_MULTIPLE if spec else ACT_QUANT_COLUMNS_MULTIPLE) if columns else (
-        GLU_N_MULTIPLE if spec else 8)
-    (m, g, n), (x, weight, offsets, pre) = _forward_fakes(dt, weight_layout, multiple)
-    cols, col_blocks = (cute.sym_int(divisibility=128 if columns else 8) if spec else n), cute.sym_int()
-    blocks = cute.sym_int()
+    cols_multiple = ACT_QUANT_COLUMNS_MULTIPLE if columns else 8  # of C, the cast output's columns
+    n_multiple = max(2 * cols_multiple, GLU_N_MULTIPLE) if spec else cols_multiple
+    (m, g, n), (x, weight, offsets, pre) = _forward_fakes(dt, weight_layout, n_multiple)
+    cols = cute.sym_int(divisibility=cols_multiple) if spec else n
+    col_blocks, blocks = cute.sym_int(), cute.sym_int()
     args = (
         x, weight, offsets, pre if spec else None,
         fake_tensor(cutlass.Float8E4M3FN, (m, cols), 16),
