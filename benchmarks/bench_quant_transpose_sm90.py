@@ -13,15 +13,17 @@ Kernels (bf16 operands, uneven seeded routing):
   FC2 (act (M, I) @ W (E, H, I)) without an activation, the output cast (GroupGemm + Quantize +
   Transpose): the same four with the plain GEMM.
 The fused copies are checked bit for bit against block_columns_sm90 of the bf16 output first.
-Step: Sequential(GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear) (FC2 in FP8; gradients
-set to None first) with rule 'grouped_linear+activation+quantize+transpose' and with that rule
-unregistered (the act cast in the epilogue, its columns made in FC2's backward from the rows);
-output, dx and dW1 checked bit-equal; dW2 differs (its x operand's column copy is cast from the
-bf16 act once instead of again from the E4M3 rows): its relative error against the bf16 fused
-step's dW2 is reported for both and checked not larger for the fused copy; extra peak memory of
-one step. Times:
-`common.sustained_ms` medians, variants in rotated order. gptoss-120b-ep4 (I = H = 2880) is not a
-multiple of 128: not run.
+Steps (gradients set to None first), each with the rule that makes a column copy in the forward
+and with that rule unregistered (the copy then made in the backward from the E4M3 rows):
+  fc2 fp8   Sequential(GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear), rule
+            'grouped_linear+activation+quantize+transpose' (the act's copy from FC1's epilogue)
+  all fp8   the same after a Quantize of x, rule 'quantize+grouped_linear+activation' (x's copy
+            from its cast, `block_columns_sm90(rows=True)`)
+The other gradients are checked bit-equal; the one the copy feeds (dW2, dW1) differs, the copy
+being cast once from bf16 instead of again from the E4M3 rows: its relative error against the
+bf16 fused step's is reported for both and checked not larger with the forward copy; extra peak
+memory of one step. Times: `common.sustained_ms` medians, variants in rotated order.
+gptoss-120b-ep4 (I = H = 2880) is not a multiple of 128: not run.
 
     python benchmarks/bench_quant_transpose_sm90.py [--shapes qwen3-30b-a3b,...] [--out DIR]
 """
@@ -35,11 +37,13 @@ from common import MODEL_SHAPES, device_tag, rotated_medians, skewed_splits, sus
 
 import te_fused_ops as tfo
 from fusion_rules.grouped_linear_activation import grouped_linear_activation_quantize_transpose as columns_rule
+from fusion_rules.quantize import quantize_grouped_linear, quantize_grouped_linear_activation
 from te_fused_ops import GroupedLinear, Quantize, Sequential, SwiGLU, Transpose
 from te_fused_ops.kernels.block_quantize import block_columns_sm90
 from te_fused_ops.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_sm90
 
 SHAPES = ("qwen3-30b-a3b", "dsv3-ep8", "mixtral-8x7b")
+x_columns_rules = (quantize_grouped_linear, quantize_grouped_linear_activation)
 
 
 def time_us(fn):
@@ -77,7 +81,10 @@ def kernels(label, x, w, offsets, activation):
     return {"kernel": label, "us": us}
 
 
-def step(name):
+def step(name, all_fp8):
+    """The FP8 step with the rule that makes a column copy in the forward, and with it unregistered:
+    FC2 in FP8 (rule 'grouped_linear+activation+quantize+transpose': the act's copy, dW2 differs),
+    or all FP8 (rule 'quantize+grouped_linear+activation': x's copy with its rows, dW1 differs)."""
     m, h, i, e = MODEL_SHAPES[name]
     torch.manual_seed(0)
     splits = skewed_splits(m, e, 0, align=8).cuda()
@@ -85,12 +92,17 @@ def step(name):
     fc2 = GroupedLinear(e, i, h, dtype=torch.bfloat16, device="cuda")
     x = torch.randn(m, h, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     dy = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
-    model = Sequential(fc1, SwiGLU(), Quantize("fp8_blockwise"), Transpose(), fc2)
+    ops = [fc1, SwiGLU(), Quantize("fp8_blockwise"), Transpose(), fc2]
+    model = Sequential(Quantize("fp8_blockwise"), *ops) if all_fp8 else Sequential(*ops)
+    # the rules to take out (all fp8: the two-op variant too, which would leave SwiGLU to torch),
+    # and the gradient the copy feeds
+    rules, differs = (x_columns_rules, 2) if all_fp8 else ((columns_rule,), 3)
     leaves = [x, fc1.weight, fc2.weight]
 
     def run(fused):
         if not fused:
-            tfo.unregister_rule(columns_rule)
+            for rule in rules:
+                tfo.unregister_rule(rule)
         try:
             for t in leaves:
                 t.grad = None
@@ -98,11 +110,12 @@ def step(name):
             y.backward(dy)
         finally:
             if not fused:
-                tfo.register_rule(columns_rule)
+                for rule in rules:
+                    tfo.register_rule(rule)
         return [y.detach(), *[t.grad for t in leaves]]
 
-    assert "grouped_linear+activation+quantize+transpose' (backend sm90)" in model.explain(x, split_sizes=splits)
-    variants = {"columns in epilogue": True, "columns from rows": False}
+    assert f"rule '{rules[-1].name}' (backend sm90)" in model.explain(x, split_sizes=splits)
+    variants = {"copy in forward": True, "copy from rows": False}
     outputs, peak_mib = {}, {}
     for label, fused in variants.items():
         outputs[label] = run(fused)
@@ -112,14 +125,18 @@ def step(name):
         run(fused)
         torch.cuda.synchronize()
         peak_mib[label] = (torch.cuda.max_memory_allocated() - base) / 2**20
-    got, want = outputs["columns in epilogue"], outputs["columns from rows"]
-    assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3])), f"{name}: y, dx or dW1 differ"
-    y = Sequential(fc1, SwiGLU(), fc2)(x, split_sizes=splits)
-    dw2_bf16 = torch.autograd.grad(y, fc2.weight, dy)[0].float()
-    dw2_err = {label: ((out[3].float() - dw2_bf16).norm() / dw2_bf16.norm()).item() for label, out in outputs.items()}
-    assert dw2_err["columns in epilogue"] <= dw2_err["columns from rows"], f"{name}: dW2 errors {dw2_err}"
+    got, want = outputs["copy in forward"], outputs["copy from rows"]
+    unequal = [j for j in range(4) if j != differs and not torch.equal(got[j], want[j])]
+    assert not unequal, f"{name}: outputs {unequal} differ: " + str(
+        [((got[j].float() - want[j].float()).norm() / want[j].float().norm()).item() for j in unequal])
+    bf16 = Sequential(fc1, SwiGLU(), fc2)(x, split_sizes=splits)
+    reference = torch.autograd.grad(bf16, leaves[differs - 1], dy)[0].float()
+    err = {label: ((out[differs].float() - reference).norm() / reference.norm()).item()
+           for label, out in outputs.items()}
+    assert err["copy in forward"] <= err["copy from rows"], f"{name}: errors {err}"
     us = rotated_medians({label: (lambda f=f: run(f)) for label, f in variants.items()}, time_us)
-    return {"shape": name, "us": us, "peak_mib": peak_mib, "dw2_rel_err_vs_bf16": dw2_err}
+    return {"shape": name, "chain": "all fp8" if all_fp8 else "fc2 fp8", "us": us, "peak_mib": peak_mib,
+            "grad": ("dx", "dW1", "dW2")[differs - 1], "rel_err_vs_bf16": err}
 
 
 def main():
@@ -141,8 +158,8 @@ def main():
         kernel_rows.append(kernels(f"{name} fc1 + swiglu", x, w1, offsets, "swiglu"))
         kernel_rows.append(kernels(f"{name} fc2", act, w2, offsets, None))
         del x, act, w1, w2
-        step_rows.append(step(name))
-        print(kernel_rows[-2:], step_rows[-1], flush=True)
+        step_rows += [step(name, False), step(name, True)]
+        print(kernel_rows[-2:], step_rows[-2:], flush=True)
     labels = list(kernel_rows[0]["us"])
     lines = [f"GroupGemm (+ SwiGLU) + Quantize + Transpose (fp8_blockwise), {device}; median us", "",
              "| kernel | " + " | ".join(labels) + " | fused vs quant, then cols | fused vs plain, then cast "
@@ -151,18 +168,17 @@ def main():
         us = r["us"]
         lines.append(f"| {r['kernel']} | " + " | ".join(f"{us[k]:.0f}" for k in labels) +
                      f" | {us['quant, then cols'] / us['quant + cols']:.2f}x | "
-                     f"{us['plain, then cast'] / us['quant + cols']:.2f}x | {us['quant + cols'] / us['quant'] - 1:+.0%} | "
-                     f"{us['quant + cols'] / us['plain'] - 1:+.0%} |")
-    lines += ["", "Step, FC2 in FP8 (y, dx, dW1 bit-equal); median us, extra peak MiB of one step", "",
-              "| shape | columns in epilogue | columns from rows | epilogue vs rows | peak MiB epilogue / rows "
-              "| dW2 rel. error vs bf16, epilogue / rows |", "|---|---|---|---|---|---|"]
+                     f"{us['plain, then cast'] / us['quant + cols']:.2f}x | "
+                     f"{us['quant + cols'] / us['quant'] - 1:+.0%} | {us['quant + cols'] / us['plain'] - 1:+.0%} |")
+    lines += ["", "Step (the other gradients bit-equal); median us, extra peak MiB of one step", "",
+              "| shape, chain | copy in forward | copy from rows | forward vs rows | peak MiB forward / rows "
+              "| the copy's gradient: rel. error vs bf16, forward / rows |", "|---|---|---|---|---|---|"]
     for r in step_rows:
-        us, mib = r["us"], r["peak_mib"]
-        lines.append(f"| {r['shape']} | {us['columns in epilogue']:.0f} | {us['columns from rows']:.0f} | "
-                     f"{us['columns from rows'] / us['columns in epilogue']:.3f}x | "
-                     f"{mib['columns in epilogue']:.0f} / {mib['columns from rows']:.0f} | "
-                     f"{r['dw2_rel_err_vs_bf16']['columns in epilogue']:.4f} / "
-                     f"{r['dw2_rel_err_vs_bf16']['columns from rows']:.4f} |")
+        us, mib, err = r["us"], r["peak_mib"], r["rel_err_vs_bf16"]
+        lines.append(f"| {r['shape']}, {r['chain']} | {us['copy in forward']:.0f} | {us['copy from rows']:.0f} | "
+                     f"{us['copy from rows'] / us['copy in forward']:.3f}x | "
+                     f"{mib['copy in forward']:.0f} / {mib['copy from rows']:.0f} | "
+                     f"{r['grad']}: {err['copy in forward']:.4f} / {err['copy from rows']:.4f} |")
     text = "\n".join(lines)
     print(text)
     write_results(args.out, f"quant_transpose_sm90_{device_tag(device)}", {"device": device, "kernels": kernel_rows,

@@ -13,8 +13,8 @@ from te_fused_ops.kernels.grouped_gemm import (
     grouped_gemm_act_quant_sm90,
     grouped_gemm_fp8_sm90,
     grouped_gemm_sm90,
-    sm90_grouped_gemm_fp8_unsupported_reason,
     sm90_act_quant_columns_unsupported_reason,
+    sm90_grouped_gemm_fp8_unsupported_reason,
     sm90_grouped_gemm_unsupported_reason,
 )
 from te_fused_ops.kernels.grouped_wgrad import (
@@ -194,6 +194,17 @@ def quantize_rows(x: torch.Tensor, recipe, offsets, amax_parts=None) -> Quantize
     ``amax_parts``: fp8_current's amax from the GEMM epilogue that wrote x."""
     data, scale_inv = cast_kernel(x.reshape(-1, x.shape[-1]), recipe, 1, offsets, amax_parts)
     return rows_quantized(data, scale_inv, x.shape, x.dtype, recipe, offsets)
+
+
+def quantize_rows_and_columns(x: torch.Tensor, recipe, offsets) -> QuantizedTensor:
+    """``x`` (M, K) as the Quantize op makes it (fp8_blockwise row-wise copy) and, from the same
+    read, its block-padded column-wise copy (`block_columns_sm90`, rows past offsets[G] not
+    written): for a GroupedLinear whose FP8 weight gradient reads x's columns."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    if rows.data_ptr() % 16:  # the kernel's 16-byte accesses
+        rows = rows.clone()
+    columns, data, scale_inv = block_columns_sm90(rows, offsets, rows=True, power_2_scales=recipe.power_2_scales)
+    return rows_quantized(data, scale_inv, x.shape, x.dtype, recipe, offsets, columns)
 
 
 def rows_quantized(data, scale_inv, shape, dtype, recipe, offsets, columns=None) -> QuantizedTensor:

@@ -262,26 +262,27 @@ def _sm90_info(ops, dtype=torch.bfloat16, capability=(9, 0), input_recipe=None):
 
 
 def test_planner_prefers_a_shorter_sm90_rule_over_a_longer_torch_one(monkeypatch):
-    """fp8_blockwise chain: GroupGemm + activation + quantize + transpose has only a torch
-    implementation; GroupGemm + activation on the FP8 kernel wins; a priority still overrides."""
+    """fp8_blockwise chain on an input quantized upstream: GroupGemm + activation + quantize +
+    transpose runs only in torch there (the FP8 kernel has no act-cast epilogue); GroupGemm +
+    activation on the FP8 kernel wins; a priority still overrides."""
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")  # compile-only mode: CuTe DSL counts as available
-    ops = [Quantize("fp8_blockwise"), GroupedLinear(4, 64, 256), SwiGLU(), Quantize("fp8_blockwise"), Transpose(),
-           GroupedLinear(4, 128, 64)]
+    ops = [GroupedLinear(4, 64, 256), SwiGLU(), Quantize("fp8_blockwise"), Transpose(), GroupedLinear(4, 128, 64)]
     recipe = get_recipe("fp8_blockwise")
-    info = tfo.PlanInfo("cuda", (9, 0), torch.bfloat16, (True,) * 6, (True,) * 6, (None, recipe, recipe, None, recipe, recipe))
+    info = tfo.PlanInfo("cuda", (9, 0), torch.bfloat16, (True,) * 5, (True,) * 5, (recipe, recipe, None, recipe, recipe))
     plan = tfo.fusion.make_plan(ops, info)
     chosen = [(s.rule.name if s.rule else None, s.start, s.backend) for s in plan.forward]
-    assert chosen == [("quantize", 0, "sm90"), ("grouped_linear+activation", 1, "sm90"), ("quantize", 3, "sm90"),
-                      ("transpose+grouped_linear", 4, "sm90")]
-    assert "rule 'grouped_linear+activation+quantize+transpose' on [1:5]: overlaps rule 'grouped_linear+activation'" in (
-        plan.explain(ops))
+    assert chosen == [("grouped_linear+activation", 0, "sm90"), ("quantize", 2, "sm90"),
+                      ("transpose+grouped_linear", 3, "sm90")]
+    text = plan.explain(ops)
+    assert ("rule 'grouped_linear+activation+quantize+transpose' on [0:4]: overlaps rule 'grouped_linear+activation' "
+            "chosen first; sm90 backend: quantized input") in text, text
     backward = [(s.rule.name, s.start, s.backend) for s in plan.backward if s.rule is not None]
     # FC1's FP8 backward fed d_pre's E4M3 copies by the dAct kernel's epilogue
-    assert backward == [("grouped_linear+dactivation+quantize+transpose+grouped_linear", 1, "sm90")]
+    assert backward == [("grouped_linear+dactivation+quantize+transpose+grouped_linear", 0, "sm90")]
     pattern = (GroupedLinear, SwiGLU, Quantize, Transpose)
     tfo.fusion_rule("preferred_torch", pattern, "forward", priority=1)(lambda ops, ctxs, x: x)
     try:
-        first = tfo.fusion.make_plan(ops, info).forward[1]
+        first = tfo.fusion.make_plan(ops, info).forward[0]
         assert (first.rule.name, first.backend) == ("preferred_torch", "torch")
     finally:
         tfo.unregister_rule("preferred_torch")

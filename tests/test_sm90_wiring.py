@@ -344,9 +344,9 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
                        "'grouped_linear+activation+quantize' (backend sm90)",
                        f"not fired: rule 'grouped_linear+activation+quantize+transpose' on [{first}:{first + 4}]: ",
                        "sm90 backend: fp8_current: no block-padded column-wise copy for this recipe"]
-    else:
-        fc1_forward = [f"[{first}:{first + 2}] GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend sm90)",
-                       f"[{first + 2}] Quantize -> rule 'quantize' (backend sm90)"]
+    else:  # x cast with its column-wise copy (FC1's FP8 weight gradient reads it), FC1 + SwiGLU as their rule
+        fc1_forward = ["[0:3] Quantize, GroupedLinear, SwiGLU -> rule 'quantize+grouped_linear+activation' "
+                       "(backend sm90)", f"[{first + 2}] Quantize -> rule 'quantize' (backend sm90)"]
     # all FP8: FC1's backward fed from the dAct epilogue in the same rule (fp8_current: d_pre's
     # amax; fp8_blockwise: d_pre's row- and column-wise copies)
     backward = ([f"[{first}:{first + 5}] GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear -> rule "
@@ -356,8 +356,11 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
                  "'dactivation+quantize+transpose+grouped_linear' (backend sm90)",
                  f"[{first}] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)"])
     expected = [*fc1_forward, fc2, *backward]
-    if quantize_x:
-        expected.append("[0] Quantize -> rule 'quantize' (backend sm90)")
+    x_columns = quantize_x and not current  # x's column copy from its cast in the forward
+    if quantize_x and current:
+        expected += ["[0] Quantize -> rule 'quantize' (backend sm90)",
+                     "not fired: rule 'quantize+grouped_linear+activation' on [0:3]: ",
+                     "fp8_current: the weight gradient reads the input dequantized"]
     for step_text in expected:
         assert step_text in text, text
     for calls in (CASTS, CAST_POWER_2, ACT_CASTS, UNCASTS, DACT_FP8_CALLS, AMAX_PARTS, COLUMN_CASTS, WGRAD_FP8_CALLS,
@@ -371,7 +374,7 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
     assert ACT_CASTS == [(power_2, True)] * epilogue_cast, ACT_CASTS
     fp8_linears = 1 + quantize_x  # FC2, and FC1 after a Quantize of x
     # row-wise: the activation (unless cast in FC1's epilogue) and x; each weight once
-    row_casts = [1] * (1 + quantize_x - epilogue_cast) + [128] * fp8_linears
+    row_casts = [1] * (1 + quantize_x - epilogue_cast - x_columns) + [128] * fp8_linears
     # each FP8 weight cast once, writing its transposed copy (its data gradient's operand) too
     assert sorted(TRANSPOSED_CASTS) == sorted([(G, H, I)] + [(G, 2 * I, H)] * quantize_x), TRANSPOSED_CASTS
     if current:  # fp8_current: each dy cast row-wise, the bf16 weight gradients on the inputs dequantized
@@ -379,11 +382,12 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
         assert COLUMN_CASTS == [] and WGRAD_FP8_CALLS == [], (COLUMN_CASTS, WGRAD_FP8_CALLS)
         assert sorted(UNCASTS) == [(ROWS, I)] + [(ROWS, H)] * quantize_x, UNCASTS
     else:  # fp8_blockwise: each dy's row- and column-wise copies from one cast, each input's columns
-        # from its rows (the act's from FC1's epilogue where it casts the act), the FP8 weight
-        # gradients on those; nothing dequantized
+        # from its rows (the act's from FC1's epilogue where it casts the act, x's with its rows
+        # in the forward), the FP8 weight gradients on those; nothing dequantized
         assert sorted(CASTS) == row_casts, CASTS
-        from_rows = fp8_linears - epilogue_cast
-        assert sorted(COLUMN_CASTS) == [(False, True)] * from_rows + [(True, False)] * fp8_linears, COLUMN_CASTS
+        from_rows = fp8_linears - epilogue_cast - x_columns
+        with_rows = fp8_linears + x_columns
+        assert sorted(COLUMN_CASTS) == [(False, True)] * from_rows + [(True, False)] * with_rows, COLUMN_CASTS
         assert WGRAD_FP8_CALLS == [(G, H, I)] + [(G, 2 * I, H)] * quantize_x, WGRAD_FP8_CALLS
         assert UNCASTS == [], UNCASTS
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
