@@ -23,10 +23,19 @@ import math
 import os
 
 import torch
-from common import MODEL_SHAPES, device_tag, rotated_medians, skewed_splits, sustained_ms, write_results
+from common import (
+    MODEL_SHAPES,
+    device_tag,
+    extra_peak_mib,
+    mlp_problem,
+    rotated_medians,
+    skewed_splits,
+    sustained_ms,
+    write_results,
+)
 
 import fusion_rules.dactivation_grouped_linear as dact_rule
-from te_fused_ops import GroupedLinear, Quantize, Sequential, SwiGLU, Transpose
+from te_fused_ops import Quantize, Sequential, SwiGLU, Transpose
 from te_fused_ops.kernels.block_quantize import block_columns_sm90, block_quantize_sm90
 from te_fused_ops.kernels.grouped_gemm import grouped_dgrad_dact_fp8_sm90, grouped_dgrad_dact_quant_fp8_sm90
 
@@ -67,13 +76,7 @@ def kernels(name):
 
 
 def step(name):
-    m, h, i, e = MODEL_SHAPES[name]
-    torch.manual_seed(0)
-    splits = skewed_splits(m, e, 0, align=8).cuda()
-    fc1 = GroupedLinear(e, h, 2 * i, dtype=torch.bfloat16, device="cuda")
-    fc2 = GroupedLinear(e, i, h, dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(m, h, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-    dy = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
+    splits, fc1, fc2, x, dy = mlp_problem(name)
     fp8 = Sequential(Quantize("fp8_blockwise"), fc1, SwiGLU(), Quantize("fp8_blockwise"), Transpose(), fc2)
     assert "grouped_linear+dactivation+quantize+transpose+grouped_linear" in fp8.explain(x, split_sizes=splits)
     leaves = [x, fc1.weight, fc2.weight]
@@ -92,15 +95,8 @@ def step(name):
 
     variants = {"fp8 cast in epilogue": (fp8, True), "fp8 cast after": (fp8, False),
                 "bf16 fused": (Sequential(fc1, SwiGLU(), fc2), True)}
-    outputs, peak_mib = {}, {}
-    for label, (model, fused) in variants.items():
-        outputs[label] = run(model, fused)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        run(model, fused)
-        torch.cuda.synchronize()
-        peak_mib[label] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    outputs = {label: run(*v) for label, v in variants.items()}
+    peak_mib = {label: extra_peak_mib(lambda v=v: run(*v)) for label, v in variants.items()}
     pairs = zip(outputs["fp8 cast in epilogue"], outputs["fp8 cast after"])
     assert all(torch.equal(a, b) for a, b in pairs), f"{name}: the two FP8 steps differ"
     us = rotated_medians({label: (lambda v=v: run(*v)) for label, v in variants.items()}, time_us)

@@ -51,10 +51,11 @@ import torch
 import triton.testing
 from bench_train_step import ReferenceMLP
 from common import (
-    MODEL_SHAPES, device_tag, gpu_us_per_kernel, rotated_medians, skewed_splits, sustained_ms, write_results,
+    MODEL_SHAPES, device_tag, gpu_us_per_kernel, mlp_problem, rotated_medians, skewed_splits, sustained_ms,
+    write_results,
 )
 
-from te_fused_ops import GroupedLinear, Quantize, Sequential, SwiGLU, Transpose
+from te_fused_ops import Quantize, Sequential, SwiGLU, Transpose
 from te_fused_ops.kernels.block_quantize import block_dequantize_sm90, block_quantize_sm90, tensor_quantize_sm90
 from te_fused_ops.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_fp8_sm90, grouped_gemm_sm90
 from te_fused_ops.quantization import Float8BlockScaling, quantize, quantize_weight, reuse_quantized_weights
@@ -175,13 +176,7 @@ def kernel_breakdown(fn, top=12):
 
 def run_step(name, profile=False):
     """Forward and step times of the bf16 fused, FP8 sm90 and FP8 emulated MLPs (one shape)."""
-    m, h, i, e = MODEL_SHAPES[name]
-    torch.manual_seed(0)
-    splits = skewed_splits(m, e, 0, align=8).cuda()
-    fc1 = GroupedLinear(e, h, 2 * i, dtype=torch.bfloat16, device="cuda")
-    fc2 = GroupedLinear(e, i, h, dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(m, h, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-    dy = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
+    splits, fc1, fc2, x, dy = mlp_problem(name)
     fp8 = Sequential(fc1, SwiGLU(), Quantize("fp8_blockwise"), Transpose(), fc2)
     pow2 = Float8BlockScaling(power_2_scales=True)
     fp8_pow2 = Sequential(fc1, SwiGLU(), Quantize(pow2), Transpose(), fc2)

@@ -33,21 +33,17 @@ import math
 import os
 
 import torch
-from common import MODEL_SHAPES, device_tag, rotated_medians, skewed_splits, sustained_ms, write_results
+from bench_dact_quant_sm90 import SHAPES, time_us  # the shapes whose I is a multiple of 128
+from common import MODEL_SHAPES, device_tag, extra_peak_mib, mlp_problem, rotated_medians, skewed_splits, write_results
 
 import te_fused_ops as tfo
 from fusion_rules.grouped_linear_activation import grouped_linear_activation_quantize_transpose as columns_rule
 from fusion_rules.quantize import quantize_grouped_linear, quantize_grouped_linear_activation
-from te_fused_ops import GroupedLinear, Quantize, Sequential, SwiGLU, Transpose
+from te_fused_ops import Quantize, Sequential, SwiGLU, Transpose
 from te_fused_ops.kernels.block_quantize import block_columns_sm90
 from te_fused_ops.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_sm90
 
-SHAPES = ("qwen3-30b-a3b", "dsv3-ep8", "mixtral-8x7b")
 x_columns_rules = (quantize_grouped_linear, quantize_grouped_linear_activation)
-
-
-def time_us(fn):
-    return sustained_ms(fn, 0.3, 0.3) * 1e3
 
 
 def same_bytes(a, b):
@@ -85,13 +81,7 @@ def step(name, all_fp8):
     """The FP8 step with the rule that makes a column copy in the forward, and with it unregistered:
     FC2 in FP8 (rule 'grouped_linear+activation+quantize+transpose': the act's copy, dW2 differs),
     or all FP8 (rule 'quantize+grouped_linear+activation': x's copy with its rows, dW1 differs)."""
-    m, h, i, e = MODEL_SHAPES[name]
-    torch.manual_seed(0)
-    splits = skewed_splits(m, e, 0, align=8).cuda()
-    fc1 = GroupedLinear(e, h, 2 * i, dtype=torch.bfloat16, device="cuda")
-    fc2 = GroupedLinear(e, i, h, dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(m, h, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-    dy = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
+    splits, fc1, fc2, x, dy = mlp_problem(name)
     ops = [fc1, SwiGLU(), Quantize("fp8_blockwise"), Transpose(), fc2]
     model = Sequential(Quantize("fp8_blockwise"), *ops) if all_fp8 else Sequential(*ops)
     # the rules to take out (all fp8: the two-op variant too, which would leave SwiGLU to torch),
@@ -116,15 +106,8 @@ def step(name, all_fp8):
 
     assert f"rule '{rules[-1].name}' (backend sm90)" in model.explain(x, split_sizes=splits)
     variants = {"copy in forward": True, "copy from rows": False}
-    outputs, peak_mib = {}, {}
-    for label, fused in variants.items():
-        outputs[label] = run(fused)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        run(fused)
-        torch.cuda.synchronize()
-        peak_mib[label] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    outputs = {label: run(fused) for label, fused in variants.items()}
+    peak_mib = {label: extra_peak_mib(lambda f=fused: run(f)) for label, fused in variants.items()}
     got, want = outputs["copy in forward"], outputs["copy from rows"]
     unequal = [j for j in range(4) if j != differs and not torch.equal(got[j], want[j])]
     assert not unequal, f"{name}: outputs {unequal} differ: " + str(

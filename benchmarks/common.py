@@ -15,6 +15,31 @@ MODEL_SHAPES = {  # name: (M tokens, H hidden, I expert width, E local experts)
 }
 
 
+def mlp_problem(name: str):
+    """A model shape's MLP step inputs on the GPU, seed 0: (splits (E,) int64 skewed, multiples of 8;
+    fc1 (E, H -> 2I) and fc2 (E, I -> H) bf16 GroupedLinears; x (M, H) requiring grad; dy (M, H))."""
+    from te_fused_ops import GroupedLinear
+
+    m, h, i, e = MODEL_SHAPES[name]
+    torch.manual_seed(0)
+    splits = skewed_splits(m, e, 0, align=8).cuda()
+    fc1 = GroupedLinear(e, h, 2 * i, dtype=torch.bfloat16, device="cuda")
+    fc2 = GroupedLinear(e, i, h, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(m, h, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    dy = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
+    return splits, fc1, fc2, x, dy
+
+
+def extra_peak_mib(fn) -> float:
+    """MiB allocated at the peak of one call of ``fn`` beyond what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def skewed_splits(m: int, e: int, seed: int = 0, align: int = 1) -> torch.Tensor:
     """Skewed routing on the CPU: expert shares ~ U(0,1)^2, counts multiples of ``align``
     (the largest absorbs the rest), summing to m. int64 (e,)."""
