@@ -572,3 +572,46 @@ def test_blockwise_d_pre_cast_needs_no_fc1_bias_and_whole_blocks(bias, i, sm90_s
     want = step(seq, x, dy)
     for name, a, b in zip(("y", "dx", "dW1", "db1", "dW2"), got, want):
         assert ref.rel_err(a, b) <= 5e-2, name
+
+
+@pytest.mark.parametrize("case", ["frozen_fc1", "partial_block"])
+def test_column_copies_in_the_forward_only_where_they_are_read(case, sm90_stand_ins, monkeypatch):
+    """x's column copy comes with its cast only when FC1's weight gradient runs in FP8 (a frozen
+    FC1 needs none: rule 'quantize' and FC1's own rule); the act's comes from FC1's epilogue only
+    when I is a multiple of 128 (I = 96: the act cast in the epilogue, its columns made in FC2's
+    backward from the rows). The steps still match the emulation."""
+    torch.manual_seed(0)
+    i = 96 if case == "partial_block" else I
+    fc1 = GroupedLinear(G, H, 2 * i, dtype=torch.bfloat16)
+    fc2 = GroupedLinear(G, i, H, dtype=torch.bfloat16)
+    fc1.weight.requires_grad_(case != "frozen_fc1")
+    tail = [SwiGLU(), Quantize("fp8_blockwise"), Transpose(), fc2]
+    seq = Sequential(*([Quantize("fp8_blockwise")] if case == "frozen_fc1" else []), fc1, *tail)
+    x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
+    text = seq.explain(x, split_sizes=SPLITS)
+    if case == "frozen_fc1":
+        expected = ["[0] Quantize -> rule 'quantize' (backend sm90)",
+                    "[1:3] GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend sm90)",
+                    "not fired: rule 'quantize+grouped_linear+activation' on [0:3]: ",
+                    "the GroupedLinear needs no weight gradient (no column-wise copy to make)"]
+    else:
+        expected = ["[0:3] GroupedLinear, SwiGLU, Quantize -> rule 'grouped_linear+activation+quantize' "
+                    "(backend sm90)",
+                    "[3:5] Transpose, GroupedLinear -> rule 'transpose+grouped_linear' (backend sm90)",
+                    "not fired: rule 'grouped_linear+activation+quantize+transpose' on [0:4]: ",
+                    "sm90 backend: 96 cast columns, not a multiple of 128 (column-wise copy)"]
+    for line in expected:
+        assert line in text, text
+    COLUMN_CASTS.clear()
+    got = step(seq, x, dy)
+    # FC2's dy, rows and columns from one cast; the act's columns from its rows in the backward
+    # (partial block; after the FP8 FC1 of the frozen case the act is cast after FC1 anyway); no
+    # copy of x at all (frozen FC1: no weight gradient)
+    assert sorted(COLUMN_CASTS) == [(False, True), (True, False)], COLUMN_CASTS
+    monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
+    want = step(seq, x, dy)
+    for name, a, b in zip(("y", "dx", "dW1", "dW2"), got, want):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert ref.rel_err(a, b) <= 5e-2, name
