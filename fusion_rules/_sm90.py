@@ -290,20 +290,26 @@ def linear_backward(linear: GroupedLinear, ctx, dy, dy_amax_parts=None, x=None):
     return dx, quantized_input_param_grads(ctx, dy, x, dy_columns)
 
 
+def fp8_wgrad_shape_reason(linear: GroupedLinear):
+    """Why the FP8 weight-gradient kernel cannot take ``linear``'s shape (N and K multiples of 16,
+    G <= 512), or None."""
+    if linear.in_features % 16 or linear.out_features % 16 or linear.num_groups > FP8_MAX_GROUPS:
+        return (f"the FP8 weight gradient does not run (in_features={linear.in_features}, out_features="
+                f"{linear.out_features}: multiples of 16; {linear.num_groups} groups: at most {FP8_MAX_GROUPS})")
+    return None
+
+
 def fp8_wgrad_applies(ctx, recipe, x) -> bool:
     """Whether a GroupedLinear's weight gradient after an FP8 forward, on its saved input ``x``
     (None: no weight gradient), runs on the FP8 kernel: fp8_blockwise (1 x 128 blocks along each
-    group's tokens, the torch backend's column-wise copies), x 2-D with a row-wise copy, N and K
-    multiples of 16, G <= 512. Otherwise (fp8_current too) it is bf16, on dy as it came and x
-    dequantized."""
-    linear = ctx.op
+    group's tokens, the torch backend's column-wise copies), x 2-D with a row-wise or block-padded
+    column-wise copy, the shape `fp8_wgrad_shape_reason` takes. Otherwise (fp8_current too) it is
+    bf16, on dy as it came and x dequantized."""
     return (
         x is not None
         and isinstance(recipe, Float8BlockScaling)
         and is_quantized(x) and (x.has_rowwise or x.block_columns_data is not None) and x.dim() == 2
-        and linear.in_features % 16 == 0
-        and linear.out_features % 16 == 0
-        and ctx.side["offsets"].shape[0] - 1 <= FP8_MAX_GROUPS
+        and fp8_wgrad_shape_reason(ctx.op) is None
     )
 
 

@@ -10,11 +10,10 @@ rows, in the backward); the GroupedLinear (+ Activation) then runs as its own ru
 import torch
 
 from te_fused_ops import FusionRule, register_rule
-from te_fused_ops.kernels.block_quantize import COLUMN_MAX_GROUPS
 from te_fused_ops.ops import Activation, GroupedLinear, Quantize
 from te_fused_ops.quantization import Float8BlockScaling
 
-from ._sm90 import casts_on_kernel, quantize_rows, quantize_rows_and_columns
+from ._sm90 import casts_on_kernel, fp8_wgrad_shape_reason, quantize_rows, quantize_rows_and_columns
 from .grouped_linear import grouped_linear
 from .grouped_linear_activation import grouped_linear_activation
 
@@ -59,15 +58,12 @@ def _supports_with_columns(ops, info, backend):
     reason = _supports(ops[:1], info.window(0, 1), backend)
     if reason:
         return reason
-    recipe, linear = ops[0].recipe, ops[1]
+    recipe = ops[0].recipe
     if not isinstance(recipe, Float8BlockScaling):
         return f"{recipe.name}: the weight gradient reads the input dequantized (no column-wise copy to make)"
     if not info.params_require_grad[1]:
         return "the GroupedLinear needs no weight gradient (no column-wise copy to make)"
-    if linear.in_features % 16 or linear.out_features % 16 or linear.num_groups > COLUMN_MAX_GROUPS:
-        return (f"the FP8 weight gradient does not run (in_features={linear.in_features}, out_features="
-                f"{linear.out_features}: multiples of 16; {linear.num_groups} groups: at most {COLUMN_MAX_GROUPS})")
-    return _then(ops).first_failure(ops[1:], info.window(1, len(ops)), backend)
+    return fp8_wgrad_shape_reason(ops[1]) or _then(ops).first_failure(ops[1:], info.window(1, len(ops)), backend)
 
 
 def _forward_with_columns_sm90(ops, ctxs, x):

@@ -25,6 +25,7 @@ import torch
 
 from . import sm90_unavailable_reason
 from .activations import ACTIVATIONS, GLU_N_MULTIPLE, activation_spec
+from .block_quantize import BlockColumns
 from .grouped_wgrad import FP8_MAX_GROUPS  # the FP8 kernels' group scan in shared memory
 from .launch import (
     DTYPES,
@@ -544,8 +545,6 @@ def grouped_gemm_act_quant_sm90(
     after the cast): a fourth output, the per-group column-wise copy of the same values as
     `block_columns_sm90` makes it (`BlockColumns`); needs C % 128 == 0 and G <= 512. No host sync.
     """
-    from .block_quantize import BlockColumns
-
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, x, weight, offsets, bias, probs, out),
@@ -882,8 +881,6 @@ def grouped_dgrad_dact_quant_fp8_sm90(
     as `block_columns_sm90` makes them), d_probs (M,) float32 for scaled_swiglu else None), C =
     pre.shape[1]; row-wise rows >= offsets[G] are not written. No host sync.
     """
-    from .block_quantize import BlockColumns
-
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, probs),
