@@ -12,6 +12,8 @@ the variants) of
               NVTE_GROUPED_LINEAR_SINGLE_PARAM=1): 2 parameters instead of 2 x G
   tfo         te_fused_ops' own Sequential(GroupedLinear, SwiGLU, GroupedLinear)
   torch       plain torch: torch._grouped_mm + compiled SwiGLU / dSwiGLU (bench_train_step.ReferenceMLP)
+  te+tfo graph, tfo graph
+              the te+tfo and tfo steps captured in one CUDA graph each and replayed (no host time)
 Gradients of te+tfo and te+tfo 1p are checked against te first (rel. Frobenius <= 2e-2); the host time
 to issue a step is timed for te+tfo, te+tfo 1p and tfo.
 """
@@ -77,6 +79,27 @@ def step_fn(call, leaves, dy):
 
 def step_ms(run):
     return sustained_ms(run, 0.25, 0.25)
+
+
+def graphed(call, leaves, dy):
+    """The step of ``call`` captured in a CUDA graph (gradients None before the capture, so each
+    replay writes them afresh): (replay, the gradient tensors the replays write)."""
+    run = step_fn(call, leaves, dy)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    for t in leaves:
+        t.grad = None
+    with torch.cuda.graph(graph):
+        call().backward(dy)
+    written = [t.grad for t in leaves]
+    for t in leaves:
+        t.grad = None  # the eager variants allocate their own
+    return graph.replay, written
 
 
 def grads(call, leaves, dy):
@@ -147,6 +170,13 @@ def main():
         assert err <= 2e-2, f"{name}: te+tfo gradients differ from te's by {err:.3e}"
         flops = 3 * 2 * m * h * 3 * i  # forward: 2*m*h*2i + 2*m*i*h; step: 3x
         runs = {k: step_fn(*v, dy) for k, v in calls.items()}
+        for label in ("te+tfo", "tfo"):
+            replay, written = graphed(*calls[label], dy)
+            replay()
+            expected = grads(*calls[label], dy)
+            graph_err = max(rel_err(a, b) for a, b in zip(written, expected))
+            assert graph_err <= 1e-2, f"{name}: the graphed {label} step differs from the eager one by {graph_err:.3e}"
+            runs[f"{label} graph"] = replay
         times = rotated_medians(runs, step_ms)
         if args.profile:
             print(f"--- {name}: kernels of one step\n{kernel_diff({k: runs[k] for k in ('te+tfo', 'tfo')})}", flush=True)
@@ -157,19 +187,23 @@ def main():
             f"| {name} | {times['te']:.2f} ({flops / times['te'] / 1e9:.0f}) | {times['te+tfo']:.2f} "
             f"({flops / times['te+tfo'] / 1e9:.0f}) | {times['te+tfo 1p']:.2f} | {times['tfo']:.2f} "
             f"| {times['torch']:.2f} | {times['te'] / times['te+tfo']:.2f}x | {times['te+tfo'] / times['tfo']:.3f} "
-            f"| {times['te+tfo 1p'] / times['tfo']:.3f} "
+            f"| {times['te+tfo 1p'] / times['tfo']:.3f} | {times['te+tfo graph']:.2f} | {times['tfo graph']:.2f} "
+            f"| {times['te+tfo graph'] / times['tfo graph']:.3f} "
             f"| {times['torch'] / times['te+tfo']:.2f}x |"
         )
         print(f"{name}: te {times['te']:.2f} ms, te+tfo {times['te+tfo']:.2f} ms, "
               f"te+tfo 1p {times['te+tfo 1p']:.2f} ms, tfo {times['tfo']:.2f} ms, "
-              f"torch {times['torch']:.2f} ms", flush=True)
+              f"torch {times['torch']:.2f} ms, graphed te+tfo {times['te+tfo graph']:.2f} / tfo {times['tfo graph']:.2f} ms",
+              flush=True)
+        del runs, calls, replay, written, plain, fused, single, ours  # the next shape's models and graphs
+        torch.cuda.empty_cache()
     table = "\n".join(
         [
             f"{gpu}, TE {transformer_engine.__version__}, bf16 SwiGLU MLP training step, ms (TFLOPS)",
             "",
             "| shape | te.ops | te.ops + install() | the same, 1p | te_fused_ops Sequential | plain torch | speedup "
-            "| (te+tfo)/tfo | (te+tfo 1p)/tfo | te+tfo vs plain torch |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| (te+tfo)/tfo | (te+tfo 1p)/tfo | te+tfo graph | tfo graph | ratio graphed | te+tfo vs plain torch |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             *rows,
             "",
             "Host time to issue one step (ms; the GPU time is about the Sequential's step)",
