@@ -50,8 +50,9 @@ FP8_TILE_N = 128  # the FP8 forward's default n-tile
 _DACT_FP8 = "grouped_dgrad_dact_fp8_sm90"
 _ACT_QUANT = "grouped_gemm_act_quant_sm90"
 _DACT_QUANT_FP8 = "grouped_dgrad_dact_quant_fp8_sm90"
-DACT_QUANT_I_MULTIPLE = 128  # a tile's columns of each half are one 1x128 block
-ACT_QUANT_COLUMNS_MULTIPLE = 128  # the cast output's columns: each tile's are one 1x128 block
+# the columns an epilogue casts with a column-wise copy (d_pre: each GLU half's) come in multiples of
+# this, so a tile's are one 1x128 block
+CAST_COLUMNS_MULTIPLE = 128
 
 
 def _common_unsupported_reason(dtype, activation):
@@ -120,8 +121,8 @@ def sm90_grouped_dgrad_dact_quant_fp8_unsupported_reason(dtype, h, i, g, activat
     """None if ``grouped_dgrad_dact_quant_fp8_sm90`` can run that FP8 dgrad + d``activation`` for
     ``g`` groups with d_pre cast in the epilogue."""
     reason = sm90_grouped_dgrad_dact_fp8_unsupported_reason(dtype, h, i, activation)
-    if reason is None and i % DACT_QUANT_I_MULTIPLE != 0:
-        return f"sm90 backend: I={i} not a multiple of {DACT_QUANT_I_MULTIPLE} (d_pre's 1x128 blocks cross tiles)"
+    if reason is None and i % CAST_COLUMNS_MULTIPLE != 0:
+        return f"sm90 backend: I={i} not a multiple of {CAST_COLUMNS_MULTIPLE} (d_pre's 1x128 blocks cross tiles)"
     if reason is None and g > FP8_MAX_GROUPS:
         return f"sm90 backend: {g} groups, more than {FP8_MAX_GROUPS} (d_pre's column-wise cast)"
     return reason
@@ -233,7 +234,7 @@ def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cl
 
     dt = _cutlass_dtype(dtype)
     spec = activation_spec(activation, "compile_grouped_gemm_act_quant")
-    cols_multiple = ACT_QUANT_COLUMNS_MULTIPLE if columns else 8  # of C, the cast output's columns
+    cols_multiple = CAST_COLUMNS_MULTIPLE if columns else 8  # of C, the cast output's columns
     n_multiple = max(2 * cols_multiple, GLU_N_MULTIPLE) if spec else cols_multiple
     (m, g, n), (x, weight, offsets, pre) = _forward_fakes(dt, weight_layout, n_multiple)
     cols = cute.sym_int(divisibility=cols_multiple) if spec else n
@@ -326,8 +327,8 @@ def compile_grouped_dgrad_dact_quant_fp8(dtype, activation, tvm_ffi=None, cluste
     spec = activation_spec(activation, "compile_grouped_dgrad_dact_quant_fp8")
     m, g, n_tiles, blocks, c_blocks = (cute.sym_int() for _ in range(5))
     h = cute.sym_int(divisibility=16)
-    i = cute.sym_int(divisibility=DACT_QUANT_I_MULTIPLE)
-    c = cute.sym_int(divisibility=2 * DACT_QUANT_I_MULTIPLE) if spec.glu else i
+    i = cute.sym_int(divisibility=CAST_COLUMNS_MULTIPLE)
+    c = cute.sym_int(divisibility=2 * CAST_COLUMNS_MULTIPLE) if spec.glu else i
     f8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
     args = (
         *_fp8_operand_fakes(m, h, g, i),
@@ -576,8 +577,8 @@ def grouped_gemm_act_quant_sm90(
 def sm90_act_quant_columns_unsupported_reason(c, g) -> str | None:
     """None if `grouped_gemm_act_quant_sm90` can also write the column-wise copy of a cast output
     with ``c`` columns over ``g`` groups (``columns=True``)."""
-    if c % ACT_QUANT_COLUMNS_MULTIPLE:
-        return f"sm90 backend: {c} cast columns, not a multiple of {ACT_QUANT_COLUMNS_MULTIPLE} (column-wise copy)"
+    if c % CAST_COLUMNS_MULTIPLE:
+        return f"sm90 backend: {c} cast columns, not a multiple of {CAST_COLUMNS_MULTIPLE} (column-wise copy)"
     if g > FP8_MAX_GROUPS:
         return f"sm90 backend: {g} groups, more than {FP8_MAX_GROUPS} (column-wise copy)"
     return None
@@ -838,7 +839,7 @@ def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activ
     spec = activation_spec(activation, name)
     if spec is None:
         raise ValueError(f"{name}: activation is required, one of {tuple(ACTIVATIONS)}")
-    multiple = DACT_QUANT_I_MULTIPLE if quantize else DACT_GLU_I_MULTIPLE if spec.glu else 8
+    multiple = CAST_COLUMNS_MULTIPLE if quantize else DACT_GLU_I_MULTIPLE if spec.glu else 8
     if i % multiple:
         raise ValueError(f"{name}: I={i} (weight_t.shape[1]) must be a multiple of {multiple} for activation "
                          f"{activation!r}")
