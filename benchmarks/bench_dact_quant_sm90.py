@@ -36,8 +36,8 @@ from common import (
 
 import fusion_rules.dactivation_grouped_linear as dact_rule
 from te_fused_ops import Quantize, Sequential, SwiGLU, Transpose
-from te_fused_ops.kernels.block_quantize import block_columns_sm90, block_quantize_sm90
-from te_fused_ops.kernels.grouped_gemm import grouped_dgrad_dact_fp8_sm90, grouped_dgrad_dact_quant_fp8_sm90
+from te_fused_ops.backends.sm90.kernels.block_quantize import block_columns_sm90, block_quantize_sm90
+from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_dgrad_dact_fp8_sm90, grouped_dgrad_dact_quant_fp8_sm90
 
 SHAPES = ("qwen3-30b-a3b", "dsv3-ep8", "mixtral-8x7b")
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from common import MODEL_SHAPES, device_tag, skewed_splits, write_results
 
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU
-from te_fused_ops.kernels.launch import SM_MARGIN_ENV
+from te_fused_ops.backends.sm90.kernels.launch import SM_MARGIN_ENV
 
 
 class Step:

@@ -28,8 +28,8 @@ import torch
 import triton.testing
 from common import MODEL_SHAPES, compile_per_shape, host_us_per_call, skewed_splits
 
-from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm, grouped_gemm_sm90, max_clusters
-from te_fused_ops.kernels.launch import num_sms
+from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_gemm, grouped_gemm_sm90, max_clusters
+from te_fused_ops.backends.sm90.kernels.launch import num_sms
 
 SHAPES = MODEL_SHAPES
 
@@ -76,7 +76,7 @@ SWEEP = {  # kernel options tried by --sweep on top of the wrapper's choice
 
 def sweep(shapes, rounds):
     """Time kernel options (not exposed by the wrapper) through the compiled launchers."""
-    from te_fused_ops.kernels.grouped_gemm import choose_config
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import choose_config
 
     lines = ["| shape | kernel | " + " | ".join(SWEEP) + " |", "|---|---|" + "---|" * len(SWEEP)]
     for name in shapes:

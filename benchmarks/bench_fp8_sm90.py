@@ -56,8 +56,8 @@ from common import (
 )
 
 from te_fused_ops import Quantize, Sequential, SwiGLU, Transpose
-from te_fused_ops.kernels.block_quantize import block_dequantize_sm90, block_quantize_sm90, tensor_quantize_sm90
-from te_fused_ops.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_fp8_sm90, grouped_gemm_sm90
+from te_fused_ops.backends.sm90.kernels.block_quantize import block_dequantize_sm90, block_quantize_sm90, tensor_quantize_sm90
+from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_fp8_sm90, grouped_gemm_sm90
 from te_fused_ops.quantization import Float8BlockScaling, quantize, quantize_weight, reuse_quantized_weights
 from te_fused_ops.splits import split_offsets
 

@@ -21,8 +21,8 @@ import torch
 import triton.testing
 from common import MODEL_SHAPES, compile_per_shape, device_tag, rotated_medians, skewed_splits, write_results
 
-from te_fused_ops.kernels.block_quantize import block_quantize_sm90
-from te_fused_ops.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_sm90
+from te_fused_ops.backends.sm90.kernels.block_quantize import block_quantize_sm90
+from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_sm90
 from te_fused_ops.splits import split_offsets
 
 

@@ -108,8 +108,8 @@ def wrapper_calls(rounds):
     """Host us per call of each sm90 kernel wrapper (checks + launch) on a tiny problem, allocating
     its outputs and into preallocated ones, next to one torch launch (this machine's unit) and
     the FC1 kernel's compiled entry alone; median over ``rounds`` interleaved rounds."""
-    from te_fused_ops.kernels.grouped_gemm import _forward_launch, grouped_dgrad_dact_sm90, grouped_gemm_sm90
-    from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import _forward_launch, grouped_dgrad_dact_sm90, grouped_gemm_sm90
+    from te_fused_ops.backends.sm90.kernels.grouped_wgrad import grouped_wgrad_sm90
 
     x = torch.randn(128, 64, dtype=torch.bfloat16, device="cuda")
     w = torch.randn(2, 128, 64, dtype=torch.bfloat16, device="cuda")

@@ -40,8 +40,8 @@ import te_fused_ops as tfo
 from fusion_rules.grouped_linear_activation import grouped_linear_activation_quantize_transpose as columns_rule
 from fusion_rules.quantize import quantize_grouped_linear, quantize_grouped_linear_activation
 from te_fused_ops import Quantize, Sequential, SwiGLU, Transpose
-from te_fused_ops.kernels.block_quantize import block_columns_sm90
-from te_fused_ops.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_sm90
+from te_fused_ops.backends.sm90.kernels.block_quantize import block_columns_sm90
+from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_sm90
 
 x_columns_rules = (quantize_grouped_linear, quantize_grouped_linear_activation)
 

@@ -141,8 +141,8 @@ def time_variants(runs, dy):
 
 def kernel_rows(mlp, offsets, x, dy):
     """Per-kernel times of the fused backward vs the torch kernels doing the same work."""
-    from te_fused_ops.kernels.grouped_gemm import grouped_dgrad_dact_sm90, grouped_gemm_sm90
-    from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_dgrad_dact_sm90, grouped_gemm_sm90
+    from te_fused_ops.backends.sm90.kernels.grouped_wgrad import grouped_wgrad_sm90
 
     ends = offsets[1:]
     w1, w2 = mlp[0].weight.detach(), mlp[2].weight.detach()
@@ -178,8 +178,8 @@ CONFIGS = [(128, 1), (128, 2), (256, 1), (256, 2)]  # (tile_n, cluster_m) tried 
 
 def step_kernels(mlp, offsets, x, dy):
     """name -> callable(**config) for each sm90 kernel of the fused step, on realistic operands."""
-    from te_fused_ops.kernels.grouped_gemm import grouped_dgrad_dact_sm90, grouped_gemm_sm90
-    from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_dgrad_dact_sm90, grouped_gemm_sm90
+    from te_fused_ops.backends.sm90.kernels.grouped_wgrad import grouped_wgrad_sm90
 
     w1, w2, xd = mlp[0].weight.detach(), mlp[2].weight.detach(), x.detach()
     pre, act = grouped_gemm_sm90(xd, w1, offsets, activation="swiglu")

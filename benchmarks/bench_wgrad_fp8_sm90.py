@@ -27,8 +27,8 @@ import torch
 import triton.testing
 from common import MODEL_SHAPES, device_tag, rotated_medians, skewed_splits, write_results
 
-from te_fused_ops.kernels.block_quantize import block_columns_sm90, block_dequantize_sm90, block_quantize_sm90
-from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_fp8_sm90, grouped_wgrad_sm90
+from te_fused_ops.backends.sm90.kernels.block_quantize import block_columns_sm90, block_dequantize_sm90, block_quantize_sm90
+from te_fused_ops.backends.sm90.kernels.grouped_wgrad import grouped_wgrad_fp8_sm90, grouped_wgrad_sm90
 from te_fused_ops.quantization import group_block_index
 
 COLUMNS = ("wgrad bf16", "dy row cast", "x dequant", "wgrad fp8", "wgrad fp8 c1", "dy cols+rows", "x cols")

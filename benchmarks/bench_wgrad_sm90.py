@@ -21,8 +21,8 @@ import torch
 import triton.testing
 from common import skewed_splits
 
-from te_fused_ops.kernels.grouped_wgrad import compile_grouped_wgrad, grouped_wgrad_sm90
-from te_fused_ops.kernels.launch import num_sms, tvm_ffi_available
+from te_fused_ops.backends.sm90.kernels.grouped_wgrad import compile_grouped_wgrad, grouped_wgrad_sm90
+from te_fused_ops.backends.sm90.kernels.launch import num_sms, tvm_ffi_available
 
 SHAPES = {  # name: (M tokens, N, K, G)
     "qwen3-fc2": (65536, 2048, 768, 128),

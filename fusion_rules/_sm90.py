@@ -2,14 +2,14 @@
 
 import torch
 
-from te_fused_ops.kernels.block_quantize import (
+from te_fused_ops.backends.sm90.kernels.block_quantize import (
     BlockColumns,
     block_columns_sm90,
     block_dequantize_sm90,
     block_quantize_sm90,
     tensor_quantize_sm90,
 )
-from te_fused_ops.kernels.grouped_gemm import (
+from te_fused_ops.backends.sm90.kernels.grouped_gemm import (
     grouped_gemm_act_quant_sm90,
     grouped_gemm_fp8_sm90,
     grouped_gemm_sm90,
@@ -17,7 +17,7 @@ from te_fused_ops.kernels.grouped_gemm import (
     sm90_grouped_gemm_fp8_unsupported_reason,
     sm90_grouped_gemm_unsupported_reason,
 )
-from te_fused_ops.kernels.grouped_wgrad import (
+from te_fused_ops.backends.sm90.kernels.grouped_wgrad import (
     FP8_MAX_GROUPS,
     grouped_column_sums_sm90,
     grouped_wgrad_fp8_sm90,

@@ -17,7 +17,7 @@ and weight gradients read (`grouped_dgrad_dact_quant_fp8_sm90`: no bf16 d_pre, n
 """
 
 from te_fused_ops import FusionRule, register_rule
-from te_fused_ops.kernels.grouped_gemm import (
+from te_fused_ops.backends.sm90.kernels.grouped_gemm import (
     grouped_dgrad_dact_fp8_sm90,
     grouped_dgrad_dact_quant_fp8_sm90,
     grouped_dgrad_dact_sm90,

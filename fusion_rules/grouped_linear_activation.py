@@ -17,7 +17,7 @@ import torch
 from te_fused_ops import FusionRule, register_rule
 from te_fused_ops.ops import Activation, GroupedLinear, Quantize, Transpose
 from te_fused_ops.ops.base import Recompute
-from te_fused_ops.kernels.activations import ACTIVATIONS
+from te_fused_ops.activations import ACTIVATIONS
 from te_fused_ops.quantization import Float8BlockScaling, Float8CurrentScaling
 
 from ._sm90 import (

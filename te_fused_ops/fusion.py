@@ -64,7 +64,7 @@ def _sm90_backend_reason(info: PlanInfo) -> Optional[str]:
         return "no CUDA device"
     if info.capability != (9, 0):
         return f"compute capability {info.capability[0]}.{info.capability[1]}, needs 9.0"
-    from .kernels import sm90_unavailable_reason
+    from .backends.sm90.kernels import sm90_unavailable_reason
 
     reason = sm90_unavailable_reason()
     return reason.removeprefix("sm90 backend: ") if reason else None

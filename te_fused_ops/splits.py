@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import torch
 
 from . import env
-from .kernels.split_offsets import kernel_available, split_offsets_sm90
+from .backends.sm90.kernels.split_offsets import kernel_available, split_offsets_sm90
 
 _SPLIT_DTYPES = (torch.int32, torch.int64)
 _local = threading.local()  # .validation: the innermost `validation()` setting of this thread

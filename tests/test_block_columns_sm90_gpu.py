@@ -6,8 +6,8 @@ import torch
 from test_grouped_wgrad_fp8_sm90_gpu import block_padded
 from test_grouped_wgrad_sm90_gpu import offsets_from_splits
 
-from te_fused_ops.kernels import sm90_unavailable_reason
-from te_fused_ops.kernels.block_quantize import block_columns_sm90
+from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
+from te_fused_ops.backends.sm90.kernels.block_quantize import block_columns_sm90
 from te_fused_ops.quantization import Float8BlockScaling, add_columnwise, quantize
 
 pytestmark = [

@@ -5,8 +5,8 @@ edge blocks, non-finite values, padding rows, no host sync."""
 import pytest
 import torch
 
-from te_fused_ops.kernels import sm90_unavailable_reason
-from te_fused_ops.kernels.block_quantize import (
+from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
+from te_fused_ops.backends.sm90.kernels.block_quantize import (
     block_dequantize_sm90,
     block_quantize_sm90,
     tensor_quantize_sm90,

@@ -8,7 +8,7 @@ import torch
 import te_fused_ops as tfo
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU, env
 from te_fused_ops.fusion import BACKENDS, forced_backend, fusion_enabled_by_env
-from te_fused_ops.kernels import launch
+from te_fused_ops.backends.sm90.kernels import launch
 from te_fused_ops.splits import validation_enabled
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"

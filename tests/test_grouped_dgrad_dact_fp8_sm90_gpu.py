@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from te_fused_ops.kernels import sm90_unavailable_reason
-from te_fused_ops.kernels.activations import ACTIVATIONS
-from te_fused_ops.kernels.block_quantize import block_quantize_sm90
-from te_fused_ops.kernels.grouped_gemm import grouped_dgrad_dact_fp8_sm90
+from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
+from te_fused_ops.activations import ACTIVATIONS
+from te_fused_ops.backends.sm90.kernels.block_quantize import block_quantize_sm90
+from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_dgrad_dact_fp8_sm90
 from test_grouped_dgrad_sm90_gpu import (
     ALPHA, LIMIT, TOL, UNEVEN, dact_reference, offsets_from_splits, poison_allocator, rel_err,
 )
@@ -66,8 +66,8 @@ def test_d_pre_amax_from_the_epilogue(activation, cluster_m):
     stored): the same d_pre and d_probs bits, parts whose max is torch's amax, all written."""
     from test_grouped_gemm_sm90_gpu import act_amax_reference
 
-    from te_fused_ops.kernels.grouped_gemm import max_clusters
-    from te_fused_ops.kernels.launch import num_sms
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import max_clusters
+    from te_fused_ops.backends.sm90.kernels.launch import num_sms
 
     splits, m, h, i = UNEVEN, 500, 400, 320
     fp8, _, _, pre, probs = operands(splits, m, h, i, activation, torch.bfloat16, seed=3)

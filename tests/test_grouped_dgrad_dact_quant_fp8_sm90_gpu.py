@@ -10,10 +10,10 @@ from test_grouped_dgrad_dact_fp8_sm90_gpu import operands
 from test_grouped_dgrad_sm90_gpu import ALPHA, LIMIT, offsets_from_splits
 from test_grouped_wgrad_fp8_sm90_gpu import block_padded
 
-from te_fused_ops.kernels import sm90_unavailable_reason
-from te_fused_ops.kernels.activations import ACTIVATIONS
-from te_fused_ops.kernels.block_quantize import block_columns_sm90
-from te_fused_ops.kernels.grouped_gemm import grouped_dgrad_dact_fp8_sm90, grouped_dgrad_dact_quant_fp8_sm90
+from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
+from te_fused_ops.activations import ACTIVATIONS
+from te_fused_ops.backends.sm90.kernels.block_quantize import block_columns_sm90
+from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_dgrad_dact_fp8_sm90, grouped_dgrad_dact_quant_fp8_sm90
 from te_fused_ops.quantization import Float8BlockScaling, quantize
 
 pytestmark = [

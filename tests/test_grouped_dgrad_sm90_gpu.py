@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import reference as ref
-from te_fused_ops.kernels import sm90_unavailable_reason
-from te_fused_ops.kernels.activations import ACTIVATIONS
-from te_fused_ops.kernels.grouped_gemm import grouped_dgrad_dact_sm90, grouped_gemm_sm90
-from te_fused_ops.kernels.launch import SM_MARGIN_ENV
+from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
+from te_fused_ops.activations import ACTIVATIONS
+from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_dgrad_dact_sm90, grouped_gemm_sm90
+from te_fused_ops.backends.sm90.kernels.launch import SM_MARGIN_ENV
 
 pytestmark = [
     pytest.mark.gpu,

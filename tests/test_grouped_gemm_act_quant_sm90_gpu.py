@@ -11,9 +11,9 @@ from test_block_quantize_sm90_gpu import assert_same_bytes
 from test_grouped_dgrad_dact_quant_fp8_sm90_gpu import poison
 from test_grouped_gemm_sm90_gpu import ALPHA, LIMIT, offsets_from_splits
 
-from te_fused_ops.kernels import sm90_unavailable_reason
-from te_fused_ops.kernels.block_quantize import block_columns_sm90
-from te_fused_ops.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_sm90
+from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
+from te_fused_ops.backends.sm90.kernels.block_quantize import block_columns_sm90
+from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_sm90
 from te_fused_ops.quantization import Float8BlockScaling, quantize
 
 pytestmark = [

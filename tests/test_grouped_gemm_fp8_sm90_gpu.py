@@ -15,9 +15,9 @@ from test_grouped_gemm_sm90_gpu import (
     rel_err,
 )
 
-from te_fused_ops.kernels import sm90_unavailable_reason
-from te_fused_ops.kernels.activations import ACTIVATIONS
-from te_fused_ops.kernels.grouped_gemm import grouped_gemm_fp8_sm90
+from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
+from te_fused_ops.activations import ACTIVATIONS
+from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_gemm_fp8_sm90
 from te_fused_ops.quantization import quantize, quantize_weight
 
 pytestmark = [

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from te_fused_ops.kernels import sm90_unavailable_reason
-from te_fused_ops.kernels.activations import ACTIVATIONS
-from te_fused_ops.kernels.grouped_gemm import grouped_gemm_sm90
+from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
+from te_fused_ops.activations import ACTIVATIONS
+from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_gemm_sm90
 
 pytestmark = [
     pytest.mark.gpu,
@@ -228,8 +228,8 @@ def act_amax_reference(act, end):
 def check_act_amax(run, act_shape, cluster_m, end):
     """``run(act_amax)`` -> outputs: with act_amax the same (pre, act) bits, and parts whose max is
     the act's amax over rows < end; every part written (NaN-poisoned buffer), none negative."""
-    from te_fused_ops.kernels.grouped_gemm import max_clusters
-    from te_fused_ops.kernels.launch import num_sms
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import max_clusters
+    from te_fused_ops.backends.sm90.kernels.launch import num_sms
 
     pre, act = run(False)
     poisoned_empty((max_clusters(num_sms(0), 0, cluster_m) * cluster_m * 8,), torch.float32)

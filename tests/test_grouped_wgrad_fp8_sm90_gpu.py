@@ -6,9 +6,9 @@ import pytest
 import torch
 from test_grouped_wgrad_sm90_gpu import PAD_VALUE, offsets_from_splits, rel_err
 
-from te_fused_ops.kernels import sm90_unavailable_reason
-from te_fused_ops.kernels.block_quantize import BlockColumns
-from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_fp8_sm90
+from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
+from te_fused_ops.backends.sm90.kernels.block_quantize import BlockColumns
+from te_fused_ops.backends.sm90.kernels.grouped_wgrad import grouped_wgrad_fp8_sm90
 from te_fused_ops.quantization import group_block_index, quantize
 
 pytestmark = [

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from te_fused_ops.kernels import grouped_wgrad, sm90_unavailable_reason
+from te_fused_ops.backends.sm90.kernels import grouped_wgrad, sm90_unavailable_reason
 from te_fused_ops.grouped_mm import grouped_row_sum
-from te_fused_ops.kernels.grouped_wgrad import grouped_column_sums_sm90, grouped_wgrad_sm90
-from te_fused_ops.kernels.launch import SM_MARGIN_ENV
+from te_fused_ops.backends.sm90.kernels.grouped_wgrad import grouped_column_sums_sm90, grouped_wgrad_sm90
+from te_fused_ops.backends.sm90.kernels.launch import SM_MARGIN_ENV
 
 pytestmark = [
     pytest.mark.gpu,

@@ -4,9 +4,10 @@ the launch that reruns the checks when the compiled entry rejects an argument.""
 import pytest
 import torch
 
-from te_fused_ops.kernels import activations, grouped_gemm
-from te_fused_ops.kernels.grouped_gemm import max_clusters
-from te_fused_ops.kernels.launch import SM_MARGIN_ENV, resolve_sm_margin
+from te_fused_ops import activations
+from te_fused_ops.backends.sm90.kernels import grouped_gemm
+from te_fused_ops.backends.sm90.kernels.grouped_gemm import max_clusters
+from te_fused_ops.backends.sm90.kernels.launch import SM_MARGIN_ENV, resolve_sm_margin
 
 
 def test_one_activation_registry():

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from te_fused_ops.kernels.activations import ACTIVATIONS
+from te_fused_ops.activations import ACTIVATIONS
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed"
@@ -25,7 +25,7 @@ def _sm90a(monkeypatch):
 
 
 def test_package_imports_without_cutlass_use():
-    import te_fused_ops.kernels as k
+    import te_fused_ops.backends.sm90.kernels as k
 
     assert k.sm90_unavailable_reason() is None  # with CUTE_DSL_ARCH=sm_90a
 
@@ -34,7 +34,7 @@ def test_package_imports_without_cutlass_use():
 @pytest.mark.parametrize("tile_n", [128, 256])
 @pytest.mark.parametrize("activation", FORWARD)
 def test_grouped_gemm_compiles(activation, tile_n, dtype, has_bias):
-    from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_gemm
 
     assert os.environ["CUTE_DSL_ARCH"] == "sm_90a"
     assert compile_grouped_gemm(dtype, tile_n, activation, has_bias, tvm_ffi=False) is not None
@@ -43,7 +43,7 @@ def test_grouped_gemm_compiles(activation, tile_n, dtype, has_bias):
 @pytest.mark.parametrize("activation,tile_n", [("swiglu", 256), ("scaled_swiglu", 128), ("srelu", 128)])
 def test_grouped_gemm_with_act_amax_compiles(activation, tile_n):
     """The act's amax parts from the epilogue (fp8_current), bf16 and FP8 kernels."""
-    from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm, compile_grouped_gemm_fp8
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_gemm, compile_grouped_gemm_fp8
 
     assert compile_grouped_gemm(torch.bfloat16, tile_n, activation, False, False, act_amax=True) is not None
     if activation != "scaled_swiglu":
@@ -52,7 +52,7 @@ def test_grouped_gemm_with_act_amax_compiles(activation, tile_n):
 
 @pytest.mark.parametrize("activation,tile_n", [(None, 128), ("swiglu", 256), ("srelu", 128)])
 def test_grouped_gemm_compiles_without_cluster(activation, tile_n):
-    from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_gemm
 
     assert compile_grouped_gemm(torch.bfloat16, tile_n, activation, True, False, 1) is not None
 
@@ -68,7 +68,7 @@ def test_grouped_gemm_compiles_without_cluster(activation, tile_n):
     ],
 )
 def test_grouped_gemm_kn_compiles(dtype, tile_n, activation, has_bias, cluster_m):
-    from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_gemm
 
     fn = compile_grouped_gemm(dtype, tile_n, activation, has_bias, False, cluster_m, "kn")
     assert fn is not None
@@ -78,7 +78,7 @@ def test_grouped_gemm_kn_compiles(dtype, tile_n, activation, has_bias, cluster_m
 @pytest.mark.parametrize("tile_n", [128, 256])
 @pytest.mark.parametrize("activation", list(ACTIVATIONS))
 def test_grouped_dgrad_dact_compiles(activation, tile_n, epilogue_warps):
-    from te_fused_ops.kernels.grouped_gemm import compile_grouped_dgrad_dact
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_dgrad_dact
 
     assert compile_grouped_dgrad_dact(torch.bfloat16, tile_n, activation, False, 2, epilogue_warps) is not None
 
@@ -88,14 +88,14 @@ def test_grouped_dgrad_dact_compiles(activation, tile_n, epilogue_warps):
     [(torch.float16, "swiglu", 2), (torch.float16, "srelu", 2), (torch.bfloat16, "scaled_swiglu", 1)],
 )
 def test_grouped_dgrad_dact_compiles_fp16_and_without_cluster(dtype, activation, cluster_m):
-    from te_fused_ops.kernels.grouped_gemm import compile_grouped_dgrad_dact
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_dgrad_dact
 
     for epilogue_warps in (True, False):
         assert compile_grouped_dgrad_dact(dtype, 128, activation, False, cluster_m, epilogue_warps) is not None
 
 
 def test_device_math_covers_the_registry():
-    from te_fused_ops.kernels.activation_math_sm90 import ACTIVATION_MATH
+    from te_fused_ops.backends.sm90.kernels.activation_math_sm90 import ACTIVATION_MATH
 
     assert set(ACTIVATION_MATH) == set(ACTIVATIONS)
 
@@ -103,8 +103,8 @@ def test_device_math_covers_the_registry():
 def test_unknown_epilogue_rejected():
     import cutlass
 
-    from te_fused_ops.kernels.grouped_dact_sm90 import GroupedGemmDActFp8Sm90, GroupedGemmDActSm90
-    from te_fused_ops.kernels.grouped_gemm_sm90 import GroupedGemmActQuantSm90, GroupedGemmActSm90
+    from te_fused_ops.backends.sm90.kernels.grouped_dact_sm90 import GroupedGemmDActFp8Sm90, GroupedGemmDActSm90
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm_sm90 import GroupedGemmActQuantSm90, GroupedGemmActSm90
 
     with pytest.raises(ValueError, match="activation"):
         GroupedGemmActSm90(cutlass.BFloat16, 128, "relu", False)
@@ -117,8 +117,8 @@ def test_unknown_epilogue_rejected():
 
 
 def test_unsupported_reasons():
-    from te_fused_ops.kernels.grouped_gemm import sm90_grouped_dgrad_dact_unsupported_reason as why_dact
-    from te_fused_ops.kernels.grouped_gemm import sm90_grouped_gemm_unsupported_reason as why
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import sm90_grouped_dgrad_dact_unsupported_reason as why_dact
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import sm90_grouped_gemm_unsupported_reason as why
 
     assert why(torch.bfloat16, 4096, 2048, "swiglu", True) is None
     assert why(torch.float16, 8, 8, None, False) is None
@@ -135,7 +135,7 @@ def test_unsupported_reasons():
     assert "H=12" in why_dact(torch.bfloat16, 12, 64, "swiglu")
     assert "needs an activation" in why_dact(torch.bfloat16, 64, 64, None)
 
-    from te_fused_ops.kernels.grouped_gemm import sm90_grouped_dgrad_dact_quant_fp8_unsupported_reason as why_quant
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import sm90_grouped_dgrad_dact_quant_fp8_unsupported_reason as why_quant
 
     assert why_quant(torch.bfloat16, 2048, 768, 128, "swiglu") is None
     assert "I=2880" in why_quant(torch.bfloat16, 2880, 2880, 32, "swiglu")
@@ -145,7 +145,7 @@ def test_unsupported_reasons():
 
 @pytest.mark.parametrize("size_dtype", [torch.int32, torch.int64])
 def test_split_offsets_compiles(size_dtype):
-    from te_fused_ops.kernels.split_offsets import compile_split_offsets
+    from te_fused_ops.backends.sm90.kernels.split_offsets import compile_split_offsets
 
     assert compile_split_offsets(size_dtype, tvm_ffi=False) is not None
 
@@ -157,7 +157,7 @@ def test_split_offsets_compiles(size_dtype):
      (None, torch.bfloat16, False, 2, 192), ("swiglu", torch.bfloat16, False, 2, 192)],
 )
 def test_grouped_gemm_fp8_compiles(activation, dtype, has_bias, cluster_m, tile_n):
-    from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm_fp8
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_gemm_fp8
 
     fn = compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=False, cluster_m=cluster_m, tile_n=tile_n)
     assert fn is not None
@@ -169,21 +169,21 @@ def test_grouped_gemm_fp8_compiles(activation, dtype, has_bias, cluster_m, tile_
                           (torch.bfloat16, 128, False, False, True), (torch.float16, 128, True, False, True),
                           (torch.bfloat16, 128, False, True, True)])
 def test_block_quantize_compiles(dtype, block_rows, power_2_scales, tensor_scale, transposed):
-    from te_fused_ops.kernels.block_quantize import compile_block_quantize
+    from te_fused_ops.backends.sm90.kernels.block_quantize import compile_block_quantize
 
     assert compile_block_quantize(dtype, block_rows, False, power_2_scales, tensor_scale, transposed) is not None
 
 
 @pytest.mark.parametrize("dtype,with_offsets", [(torch.bfloat16, True), (torch.float16, False)])
 def test_tensor_amax_compiles(dtype, with_offsets):
-    from te_fused_ops.kernels.block_quantize import compile_tensor_amax
+    from te_fused_ops.backends.sm90.kernels.block_quantize import compile_tensor_amax
 
     assert compile_tensor_amax(dtype, with_offsets, tvm_ffi=False) is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_block_dequantize_compiles(dtype):
-    from te_fused_ops.kernels.block_quantize import compile_block_dequantize
+    from te_fused_ops.backends.sm90.kernels.block_quantize import compile_block_dequantize
 
     assert compile_block_dequantize(dtype, tvm_ffi=False) is not None
 
@@ -191,7 +191,7 @@ def test_block_dequantize_compiles(dtype):
 @pytest.mark.parametrize("activation,dtype,cluster_m", [("swiglu", torch.bfloat16, 2), ("scaled_swiglu", torch.float16, 1),
                                                        ("srelu", torch.bfloat16, 2)])
 def test_grouped_dgrad_dact_fp8_compiles(activation, dtype, cluster_m):
-    from te_fused_ops.kernels.grouped_gemm import compile_grouped_dgrad_dact_fp8
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_dgrad_dact_fp8
 
     assert compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=False, cluster_m=cluster_m) is not None
     # d_pre's amax parts from the epilogue (fp8_current)
@@ -203,7 +203,7 @@ def test_grouped_dgrad_dact_fp8_compiles(activation, dtype, cluster_m):
 ])
 def test_grouped_dgrad_dact_quant_fp8_compiles(activation, dtype, cluster_m, power_2_scales):
     """d_pre cast in the epilogue: rows and per-group columns (fp8_blockwise, FC1's backward)."""
-    from te_fused_ops.kernels.grouped_gemm import compile_grouped_dgrad_dact_quant_fp8
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_dgrad_dact_quant_fp8
 
     assert compile_grouped_dgrad_dact_quant_fp8(dtype, activation, False, cluster_m, power_2_scales) is not None
 
@@ -216,7 +216,7 @@ def test_grouped_dgrad_dact_quant_fp8_compiles(activation, dtype, cluster_m, pow
 )
 def test_grouped_gemm_act_quant_compiles(activation, has_bias, weight_layout, tile_n, columns):
     """columns: the per-group column-wise copy too (a Transpose after the cast)."""
-    from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm_act_quant
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_gemm_act_quant
 
     fn = compile_grouped_gemm_act_quant(torch.bfloat16, activation, has_bias, tvm_ffi=False, weight_layout=weight_layout,
                                         tile_n=tile_n, columns=columns)
@@ -225,7 +225,7 @@ def test_grouped_gemm_act_quant_compiles(activation, has_bias, weight_layout, ti
 
 @pytest.mark.parametrize("m_tiles,n_tiles", [(1, 1), (3, 5), (8, 7), (9, 4), (22, 3), (112, 16)])
 def test_banded_tile_order(m_tiles, n_tiles):
-    from te_fused_ops.kernels.group_tile_scheduler import RASTER_BAND, banded_tile
+    from te_fused_ops.backends.sm90.kernels.group_tile_scheduler import RASTER_BAND, banded_tile
 
     order = [banded_tile(t, m_tiles, n_tiles, RASTER_BAND) for t in range(m_tiles * n_tiles)]
     assert sorted(order) == [(m, n) for m in range(m_tiles) for n in range(n_tiles)]  # each tile once
@@ -237,7 +237,7 @@ def test_banded_tile_order(m_tiles, n_tiles):
 
 
 def test_segment_tiles_split_tail():
-    from te_fused_ops.kernels.group_tile_scheduler import segment_tiles
+    from te_fused_ops.backends.sm90.kernels.group_tile_scheduler import segment_tiles
 
     for rows in (0, 1, 128, 129, 256, 300, 517, 2700):
         m_tiles = -(-rows // 128)
@@ -249,7 +249,7 @@ def test_segment_tiles_split_tail():
 
 
 def test_choose_config_pairs_when_n_has_two_tiles():
-    from te_fused_ops.kernels.grouped_gemm import choose_config
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import choose_config
 
     assert choose_config(65536, 1536, 128, 132) == (256, 2)  # qwen3 FC1: small groups, N of 6 tiles
     assert choose_config(2000, 256, 64, 132) == (128, 2)  # few tiles: 128 wide, two of them

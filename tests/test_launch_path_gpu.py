@@ -4,9 +4,9 @@ call), preallocated outputs, and the one-launch split-offsets kernel."""
 import pytest
 import torch
 
-from te_fused_ops.kernels import sm90_unavailable_reason
-from te_fused_ops.kernels.grouped_gemm import grouped_dgrad_dact_sm90, grouped_gemm_sm90
-from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_sm90
+from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
+from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_dgrad_dact_sm90, grouped_gemm_sm90
+from te_fused_ops.backends.sm90.kernels.grouped_wgrad import grouped_wgrad_sm90
 from te_fused_ops.splits import split_offsets
 
 pytestmark = [

@@ -22,21 +22,21 @@ pytestmark = pytest.mark.skipif(
 )
 
 COMPILE = {  # name: Python that compiles one configuration (torch as torch, bf16 = torch.bfloat16)
-    "wgrad dW tile 256 pair": "from te_fused_ops.kernels.grouped_wgrad import compile_grouped_wgrad as c;"
+    "wgrad dW tile 256 pair": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import compile_grouped_wgrad as c;"
                               "c(bf16, 256, False, 2, False)",
-    "wgrad main_grad tile 128": "from te_fused_ops.kernels.grouped_wgrad import compile_grouped_wgrad as c;"
+    "wgrad main_grad tile 128": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import compile_grouped_wgrad as c;"
                                 "c(bf16, 128, True, 1, False)",
-    "dgrad + dScaledSwiGLU tile 128": "from te_fused_ops.kernels.grouped_gemm import compile_grouped_dgrad_dact as c;"
+    "dgrad + dScaledSwiGLU tile 128": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_dgrad_dact as c;"
                                       "c(bf16, 128, 'scaled_swiglu', False, 2, False)",
-    "dgrad + dSwiGLU tile 256, epilogue warps": "from te_fused_ops.kernels.grouped_gemm import"
+    "dgrad + dSwiGLU tile 256, epilogue warps": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
                                                 " compile_grouped_dgrad_dact as c; c(bf16, 256, 'swiglu', False, 2, True)",
-    "forward + SwiGLU tile 256": "from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm as c;"
+    "forward + SwiGLU tile 256": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_gemm as c;"
                                  "c(bf16, 256, 'swiglu', False, False, 2)",
-    "FP8 wgrad dW pair": "from te_fused_ops.kernels.grouped_wgrad import compile_grouped_wgrad as c;"
+    "FP8 wgrad dW pair": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import compile_grouped_wgrad as c;"
                          "c(bf16, 128, False, 2, False, True)",
-    "FP8 forward + SwiGLU": "from te_fused_ops.kernels.grouped_gemm import compile_grouped_gemm_fp8 as c;"
+    "FP8 forward + SwiGLU": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_gemm_fp8 as c;"
                             "c(bf16, 'swiglu', False, False, 2, 128)",
-    "FP8 dgrad + dSwiGLU, d_pre cast": "from te_fused_ops.kernels.grouped_gemm import"
+    "FP8 dgrad + dSwiGLU, d_pre cast": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
                                        " compile_grouped_dgrad_dact_quant_fp8 as c; c(bf16, 'swiglu', False, 2, False)",
 }
 

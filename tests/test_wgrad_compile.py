@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from te_fused_ops.kernels.grouped_wgrad import choose_config, grouped_wgrad_sm90, sm90_wgrad_unsupported_reason
+from te_fused_ops.backends.sm90.kernels.grouped_wgrad import choose_config, grouped_wgrad_sm90, sm90_wgrad_unsupported_reason
 
 needs_cutlass = pytest.mark.skipif(
     importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed"
@@ -25,14 +25,14 @@ def _sm90a(monkeypatch):
 @pytest.mark.parametrize("tile_n", [128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_wgrad_compiles(dtype, tile_n, main_grad, cluster_m):
-    from te_fused_ops.kernels.grouped_wgrad import compile_grouped_wgrad
+    from te_fused_ops.backends.sm90.kernels.grouped_wgrad import compile_grouped_wgrad
 
     assert compile_grouped_wgrad(dtype, tile_n, main_grad, cluster_m, tvm_ffi=False) is not None
 
 
 @needs_cutlass
 def test_wgrad_compiles_unsorted():
-    from te_fused_ops.kernels.grouped_wgrad import compile_grouped_wgrad
+    from te_fused_ops.backends.sm90.kernels.grouped_wgrad import compile_grouped_wgrad
 
     fn = compile_grouped_wgrad(torch.bfloat16, 256, False, 2, tvm_ffi=False, sort_groups=False)
     assert fn is not None
@@ -43,7 +43,7 @@ def test_wgrad_compiles_unsorted():
 def test_wgrad_kernel_configs_fit(main_grad):
     import cutlass
 
-    from te_fused_ops.kernels.grouped_wgrad_sm90 import GroupedWgradSm90
+    from te_fused_ops.backends.sm90.kernels.grouped_wgrad_sm90 import GroupedWgradSm90
 
     for tile_n in (128, 256):
         kern = GroupedWgradSm90(cutlass.BFloat16, tile_n, main_grad)
@@ -61,7 +61,7 @@ def test_wgrad_kernel_configs_fit(main_grad):
 
 def test_wrapper_imports_without_cutlass():
     code = (
-        "import sys, te_fused_ops.kernels.grouped_wgrad as w; "
+        "import sys, te_fused_ops.backends.sm90.kernels.grouped_wgrad as w; "
         "assert 'cutlass' not in sys.modules, 'cutlass imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -100,9 +100,9 @@ def test_cpu_inputs_rejected():
 def test_fp8_wgrad_compiles(main_grad, cluster_m):
     import cutlass
 
-    from te_fused_ops.kernels.grouped_wgrad import FP8_MAX_GROUPS, compile_grouped_wgrad
-    from te_fused_ops.kernels.group_tile_scheduler import SORT_MAX_G
-    from te_fused_ops.kernels.grouped_wgrad_sm90 import GroupedWgradSm90
+    from te_fused_ops.backends.sm90.kernels.grouped_wgrad import FP8_MAX_GROUPS, compile_grouped_wgrad
+    from te_fused_ops.backends.sm90.kernels.group_tile_scheduler import SORT_MAX_G
+    from te_fused_ops.backends.sm90.kernels.grouped_wgrad_sm90 import GroupedWgradSm90
 
     assert compile_grouped_wgrad(torch.bfloat16, 128, main_grad, cluster_m, tvm_ffi=False, fp8=True) is not None
     assert FP8_MAX_GROUPS == SORT_MAX_G
@@ -114,16 +114,16 @@ def test_fp8_wgrad_compiles(main_grad, cluster_m):
 @needs_cutlass
 @pytest.mark.parametrize("from_rows, rows, power_2_scales", [(False, True, False), (True, False, False), (False, False, True)])
 def test_block_columns_compile(from_rows, rows, power_2_scales):
-    from te_fused_ops.kernels.block_quantize import COLUMN_MAX_GROUPS, compile_block_columns
-    from te_fused_ops.kernels.block_quantize_sm90 import COLUMN_SCAN_GROUPS
+    from te_fused_ops.backends.sm90.kernels.block_quantize import COLUMN_MAX_GROUPS, compile_block_columns
+    from te_fused_ops.backends.sm90.kernels.block_quantize_sm90 import COLUMN_SCAN_GROUPS
 
     assert compile_block_columns(torch.bfloat16, from_rows, rows, power_2_scales, tvm_ffi=False) is not None
     assert COLUMN_MAX_GROUPS == COLUMN_SCAN_GROUPS
 
 
 def test_fp8_wrappers_reject_cpu_inputs():
-    from te_fused_ops.kernels.block_quantize import BlockColumns, block_columns_sm90
-    from te_fused_ops.kernels.grouped_wgrad import grouped_wgrad_fp8_sm90
+    from te_fused_ops.backends.sm90.kernels.block_quantize import BlockColumns, block_columns_sm90
+    from te_fused_ops.backends.sm90.kernels.grouped_wgrad import grouped_wgrad_fp8_sm90
 
     off = torch.tensor([0, 16], dtype=torch.int32)
     cols = BlockColumns(torch.zeros(16, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 16), 16)

@@ -24,7 +24,7 @@ import functools
 import torch
 
 from . import sm90_unavailable_reason
-from .activations import ACTIVATIONS, GLU_N_MULTIPLE, activation_spec
+from ....activations import ACTIVATIONS, GLU_N_MULTIPLE, activation_spec
 from .block_quantize import BlockColumns
 from .grouped_wgrad import FP8_MAX_GROUPS  # the FP8 kernels' group scan in shared memory
 from .launch import (

@@ -24,7 +24,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from .activation_math_sm90 import ACTIVATION_MATH
-from .activations import activation_spec
+from ....activations import activation_spec
 from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled
 from .grouped_gemm_sm90 import (
     COLUMN_SCRATCH,

@@ -64,7 +64,7 @@ from cutlass import Boolean, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.tensor_utils import LayoutEnum
 
 from .activation_math_sm90 import ACTIVATION_MATH
-from .activations import activation_spec
+from ....activations import activation_spec
 from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled
 from .group_tile_scheduler import (
     RASTER_BAND,

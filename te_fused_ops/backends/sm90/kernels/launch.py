@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from .. import env
+from .... import env
 
 DTYPES = (torch.bfloat16, torch.float16)
 SM_MARGIN_ENV = "TE_FUSED_OPS_SM_MARGIN"

@@ -1,0 +1,1 @@
+"""Kernel backends: one package per backend, each registering itself."""

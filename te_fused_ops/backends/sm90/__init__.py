@@ -1,0 +1,1 @@
+"""The sm90 backend: CuTe DSL kernels for Hopper."""
