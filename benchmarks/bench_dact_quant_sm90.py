@@ -22,6 +22,11 @@ import argparse
 import math
 import os
 
+from common import require_sm90
+
+if __name__ == "__main__":  # before torch, triton and the kernels load: one line, exit 2, on other machines
+    require_sm90(__file__)
+
 import torch
 from common import (
     MODEL_SHAPES,

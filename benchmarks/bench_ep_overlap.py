@@ -23,6 +23,11 @@ to as many CTAs as the margin frees. Times: median of CUDA-event-timed steps, ma
 import argparse
 import os
 
+from common import require_sm90
+
+if __name__ == "__main__":  # before torch, triton and the kernels load: one line, exit 2, on other machines
+    require_sm90(__file__)
+
 import torch
 import torch.distributed as dist
 from common import MODEL_SHAPES, device_tag, skewed_splits, write_results

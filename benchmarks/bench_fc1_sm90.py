@@ -24,6 +24,11 @@ import math
 import os
 import sys
 
+from common import require_sm90
+
+if __name__ == "__main__":  # before torch, triton and the kernels load: one line, exit 2, on other machines
+    require_sm90(__file__)
+
 import torch
 import triton.testing
 from common import MODEL_SHAPES, compile_per_shape, host_us_per_call, skewed_splits

@@ -47,6 +47,11 @@ import argparse
 import functools
 import os
 
+from common import require_sm90
+
+if __name__ == "__main__":  # before torch, triton and the kernels load: one line, exit 2, on other machines
+    require_sm90(__file__)
+
 import torch
 import triton.testing
 from bench_train_step import ReferenceMLP

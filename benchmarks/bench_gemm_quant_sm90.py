@@ -17,6 +17,11 @@ Times: do_bench medians (L2 flushed), median over rounds in rotated order (`comm
 
 import argparse
 
+from common import require_sm90
+
+if __name__ == "__main__":  # before torch, triton and the kernels load: one line, exit 2, on other machines
+    require_sm90(__file__)
+
 import torch
 import triton.testing
 from common import MODEL_SHAPES, compile_per_shape, device_tag, rotated_medians, skewed_splits, write_results

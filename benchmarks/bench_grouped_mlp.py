@@ -1,11 +1,20 @@
 """Grouped MoE MLP: Sequential(GroupedLinear, SwiGLU, GroupedLinear), fused vs unfused.
 
 For each shape (rows M, hidden H, expert width I, local experts E) with uneven routing it times
-forward, backward and forward+backward (median over iterations, after warm-up; CUDA events on
-the GPU), and reports throughput (TFLOP/s on CUDA, GFLOP/s on the CPU), peak memory (CUDA) and
-the bytes kept for backward. Prints a progress line per shape, then a table; writes
-benchmarks/results/runs/grouped_mlp_<device>_<date>.json and a bar chart PNG (if matplotlib).
-The committed reference results in benchmarks/results/ are never overwritten.
+each iteration's training step: gradients set to None, forward, backward (CUDA events on the GPU,
+perf_counter on the CPU). Columns (JSON keys in brackets):
+  fwd ms, bwd ms     median forward / backward time over the iterations [fwd_ms, bwd_ms]
+  step ms            median of the whole step: gradients set to None, forward, backward [step_ms]
+  step min..max ms   the spread of the step over the iterations [step_ms_min, step_ms_max]
+                     (the JSON has fwd_ms_min/max and bwd_ms_min/max too)
+  fwd/bwd/step <unit>  throughput from the medians; forward FLOPs 6*M*H*I, backward 2x, step 3x;
+                     <unit> GFLOP/s on the CPU [fwd_GFLOPS, ...], TFLOP/s on CUDA [fwd_TFLOPS, ...]
+  saved MiB          bytes autograd keeps for the backward [saved_MiB]
+  peak MiB           peak memory of one step above what was allocated before it, CUDA only [peak_MiB]
+Prints a progress line per shape, then the table; writes
+benchmarks/results/runs/grouped_mlp_<device>_<date>.json (<device> cpu, h100, h200 or cuda; <date>
+YYYYMMDD-HHMMSS) and a bar chart .png beside it (if matplotlib). The committed reference results
+in benchmarks/results/ are never overwritten.
 
     python benchmarks/bench_grouped_mlp.py          # CUDA if present (full shapes), else CPU (small shapes)
     python benchmarks/bench_grouped_mlp.py --full   # the full shapes on a CPU too (many minutes, ~9 GB)
@@ -69,25 +78,33 @@ class Timer:
         return (stop - start) * 1e3
 
 
+def spread(prefix: str, samples: list) -> dict:
+    """{prefix: median, prefix_min: min, prefix_max: max} of ``samples``."""
+    return {prefix: statistics.median(samples), f"{prefix}_min": min(samples), f"{prefix}_max": max(samples)}
+
+
 def bench_one(seq, inputs, dy, split_sizes, iters: int, warmup: int, device, started: float):
+    """Times ``iters`` training steps after ``warmup``: each step sets the gradients to None, then
+    runs forward and backward; the step is timed whole and in its forward and backward parts."""
     timer = Timer(device)
-    fwd, bwd, total = [], [], []
+    fwd, bwd, step = [], [], []
     for it in range(warmup + iters):
         if time.perf_counter() - started > PROGRESS_AFTER_S:
             print(".", end="", flush=True)
         x = inputs[it % len(inputs)]
+        t0 = timer.mark()
         for p in seq.parameters():
             p.grad = None
         x.grad = None
-        t0 = timer.mark()
-        y = seq(x, split_sizes=split_sizes)
         t1 = timer.mark()
-        y.backward(dy)
+        y = seq(x, split_sizes=split_sizes)
         t2 = timer.mark()
+        y.backward(dy)
+        t3 = timer.mark()
         if it >= warmup:
-            fwd.append(timer.ms(t0, t1))
-            bwd.append(timer.ms(t1, t2))
-            total.append(timer.ms(t0, t2))
+            fwd.append(timer.ms(t1, t2))
+            bwd.append(timer.ms(t2, t3))
+            step.append(timer.ms(t0, t3))
     saved = saved_tensor_bytes(seq(inputs[0], split_sizes=split_sizes))
     peak = None
     if device.type == "cuda":
@@ -100,15 +117,21 @@ def bench_one(seq, inputs, dy, split_sizes, iters: int, warmup: int, device, sta
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     return {
-        "forward_ms": statistics.median(fwd),
-        "backward_ms": statistics.median(bwd),
-        "fwd_bwd_ms": statistics.median(total),
-        "saved_for_backward_MiB": saved / 2**20,
-        "peak_fwd_bwd_MiB": None if peak is None else peak / 2**20,
+        **spread("fwd_ms", fwd),
+        **spread("bwd_ms", bwd),
+        **spread("step_ms", step),
+        "saved_MiB": saved / 2**20,
+        "peak_MiB": None if peak is None else peak / 2**20,
     }
 
 
+def throughput_unit(device: torch.device):
+    """(console unit, JSON key suffix, FLOP per ms in one unit): GFLOP/s on the CPU, TFLOP/s on CUDA."""
+    return ("TFLOP/s", "TFLOPS", 1e9) if device.type == "cuda" else ("GFLOP/s", "GFLOPS", 1e6)
+
+
 def run(shapes: dict, device: torch.device, dtype: torch.dtype, iters: int, warmup: int):
+    _, key, flop_per_ms = throughput_unit(device)
     rows_out = []
     for n, (name, (rows, hidden, width, experts)) in enumerate(shapes.items(), 1):
         started = time.perf_counter()
@@ -129,7 +152,7 @@ def run(shapes: dict, device: torch.device, dtype: torch.dtype, iters: int, warm
         plan = fused.explain(inputs[0], split_sizes=split_sizes)
         for mode, seq in (("fused", fused), ("unfused", unfused)):
             result = bench_one(seq, inputs, dy, split_sizes, iters, warmup, device, started)
-            print(f" {mode} {result['fwd_bwd_ms']:.3f} ms", end="", flush=True)
+            print(f" {mode} step {result['step_ms']:.3f} ms", end="", flush=True)
             result.update(
                 shape=name,
                 mode=mode,
@@ -137,9 +160,9 @@ def run(shapes: dict, device: torch.device, dtype: torch.dtype, iters: int, warm
                 H=hidden,
                 I=width,
                 E=experts,
-                fwd_TFLOPS=flops_fwd / result["forward_ms"] / 1e9,
-                bwd_TFLOPS=2 * flops_fwd / result["backward_ms"] / 1e9,
-                fwd_bwd_TFLOPS=3 * flops_fwd / result["fwd_bwd_ms"] / 1e9,
+                **{f"fwd_{key}": flops_fwd / result["fwd_ms"] / flop_per_ms,
+                   f"bwd_{key}": 2 * flops_fwd / result["bwd_ms"] / flop_per_ms,
+                   f"step_{key}": 3 * flops_fwd / result["step_ms"] / flop_per_ms},
             )
             rows_out.append(result)
         rows_out[-2]["plan"] = plan
@@ -151,20 +174,22 @@ def run(shapes: dict, device: torch.device, dtype: torch.dtype, iters: int, warm
     return rows_out
 
 
-def table(results, gflops: bool) -> str:
-    """Fixed-width columns, two spaces apart; throughput in GFLOP/s (CPU) or TFLOP/s (CUDA)."""
-    unit, scale = ("GFLOP/s", 1e3) if gflops else ("TFLOP/s", 1)
+def table(results, unit: str) -> str:
+    """Fixed-width columns, two spaces apart; throughput in ``unit``, "GFLOP/s" (CPU) or "TFLOP/s"
+    (CUDA), read from the JSON keys of that unit (fwd_GFLOPS, ...)."""
+    key = unit.replace("/s", "S")
     columns = [
         ("shape", 17, lambda r: r["shape"]),
         ("mode", 7, lambda r: r["mode"]),
-        ("fwd ms", 10, lambda r: f"{r['forward_ms']:.3f}"),
-        ("bwd ms", 10, lambda r: f"{r['backward_ms']:.3f}"),
-        ("f+b ms", 10, lambda r: f"{r['fwd_bwd_ms']:.3f}"),
-        (f"fwd {unit}", 12, lambda r: f"{r['fwd_TFLOPS'] * scale:.1f}"),
-        (f"bwd {unit}", 12, lambda r: f"{r['bwd_TFLOPS'] * scale:.1f}"),
-        (f"f+b {unit}", 12, lambda r: f"{r['fwd_bwd_TFLOPS'] * scale:.1f}"),
-        ("saved MiB", 10, lambda r: f"{r['saved_for_backward_MiB']:.1f}"),
-        ("peak MiB", 9, lambda r: "-" if r["peak_fwd_bwd_MiB"] is None else f"{r['peak_fwd_bwd_MiB']:.0f}"),
+        ("fwd ms", 10, lambda r: f"{r['fwd_ms']:.3f}"),
+        ("bwd ms", 10, lambda r: f"{r['bwd_ms']:.3f}"),
+        ("step ms", 10, lambda r: f"{r['step_ms']:.3f}"),
+        ("step min..max ms", 21, lambda r: f"{r['step_ms_min']:.3f}..{r['step_ms_max']:.3f}"),
+        (f"fwd {unit}", 12, lambda r: f"{r[f'fwd_{key}']:.1f}"),
+        (f"bwd {unit}", 12, lambda r: f"{r[f'bwd_{key}']:.1f}"),
+        (f"step {unit}", 13, lambda r: f"{r[f'step_{key}']:.1f}"),
+        ("saved MiB", 10, lambda r: f"{r['saved_MiB']:.1f}"),
+        ("peak MiB", 9, lambda r: "-" if r["peak_MiB"] is None else f"{r['peak_MiB']:.0f}"),
     ]
 
     def line(cells):
@@ -184,12 +209,15 @@ def chart(results, path: str) -> bool:
         return False
     shapes = list(dict.fromkeys(r["shape"] for r in results))
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, key, title in zip(axes, ("forward_ms", "backward_ms", "fwd_bwd_ms"), ("forward", "backward", "fwd+bwd")):
+    titles = ("forward", "backward", "step: grads None, fwd, bwd")
+    for ax, key, title in zip(axes, ("fwd_ms", "bwd_ms", "step_ms"), titles):
         for k, mode in enumerate(("unfused", "fused")):
-            values = [next(r[key] for r in results if r["shape"] == s and r["mode"] == mode) for s in shapes]
-            ax.bar([i + 0.4 * k for i in range(len(shapes))], values, width=0.4, label=mode)
+            rows = [next(r for r in results if r["shape"] == s and r["mode"] == mode) for s in shapes]
+            values = [r[key] for r in rows]
+            error = [[r[key] - r[f"{key}_min"] for r in rows], [r[f"{key}_max"] - r[key] for r in rows]]
+            ax.bar([i + 0.4 * k for i in range(len(shapes))], values, width=0.4, yerr=error, capsize=2, label=mode)
         ax.set_xticks([i + 0.2 for i in range(len(shapes))], shapes, rotation=20, fontsize=7)
-        ax.set_title(f"{title} (ms, lower is better)", fontsize=9)
+        ax.set_title(f"{title} (median ms, bars min..max)", fontsize=9)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -220,20 +248,24 @@ def main():
     iters = args.iters or (20 if device.type == "cuda" else 5)
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {label}, dtype {dtype}, {'small' if small else 'full'} shapes, "
-          f"median of {iters} iterations after {args.warmup} warm-up")
+          f"median (and min..max) of {iters} iterations after {args.warmup} warm-up; "
+          f"step = gradients set to None, forward, backward")
     results = run(shapes, device, dtype, iters, args.warmup)
 
     tag = next((w.lower() for w in label.split() if w[:1] == "H" and w[1:].isdigit()), "cuda") if device.type == "cuda" else "cpu"
-    tag += "_small" if small else ""
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"grouped_mlp_{tag}_{datetime.now():%Y%m%d-%H%M%S}")
+    unit = throughput_unit(device)[0]
     with open(stem + ".json", "w") as f:
-        json.dump({"device": label, "dtype": str(dtype), "torch": torch.__version__, "results": results}, f, indent=1)
+        json.dump({"device": label, "dtype": str(dtype), "torch": torch.__version__,
+                   "shapes": "small" if small else "full", "iterations": iters, "warmup": args.warmup,
+                   "step": "gradients set to None, forward, backward", "throughput_unit": unit,
+                   "results": results}, f, indent=1)
     drew = chart(results, stem + ".png")
     print()
     print(next(r["plan"] for r in results if "plan" in r))
     print()
-    print(table(results, gflops=device.type == "cpu"))
+    print(table(results, unit))
     print(f"\nwrote {stem}.json" + (f" and {stem}.png" if drew else " (matplotlib missing: no chart)"))
 
 

@@ -19,6 +19,11 @@ import pstats
 import statistics
 import time
 
+from common import require_sm90
+
+if __name__ == "__main__":  # before torch, triton and the kernels load: one line, exit 2, on other machines
+    require_sm90(__file__)
+
 import torch
 from common import MODEL_SHAPES, compile_per_shape, device_tag, host_us_per_call, skewed_splits, write_results
 

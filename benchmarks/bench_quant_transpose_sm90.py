@@ -32,6 +32,11 @@ import argparse
 import math
 import os
 
+from common import require_sm90
+
+if __name__ == "__main__":  # before torch, triton and the kernels load: one line, exit 2, on other machines
+    require_sm90(__file__)
+
 import torch
 from bench_dact_quant_sm90 import SHAPES, time_us  # the shapes whose I is a multiple of 128
 from common import MODEL_SHAPES, device_tag, extra_peak_mib, mlp_problem, rotated_medians, skewed_splits, write_results

@@ -16,6 +16,11 @@ fused step's first.
 
 import argparse
 
+from common import require_sm90
+
+if __name__ == "__main__":  # before torch, triton and the kernels load: one line, exit 2, on other machines
+    require_sm90(__file__)
+
 import torch
 import torch.utils.checkpoint
 from bench_train_step import SHAPES, ReferenceMLP, problem, time_variants

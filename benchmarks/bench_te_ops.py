@@ -22,6 +22,11 @@ import argparse
 import os
 import warnings
 
+from common import require_sm90
+
+if __name__ == "__main__":  # before torch, triton and the kernels load: one line, exit 2, on other machines
+    require_sm90(__file__)
+
 import torch
 import transformer_engine
 import transformer_engine.pytorch as te

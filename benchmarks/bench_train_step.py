@@ -22,6 +22,11 @@ Gradients of fused and reference are checked against each other (rel. Frobenius 
 
 import argparse
 
+from common import require_sm90
+
+if __name__ == "__main__":  # before torch, triton and the kernels load: one line, exit 2, on other machines
+    require_sm90(__file__)
+
 import torch
 from common import (
     MODEL_SHAPES, compile_per_shape, device_tag, gpu_us_per_kernel, rotated_medians, skewed_splits, sustained_ms,

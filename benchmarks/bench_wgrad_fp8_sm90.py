@@ -23,6 +23,11 @@ variants in rotated order (`common.rotated_medians`).
 import argparse
 import os
 
+from common import require_sm90
+
+if __name__ == "__main__":  # before torch, triton and the kernels load: one line, exit 2, on other machines
+    require_sm90(__file__)
+
 import torch
 import triton.testing
 from common import MODEL_SHAPES, device_tag, rotated_medians, skewed_splits, write_results

@@ -17,6 +17,11 @@ Outputs are checked against _grouped_mm before timing. Median of triton's do_ben
 
 import argparse
 
+from common import require_sm90
+
+if __name__ == "__main__":  # before torch, triton and the kernels load: one line, exit 2, on other machines
+    require_sm90(__file__)
+
 import torch
 import triton.testing
 from common import skewed_splits

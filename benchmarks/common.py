@@ -1,11 +1,16 @@
-"""Pieces the benchmarks share: model shapes, routing, torch baselines, timing, result files."""
+"""Pieces the benchmarks share: model shapes, routing, torch baselines, timing, result files.
+
+torch is imported inside the functions that use it, so that a GPU-only benchmark can import
+``require_sm90`` and exit at once on a machine without a Hopper GPU (importing torch takes seconds).
+"""
+
+from __future__ import annotations
 
 import functools
 import json
 import os
+import sys
 import time
-
-import torch
 
 MODEL_SHAPES = {  # name: (M tokens, H hidden, I expert width, E local experts)
     "qwen3-30b-a3b": (65536, 2048, 768, 128),
@@ -15,9 +20,34 @@ MODEL_SHAPES = {  # name: (M tokens, H hidden, I expert width, E local experts)
 }
 
 
+def require_sm90(script: str) -> None:
+    """Exit (status 2) with one line, ``<script>: needs a CUDA GPU with sm_90``, unless the GPU this
+    process uses (``LOCAL_RANK`` under torchrun, else 0) is an sm_90 one (H100 / H200) that torch
+    can use. Called by each GPU-only benchmark before it imports torch, triton or the kernels:
+    without a CUDA driver it decides without importing torch."""
+    if not _sm90_usable():
+        print(f"{os.path.basename(script)}: needs a CUDA GPU with sm_90", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _sm90_usable() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")  # the driver: absent on a machine without an NVIDIA GPU
+    except OSError:
+        return False
+    import torch
+
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    return (torch.cuda.is_available() and index < torch.cuda.device_count()
+            and torch.cuda.get_device_capability(index) == (9, 0))
+
+
 def mlp_problem(name: str):
     """A model shape's MLP step inputs on the GPU, seed 0: (splits (E,) int64 skewed, multiples of 8;
     fc1 (E, H -> 2I) and fc2 (E, I -> H) bf16 GroupedLinears; x (M, H) requiring grad; dy (M, H))."""
+    import torch
     from te_fused_ops import GroupedLinear
 
     m, h, i, e = MODEL_SHAPES[name]
@@ -32,6 +62,8 @@ def mlp_problem(name: str):
 
 def extra_peak_mib(fn) -> float:
     """MiB allocated at the peak of one call of ``fn`` beyond what was allocated before it."""
+    import torch
+
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -43,6 +75,8 @@ def extra_peak_mib(fn) -> float:
 def skewed_splits(m: int, e: int, seed: int = 0, align: int = 1) -> torch.Tensor:
     """Skewed routing on the CPU: expert shares ~ U(0,1)^2, counts multiples of ``align``
     (the largest absorbs the rest), summing to m. int64 (e,)."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     p = torch.rand(e, generator=gen) ** 2
     s = torch.floor(p / p.sum() * m / align).long() * align
@@ -53,6 +87,8 @@ def skewed_splits(m: int, e: int, seed: int = 0, align: int = 1) -> torch.Tensor
 def host_us_per_call(fn, calls: int = 100, batches: int = 30) -> float:
     """Host time per call: min over batches of back-to-back calls, synchronized between batches so
     the launch queue never fills (else GPU time would be measured)."""
+    import torch
+
     best = float("inf")
     for _ in range(batches):
         torch.cuda.synchronize()
@@ -85,6 +121,8 @@ def compile_per_shape(fn):
     default recompiles with dynamic sizes once a shape loop reaches its second shape (a 5-9% slower
     plain-torch step on H100). Dynamo's recompile limit (8) is raised so every shape of a run keeps
     its kernel instead of falling back to eager."""
+    import torch
+
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(fn, dynamic=False)
 
@@ -92,6 +130,8 @@ def compile_per_shape(fn):
 @functools.cache
 def _l2_flush_buffer() -> torch.Tensor:
     """256 MiB, zeroed before every timed call (as triton's do_bench does)."""
+    import torch
+
     return torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
 
 
@@ -101,6 +141,8 @@ def sustained_ms(fn, warm_s: float = 0.4, time_s: float = 0.4) -> float:
     before each), with no host sync between them. An H100 at its 700 W cap leaves its 1980 MHz
     boost within ~0.1 s of a GEMM load and settles at 1300-1700 MHz depending on the kernels, so a
     ~100 ms do_bench window measures a mix of the two that depends on what ran just before."""
+    import torch
+
     flush = _l2_flush_buffer()
     calls, start = 0, time.perf_counter()
     while True:
@@ -125,6 +167,7 @@ def sustained_ms(fn, warm_s: float = 0.4, time_s: float = 0.4) -> float:
 
 def gpu_us_per_kernel(fn) -> dict:
     """GPU microseconds per kernel name in one call of ``fn`` after a warm-up call (torch.profiler)."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     fn()

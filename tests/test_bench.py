@@ -1,12 +1,20 @@
-"""benchmarks/bench_grouped_mlp.py on the CPU: small shapes by default, progress, outputs outside tracked files."""
+"""The benchmarks on a CPU: bench_grouped_mlp.py runs (small shapes by default, progress, outputs
+outside tracked files, columns that say what they measure); every other benchmark needs an sm_90
+GPU and says so in one line instead of a traceback."""
 
 import importlib.util
+import json
 import pathlib
+import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_grouped_mlp.py"
+CPU_BENCHMARKS = {"bench_grouped_mlp.py"}  # every other benchmarks/bench_*.py needs a Hopper GPU
+GPU_ONLY = sorted(p.name for p in (ROOT / "benchmarks").glob("bench_*.py") if p.name not in CPU_BENCHMARKS)
 
 
 def load_bench():
@@ -16,16 +24,35 @@ def load_bench():
     return module
 
 
-def test_cpu_default_is_small_and_writes_a_new_file(tmp_path):
+def load_common():
+    spec = importlib.util.spec_from_file_location("bench_common", ROOT / "benchmarks" / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    return common
+
+
+def test_cpu_default_is_small_and_writes_the_documented_file(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--iters", "1", "--warmup", "0", "--out", str(tmp_path)],
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--iters", "2", "--warmup", "0", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=120, check=True,
     ).stdout
-    assert "small shapes" in out
-    assert "[1/2] small-a (M=512, H=256, I=128, E=8): fused" in out and "[2/2] small-b" in out
+    assert "small shapes" in out and "step = gradients set to None, forward, backward" in out
+    assert "[1/2] small-a (M=512, H=256, I=128, E=8): fused step" in out and "[2/2] small-b" in out
     assert "GFLOP/s" in out and "TFLOP/s" not in out
-    written = sorted(p.name for p in tmp_path.iterdir())
-    assert len(written) >= 1 and written[0].startswith("grouped_mlp_cpu_small_") and written[0].endswith(".json")
+    header = next(line for line in out.splitlines() if line.startswith("shape"))
+    assert "step ms" in header and "step min..max ms" in header and "f+b" not in header
+    # the README's benchmarks/results/runs/grouped_mlp_<device>_<date>.json (and the chart beside it)
+    written = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".json")
+    assert len(written) == 1 and re.fullmatch(r"grouped_mlp_cpu_\d{8}-\d{6}\.json", written[0]), written
+    data = json.loads((tmp_path / written[0]).read_text())
+    assert data["throughput_unit"] == "GFLOP/s" and data["step"] == "gradients set to None, forward, backward"
+    for row in data["results"]:
+        for what in ("fwd", "bwd", "step"):
+            assert row[f"{what}_ms_min"] <= row[f"{what}_ms"] <= row[f"{what}_ms_max"]
+            assert f"{what}_GFLOPS" in row and f"{what}_TFLOPS" not in row
+        # the step holds its forward and backward (each iteration's parts add up to at most its step)
+        assert row["step_ms_max"] >= row["fwd_ms_min"] + row["bwd_ms_min"]
+        assert {"saved_MiB", "peak_MiB"} <= set(row)
 
 
 def test_default_output_folder_is_ignored_by_git():
@@ -38,19 +65,39 @@ def test_default_output_folder_is_ignored_by_git():
 
 def test_table_columns_stay_apart_for_slow_runs():
     bench = load_bench()
-    row = dict(shape="mixtral-8x7b", mode="unfused", forward_ms=8311.336, backward_ms=16461.26, fwd_bwd_ms=24772.595,
-               fwd_TFLOPS=0.0012, bwd_TFLOPS=0.0013, fwd_bwd_TFLOPS=0.00125, saved_for_backward_MiB=3584.0,
-               peak_fwd_bwd_MiB=None)
-    lines = bench.table([row, dict(row, mode="fused", forward_ms=1.5)], gflops=True).splitlines()
+    row = dict(shape="mixtral-8x7b", mode="unfused", fwd_ms=8311.336, bwd_ms=16461.26, step_ms=24772.595,
+               step_ms_min=24000.5, step_ms_max=25999.25, fwd_GFLOPS=1.2, bwd_GFLOPS=1.3, step_GFLOPS=1.25,
+               saved_MiB=3584.0, peak_MiB=None)
+    lines = bench.table([row, dict(row, mode="fused", fwd_ms=1.5)], "GFLOP/s").splitlines()
     assert len({len(line) for line in lines}) == 1  # fixed width
-    assert lines[2].split()[2:6] == ["8311.336", "16461.260", "24772.595", "1.2"]
-    assert "fwd GFLOP/s" in lines[0]
+    assert lines[2].split()[2:7] == ["8311.336", "16461.260", "24772.595", "24000.500..25999.250", "1.2"]
+    assert "fwd GFLOP/s" in lines[0] and "step GFLOP/s" in lines[0] and "TFLOP/s" not in lines[0]
+
+
+def test_table_reads_the_cuda_unit_from_its_own_keys():
+    bench = load_bench()
+    row = dict(shape="dsv3-ep8", mode="fused", fwd_ms=4.0, bwd_ms=9.0, step_ms=13.0, step_ms_min=12.9,
+               step_ms_max=13.2, fwd_TFLOPS=600.0, bwd_TFLOPS=610.0, step_TFLOPS=605.0, saved_MiB=10.0, peak_MiB=4096.0)
+    header, _, line = bench.table([row], "TFLOP/s").splitlines()
+    assert "step TFLOP/s" in header and line.split()[6:9] == ["600.0", "610.0", "605.0"]
+
+
+@pytest.mark.skipif(load_common()._sm90_usable(), reason="an sm_90 GPU is here: the GPU benchmarks would run")
+@pytest.mark.parametrize("script", GPU_ONLY)
+def test_gpu_only_benchmark_says_so_in_one_line(script):
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script)], capture_output=True, text=True,
+                            timeout=60, cwd=ROOT)
+    lines = (result.stdout + result.stderr).splitlines()
+    assert lines == [f"{script}: needs a CUDA GPU with sm_90"], lines
+    assert result.returncode == 2
+
+
+def test_the_gpu_only_list_is_not_empty():
+    assert len(GPU_ONLY) >= 10 and "bench_train_step.py" in GPU_ONLY
 
 
 def test_rotated_medians_cancel_a_first_position_bonus():
-    spec = importlib.util.spec_from_file_location("bench_common", ROOT / "benchmarks" / "common.py")
-    common = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(common)
+    common = load_common()
     cost = {"a": 10.0, "b": 10.0, "c": 12.0}
     last = []
 
