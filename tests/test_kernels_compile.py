@@ -104,7 +104,7 @@ def test_unknown_epilogue_rejected():
     import cutlass
 
     from te_fused_ops.backends.sm90.kernels.grouped_dact_sm90 import GroupedGemmDActFp8Sm90, GroupedGemmDActSm90
-    from te_fused_ops.backends.sm90.kernels.grouped_gemm_sm90 import GroupedGemmActQuantSm90, GroupedGemmActSm90
+    from te_fused_ops.backends.sm90.kernels.grouped_act_sm90 import GroupedGemmActQuantSm90, GroupedGemmActSm90
 
     with pytest.raises(ValueError, match="activation"):
         GroupedGemmActSm90(cutlass.BFloat16, 128, "relu", False)

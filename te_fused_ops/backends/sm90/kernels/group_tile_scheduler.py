@@ -8,17 +8,40 @@ clusterIdx, clusterIdx + clusters, ... ; each warp maps its id to a segment with
 a warp-wide prefix sum over 32 segments at a time. Ids only grow, so the search resumes where the
 previous one stopped (state: first segment of the current 32-chunk and the tiles before it).
 No host sync, no global scratch; every warp computes the same answer independently.
+
+`GroupTileScheduler` (a mixin of the kernel core) holds both schedules of the core: varlen-M
+(the search above) and varlen-K (every group owns the same tiles, groups ranked by size), and the
+tile ring through which the producer warp passes each located tile on to the MMA warpgroups.
 """
+
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Int32
+from cutlass import Boolean, Int32, const_expr
 
 # m-tiles per raster band: a wave of ~66 clusters then spans about 8 x 8 tiles of a segment, so
 # it reads ~16 distinct operand tiles where a tall segment walked m-fastest reads ~67
 RASTER_BAND = 8
 # varlen-K: groups ranked by size in shared memory up to this count (and FP8's group scan)
 SORT_MAX_G = 512
+# the tile ring: tiles the producer warp has located, read by the MMA warpgroups
+# (entry: found, seg, start, end, mt, nt, row0, has_rows)
+TILE_SLOTS = 4
+TILE_FIELDS = 8
+
+
+class Tile(NamedTuple):
+    """Where the current tile sits: segment ``seg`` (a group, or the padding rows when seg == G)
+    with rows [start, end); m-tile mt of the segment (first row ``row0``), n-tile nt."""
+
+    seg: Int32
+    start: Int32
+    end: Int32
+    mt: Int32
+    nt: Int32
+    row0: Int32
+    is_group: Boolean
 
 
 @cute.jit
@@ -191,3 +214,143 @@ def scan_group_blocks(sScan: cute.Tensor, second: int, mOffsets: cute.Tensor, nu
         blocks_before = blocks_before + cute.arch.shuffle_sync(through, 31)
     if lane == 0:
         sScan[second + num_groups] = blocks_before
+
+
+class GroupTileScheduler:
+    """Kernel-core mixin: the tile schedule (varlen-M or, with ``varlen_k``, varlen-K) and the tile
+    ring. Uses the core's tile_m, tile_k, cluster_m, split_tail, raster_band, threads,
+    sort_groups, stage_scales and group_blocks."""
+
+    @cute.jit
+    def _schedule(self, storage, mOffsets, num_groups, m_total, n_tiles, a_rows, tidx, warp_idx):
+        """The tile schedule's state (all threads, before the roles split). Varlen-M: (mOffsets,
+        num_groups, m_total, n_tiles). Varlen-K adds m_tiles (cluster tiles along N = ``a_rows``),
+        N, the group order (sSched, is_sorted: `_rank_groups`) and FP8's group scan (sEdges).
+        FP8 varlen-K and ``group_blocks`` scan the groups' 128-row blocks into shared memory first."""
+        sched = (mOffsets, num_groups, m_total, n_tiles)
+        sEdges = None  # `scan_group_blocks` (group rows and first blocks)
+        if const_expr(self.stage_scales or self.group_blocks):
+            sEdges = storage.edges.get_tensor(cute.make_layout(2 * (SORT_MAX_G + 1)))
+            if warp_idx == 0:
+                scan_group_blocks(sEdges, SORT_MAX_G + 1, mOffsets, num_groups, m_total, 128)
+            cute.arch.sync_threads()
+        if const_expr(self.varlen_k):
+            rows = self.tile_m * self.cluster_m
+            sSched = None
+            is_sorted = num_groups <= SORT_MAX_G
+            if const_expr(self.sort_groups):
+                sSched = storage.sched.get_tensor(cute.make_layout(2 * SORT_MAX_G))
+            sched = (mOffsets, num_groups, m_total, n_tiles, (a_rows + rows - 1) // rows, a_rows, sSched, is_sorted,
+                     sEdges)
+            if const_expr(self.sort_groups):
+                self._rank_groups(sched, tidx)
+        return sched
+
+    @cute.jit
+    def _locate(self, tile_id, c_start, c_base, sched):
+        """(found, seg, seg_first, c_start, c_base) of linear cluster tile ``tile_id``: segment (group)
+        ``seg`` whose first tile is ``seg_first``; pass c_start, c_base back in with the next id
+        (varlen-M: `locate_tile`'s search state; varlen-K: unused, groups by rank)."""
+        if const_expr(self.varlen_k):
+            _, num_groups, _, n_tiles, m_tiles, _, sSched, is_sorted, _ = sched
+            per_group = m_tiles * n_tiles
+            found = tile_id < num_groups * per_group
+            g = tile_id // per_group
+            seg = g
+            if const_expr(self.sort_groups):
+                if is_sorted & found:
+                    seg = sSched[SORT_MAX_G + g]
+            result = (found, seg, g * per_group, c_start, c_base)
+        else:
+            mOffsets, num_groups, m_total, n_tiles = sched
+            result = locate_tile(tile_id, c_start, c_base, mOffsets, num_groups, m_total, n_tiles, self.tile_m,
+                                 self.cluster_m, self.split_tail)
+        return result
+
+    @cute.jit
+    def _tile(self, tile_id, seg, seg_first, rank, sched):
+        """(Tile, has_rows, split, block0) of this CTA for linear tile ``tile_id`` of segment ``seg``
+        (first tile ``seg_first``). has_rows False: the CTA's m-tile lies past the segment's end
+        (varlen-K: past N), it only helps its peer load B; split: `cluster_tile`'s split tail (varlen-M);
+        block0: the group's first scale block (varlen-K FP8, else 0)."""
+        if const_expr(self.varlen_k):
+            mt, nt = self._varlen_k_tile(tile_id, seg_first, rank, sched)
+            start, length, block0 = self._group_span(seg, sched)
+            n_rows = sched[5]
+            result = (Tile(seg, start, start + length, mt, nt, mt * self.tile_m, Boolean(True)),
+                      mt * self.tile_m < n_rows, Boolean(False), block0)
+        else:
+            mOffsets, num_groups, m_total, n_tiles = sched
+            start, end = segment_rows(mOffsets, seg, num_groups, m_total)
+            mt, nt, split = cluster_tile(
+                tile_id - seg_first, end - start, n_tiles, rank, self.tile_m, self.cluster_m, self.split_tail,
+                self.raster_band,
+            )
+            result = (Tile(seg, start, end, mt, nt, start + mt * self.tile_m, seg < num_groups),
+                      mt * self.tile_m < end - start, split, Int32(0))
+        return result
+
+    @cute.jit
+    def _publish_tile(self, tile_pipe, tile_write, sTiles, found, tile: Tile, has_rows):
+        """Producer warp: one entry of the tile ring (``found`` 0: the schedule's end)."""
+        tile_pipe.producer_acquire(tile_write)
+        if cute.arch.lane_idx() == 0:
+            for i, value in enumerate((found, tile.seg, tile.start, tile.end, tile.mt, tile.nt, tile.row0, has_rows)):
+                sTiles[i, tile_write.index] = Int32(value)
+        tile_pipe.producer_commit(tile_write)
+
+    @cute.jit
+    def _read_tile(self, sTiles, index, num_groups):
+        """(Tile, has_rows) of tile-ring entry ``index``."""
+        seg, start, end, mt, nt, row0, has_rows = (sTiles[i, index] for i in range(1, TILE_FIELDS))
+        is_group = Boolean(True) if const_expr(self.varlen_k) else seg < num_groups
+        return Tile(seg, start, end, mt, nt, row0, is_group), has_rows != 0
+
+    @cute.jit
+    def _varlen_k_tile(self, tile_id, seg_first, rank, sched):
+        """Varlen-K: (m-tile, n-tile) of this CTA for linear tile ``tile_id`` of a group whose first tile
+        is ``seg_first`` (`banded_tile` over cluster tiles; CTA ``rank`` takes the pair's m-tile)."""
+        n_tiles, m_tiles = sched[3], sched[4]
+        mt, nt = banded_tile(tile_id - seg_first, m_tiles, n_tiles, self.raster_band)
+        return mt * self.cluster_m + rank, nt
+
+    @cute.jit
+    def _group_span(self, g, sched):
+        """Varlen-K: (first row, rows, first scale block) of group g, offsets clamped to [0, M]
+        (block 0); FP8, from the scan of `scan_group_blocks`."""
+        mOffsets, _, m_total, _, _, _, _, _, sEdges = sched
+        if const_expr(self.stage_scales):
+            start = sEdges[g]
+            length = sEdges[g + 1] - start
+            block0 = sEdges[SORT_MAX_G + 1 + g]
+        else:
+            start = cutlass.max(cutlass.min(mOffsets[g], m_total), Int32(0))
+            length = cutlass.max(cutlass.min(mOffsets[g + 1], m_total), start) - start
+            block0 = Int32(0)
+        return start, length, block0
+
+    @cute.jit
+    def _rank_groups(self, sched, tidx):
+        """Varlen-K: sSched[SORT_MAX_G + r] = the group of rank r by k-tile count (descending, then
+        index). All threads of the CTA take part; sSched[:G] holds the counts. The loops' trip counts
+        do not depend on the thread (a per-thread loop here made ptxas serialize every WGMMA: C7520)."""
+        num_groups, sSched, is_sorted = sched[1], sched[6], sched[7]
+        if is_sorted:
+            for base in range(0, num_groups, self.threads):
+                g = base + tidx
+                if g < num_groups:
+                    _, length, _ = self._group_span(g, sched)
+                    sSched[g] = (length + self.tile_k - 1) // self.tile_k
+        cute.arch.sync_threads()
+        if is_sorted:
+            for base in range(0, num_groups, self.threads):
+                g = base + tidx
+                if g < num_groups:
+                    kg = sSched[g]
+                    r = Int32(0)
+                    for h in range(num_groups):
+                        kh = sSched[h]
+                        if (kh > kg) | ((kh == kg) & (h < g)):
+                            r = r + 1
+                    sSched[SORT_MAX_G + r] = g
+        cute.arch.sync_threads()

@@ -16,30 +16,30 @@ TMA in the epilogue; d_pre like pre; act (M, I), the FC2 input recomputed for it
 probs (M,) float32; d_probs as per-(n-tile, row) fp32 partials (ceil(I / tile_n), M) summed by the
 caller, so the reduction is deterministic. GLU needs I % 32 == 0 (a gate chunk never reaches into
 the up half). ``d_pre_amax`` (FP8 kernel; fp8_current's scale for FC1's data gradient): also d_pre's
-amax as partial maxima per consumer warp (`grouped_gemm_sm90.write_amax_parts`).
+amax as partial maxima per consumer warp (`epilogue_cast_sm90.write_amax_parts`).
 """
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .activation_math_sm90 import ACTIVATION_MATH
 from ....activations import activation_spec
+from .activation_math_sm90 import ACTIVATION_MATH
 from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled
-from .grouped_gemm_sm90 import (
+from .epilogue_cast_sm90 import (
     COLUMN_SCRATCH,
-    GroupedGemmSm90,
-    Tile,
-    _row_value,
     fragment_row_slots,
     make_amax_state,
     quad_column_groups,
+    row_value,
     stage_transposed,
     store_quad_rows,
     store_staged_columns,
     track_amax,
     write_amax_parts,
 )
+from .group_tile_scheduler import Tile
+from .grouped_gemm_sm90 import GroupedGemmSm90
 
 
 class GroupedGemmDActSm90(GroupedGemmSm90):
@@ -115,7 +115,7 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
             value, d_x, d_u = ACTIVATION_MATH[self.spec.name](rIn[0][v].to(Float32), up, limit, alpha)
             if const_expr(self.spec.takes_probs):
                 state[1][v] = h * value
-                p = _row_value(mProbs, tile.row0 + tRS_cD[v][0], tile, m_total)
+                p = row_value(mProbs, tile.row0 + tRS_cD[v][0], tile, m_total)
                 h = h * p
                 value = value * p
             rOut[0][v] = h * d_x

@@ -201,7 +201,7 @@ def compile_grouped_gemm(
     import cutlass
     import cutlass.cute as cute
 
-    from .grouped_gemm_sm90 import GroupedGemmActSm90
+    from .grouped_act_sm90 import GroupedGemmActSm90
 
     dt = _cutlass_dtype(dtype)
     spec = activation_spec(activation, "compile_grouped_gemm")
@@ -230,7 +230,7 @@ def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cl
     import cutlass
     import cutlass.cute as cute
 
-    from .grouped_gemm_sm90 import GroupedGemmActQuantSm90
+    from .grouped_act_sm90 import GroupedGemmActQuantSm90
 
     dt = _cutlass_dtype(dtype)
     spec = activation_spec(activation, "compile_grouped_gemm_act_quant")
@@ -352,7 +352,7 @@ def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_
     import cutlass
     import cutlass.cute as cute
 
-    from .grouped_gemm_sm90 import GroupedGemmActFp8Sm90
+    from .grouped_act_sm90 import GroupedGemmActFp8Sm90
 
     dt = _cutlass_dtype(dtype)
     spec = activation_spec(activation, "compile_grouped_gemm_fp8")

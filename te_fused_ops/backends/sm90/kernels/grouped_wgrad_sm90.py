@@ -31,12 +31,12 @@ TMA into the stage next to the operands; group boundaries and block starts come 
 prefix scan over the offsets at kernel start (`scan_group_blocks`, G <= SORT_MAX_G).
 """
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .group_tile_scheduler import RASTER_BAND
-from .grouped_gemm_sm90 import GroupedGemmSm90, Tile, _ragged_tokens
+from .group_tile_scheduler import RASTER_BAND, Tile
+from .grouped_gemm_sm90 import GroupedGemmSm90
+from .varlen_sm90 import ragged_tokens
 
 
 class GroupedWgradSm90(GroupedGemmSm90):
@@ -85,7 +85,7 @@ class GroupedWgradSm90(GroupedGemmSm90):
         mA, mB, scales = mDy, mX, (mScaleDy, mScaleX)
         if const_expr(not self.block_scaled):
             m_total = cute.size(mDy, mode=[0])
-            mA, mB, scales = _ragged_tokens(mDy), _ragged_tokens(mX), None
+            mA, mB, scales = ragged_tokens(mDy), ragged_tokens(mX), None
         mD = cute.make_tensor(  # (N, K, G)
             mOut.iterator,
             cute.make_layout(

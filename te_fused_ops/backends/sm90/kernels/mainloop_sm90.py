@@ -1,11 +1,18 @@
-"""The WGMMA steps of the sm90 grouped GEMM core's mainloop (`grouped_gemm_sm90`, both schedules).
+"""The mainloop of the sm90 grouped GEMM core (`grouped_gemm_sm90`, both schedules): the WGMMA
+steps, and `Sm90Mainloop` (a mixin of the core) with the TMA producer warp, the consumer
+warpgroups' k-loop of one tile and the FP8 block-scale promotion.
 
-(The k-loops around them stay in the kernel body: the DSL carries pipeline states through a
-dynamic loop only when the loop body itself advances them.)
+A dynamic loop carries pipeline states only when its own body advances them, so the k-loops live
+in the methods that own the states and hand them back.
 """
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Boolean, Float32, Int32, const_expr
+
+from .group_tile_scheduler import TILE_SLOTS, Tile
+from .varlen_sm90 import group_token_view
 
 
 @cute.jit
@@ -22,3 +29,270 @@ def mma_block(tiled_mma, acc_block, tCrA, tCrB, stage):
     for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
         cute.gemm(tiled_mma, acc_block, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc_block)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+
+
+class Sm90Mainloop:
+    """Kernel-core mixin: the producer warp's loads, the consumer warpgroups' k-loop and, for
+    block-scaled FP8 operands, the per-block promotion into the fp32 accumulator."""
+
+    @cute.jit
+    def _produce(self, pipes, sTiles, smem_tensors, tma_a, mA, tma_b, mB, scales, sched, first_tile, num_clusters,
+                 rank, k_tiles):
+        """Producer warp: locate each tile of the CTA, publish it in the tile ring, load its k-tiles
+        (A, the B boxes and, varlen-K FP8, the multipliers) into the A/B stages."""
+        ab_pipe, tile_pipe = pipes.ab, pipes.tile
+        sA, sB_boxes, sSFA, sSFB = smem_tensors.sA, smem_tensors.sB_boxes, smem_tensors.sSFA, smem_tensors.sSFB
+        b_mcast_mask = cutlass.Int16((1 << self.cluster_m) - 1)
+        state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Producer, self.ab_stages
+        )
+        tile_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_SLOTS)
+        tile_id = first_tile
+        found, seg, seg_first, c_start, c_base = self._locate(tile_id, Int32(0), Int32(0), sched)
+        while found:
+            tile, has_rows, split, block0 = self._tile(tile_id, seg, seg_first, rank, sched)
+            self._publish_tile(tile_pipe, tile_write, sTiles, Int32(1), tile, has_rows)
+            tile_write.advance()
+            if tile.is_group:
+                # slice r of the B box is what CTA r of a pair loads for both; a split
+                # tile's CTA loads every slice of its own box, for itself only
+                start, mt, nt = tile.start, tile.mt, tile.nt
+                tile_k_tiles = k_tiles
+                if const_expr(self.varlen_k):
+                    length = tile.end - start
+                    tile_k_tiles = (length + self.tile_k - 1) // self.tile_k
+                    gA = cute.local_tile(  # (tile_m, tile_k, k-tiles)
+                        group_token_view(mA, start, length, block0, self.stage_scales, self.tile_k), (self.tile_m, self.tile_k), (mt, None)
+                    )
+                    gB = cute.local_tile(
+                        group_token_view(mB, start, length, block0, self.stage_scales, self.tile_k), (self.box_n, self.tile_k), (nt, None)
+                    )
+                else:
+                    gA = cute.local_tile(
+                        cute.domain_offset((start, None), mA), (self.tile_m, self.tile_k), (mt, None)
+                    )
+                    gB = cute.local_tile(  # (box_n, tile_k, k_tiles, b_boxes)
+                        mB[(None, None, None, seg)], (self.box_n, self.tile_k), (nt, None, None)
+                    )
+                tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                    tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+                )
+                tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                    tma_b, rank, cute.make_layout(self.cluster_m), sB_boxes, cute.group_modes(gB, 0, 2)
+                )
+                slices = [
+                    cute.nvgpu.cpasync.tma_partition(
+                        tma_b, r, cute.make_layout(self.cluster_m), sB_boxes, cute.group_modes(gB, 0, 2)
+                    )
+                    for r in range(self.cluster_m if const_expr(self.split_tail) else 0)
+                ]
+                scale_parts = ()
+                if const_expr(self.stage_scales):  # (tile, blocks) of each operand's multipliers
+                    scale_parts = tuple(
+                        cute.nvgpu.cpasync.tma_partition(
+                            atom, 0, cute.make_layout(1), cute.group_modes(sSF, 0, 2),
+                            cute.group_modes(cute.local_tile(mSF, (cute.size(sSF, mode=[0]), 1), (t, None)), 0, 2),
+                        )
+                        for (atom, mSF), sSF, t in zip(scales, (sSFA, sSFB), (mt, nt))
+                    )
+                own_mask = cutlass.Int16(1) << rank
+                for k in range(tile_k_tiles):
+                    ab_pipe.producer_acquire(state)
+                    bar = ab_pipe.producer_get_barrier(state)
+                    cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                    for h in cutlass.range_constexpr(self.b_boxes):
+                        if split:
+                            for sB_r, gB_r in slices:
+                                cute.copy(
+                                    tma_b, gB_r[(None, k, h)], sB_r[(None, h, 0, state.index)],
+                                    tma_bar_ptr=bar, mcast_mask=own_mask,
+                                )
+                        else:
+                            cute.copy(
+                                tma_b,
+                                tBgB[(None, k) if const_expr(self.varlen_k) else (None, k, h)],
+                                tBsB[(None, h, 0, state.index)],
+                                tma_bar_ptr=bar,
+                                mcast_mask=b_mcast_mask if const_expr(self.cluster_m > 1) else 0,
+                            )
+                    for (atom, _), (tSFs, tSFg) in zip(scales if const_expr(self.stage_scales) else (),
+                                                        scale_parts):
+                        cute.copy(atom, tSFg[(None, block0 + k)], tSFs[(None, state.index)], tma_bar_ptr=bar)
+                    ab_pipe.producer_commit(state)
+                    state.advance()
+            tile_id = tile_id + num_clusters
+            found, seg, seg_first, c_start, c_base = self._locate(tile_id, c_start, c_base, sched)
+        tile_pipe.producer_acquire(tile_write)
+        if cute.arch.lane_idx() == 0:
+            sTiles[0, tile_write.index] = Int32(0)  # the end of the schedule
+        tile_pipe.producer_commit(tile_write)
+        ab_pipe.producer_tail(state)
+
+    def _mma_fragments(self, tiled_mma, mma_tidx, smem_tensors, scales):
+        """(acc, tCrA, tCrB, fp8_args) of an MMA thread: the fp32 accumulator, the WGMMA operand
+        views of the stages and, FP8, (one scale block's product before its promotion into acc,
+        tCrA, tCrB, the multipliers (global, or staged for varlen-K), acc's coordinates)."""
+        thr_mma = tiled_mma.get_slice(mma_tidx)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(smem_tensors.sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(smem_tensors.sB))
+        acc_shape = thr_mma.partition_shape_C((self.tile_m, self.tile_n))
+        acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+        fp8_args = None
+        if const_expr(self.block_scaled):
+            tCcAcc = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+            block_scales = (smem_tensors.sSFA, smem_tensors.sSFB) if const_expr(self.stage_scales) else scales
+            fp8_args = (cute.make_rmem_tensor(acc_shape, self.acc_dtype), tCrA, tCrB, block_scales, tCcAcc)
+        return acc, tCrA, tCrB, fp8_args
+
+    @cute.jit
+    def _mainloop_tile(self, ab_pipe, read_state, release_state, tiled_mma, mainloop_args, scales, tile: Tile,
+                       tile_k_tiles, n_box, m_total, store_args, pending, pending_tile, epi_count):
+        """acc = the tile's product over its ``tile_k_tiles`` k-tiles (0: padding tiles, empty groups,
+        acc stays zero). FP8: each block's WGMMAs, then its promotion (`_fp8_k_tile`). The first
+        k-tiles are issued outside the k-loop: with defer_stores num_steps, each followed by one
+        chunk store of the previous tile (`_store_chunk`); else one (16-bit: it starts the WGMMA
+        chain) or none (FP8: every block is alike). The accumulate flag changes inside the loops
+        and stays loop-carried. Returns (read_state, release_state, epi_count)."""
+        acc, tCrA, tCrB, fp8_args = mainloop_args
+        peeled = self.num_steps if const_expr(self.defer_stores) else 0 if const_expr(self.block_scaled) else 1
+        acc.fill(0.0)
+        multipliers = Float32(0.0)
+        if const_expr(self.block_scaled and not self.stage_scales):
+            multipliers = self._block_scales(scales, tile, fp8_args[4], 0, n_box, m_total)
+        # varlen-M: one branch around the whole mainloop (k-tiles or none); defer_stores: the
+        # previous tile's stores run whatever this tile's k-tile count
+        runs = Boolean(True) if const_expr(self.defer_stores) else tile_k_tiles > 0
+        if runs:
+            for step in cutlass.range_constexpr(peeled):
+                if step < tile_k_tiles:
+                    if const_expr(self.block_scaled):
+                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                        multipliers = self._fp8_k_tile(ab_pipe, read_state, tiled_mma, acc, fp8_args, tile,
+                                                       step, multipliers, n_box, m_total)
+                        read_state.advance()
+                    else:
+                        if const_expr(step == 0):
+                            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                            cute.nvgpu.warpgroup.fence()
+                        ab_pipe.consumer_wait(read_state)
+                        mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
+                        cute.nvgpu.warpgroup.commit_group()
+                        read_state.advance()
+                        if const_expr(step > 0):
+                            cute.nvgpu.warpgroup.wait_group(1)
+                            ab_pipe.consumer_release(release_state)
+                            release_state.advance()
+                if const_expr(self.defer_stores):
+                    if pending_tile[0] != 0:
+                        self._store_chunk(store_args, pending[step], pending_tile, step, epi_count)
+                        epi_count = epi_count + 1
+            for k in range(peeled, tile_k_tiles):
+                if const_expr(self.block_scaled):
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                    multipliers = self._fp8_k_tile(ab_pipe, read_state, tiled_mma, acc, fp8_args, tile, k,
+                                                   multipliers, n_box, m_total)
+                    read_state.advance()
+                else:
+                    ab_pipe.consumer_wait(read_state)
+                    mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    ab_pipe.consumer_release(release_state)
+                    release_state.advance()
+                    read_state.advance()
+            if const_expr(not self.block_scaled):
+                cute.nvgpu.warpgroup.wait_group(0)  # unconditional: ptxas sees every path waited
+                if tile_k_tiles > 0:
+                    ab_pipe.consumer_release(release_state)
+                    release_state.advance()
+        return read_state, release_state, epi_count
+
+    @cute.jit
+    def _block_scales(self, scales, tile: Tile, tCcAcc, k, n_box, m_total):
+        """FP8: the multipliers of scale block ``k`` for this thread's accumulator (`_promote`
+        applies them): (row 0, row 1) of A and, per B box h, (first, second, split): the
+        multipliers of the two 128-row blocks of W the box can touch and the first 8-column
+        group of the box inside the second one.
+
+        The WGMMA accumulator of one thread holds values (i, r, j) at row row0 + 8 r and column
+        col0 + i + 8 j (``tCcAcc``): two rows; B box h = 0 covers columns [0, box_n), h = 1 (GLU)
+        [box_n, tile_n) and W rows from h n_box + nt box_n. A box of 64 or 128 rows lies inside
+        one block (n_box a multiple of 64); 96 or 192 rows can cross one block edge (never two:
+        the box starts at a multiple of 32 or 64 inside its block). Indices are clamped to what
+        exists: the mainloop loads one block ahead, and padding tiles load before their empty
+        loop."""
+        mSFA, mSFB = scales
+        k = cutlass.min(k, cute.size(mSFA, mode=[1]) - 1)
+        seg = cutlass.min(tile.seg, cute.size(mSFB, mode=[0]) - 1)
+        last_block = cute.size(mSFB, mode=[1]) - 1
+        row0 = tile.row0 + tCcAcc[0][0]
+        rows = (mSFA[cutlass.min(row0, m_total - 1), k], mSFA[cutlass.min(row0 + 8, m_total - 1), k])
+        boxes = []
+        for h in cutlass.range_constexpr(self.b_boxes):
+            first_row = h * n_box + tile.nt * self.box_n
+            block = first_row // 128
+            first = mSFB[seg, block, k]
+            second, split = first, Int32(0)
+            if const_expr(self.box_may_split):
+                second = mSFB[seg, cutlass.min(block + 1, last_block), k]
+                split = (128 - first_row % 128) // 8
+            boxes.append((first, second, split))
+        return rows, tuple(boxes)
+
+    @cute.jit
+    def _promote(self, acc, acc_block, multipliers):
+        """acc += acc_block scaled per (row, W block) (`_block_scales` gives the multipliers)."""
+        rows, boxes = multipliers
+        cols_per_box = self.box_n // 8  # j values per B box
+        first = [[rows[r] * boxes[h][0] for h in range(self.b_boxes)] for r in range(2)]
+        second = first
+        if const_expr(self.box_may_split):
+            second = [[rows[r] * boxes[h][1] for h in range(self.b_boxes)] for r in range(2)]
+        for v in cutlass.range_constexpr(cute.size(acc)):
+            r, j = v // 2 % 2, v // 4
+            h = j // cols_per_box
+            scale = first[r][h]
+            if const_expr(self.box_may_split):
+                scale = Float32(cutlass.select_(j % cols_per_box < boxes[h][2], first[r][h], second[r][h]))
+            acc[v] = acc[v] + acc_block[v] * scale
+
+    @cute.jit
+    def _fp8_k_tile(self, ab_pipe, read_state, tiled_mma, acc, fp8_args, tile: Tile, k, held, n_box, m_total):
+        """FP8: acc += the product of the k-tile in ``read_state``'s stage (one scale block; the caller
+        has turned ACCUMULATE off) scaled by its multipliers, and release the stage. Varlen-M: ``held``
+        are this block's multipliers (`_block_scales`), the next block's are loaded under the WGMMAs
+        and returned; varlen-K: they ride in the stage (`_stage_multipliers`), ``held`` is returned."""
+        acc_block, tCrA, tCrB, scales, tCcAcc = fp8_args
+        ab_pipe.consumer_wait(read_state)
+        cute.nvgpu.warpgroup.fence()
+        mma_block(tiled_mma, acc_block, tCrA, tCrB, read_state.index)
+        cute.nvgpu.warpgroup.commit_group()
+        ahead = held
+        if const_expr(self.stage_scales):
+            cute.nvgpu.warpgroup.wait_group(0)
+            current = self._stage_multipliers(scales, tCcAcc, read_state.index)
+            ab_pipe.consumer_release(read_state)
+            self._promote_columns(acc, acc_block, current)
+        else:
+            ahead = self._block_scales(scales, tile, tCcAcc, k + 1, n_box, m_total)
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipe.consumer_release(read_state)
+            self._promote(acc, acc_block, held)
+        return ahead
+
+    @cute.jit
+    def _stage_multipliers(self, scales, tCcAcc, stage):
+        """Varlen-K FP8: this thread's multipliers of the k-tile in ``stage``: (rows, columns), the A
+        rows row0 and row0 + 8 and the B columns col0 + i + 8 j of its accumulator values (i, r, j)."""
+        sSFA, sSFB = scales
+        row0, col0 = tCcAcc[0]
+        rows = (sSFA[row0, 0, stage], sSFA[row0 + 8, 0, stage])
+        cols = [sSFB[col0 + v % 2 + v // 2 * 8, 0, stage] for v in range(self.tile_n // 4)]
+        return rows, cols
+
+    @cute.jit
+    def _promote_columns(self, acc, acc_block, multipliers):
+        """acc += acc_block scaled per (row, column) (`_stage_multipliers`)."""
+        rows, cols = multipliers
+        for v in cutlass.range_constexpr(cute.size(acc)):
+            acc[v] = acc[v] + acc_block[v] * (rows[v // 2 % 2] * cols[v // 4 * 2 + v % 2])
