@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU  # noqa: E402
-from te_fused_ops.sequential import saved_tensor_bytes  # noqa: E402
+from te_fused_ops.runner import saved_tensor_bytes  # noqa: E402
 
 SHAPES = {
     "qwen3-30b-a3b": (65536, 2048, 768, 128),

@@ -5,20 +5,20 @@ Kernels (bf16 operands, uneven seeded routing):
   FC1 + SwiGLU (x (M, H) @ W (E, 2I, H)), the act cast:
     plain                  grouped_gemm_sm90: pre and act in bf16, no cast (the GEMM's own time)
     act quant              grouped_gemm_act_quant_sm90: the act's row-wise E4M3 copy (no columns)
-    act quant, then cols   the same, then block_columns_sm90 from those E4M3 rows: the copy today's
-                           plan makes in FC2's backward (rule 'transpose+grouped_linear')
+    act quant, then cols   the same, then block_columns_sm90 from those E4M3 rows: the copy a plan
+                           without the epilogue's makes in FC2's backward
     act, then cast         grouped_gemm_sm90 (bf16 act), then block_columns_sm90(rows=True): both
                            copies from one read of the bf16 act (the unfused kernels)
     act quant + cols       grouped_gemm_act_quant_sm90(columns=True): both copies from the epilogue
   FC2 (act (M, I) @ W (E, H, I)) without an activation, the output cast (GroupGemm + Quantize +
   Transpose): the same four with the plain GEMM.
 The fused copies are checked bit for bit against block_columns_sm90 of the bf16 output first.
-Steps (gradients set to None first), each with the rule that makes a column copy in the forward
-and with that rule unregistered (the copy then made in the backward from the E4M3 rows):
-  fc2 fp8   Sequential(GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear), rule
-            'grouped_linear+activation+quantize+transpose' (the act's copy from FC1's epilogue)
-  all fp8   the same after a Quantize of x, rule 'quantize+grouped_linear+activation' (x's copy
-            from its cast, `block_columns_sm90(rows=True)`)
+Steps (gradients set to None first), each with a column copy made in the forward and with that
+copy taken out of the sm90 backend's choices (then made in the backward from the E4M3 rows):
+  fc2 fp8   Sequential(GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear): the act's copy
+            from FC1's epilogue (its output format)
+  all fp8   the same after a Quantize of x: x's copy from its cast (FC1's input format,
+            `block_columns_sm90(rows=True)`)
 The other gradients are checked bit-equal; the one the copy feeds (dW2, dW1) differs, the copy
 being cast once from bf16 instead of again from the E4M3 rows: its relative error against the
 bf16 fused step's is reported for both and checked not larger with the forward copy; extra peak
@@ -42,13 +42,11 @@ from bench_dact_quant_sm90 import SHAPES, time_us  # the shapes whose I is a mul
 from common import MODEL_SHAPES, device_tag, extra_peak_mib, mlp_problem, rotated_medians, skewed_splits, write_results
 
 import te_fused_ops as tfo
-from fusion_rules.grouped_linear_activation import grouped_linear_activation_quantize_transpose as columns_rule
-from fusion_rules.quantize import quantize_grouped_linear, quantize_grouped_linear_activation
+import te_fused_ops.backends.sm90.rules as sm90_rules
 from te_fused_ops import Quantize, Sequential, SwiGLU, Transpose
 from te_fused_ops.backends.sm90.kernels.block_quantize import block_columns_sm90
 from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_sm90
 
-x_columns_rules = (quantize_grouped_linear, quantize_grouped_linear_activation)
 
 
 def same_bytes(a, b):
@@ -83,33 +81,33 @@ def kernels(label, x, w, offsets, activation):
 
 
 def step(name, all_fp8):
-    """The FP8 step with the rule that makes a column copy in the forward, and with it unregistered:
-    FC2 in FP8 (rule 'grouped_linear+activation+quantize+transpose': the act's copy, dW2 differs),
-    or all FP8 (rule 'quantize+grouped_linear+activation': x's copy with its rows, dW1 differs)."""
+    """The FP8 step with a column copy made in the forward, and with it made in the backward from
+    the E4M3 rows: FC2 in FP8 (the act's copy from FC1's epilogue, dW2 differs), or all FP8 (x's
+    copy with its rows, FC1's input format; dW1 differs)."""
     splits, fc1, fc2, x, dy = mlp_problem(name)
     ops = [fc1, SwiGLU(), Quantize("fp8_blockwise"), Transpose(), fc2]
-    model = Sequential(Quantize("fp8_blockwise"), *ops) if all_fp8 else Sequential(*ops)
-    # the rules to take out (all fp8: the two-op variant too, which would leave SwiGLU to torch),
-    # and the gradient the copy feeds
-    rules, differs = (x_columns_rules, 2) if all_fp8 else ((columns_rule,), 3)
+    ops = [Quantize("fp8_blockwise"), *ops] if all_fp8 else ops
+    models = {fused: Sequential(*ops) for fused in (True, False)}  # the same ops, a plan cache each
+    # the sm90 decision to take out (x's copy: FC1's only), and the gradient the copy feeds
+    if all_fp8:
+        real = sm90_rules.input_columns_wanted
+        name_out, stand_in, differs = "input_columns_wanted", lambda lin, *a: lin is not fc1 and real(lin, *a), 2
+    else:
+        real = sm90_rules.columns_unsupported_reason
+        name_out, stand_in, differs = "columns_unsupported_reason", lambda *a: "taken out for the comparison", 3
     leaves = [x, fc1.weight, fc2.weight]
 
     def run(fused):
-        if not fused:
-            for rule in rules:
-                tfo.unregister_rule(rule)
+        setattr(sm90_rules, name_out, real if fused else stand_in)
         try:
             for t in leaves:
                 t.grad = None
-            y = model(x, split_sizes=splits)
+            y = models[fused](x, split_sizes=splits)
             y.backward(dy)
         finally:
-            if not fused:
-                for rule in rules:
-                    tfo.register_rule(rule)
+            setattr(sm90_rules, name_out, real)
         return [y.detach(), *[t.grad for t in leaves]]
 
-    assert f"rule '{rules[-1].name}' (backend sm90)" in model.explain(x, split_sizes=splits)
     variants = {"copy in forward": True, "copy from rows": False}
     outputs = {label: run(fused) for label, fused in variants.items()}
     peak_mib = {label: extra_peak_mib(lambda f=fused: run(f)) for label, fused in variants.items()}

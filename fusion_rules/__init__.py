@@ -1,12 +1,10 @@
-"""Built-in fusion rules, one module per family. Each module is also a model for user rules:
-build a `te_fused_ops.FusionRule`, add implementations per backend, register it."""
+"""Built-in fusion rules, one module per family; installed as ``te_fused_ops.fusion_rules``.
 
-from . import dactivation_grouped_linear, grouped_linear, grouped_linear_activation, grouped_linear_quantize, quantize
+Each module is also a model for user rules: build a `te_fused_ops.FusionRule` with a pattern, a
+reference implementation and the format boundaries it takes, and register it. Rules name no
+backend: backend packages (`te_fused_ops.backends`) register their implementations by rule name.
+"""
 
-__all__ = [
-    "dactivation_grouped_linear",
-    "grouped_linear",
-    "grouped_linear_activation",
-    "grouped_linear_quantize",
-    "quantize",
-]
+from . import dactivation_grouped_linear, grouped_linear, grouped_linear_activation, quantize
+
+__all__ = ["dactivation_grouped_linear", "grouped_linear", "grouped_linear_activation", "quantize"]

@@ -5,10 +5,10 @@
 ``register_autograd``. ``template`` is the id of a `RunTemplate`: what is fixed for one owner and
 one call signature (ops, plan, parameter positions, and after the first forward the skeleton of
 what the ops save). Dynamo does not trace into the ops, so split values never reach a guard and
-the CPU path may read offsets on the host. The fake forward runs the plan's torch backends on
-meta tensors; the fake backward allocates gradients shaped as the inputs.
+the CPU path may read offsets on the host. The fake forward runs each rule's reference implementation
+on meta tensors; the fake backward allocates gradients shaped as the inputs.
 
-Eager calls do not come here: they run `sequential._SequenceFunction` directly (no dispatcher
+Eager calls do not come here: they run `runner.SequenceFunction` directly (no dispatcher
 round trip, and saved tensors that alias inputs need no copy).
 """
 
@@ -21,8 +21,10 @@ from typing import Optional
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from .context import OpContext, registered_owner
 from .fusion import FusionRuleError
-from .ops.base import OpContext, is_quantized, registered_owner
+from .quantization import is_quantized
+from .runner import Run, get_plan, plan_info
 from .saved import slot_indices
 from .splits import validation
 
@@ -80,16 +82,14 @@ class RunTemplate:
         self.ctxs = self.saved_positions = self.outputs_meta = self.num_tensors = None
 
     def run(self, params: list):
-        """A `_Run` with fresh contexts holding ``params`` (side inputs bound by `forward`)."""
-        from .sequential import _Run
-
+        """A `Run` with fresh contexts holding ``params`` (side inputs bound by `forward`)."""
         ctxs = []
         for i, (op, (input_rg, params_rg, grad_names)) in enumerate(zip(self.ops, self.flags)):
             ctx = OpContext(op, i, input_rg, params_rg)
             ctx.grad_names = grad_names
             ctx.params = {name: params[slot] for (j, name), slot in self.param_slots.items() if j == i}
             ctxs.append(ctx)
-        return _Run(self.ops, ctxs, self.plan, self.grad_side_names, self.param_slots, len(self.param_slots))
+        return Run(self.ops, ctxs, self.plan, self.grad_side_names, self.param_slots, len(self.param_slots))
 
     def forward(self, x, side_values: list, params: list, fake: bool) -> list:
         """``[y, *saved]`` of one call; ``fake``: shapes only (torch backends on meta tensors)."""
@@ -133,18 +133,15 @@ class RunTemplate:
         return tensors[len(inputs) :]
 
     def fake_steps(self) -> list:
-        """The forward steps with every rule on its torch backend (they run on the meta device)."""
-        steps = []
+        """The forward steps, each rule on its reference implementation (they run on the meta device)."""
         for step in self.plan.forward:
-            if step.rule is not None and step.backend != "torch":
-                if "torch" not in step.rule.implementations:
-                    raise FusionRuleError(
-                        f"fusion rule '{step.rule.name}' has no torch backend, which torch.compile needs: its "
-                        "fake run executes each rule's torch backend on meta tensors to learn what it saves"
-                    )
-                step = dataclasses.replace(step, backend="torch")
-            steps.append(step)
-        return steps
+            if step.rule is not None and step.rule.reference is None:
+                raise FusionRuleError(
+                    f"fusion rule '{step.rule.name}' has no reference implementation, which torch.compile needs: "
+                    "its fake run executes each rule's reference on meta tensors to learn what it saves"
+                )
+        return [dataclasses.replace(step, reference=True) if step.rule is not None else step
+                for step in self.plan.forward]
 
     def _record(self, ctxs, outputs, num_inputs: int) -> None:
         """Keep the first forward's packed contexts; later forwards must save the same structure."""
@@ -164,12 +161,10 @@ class RunTemplate:
 
     def backward(self, dy, saved: list, grad_shapes: list) -> list:
         """Gradients for ``grad_positions`` (zeros where the ops returned none)."""
-        from .sequential import _Run
-
         tensors = [None] * self.num_tensors
         for position, tensor in zip(self.saved_positions, saved):
             tensors[position] = tensor
-        run = _Run(self.ops, self.ctxs, self.plan, self.grad_side_names, self.param_slots, len(self.param_slots))
+        run = Run(self.ops, self.ctxs, self.plan, self.grad_side_names, self.param_slots, len(self.param_slots))
         dx, side_grads, param_grads = run.backward(dy, tensors)
         if is_quantized(dx):
             dx = dx.dequantize()
@@ -265,17 +260,15 @@ torch.library.register_autograd("te_fused_ops::sequential_forward", _backward, s
 def _template_id(owner_id: int, key) -> int:
     """Id of the template for the owner registered as ``owner_id`` called with signature ``key``
     (made and cached on first use; runs at trace time, outside the graph)."""
-    from .sequential import Sequential, _get_plan, _plan_info
-
     owner = registered_owner(owner_id)
-    ops, fuse = (list(owner), owner.fuse) if isinstance(owner, Sequential) else ([owner], True)
+    ops, fuse = (list(owner), owner.fuse) if hasattr(owner, "fuse") else ([owner], True)
     device, dtype, x_requires_grad, _, grad_on, params_key, side_key = key
     side_names = sorted({n for op in ops for n in op.side_inputs})
     side_grad = frozenset(n for n, v in zip(side_names, side_key) if v is not None and v[1])
     params_grad = [any(rg for _, _, rg, _ in params) for params in params_key]
     with torch.set_grad_enabled(grad_on):
-        info = _plan_info(ops, device, dtype, x_requires_grad, side_grad, params_grad)
-    plan = _get_plan(ops, info, owner._plans, fuse)
+        info = plan_info(ops, device, dtype, x_requires_grad, side_grad, params_grad)
+    plan = get_plan(ops, info, owner._plans, fuse)
     template = plan.templates.get(key)
     if template is None:
         template = plan.templates[key] = RunTemplate(ops, plan, key)

@@ -10,6 +10,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
+from .backends import backend_names
+
 PREFIX = "TE_FUSED_OPS_"
 _TRUE, _FALSE = ("1", "true", "on"), ("0", "false", "off")
 
@@ -22,9 +24,7 @@ def _flag(raw: str) -> bool:
 
 
 def _backend_names() -> tuple:
-    from .fusion import BACKENDS
-
-    return tuple(BACKENDS)
+    return backend_names()
 
 
 def _backend(raw: str) -> str:
@@ -49,7 +49,7 @@ class Switch:
 
     name: str
     parse: Callable[[str], object]
-    accepted: Callable[[], str]  # for errors and docs; a function, as backend names live in fusion
+    accepted: Callable[[], str]  # for errors and docs; a function, as backends register themselves
     default: object  # the setting when the variable is unset or empty
     default_text: str
     doc: str
@@ -74,8 +74,9 @@ SWITCHES = {
         ),
         Switch(
             "TE_FUSED_OPS_VALIDATE", _flag, lambda: _FLAG_VALUES, False, "0",
-            "1 checks split values (negative, sum too large) and raises, as `with tfo.validation():`; "
-            "costs a host sync (without it, out-of-range values are clamped on the device)",
+            "1 checks split values on the GPU too (negative, sum too large) and raises, as "
+            "`with tfo.validation():`; costs a host sync (without it, out-of-range values are clamped on "
+            "the device); split sizes on the CPU are always checked",
         ),
         Switch(
             "TE_FUSED_OPS_SM_MARGIN", _count, lambda: "an integer >= 0", 0, "0",

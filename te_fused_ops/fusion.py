@@ -1,23 +1,35 @@
-"""The rule-based fusion pass: rules, the registry, kernel backends and the planner.
+"""The rule-based fusion pass: rules, the rule registry and the planner.
 
 A rule matches a contiguous sequence of op types (``pattern``, in forward order) for one pass
-("forward" or "backward") and has one implementation per backend. Implementations:
+("forward" or "backward"). Its ``reference`` implementation runs on every device (the reference
+backend); backends add their own implementations (`te_fused_ops.backends`). Implementations:
 
 - forward:  ``impl(ops, ctxs, x) -> y``
 - backward: ``impl(ops, ctxs, dy) -> (dx, grads)``, ``grads`` a list (one per op) of dicts
   mapping parameter or side-input names to gradients.
 
-``ctxs`` are the ops' `OpContext` objects; a rule fills them the way the unfused ops would,
-so the other pass can be planned independently.
+``ops``/``ctxs`` are the matched pattern ops and their `OpContext`s; a rule fills the contexts
+the way the unfused ops would, so the other pass can be planned independently.
+
+Formats: a rule lists in ``formats`` the boundaries of its pattern (0 before the first op, i
+between op i-1 and op i, ``len(pattern)`` after the last) where the planner may fold a
+``Quantize[, Transpose]`` (or a lone ``Transpose``): the step then spans those ops too, and the
+implementation finds them as ``ctxs[i].input_format`` / ``ctxs[i - 1].output_format`` (a
+`Format`: recipe, columns, the folded ops). So one rule carries the recipe as data instead of
+one rule per placement of the casts.
 """
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Optional
 
 import torch
+from torch import nn
 
 from . import env
+from .backends import Implementation, as_check, backend_names, get_backend, list_backends
+from .context import Format
+from .errors import OpInputError
 
 PASSES = ("forward", "backward")
 
@@ -33,16 +45,20 @@ class PlanInfo:
     params_require_grad: tuple  # per op: does any of its parameters need a gradient
     input_recipe: tuple  # per op: the Recipe of a QuantizedTensor input, else None
 
-    def window(self, start: int, stop: int) -> "PlanInfo":
-        """The same info with the per-op fields cut to ops[start:stop] (what a rule's supports() sees)."""
-        return PlanInfo(
-            self.device_type,
-            self.capability,
-            self.dtype,
-            self.input_requires_grad[start:stop],
-            self.params_require_grad[start:stop],
-            self.input_recipe[start:stop],
+    def select(self, indices) -> "StepInfo":
+        """The info with the per-op fields cut to ``ops[i] for i in indices`` (no formats)."""
+        n = len(indices)
+        return StepInfo(
+            self.device_type, self.capability, self.dtype,
+            tuple(self.input_requires_grad[i] for i in indices),
+            tuple(self.params_require_grad[i] for i in indices),
+            tuple(self.input_recipe[i] for i in indices),
+            (None,) * n, (None,) * n,
         )
+
+    def window(self, start: int, stop: int) -> "StepInfo":
+        """The info with the per-op fields cut to ops[start:stop]."""
+        return self.select(range(start, stop))
 
     @property
     def device_label(self) -> str:
@@ -51,31 +67,23 @@ class PlanInfo:
         return f"{self.device_type}:sm{self.capability[0]}{self.capability[1]}"
 
 
-# ---------------------------------------------------------------------------------------------
-# backends
+@dataclass(frozen=True)
+class StepInfo(PlanInfo):
+    """`PlanInfo` aligned with a rule's matched ops, plus per op the `Format` folded before
+    (``input_format``) and after it (``output_format``), or None. What ``supports`` sees."""
 
+    input_format: tuple = ()
+    output_format: tuple = ()
 
-def _torch_backend_reason(info: PlanInfo) -> Optional[str]:
-    return None
-
-
-def _sm90_backend_reason(info: PlanInfo) -> Optional[str]:
-    if info.device_type != "cuda":
-        return "no CUDA device"
-    if info.capability != (9, 0):
-        return f"compute capability {info.capability[0]}.{info.capability[1]}, needs 9.0"
-    from .backends.sm90.kernels import sm90_unavailable_reason
-
-    reason = sm90_unavailable_reason()
-    return reason.removeprefix("sm90 backend: ") if reason else None
-
-
-BACKENDS: dict = {"sm90": _sm90_backend_reason, "torch": _torch_backend_reason}
-"""Backend name -> availability check, in order of preference."""
+    def window(self, start: int, stop: int) -> "StepInfo":
+        cut = {f.name: getattr(self, f.name) for f in fields(PlanInfo)}
+        for name in ("input_requires_grad", "params_require_grad", "input_recipe"):
+            cut[name] = cut[name][start:stop]
+        return StepInfo(**cut, input_format=self.input_format[start:stop], output_format=self.output_format[start:stop])
 
 
 def forced_backend() -> Optional[str]:
-    """TE_FUSED_OPS_BACKEND=torch (or another backend name) forces that backend for every rule."""
+    """TE_FUSED_OPS_BACKEND=<name> forces that backend for every rule."""
     return env.read("TE_FUSED_OPS_BACKEND")
 
 
@@ -88,24 +96,40 @@ def fusion_enabled_by_env() -> bool:
 # rules
 
 
-class FusionRule:
-    """A named pattern of op types for one pass, with implementations per backend.
+def _is_op_type(entry) -> bool:
+    return inspect.isclass(entry) and issubclass(entry, nn.Module) and callable(getattr(entry, "op_forward", None))
 
-    ``supports(ops, info, backend)`` returns None when the rule can run on ``backend`` or the
-    first failing condition as a short string; ``info`` is a `PlanInfo` whose per-op fields are
-    aligned with ``ops`` (the matched ops). Build one directly or with `fusion_rule`.
+
+@dataclass(frozen=True)
+class Match:
+    """Where a rule matched: ops[start:stop], its pattern ops at ``base`` (indices into ops) and
+    the folded formats as ``{boundary: (first op, stop)}``."""
+
+    start: int
+    stop: int
+    base: tuple
+    formats: tuple  # ((boundary, first, stop), ...)
+
+
+class FusionRule:
+    """A named pattern of op types for one pass, with a reference implementation (every device)
+    and implementations per backend.
+
+    ``supports(ops, info)`` returns None when the rule applies to these ops or the first failing
+    condition as a short string (whatever the backend); each backend implementation may add its
+    own check. ``formats``: the pattern boundaries where a Quantize[, Transpose] may be folded
+    (see the module docstring). Build one directly or with `fusion_rule`.
     """
 
-    def __init__(self, name: str, pattern, passes: str, supports: Optional[Callable] = None):
-        from .ops.base import BasicOp
-
+    def __init__(self, name: str, pattern, passes: str, supports: Optional[Callable] = None,
+                 reference: Optional[Callable] = None, formats=()):
         if not isinstance(name, str) or not name:
             raise ValueError("FusionRule: argument 'name' must be a non-empty string")
         pattern = tuple(pattern) if isinstance(pattern, (list, tuple)) else (pattern,)
         if not pattern:
             raise ValueError(f"FusionRule '{name}': argument 'pattern' is empty")
         for entry in pattern:
-            if not (inspect.isclass(entry) and issubclass(entry, BasicOp)):
+            if not _is_op_type(entry):
                 raise TypeError(
                     f"FusionRule '{name}': argument 'pattern' must hold op types (BasicOp subclasses), got {entry!r}"
                 )
@@ -113,42 +137,107 @@ class FusionRule:
             raise ValueError(f"FusionRule '{name}': argument 'passes' must be 'forward' or 'backward', got {passes!r}")
         if supports is not None and not callable(supports):
             raise TypeError(f"FusionRule '{name}': argument 'supports' must be callable")
+        formats = tuple(formats)
+        if any(not isinstance(b, int) or not 0 <= b <= len(pattern) for b in formats):
+            raise ValueError(f"FusionRule '{name}': argument 'formats' must hold boundaries 0..{len(pattern)}")
         self.name = name
         self.pattern = pattern
         self.passes = passes
-        self.implementations: dict = {}
-        self._supports = supports
+        self.formats = frozenset(formats)
+        self.reference = reference
+        self.implementations: dict = {}  # backend name -> Implementation, added by the rule's author
+        self._supports = None if supports is None else as_check(supports)
 
-    def implementation(self, backend: str):
-        """Decorator registering ``fn`` as this rule's implementation for ``backend``."""
-        if backend not in BACKENDS:
-            raise ValueError(f"FusionRule '{self.name}': unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+    def set_reference(self, fn):
+        """Decorator setting the reference implementation (runs on every device)."""
+        self.reference = fn
+        return fn
+
+    def implementation(self, backend: str, supports: Optional[Callable] = None):
+        """Decorator registering ``fn`` as this rule's implementation on backend ``backend``
+        (its ``supports(ops, info)`` check optional)."""
+        if backend not in backend_names():
+            raise ValueError(f"FusionRule '{self.name}': unknown backend {backend!r}; known: {', '.join(backend_names())}")
 
         def decorate(fn):
-            self.implementations[backend] = fn
+            self.implementations[backend] = Implementation(fn, supports)
             return fn
 
         return decorate
 
     def supports(self, fn):
-        """Decorator setting the ``supports(ops, info, backend)`` check."""
-        self._supports = fn
+        """Decorator setting the rule's ``supports(ops, info)`` check."""
+        self._supports = as_check(fn)
         return fn
 
+    def has_implementation(self) -> bool:
+        return self.reference is not None or bool(self.implementations) or any(
+            self.name in b.implementations for b in list_backends())
+
     def matches(self, ops) -> bool:
+        """Whether ``ops`` are exactly the pattern (no formats folded)."""
         return len(ops) == len(self.pattern) and all(isinstance(op, t) for op, t in zip(ops, self.pattern))
 
+    def matches_at(self, ops, start: int) -> list:
+        """Every `Match` starting at ``ops[start]``, the most folded first."""
+        found: list = []
+        self._extend(ops, start, start, 0, (), (), found)
+        return sorted(found, key=lambda m: -(m.stop - m.start))
+
+    def _extend(self, ops, start: int, pos: int, k: int, base: tuple, formats: tuple, found: list) -> None:
+        """Match pattern ops k.. from ops[pos] on (``base``/``formats``: what matched so far)."""
+        for length in _format_lengths(ops, pos) if k in self.formats else (0,):
+            p = pos + length
+            folded = formats + ((k, pos, p),) if length else formats
+            if k == len(self.pattern):
+                found.append(Match(start, p, base, folded))
+            elif p < len(ops) and isinstance(ops[p], self.pattern[k]):
+                self._extend(ops, start, p + 1, k + 1, base + (p,), folded, found)
+
+    def step_info(self, ops, info: PlanInfo, match: Match) -> StepInfo:
+        """``info`` aligned with the match's pattern ops, with the folded formats."""
+        step_info = info.select(match.base)
+        inputs, outputs = [None] * len(match.base), [None] * len(match.base)
+        for boundary, first, stop in match.formats:
+            fmt = Format(list(ops[first:stop]), [])
+            if boundary < len(match.base):
+                inputs[boundary] = fmt
+            if boundary > 0:
+                outputs[boundary - 1] = fmt
+        return StepInfo(**{f.name: getattr(step_info, f.name) for f in fields(PlanInfo)},
+                        input_format=tuple(inputs), output_format=tuple(outputs))
+
     def first_failure(self, ops, info: PlanInfo, backend: str) -> Optional[str]:
-        if backend not in self.implementations:
+        """Why this rule cannot run ``ops`` (exactly its pattern, or a `StepInfo`'s ops) on
+        ``backend``, or None."""
+        backend = get_backend(backend)
+        implementation = backend.implementation_of(self)
+        if implementation is None:
             return "no implementation"
-        reason = BACKENDS[backend](info)
+        if not isinstance(info, StepInfo):
+            info = info.select(range(len(ops)))
+        reason = backend.unavailable_reason(info)
         if reason is None and self._supports is not None:
-            reason = self._supports(ops, info, backend)
+            reason = self._supports(ops, info, backend.name)
+        if reason is None:
+            reason = implementation.unsupported_reason(ops, info, backend.name)
         return reason
 
     def __repr__(self) -> str:
         names = ", ".join(t.__name__ for t in self.pattern)
-        return f"FusionRule({self.name!r}, [{names}], {self.passes}, backends={list(self.implementations)})"
+        with_backends = [b.name for b in list_backends() if b.implementation_of(self) is not None]
+        return f"FusionRule({self.name!r}, [{names}], {self.passes}, backends={with_backends})"
+
+
+def _format_lengths(ops, pos: int) -> tuple:
+    """How many ops a format at ``ops[pos]`` may fold, longest first, then 0: Quantize,
+    Transpose / Quantize / Transpose (ops declare their ``format_role``)."""
+    role = lambda i: getattr(ops[i], "format_role", None) if i < len(ops) else None  # noqa: E731
+    if role(pos) == "quantize":
+        return (2, 1, 0) if role(pos + 1) == "transpose" else (1, 0)
+    if role(pos) == "transpose":
+        return (1, 0)
+    return (0,)
 
 
 @dataclass
@@ -167,11 +256,10 @@ def registry_version() -> int:
 
 
 def register_rule(rule: FusionRule, priority: int = 0, replace: bool = False) -> FusionRule:
-    """Add ``rule``. Where rules match at the same position the planner takes the higher
-    ``priority``, then the better backend, then the longer pattern, then the older rule."""
+    """Add ``rule``. See `make_plan` for how priorities decide between rules."""
     if not isinstance(rule, FusionRule):
         raise TypeError(f"register_rule: argument 'rule' must be a FusionRule, got {type(rule).__name__}")
-    if not rule.implementations:
+    if not rule.has_implementation():
         raise ValueError(f"register_rule: rule '{rule.name}' has no implementation")
     if rule.name in _registry and not replace:
         raise ValueError(f"register_rule: a rule named '{rule.name}' is already registered (pass replace=True)")
@@ -189,21 +277,32 @@ def unregister_rule(rule) -> None:
     _registry_version[0] += 1
 
 
+def get_rule(name: str) -> FusionRule:
+    """The registered rule named ``name`` (KeyError if none)."""
+    if name not in _registry:
+        raise KeyError(f"get_rule: no rule named {name!r}")
+    return _registry[name].rule
+
+
 def list_rules(passes: Optional[str] = None) -> list:
-    """Registered rules in the order the planner tries them."""
+    """Registered rules in the order the planner tries them at one position: higher priority
+    first, then the longer pattern, then the older rule."""
     entries = sorted(_registry.values(), key=lambda e: (-e.priority, -len(e.rule.pattern), e.order))
     return [e.rule for e in entries if passes is None or e.rule.passes == passes]
 
 
-def fusion_rule(
-    name: str, pattern, passes: str, backend: str = "torch", supports=None, priority: int = 0, replace: bool = False
-):
-    """Decorator: make a one-backend rule from an implementation function and register it
-    (``replace=True``: over a rule of the same name, e.g. when a notebook cell runs again)."""
+def fusion_rule(name: str, pattern, passes: str, backend: Optional[str] = None, supports=None, priority: int = 0,
+                replace: bool = False, formats=()):
+    """Decorator: make a rule whose reference implementation is the decorated function (or, with
+    ``backend``, whose implementation on that backend it is) and register it (``replace=True``:
+    over a rule of the same name, e.g. when a notebook cell runs again)."""
 
     def decorate(fn):
-        rule = FusionRule(name, pattern, passes, supports=supports)
-        rule.implementation(backend)(fn)
+        rule = FusionRule(name, pattern, passes, supports=supports, formats=formats)
+        if backend is None or get_backend(backend).runs_reference:
+            rule.reference = fn
+        else:
+            rule.implementation(backend)(fn)
         register_rule(rule, priority=priority, replace=replace)
         return rule
 
@@ -217,7 +316,8 @@ def fusion_rule(
 class FusionRuleError(RuntimeError):
     """A fusion rule's implementation raised or broke the implementation contract; names the rule.
 
-    Raised from a ValueError or TypeError (e.g. bad input met inside a rule), it is one of those too.
+    Raised from a ValueError or TypeError inside the rule's code, it is one of those too. Bad
+    input that an op itself rejects (`te_fused_ops.errors.OpInputError`) passes unchanged.
     """
 
 
@@ -256,12 +356,13 @@ def _is_backward_result(result, num_ops: int) -> bool:
 
 
 def _context_hint(ctxs, error: Exception) -> str:
-    """For a KeyError in a backward: what the contexts hold and which forward rule filled them."""
-    if not isinstance(error, KeyError):
+    """For a missing saved value in a backward: what the contexts hold and which forward rule
+    filled them."""
+    if not isinstance(error, (KeyError, AttributeError)):
         return ""
     hints = [
         f"op {ctx.index} ({ctx.op.op_name}) was run by forward rule '{ctx.forward_rule}' and its context holds "
-        f"saved {sorted(ctx.saved)}, side {sorted(ctx.side)}"
+        f"saved {sorted(vars(ctx.saved))}, side {sorted(ctx.side)}"
         for ctx in ctxs
         if ctx.forward_rule
     ]
@@ -269,64 +370,100 @@ def _context_hint(ctxs, error: Exception) -> str:
         return ""
     return (
         "; " + "; ".join(hints) + ". A forward rule must fill each op's context as the op's own forward "
-        "would (ctx.save_input(x), ctx.saved[...]); the backward sees only ctx.saved and ctx.side"
+        "would (ctx.save_input(x), ctx.saved.<name> = ...); the backward sees only ctx.saved and ctx.side"
     )
 
 
 @dataclass
 class Step:
-    """One unit of a pass: ops[start:stop] run by ``rule`` on ``backend`` (rule None: the basic op)."""
+    """One unit of a pass: ops[start:stop] run by ``rule`` on ``backend`` (rule None: the basic op).
+
+    ``base``: indices of the rule's pattern ops; ``formats``: ((boundary, first, stop), ...) of
+    the folded Quantize/Transpose ops; ``skipped_backends``: [(backend, reason)] tried first;
+    ``reference``: run the rule's reference implementation whatever the backend (torch.compile's
+    fake run).
+    """
 
     start: int
     stop: int
     rule: Optional[FusionRule] = None
-    backend: str = "torch"
-    skipped_backends: list = field(default_factory=list)  # [(backend, reason)] tried before this one
+    backend: Optional[str] = None
+    skipped_backends: list = field(default_factory=list)
+    base: tuple = ()
+    formats: tuple = ()
+    reference: bool = False  # run the rule's reference implementation whatever the backend
 
     def run(self, ops, ctxs, value, passes: str):
         """The step's result; a rule's failure or wrong result raises `FusionRuleError` naming it."""
         if self.rule is None:
             return self._run_op(ops[self.start], ctxs[self.start], value, passes)
-        window, window_ctxs = ops[self.start : self.stop], ctxs[self.start : self.stop]
+        window_ctxs = ctxs[self.start : self.stop]
+        base_ops, base_ctxs = [ops[i] for i in self.base], [ctxs[i] for i in self.base]
+        fn = self.rule.reference if self.reference else get_backend(self.backend).implementation_of(self.rule).run
+        self._bind_formats(ops, ctxs, base_ctxs)
         try:
-            result = self.rule.implementations[self.backend](window, window_ctxs, value)
-        except torch.OutOfMemoryError:
+            result = fn(base_ops, base_ctxs, value)
+        except (torch.OutOfMemoryError, OpInputError):
             raise
         except Exception as error:
             hint = _context_hint(window_ctxs, error) if passes == "backward" else ""
             message = f"raised {type(error).__name__}: {error}{hint}"
-            raise _error_class(error)(self._where(window, passes) + message) from error
+            raise _error_class(error)(self._where(ops, passes) + message) from error
+        finally:
+            for ctx in base_ctxs:
+                ctx.input_format = ctx.output_format = None
         if passes == "forward":
             if not isinstance(result, torch.Tensor):
                 raise FusionRuleError(
-                    f"{self._where(window, passes)}returned {_describe(result)}; "
+                    f"{self._where(ops, passes)}returned {_describe(result)}; "
                     "a forward implementation must return the output tensor"
                 )
             for ctx in window_ctxs:
                 ctx.forward_rule = self.rule.name
-        elif not _is_backward_result(result, len(window)):
+            return result
+        if not _is_backward_result(result, len(base_ops)):
             raise FusionRuleError(
-                f"{self._where(window, passes)}returned {_describe(result)}; a backward implementation must "
-                f"return (dx, grads): dx a tensor or None, grads a list of {len(window)} entries (one per op, "
+                f"{self._where(ops, passes)}returned {_describe(result)}; a backward implementation must "
+                f"return (dx, grads): dx a tensor or None, grads a list of {len(base_ops)} entries (one per op, "
                 "each a dict from parameter or side-input name to gradient, or None)"
             )
-        return result
+        dx, base_grads = result
+        grads = [{} for _ in range(self.start, self.stop)]
+        for i, grad in zip(self.base, base_grads):
+            grads[i - self.start] = grad
+        return dx, grads
+
+    def _bind_formats(self, ops, ctxs, base_ctxs) -> None:
+        for boundary, first, stop in self.formats:
+            fmt = Format(list(ops[first:stop]), list(ctxs[first:stop]))
+            if boundary < len(base_ctxs):
+                base_ctxs[boundary].input_format = fmt
+            if boundary > 0:
+                base_ctxs[boundary - 1].output_format = fmt
 
     def _run_op(self, op, ctx, value, passes: str):
         if passes == "forward":
             return op.op_forward(ctx, value)
         try:
             dx, grads = op.op_backward(ctx, value)
-        except KeyError as error:
+        except (KeyError, AttributeError) as error:
             hint = _context_hint([ctx], error)
             if not hint:
                 raise
-            raise FusionRuleError(f"{op.op_name} (op {ctx.index}) backward raised KeyError: {error}{hint}") from error
+            raise FusionRuleError(
+                f"{op.op_name} (op {ctx.index}) backward raised {type(error).__name__}: {error}{hint}") from error
         return dx, [grads]
 
-    def _where(self, window, passes: str) -> str:
-        names = ", ".join(op.op_name for op in window)
+    def _where(self, ops, passes: str) -> str:
+        names = ", ".join(op.op_name for op in ops[self.start : self.stop])
         return f"fusion rule '{self.rule.name}' ({passes}, backend {self.backend}, ops [{self.start}:{self.stop}] {names}) "
+
+    def label(self, ops) -> str:
+        """``[start:stop] Op, Op -> rule 'name' (backend b)``."""
+        names = ", ".join(op.op_name for op in ops[self.start : self.stop])
+        where = f"[{self.start}]" if self.stop - self.start == 1 else f"[{self.start}:{self.stop}]"
+        what = f"rule '{self.rule.name}'" if self.rule is not None else "basic op"
+        return f"{where} {names} -> {what} (backend {self.backend})"
 
 
 @dataclass
@@ -342,74 +479,120 @@ class Plan:
         for passes, steps in (("forward", self.forward), ("backward", self.backward)):
             lines.append(f"{passes}:")
             for step in steps:
-                names = ", ".join(op.op_name for op in ops[step.start : step.stop])
-                where = f"[{step.start}]" if step.stop - step.start == 1 else f"[{step.start}:{step.stop}]"
-                what = f"rule '{step.rule.name}'" if step.rule is not None else "basic op"
-                line = f"  {where} {names} -> {what} (backend {step.backend})"
+                line = "  " + step.label(ops)
                 if step.skipped_backends:
-                    line += "; " + "; ".join(f"{b} backend: {r}" for b, r in step.skipped_backends)
+                    line += "; " + _reasons(step.skipped_backends)
                 lines.append(line)
             for name, start, stop, reason in self.not_fired[passes]:
                 lines.append(f"  not fired: rule '{name}' on [{start}:{stop}]: {reason}")
         return "\n".join(lines)
 
 
-def _choose_backend(rule: FusionRule, ops, info: PlanInfo):
-    """(backend, skipped) for the first backend that can run, or (None, skipped)."""
+def _choose_backend(rule: FusionRule, ops, info: StepInfo):
+    """(backend name, skipped) for the most preferred backend that can run, or (None, skipped)."""
+    if rule._supports is not None:  # the rule's own conditions, whatever the backend
+        reason = rule._supports(ops, info, None)
+        if reason is not None:
+            return None, [(None, reason)]
     forced = forced_backend()
-    order = [forced] if forced else list(BACKENDS)
+    order = [get_backend(forced)] if forced else list_backends()
     skipped = []
     for backend in order:
-        if backend not in rule.implementations:
+        if backend.implementation_of(rule) is None:
             continue
-        reason = rule.first_failure(ops, info, backend)
+        reason = rule.first_failure(ops, info, backend.name)
         if reason is None:
-            return backend, skipped
-        skipped.append((backend, reason))
+            return backend.name, skipped
+        skipped.append((backend.name, reason))
     if not skipped:
         skipped.append((forced or "any", "no implementation for this backend"))
     return None, skipped
 
 
-def _plan_pass(ops, info: PlanInfo, passes: str, fuse: bool):
-    """Greedy cover of the ops by rules (forward from the first op, backward from the last).
+def _candidates(rules, ops, info: PlanInfo, pos: int, passes: str, not_fired: list) -> list:
+    """Steps of the rules that can run and match with their first op (forward) or last op
+    (backward) at ``pos``: per rule, its match on the most preferred backend, the most folded
+    there. Rules that match but cannot run add (name, start, stop, reason) to ``not_fired``."""
+    preference = {b.name: b.preference for b in list_backends()}
+    starts = range(pos, pos + 1) if passes == "forward" else range(pos, -1, -1)
+    steps = []
+    for rule in rules:
+        matches = sorted((m for start in starts for m in rule.matches_at(ops, start)
+                          if passes == "forward" or m.stop == pos + 1), key=lambda m: m.start - m.stop)
+        attempts = []  # (match, step or None, skipped), the most folded first
+        for match in matches:
+            base_ops = [ops[i] for i in match.base]
+            backend, skipped = _choose_backend(rule, base_ops, rule.step_info(ops, info, match))
+            step = None if backend is None else Step(match.start, match.stop, rule, backend, skipped, match.base,
+                                                     match.formats)
+            attempts.append((match, step, skipped))
+        runnable = [step for _, step, _ in attempts if step is not None]
+        if not runnable:
+            if attempts:
+                match, _, skipped = attempts[0]
+                not_fired.append((rule.name, match.start, match.stop, _reasons(skipped)))
+            continue
+        chosen = min(runnable, key=lambda s: (preference[s.backend], s.start - s.stop))
+        steps.append(chosen)
+        match, _, skipped = attempts[0]  # why the most folded match did not take the chosen backend
+        better = [(b, r) for b, r in skipped if b is None or preference[b] <= preference[chosen.backend]]
+        if match.stop - match.start > chosen.stop - chosen.start and better:
+            not_fired.append((rule.name, match.start, match.stop,
+                              f"ran on [{chosen.start}:{chosen.stop}] instead; {_reasons(better)}"))
+    return steps
 
-    Of the rules that match at a position and can run, the planner takes the highest priority,
-    then the best backend (BACKENDS order: a shorter rule on the sm90 kernels beats a longer one
-    in torch), then the longer pattern, then the older rule."""
+
+def _reasons(skipped) -> str:
+    """``[(backend or None for the rule's own check, reason)]`` as one line."""
+    return "; ".join(r if b is None else f"{b} backend: {r}" for b, r in skipped)
+
+
+def _plan_pass(ops, info: PlanInfo, passes: str, fuse: bool):
+    """Greedy cover of the ops by rules: forward from the first op, backward from the last.
+
+    At each position not yet covered, of the rules that match there (their first op there in the
+    forward, their last op in the backward) and can run, the planner takes the highest
+    priority, then the most preferred backend (a shorter rule on a kernel backend beats a longer
+    one on the reference backend), then the longer span, then the older rule; the positions it
+    spans are then covered. A rule matching at a covered position does not fire: explain() says
+    which rule covered it."""
     rules = list_rules(passes) if fuse else []
-    backend_rank = {name: i for i, name in enumerate(BACKENDS)}
+    priority = {e.rule.name: e.priority for e in _registry.values()}
+    preference = {b.name: b.preference for b in list_backends()}
     steps, not_fired = [], []
     n = len(ops)
-    covered_until = 0 if passes == "forward" else n
+    covered_by = [None] * n
     positions = range(n) if passes == "forward" else range(n - 1, -1, -1)
     for pos in positions:
-        if (passes == "forward" and pos < covered_until) or (passes == "backward" and pos >= covered_until):
+        owner = covered_by[pos]
+        if owner is not None:  # every rule matching here, runnable or not, lost to the owner
+            failed: list = []
+            candidates = _candidates(rules, ops, info, pos, passes, failed)
+            spans = {(s.rule.name, s.start, s.stop) for s in candidates} | {f[:3] for f in failed}
+            for name, start, stop in sorted(spans, key=lambda span: (span[1], span[0])):
+                if name != owner.rule.name:
+                    not_fired.append((name, start, stop, f"positions already covered by rule '{owner.rule.name}' "
+                                                         f"(priority {priority[owner.rule.name]})"))
             continue
-        candidates = []
-        for rule in rules:
-            size = len(rule.pattern)
-            start = pos if passes == "forward" else pos - size + 1
-            if start < 0 or start + size > n or not rule.matches(ops[start : start + size]):
-                continue
-            backend, skipped = _choose_backend(rule, ops[start : start + size], info.window(start, start + size))
-            if backend is None:
-                reason = "; ".join(f"{b} backend: {r}" for b, r in skipped)
-                not_fired.append((rule.name, start, start + size, reason))
-                continue
-            candidates.append(Step(start, start + size, rule, backend, skipped))
+        candidates = _candidates(rules, ops, info, pos, passes, not_fired)
         if candidates:  # min() keeps list_rules' order among equals
-            chosen = min(candidates, key=lambda s: (-_registry[s.rule.name].priority, backend_rank[s.backend]))
+            chosen = min(candidates, key=lambda s: (-priority[s.rule.name], preference[s.backend], s.start - s.stop))
             for step in candidates:
                 if step is not chosen:  # with why its better backends could not take it
-                    reason = "".join([f"overlaps rule '{chosen.rule.name}' chosen first"] + [
-                        f"; {b} backend: {r}" for b, r in step.skipped_backends])
+                    reason = f"overlaps rule '{chosen.rule.name}' chosen first" + (
+                        f"; {_reasons(step.skipped_backends)}" if step.skipped_backends else "")
                     not_fired.append((step.rule.name, step.start, step.stop, reason))
         else:
-            chosen = Step(pos, pos + 1)
+            chosen = Step(pos, pos + 1, backend=_basic_backend())
         steps.append(chosen)
-        covered_until = chosen.stop if passes == "forward" else chosen.start
+        if chosen.rule is not None:
+            covered_by[chosen.start : chosen.stop] = [chosen] * (chosen.stop - chosen.start)
     return steps, not_fired
+
+
+def _basic_backend() -> str:
+    """The backend that runs basic ops (their own op_forward/op_backward): the reference one."""
+    return next((b.name for b in list_backends() if b.runs_reference), "reference")
 
 
 def make_plan(ops, info: PlanInfo, fuse: bool = True) -> Plan:

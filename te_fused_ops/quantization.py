@@ -70,6 +70,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
+from .errors import OpTypeError, OpValueError
+
 __all__ = [
     "Recipe",
     "Float8BlockScaling",
@@ -192,9 +194,9 @@ def _get_recipe(recipe, op: str) -> Recipe:
     if isinstance(recipe, str):
         if recipe not in _RECIPES:
             known = ", ".join(repr(name) for name in _RECIPES)
-            raise ValueError(f"{op}: unknown recipe {recipe!r} (argument 'recipe'); known: {known}")
+            raise OpValueError(f"{op}: unknown recipe {recipe!r} (argument 'recipe'); known: {known}")
         return _RECIPES[recipe]()
-    raise TypeError(
+    raise OpTypeError(
         f"{op}: argument 'recipe' must be a Recipe or a recipe name (str), got {type(recipe).__name__}"
     )
 
@@ -390,7 +392,7 @@ class QuantizedTensor(torch.Tensor):
     def _out_dtype(self, dtype, op):
         dtype = self.dtype if dtype is None else dtype
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"{op}: argument 'dtype' must be a floating torch.dtype, got {dtype}")
+            raise OpTypeError(f"{op}: argument 'dtype' must be a floating torch.dtype, got {dtype}")
         return dtype
 
     def dequantize(self, dtype=None) -> torch.Tensor:
@@ -427,7 +429,7 @@ class QuantizedTensor(torch.Tensor):
         """The columnwise copy's values: (K, M) for activations/gradients, (..., K, N) for weights."""
         dtype = self._out_dtype(dtype, "QuantizedTensor.dequantize_columnwise")
         if not self.has_columnwise:
-            raise ValueError(
+            raise OpValueError(
                 "QuantizedTensor.dequantize_columnwise: no columnwise copy; use "
                 "quantize(..., columnwise=True) or add_columnwise(qt, offsets)"
             )
@@ -473,44 +475,44 @@ class QuantizedTensor(torch.Tensor):
 
 def _check_input(x, name: str, op: str) -> None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: argument '{name}' must be a torch.Tensor, got {type(x).__name__}")
+        raise OpTypeError(f"{op}: argument '{name}' must be a torch.Tensor, got {type(x).__name__}")
     if isinstance(x, QuantizedTensor):
-        raise TypeError(f"{op}: argument '{name}' is already a QuantizedTensor; dequantize() it first")
+        raise OpTypeError(f"{op}: argument '{name}' is already a QuantizedTensor; dequantize() it first")
     if x.dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(
+        raise OpTypeError(
             f"{op}: argument '{name}' has dtype {x.dtype}; supported: float32, bfloat16, float16"
         )
 
 
 def _check_offsets(offsets, device, op: str) -> None:
     if not isinstance(offsets, torch.Tensor):
-        raise TypeError(f"{op}: argument 'offsets' must be a torch.Tensor, got {type(offsets).__name__}")
+        raise OpTypeError(f"{op}: argument 'offsets' must be a torch.Tensor, got {type(offsets).__name__}")
     if offsets.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{op}: argument 'offsets' has dtype {offsets.dtype}; supported: int32, int64")
+        raise OpTypeError(f"{op}: argument 'offsets' has dtype {offsets.dtype}; supported: int32, int64")
     if offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError(
+        raise OpValueError(
             f"{op}: argument 'offsets' must have shape (G+1,) with G >= 0, got {tuple(offsets.shape)}"
         )
     if offsets.device != device:
-        raise ValueError(f"{op}: argument 'offsets' is on {offsets.device}, expected {device}")
+        raise OpValueError(f"{op}: argument 'offsets' is on {offsets.device}, expected {device}")
 
 
 def _quantize(x, recipe, rowwise, columnwise, offsets, role, op, name):
     recipe = _get_recipe(recipe, op)
     _check_input(x, name, op)
     if role not in ROLES:
-        raise ValueError(f"{op}: argument 'role' must be one of {ROLES}, got {role!r}")
+        raise OpValueError(f"{op}: argument 'role' must be one of {ROLES}, got {role!r}")
     if not (rowwise or columnwise):
-        raise ValueError(f"{op}: arguments 'rowwise' and 'columnwise' are both False; request a copy")
+        raise OpValueError(f"{op}: arguments 'rowwise' and 'columnwise' are both False; request a copy")
     if role == "weight":
         if x.dim() not in (2, 3):
-            raise ValueError(
+            raise OpValueError(
                 f"{op}: argument '{name}' must have shape (G, N, K) or (N, K), got {tuple(x.shape)}"
             )
         if offsets is not None:
-            raise ValueError(f"{op}: argument 'offsets' must be None for role='weight'")
+            raise OpValueError(f"{op}: argument 'offsets' must be None for role='weight'")
     elif x.dim() == 0:
-        raise ValueError(f"{op}: argument '{name}' must have at least 1 dimension, got a 0-d tensor")
+        raise OpValueError(f"{op}: argument '{name}' must have at least 1 dimension, got a 0-d tensor")
     if offsets is not None:
         _check_offsets(offsets, x.device, op)
     with torch.no_grad():
@@ -576,10 +578,10 @@ def add_columnwise(qt: QuantizedTensor, offsets=None) -> QuantizedTensor:
     """
     op = "add_columnwise"
     if not isinstance(qt, QuantizedTensor):
-        raise TypeError(f"{op}: argument 'qt' must be a QuantizedTensor, got {type(qt).__name__}")
+        raise OpTypeError(f"{op}: argument 'qt' must be a QuantizedTensor, got {type(qt).__name__}")
     if offsets is not None:
         if qt.role == "weight":
-            raise ValueError(f"{op}: argument 'offsets' must be None for a weight")
+            raise OpValueError(f"{op}: argument 'offsets' must be None for a weight")
         _check_offsets(offsets, qt.device, op)
     transposes_blocks = qt.recipe.block_size is None or qt.recipe.weight_blocks_2d
     if qt.has_rowwise and qt.role == "weight" and transposes_blocks:
@@ -670,3 +672,8 @@ def quantized_weight_values(weight: torch.Tensor, recipe, scope) -> torch.Tensor
     return reuse_or_make(
         weight, recipe, "values", lambda: quantize_weight(weight.detach(), recipe).dequantize(), scope
     )
+
+
+def is_quantized(x) -> bool:
+    """Whether ``x`` is a `QuantizedTensor`."""
+    return isinstance(x, QuantizedTensor)

@@ -1,7 +1,7 @@
 """Values kept for the backward travel through autograd's saved tensors, never around them.
 
 `pack` turns what the ops left in their contexts (tensors, QuantizedTensors, tensors carrying a
-column-wise copy, `Recompute`s, dicts, lists, plain values) into a skeleton without tensors plus
+column-wise copy, `Recompute`s, `Saved` fields, dicts, lists, plain values) into a skeleton without tensors plus
 the list of tensors, which the Sequential's autograd.Function hands to ``save_for_backward``.
 So ``saved_tensors_hooks`` see every saved tensor, activation checkpointing can drop them,
 in-place changes after the forward raise torch's usual error, and a retained graph can run its
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ops.base import Recompute
+from .context import Recompute, Saved
 from .quantization import QuantizedTensor
 
 _QUANTIZED_FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv", "offsets",
@@ -67,6 +67,8 @@ def pack(value, tensors: list, index: dict):
         return _slot(value, tensors, index)
     if isinstance(value, Recompute):
         return _Recomputed(value.fn, pack(value.args, tensors, index))
+    if isinstance(value, Saved):
+        return Saved(**pack(vars(value), tensors, index))
     if isinstance(value, dict):
         return {key: pack(item, tensors, index) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -89,6 +91,8 @@ def unpack(skeleton, tensors):
         )
     if isinstance(skeleton, _Recomputed):
         return Recompute(skeleton.fn, *unpack(skeleton.args, tensors))
+    if isinstance(skeleton, Saved):
+        return Saved(**unpack(vars(skeleton), tensors))
     if isinstance(skeleton, dict):
         return {key: unpack(item, tensors) for key, item in skeleton.items()}
     if isinstance(skeleton, (list, tuple)):
@@ -106,5 +110,7 @@ def slot_indices(skeleton) -> set:
         return slot_indices(skeleton.fields)
     if isinstance(skeleton, _Recomputed):
         return slot_indices(skeleton.args)
+    if isinstance(skeleton, Saved):
+        skeleton = vars(skeleton)
     items = skeleton.values() if isinstance(skeleton, dict) else skeleton if isinstance(skeleton, (list, tuple)) else ()
     return set().union(*(slot_indices(item) for item in items))

@@ -11,18 +11,21 @@ from contextlib import contextmanager
 import torch
 
 from . import env
-from .backends.sm90.kernels.split_offsets import kernel_available, split_offsets_sm90
+from .errors import OpTypeError, OpValueError
+from .backends import split_offsets_kernel
 
 _SPLIT_DTYPES = (torch.int32, torch.int64)
 _local = threading.local()  # .validation: the innermost `validation()` setting of this thread
 
 
-def validation_enabled() -> bool:
-    """Opt-in check of split values (costs a host sync): env TE_FUSED_OPS_VALIDATE=1 or `validation()`."""
+def validation_enabled(device: torch.device = None) -> bool:
+    """Whether split values are checked: inside `validation()` its setting; else on the CPU
+    always (reading them costs nothing there), elsewhere only with env TE_FUSED_OPS_VALIDATE=1
+    (a host sync)."""
     override = getattr(_local, "validation", None)
     if override is not None:
         return override
-    return env.read("TE_FUSED_OPS_VALIDATE")
+    return (device is not None and device.type == "cpu") or env.read("TE_FUSED_OPS_VALIDATE")
 
 
 @contextmanager
@@ -39,15 +42,15 @@ def validation(enabled: bool = True):
 def check_split_sizes(op_name: str, split_sizes, num_groups: int, device: torch.device) -> None:
     """Type/shape/device checks (no sync): raises TypeError/ValueError naming op and argument."""
     if not isinstance(split_sizes, torch.Tensor):
-        raise TypeError(f"{op_name}: argument 'split_sizes' must be a torch.Tensor, got {type(split_sizes).__name__}")
+        raise OpTypeError(f"{op_name}: argument 'split_sizes' must be a torch.Tensor, got {type(split_sizes).__name__}")
     if split_sizes.dtype not in _SPLIT_DTYPES:
-        raise TypeError(f"{op_name}: argument 'split_sizes' must have dtype int32 or int64, got {split_sizes.dtype}")
+        raise OpTypeError(f"{op_name}: argument 'split_sizes' must have dtype int32 or int64, got {split_sizes.dtype}")
     if split_sizes.dim() != 1 or split_sizes.shape[0] != num_groups:
-        raise ValueError(
+        raise OpValueError(
             f"{op_name}: argument 'split_sizes' must have shape ({num_groups},), got {tuple(split_sizes.shape)}"
         )
     if split_sizes.device != device:
-        raise ValueError(
+        raise OpValueError(
             f"{op_name}: argument 'split_sizes' is on {split_sizes.device} but the input is on {device}"
         )
 
@@ -56,10 +59,10 @@ def validate_split_values(op_name: str, split_sizes: torch.Tensor, num_rows: int
     """Value checks for validation mode (host sync): negative sizes, sum larger than the rows."""
     values = split_sizes.detach().cpu().tolist()
     if any(v < 0 for v in values):
-        raise ValueError(f"{op_name}: argument 'split_sizes' has negative entries: {values}")
+        raise OpValueError(f"{op_name}: argument 'split_sizes' has negative entries: {values}")
     total = sum(values)  # Python ints: no overflow
     if total > num_rows:
-        raise ValueError(f"{op_name}: argument 'split_sizes' sums to {total} but the input has {num_rows} rows")
+        raise OpValueError(f"{op_name}: argument 'split_sizes' sums to {total} but the input has {num_rows} rows")
 
 
 def split_offsets(split_sizes: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -68,10 +71,11 @@ def split_offsets(split_sizes: torch.Tensor, num_rows: int) -> torch.Tensor:
     Each size is clamped to ``[0, num_rows]`` before the int64 prefix sum (which then cannot
     overflow for any int32/int64 values: G * num_rows < 2**63), and every offset to
     ``num_rows``, so offsets are nondecreasing and within ``[0, num_rows]`` whatever the values.
-    Plain CUDA tensors on sm90 take one kernel launch (`kernels.split_offsets`), others six torch ops.
+    A backend's offsets kernel takes them where it applies (one launch), else six torch ops.
     """
-    if type(split_sizes) is torch.Tensor and split_sizes.is_cuda and num_rows < 2**31 and kernel_available():
-        return split_offsets_sm90(split_sizes.contiguous(), num_rows)
+    offsets = split_offsets_kernel(split_sizes, num_rows)
+    if offsets is not None:
+        return offsets
     sizes = split_sizes.clamp(0, num_rows).to(torch.int64)
     ends = torch.cumsum(sizes, 0).clamp(max=num_rows).to(torch.int32)
     return torch.cat([ends.new_zeros(1), ends])
@@ -92,14 +96,14 @@ def valid_rows_mask(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
 def bind_offsets(op_name: str, side: dict, x: torch.Tensor, memo: dict, num_groups=None) -> torch.Tensor:
     """Checked ``split_sizes`` -> offsets for the rows of ``x``, computed once per call (``memo``)."""
     if x.dim() != 2:
-        raise ValueError(f"{op_name}: argument 'x' must be 2-D (tokens, features), got shape {tuple(x.shape)}")
+        raise OpValueError(f"{op_name}: argument 'x' must be 2-D (tokens, features), got shape {tuple(x.shape)}")
     split_sizes = side["split_sizes"]
     if num_groups is None and isinstance(split_sizes, torch.Tensor):
         num_groups = split_sizes.shape[0] if split_sizes.dim() == 1 else -1
     check_split_sizes(op_name, split_sizes, num_groups, x.device)
     key = (id(split_sizes), id(x))  # hashable under symbolic shapes too
     if key not in memo:
-        if validation_enabled():
+        if validation_enabled(split_sizes.device):
             validate_split_values(op_name, split_sizes, x.shape[0])
         memo[key] = split_offsets(split_sizes, x.shape[0])
     return memo[key]

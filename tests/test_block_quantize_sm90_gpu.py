@@ -210,7 +210,7 @@ def assert_same_values(out, expected):
 def test_dequantize_matches_torch_bit_for_bit(shape, recipe, dtype):
     """Poisoned output; per-tensor (fp8_current) scales go in broadcast to the 1 x 128 grid. fp16
     output saturates where the values pass 65504 (the sample spans 2**-20 .. 2**12 per row)."""
-    from fusion_rules._sm90 import block_multipliers
+    from te_fused_ops.backends.sm90.linear import block_multipliers
     from te_fused_ops.quantization import Float8BlockScaling
 
     name = {"fp8_blockwise_pow2": Float8BlockScaling(power_2_scales=True)}.get(recipe, recipe)

@@ -7,8 +7,8 @@ import torch
 
 import te_fused_ops as tfo
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU, env
-from te_fused_ops.fusion import BACKENDS, forced_backend, fusion_enabled_by_env
-from te_fused_ops.backends.sm90.kernels import launch
+from te_fused_ops.backends import backend_names
+from te_fused_ops.fusion import forced_backend, fusion_enabled_by_env
 from te_fused_ops.splits import validation_enabled
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
@@ -40,7 +40,7 @@ def test_backend_typo_raises_on_call(monkeypatch):
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torhc")
     with pytest.raises(ValueError, match=r"TE_FUSED_OPS_BACKEND must be one of sm90, torch, or empty, got 'torhc'"):
         seq(torch.randn(5, 8), split_sizes=SPLITS)
-    for name in BACKENDS:
+    for name in backend_names():
         monkeypatch.setenv("TE_FUSED_OPS_BACKEND", name)
         assert forced_backend() == name
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", " ")
@@ -74,11 +74,13 @@ def test_unknown_variable_warns(monkeypatch):
 
 
 def test_every_switch_documented_in_readme_and_help():
+    """help(te_fused_ops) carries the full table; the README names every switch."""
     table = env.markdown_table()
-    assert table in README.read_text(), "README's switch table differs from env.markdown_table()"
     assert table in tfo.__doc__
+    readme = README.read_text()
     for name in env.SWITCHES:
         assert f"`{name}`" in table
+        assert f"`{name}" in readme, f"README does not mention {name}"
 
 
 def test_library_reads_only_known_switches():
@@ -92,13 +94,19 @@ def test_library_reads_only_known_switches():
     assert named <= set(env.SWITCHES), named - set(env.SWITCHES)
 
 
-def test_sm_margin_setting_follows_os_environ(monkeypatch):
-    # the launch memo keys on this raw value: every change through os.environ must show
+def test_sm90_sm_margin_follows_os_environ(monkeypatch):
+    # the sm90 backend reads the switch at every call and hands it to the kernels (which read no
+    # environment): every change through os.environ must show
+    from te_fused_ops.backends.sm90.backend import sm_margin
+
     monkeypatch.delenv("TE_FUSED_OPS_SM_MARGIN", raising=False)
-    assert launch.sm_margin_setting() is None
+    assert sm_margin() == 0
     monkeypatch.setenv("TE_FUSED_OPS_SM_MARGIN", "8")
-    first = launch.sm_margin_setting()
+    assert sm_margin() == 8
     monkeypatch.setenv("TE_FUSED_OPS_SM_MARGIN", "16")
-    assert launch.sm_margin_setting() not in (None, first)
+    assert sm_margin() == 16
+    monkeypatch.setenv("TE_FUSED_OPS_SM_MARGIN", "-1")
+    with pytest.raises(ValueError, match="TE_FUSED_OPS_SM_MARGIN must be an integer >= 0"):
+        sm_margin()
     monkeypatch.delenv("TE_FUSED_OPS_SM_MARGIN")
-    assert launch.sm_margin_setting() is None
+    assert sm_margin() == 0

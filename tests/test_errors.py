@@ -107,3 +107,43 @@ def test_rule_definition_errors():
         register_rule(rule)
     with pytest.raises(TypeError, match=r"register_rule: argument 'rule' must be a FusionRule"):
         register_rule("no_impl")
+
+
+def test_parameters_on_another_device_raise_before_any_kernel():
+    """Weights on meta (or another device) with x on the CPU: a clear error naming op and
+    parameter, never a tensor of uninitialised memory."""
+    op = GroupedLinear(4, 32, 64, device="meta")
+    with pytest.raises(ValueError, match=r"GroupedLinear \(op 0\): parameter 'weight' is on meta but argument 'x' "
+                                         r"is on cpu; move the module to the input's device"):
+        op(torch.randn(8, 32), split_sizes=torch.tensor([2, 2, 2, 2]))
+    mixed = Sequential(GroupedLinear(3, 8, 16), SwiGLU(), GroupedLinear(3, 8, 8, device="meta"))
+    with pytest.raises(ValueError, match=r"GroupedLinear \(op 2\): parameter 'weight' is on meta"):
+        mixed(X, split_sizes=S)
+
+
+def test_input_on_meta_raises_naming_the_argument():
+    with pytest.raises(ValueError, match=r"Sequential: argument 'x' is on the meta device"):
+        seq()(torch.randn(6, 8, device="meta"), split_sizes=S)
+    with pytest.raises(ValueError, match=r"GroupedLinear: argument 'x' is on the meta device"):
+        GroupedLinear(3, 8, 16)(torch.randn(6, 8, device="meta"), split_sizes=S)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_dtype_mismatch_is_the_ops_own_error_fused_or_not(fuse):
+    """A fused rule surfaces the op's own TypeError, as the unfused op does (not a rule error)."""
+    from te_fused_ops import FusionRuleError
+
+    model = Sequential(GroupedLinear(3, 8, 16), SwiGLU(), GroupedLinear(3, 8, 8), fuse=fuse)
+    with pytest.raises(TypeError) as info:
+        model(X.double(), split_sizes=S)
+    assert not isinstance(info.value, FusionRuleError)
+    assert str(info.value) == "GroupedLinear: argument 'x' has dtype torch.float64 but the weight has torch.float32"
+
+
+@pytest.mark.gpu
+def test_parameters_on_the_cpu_with_x_on_cuda_raise():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    with pytest.raises(ValueError, match=r"GroupedLinear \(op 0\): parameter 'weight' is on cpu but argument 'x' "
+                                         r"is on cuda:0"):
+        seq()(X.cuda(), split_sizes=S.cuda())

@@ -20,7 +20,7 @@ from te_fused_ops import (
     Transpose,
 )
 from te_fused_ops.quantization import get_recipe
-from te_fused_ops.sequential import saved_tensor_bytes
+from te_fused_ops.runner import saved_tensor_bytes
 
 G, H, I = 4, 32, 16
 SPLITS = torch.tensor([0, 13, 6, 0])  # zero groups first and last; rows 19.. are padding
@@ -54,37 +54,42 @@ def fired(seq, x, passes="forward", **side):
     return {step.rule.name for step in getattr(plan, passes) if step.rule is not None}
 
 
-CASES = {
+CASES = {  # "<the rule that fires>[/variant]": the ops
     "grouped_linear+activation": lambda: (GroupedLinear(G, H, 2 * I), SwiGLU(), GroupedLinear(G, I, H)),
     "grouped_linear+activation/geglu": lambda: (GroupedLinear(G, H, 2 * I, bias=True), GeGLU(), GroupedLinear(G, I, H)),
     "grouped_linear+activation/srelu": lambda: (GroupedLinear(G, H, I), SReLU(), GroupedLinear(G, I, H)),
     "grouped_linear+activation/clamped": lambda: (GroupedLinear(G, H, 2 * I), ClampedSwiGLU(), GroupedLinear(G, I, H)),
-    "grouped_linear+activation+quantize": lambda: (
+    "grouped_linear+activation/output_format": lambda: (
         GroupedLinear(G, H, 2 * I),
         SwiGLU(),
         Quantize("fp8_blockwise"),
         GroupedLinear(G, I, H),
     ),
-    "grouped_linear+activation+quantize+transpose": lambda: (
+    "grouped_linear+activation/output_format_columns": lambda: (
         GroupedLinear(G, H, 2 * I),
         SwiGLU(),
         Quantize("mxfp8", quantize_grad=True),
         Transpose(),
         GroupedLinear(G, I, H),
     ),
-    "grouped_linear+quantize": lambda: (GroupedLinear(G, H, 2 * I), Quantize("fp8_current"), SwiGLU()),
-    "transpose+grouped_linear": lambda: (Quantize("fp8_blockwise"), Transpose(), GroupedLinear(G, H, I)),
-    "quantize": lambda: (Quantize("fp8_blockwise"), GroupedLinear(G, H, I)),
-    "grouped_linear+quantize+transpose": lambda: (
+    "grouped_linear+activation/input_and_output_formats": lambda: (
+        Quantize("fp8_current"),
+        GroupedLinear(G, H, 2 * I),
+        SwiGLU(),
+        Quantize("fp8_current"),
+        GroupedLinear(G, I, H),
+    ),
+    "grouped_linear/output_format": lambda: (GroupedLinear(G, H, 2 * I), Quantize("fp8_current"), SwiGLU()),
+    "grouped_linear/input_format_columns": lambda: (Quantize("fp8_blockwise"), Transpose(), GroupedLinear(G, H, I)),
+    "grouped_linear/input_format": lambda: (Quantize("fp8_blockwise"), GroupedLinear(G, H, I)),
+    "grouped_linear/lone_transpose": lambda: (Transpose(), GroupedLinear(G, H, I)),
+    "grouped_linear/output_format_columns": lambda: (
         GroupedLinear(G, H, I),
         Quantize("fp8_blockwise"),
         Transpose(),
         GroupedLinear(G, I, H),
     ),
-}
-EXPECTED_BACKWARD = {
-    "grouped_linear+activation+quantize": "dactivation+quantize+grouped_linear",
-    "grouped_linear+activation+quantize+transpose": "dactivation+quantize+transpose+grouped_linear",
+    "quantize": lambda: (Quantize("fp8_blockwise"), SReLU(), GroupedLinear(G, H, I)),
 }
 
 
@@ -122,7 +127,7 @@ def test_backward_rule_fires_and_matches_float64(act):
     act_op, fn = (SwiGLU(), ref.swiglu) if act == "swiglu" else (ClampedSwiGLU(), ref.clamped_swiglu)
     seq = Sequential(GroupedLinear(G, H, 2 * I, bias=True), act_op, GroupedLinear(G, I, H))
     x = torch.randn(ROWS, H) * 2
-    assert "dactivation+grouped_linear" in fired(seq, x, passes="backward")
+    assert fired(seq, x, passes="backward") == {"dactivation+grouped_linear", "grouped_linear_backward"}
     y, grads = run(seq, x)
 
     x64 = x.double().requires_grad_(True)
@@ -162,12 +167,12 @@ def test_explain_reports_first_failing_condition_of_user_rule():
         "needs_fp64", pattern=(GroupedLinear, SReLU), passes="forward",
         supports=lambda ops, info, backend: None if info.dtype == torch.float64 else f"dtype {info.dtype} not supported",
     )
-    rule.implementation("torch")(lambda ops, ctxs, x: ops[1].op_forward(ctxs[1], ops[0].op_forward(ctxs[0], x)))
+    rule.set_reference(lambda ops, ctxs, x: ops[1].op_forward(ctxs[1], ops[0].op_forward(ctxs[0], x)))
     tfo.register_rule(rule, priority=100)
     try:
         seq = Sequential(GroupedLinear(G, H, I), SReLU())
         text = seq.explain(torch.randn(ROWS, H), split_sizes=SPLITS)
-        assert "not fired: rule 'needs_fp64' on [0:2]: torch backend: dtype torch.float32 not supported" in text
+        assert "not fired: rule 'needs_fp64' on [0:2]: dtype torch.float32 not supported" in text
     finally:
         tfo.unregister_rule("needs_fp64")
 
@@ -230,7 +235,7 @@ def test_plan_cache_invalidated_by_registry_changes():
     x = torch.randn(ROWS, H)
     before = seq.plan(x, split_sizes=SPLITS)
     rule = FusionRule("temporary", pattern=(SReLU,), passes="forward")
-    rule.implementation("torch")(lambda ops, ctxs, x: ops[0].op_forward(ctxs[0], x))
+    rule.set_reference(lambda ops, ctxs, x: ops[0].op_forward(ctxs[0], x))
     tfo.register_rule(rule)
     try:
         assert seq.plan(x, split_sizes=SPLITS) is not before
@@ -262,23 +267,23 @@ def _sm90_info(ops, dtype=torch.bfloat16, capability=(9, 0), input_recipe=None):
 
 
 def test_planner_prefers_a_shorter_sm90_rule_over_a_longer_torch_one(monkeypatch):
-    """fp8_blockwise chain on an input quantized upstream: GroupGemm + activation + quantize +
-    transpose runs only in torch there (the FP8 kernel has no act-cast epilogue); GroupGemm +
-    activation on the FP8 kernel wins; a priority still overrides."""
+    """fp8_blockwise chain on an input quantized upstream: GroupGemm + activation with the
+    Quantize + Transpose folded as its output runs only in torch there (the FP8 kernel has no
+    act-cast epilogue); GroupGemm + activation on the FP8 kernel wins, the casts join the next
+    GroupedLinear as its input format; a priority still overrides."""
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")  # compile-only mode: CuTe DSL counts as available
     ops = [GroupedLinear(4, 64, 256), SwiGLU(), Quantize("fp8_blockwise"), Transpose(), GroupedLinear(4, 128, 64)]
     recipe = get_recipe("fp8_blockwise")
     info = tfo.PlanInfo("cuda", (9, 0), torch.bfloat16, (True,) * 5, (True,) * 5, (recipe, recipe, None, recipe, recipe))
     plan = tfo.fusion.make_plan(ops, info)
-    chosen = [(s.rule.name if s.rule else None, s.start, s.backend) for s in plan.forward]
-    assert chosen == [("grouped_linear+activation", 0, "sm90"), ("quantize", 2, "sm90"),
-                      ("transpose+grouped_linear", 3, "sm90")]
+    chosen = [(s.rule.name if s.rule else None, s.start, s.stop, s.backend) for s in plan.forward]
+    assert chosen == [("grouped_linear+activation", 0, 2, "sm90"), ("grouped_linear", 2, 5, "sm90")]
     text = plan.explain(ops)
-    assert ("rule 'grouped_linear+activation+quantize+transpose' on [0:4]: overlaps rule 'grouped_linear+activation' "
-            "chosen first; sm90 backend: quantized input") in text, text
+    assert ("rule 'grouped_linear+activation' on [0:4]: ran on [0:2] instead; sm90 backend: quantized input") in text
+    assert "rule 'quantize' on [2:3]: overlaps rule 'grouped_linear' chosen first" in text, text
     backward = [(s.rule.name, s.start, s.backend) for s in plan.backward if s.rule is not None]
     # FC1's FP8 backward fed d_pre's E4M3 copies by the dAct kernel's epilogue
-    assert backward == [("grouped_linear+dactivation+quantize+transpose+grouped_linear", 0, "sm90")]
+    assert backward == [("grouped_linear+dactivation+grouped_linear", 0, "sm90")]
     pattern = (GroupedLinear, SwiGLU, Quantize, Transpose)
     tfo.fusion_rule("preferred_torch", pattern, "forward", priority=1)(lambda ops, ctxs, x: x)
     try:
@@ -286,6 +291,26 @@ def test_planner_prefers_a_shorter_sm90_rule_over_a_longer_torch_one(monkeypatch
         assert (first.rule.name, first.backend) == ("preferred_torch", "torch")
     finally:
         tfo.unregister_rule("preferred_torch")
+
+
+def test_explain_reports_rules_at_covered_positions():
+    """A higher-priority rule whose first op lies inside an earlier step does not fire, and
+    explain() says which rule covered it; the documented order: the first uncovered position
+    decides, priority only among the rules matching there."""
+    tfo.fusion_rule("act_then_linear", (SwiGLU, GroupedLinear), "forward", priority=10)(
+        lambda ops, ctxs, x: ops[1].op_forward(ctxs[1], ops[0].op_forward(ctxs[0], x)))
+    try:
+        assert tfo.list_rules("forward")[0].name == "act_then_linear"
+        seq = Sequential(GroupedLinear(G, H, 2 * I), SwiGLU(), GroupedLinear(G, I, H))
+        x = torch.randn(ROWS, H)
+        assert fired(seq, x) == {"grouped_linear+activation", "grouped_linear"}
+        text = seq.explain(x, split_sizes=SPLITS)
+        assert ("not fired: rule 'act_then_linear' on [1:3]: positions already covered by rule "
+                "'grouped_linear+activation' (priority 0)") in text, text
+        seq2 = Sequential(SReLU(), SwiGLU(), GroupedLinear(G, I, H))  # nothing covers SwiGLU: it fires
+        assert "act_then_linear" in fired(seq2, torch.randn(ROWS, 2 * I))
+    finally:
+        tfo.unregister_rule("act_then_linear")
 
 
 def test_sm90_supports_reports_kernel_limits_in_explain(monkeypatch):

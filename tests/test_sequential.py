@@ -52,11 +52,22 @@ def test_op_called_alone_and_in_sequence_agree():
     assert torch.allclose(seq(x, split_sizes=s), by_hand, atol=1e-6)
 
 
+def test_cpu_split_values_are_checked_by_default():
+    seq = mlp(dtype=torch.float64)
+    x = torch.randn(10, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"GroupedLinear: argument 'split_sizes' has negative entries: \[6, -3, 1\]"):
+        seq(x, split_sizes=torch.tensor([6, -3, 1]))
+    with pytest.raises(ValueError, match=r"GroupedLinear: argument 'split_sizes' sums to 11 but the input has 10 rows"):
+        seq(x, split_sizes=torch.tensor([6, 4, 1]))
+    assert torch.all(seq(x, split_sizes=torch.tensor([2, 3, 1]))[6:] == 0)  # a smaller sum: padding rows
+
+
 def test_out_of_range_split_values_are_clamped_without_validation():
     torch.manual_seed(2)
     seq = mlp(dtype=torch.float64)
     x = torch.randn(10, 16, dtype=torch.float64, requires_grad=True)
-    y = seq(x, split_sizes=torch.tensor([6, -3, 9]))  # negative, and sum larger than rows
+    with validation(False):  # what a GPU run does without validation: clamp on the device
+        y = seq(x, split_sizes=torch.tensor([6, -3, 9]))  # negative, and sum larger than rows
     effective = [6, 0, 4]
     w1, b1, w2 = (p.detach() for p in seq.parameters())
     expected = ref.grouped_linear(ref.swiglu(ref.grouped_linear(x.detach(), w1, b1, effective)), w2, None, effective)

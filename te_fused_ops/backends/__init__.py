@@ -1,1 +1,112 @@
-"""Kernel backends: one package per backend, each registering itself."""
+"""Kernel backends: one package per backend, each registering itself here.
+
+A `Backend` has a name, a preference (lower runs first where several can), a check that says
+why it cannot run a plan (device, capability, a missing package) or None, and its
+implementations of fusion rules, by rule name. The reference backend runs each rule's
+reference implementation (its ``reference`` function), on every device. The planner, the rules
+and the runner only ever see this registry: a new backend is a new package that calls
+`register_backend`, with no edit anywhere else.
+"""
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+
+def as_check(fn: Callable) -> Callable:
+    """``fn`` as ``check(ops, info, backend_name)``: a check may take (ops, info) or
+    (ops, info, backend)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return fn
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params):
+        return fn
+    return lambda ops, info, backend: fn(ops, info)
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """A rule's implementation on one backend: ``run`` (the rule's implementation signature)
+    and ``supports(ops, info)`` returning None or why it cannot run these ops."""
+
+    run: Callable
+    supports: Optional[Callable] = None
+
+    def unsupported_reason(self, ops, info, backend: str) -> Optional[str]:
+        return None if self.supports is None else as_check(self.supports)(ops, info, backend)
+
+
+class Backend:
+    """One kernel backend.
+
+    ``unavailable_reason(info)``: None when it can run a plan with this `PlanInfo`, else why not;
+    ``preference``: lower wins where several backends can run a rule; ``runs_reference``: it runs
+    each rule's reference implementation (rules need no implementation registered for it);
+    ``split_offsets(split_sizes, num_rows)``: the backend's offsets kernel, returning None where
+    it does not apply (the torch ops run then).
+    """
+
+    def __init__(self, name: str, unavailable_reason: Callable, preference: int, runs_reference: bool = False,
+                 split_offsets: Optional[Callable] = None):
+        self.name = name
+        self.unavailable_reason = unavailable_reason
+        self.preference = preference
+        self.runs_reference = runs_reference
+        self.split_offsets = split_offsets
+        self.implementations: dict = {}
+
+    def implement(self, rule_name: str, supports: Optional[Callable] = None):
+        """Decorator registering ``fn`` as this backend's implementation of rule ``rule_name``."""
+
+        def decorate(fn):
+            self.implementations[rule_name] = Implementation(fn, supports)
+            return fn
+
+        return decorate
+
+    def implementation_of(self, rule) -> Optional[Implementation]:
+        """What runs ``rule`` here: the rule's own implementation for this backend, this backend's
+        registered one, or (reference backend) the rule's reference; None if nothing."""
+        own = rule.implementations.get(self.name) or self.implementations.get(rule.name)
+        if own is None and self.runs_reference and rule.reference is not None:
+            return Implementation(rule.reference)
+        return own
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r}, preference={self.preference})"
+
+
+_backends: dict = {}
+
+
+def register_backend(backend: Backend) -> Backend:
+    """Add ``backend`` (replacing one of the same name)."""
+    _backends[backend.name] = backend
+    return backend
+
+
+def list_backends() -> list:
+    """The registered backends, most preferred first."""
+    return sorted(_backends.values(), key=lambda b: b.preference)
+
+
+def backend_names() -> tuple:
+    return tuple(b.name for b in list_backends())
+
+
+def get_backend(name: str) -> Backend:
+    if name not in _backends:
+        raise KeyError(f"unknown backend {name!r}; known: {', '.join(backend_names())}")
+    return _backends[name]
+
+
+def split_offsets_kernel(split_sizes, num_rows: int):
+    """The offsets of ``split_sizes`` from the first backend kernel that takes them, or None."""
+    for backend in list_backends():
+        if backend.split_offsets is not None:
+            offsets = backend.split_offsets(split_sizes, num_rows)
+            if offsets is not None:
+                return offsets
+    return None

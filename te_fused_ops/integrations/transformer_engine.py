@@ -29,7 +29,7 @@ import torch
 
 from ..fusion import PlanInfo, make_plan
 from ..ops import ClampedSwiGLU, GeGLU, GroupedLinear, ScaledSwiGLU, SReLU, SwiGLU
-from ..sequential import prepare_run
+from ..runner import prepare_run
 
 # first TE op of a window -> {window length: Decision} of the latest fusion
 _decisions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

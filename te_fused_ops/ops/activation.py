@@ -14,7 +14,8 @@ import warnings
 import torch
 
 from .. import env
-from .base import BasicOp, OpContext, is_quantized
+from ..errors import OpTypeError, OpValueError
+from .base import BasicOp, OpContext, Recompute, is_quantized
 
 _GELU_K = math.sqrt(2.0 / math.pi)
 _GELU_C = 0.044715
@@ -75,13 +76,13 @@ class Activation(BasicOp):
 
     def check_input(self, x) -> None:
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{self.op_name}: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
+            raise OpTypeError(f"{self.op_name}: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():
-            raise TypeError(f"{self.op_name}: argument 'x' must be a floating-point tensor, got {x.dtype}")
+            raise OpTypeError(f"{self.op_name}: argument 'x' must be a floating-point tensor, got {x.dtype}")
         if x.dim() == 0:
-            raise ValueError(f"{self.op_name}: argument 'x' must have at least one dimension")
+            raise OpValueError(f"{self.op_name}: argument 'x' must have at least one dimension")
         if self.glu and x.shape[-1] % 2:
-            raise ValueError(
+            raise OpValueError(
                 f"{self.op_name}: argument 'x' last dimension {x.shape[-1]} is odd; a GLU needs [gate; up] halves"
             )
 
@@ -95,12 +96,20 @@ class Activation(BasicOp):
     def backward_math(self, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
         return self.act_grad(_upcast(x), _upcast(dy)).to(x.dtype)
 
+    def keep_for_backward(self, ctx: OpContext, pre: torch.Tensor, output_recomputable: bool = False) -> None:
+        """Save what op_backward needs: the pre-activation ``pre`` (lazily where its producer can
+        recompute it). ``output_recomputable``: the consumer of this op's output may recompute it
+        from the saved ``pre`` instead of keeping it (a fused forward that keeps no output)."""
+        if ctx.input_requires_grad or ctx.params_require_grad:
+            ctx.save_input(pre)
+            if output_recomputable:
+                ctx.recompute_output = Recompute(self.compute, ctx.side, ctx.saved.input)
+
     def op_forward(self, ctx: OpContext, x) -> torch.Tensor:
         if is_quantized(x):
             x = x.dequantize()
         self.check_input(x)
-        if ctx.input_requires_grad or ctx.params_require_grad:
-            ctx.save_input(x)
+        self.keep_for_backward(ctx, x)
         return self.compute(ctx.side, x)
 
     def input_grad(self, ctx: OpContext, pre: torch.Tensor, dy: torch.Tensor):
@@ -170,7 +179,7 @@ class ClampedSwiGLU(_GLU):
     def __init__(self, limit: float = 7.0, alpha: float = 1.702):
         super().__init__()
         if not limit > 0:
-            raise ValueError(f"ClampedSwiGLU: argument 'limit' must be positive, got {limit!r}")
+            raise OpValueError(f"ClampedSwiGLU: argument 'limit' must be positive, got {limit!r}")
         self.limit, self.alpha = float(limit), float(alpha)
 
     def extra_repr(self) -> str:
@@ -207,15 +216,15 @@ class ScaledSwiGLU(SwiGLU):
     def bind_side_inputs(self, side: dict, x: torch.Tensor, memo: dict) -> dict:
         probs = side["probs"]
         if not isinstance(probs, torch.Tensor):
-            raise TypeError(f"ScaledSwiGLU: argument 'probs' must be a torch.Tensor, got {type(probs).__name__}")
+            raise OpTypeError(f"ScaledSwiGLU: argument 'probs' must be a torch.Tensor, got {type(probs).__name__}")
         if not probs.is_floating_point():
-            raise TypeError(f"ScaledSwiGLU: argument 'probs' must be floating point, got {probs.dtype}")
+            raise OpTypeError(f"ScaledSwiGLU: argument 'probs' must be floating point, got {probs.dtype}")
         if probs.dim() != 1 or probs.shape[0] != x.shape[0]:
-            raise ValueError(
+            raise OpValueError(
                 f"ScaledSwiGLU: argument 'probs' must have shape ({x.shape[0]},) (one per row), got {tuple(probs.shape)}"
             )
         if probs.device != x.device:
-            raise ValueError(f"ScaledSwiGLU: argument 'probs' is on {probs.device} but the input is on {x.device}")
+            raise OpValueError(f"ScaledSwiGLU: argument 'probs' is on {probs.device} but the input is on {x.device}")
         return {"probs": probs}
 
     def compute(self, side: dict, x):

@@ -6,19 +6,21 @@ import torch
 from torch import nn
 
 from ..grouped_mm import grouped_mm_nn, grouped_mm_nt, grouped_row_sum, grouped_wgrad
+from ..quantization import quantize, quantized_weight_values
 from ..splits import bind_offsets, row_group_ids
+from ..errors import OpTypeError, OpValueError
 from .base import BasicOp, OpContext, Recompute, is_quantized
 
 
 def _main_grad(weight: torch.Tensor) -> torch.Tensor:
     main_grad = getattr(weight, "main_grad", None)
     if not isinstance(main_grad, torch.Tensor) or main_grad.dtype != torch.float32 or main_grad.shape != weight.shape:
-        raise ValueError(
+        raise OpValueError(
             "GroupedLinear: accumulate_main_grad=True needs weight.main_grad, a float32 tensor of shape "
             f"{tuple(weight.shape)} on {weight.device}; got {main_grad!r:.80}"
         )
     if main_grad.device != weight.device or not main_grad.is_contiguous():
-        raise ValueError("GroupedLinear: argument 'weight.main_grad' must be contiguous and on the weight's device")
+        raise OpValueError("GroupedLinear: argument 'weight.main_grad' must be contiguous and on the weight's device")
     return main_grad
 
 
@@ -27,8 +29,6 @@ def gemm_weight(weight: torch.Tensor, recipe, reuse_scope) -> torch.Tensor:
     (reused while the op context's ``reuse_scope`` is open)."""
     if recipe is None:
         return weight
-    from ..quantization import quantized_weight_values
-
     return quantized_weight_values(weight, recipe, reuse_scope)
 
 
@@ -74,7 +74,7 @@ class GroupedLinear(BasicOp):
         super().__init__()
         for arg, value in (("num_groups", num_groups), ("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"GroupedLinear: argument '{arg}' must be a positive int, got {value!r}")
+                raise OpValueError(f"GroupedLinear: argument '{arg}' must be a positive int, got {value!r}")
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
         factory = {"dtype": dtype, "device": device}
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
@@ -107,14 +107,14 @@ class GroupedLinear(BasicOp):
 
     def check_input(self, x, weight: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"GroupedLinear: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
+            raise OpTypeError(f"GroupedLinear: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(
+            raise OpValueError(
                 f"GroupedLinear: argument 'x' must have shape (tokens, {self.in_features}) (in_features), "
                 f"got {tuple(x.shape)}"
             )
         if x.dtype != weight.dtype:
-            raise TypeError(f"GroupedLinear: argument 'x' has dtype {x.dtype} but the weight has {weight.dtype}")
+            raise OpTypeError(f"GroupedLinear: argument 'x' has dtype {x.dtype} but the weight has {weight.dtype}")
 
     @staticmethod
     def add_bias(y: torch.Tensor, bias, offsets: torch.Tensor) -> torch.Tensor:
@@ -142,11 +142,11 @@ class GroupedLinear(BasicOp):
             if ctx.op.accumulate_main_grad:
                 ctx.main_grads["weight"] = _main_grad(ctx.params["weight"])
         if ctx.input_requires_grad:
-            ctx.saved["weight"] = ctx.params["weight"]
-        ctx.saved["recipe"] = recipe
+            ctx.saved.weight = ctx.params["weight"]
+        ctx.saved.recipe = recipe
         if ctx.op.recompute_output:
             if is_quantized(x):
-                raise ValueError("GroupedLinear: recompute_output=True takes a bf16/fp16 input, got a QuantizedTensor")
+                raise OpValueError("GroupedLinear: recompute_output=True takes a bf16/fp16 input, got a QuantizedTensor")
             params = (ctx.params["weight"], ctx.params.get("bias"))
             ctx.recompute_output = Recompute(output_fn or GroupedLinear.output_torch, x, *params, ctx.side["offsets"])
 
@@ -169,12 +169,10 @@ class GroupedLinear(BasicOp):
         """
         if is_quantized(dy):
             return dy.dequantize(), columnwise_view(dy)
-        if ctx.saved["recipe"] is None:
+        if ctx.saved.recipe is None:
             return dy, dy
-        from ..quantization import quantize
-
         dyq = quantize(
-            dy, ctx.saved["recipe"], rowwise=True, columnwise=ctx.needs_grad("weight"), offsets=ctx.side["offsets"]
+            dy, ctx.saved.recipe, rowwise=True, columnwise=ctx.needs_grad("weight"), offsets=ctx.side["offsets"]
         )
         return dyq.dequantize(), columnwise_view(dyq)
 
@@ -184,7 +182,7 @@ class GroupedLinear(BasicOp):
         grads = {}
         dx = None
         if ctx.input_requires_grad:
-            weight = gemm_weight(ctx.saved["weight"], ctx.saved["recipe"], ctx.reuse_scope)
+            weight = gemm_weight(ctx.saved.weight, ctx.saved.recipe, ctx.reuse_scope)
             dx = grouped_mm_nn(dy_data, weight.detach(), offsets)
         if ctx.needs_grad("weight"):
             dw = grouped_wgrad(dy_wgrad, columnwise_view(ctx.load_input()), offsets)

@@ -2,6 +2,8 @@
 
 import torch
 
+from ..errors import OpTypeError, OpValueError
+from ..quantization import QuantizedTensor, fake_quantize, get_recipe, quantize
 from ..splits import bind_offsets
 from .base import BasicOp, OpContext
 
@@ -18,12 +20,11 @@ class Quantize(BasicOp):
     """
 
     side_inputs = ("split_sizes",)
+    format_role = "quantize"
     optional_side_inputs = ("split_sizes",)
 
     def __init__(self, recipe, quantize_grad: bool = False):
         super().__init__()
-        from ..quantization import get_recipe
-
         self.recipe = get_recipe(recipe)
         self.quantize_grad = bool(quantize_grad)
 
@@ -42,19 +43,15 @@ class Quantize(BasicOp):
         return {"offsets": bind_offsets("Quantize", side, x, memo)}
 
     def op_forward(self, ctx: OpContext, x):
-        from ..quantization import QuantizedTensor, quantize
-
         if isinstance(x, QuantizedTensor):
             x = x.dequantize()
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"Quantize: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
+            raise OpTypeError(f"Quantize: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
         return quantize(x, self.recipe, rowwise=True, offsets=ctx.side["offsets"])
 
     def grad(self, dy, offsets=None):
         """The straight-through gradient, quantized if ``quantize_grad`` (padding rows past
         ``offsets[-1]`` excluded from the scales)."""
-        from ..quantization import QuantizedTensor, fake_quantize
-
         if not self.quantize_grad or isinstance(dy, QuantizedTensor):
             return dy
         return fake_quantize(dy, self.recipe, offsets=offsets)

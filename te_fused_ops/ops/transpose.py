@@ -2,6 +2,8 @@
 
 import torch
 
+from ..errors import OpTypeError, OpValueError
+from ..quantization import QuantizedTensor, add_columnwise
 from ..splits import bind_offsets
 from .base import BasicOp, OpContext
 
@@ -10,8 +12,6 @@ def with_columnwise(x: torch.Tensor, offsets: torch.Tensor):
     """``x`` (M, K) with its per-group column-wise copy: column-wise quantized for a quantized
     input; for a plain tensor ``x.T`` contiguous (K, M) as attribute ``te_columnwise`` (group g
     owns columns offsets[g]:offsets[g+1])."""
-    from ..quantization import QuantizedTensor, add_columnwise
-
     if isinstance(x, QuantizedTensor):
         return add_columnwise(x, offsets)
     y = x.view_as(x)
@@ -26,6 +26,7 @@ class Transpose(BasicOp):
     """
 
     side_inputs = ("split_sizes",)
+    format_role = "transpose"
 
     def bind_side_inputs(self, side: dict, x: torch.Tensor, memo: dict) -> dict:
         return {"offsets": bind_offsets("Transpose", side, x, memo)}
@@ -35,9 +36,9 @@ class Transpose(BasicOp):
 
     def op_forward(self, ctx: OpContext, x):
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"Transpose: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
+            raise OpTypeError(f"Transpose: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 2:
-            raise ValueError(f"Transpose: argument 'x' must be 2-D (tokens, features), got shape {tuple(x.shape)}")
+            raise OpValueError(f"Transpose: argument 'x' must be 2-D (tokens, features), got shape {tuple(x.shape)}")
         return with_columnwise(x, ctx.side["offsets"])
 
     def op_backward(self, ctx: OpContext, dy):

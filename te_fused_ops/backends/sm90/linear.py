@@ -1,15 +1,27 @@
-"""Shared pieces of the sm90 (CuTe DSL, Hopper) implementations of the built-in rules."""
+"""GroupedLinear and its casts on the sm90 kernels: the pieces the sm90 implementations of the
+rules share (forward GEMM with its epilogues, backward, FP8 casts of activations, gradients and
+weights)."""
 
 import torch
 
-from te_fused_ops.backends.sm90.kernels.block_quantize import (
+from ...activations import ACTIVATIONS
+from ...ops import Activation, GroupedLinear
+from ...quantization import (
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    QuantizedTensor,
+    is_quantized,
+    reuse_or_make,
+)
+from .backend import sm_margin
+from .kernels.block_quantize import (
     BlockColumns,
     block_columns_sm90,
     block_dequantize_sm90,
     block_quantize_sm90,
     tensor_quantize_sm90,
 )
-from te_fused_ops.backends.sm90.kernels.grouped_gemm import (
+from .kernels.grouped_gemm import (
     grouped_gemm_act_quant_sm90,
     grouped_gemm_fp8_sm90,
     grouped_gemm_sm90,
@@ -17,16 +29,13 @@ from te_fused_ops.backends.sm90.kernels.grouped_gemm import (
     sm90_grouped_gemm_fp8_unsupported_reason,
     sm90_grouped_gemm_unsupported_reason,
 )
-from te_fused_ops.backends.sm90.kernels.grouped_wgrad import (
+from .kernels.grouped_wgrad import (
     FP8_MAX_GROUPS,
     grouped_column_sums_sm90,
     grouped_wgrad_fp8_sm90,
     grouped_wgrad_sm90,
     sm90_wgrad_unsupported_reason,
 )
-from te_fused_ops.ops import Activation, GroupedLinear
-from te_fused_ops.ops.base import is_quantized
-from te_fused_ops.quantization import Float8BlockScaling, Float8CurrentScaling, QuantizedTensor, reuse_or_make
 
 FP8_KERNEL_RECIPES = (Float8BlockScaling, Float8CurrentScaling)  # what the FP8 GEMM computes in
 
@@ -95,11 +104,11 @@ def columns_unsupported_reason(recipe, cols: int, groups: int):
 
 
 def epilogue_args(act: Activation, ctx) -> dict:
-    """Keyword arguments of the activation's kernel epilogue (constants, router probs)."""
-    args = {}
-    if act.kernel_name == "clamped_swiglu":
-        args.update(limit=act.limit, alpha=act.alpha)
-    if act.kernel_name == "scaled_swiglu":
+    """Keyword arguments of the activation's kernel epilogue: the constants its registry entry
+    names, read from the op, and the router probabilities of an activation that takes them."""
+    spec = ACTIVATIONS[act.kernel_name]
+    args = {name: getattr(act, name) for name in spec.constants}
+    if spec.takes_probs:
         args["probs"] = ctx.side["probs"].detach().float()
     return args
 
@@ -121,7 +130,7 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
     if act_cast is not None:
         outputs = grouped_gemm_act_quant_sm90(
             x, weight.detach(), ctx.side["offsets"], activation=activation, bias=bias,
-            power_2_scales=act_cast.power_2_scales, columns=columns, **epilogue,
+            power_2_scales=act_cast.power_2_scales, columns=columns, sm_margin=sm_margin(), **epilogue,
         )
         linear.keep_for_backward(ctx, x, None, linear_output_sm90)
         return outputs
@@ -133,13 +142,14 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
         x_scale_inv = block_multipliers(x.rowwise_scale_inv, x.shape)
         outputs = grouped_gemm_fp8_sm90(
             x.rowwise_data, x_scale_inv, w_data, w_scale_inv, ctx.side["offsets"],
-            bias=bias, activation=activation, out_dtype=x.dtype, **epilogue,
+            bias=bias, activation=activation, out_dtype=x.dtype, sm_margin=sm_margin(), **epilogue,
         )
         linear.keep_for_backward(ctx, _kept_for_weight_gradient(ctx, x), x.recipe)
         if w_transposed:
-            ctx.saved["weight_fp8_t"] = tuple(w_transposed)
+            ctx.saved.weight_fp8_t = tuple(w_transposed)
         return outputs
-    outputs = grouped_gemm_sm90(x, weight.detach(), ctx.side["offsets"], bias=bias, activation=activation, **epilogue)
+    outputs = grouped_gemm_sm90(x, weight.detach(), ctx.side["offsets"], bias=bias, activation=activation,
+                                sm_margin=sm_margin(), **epilogue)
     linear.keep_for_backward(ctx, x, None, linear_output_sm90)
     return outputs
 
@@ -156,7 +166,8 @@ def _kept_for_weight_gradient(ctx, x: QuantizedTensor) -> QuantizedTensor:
 
 def linear_output_sm90(x, weight, bias, offsets) -> torch.Tensor:
     """A GroupedLinear's output on the sm90 kernel, recomputed in the backward (``recompute_output``)."""
-    return grouped_gemm_sm90(x, weight.detach(), offsets, bias=None if bias is None else bias.detach())[0]
+    return grouped_gemm_sm90(x, weight.detach(), offsets, bias=None if bias is None else bias.detach(),
+                             sm_margin=sm_margin())[0]
 
 
 def block_multipliers(scale_inv: torch.Tensor, shape) -> torch.Tensor:
@@ -253,14 +264,16 @@ def linear_param_grads(ctx, dy: torch.Tensor, x=None, dy_columns=None, out_dtype
     if ctx.needs_grad("weight"):
         main_grad = ctx.main_grads.get("weight")  # accumulated in place by the kernel's epilogue
         if dy_columns is None:
-            dw = grouped_wgrad_sm90(dy, ctx.load_input() if x is None else x, offsets, main_grad=main_grad)
+            dw = grouped_wgrad_sm90(dy, ctx.load_input() if x is None else x, offsets, main_grad=main_grad,
+                                    sm_margin=sm_margin())
         else:
             out_dtype = dy.dtype if out_dtype is None else out_dtype
-            dw = grouped_wgrad_fp8_sm90(dy_columns, x, offsets, out_dtype=out_dtype, main_grad=main_grad)
+            dw = grouped_wgrad_fp8_sm90(dy_columns, x, offsets, out_dtype=out_dtype, main_grad=main_grad,
+                                        sm_margin=sm_margin())
         if main_grad is None:
             grads["weight"] = dw
     if ctx.needs_grad("bias"):
-        grads["bias"] = grouped_column_sums_sm90(dy, offsets)
+        grads["bias"] = grouped_column_sums_sm90(dy, offsets, sm_margin=sm_margin())
     return grads
 
 
@@ -272,7 +285,7 @@ def linear_backward(linear: GroupedLinear, ctx, dy, dy_amax_parts=None, x=None):
     (fp8_current: its amax from ``dy_amax_parts`` when the kernel that wrote dy made them), W as
     the forward cast it, transposed (the kernel reads K-major operands); the weight gradient as
     `fp8_grad_casts` and `quantized_input_param_grads` say. A quantized dy takes the torch path."""
-    recipe = ctx.saved["recipe"]
+    recipe = ctx.saved.recipe
     if is_quantized(dy):
         return linear.op_backward(ctx, dy)
     dy = dy.contiguous()
@@ -280,7 +293,7 @@ def linear_backward(linear: GroupedLinear, ctx, dy, dy_amax_parts=None, x=None):
     dx = None
     if recipe is None:
         if ctx.input_requires_grad:
-            dx = grouped_gemm_sm90(dy, ctx.saved["weight"].detach(), offsets, weight_layout="kn")[0]
+            dx = grouped_gemm_sm90(dy, ctx.saved.weight.detach(), offsets, weight_layout="kn", sm_margin=sm_margin())[0]
         return dx, linear_param_grads(ctx, dy)
     if x is None and ctx.needs_grad("weight"):
         x = ctx.load_input()
@@ -331,7 +344,7 @@ def fp8_dgrad_operands(ctx, dy_rows, recipe):
     transposed copy the forward's cast wrote (FP8 WGMMA reads K-major operands)."""
     w_transposed = ctx.saved.get("weight_fp8_t")
     if w_transposed is None:
-        w_transposed = quantize_weight_blocks(ctx.saved["weight"].detach(), recipe, ctx.reuse_scope, True)[2:]
+        w_transposed = quantize_weight_blocks(ctx.saved.weight.detach(), recipe, ctx.reuse_scope, True)[2:]
     return (*dy_rows, *w_transposed)
 
 
@@ -339,7 +352,7 @@ def fp8_data_grad(ctx, dy_rows, recipe, out_dtype) -> torch.Tensor:
     """A GroupedLinear's FP8 data gradient after an FP8 forward: dy's row-wise copy ``dy_rows``
     (data, multipliers) @ W[g] (`fp8_dgrad_operands`), in ``out_dtype``."""
     return grouped_gemm_fp8_sm90(*fp8_dgrad_operands(ctx, dy_rows, recipe), ctx.side["offsets"],
-                                 out_dtype=out_dtype)[0]
+                                 out_dtype=out_dtype, sm_margin=sm_margin())[0]
 
 
 def quantized_input_param_grads(ctx, dy, x, dy_columns=None, out_dtype=None) -> dict:

@@ -1,0 +1,304 @@
+"""The sm90 implementations of the built-in rules, each with the check of what the kernels take.
+
+Formats folded into a step (`te_fused_ops.context.Format`) run on the kernels too: an input
+Quantize on the cast kernels (with the column-wise copy from the same read where the FP8 weight
+gradient reads it), an output "fp8_blockwise" Quantize[, Transpose] in the GEMM's epilogue (the
+output is never written in bf16), an output "fp8_current" Quantize after the kernel with the amax
+from the epilogue. What the kernels do not take is a reason: the planner then folds less and the
+remaining ops run as their own steps.
+"""
+
+import torch
+
+from ...activations import ACTIVATIONS
+from ...fusion_rules.dactivation_grouped_linear import backward_reference
+from ...fusion_rules.grouped_linear_activation import activation_after_linear
+from ...quantization import Float8BlockScaling, Float8CurrentScaling, is_quantized
+from .backend import SM90, sm_margin
+from .kernels.grouped_gemm import (
+    grouped_dgrad_dact_fp8_sm90,
+    grouped_dgrad_dact_quant_fp8_sm90,
+    grouped_dgrad_dact_sm90,
+    sm90_grouped_dgrad_dact_fp8_unsupported_reason,
+    sm90_grouped_dgrad_dact_quant_fp8_unsupported_reason,
+    sm90_grouped_dgrad_dact_unsupported_reason,
+)
+from .linear import (
+    FP8_KERNEL_RECIPES,
+    backward_unsupported_reason,
+    casts_on_kernel,
+    columns_unsupported_reason,
+    emulated_recipe_reason,
+    epilogue_args,
+    fp8_data_grad,
+    fp8_dgrad_operands,
+    fp8_grad_casts,
+    fp8_wgrad_applies,
+    fp8_wgrad_shape_reason,
+    kernel_unsupported_reason,
+    linear_backward,
+    linear_param_grads,
+    quantize_rows,
+    quantize_rows_and_columns,
+    quantized_input_param_grads,
+    rows_quantized,
+    run_grouped_gemm,
+)
+
+
+def _reason(reason):
+    return reason.removeprefix("sm90 backend: ") if reason else None
+
+
+# ---------------------------------------------------------------------------------------------
+# casts: a lone Quantize, and a Quantize folded before a GroupedLinear
+
+
+def recipe_cast_reason(recipe, dtype):
+    """Why the cast kernels cannot cast a ``dtype`` tensor with ``recipe``, or None."""
+    if not casts_on_kernel(recipe):
+        return f"{recipe.name} cast runs in torch (the sm90 cast kernels make fp8_blockwise and fp8_current scales)"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {str(dtype).removeprefix('torch.')} not supported (bf16, fp16)"
+    return None
+
+
+def input_cast_reason(fmt, info):
+    """Why the cast kernels cannot make the Quantize of input format ``fmt``, or None (a lone
+    Transpose needs no kernel: the sm90 GEMMs read the rows in place)."""
+    return None if fmt is None or fmt.recipe is None else recipe_cast_reason(fmt.recipe, info.dtype)
+
+
+def cast_rows(quantize, ctx, x):
+    """The Quantize op's row-wise cast of ``x`` on the cast kernels (in torch where the kernel's
+    16-byte accesses do not fit the rows: the same bytes)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    if rows.shape[-1] % 8 or rows.data_ptr() % 16:
+        return quantize.op_forward(ctx, x)
+    return quantize_rows(rows.view(x.shape), quantize.recipe, ctx.side["offsets"])
+
+
+def cast_input(linear, ctx, x):
+    """``x`` through the input format of ``linear`` (its context's): fp8_blockwise with the
+    block-padded column-wise copy from the same read where the weight gradient runs in FP8, else
+    the row-wise cast; a Transpose adds nothing (the kernels read the rows in place)."""
+    fmt = ctx.input_format
+    if fmt is None or fmt.recipe is None:
+        return x
+    if is_quantized(x):  # requantized in torch, as the Quantize op does
+        return fmt.apply(x)
+    if input_columns_wanted(linear, ctx, fmt):
+        return quantize_rows_and_columns(x, fmt.recipe, fmt.offsets)
+    return cast_rows(fmt.ops[0], fmt.ctxs[0], x)
+
+
+def input_columns_wanted(linear, ctx, fmt) -> bool:
+    """Whether the cast of ``linear``'s input also writes the block-padded column-wise copy: where
+    its FP8 weight gradient reads it (fp8_blockwise, a weight gradient, a shape it takes)."""
+    return (isinstance(fmt.recipe, Float8BlockScaling) and ctx.params_require_grad
+            and fp8_wgrad_shape_reason(linear) is None)
+
+
+def _supports_quantize(ops, info):
+    if info.input_recipe[0] is not None:
+        return "quantized input (dequantized and requantized in torch)"
+    return recipe_cast_reason(ops[0].recipe, info.dtype)
+
+
+@SM90.implement("quantize", supports=_supports_quantize)
+def _quantize(ops, ctxs, x):
+    return cast_rows(ops[0], ctxs[0], x)
+
+
+# ---------------------------------------------------------------------------------------------
+# GroupGemm (+ Activation) forward
+
+
+def output_cast_reason(fmt, info, cols: int, groups: int, act=None):
+    """Why the GEMM (with ``act``) cannot cast its ``cols``-column output to ``fmt`` in the
+    epilogue, or None."""
+    if fmt is None:
+        return None
+    if fmt.recipe is None:
+        return "a Transpose after the GEMM without a Quantize runs as its own op"
+    if act is not None and isinstance(fmt.recipe, Float8CurrentScaling):
+        if fmt.columns:
+            return "fp8_current: the epilogue writes no column-wise copy (the Transpose runs after the cast)"
+        return None  # the act's amax from the epilogue, then the cast kernel
+    if not isinstance(fmt.recipe, Float8BlockScaling):
+        return f"{fmt.recipe.name}: no cast epilogue for this recipe (the output is cast after the kernel, rule 'quantize')"
+    if info.input_recipe[0] is not None:
+        return "quantized input: the FP8 kernel has no cast epilogue (the output is cast after it, rule 'quantize')"
+    if act is not None and not ACTIVATIONS[act.kernel_name].glu:
+        return f"{act.op_name}: the act-cast epilogue takes GLU activations (the act is cast after the kernel)"
+    return columns_unsupported_reason(fmt.recipe, cols, groups) if fmt.columns else None
+
+
+def _supports_grouped_linear(ops, info):
+    linear = ops[0]
+    return (input_cast_reason(info.input_format[0], info) or kernel_unsupported_reason(linear, info)
+            or output_cast_reason(info.output_format[0], info, linear.out_features, linear.num_groups))
+
+
+@SM90.implement("grouped_linear", supports=_supports_grouped_linear)
+def _grouped_linear(ops, ctxs, x):
+    linear, ctx = ops[0], ctxs[0]
+    x = cast_input(linear, ctx, x)
+    out = ctx.output_format
+    if out is None:
+        return run_grouped_gemm(linear, ctx, x)[0]
+    _, data, scale_inv, *made = run_grouped_gemm(linear, ctx, x, act_cast=out.recipe, columns=out.columns)
+    return rows_quantized(data, scale_inv, data.shape, x.dtype, out.recipe, out.offsets, *made)
+
+
+def _supports_grouped_linear_activation(ops, info):
+    linear, act = ops
+    if act.kernel_name is None:
+        return f"no kernel epilogue for {act.op_name}"
+    return (input_cast_reason(info.input_format[0], info) or kernel_unsupported_reason(linear, info, act.kernel_name)
+            or output_cast_reason(info.output_format[1], info, linear.out_features // 2 if act.glu else
+                                  linear.out_features, linear.num_groups, act))
+
+
+@SM90.implement("grouped_linear+activation", supports=_supports_grouped_linear_activation)
+def _grouped_linear_activation(ops, ctxs, x):
+    linear, act = ops
+    x = cast_input(linear, ctxs[0], x)
+    epilogue, out = epilogue_args(act, ctxs[1]), ctxs[1].output_format
+    if out is None:
+        pre, y = run_grouped_gemm(linear, ctxs[0], x, act.kernel_name, **epilogue)
+        return activation_after_linear(act, ctxs, pre, y)
+    if isinstance(out.recipe, Float8BlockScaling):
+        pre, data, scale_inv, *made = run_grouped_gemm(linear, ctxs[0], x, act.kernel_name, act_cast=out.recipe,
+                                                       columns=out.columns, **epilogue)
+        activation_after_linear(act, ctxs, pre)
+        return rows_quantized(data, scale_inv, data.shape, pre.dtype, out.recipe, out.offsets, *made)
+    pre, y, amax_parts = run_grouped_gemm(linear, ctxs[0], x, act.kernel_name, act_amax=True, **epilogue)
+    activation_after_linear(act, ctxs, pre)
+    return quantize_rows(y, out.recipe, out.offsets, amax_parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# backward: GroupedLinear, GroupGemm + dActivation (+ the preceding GroupedLinear)
+
+
+@SM90.implement("grouped_linear_backward", supports=lambda ops, info: backward_unsupported_reason(ops[0], info, 0))
+def _grouped_linear_backward(ops, ctxs, dy):
+    dx, grads = linear_backward(ops[0], ctxs[0], dy)
+    return dx, [grads]
+
+
+def _supports_dactivation(ops, info):
+    """bf16: (Activation, [Transpose,] GroupedLinear); FP8: (Activation, Quantize[, Transpose],
+    GroupedLinear) after an FP8 forward of the GroupedLinear."""
+    act, linear = ops
+    if act.kernel_name is None:
+        return f"no kernel epilogue for {act.op_name}"
+    if not info.input_requires_grad[0]:
+        return "the activation's input needs no gradient"
+    fmt = info.input_format[1]
+    if fmt is None or fmt.recipe is None:
+        unsupported = sm90_grouped_dgrad_dact_unsupported_reason
+    else:
+        if fmt.quantize_grad:
+            return "Quantize(quantize_grad=True) casts the gradient between the GEMM and the dActivation"
+        if not isinstance(info.input_recipe[1], FP8_KERNEL_RECIPES):
+            return emulated_recipe_reason(info.input_recipe[1])
+        unsupported = sm90_grouped_dgrad_dact_fp8_unsupported_reason
+    return (_reason(unsupported(info.dtype, linear.out_features, linear.in_features, act.kernel_name))
+            or backward_unsupported_reason(linear, info, 1))
+
+
+def _act_grads(act_ctx, d_probs) -> dict:
+    return {"probs": d_probs.to(act_ctx.side["probs"].dtype)} if act_ctx.needs_grad("probs") else {}
+
+
+def _dact_bf16(ops, ctxs, dy):
+    """One kernel: d_pre = act'(pre) * (dy @ W[g]) and act(pre) (the weight gradient's operand);
+    then the varlen-K weight gradient."""
+    act, linear = ops
+    act_ctx, linear_ctx = ctxs
+    if linear_ctx.saved.recipe is not None or is_quantized(dy):
+        return backward_reference(ops, ctxs, dy)
+    dy = dy.contiguous()
+    d_pre, out, d_probs = grouped_dgrad_dact_sm90(
+        dy, linear_ctx.saved.weight.detach(), linear_ctx.side["offsets"], act_ctx.load_input(),
+        activation=act.kernel_name, sm_margin=sm_margin(), **epilogue_args(act, act_ctx),
+    )
+    return d_pre, [_act_grads(act_ctx, d_probs), linear_param_grads(linear_ctx, dy, x=out)]
+
+
+def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool = False, d_pre_recipe=None):
+    """One kernel: d_pre = act'(pre) * (dy @ W[g]) on FP8 operands (the forward's recipe); then
+    the weight gradient (`fp8_grad_casts`: FP8 for fp8_blockwise, else bf16 on the dequantized
+    input). A quantized dy takes the reference. Returns (d_pre, grads, d_pre's amax parts with
+    ``d_pre_amax``, else None); with ``d_pre_recipe`` (a Float8BlockScaling) d_pre is
+    ((row data, row multipliers), `BlockColumns`), cast in the kernel's epilogue."""
+    act, _ = ops
+    act_ctx, linear_ctx = ctxs
+    if is_quantized(dy):
+        return (*backward_reference(ops, ctxs, dy), None)
+    dy = dy.contiguous()
+    recipe = linear_ctx.saved.recipe
+    x = linear_ctx.load_input() if linear_ctx.needs_grad("weight") else None
+    dy_rows, dy_columns = fp8_grad_casts(linear_ctx, dy, recipe, x, True)
+    operands = (*fp8_dgrad_operands(linear_ctx, dy_rows, recipe), linear_ctx.side["offsets"], act_ctx.load_input())
+    kwargs = dict(activation=act.kernel_name, sm_margin=sm_margin(), **epilogue_args(act, act_ctx))
+    if d_pre_recipe is None:
+        outputs = grouped_dgrad_dact_fp8_sm90(*operands, d_pre_amax=d_pre_amax, **kwargs)
+    else:
+        rows, columns, d_probs = grouped_dgrad_dact_quant_fp8_sm90(
+            *operands, power_2_scales=d_pre_recipe.power_2_scales, **kwargs)
+        outputs = ((rows, columns), d_probs)
+    grads = [_act_grads(act_ctx, outputs[1]), quantized_input_param_grads(linear_ctx, dy, x, dy_columns)]
+    return outputs[0], grads, outputs[2] if d_pre_amax else None
+
+
+@SM90.implement("dactivation+grouped_linear", supports=_supports_dactivation)
+def _dactivation_grouped_linear(ops, ctxs, dy):
+    fmt = ctxs[1].input_format
+    if fmt is None or fmt.recipe is None:
+        return _dact_bf16(ops, ctxs, dy)
+    return _dact_fp8(ops, ctxs, dy)[:2]
+
+
+def _supports_with_fc1(ops, info):
+    """FC1's input fp8_current or fp8_blockwise (FC2's is quantized: the rule's own check), FC1's
+    input needing its gradient, both backwards on the kernels; fp8_blockwise: d_pre's cast in the kernel's epilogue and no FC1 bias (its
+    gradient would sum d_pre in bf16)."""
+    recipe = info.input_recipe[0]
+    if not isinstance(recipe, (Float8CurrentScaling, Float8BlockScaling)):
+        return "FC1's input is neither fp8_current nor fp8_blockwise (no cast of d_pre to feed)"
+    if not info.input_requires_grad[0]:
+        return "FC1's input needs no gradient (no cast of d_pre)"
+    reason = _supports_dactivation(ops[1:], info.window(1, 3)) or backward_unsupported_reason(ops[0], info, 0)
+    if reason or isinstance(recipe, Float8CurrentScaling):
+        return reason
+    fc1, act, fc2 = ops
+    if fc1.bias is not None:
+        return "FC1 has a bias (its gradient sums d_pre in bf16)"
+    return _reason(sm90_grouped_dgrad_dact_quant_fp8_unsupported_reason(
+        info.dtype, fc2.out_features, fc2.in_features, fc2.num_groups, act.kernel_name))
+
+
+@SM90.implement("grouped_linear+dactivation+grouped_linear", supports=_supports_with_fc1)
+def _grouped_linear_dactivation_grouped_linear(ops, ctxs, dy):
+    """fp8_current: `_dact_fp8` with d_pre's amax from its epilogue, then FC1's backward
+    (`linear_backward`), whose cast of d_pre takes that amax. fp8_blockwise: d_pre cast in the
+    kernel's epilogue, FC1's FP8 data and weight gradients on those copies (the unfused order
+    where FC1's weight gradient does not run in FP8, or dy arrives quantized)."""
+    fc1, fc1_ctx = ops[0], ctxs[0]
+    recipe = fc1_ctx.saved.recipe
+    if isinstance(recipe, Float8CurrentScaling):
+        d_pre, grads, amax_parts = _dact_fp8(ops[1:], ctxs[1:], dy, d_pre_amax=True)
+        dx, fc1_grads = linear_backward(fc1, fc1_ctx, d_pre, amax_parts)
+        return dx, [fc1_grads, *grads]
+    x = None if is_quantized(dy) or not fc1_ctx.needs_grad("weight") else fc1_ctx.load_input()
+    if not fp8_wgrad_applies(fc1_ctx, recipe, x):  # x loaded once, whichever order runs
+        d_pre, grads, _ = _dact_fp8(ops[1:], ctxs[1:], dy)
+        dx, fc1_grads = linear_backward(fc1, fc1_ctx, d_pre, x=x)
+        return dx, [fc1_grads, *grads]
+    (d_pre_rows, d_pre_columns), grads, _ = _dact_fp8(ops[1:], ctxs[1:], dy, d_pre_recipe=recipe)
+    dx = fp8_data_grad(fc1_ctx, d_pre_rows, recipe, dy.dtype)
+    fc1_grads = quantized_input_param_grads(fc1_ctx, None, x, d_pre_columns, out_dtype=dy.dtype)
+    return dx, [fc1_grads, *grads]

@@ -1,0 +1,64 @@
+"""One call of ops (a Sequential's, or a lone op's): input checks, autocast, then the eager
+runner or, under torch.compile, the custom op."""
+
+import torch
+from torch import nn
+
+from .custom_ops import compiled_call
+from .errors import OpTypeError, OpValueError
+from .runner import SequenceFunction, autocast_eligible, check_side_inputs, compute_dtype, prepare_run
+
+
+def _autocast_cast(x, op_params, dtype):
+    """x and the floating parameters cast to ``dtype`` through autograd (as nn.Linear under autocast)."""
+    def cast(t):
+        return t.to(dtype) if autocast_eligible(t) else t
+
+    return cast(x), [{name: cast(p) for name, p in params.items()} for params in op_params]
+
+
+def check_devices(owner_name: str, ops, x: torch.Tensor, op_params: list) -> None:
+    """x on a real device and every parameter on x's device, before any kernel runs."""
+    if x.device.type == "meta":
+        raise OpValueError(
+            f"{owner_name}: argument 'x' is on the meta device (no data to compute on); "
+            "pass a tensor on the CPU or a GPU"
+        )
+    for i, (op, params) in enumerate(zip(ops, op_params)):
+        for name, param in params.items():
+            if param.device != x.device:
+                raise OpValueError(
+                    f"{op.op_name} (op {i}): parameter '{name}' is on {param.device} but argument 'x' is on "
+                    f"{x.device}; move the module to the input's device (module.to(x.device))"
+                )
+
+
+def run_ops(owner: nn.Module, ops, x, side: dict, cache: dict, fuse: bool):
+    """Check inputs, plan (cached) and run ``ops`` on ``x`` with named side inputs.
+
+    Under autocast, x and the floating parameters are cast to the autocast dtype first and the
+    ops run with autocast off. Under torch.compile, the call is one custom op (`custom_ops`).
+    """
+    owner_name = type(owner).__name__
+    if not isinstance(x, torch.Tensor):
+        raise OpTypeError(f"{owner_name}: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
+    check_side_inputs(owner_name, ops, side)
+    op_params = [op.call_params() for op in ops]
+    check_devices(owner_name, ops, x, op_params)
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        x, op_params = _autocast_cast(x, op_params, compute_dtype(x))
+        with torch.autocast(device_type, enabled=False):
+            return _run(owner, ops, x, side, cache, fuse, op_params)
+    return _run(owner, ops, x, side, cache, fuse, op_params)
+
+
+def _run(owner, ops, x, side, cache, fuse, op_params):
+    """`run_ops` after the checks and autocast casts: the ops' parameters in ``op_params``."""
+    if torch.compiler.is_compiling():
+        return compiled_call(owner, ops, x, side, op_params)
+    run, params, grad_needed = prepare_run(ops, x, side, op_params, cache, fuse, torch.is_grad_enabled())
+    if not grad_needed:
+        with torch.no_grad():
+            return run.forward(x)
+    return SequenceFunction.apply(run, x, *[side[n] for n in run.grad_side_names], *params)

@@ -1,0 +1,238 @@
+"""The runner: plans (cached per call signature) and runs them inside one autograd.Function.
+
+`prepare_run` plans one call and builds its op contexts; `Run` executes the plan's forward and
+backward steps; `SequenceFunction` is the autograd.Function around a `Run`. `call.run_ops`
+(Sequential and lone ops), `custom_ops` (torch.compile) and the integrations all go through here.
+"""
+
+import copy
+import functools
+
+import torch
+
+from .context import OpContext
+from .fusion import PlanInfo, forced_backend, fusion_enabled_by_env, make_plan, registry_version
+from .quantization import is_quantized
+from .saved import pack, unpack
+
+
+@functools.cache
+def _cuda_capability(index: int):
+    return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device):
+    if device.type != "cuda":
+        return None
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def plan_info(
+    ops, device, dtype, x_requires_grad: bool, side_grad: frozenset, params_grad: list, x_recipe=None,
+    grad_on: bool = None,
+) -> PlanInfo:
+    """``side_grad``: names of side inputs requiring grad; ``params_grad``: per op, whether any
+    parameter this call reads requires grad; ``x_recipe``: the input's Recipe if it is a
+    QuantizedTensor; ``grad_on``: gradients wanted (default: grad mode)."""
+    grad_on = torch.is_grad_enabled() if grad_on is None else grad_on
+    input_rg, params_rg, input_recipe = [], [], []
+    running = grad_on and x_requires_grad
+    for op, param_grad in zip(ops, params_grad):
+        input_rg.append(running)
+        input_recipe.append(x_recipe)
+        x_recipe = op.output_recipe(x_recipe)
+        needs = grad_on and (param_grad or not side_grad.isdisjoint(op.side_inputs))
+        params_rg.append(needs)
+        running = running or needs
+    return PlanInfo(device.type, _capability(device), dtype, tuple(input_rg), tuple(params_rg), tuple(input_recipe))
+
+
+def recipe_of(x):
+    return x.recipe if is_quantized(x) else None
+
+
+def grad_side_names(side: dict) -> frozenset:
+    return frozenset(n for n, v in side.items() if isinstance(v, torch.Tensor) and v.requires_grad)
+
+
+def params_need_grad(op_params) -> list:
+    return [any(p.requires_grad for p in params.values()) for params in op_params]
+
+
+def get_plan(ops, info: PlanInfo, cache: dict, fuse: bool):
+    key = (
+        registry_version(),
+        fuse,
+        fusion_enabled_by_env(),
+        forced_backend(),
+        info,
+        tuple(op.plan_signature() for op in ops),
+    )
+    plan = cache.get(key)
+    if plan is None:
+        plan = cache[key] = make_plan(ops, info, fuse)
+    return plan
+
+
+def check_side_inputs(owner: str, ops, side: dict) -> None:
+    consumed = {name for op in ops for name in op.side_inputs}
+    unknown = sorted(set(side) - consumed)
+    if unknown:
+        raise ValueError(
+            f"{owner}: side input(s) {', '.join(map(repr, unknown))} not consumed by any op "
+            f"(consumed: {', '.join(sorted(consumed)) or 'none'})"
+        )
+    for i, op in enumerate(ops):
+        for name in op.side_inputs:
+            if side.get(name) is None and name not in op.optional_side_inputs:
+                raise ValueError(f"{op.op_name} (op {i}): missing side input '{name}'")
+
+
+class Run:
+    """One call: the ops, their contexts and the plan; runs both passes.
+
+    ``param_slots`` maps (op index, parameter name) to the position of that tensor among the
+    autograd.Function's parameter inputs (a parameter shared by two ops has one slot).
+    After the forward, the contexts hold a skeleton of what the backward needs (`saved.pack`);
+    the tensors themselves live in the Function's saved tensors.
+    """
+
+    def __init__(self, ops, ctxs, plan, grad_side_names, param_slots, num_params):
+        self.ops, self.ctxs, self.plan = ops, ctxs, plan
+        self.grad_side_names = grad_side_names
+        self.param_slots = param_slots
+        self.num_params = num_params
+
+    def forward(self, x, steps=None):
+        """Run the forward steps (default: the plan's) on ``x``; returns the output."""
+        for step in self.plan.forward if steps is None else steps:
+            if step.start > 0:
+                self.ctxs[step.start].input_recompute = self.ctxs[step.start - 1].recompute_output
+            x = step.run(self.ops, self.ctxs, x, "forward")
+        return x
+
+    def pack(self, tensors=None, index=None) -> list:
+        """Replace the tensors the contexts keep by slots; return them (for save_for_backward).
+
+        ``tensors``/``index`` (id -> slot) may come pre-filled: tensors found there keep their slot.
+        """
+        tensors, index = ([], {}) if tensors is None else (tensors, index)
+        for ctx in self.ctxs:
+            ctx.saved = pack(ctx.saved, tensors, index)
+            ctx.side = pack(ctx.side, tensors, index)
+            ctx.params = {}
+            ctx.recompute_output = ctx.input_recompute = None
+        return tensors
+
+    def backward(self, dy, saved_tensors):
+        """(dx, side-input grads, parameter grads) from the contexts rebuilt on ``saved_tensors``."""
+        ctxs = [copy.copy(ctx) for ctx in self.ctxs]
+        for ctx in ctxs:
+            ctx.saved = unpack(ctx.saved, saved_tensors)
+            ctx.side = unpack(ctx.side, saved_tensors)
+        op_grads = [None] * len(self.ops)
+        for step in self.plan.backward:
+            dy, grads = step.run(self.ops, ctxs, dy, "backward")
+            op_grads[step.start : step.stop] = grads
+        side_grads = {name: None for name in self.grad_side_names}
+        param_grads = [None] * self.num_params
+        for i, grads in enumerate(op_grads):
+            for name, grad in (grads or {}).items():
+                if grad is None:
+                    continue
+                if name in side_grads:
+                    side_grads[name] = grad if side_grads[name] is None else side_grads[name] + grad
+                    continue
+                slot = self.param_slots[(i, name)]
+                param_grads[slot] = grad if param_grads[slot] is None else param_grads[slot] + grad
+        return dy, [side_grads[n] for n in self.grad_side_names], param_grads
+
+
+class SequenceFunction(torch.autograd.Function):
+    """Runs a whole plan; inputs: the run, x, side inputs needing grad, the parameters."""
+
+    @staticmethod
+    def forward(ctx, run: Run, x, *flat):
+        y = run.forward(x)
+        ctx.save_for_backward(*run.pack())
+        ctx.run = run
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        dx, side_grads, param_grads = ctx.run.backward(dy, ctx.saved_tensors)
+        if is_quantized(dx):
+            dx = dx.dequantize()
+        return (None, dx, *side_grads, *param_grads)
+
+
+def autocast_eligible(t: torch.Tensor) -> bool:
+    """What autocast casts: floating tensors other than float64 (and not quantized)."""
+    return t.is_floating_point() and t.dtype != torch.float64 and not is_quantized(t)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a call computes in: autocast's for x's device where it is on, else x's."""
+    if torch.is_autocast_enabled(x.device.type) and autocast_eligible(x):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def prepare_run(ops, x, side: dict, op_params: list, cache: dict, fuse: bool, grad_on: bool):
+    """The plan (cached in ``cache``) and the contexts of one call, outside autograd.
+
+    ``op_params``: per op, name -> tensor; ``grad_on``: whether gradients are wanted (then the
+    tensors' requires_grad say which). Returns (run, the distinct parameter tensors in slot order,
+    whether any gradient is needed). The caller runs ``run.forward(x)``, keeps ``run.pack()``
+    and later calls ``run.backward(dy, kept)``: this is what `SequenceFunction` does, and what
+    an integration running inside another autograd.Function does itself.
+    """
+    side_grad = grad_side_names(side) if grad_on else frozenset()
+    params_grad = params_need_grad(op_params)
+    info = plan_info(ops, x.device, x.dtype, x.requires_grad, side_grad, params_grad, recipe_of(x), grad_on)
+    plan = get_plan(ops, info, cache, fuse)
+
+    memo: dict = {}
+    ctxs, params, param_slots = [], [], {}
+    slot_of = {}  # id(tensor) -> position in params
+    for i, op in enumerate(ops):
+        ctx = OpContext(op, i, info.input_requires_grad[i], info.params_require_grad[i])
+        ctx.side = op.bind_side_inputs(side, x, memo)
+        ctx.params = op_params[i]
+        for name, param in ctx.params.items():
+            if id(param) not in slot_of:
+                slot_of[id(param)] = len(params)
+                params.append(param)
+            param_slots[(i, name)] = slot_of[id(param)]
+        if grad_on:
+            ctx.grad_names = frozenset(
+                name for name, value in (*ctx.params.items(), *ctx.side.items())
+                if isinstance(value, torch.Tensor) and value.requires_grad
+            )
+        ctxs.append(ctx)
+
+    grad_needed = info.input_requires_grad[-1] or info.params_require_grad[-1] if ops else False
+    side_names = sorted(side_grad)  # every side input is consumed (checked)
+    return Run(ops, ctxs, plan, side_names, param_slots, len(params)), params, grad_needed
+
+
+def saved_tensor_bytes(output: torch.Tensor) -> int:
+    """Bytes of activations a Sequential/op call keeps for its backward (parameters excluded,
+    lazily recomputed tensors excluded, each storage counted once).
+
+    ``output`` is the call's result (its grad_fn is the call's autograd.Function).
+    """
+    if getattr(output.grad_fn, "run", None) is None:
+        raise ValueError("saved_tensor_bytes: argument 'output' is not the output of a te_fused_ops call with grad")
+    seen = {p.untyped_storage().data_ptr() for op in output.grad_fn.run.ops for p in op.call_params().values()}
+    total = 0
+    for t in output.grad_fn.saved_tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+

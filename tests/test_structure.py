@@ -1,0 +1,95 @@
+"""The package's structure: no import cycles (lazy imports included), no backend named in the
+planner or the rules, built-in rules that a user's own `fusion_rules` module cannot shadow."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import te_fused_ops as tfo
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "te_fused_ops"
+RULES = ROOT / "fusion_rules"
+
+
+def _modules() -> dict:
+    """Module name -> source path, the rules under their installed name."""
+    found = {}
+    for base, prefix in ((PACKAGE, "te_fused_ops"), (RULES, "te_fused_ops.fusion_rules")):
+        for path in base.rglob("*.py"):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([prefix, *parts])] = path
+    return found
+
+
+def _imports(name: str, path: pathlib.Path, modules: dict) -> set:
+    """Modules of the package that ``name`` imports anywhere in its source (functions too)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            submodules = {f"{base}.{alias.name}" for alias in node.names} & set(modules)
+            targets.update(submodules)
+            if len(submodules) < len(node.names):  # some names are attributes of ``base`` itself
+                targets.add(base)
+    return {t for t in targets if t in modules and t != name}
+
+
+def test_no_import_cycles():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    state, cycles = {}, []
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_planner_runner_and_rules_name_no_backend():
+    names = set(tfo.backend_names())
+    paths = [PACKAGE / f for f in ("fusion.py", "runner.py", "call.py", "sequential.py", "custom_ops.py")]
+    paths += sorted(RULES.glob("*.py"))
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                words = set(node.value.replace("'", " ").replace('"', " ").replace("`", " ").split())
+                # "torch" is also the library's name in prose: only a string that is exactly it counts
+                assert node.value not in names and not words & (names - {"torch"}), (
+                    f"{path.name}: backend name in {node.value!r}")
+
+
+def test_every_builtin_rule_has_a_reference_and_no_backend_guard():
+    for rule in tfo.list_rules():
+        assert rule.reference is not None, rule.name
+        assert not rule.implementations, f"{rule.name}: backend implementations belong to the backend packages"
+
+
+def test_user_fusion_rules_module_does_not_shadow_the_builtin_rules(tmp_path):
+    (tmp_path / "fusion_rules.py").write_text("raise RuntimeError('the user module was imported')\n")
+    expected = sorted(rule.name for rule in tfo.list_rules())
+    code = ("import sys, te_fused_ops as t\n"
+            "assert 'fusion_rules' not in sys.modules\n"
+            "print(sorted(r.name for r in t.list_rules()))\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == str(expected)
+    assert len(expected) == 6
