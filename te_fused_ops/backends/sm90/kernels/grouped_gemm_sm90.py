@@ -56,6 +56,7 @@ bias + activation, the plain GEMM, the E4M3 cast, FP8 operands), `grouped_dact_s
 gradient + the activation's backward), `grouped_wgrad_sm90` (varlen-K weight gradient).
 """
 
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import cutlass
@@ -547,17 +548,15 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
     def _consume(self, pipes, sTiles, smem_tensors, tiled_mma, store_tmas, load_tmas, epi_params, epi_shared, scales,
                  num_groups, n_box, half_chunks, k_tiles, m_total, tidx, warp_idx):
         """MMA warpgroups: each tile of the ring through the k-loop (`_mainloop_tile`), then its
-        epilogue: handed over to the epilogue warps, deferred under the next tile, or run here."""
+        epilogue: handed over to the epilogue warps, deferred under the next tile, or run here.
+
+        The tile loop carries one record, `consumer_loop_state`: the helpers hand their pipeline
+        states back into it, and its field order is the order of the loop-carried values."""
         ab_pipe, c_pipe, acc_pipe, tile_pipe = pipes
         mma_tidx = tidx - 128
         mainloop_args = self._mma_fragments(tiled_mma, mma_tidx, smem_tensors, scales)
         acc = mainloop_args[0]
         epi = self._epilogue_fragments(tiled_mma, mma_tidx, acc, smem_tensors)
-        c_write = None
-        c_read = None
-        if const_expr(self.num_in > 0 and not self.epilogue_warps):
-            c_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.c_stages)
-            c_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.c_stages)
         state = self.epi_make_state(epi.tiled_copy_r2s, self.epi_tile, epi_shared)
         # defer_stores: the previous tile's output chunks in dtype, and where they go
         # (valid, seg, start, length, mt, nt, has_rows)
@@ -569,9 +568,6 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             pending_tile[0] = Int32(0)
 
         store_pipe = None
-        acc_write = None
-        if const_expr(self.epilogue_warps):
-            acc_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         if const_expr(self.num_out > 0 and not self.epilogue_warps):
             store_pipe = pipeline.PipelineTmaStore.create(
                 num_stages=self.epi_slots,
@@ -579,16 +575,13 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             )
         is_store_warp = warp_idx == 4
         store_args = (epi.tiled_copy_r2s, epi.tRS_sD, smem_tensors.sD, store_tmas, store_pipe, is_store_warp)
-        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-        epi_count = Int32(0)
-        tile_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_SLOTS)
-        tile_pipe.consumer_wait(tile_read)
-        found = sTiles[0, tile_read.index] != 0
-        while found:
-            tile, has_rows = self._read_tile(sTiles, tile_read.index, num_groups)
-            tile_pipe.consumer_release(tile_read)
-            tile_read.advance()
+        loop = self.consumer_loop_state(tiled_mma)
+        tile_pipe.consumer_wait(loop.tile_read)
+        loop.found = sTiles[0, loop.tile_read.index] != 0
+        while loop.found:
+            tile, has_rows = self._read_tile(sTiles, loop.tile_read.index, num_groups)
+            tile_pipe.consumer_release(loop.tile_read)
+            loop.tile_read.advance()
             tile_k_tiles = k_tiles if tile.is_group else 0
             if const_expr(self.varlen_k):
                 tile_k_tiles = (tile.end - tile.start + self.tile_k - 1) // self.tile_k
@@ -600,37 +593,64 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
                 c_loads = self._partition_loads(load_tmas, smem_tensors.sC, tile)
                 if tile.is_group and is_store_warp:
                     for step in cutlass.range_constexpr(min(self.c_stages, self.num_steps)):
-                        self._load_c(load_tmas, c_pipe, c_write, *c_loads, tile.mt, tile.nt * self.num_steps + step,
-                                     half_chunks)
-                        c_write.advance()
+                        self._load_c(load_tmas, c_pipe, loop.c_write, *c_loads, tile.mt,
+                                     tile.nt * self.num_steps + step, half_chunks)
+                        loop.c_write.advance()
 
-            read_state, release_state, epi_count = self._mainloop_tile(
-                ab_pipe, read_state, release_state, tiled_mma, mainloop_args, scales, tile, tile_k_tiles, n_box,
-                m_total, store_args, pending, pending_tile, epi_count,
+            loop.tiled_mma, loop.read_state, loop.release_state, loop.epi_count = self._mainloop_tile(
+                ab_pipe, loop.read_state, loop.release_state, loop.tiled_mma, mainloop_args, scales, tile, tile_k_tiles,
+                n_box, m_total, store_args, pending, pending_tile, loop.epi_count,
             )
 
             # ------------------------------------------------------ epilogue
             if const_expr(self.epilogue_warps):
-                acc_write = self._hand_over_acc(acc_pipe, acc_write, epi, tile, has_rows)
+                loop.acc_write = self._hand_over_acc(acc_pipe, loop.acc_write, epi, tile, has_rows)
             elif const_expr(self.defer_stores):  # outputs wait for the next tile's k-tiles
                 self._defer_outputs(epi_params, epi, tile, has_rows, n_box, state, pending, pending_tile)
             else:
-                c_read, c_write, epi_count = self._epilogue_tile(
+                loop.c_read, loop.c_write, loop.epi_count = self._epilogue_tile(
                     epi_params, epi, tile, has_rows, n_box, half_chunks, state, smem_tensors.sD, store_tmas,
-                    load_tmas, store_pipe, is_store_warp, c_pipe, c_read, c_write, c_loads, epi_count,
+                    load_tmas, store_pipe, is_store_warp, c_pipe, loop.c_read, loop.c_write, c_loads, loop.epi_count,
                 )
 
-            tile_pipe.consumer_wait(tile_read)
-            found = sTiles[0, tile_read.index] != 0
+            tile_pipe.consumer_wait(loop.tile_read)
+            loop.found = sTiles[0, loop.tile_read.index] != 0
+        epi_count = loop.epi_count
         if const_expr(self.defer_stores):
             if pending_tile[0] != 0:
                 for step in cutlass.range_constexpr(self.num_steps):
                     self._store_chunk(store_args, pending[step], pending_tile, step, epi_count)
                     epi_count = epi_count + 1
         if const_expr(self.epilogue_warps):
-            acc_pipe.producer_tail(acc_write)
+            acc_pipe.producer_tail(loop.acc_write)
         else:
             self.epi_end_kernel(epi_params, mma_tidx // 32, state)
             if const_expr(self.num_out > 0):
                 if is_store_warp:
                     store_pipe.producer_tail()
+
+    def consumer_loop_state(self, tiled_mma):
+        """The values the MMA warpgroups' tile loop carries, as one record (a SimpleNamespace, which
+        the DSL carries field by field in this order): the chunk stores so far (store slot),
+        whether a tile was found, the pipeline states of the tile ring and the C-tile loads
+        (write), the MMA (its ACCUMULATE flag, set inside the k-loop, goes from tile to tile as in
+        one kernel body), the pipeline states of the A/B stages (read, release), the accumulator
+        hand-over and the C-tile loads (read) (None where unused). The order is the code's: ptxas
+        assigns the carried registers in it."""
+        c_write, c_read, acc_write = None, None, None
+        if const_expr(self.num_in > 0 and not self.epilogue_warps):
+            c_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.c_stages)
+            c_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.c_stages)
+        if const_expr(self.epilogue_warps):
+            acc_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        return SimpleNamespace(
+            epi_count=Int32(0),
+            found=None,
+            tile_read=pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_SLOTS),
+            c_write=c_write,
+            tiled_mma=tiled_mma,
+            read_state=pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages),
+            release_state=pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages),
+            acc_write=acc_write,
+            c_read=c_read,
+        )

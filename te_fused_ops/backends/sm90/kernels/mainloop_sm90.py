@@ -152,7 +152,7 @@ class Sm90Mainloop:
         k-tiles are issued outside the k-loop: with defer_stores num_steps, each followed by one
         chunk store of the previous tile (`_store_chunk`); else one (16-bit: it starts the WGMMA
         chain) or none (FP8: every block is alike). The accumulate flag changes inside the loops
-        and stays loop-carried. Returns (read_state, release_state, epi_count)."""
+        and stays loop-carried. Returns (tiled_mma, read_state, release_state, epi_count)."""
         acc, tCrA, tCrB, fp8_args = mainloop_args
         peeled = self.num_steps if const_expr(self.defer_stores) else 0 if const_expr(self.block_scaled) else 1
         acc.fill(0.0)
@@ -205,7 +205,7 @@ class Sm90Mainloop:
                 if tile_k_tiles > 0:
                     ab_pipe.consumer_release(release_state)
                     release_state.advance()
-        return read_state, release_state, epi_count
+        return tiled_mma, read_state, release_state, epi_count
 
     @cute.jit
     def _block_scales(self, scales, tile: Tile, tCcAcc, k, n_box, m_total):
