@@ -41,7 +41,6 @@ import torch
 from bench_dact_quant_sm90 import SHAPES, time_us  # the shapes whose I is a multiple of 128
 from common import MODEL_SHAPES, device_tag, extra_peak_mib, mlp_problem, rotated_medians, skewed_splits, write_results
 
-import te_fused_ops as tfo
 import te_fused_ops.backends.sm90.rules as sm90_rules
 from te_fused_ops import Quantize, Sequential, SwiGLU, Transpose
 from te_fused_ops.backends.sm90.kernels.block_quantize import block_columns_sm90

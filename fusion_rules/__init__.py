@@ -5,6 +5,11 @@ reference implementation and the format boundaries it takes, and register it. Ru
 backend: backend packages (`te_fused_ops.backends`) register their implementations by rule name.
 """
 
-from . import dactivation_grouped_linear, grouped_linear, grouped_linear_activation, quantize
+from . import (
+    dactivation_grouped_linear,
+    grouped_linear,
+    grouped_linear_activation,
+    quantize,
+)
 
 __all__ = ["dactivation_grouped_linear", "grouped_linear", "grouped_linear_activation", "quantize"]

@@ -6,7 +6,13 @@ from torch import nn
 
 from .custom_ops import compiled_call
 from .errors import OpTypeError, OpValueError
-from .runner import SequenceFunction, autocast_eligible, check_side_inputs, compute_dtype, prepare_run
+from .runner import (
+    SequenceFunction,
+    autocast_eligible,
+    check_side_inputs,
+    compute_dtype,
+    prepare_run,
+)
 
 
 def _autocast_cast(x, op_params, dtype):

@@ -27,7 +27,13 @@ import torch
 from torch import nn
 
 from . import env
-from .backends import Implementation, as_check, backend_names, get_backend, list_backends
+from .backends import (
+    Implementation,
+    as_check,
+    backend_names,
+    get_backend,
+    list_backends,
+)
 from .context import Format
 from .errors import OpInputError
 

@@ -11,7 +11,13 @@ import functools
 import torch
 
 from .context import OpContext
-from .fusion import PlanInfo, forced_backend, fusion_enabled_by_env, make_plan, registry_version
+from .fusion import (
+    PlanInfo,
+    forced_backend,
+    fusion_enabled_by_env,
+    make_plan,
+    registry_version,
+)
 from .quantization import is_quantized
 from .saved import pack, unpack
 

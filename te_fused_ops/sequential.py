@@ -8,7 +8,14 @@ from torch import nn
 from .call import run_ops
 from .context import register_owner
 from .ops.base import BasicOp
-from .runner import compute_dtype, get_plan, grad_side_names, params_need_grad, plan_info, recipe_of
+from .runner import (
+    compute_dtype,
+    get_plan,
+    grad_side_names,
+    params_need_grad,
+    plan_info,
+    recipe_of,
+)
 
 
 def _run_pre_hooks(op, args: tuple, kwargs: dict):

@@ -11,8 +11,8 @@ from contextlib import contextmanager
 import torch
 
 from . import env
-from .errors import OpTypeError, OpValueError
 from .backends import split_offsets_kernel
+from .errors import OpTypeError, OpValueError
 
 _SPLIT_DTYPES = (torch.int32, torch.int64)
 _local = threading.local()  # .validation: the innermost `validation()` setting of this thread

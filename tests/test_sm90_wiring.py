@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import reference as ref
-import te_fused_ops as tfo
 from test_grouped_wgrad_fp8_sm90_gpu import block_padded
 from te_fused_ops import (
     ClampedSwiGLU,

@@ -5,10 +5,10 @@ import math
 import torch
 from torch import nn
 
+from ..errors import OpTypeError, OpValueError
 from ..grouped_mm import grouped_mm_nn, grouped_mm_nt, grouped_row_sum, grouped_wgrad
 from ..quantization import quantize, quantized_weight_values
 from ..splits import bind_offsets, row_group_ids
-from ..errors import OpTypeError, OpValueError
 from .base import BasicOp, OpContext, Recompute, is_quantized
 
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from ..errors import OpTypeError, OpValueError
+from ..errors import OpTypeError
 from ..quantization import QuantizedTensor, fake_quantize, get_recipe, quantize
 from ..splits import bind_offsets
 from .base import BasicOp, OpContext
