@@ -8,6 +8,8 @@ in the epilogue, optionally with its per-group column-wise copy) and `GroupedGem
 (block-scaled FP8 operands).
 """
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -29,6 +31,25 @@ from .epilogue_cast_sm90 import (
 )
 from .group_tile_scheduler import Tile
 from .grouped_gemm_sm90 import GroupedGemmSm90
+
+
+class ForwardParams(NamedTuple):
+    """What the forward epilogue hooks read (the kernel's ``epi_params``; the field order is the
+    order of the kernel's parameters): bias (G, N) and probs (M,) float32 or None, the activation's
+    float32 constants, the rows of x; act_amax: the amax parts (P,) float32; act quant: the cast
+    output data (M, C) E4M3 and scale_inv (M, ceil(C/128)) float32, and with ``columns`` its
+    column-wise copy (data (C, 128 * blocks), scale_inv (blocks, C)). None where unused."""
+
+    bias: object
+    probs: object
+    limit: object
+    alpha: object
+    m_total: object
+    amax_parts: object = None
+    data: object = None
+    scale: object = None
+    col_data: object = None
+    col_scale: object = None
 
 
 class GroupedGemmActSm90(GroupedGemmSm90):
@@ -89,7 +110,7 @@ class GroupedGemmActSm90(GroupedGemmSm90):
     ):
         outputs = (mPre,) if const_expr(self.spec is None) else (mPre, mAct)
         m_total = cute.size(mX, mode=[0])
-        self.launch(mX, mW, mOffsets, outputs, (), (mBias, mProbs, limit, alpha, m_total, mActAmax),
+        self.launch(mX, mW, mOffsets, outputs, (), ForwardParams(mBias, mProbs, limit, alpha, m_total, mActAmax),
                     max_clusters, stream, scales)
 
     def epi_make_state(self, tiled_copy, epi_tile, shared):
@@ -107,12 +128,12 @@ class GroupedGemmActSm90(GroupedGemmSm90):
     @cute.jit
     def epi_end_kernel(self, params, consumer_warp, state):
         if const_expr(self.act_amax):
-            write_amax_parts(params[5], state, consumer_warp, self.hook_warps)
+            write_amax_parts(params.amax_parts, state, consumer_warp, self.hook_warps)
 
     @cute.jit
     def _pre(self, params, tile: Tile, chunk, n_box, rAcc, rOut, tRS_cD, v):
         """rOut[j][v] = pre of B box j (acc + bias) for value v of the chunk."""
-        mBias = params[0]
+        mBias = params.bias
         g_safe = tile.seg
         if const_expr(self.has_bias):
             g_safe = cutlass.min(tile.seg, cute.size(mBias, mode=[0]) - 1)
@@ -130,14 +151,13 @@ class GroupedGemmActSm90(GroupedGemmSm90):
     def _pre_act(self, params, tile: Tile, chunk, n_box, rAcc, rOut, tRS_cD, v):
         """Value v of the chunk: rOut[j][v] = pre of B box j (acc + bias); returns the activation
         (times probs), also written to rOut[-1][v] when this class stores it; None without one."""
-        _, mProbs, limit, alpha, m_total = params[:5]
         self._pre(params, tile, chunk, n_box, rAcc, rOut, tRS_cD, v)
         value = None
         if const_expr(self.spec is not None):
             up = rOut[1][v] if const_expr(self.spec.glu) else None
-            value, _, _ = ACTIVATION_MATH[self.spec.name](rOut[0][v], up, limit, alpha)
+            value, _, _ = ACTIVATION_MATH[self.spec.name](rOut[0][v], up, params.limit, params.alpha)
             if const_expr(self.spec.takes_probs):
-                value = value * row_value(mProbs, tile.row0 + tRS_cD[v][0], tile, m_total)
+                value = value * row_value(params.probs, tile.row0 + tRS_cD[v][0], tile, params.m_total)
             if const_expr(self.stores_act):
                 rOut[self.num_out - 1][v] = value
         return value
@@ -206,9 +226,9 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
     ):
         m_total = cute.size(mX, mode=[0])
         outputs = (mPre,) if const_expr(self.stores_pre) else ()
-        self.launch(mX, mW, mOffsets, outputs, (),
-                    (mBias, mProbs, limit, alpha, m_total, None, mData, mScale, mColData, mColScale),
-                    max_clusters, stream)
+        params = ForwardParams(mBias, mProbs, limit, alpha, m_total, data=mData, scale=mScale, col_data=mColData,
+                               col_scale=mColScale)
+        self.launch(mX, mW, mOffsets, outputs, (), params, max_clusters, stream)
 
     def epi_make_state(self, tiled_copy, epi_tile, shared):
         """(per block and row slot: scale_inv and the two multipliers of `e4m3_scale_inv`; GLU: the
@@ -235,7 +255,7 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
 
     @cute.jit
     def epi_begin_tile(self, params, tile: Tile, n_box, tRS_rAcc, tRS_cD, state):
-        m_total, mScale = params[4], params[7]
+        m_total, mScale = params.m_total, params.scale
         scales, acts = state[0], state[1]
         frag, slots = len(self.row_slot), len(self.slot_value)
         rAcc = [cute.make_rmem_tensor((frag,), Float32) for _ in range(self.b_boxes)]
@@ -275,7 +295,7 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
 
     @cute.jit
     def epi_visit(self, params, tile: Tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
-        m_total, mData = params[4], params[6]
+        m_total, mData = params.m_total, params.data
         (scale_inv, m1, m2), acts, scaled, data = state[:4]
         frag, slots = cute.size(rAcc[0]), len(self.slot_value)
         for v in cutlass.range_constexpr(frag):
@@ -294,7 +314,7 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
         if const_expr(self.columns and step % self.block_steps == self.block_steps - 1):
             col0 = (chunk + 1) * self.epi_n - 128  # the block's first column
             if tile.is_group and tile.row0 < tile.end and col0 < n_box:  # the same for every thread of the CTA
-                store_staged_columns(params[8], params[9], state[4], state[5], tile, col0, self.dtype,
+                store_staged_columns(params.col_data, params.col_scale, state[4], state[5], tile, col0, self.dtype,
                                      self.power_2_scales, self.epi_barrier)
 
 

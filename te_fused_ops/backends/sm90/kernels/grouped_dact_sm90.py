@@ -19,6 +19,8 @@ the up half). ``d_pre_amax`` (FP8 kernel; fp8_current's scale for FC1's data gra
 amax as partial maxima per consumer warp (`epilogue_cast_sm90.write_amax_parts`).
 """
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -42,13 +44,33 @@ from .group_tile_scheduler import Tile
 from .grouped_gemm_sm90 import GroupedGemmSm90
 
 
+class DActParams(NamedTuple):
+    """What the dActivation epilogue hooks read (the kernel's ``epi_params``; the field order is
+    the order of the kernel's parameters): probs (M,) float32 and the d_probs partials
+    (ceil(I / tile_n), M) float32 or None, the activation's float32 constants, the rows of dy;
+    d_pre_amax: the amax parts (P,) float32; quant: d_pre's row-wise copy (data (M, C) E4M3,
+    scale_inv (M, C/128) float32) and column-wise copy (data (C, 128 * blocks), scale_inv
+    (blocks, C)). None where unused."""
+
+    probs: object
+    d_probs_part: object
+    limit: object
+    alpha: object
+    m_total: object
+    amax_parts: object = None
+    row_data: object = None
+    row_scale: object = None
+    col_data: object = None
+    col_scale: object = None
+
+
 class GroupedGemmDActSm90(GroupedGemmSm90):
     """Grouped dgrad GEMM + dActivation epilogue for sm_90a.
 
     Compile-time configuration: ``dtype``, ``tile_n`` (over I), ``activation`` (a name of
     ``activations.ACTIVATIONS``), ``cluster_m``, ``b_major`` (bf16: "mn", W (G, H, I) read in
     place), ``emit_act`` (store act), ``store_d_pre`` (False: a subclass writes d_pre itself),
-    ``d_pre_amax`` (params[5] the amax parts) and the core's options.
+    ``d_pre_amax`` (`DActParams.amax_parts`) and the core's options.
     """
 
     supports_epilogue_warps = True
@@ -86,8 +108,8 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
         stream,
     ):
         m_total = cute.size(mDy, mode=[0])
-        self.launch(mDy, mW, mOffsets, (mDPre, mAct), (mPre,),
-                    (mProbs, mDProbsPart, limit, alpha, m_total, None), max_clusters, stream)
+        self.launch(mDy, mW, mOffsets, (mDPre, mAct), (mPre,), DActParams(mProbs, mDProbsPart, limit, alpha, m_total),
+                    max_clusters, stream)
 
     def epi_make_state(self, tiled_copy, epi_tile, shared):
         """(scaled_swiglu: per-thread d_probs sums of its rows (fp32) and a scratch fragment, else
@@ -107,15 +129,14 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
 
     @cute.jit
     def epi_visit(self, params, tile: Tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
-        mProbs, _, limit, alpha, m_total = params[:5]
         glu = self.spec.glu
         for v in cutlass.range_constexpr(cute.size(rAcc[0])):
             h = rAcc[0][v]
             up = rIn[1][v].to(Float32) if const_expr(glu) else None
-            value, d_x, d_u = ACTIVATION_MATH[self.spec.name](rIn[0][v].to(Float32), up, limit, alpha)
+            value, d_x, d_u = ACTIVATION_MATH[self.spec.name](rIn[0][v].to(Float32), up, params.limit, params.alpha)
             if const_expr(self.spec.takes_probs):
                 state[1][v] = h * value
-                p = row_value(mProbs, tile.row0 + tRS_cD[v][0], tile, m_total)
+                p = row_value(params.probs, tile.row0 + tRS_cD[v][0], tile, params.m_total)
                 h = h * p
                 value = value * p
             rOut[0][v] = h * d_x
@@ -138,7 +159,7 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
     @cute.jit
     def epi_end_tile(self, params, tile: Tile, n_box, tRS_cD, state):
         if const_expr(self.spec.takes_probs):
-            mDProbsPart = params[1]
+            mDProbsPart = params.d_probs_part
             lane = cute.arch.lane_idx()
             for r in cutlass.range_constexpr(len(self.slot_value)):
                 total = state[0][r]
@@ -151,7 +172,7 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
     @cute.jit
     def epi_end_kernel(self, params, consumer_warp, state):
         if const_expr(self.d_pre_amax):
-            write_amax_parts(params[5], state[2], consumer_warp, self.hook_warps)
+            write_amax_parts(params.amax_parts, state[2], consumer_warp, self.hook_warps)
 
 
 class GroupedGemmDActFp8Sm90(GroupedGemmDActSm90):
@@ -187,7 +208,8 @@ class GroupedGemmDActFp8Sm90(GroupedGemmDActSm90):
         stream,
     ):
         m_total = cute.size(mDy, mode=[0])
-        self.launch(mDy, mW, mOffsets, (mDPre,), (mPre,), (mProbs, mDProbsPart, limit, alpha, m_total, mDPreAmax),
+        self.launch(mDy, mW, mOffsets, (mDPre,), (mPre,),
+                    DActParams(mProbs, mDProbsPart, limit, alpha, m_total, mDPreAmax),
                     max_clusters, stream, scales=(mDyScale, mWScale))
 
 
@@ -239,9 +261,9 @@ class GroupedGemmDActQuantFp8Sm90(GroupedGemmDActFp8Sm90):
         stream,
     ):
         m_total = cute.size(mDy, mode=[0])
-        self.launch(mDy, mW, mOffsets, (), (mPre,),
-                    (mProbs, mDProbsPart, limit, alpha, m_total, None, mRowData, mRowScale, mColData, mColScale),
-                    max_clusters, stream, scales=(mDyScale, mWScale))
+        params = DActParams(mProbs, mDProbsPart, limit, alpha, m_total, row_data=mRowData, row_scale=mRowScale,
+                            col_data=mColData, col_scale=mColScale)
+        self.launch(mDy, mW, mOffsets, (), (mPre,), params, max_clusters, stream, scales=(mDyScale, mWScale))
 
     def epi_make_state(self, tiled_copy, epi_tile, shared):
         """(the parent's state; the tile's d_pre as stored (dtype, step- then half-major); one
@@ -286,7 +308,7 @@ class GroupedGemmDActQuantFp8Sm90(GroupedGemmDActFp8Sm90):
     @cute.jit
     def _store_rows(self, params, tile: Tile, n_box, tRS_cD, state, h: cutlass.Constexpr[int]):
         """Half h's row-wise copy of the tile: scale_inv per row, then the bytes, chunk by chunk."""
-        m_total, mRowData, mRowScale = params[4], params[6], params[7]
+        m_total, mRowData, mRowScale = params.m_total, params.row_data, params.row_scale
         values, (scale_inv, m1, m2), scaled, data = state[1], state[3], state[4], state[5]
         frag, slots = len(self.row_slot), len(self.slot_value)
         amax = scale_inv
@@ -324,5 +346,5 @@ class GroupedGemmDActQuantFp8Sm90(GroupedGemmDActFp8Sm90):
             for v in cutlass.range_constexpr(len(self.row_slot)):
                 stage_transposed(sScratch, values[step * self.halves + h][v], tile, tRS_cD[v][0],
                                  step * self.epi_n + tRS_cD[v][1], self.dtype)
-        store_staged_columns(params[8], params[9], sScratch, sEdges, tile, h * n_box + tile.nt * 128, self.dtype,
-                             self.power_2_scales, self.epi_barrier)
+        store_staged_columns(params.col_data, params.col_scale, sScratch, sEdges, tile, h * n_box + tile.nt * 128,
+                             self.dtype, self.power_2_scales, self.epi_barrier)

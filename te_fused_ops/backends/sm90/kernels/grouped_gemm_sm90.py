@@ -226,7 +226,8 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         Varlen-K: mA (N, tokens) and mW (K_out, tokens) token views (`ragged_tokens`, or FP8's
         block-padded copies), outputs / inputs (N, K_out, G) views, scales (FP8) the (blocks, N)
         and (blocks, K_out) multipliers, m_total the rows the offsets index.
-        epi_params: tuple handed to the epilogue hooks; max_clusters: Int32, the persistent grid in
+        epi_params: what the epilogue hooks read, a kernel argument (a NamedTuple of the subclass,
+        e.g. `grouped_act_sm90.ForwardParams`, or ()); max_clusters: Int32, the persistent grid in
         clusters.
         """
         dt = self.ab_dtype
