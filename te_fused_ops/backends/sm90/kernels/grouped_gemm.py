@@ -37,7 +37,6 @@ from .launch import (
     num_sms,
     resolve_sm_margin,
     call_signature,
-    sm_margin_setting,
     tvm_ffi_available,
 )
 
@@ -436,7 +435,7 @@ def grouped_gemm_sm90(
     Returns (pre (M, N) = [gate, up] for GLU, act (M, N/2) GLU / (M, N) srelu / None).
     Rows >= offsets[G] are zero. No host sync; the launch depends on shapes only.
     tile_n (128 or 256) and cluster_m (1: no W multicast, 2) override the heuristic;
-    sm_margin: SMs to leave free (default: env TE_FUSED_OPS_SM_MARGIN, else 0).
+    sm_margin: SMs to leave free (None: 0).
     ``act_amax``: also return (P,) float32 partial maxima of |act| over the grouped rows (finite
     values, as stored) whose max is the act's amax (`tensor_quantize_sm90`'s ``amax_parts``).
     Checks run once per argument signature (`launch.call_signature`); repeats only launch.
@@ -444,7 +443,7 @@ def grouped_gemm_sm90(
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, x, weight, offsets, bias, probs, out, act_out),
-        _FWD, activation, weight_layout, tile_n, cluster_m, sm_margin, sm_margin_setting(), act_amax,
+        _FWD, activation, weight_layout, tile_n, cluster_m, sm_margin, act_amax,
     )
     args = (x, weight, offsets, bias, activation, probs, out, act_out, weight_layout, tile_n, cluster_m, sm_margin,
             act_amax)
@@ -550,7 +549,6 @@ def grouped_gemm_act_quant_sm90(
     key = (
         call_signature(tvm_ffi, x, weight, offsets, bias, probs, out),
         _ACT_QUANT, activation, weight_layout, power_2_scales, columns, tile_n, cluster_m, sm_margin,
-        sm_margin_setting(),
     )
     args = (x, weight, offsets, bias, activation, probs, out, weight_layout, power_2_scales, columns, tile_n,
             cluster_m, sm_margin)
@@ -637,7 +635,7 @@ def grouped_gemm_fp8_sm90(
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, x, x_scale_inv, weight, weight_scale_inv, offsets, bias, probs, out, act_out),
-        _FP8, activation, out_dtype, tile_n, cluster_m, sm_margin, sm_margin_setting(), act_amax,
+        _FP8, activation, out_dtype, tile_n, cluster_m, sm_margin, act_amax,
     )
     args = (x, x_scale_inv, weight, weight_scale_inv, offsets, bias, activation, probs, out_dtype, out,
             act_out, tile_n, cluster_m, sm_margin, act_amax)
@@ -731,7 +729,7 @@ def grouped_dgrad_dact_sm90(
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, dy, weight, offsets, pre, probs, out, act_out),
-        _DACT, activation, tile_n, cluster_m, sm_margin, sm_margin_setting(), epilogue_warps,
+        _DACT, activation, tile_n, cluster_m, sm_margin, epilogue_warps,
     )
     args = (dy, weight, offsets, pre, activation, probs, out, act_out, tile_n, cluster_m, sm_margin, epilogue_warps)
     launch = _MEMO.get(key) or _MEMO.put(key, _dact_launch(*args))
@@ -777,7 +775,8 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
             check_tensor(_DACT, buf, arg, dy.dtype, 2, dev)
             _check_shape(_DACT, buf, arg, tuple(shape))
     if epilogue_warps is None:
-        epilogue_warps = False  # faster alone (H100: 1.02-1.07x), not in the training step (NOTES_sm90.md)
+        # faster alone (H100: 1.02-1.07x), not in the training step (docs/notes/backward-kernels.md)
+        epilogue_warps = False
     elif not isinstance(epilogue_warps, bool):
         raise TypeError(f"{_DACT}: epilogue_warps must be a bool or None, got {type(epilogue_warps).__name__}")
     tile_n, cluster_m, clusters = _launch_config(_DACT, m, i, g, dev, tile_n, cluster_m, sm_margin)
@@ -810,7 +809,7 @@ def grouped_dgrad_dact_fp8_sm90(
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, probs),
-        _DACT_FP8, pre.dtype, activation, cluster_m, sm_margin, sm_margin_setting(), d_pre_amax,
+        _DACT_FP8, pre.dtype, activation, cluster_m, sm_margin, d_pre_amax,
     )
     args = (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation, probs, cluster_m, sm_margin,
             d_pre_amax)
@@ -885,7 +884,7 @@ def grouped_dgrad_dact_quant_fp8_sm90(
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, probs),
-        _DACT_QUANT_FP8, pre.dtype, activation, cluster_m, sm_margin, sm_margin_setting(), power_2_scales,
+        _DACT_QUANT_FP8, pre.dtype, activation, cluster_m, sm_margin, power_2_scales,
     )
     args = (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation, probs, cluster_m, sm_margin,
             False, power_2_scales)

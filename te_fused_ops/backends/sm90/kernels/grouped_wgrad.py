@@ -27,7 +27,6 @@ from .launch import (
     num_sms,
     resolve_sm_margin,
     call_signature,
-    sm_margin_setting,
     tvm_ffi_available,
 )
 
@@ -102,14 +101,14 @@ def grouped_wgrad_sm90(
     >= offsets[G] are ignored); offsets (G+1,) int32 on the same device (clamped on the device).
     Returns dW (G, N, K) in dy's dtype (written into ``out`` if given; empty groups give 0), or,
     with ``main_grad`` (fp32 (G, N, K)), main_grad += dW in place and main_grad is returned.
-    sm_margin (int >= 0; None: $TE_FUSED_OPS_SM_MARGIN, default 0) SMs are left free.
+    sm_margin (int >= 0; None: 0) SMs are left free.
     tile_n (128 or 256, along K) and cluster_m (1, 2: CTA pairs multicast x) override the
     heuristic. No host sync. Checks run once per argument signature (`launch.call_signature`).
     """
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, dy, x, offsets, out, main_grad),
-        tile_n, cluster_m, sm_margin, sm_margin_setting(),
+        tile_n, cluster_m, sm_margin,
     )
     args = (dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m)
     launch = _MEMO.get(key) or _MEMO.put(key, _launch(*args))
@@ -209,7 +208,7 @@ def grouped_wgrad_fp8_sm90(dy_columns, x_columns, offsets, *, out_dtype=torch.bf
         raise TypeError(f"{_FP8_NAME}: dy_columns and x_columns must be BlockColumns (data, scale_inv, num_tokens)")
     key = (
         call_signature(tvm_ffi, dy_t, x_t, offsets, out, main_grad, dy_scales, x_scales),
-        m, x_m, out_dtype, cluster_m, sm_margin, sm_margin_setting(),
+        m, x_m, out_dtype, cluster_m, sm_margin,
     )
     args = (dy_t, dy_scales, x_t, x_scales, m, x_m, offsets, out_dtype, out, main_grad, sm_margin, cluster_m)
     launch = _MEMO.get(key) or _MEMO.put(key, _fp8_launch(*args))

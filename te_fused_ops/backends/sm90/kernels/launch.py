@@ -1,18 +1,17 @@
 """Host-side pieces every sm90 kernel wrapper shares: argument checks, SM count and margin, TVM-FFI.
 
-Importable without cutlass or a GPU.
+Importable without cutlass or a GPU. The wrappers read no environment: their caller (the sm90
+backend) passes ``sm_margin``.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from .... import env
-
 DTYPES = (torch.bfloat16, torch.float16)
+# the SM-margin variable: the sm90 backend reads it and passes ``sm_margin``; nothing here reads it
 SM_MARGIN_ENV = "TE_FUSED_OPS_SM_MARGIN"
 
 
@@ -53,9 +52,9 @@ def num_sms(device_index: int) -> int:
 
 
 def resolve_sm_margin(sm_margin, fn_name: str) -> int:
-    """``sm_margin`` (SMs the persistent grid leaves free), or env TE_FUSED_OPS_SM_MARGIN, or 0."""
+    """``sm_margin``, the SMs the persistent grid leaves free (None: 0), checked."""
     if sm_margin is None:
-        return env.read(SM_MARGIN_ENV, fn_name)
+        return 0
     if isinstance(sm_margin, bool) or not isinstance(sm_margin, int):
         raise TypeError(f"{fn_name}: sm_margin must be an int or None, got {type(sm_margin).__name__}")
     if sm_margin < 0:
@@ -111,8 +110,8 @@ def tensor_signature(*tensors):
 
 def call_signature(tvm_ffi: bool, t0, t1, t2, t3=None, t4=None, t5=None, t6=None, t7=None, t8=None):
     """The per-tensor part of a wrapper's launch memo key (up to nine tensors, None for absent
-    ones); a validated launch is memoized under it (plus the non-tensor arguments and the
-    SM-margin variable), so repeated calls skip the checks.
+    ones); a validated launch is memoized under it (plus the non-tensor arguments), so repeated
+    calls skip the checks.
 
     Through TVM-FFI the compiled function checks every tensor on every call (dtype, rank, device,
     contiguity, alignment, the extents its shape symbols tie together) before it launches, so the
@@ -133,21 +132,6 @@ def call_signature(tvm_ffi: bool, t0, t1, t2, t3=None, t4=None, t5=None, t6=None
         )
     except AttributeError:
         return None
-
-
-# CPython keeps os.environ's encoded entries in `_data`; one lookup there costs ~30 ns against
-# ~600 ns for os.environ.get (which encodes the key and decodes the value) and sees every change
-# made through os.environ. Other interpreters fall back to the public read.
-_ENVIRON_STORE = getattr(os.environ, "_data", None)
-_SM_MARGIN_KEY = os.environ.encodekey(SM_MARGIN_ENV) if _ENVIRON_STORE is not None else None
-
-
-def sm_margin_setting():
-    """The raw (encoded) TE_FUSED_OPS_SM_MARGIN value, read on every call: part of the launch memo
-    key, so a change of the variable reaches the next launch."""
-    if _ENVIRON_STORE is None:
-        return os.environ.get(SM_MARGIN_ENV)
-    return _ENVIRON_STORE.get(_SM_MARGIN_KEY)
 
 
 class LaunchMemo(dict):
