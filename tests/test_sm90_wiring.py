@@ -615,3 +615,35 @@ def test_column_copies_in_the_forward_only_where_they_are_read(case, sm90_stand_
         assert (a is None) == (b is None), name
         if a is not None:
             assert ref.rel_err(a, b) <= 5e-2, name
+
+
+def test_sm_margin_reaches_every_kernel_from_the_environment(sm90_stand_ins, monkeypatch):
+    """The kernels read no environment: the sm90 backend reads TE_FUSED_OPS_SM_MARGIN at each call
+    and passes it to every GEMM of the forward and the backward."""
+    import te_fused_ops.backends.sm90.linear as sm90
+    import te_fused_ops.backends.sm90.rules as sm90_rules
+
+    seen = []
+
+    def recording(module, name):
+        real = getattr(module, name)
+
+        def call(*args, **kwargs):
+            seen.append((name, kwargs.get("sm_margin")))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, call)
+
+    for name in ("grouped_gemm_sm90", "grouped_wgrad_sm90", "grouped_column_sums_sm90"):
+        recording(sm90, name)
+    recording(sm90_rules, "grouped_dgrad_dact_sm90")
+    seq = Sequential(GroupedLinear(G, H, 2 * I, bias=True, dtype=torch.bfloat16), SwiGLU(),
+                     GroupedLinear(G, I, H, dtype=torch.bfloat16))
+    x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
+    for margin in (16, 0):
+        monkeypatch.setenv("TE_FUSED_OPS_SM_MARGIN", str(margin))
+        seen.clear()
+        step(seq, x, torch.randn(ROWS, H, dtype=torch.bfloat16))
+        assert {name for name, _ in seen} == {"grouped_gemm_sm90", "grouped_wgrad_sm90", "grouped_column_sums_sm90",
+                                              "grouped_dgrad_dact_sm90"}, seen
+        assert all(m == margin for _, m in seen), seen

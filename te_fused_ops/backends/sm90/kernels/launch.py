@@ -11,8 +11,6 @@ import functools
 import torch
 
 DTYPES = (torch.bfloat16, torch.float16)
-# the SM-margin variable: the sm90 backend reads it and passes ``sm_margin``; nothing here reads it
-SM_MARGIN_ENV = "TE_FUSED_OPS_SM_MARGIN"
 
 
 @functools.cache
