@@ -8,19 +8,29 @@ GLU convention: the input is [gate, up] along the last dim (gate first), the out
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
 
 
 @dataclass(frozen=True)
 class ActivationSpec:
     """name; glu: [gate, up] input -> half-width output; constants: names of the float scalars the
-    math takes (passed to the kernels, ignored by activations that do not list them); takes_probs:
-    the output is scaled by a per-row (M,) float32 factor, which gets a gradient too."""
+    math takes (passed to the kernels, ignored by activations that do not list them), each with its
+    default in ``defaults``; takes_probs: the output is scaled by a per-row (M,) float32 factor,
+    which gets a gradient too."""
 
     name: str
     glu: bool
     constants: tuple[str, ...] = ()
     takes_probs: bool = False
+    defaults: Mapping[str, float] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self):
+        if set(self.defaults) != set(self.constants):
+            raise ValueError(f"activation {self.name!r}: defaults {tuple(self.defaults)} must name exactly its "
+                             f"constants {self.constants}")
+        object.__setattr__(self, "defaults", MappingProxyType({c: float(self.defaults[c]) for c in self.constants}))
 
 
 ACTIVATIONS: dict[str, ActivationSpec] = {
@@ -29,10 +39,42 @@ ACTIVATIONS: dict[str, ActivationSpec] = {
         ActivationSpec("swiglu", glu=True),
         ActivationSpec("geglu", glu=True),  # gelu with the tanh approximation
         ActivationSpec("srelu", glu=False),
-        ActivationSpec("clamped_swiglu", glu=True, constants=("limit", "alpha")),
+        ActivationSpec("clamped_swiglu", glu=True, constants=("limit", "alpha"),
+                       defaults={"limit": 7.0, "alpha": 1.702}),
         ActivationSpec("scaled_swiglu", glu=True, takes_probs=True),
     )
 }
+
+
+
+def _constant_defaults() -> dict[str, float]:
+    defaults: dict[str, float] = {}
+    for spec in ACTIVATIONS.values():
+        for name, value in spec.defaults.items():
+            if defaults.setdefault(name, value) != value:
+                raise ValueError(f"activation constant {name!r}: one default for every activation that "
+                                 f"takes it, got {defaults[name]} and {value} ({spec.name!r})")
+    return defaults
+
+
+CONSTANT_DEFAULTS: Mapping[str, float] = MappingProxyType(_constant_defaults())
+"""Every activation constant of the registry (first-listed order) and its default: the order of
+the constants the kernels take (``activation_math_sm90.ActivationConstants``)."""
+_DEFAULT_CONSTANTS = tuple(CONSTANT_DEFAULTS.values())
+
+
+def activation_constants(where: str, given: Mapping[str, object]) -> tuple[float, ...]:
+    """The kernels' constants (`CONSTANT_DEFAULTS` order) from the keyword arguments ``given`` to
+    the wrapper ``where``, defaults for the rest; TypeError naming ``where`` for a name that is no
+    activation constant."""
+    if not given:
+        return _DEFAULT_CONSTANTS
+    unknown = [name for name in given if name not in CONSTANT_DEFAULTS]
+    if unknown:
+        raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r} (activation constants: "
+                        f"{tuple(CONSTANT_DEFAULTS)})")
+    return tuple(float(given.get(name, default)) for name, default in CONSTANT_DEFAULTS.items())
+
 
 GLU_N_MULTIPLE = 64
 """GLU outputs of the sm90 kernels: the [gate, up] width must be a multiple of this (each half

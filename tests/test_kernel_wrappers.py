@@ -54,11 +54,14 @@ def test_a_rejected_launch_reruns_the_checks_for_a_named_error():
         raise ValueError(f"grouped_gemm_sm90: {arg} must be contiguous")
 
     x = torch.zeros(2)
+    # the compiled entries take the activation constants as one structure (registry order)
+    constants = activations.activation_constants("grouped_gemm_sm90", {"limit": 7, "alpha": 1})
     with pytest.raises(ValueError, match="grouped_gemm_sm90: out must be contiguous"):
-        grouped_gemm._run(rejecting_entry, True, named_checks, ("out",), (x, None), 7, 1, 132)
+        grouped_gemm._run(rejecting_entry, True, named_checks, ("out",), (x, None), constants, 132)
     with pytest.raises(RuntimeError, match="argument #3"):  # checks pass: the entry's own error
-        grouped_gemm._run(rejecting_entry, True, lambda: None, (), (x, None), 7, 1, 132)
+        grouped_gemm._run(rejecting_entry, True, lambda: None, (), (x, None), constants, 132)
     launched = []
-    grouped_gemm._run(lambda *args: launched.append(args), True, named_checks, ("x",), (x, None), 7, 1, 132)
-    grouped_gemm._run(None, True, named_checks, ("x",), (x,), 7, 1, 132)  # M == 0: nothing launched or checked
-    assert launched == [(x, None, 7.0, 1.0, 132)] and isinstance(launched[0][2], float)
+    grouped_gemm._run(lambda *args: launched.append(args), True, named_checks, ("x",), (x, None), constants, 132)
+    grouped_gemm._run(None, True, named_checks, ("x",), (x,), constants, 132)  # M == 0: nothing launched or checked
+    assert launched == [(x, None, (7.0, 1.0), 132)]
+    assert all(isinstance(c, float) for c in launched[0][2])

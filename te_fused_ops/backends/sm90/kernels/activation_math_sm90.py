@@ -1,17 +1,33 @@
 """fp32 device math of the registered activations (``activations.ACTIVATIONS``), for epilogues.
 
-``ACTIVATION_MATH[name](x, u, limit, alpha)`` returns ``(value, d_x, d_u)`` for one element:
+``ACTIVATION_MATH[name](x, u, c)`` returns ``(value, d_x, d_u)`` for one element, ``c`` the
+`ActivationConstants` (float32, by name: ``c.limit``), each activation reading the ones its
+registry entry lists:
 GLU: x = gate, u = up, value = act(gate) * up (before any probs scale), d_x / d_u its partial
 derivatives; srelu: u is None, d_u None. A forward epilogue uses only ``value``; the compiler drops
 the rest. Sigmoid and tanh go through one ``tanh.approx.f32`` (max rel. error ~2^-11).
 The reference math is ``te_fused_ops/ops/activation.py``.
 """
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
+
+from ....activations import CONSTANT_DEFAULTS
+
+ActivationConstants = NamedTuple("ActivationConstants", [(name, Float32) for name in CONSTANT_DEFAULTS])
+"""Every activation constant of the registry (``activations.CONSTANT_DEFAULTS`` order) as a float32
+scalar: one argument of the kernels' host entries, one field of their epilogue params."""
+
+
+def default_constants() -> ActivationConstants:
+    """The registry's defaults (what the kernels are compiled with; the values are runtime)."""
+    return ActivationConstants(*(Float32(value) for value in CONSTANT_DEFAULTS.values()))
+
 
 _GELU_K = 0.7978845608028654  # sqrt(2 / pi)
 _GELU_C = 0.044715
@@ -39,14 +55,14 @@ def _sigmoid(x: Float32) -> Float32:
 
 
 @cute.jit
-def _swiglu(x: Float32, u: Float32, limit: Float32, alpha: Float32):
+def _swiglu(x: Float32, u: Float32, c: ActivationConstants):
     s = _sigmoid(x)
     silu = x * s
     return silu * u, u * s * (1.0 + x * (1.0 - s)), silu
 
 
 @cute.jit
-def _geglu(x: Float32, u: Float32, limit: Float32, alpha: Float32):
+def _geglu(x: Float32, u: Float32, c: ActivationConstants):
     t = tanh_approx(_GELU_K * (x + _GELU_C * x * x * x))
     gelu = 0.5 * x * (1.0 + t)
     d_gelu = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_K * (1.0 + 3.0 * _GELU_C * x * x)
@@ -54,9 +70,10 @@ def _geglu(x: Float32, u: Float32, limit: Float32, alpha: Float32):
 
 
 @cute.jit
-def _clamped_swiglu(x: Float32, u: Float32, limit: Float32, alpha: Float32):
+def _clamped_swiglu(x: Float32, u: Float32, c: ActivationConstants):
     """g sigmoid(alpha g) (uc + 1), g = min(x, limit), uc = clamp(u, -limit, limit); the clamps
     pass gradient inside their bounds (inclusive)."""
+    limit, alpha = c.limit, c.alpha
     g = cutlass.min(x, limit)
     uc = cutlass.min(cutlass.max(u, -limit), limit)
     s = _sigmoid(alpha * g)
@@ -71,7 +88,7 @@ def _clamped_swiglu(x: Float32, u: Float32, limit: Float32, alpha: Float32):
 
 
 @cute.jit
-def _srelu(x: Float32, u, limit: Float32, alpha: Float32):
+def _srelu(x: Float32, u, c: ActivationConstants):
     r = cutlass.max(x, Float32(0.0))
     return r * r, 2.0 * r, None
 

@@ -15,7 +15,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ....activations import activation_spec
-from .activation_math_sm90 import ACTIVATION_MATH
+from .activation_math_sm90 import ACTIVATION_MATH, ActivationConstants
 from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled
 from .epilogue_cast_sm90 import (
     COLUMN_SCRATCH,
@@ -35,15 +35,14 @@ from .grouped_gemm_sm90 import GroupedGemmSm90
 
 class ForwardParams(NamedTuple):
     """What the forward epilogue hooks read (the kernel's ``epi_params``; the field order is the
-    order of the kernel's parameters): bias (G, N) and probs (M,) float32 or None, the activation's
-    float32 constants, the rows of x; act_amax: the amax parts (P,) float32; act quant: the cast
+    order of the kernel's parameters): bias (G, N) and probs (M,) float32 or None, the activation
+    constants (`ActivationConstants`), the rows of x; act_amax: the amax parts (P,) float32; act quant: the cast
     output data (M, C) E4M3 and scale_inv (M, ceil(C/128)) float32, and with ``columns`` its
     column-wise copy (data (C, 128 * blocks), scale_inv (blocks, C)). None where unused."""
 
     bias: object
     probs: object
-    limit: object
-    alpha: object
+    constants: object
     m_total: object
     amax_parts: object = None
     data: object = None
@@ -96,21 +95,20 @@ class GroupedGemmActSm90(GroupedGemmSm90):
         mBias: cute.Tensor,  # (G, N) or None
         mProbs: cute.Tensor,  # (M,) float32 or None
         mActAmax: cute.Tensor,  # (P,) float32 with act_amax, else None
-        limit: Float32,
-        alpha: Float32,
+        constants: ActivationConstants,
         max_clusters: Int32,
         stream,
     ):
-        self._launch_forward(mX, mW, mOffsets, mPre, mAct, mBias, mProbs, mActAmax, limit, alpha, max_clusters,
+        self._launch_forward(mX, mW, mOffsets, mPre, mAct, mBias, mProbs, mActAmax, constants, max_clusters,
                              stream)
 
     @cute.jit
     def _launch_forward(
-        self, mX, mW, mOffsets, mPre, mAct, mBias, mProbs, mActAmax, limit, alpha, max_clusters, stream, scales=None
+        self, mX, mW, mOffsets, mPre, mAct, mBias, mProbs, mActAmax, constants, max_clusters, stream, scales=None
     ):
         outputs = (mPre,) if const_expr(self.spec is None) else (mPre, mAct)
         m_total = cute.size(mX, mode=[0])
-        self.launch(mX, mW, mOffsets, outputs, (), ForwardParams(mBias, mProbs, limit, alpha, m_total, mActAmax),
+        self.launch(mX, mW, mOffsets, outputs, (), ForwardParams(mBias, mProbs, constants, m_total, mActAmax),
                     max_clusters, stream, scales)
 
     def epi_make_state(self, tiled_copy, epi_tile, shared):
@@ -155,7 +153,7 @@ class GroupedGemmActSm90(GroupedGemmSm90):
         value = None
         if const_expr(self.spec is not None):
             up = rOut[1][v] if const_expr(self.spec.glu) else None
-            value, _, _ = ACTIVATION_MATH[self.spec.name](rOut[0][v], up, params.limit, params.alpha)
+            value, _, _ = ACTIVATION_MATH[self.spec.name](rOut[0][v], up, params.constants)
             if const_expr(self.spec.takes_probs):
                 value = value * row_value(params.probs, tile.row0 + tRS_cD[v][0], tile, params.m_total)
             if const_expr(self.stores_act):
@@ -219,14 +217,13 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
         mColScale: cute.Tensor,  # (blocks, C) float32 with columns, else None
         mBias: cute.Tensor,  # (G, N) or None
         mProbs: cute.Tensor,  # (M,) float32 or None
-        limit: Float32,
-        alpha: Float32,
+        constants: ActivationConstants,
         max_clusters: Int32,
         stream,
     ):
         m_total = cute.size(mX, mode=[0])
         outputs = (mPre,) if const_expr(self.stores_pre) else ()
-        params = ForwardParams(mBias, mProbs, limit, alpha, m_total, data=mData, scale=mScale, col_data=mColData,
+        params = ForwardParams(mBias, mProbs, constants, m_total, data=mData, scale=mScale, col_data=mColData,
                                col_scale=mColScale)
         self.launch(mX, mW, mOffsets, outputs, (), params, max_clusters, stream)
 
@@ -343,11 +340,10 @@ class GroupedGemmActFp8Sm90(GroupedGemmActSm90):
         mBias: cute.Tensor,  # (G, N) or None
         mProbs: cute.Tensor,  # (M,) float32 or None
         mActAmax: cute.Tensor,  # (P,) float32 with act_amax, else None
-        limit: Float32,
-        alpha: Float32,
+        constants: ActivationConstants,
         max_clusters: Int32,
         stream,
     ):
-        self._launch_forward(mX, mW, mOffsets, mPre, mAct, mBias, mProbs, mActAmax, limit, alpha, max_clusters,
+        self._launch_forward(mX, mW, mOffsets, mPre, mAct, mBias, mProbs, mActAmax, constants, max_clusters,
                              stream, (mXScale, mWScale))
 

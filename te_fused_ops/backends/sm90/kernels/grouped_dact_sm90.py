@@ -26,7 +26,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ....activations import activation_spec
-from .activation_math_sm90 import ACTIVATION_MATH
+from .activation_math_sm90 import ACTIVATION_MATH, ActivationConstants
 from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled
 from .epilogue_cast_sm90 import (
     COLUMN_SCRATCH,
@@ -47,15 +47,14 @@ from .grouped_gemm_sm90 import GroupedGemmSm90
 class DActParams(NamedTuple):
     """What the dActivation epilogue hooks read (the kernel's ``epi_params``; the field order is
     the order of the kernel's parameters): probs (M,) float32 and the d_probs partials
-    (ceil(I / tile_n), M) float32 or None, the activation's float32 constants, the rows of dy;
+    (ceil(I / tile_n), M) float32 or None, the activation constants (`ActivationConstants`), the rows of dy;
     d_pre_amax: the amax parts (P,) float32; quant: d_pre's row-wise copy (data (M, C) E4M3,
     scale_inv (M, C/128) float32) and column-wise copy (data (C, 128 * blocks), scale_inv
     (blocks, C)). None where unused."""
 
     probs: object
     d_probs_part: object
-    limit: object
-    alpha: object
+    constants: object
     m_total: object
     amax_parts: object = None
     row_data: object = None
@@ -102,13 +101,12 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
         mAct: cute.Tensor,  # (M, I)
         mProbs: cute.Tensor,  # (M,) float32 or None
         mDProbsPart: cute.Tensor,  # (ceil(I / tile_n), M) float32 or None
-        limit: Float32,
-        alpha: Float32,
+        constants: ActivationConstants,
         max_clusters: Int32,
         stream,
     ):
         m_total = cute.size(mDy, mode=[0])
-        self.launch(mDy, mW, mOffsets, (mDPre, mAct), (mPre,), DActParams(mProbs, mDProbsPart, limit, alpha, m_total),
+        self.launch(mDy, mW, mOffsets, (mDPre, mAct), (mPre,), DActParams(mProbs, mDProbsPart, constants, m_total),
                     max_clusters, stream)
 
     def epi_make_state(self, tiled_copy, epi_tile, shared):
@@ -133,7 +131,7 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
         for v in cutlass.range_constexpr(cute.size(rAcc[0])):
             h = rAcc[0][v]
             up = rIn[1][v].to(Float32) if const_expr(glu) else None
-            value, d_x, d_u = ACTIVATION_MATH[self.spec.name](rIn[0][v].to(Float32), up, params.limit, params.alpha)
+            value, d_x, d_u = ACTIVATION_MATH[self.spec.name](rIn[0][v].to(Float32), up, params.constants)
             if const_expr(self.spec.takes_probs):
                 state[1][v] = h * value
                 p = row_value(params.probs, tile.row0 + tRS_cD[v][0], tile, params.m_total)
@@ -202,14 +200,13 @@ class GroupedGemmDActFp8Sm90(GroupedGemmDActSm90):
         mProbs: cute.Tensor,  # (M,) float32 or None
         mDProbsPart: cute.Tensor,  # (ceil(I / 128), M) float32 or None
         mDPreAmax: cute.Tensor,  # (P,) float32 with d_pre_amax, else None
-        limit: Float32,
-        alpha: Float32,
+        constants: ActivationConstants,
         max_clusters: Int32,
         stream,
     ):
         m_total = cute.size(mDy, mode=[0])
         self.launch(mDy, mW, mOffsets, (mDPre,), (mPre,),
-                    DActParams(mProbs, mDProbsPart, limit, alpha, m_total, mDPreAmax),
+                    DActParams(mProbs, mDProbsPart, constants, m_total, mDPreAmax),
                     max_clusters, stream, scales=(mDyScale, mWScale))
 
 
@@ -255,13 +252,12 @@ class GroupedGemmDActQuantFp8Sm90(GroupedGemmDActFp8Sm90):
         mColScale: cute.Tensor,  # (blocks, C) float32
         mProbs: cute.Tensor,  # (M,) float32 or None
         mDProbsPart: cute.Tensor,  # (I / 128, M) float32 or None
-        limit: Float32,
-        alpha: Float32,
+        constants: ActivationConstants,
         max_clusters: Int32,
         stream,
     ):
         m_total = cute.size(mDy, mode=[0])
-        params = DActParams(mProbs, mDProbsPart, limit, alpha, m_total, row_data=mRowData, row_scale=mRowScale,
+        params = DActParams(mProbs, mDProbsPart, constants, m_total, row_data=mRowData, row_scale=mRowScale,
                             col_data=mColData, col_scale=mColScale)
         self.launch(mDy, mW, mOffsets, (), (mPre,), params, max_clusters, stream, scales=(mDyScale, mWScale))
 

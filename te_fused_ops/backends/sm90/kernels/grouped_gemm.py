@@ -24,7 +24,7 @@ import functools
 import torch
 
 from . import sm90_unavailable_reason
-from ....activations import ACTIVATIONS, GLU_N_MULTIPLE, activation_spec
+from ....activations import ACTIVATIONS, GLU_N_MULTIPLE, activation_constants, activation_spec
 from .block_quantize import BlockColumns
 from .grouped_wgrad import FP8_MAX_GROUPS  # the FP8 kernels' group scan in shared memory
 from .launch import (
@@ -184,10 +184,13 @@ def _amax_parts_fake():
 
 
 def _compile(kernel, args, tvm_ffi):
-    """The launcher of ``kernel`` on tensors ``args`` then (limit, alpha, max_clusters)."""
+    """The launcher of ``kernel`` on tensors ``args`` then (constants, max_clusters), constants an
+    `ActivationConstants`."""
     import cutlass
 
-    return compile_launcher(kernel, (*args, cutlass.Float32(7.0), cutlass.Float32(1.702), cutlass.Int32(1)), tvm_ffi)
+    from .activation_math_sm90 import default_constants
+
+    return compile_launcher(kernel, (*args, default_constants(), cutlass.Int32(1)), tvm_ffi)
 
 
 @functools.cache
@@ -196,7 +199,7 @@ def compile_grouped_gemm(
     **kernel_opts
 ):
     """Compile (once per configuration) and return the launcher of ``grouped_gemm_sm90``:
-    fn(x, weight, offsets, pre, act, bias, probs, act_amax, limit, alpha, max_clusters[, stream])."""
+    fn(x, weight, offsets, pre, act, bias, probs, act_amax, constants, max_clusters[, stream])."""
     import cutlass
     import cutlass.cute as cute
 
@@ -223,7 +226,7 @@ def compile_grouped_gemm(
 def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cluster_m=2, weight_layout="nk",
                                    tile_n=256, columns=False, **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_gemm_act_quant_sm90``:
-    fn(x, weight, offsets, pre, data, scale_inv, col_data, col_scale, bias, probs, limit, alpha,
+    fn(x, weight, offsets, pre, data, scale_inv, col_data, col_scale, bias, probs, constants,
     max_clusters), pre None without an activation, col_data / col_scale None without ``columns``.
     ``kernel_opts``: `GroupedGemmActQuantSm90` options (power_2_scales, ...)."""
     import cutlass
@@ -257,7 +260,7 @@ def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cl
 def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_m=2, epilogue_warps=False,
                                **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_dgrad_dact_sm90``:
-    fn(dy, weight, offsets, pre, d_pre, act, probs, d_probs_part, limit, alpha, max_clusters[, stream])."""
+    fn(dy, weight, offsets, pre, d_pre, act, probs, d_probs_part, constants, max_clusters[, stream])."""
     import cutlass
     import cutlass.cute as cute
 
@@ -286,8 +289,8 @@ def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_
 @functools.cache
 def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2, d_pre_amax=False, **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_dgrad_dact_fp8_sm90``:
-    fn(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, d_pre, probs, d_probs_part, d_pre_amax, limit,
-    alpha, max_clusters)."""
+    fn(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, d_pre, probs, d_probs_part, d_pre_amax, constants,
+    max_clusters)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -316,7 +319,7 @@ def compile_grouped_dgrad_dact_quant_fp8(dtype, activation, tvm_ffi=None, cluste
                                          **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_dgrad_dact_quant_fp8_sm90``:
     fn(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, row_data, row_scale, col_data, col_scale, probs,
-    d_probs_part, limit, alpha, max_clusters)."""
+    d_probs_part, constants, max_clusters)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -347,7 +350,7 @@ def compile_grouped_dgrad_dact_quant_fp8(dtype, activation, tvm_ffi=None, cluste
 def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_m=2, tile_n=128, act_amax=False,
                              **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_gemm_fp8_sm90``:
-    fn(x, x_scale, weight, weight_scale, offsets, pre, act, bias, probs, act_amax, limit, alpha, max_clusters)."""
+    fn(x, x_scale, weight, weight_scale, offsets, pre, act, bias, probs, act_amax, constants, max_clusters)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -423,15 +426,17 @@ _MEMO = LaunchMemo()  # argument signature -> validated launch (both wrappers; k
 
 
 def grouped_gemm_sm90(
-    x, weight, offsets, *, bias=None, activation=None, probs=None, limit=7.0, alpha=1.702, out=None,
-    act_out=None, weight_layout="nk", tile_n=None, cluster_m=None, sm_margin=None, act_amax=False,
+    x, weight, offsets, *, bias=None, activation=None, probs=None, out=None, act_out=None,
+    weight_layout="nk", tile_n=None, cluster_m=None, sm_margin=None, act_amax=False, **constants,
 ):
     """pre = x_g @ W[g].T ("nk") or x_g @ W[g] ("kn") (+ b[g]) per row group, act = activation(pre).
 
     x (M, K) bf16/fp16; weight (G, N, K) for weight_layout "nk", (G, K, N) for "kn" (GLU: natural
     [gate; up] halves of N); offsets (G+1,) int32 cumulative row starts on x's device; bias (G, N)
-    or None; probs (M,) float32 for activations that take probs (scaled_swiglu); limit / alpha for
-    clamped_swiglu; out / act_out: optional preallocated buffers for pre / act.
+    or None; probs (M,) float32 for activations that take probs (scaled_swiglu); ``constants``:
+    the activations' float constants by keyword (``activations.CONSTANT_DEFAULTS``, e.g. limit /
+    alpha of clamped_swiglu; registry defaults; another name raises TypeError); out / act_out:
+    optional preallocated buffers for pre / act.
     Returns (pre (M, N) = [gate, up] for GLU, act (M, N/2) GLU / (M, N) srelu / None).
     Rows >= offsets[G] are zero. No host sync; the launch depends on shapes only.
     tile_n (128 or 256) and cluster_m (1: no W multicast, 2) override the heuristic;
@@ -452,8 +457,8 @@ def grouped_gemm_sm90(
     pre = out if out is not None else x.new_empty(pre_shape)
     act = act_out if act_out is not None or act_shape is None else x.new_empty(act_shape)
     parts = _amax_parts(fn, num_parts, x.device)
-    _run(fn, tvm_ffi, _forward_launch, args, (x, weight, offsets, pre, act, bias, probs, parts), limit, alpha,
-         clusters)
+    _run(fn, tvm_ffi, _forward_launch, args, (x, weight, offsets, pre, act, bias, probs, parts),
+         activation_constants(_FWD, constants), clusters)
     return (pre, act) if parts is None else (pre, act, parts)
 
 
@@ -531,8 +536,8 @@ def _forward_checks(
 
 
 def grouped_gemm_act_quant_sm90(
-    x, weight, offsets, *, activation, bias=None, probs=None, limit=7.0, alpha=1.702, out=None, weight_layout="nk",
-    power_2_scales=False, columns=False, tile_n=None, cluster_m=None, sm_margin=None,
+    x, weight, offsets, *, activation, bias=None, probs=None, out=None, weight_layout="nk",
+    power_2_scales=False, columns=False, tile_n=None, cluster_m=None, sm_margin=None, **constants,
 ):
     """`grouped_gemm_sm90` whose cast output, the GLU ``activation``'s or (``activation=None``) the
     GEMM output itself, is cast to E4M3 in 1 x 128 blocks in the epilogue ("fp8_blockwise"): bit
@@ -566,7 +571,8 @@ def grouped_gemm_act_quant_sm90(
         col_data = torch.empty(c, 128 * blocks, dtype=torch.float8_e4m3fn, device=dev)
         col_scale = torch.empty(blocks, c, dtype=torch.float32, device=dev)
     _run(fn, tvm_ffi, _act_quant_launch, args,
-         (x, weight, offsets, pre, data, scale_inv, col_data, col_scale, bias, probs), limit, alpha, clusters)
+         (x, weight, offsets, pre, data, scale_inv, col_data, col_scale, bias, probs),
+         activation_constants(_ACT_QUANT, constants), clusters)
     if columns:
         return pre, data, scale_inv, BlockColumns(col_data, col_scale, m)
     return pre, data, scale_inv
@@ -617,8 +623,8 @@ def _act_quant_launch(x, weight, offsets, bias, activation, probs, out, weight_l
 
 def grouped_gemm_fp8_sm90(
     x, x_scale_inv, weight, weight_scale_inv, offsets, *, bias=None, activation=None, probs=None,
-    limit=7.0, alpha=1.702, out_dtype=torch.bfloat16, out=None, act_out=None, tile_n=None, cluster_m=None,
-    sm_margin=None, act_amax=False,
+    out_dtype=torch.bfloat16, out=None, act_out=None, tile_n=None, cluster_m=None, sm_margin=None,
+    act_amax=False, **constants,
 ):
     """`grouped_gemm_sm90` ("nk" layout) on block-scaled FP8 operands, outputs in ``out_dtype``.
 
@@ -626,7 +632,7 @@ def grouped_gemm_fp8_sm90(
     block (x ~= x.float() * scale); weight (G, N, K) float8_e4m3fn with weight_scale_inv
     (G, ceil(N/128), ceil(K/128)) float32 per 128x128 block (`quantization.quantize` /
     `quantize_weight` with "fp8_blockwise" make both). K a multiple of 16; N of 8 (128 for GLU).
-    bias (G, N), out (M, N), act_out in ``out_dtype`` (bf16/fp16); probs, limit, alpha as for
+    bias (G, N), out (M, N), act_out in ``out_dtype`` (bf16/fp16); probs, constants as for
     `grouped_gemm_sm90`. Returns (pre, act). Each 128-deep block's product is accumulated in fp32
     and scaled on the CUDA cores. tile_n: 128 (default) or 192; cluster_m (1, 2) overrides the
     heuristic. ``act_amax``: also return the act's amax parts, as `grouped_gemm_sm90`.
@@ -647,7 +653,8 @@ def grouped_gemm_fp8_sm90(
         act = torch.empty(act_shape, dtype=out_dtype, device=x.device)
     parts = _amax_parts(fn, num_parts, x.device)
     _run(fn, tvm_ffi, _fp8_launch, args,
-         (x, x_scale_inv, weight, weight_scale_inv, offsets, pre, act, bias, probs, parts), limit, alpha, clusters)
+         (x, x_scale_inv, weight, weight_scale_inv, offsets, pre, act, bias, probs, parts),
+         activation_constants(_FP8, constants), clusters)
     return (pre, act) if parts is None else (pre, act, parts)
 
 
@@ -709,14 +716,14 @@ def _check_fp8_operands(fn_name, a, b, offsets):
 
 
 def grouped_dgrad_dact_sm90(
-    dy, weight, offsets, pre, *, activation, probs=None, limit=7.0, alpha=1.702, out=None, act_out=None,
-    sm_margin=None, tile_n=None, cluster_m=None, epilogue_warps=None,
+    dy, weight, offsets, pre, *, activation, probs=None, out=None, act_out=None,
+    sm_margin=None, tile_n=None, cluster_m=None, epilogue_warps=None, **constants,
 ):
     """Backward of FC2 fused with the activation's backward: h = dy_g @ W[g], then dActivation.
 
     dy (M, H) bf16/fp16; weight (G, H, I) the FC2 weight in its natural layout (read in place);
     offsets (G+1,) int32; pre (M, 2I) [gate, up] for GLU, (M, I) for srelu, the saved
-    pre-activation; probs (M,) float32 for scaled_swiglu; limit / alpha for clamped_swiglu;
+    pre-activation; probs (M,) float32 for scaled_swiglu; constants as for `grouped_gemm_sm90`;
     out / act_out: optional preallocated buffers for d_pre / act.
     Returns (d_pre like pre, act (M, I) = activation(pre) (times probs for scaled_swiglu: the input
     of FC2's weight gradient), d_probs (M,) float32 for scaled_swiglu else None).
@@ -737,8 +744,8 @@ def grouped_dgrad_dact_sm90(
     d_pre = out if out is not None else torch.empty_like(pre)
     act = act_out if act_out is not None else dy.new_empty(act_shape)
     d_probs_part = None if partial_shape is None else dy.new_empty(partial_shape, dtype=torch.float32)
-    _run(fn, tvm_ffi, _dact_launch, args, (dy, weight, offsets, pre, d_pre, act, probs, d_probs_part), limit, alpha,
-         clusters)
+    _run(fn, tvm_ffi, _dact_launch, args, (dy, weight, offsets, pre, d_pre, act, probs, d_probs_part),
+         activation_constants(_DACT, constants), clusters)
     return d_pre, act, None if d_probs_part is None else d_probs_part.sum(0)
 
 
@@ -791,15 +798,15 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
 
 
 def grouped_dgrad_dact_fp8_sm90(
-    dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, activation, probs=None, limit=7.0,
-    alpha=1.702, cluster_m=None, sm_margin=None, d_pre_amax=False,
+    dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, activation, probs=None,
+    cluster_m=None, sm_margin=None, d_pre_amax=False, **constants,
 ):
     """`grouped_dgrad_dact_sm90` on block-scaled FP8 operands: h = dy_g @ W[g] in FP8, then dActivation.
 
     dy (M, H) float8_e4m3fn with dy_scale_inv (M, ceil(H/128)) float32 per 1x128 block; weight_t
     (G, I, H) float8_e4m3fn, FC2's weight (G, H, I) cast in 128x128 blocks and transposed per
     group (`block_quantize_sm90(..., transposed=True)`), with weight_t_scale_inv
-    (G, ceil(I/128), ceil(H/128)); pre, probs, limit, alpha as for `grouped_dgrad_dact_sm90`, pre's
+    (G, ceil(I/128), ceil(H/128)); pre, probs, constants as for `grouped_dgrad_dact_sm90`, pre's
     dtype (bf16/fp16) the output's. Returns (d_pre like pre, d_probs (M,) float32 for
     scaled_swiglu else None); no act output. Rows >= offsets[G] are zero. H a multiple of 16; I of
     32 (GLU) or 8. ``d_pre_amax``: also return d_pre's amax parts, as ``act_amax`` of
@@ -819,8 +826,8 @@ def grouped_dgrad_dact_fp8_sm90(
     d_probs_part = None if partial_shape is None else pre.new_empty(partial_shape, dtype=torch.float32)
     parts = _amax_parts(fn, num_parts, pre.device)
     _run(fn, tvm_ffi, _dact_fp8_launch, args,
-         (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, d_pre, probs, d_probs_part, parts), limit,
-         alpha, clusters)
+         (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, d_pre, probs, d_probs_part, parts),
+         activation_constants(_DACT_FP8, constants), clusters)
     d_probs = None if d_probs_part is None else d_probs_part.sum(0)
     return (d_pre, d_probs) if parts is None else (d_pre, d_probs, parts)
 
@@ -869,8 +876,8 @@ def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activ
 
 
 def grouped_dgrad_dact_quant_fp8_sm90(
-    dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, activation, probs=None, limit=7.0,
-    alpha=1.702, power_2_scales=False, cluster_m=None, sm_margin=None,
+    dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, activation, probs=None,
+    power_2_scales=False, cluster_m=None, sm_margin=None, **constants,
 ):
     """`grouped_dgrad_dact_fp8_sm90` whose d_pre leaves only as the E4M3 copies FC1's backward
     reads (fp8_blockwise), cast in the epilogue: bit for bit the torch quantizer
@@ -899,29 +906,30 @@ def grouped_dgrad_dact_quant_fp8_sm90(
     d_probs_part = None if partial_shape is None else pre.new_empty(partial_shape, dtype=torch.float32)
     _run(fn, tvm_ffi, _dact_fp8_launch, args,
          (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, row_data, row_scale, col_data, col_scale,
-          probs, d_probs_part), limit, alpha, clusters)
+          probs, d_probs_part), activation_constants(_DACT_QUANT_FP8, constants), clusters)
     d_probs = None if d_probs_part is None else d_probs_part.sum(0)
     return (row_data, row_scale), BlockColumns(col_data, col_scale, m), d_probs
 
 
-def _run(fn, tvm_ffi, checks, check_args, tensors, limit, alpha, clusters):
+def _run(fn, tvm_ffi, checks, check_args, tensors, constants, clusters):
     """Launch ``fn`` (None: M == 0, nothing to launch) on ``tensors`` (a tuple, None for absent
-    ones), the float32 scalars ``limit`` / ``alpha`` and the Int32 grid size. When the compiled
+    ones), the activation ``constants`` (floats, `activations.activation_constants`) and the Int32
+    grid size. When the compiled
     entry rejects an argument, rerun the wrapper's ``checks(*check_args)``: they raise the error
     naming it (else the entry's own error propagates)."""
     if fn is None:
         return
     try:
         if tvm_ffi:
-            fn(*tensors, float(limit), float(alpha), clusters)
+            fn(*tensors, constants, clusters)
         else:
-            _launch_classic(fn, tensors, limit, alpha, clusters)
+            _launch_classic(fn, tensors, constants, clusters)
     except Exception:
         checks(*check_args)
         raise
 
 
-def _launch_classic(fn, tensors, limit, alpha, clusters):
+def _launch_classic(fn, tensors, constants, clusters):
     """The CuTe DSL call path without TVM-FFI (tensors through DLPack, explicit stream)."""
     import cuda.bindings.driver as cuda
     import cutlass
@@ -935,5 +943,4 @@ def _launch_classic(fn, tensors, limit, alpha, clusters):
 
     device = next(t for t in tensors if t is not None).device
     stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-    fn(*(cv(t) for t in tensors), cutlass.Float32(limit), cutlass.Float32(alpha),
-       cutlass.Int32(clusters), stream)
+    fn(*(cv(t) for t in tensors), tuple(cutlass.Float32(c) for c in constants), cutlass.Int32(clusters), stream)
