@@ -10,6 +10,7 @@ import functools
 
 import torch
 
+from .backends import backends_version
 from .context import OpContext
 from .fusion import (
     PlanInfo,
@@ -68,6 +69,7 @@ def params_need_grad(op_params) -> list:
 def get_plan(ops, info: PlanInfo, cache: dict, fuse: bool):
     key = (
         registry_version(),
+        backends_version(),
         fuse,
         fusion_enabled_by_env(),
         forced_backend(),

@@ -93,3 +93,39 @@ def test_user_fusion_rules_module_does_not_shadow_the_builtin_rules(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == str(expected)
     assert len(expected) == 6
+
+
+def test_a_new_backend_is_a_package_and_its_implementations():
+    """A backend registered from outside (here: a test 'package') is planned, explained and
+    forced by name with no edit to the planner or the rules; removing it restores the plan."""
+    import torch
+
+    from te_fused_ops.backends import Backend, register_backend, unregister_backend
+    from te_fused_ops.fusion import get_rule
+
+    calls = []
+    fake = Backend("fake", unavailable_reason=lambda info: None if info.device_type == "cpu" else "cpu only",
+                   preference=5)
+
+    @fake.implement("grouped_linear+activation", supports=lambda ops, info: None if ops[1].glu else "GLU only")
+    def _forward(ops, ctxs, x):
+        calls.append(len(ops))
+        return get_rule("grouped_linear+activation").reference(ops, ctxs, x)
+
+    register_backend(fake)
+    try:
+        assert "fake" in tfo.backend_names() and "fake" in tfo.env.markdown_table()
+        seq = tfo.Sequential(tfo.GroupedLinear(2, 8, 16), tfo.SwiGLU(), tfo.GroupedLinear(2, 8, 8))
+        x, split_sizes = torch.randn(6, 8), torch.tensor([2, 3])
+        text = seq.explain(x, split_sizes=split_sizes)
+        assert "[0:2] GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend fake)" in text, text
+        assert "[2] GroupedLinear -> rule 'grouped_linear' (backend torch)" in text, text
+        seq(x, split_sizes=split_sizes)
+        assert calls == [2]
+        srelu = tfo.Sequential(tfo.GroupedLinear(2, 8, 8), tfo.SReLU())
+        assert "fake backend: GLU only" in srelu.explain(x, split_sizes=split_sizes)
+    finally:
+        unregister_backend("fake")
+    assert "fake" not in tfo.backend_names()
+    text = seq.explain(x, split_sizes=split_sizes)  # the cached plan is not reused
+    assert "[0:2] GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend torch)" in text, text

@@ -62,6 +62,7 @@ class Backend:
 
         def decorate(fn):
             self.implementations[rule_name] = Implementation(fn, supports)
+            _version[0] += 1
             return fn
 
         return decorate
@@ -79,12 +80,25 @@ class Backend:
 
 
 _backends: dict = {}
+_version = [0]  # bumped by every registration change: part of the plan cache key
+
+
+def backends_version() -> int:
+    return _version[0]
 
 
 def register_backend(backend: Backend) -> Backend:
     """Add ``backend`` (replacing one of the same name)."""
     _backends[backend.name] = backend
+    _version[0] += 1
     return backend
+
+
+def unregister_backend(name: str) -> None:
+    """Remove the backend named ``name`` (KeyError naming the known ones if none)."""
+    get_backend(name)
+    del _backends[name]
+    _version[0] += 1
 
 
 def list_backends() -> list:
