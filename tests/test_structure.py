@@ -95,7 +95,7 @@ def test_user_fusion_rules_module_does_not_shadow_the_builtin_rules(tmp_path):
     assert len(expected) == 6
 
 
-def test_a_new_backend_is_a_package_and_its_implementations():
+def test_a_new_backend_is_a_package_and_its_implementations(monkeypatch):
     """A backend registered from outside (here: a test 'package') is planned, explained and
     forced by name with no edit to the planner or the rules; removing it restores the plan."""
     import torch
@@ -124,6 +124,11 @@ def test_a_new_backend_is_a_package_and_its_implementations():
         assert calls == [2]
         srelu = tfo.Sequential(tfo.GroupedLinear(2, 8, 8), tfo.SReLU())
         assert "fake backend: GLU only" in srelu.explain(x, split_sizes=split_sizes)
+        monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "fake")  # forced: rules without a fake implementation don't run
+        text = seq.explain(x, split_sizes=split_sizes)
+        assert "[0:2] GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend fake)" in text, text
+        assert "[2] GroupedLinear -> basic op" in text, text
+        monkeypatch.delenv("TE_FUSED_OPS_BACKEND")
     finally:
         unregister_backend("fake")
     assert "fake" not in tfo.backend_names()
