@@ -140,7 +140,7 @@ class RunTemplate:
                     f"fusion rule '{step.rule.name}' has no reference implementation, which torch.compile needs: "
                     "its fake run executes each rule's reference on meta tensors to learn what it saves"
                 )
-        return [dataclasses.replace(step, reference=True) if step.rule is not None else step
+        return [dataclasses.replace(step, implementation=step.rule.reference) if step.rule is not None else step
                 for step in self.plan.forward]
 
     def _record(self, ctxs, outputs, num_inputs: int) -> None:

@@ -20,7 +20,7 @@ one rule per placement of the casts.
 """
 
 import inspect
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -51,15 +51,16 @@ class PlanInfo:
     params_require_grad: tuple  # per op: does any of its parameters need a gradient
     input_recipe: tuple  # per op: the Recipe of a QuantizedTensor input, else None
 
-    def select(self, indices) -> "StepInfo":
-        """The info with the per-op fields cut to ``ops[i] for i in indices`` (no formats)."""
+    def select(self, indices, input_format=None, output_format=None) -> "StepInfo":
+        """The info with the per-op fields cut to ``ops[i] for i in indices``, with the formats
+        folded before and after each of them (default: none)."""
         n = len(indices)
         return StepInfo(
             self.device_type, self.capability, self.dtype,
             tuple(self.input_requires_grad[i] for i in indices),
             tuple(self.params_require_grad[i] for i in indices),
             tuple(self.input_recipe[i] for i in indices),
-            (None,) * n, (None,) * n,
+            tuple(input_format or (None,) * n), tuple(output_format or (None,) * n),
         )
 
     def window(self, start: int, stop: int) -> "StepInfo":
@@ -82,10 +83,8 @@ class StepInfo(PlanInfo):
     output_format: tuple = ()
 
     def window(self, start: int, stop: int) -> "StepInfo":
-        cut = {f.name: getattr(self, f.name) for f in fields(PlanInfo)}
-        for name in ("input_requires_grad", "params_require_grad", "input_recipe"):
-            cut[name] = cut[name][start:stop]
-        return StepInfo(**cut, input_format=self.input_format[start:stop], output_format=self.output_format[start:stop])
+        per_op = ("input_requires_grad", "params_require_grad", "input_recipe", "input_format", "output_format")
+        return replace(self, **{name: getattr(self, name)[start:stop] for name in per_op})
 
 
 def forced_backend() -> Optional[str]:
@@ -202,7 +201,6 @@ class FusionRule:
 
     def step_info(self, ops, info: PlanInfo, match: Match) -> StepInfo:
         """``info`` aligned with the match's pattern ops, with the folded formats."""
-        step_info = info.select(match.base)
         inputs, outputs = [None] * len(match.base), [None] * len(match.base)
         for boundary, first, stop in match.formats:
             fmt = Format(list(ops[first:stop]), [])
@@ -210,24 +208,25 @@ class FusionRule:
                 inputs[boundary] = fmt
             if boundary > 0:
                 outputs[boundary - 1] = fmt
-        return StepInfo(**{f.name: getattr(step_info, f.name) for f in fields(PlanInfo)},
-                        input_format=tuple(inputs), output_format=tuple(outputs))
+        return info.select(match.base, inputs, outputs)
+
+    def rule_failure(self, ops, info: StepInfo) -> Optional[str]:
+        """Why the rule's own conditions (whatever the backend) fail for ``ops``, or None."""
+        return None if self._supports is None else self._supports(ops, info, None)
 
     def first_failure(self, ops, info: PlanInfo, backend: str) -> Optional[str]:
         """Why this rule cannot run ``ops`` (exactly its pattern, or a `StepInfo`'s ops) on
         ``backend``, or None."""
-        backend = get_backend(backend)
+        if not isinstance(info, StepInfo):
+            info = info.select(range(len(ops)))
+        return self.rule_failure(ops, info) or self._backend_failure(ops, info, get_backend(backend))
+
+    def _backend_failure(self, ops, info: StepInfo, backend) -> Optional[str]:
+        """Why ``backend`` cannot run these ops (availability, its implementation's check), or None."""
         implementation = backend.implementation_of(self)
         if implementation is None:
             return "no implementation"
-        if not isinstance(info, StepInfo):
-            info = info.select(range(len(ops)))
-        reason = backend.unavailable_reason(info)
-        if reason is None and self._supports is not None:
-            reason = self._supports(ops, info, backend.name)
-        if reason is None:
-            reason = implementation.unsupported_reason(ops, info, backend.name)
-        return reason
+        return backend.unavailable_reason(info) or implementation.unsupported_reason(ops, info, backend.name)
 
     def __repr__(self) -> str:
         names = ", ".join(t.__name__ for t in self.pattern)
@@ -386,8 +385,8 @@ class Step:
 
     ``base``: indices of the rule's pattern ops; ``formats``: ((boundary, first, stop), ...) of
     the folded Quantize/Transpose ops; ``skipped_backends``: [(backend, reason)] tried first;
-    ``reference``: run the rule's reference implementation whatever the backend (torch.compile's
-    fake run).
+    ``implementation``: the function that runs the rule, resolved when the plan is made (the
+    backend's, or the rule's reference for torch.compile's fake run).
     """
 
     start: int
@@ -397,7 +396,7 @@ class Step:
     skipped_backends: list = field(default_factory=list)
     base: tuple = ()
     formats: tuple = ()
-    reference: bool = False  # run the rule's reference implementation whatever the backend
+    implementation: Optional[Callable] = None
 
     def run(self, ops, ctxs, value, passes: str):
         """The step's result; a rule's failure or wrong result raises `FusionRuleError` naming it."""
@@ -405,10 +404,9 @@ class Step:
             return self._run_op(ops[self.start], ctxs[self.start], value, passes)
         window_ctxs = ctxs[self.start : self.stop]
         base_ops, base_ctxs = [ops[i] for i in self.base], [ctxs[i] for i in self.base]
-        fn = self.rule.reference if self.reference else get_backend(self.backend).implementation_of(self.rule).run
         self._bind_formats(ops, ctxs, base_ctxs)
         try:
-            result = fn(base_ops, base_ctxs, value)
+            result = self.implementation(base_ops, base_ctxs, value)
         except (torch.OutOfMemoryError, OpInputError):
             raise
         except Exception as error:
@@ -496,17 +494,16 @@ class Plan:
 
 def _choose_backend(rule: FusionRule, ops, info: StepInfo):
     """(backend name, skipped) for the most preferred backend that can run, or (None, skipped)."""
-    if rule._supports is not None:  # the rule's own conditions, whatever the backend
-        reason = rule._supports(ops, info, None)
-        if reason is not None:
-            return None, [(None, reason)]
+    reason = rule.rule_failure(ops, info)
+    if reason is not None:
+        return None, [(None, reason)]
     forced = forced_backend()
     order = [get_backend(forced)] if forced else list_backends()
     skipped = []
     for backend in order:
         if backend.implementation_of(rule) is None:
             continue
-        reason = rule.first_failure(ops, info, backend.name)
+        reason = rule._backend_failure(ops, info, backend)
         if reason is None:
             return backend.name, skipped
         skipped.append((backend.name, reason))
@@ -529,8 +526,9 @@ def _candidates(rules, ops, info: PlanInfo, pos: int, passes: str, not_fired: li
         for match in matches:
             base_ops = [ops[i] for i in match.base]
             backend, skipped = _choose_backend(rule, base_ops, rule.step_info(ops, info, match))
-            step = None if backend is None else Step(match.start, match.stop, rule, backend, skipped, match.base,
-                                                     match.formats)
+            step = None if backend is None else Step(
+                match.start, match.stop, rule, backend, skipped, match.base, match.formats,
+                get_backend(backend).implementation_of(rule).run)
             attempts.append((match, step, skipped))
         runnable = [step for _, step, _ in attempts if step is not None]
         if not runnable:

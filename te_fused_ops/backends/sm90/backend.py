@@ -11,13 +11,17 @@ from .kernels import sm90_unavailable_reason
 from .kernels.split_offsets import kernel_available, split_offsets_sm90
 
 
+def kernel_reason(reason):
+    """A kernel's unsupported reason as explain() shows it (without the kernels' own prefix)."""
+    return reason.removeprefix("sm90 backend: ") if reason else None
+
+
 def _unavailable_reason(info):
     if info.device_type != "cuda":
         return "no CUDA device"
     if info.capability != (9, 0):
         return f"compute capability {info.capability[0]}.{info.capability[1]}, needs 9.0"
-    reason = sm90_unavailable_reason()
-    return reason.removeprefix("sm90 backend: ") if reason else None
+    return kernel_reason(sm90_unavailable_reason())
 
 
 def _split_offsets(split_sizes, num_rows: int):

@@ -13,7 +13,7 @@ from ...quantization import (
     is_quantized,
     reuse_or_make,
 )
-from .backend import sm_margin
+from .backend import kernel_reason, sm_margin
 from .kernels.block_quantize import (
     BlockColumns,
     block_columns_sm90,
@@ -40,10 +40,6 @@ from .kernels.grouped_wgrad import (
 FP8_KERNEL_RECIPES = (Float8BlockScaling, Float8CurrentScaling)  # what the FP8 GEMM computes in
 
 
-def _reason(reason):
-    return reason.removeprefix("sm90 backend: ") if reason else None
-
-
 def kernel_unsupported_reason(linear: GroupedLinear, info, activation=None):
     """Why the sm90 grouped GEMM cannot run ``linear`` (the first matched op) + ``activation``.
     An fp8_blockwise or fp8_current input runs the block-scaled FP8 kernel (per-tensor
@@ -52,10 +48,10 @@ def kernel_unsupported_reason(linear: GroupedLinear, info, activation=None):
     if recipe is not None:
         if not isinstance(recipe, FP8_KERNEL_RECIPES):
             return emulated_recipe_reason(recipe)
-        return _reason(
+        return kernel_reason(
             sm90_grouped_gemm_fp8_unsupported_reason(info.dtype, linear.out_features, linear.in_features, activation)
         )
-    return _reason(
+    return kernel_reason(
         sm90_grouped_gemm_unsupported_reason(
             info.dtype, linear.out_features, linear.in_features, activation, linear.bias is not None
         )
@@ -79,18 +75,18 @@ def backward_unsupported_reason(linear: GroupedLinear, info, index: int):
         if info.input_requires_grad[index]:  # dx = dy (E4M3) @ W[g] (E4M3)
             reason = sm90_grouped_gemm_fp8_unsupported_reason(info.dtype, linear.in_features, linear.out_features, None)
             if reason:
-                return _reason(reason)
+                return kernel_reason(reason)
             if linear.in_features % 16:  # the K-major W^T is written in 16 x 16 byte blocks (out_features: above)
                 return f"in_features={linear.in_features} not a multiple of 16 (FP8 data gradient's weight transpose)"
         if info.params_require_grad[index]:
-            return _reason(sm90_wgrad_unsupported_reason(info.dtype, linear.out_features, linear.in_features))
+            return kernel_reason(sm90_wgrad_unsupported_reason(info.dtype, linear.out_features, linear.in_features))
         return None
     if info.input_requires_grad[index]:  # dx (M, in) = dy (M, out) @ W[g]
         reason = sm90_grouped_gemm_unsupported_reason(info.dtype, linear.in_features, linear.out_features, None, False)
         if reason:
-            return _reason(reason)
+            return kernel_reason(reason)
     if info.params_require_grad[index]:
-        return _reason(sm90_wgrad_unsupported_reason(info.dtype, linear.out_features, linear.in_features))
+        return kernel_reason(sm90_wgrad_unsupported_reason(info.dtype, linear.out_features, linear.in_features))
     return None
 
 
@@ -100,7 +96,7 @@ def columns_unsupported_reason(recipe, cols: int, groups: int):
     (rule 'transpose+grouped_linear' skips it: the FP8 weight gradient makes it from the rows)."""
     if not isinstance(recipe, Float8BlockScaling):
         return f"{recipe.name}: no block-padded column-wise copy for this recipe (rule 'transpose+grouped_linear')"
-    return _reason(sm90_act_quant_columns_unsupported_reason(cols, groups))
+    return kernel_reason(sm90_act_quant_columns_unsupported_reason(cols, groups))
 
 
 def epilogue_args(act: Activation, ctx) -> dict:

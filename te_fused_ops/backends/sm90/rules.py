@@ -14,7 +14,7 @@ from ...activations import ACTIVATIONS
 from ...fusion_rules.dactivation_grouped_linear import backward_reference
 from ...fusion_rules.grouped_linear_activation import activation_after_linear
 from ...quantization import Float8BlockScaling, Float8CurrentScaling, is_quantized
-from .backend import SM90, sm_margin
+from .backend import SM90, kernel_reason, sm_margin
 from .kernels.grouped_gemm import (
     grouped_dgrad_dact_fp8_sm90,
     grouped_dgrad_dact_quant_fp8_sm90,
@@ -44,10 +44,6 @@ from .linear import (
     rows_quantized,
     run_grouped_gemm,
 )
-
-
-def _reason(reason):
-    return reason.removeprefix("sm90 backend: ") if reason else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,7 +201,7 @@ def _supports_dactivation(ops, info):
         if not isinstance(info.input_recipe[1], FP8_KERNEL_RECIPES):
             return emulated_recipe_reason(info.input_recipe[1])
         unsupported = sm90_grouped_dgrad_dact_fp8_unsupported_reason
-    return (_reason(unsupported(info.dtype, linear.out_features, linear.in_features, act.kernel_name))
+    return (kernel_reason(unsupported(info.dtype, linear.out_features, linear.in_features, act.kernel_name))
             or backward_unsupported_reason(linear, info, 1))
 
 
@@ -277,7 +273,7 @@ def _supports_with_fc1(ops, info):
     fc1, act, fc2 = ops
     if fc1.bias is not None:
         return "FC1 has a bias (its gradient sums d_pre in bf16)"
-    return _reason(sm90_grouped_dgrad_dact_quant_fp8_unsupported_reason(
+    return kernel_reason(sm90_grouped_dgrad_dact_quant_fp8_unsupported_reason(
         info.dtype, fc2.out_features, fc2.in_features, fc2.num_groups, act.kernel_name))
 
 
