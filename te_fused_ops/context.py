@@ -103,6 +103,9 @@ class OpContext:
                           forward only, never kept for the backward
     grad_names:           parameter and side-input names whose tensors require grad
     side:                 bound side inputs (e.g. ``offsets`` for grouped ops, ``probs``)
+    side_sources:         side-input name -> index of the op that produced it (None: not bound yet)
+    produced:             side values this op produced for the ops after it (forward only)
+    produced_grads:       gradients of the produced values, for the backward (from the ops that used them)
     saved:                `Saved` values for the backward, by field; tensors reach the backward
                           through ``ctx.save_for_backward`` of the Sequential's autograd.Function
     recompute_output:     set by a fused forward that did not keep this op's output alive: a
@@ -124,6 +127,9 @@ class OpContext:
         self.params: dict = {}
         self.grad_names: frozenset = frozenset()
         self.side: dict = {}
+        self.side_sources = None
+        self.produced: dict = {}
+        self.produced_grads: dict = {}
         self.saved = Saved()
         self.recompute_output = None
         self.input_recompute = None

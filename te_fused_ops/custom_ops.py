@@ -12,7 +12,6 @@ Eager calls do not come here: they run `runner.SequenceFunction` directly (no di
 round trip, and saved tensors that alias inputs need no copy).
 """
 
-import contextlib
 import dataclasses
 import itertools
 import weakref
@@ -24,7 +23,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from .context import OpContext, registered_owner
 from .fusion import FusionRuleError
 from .quantization import is_quantized
-from .runner import Run, get_plan, plan_info
+from .runner import Run, get_plan, plan_info, side_input_names
 from .saved import slot_indices
 from .splits import validation
 
@@ -48,7 +47,7 @@ class RunTemplate:
         _, dtype, x_requires_grad, x_dim, grad_on, params_key, side_key = key
         self.id = next(_ids)
         self.ops, self.plan = ops, plan
-        self.side_names = sorted({n for op in ops for n in op.side_inputs})
+        self.side_names = side_input_names(ops)
         side = dict(zip(self.side_names, side_key))
         for i, op in enumerate(ops):
             if getattr(op, "accumulate_main_grad", False):
@@ -72,44 +71,34 @@ class RunTemplate:
             (
                 plan.info.input_requires_grad[i],
                 plan.info.params_require_grad[i],
-                frozenset(
-                    [name for name, _, rg, _ in params_key[i] if grad_on and rg]
-                    + [n for n in op.side_inputs if n in self.grad_side_names]
-                ),
+                frozenset(name for name, _, rg, _ in params_key[i] if grad_on and rg),
             )
             for i, op in enumerate(ops)
         ]
         self.ctxs = self.saved_positions = self.outputs_meta = self.num_tensors = None
 
-    def run(self, params: list):
-        """A `Run` with fresh contexts holding ``params`` (side inputs bound by `forward`)."""
+    def run(self, params: list, side: dict):
+        """A `Run` with fresh contexts holding ``params``, on the side inputs ``side``."""
         ctxs = []
         for i, (op, (input_rg, params_rg, grad_names)) in enumerate(zip(self.ops, self.flags)):
             ctx = OpContext(op, i, input_rg, params_rg)
             ctx.grad_names = grad_names
             ctx.params = {name: params[slot] for (j, name), slot in self.param_slots.items() if j == i}
             ctxs.append(ctx)
-        return Run(self.ops, ctxs, self.plan, self.grad_side_names, self.param_slots, len(self.param_slots))
+        return Run(self.ops, ctxs, self.plan, self.grad_side_names, self.param_slots, len(self.param_slots), side)
 
     def forward(self, x, side_values: list, params: list, fake: bool) -> list:
         """``[y, *saved]`` of one call; ``fake``: shapes only (torch backends on meta tensors)."""
-        run = self.run(params)
-        side = {n: v for n, v in zip(self.side_names, side_values) if v is not None}
-        memo: dict = {}
-        with validation(False) if fake else contextlib.nullcontext():
-            for ctx in run.ctxs:
-                ctx.side = ctx.op.bind_side_inputs(side, x, memo)
         inputs = [x, *side_values, *params]
         if not fake:
+            run = self.run(params, dict(zip(self.side_names, side_values)))
             outputs = _unaliased([t.contiguous() for t in self._run_and_pack(run, inputs, None)], inputs)
             self._record(run.ctxs, outputs, len(inputs))
             return outputs
-        with unset_fake_temporarily():  # real meta tensors: reading their values fails loudly
+        with unset_fake_temporarily(), validation(False):  # real meta tensors: reading their values fails loudly
             meta: dict = {}
             inputs = [None if t is None else _meta(t, meta) for t in inputs]
-            for ctx in run.ctxs:
-                ctx.params = {n: _meta(t, meta) for n, t in ctx.params.items()}
-                ctx.side = {n: t if t is None else _meta(t, meta) for n, t in ctx.side.items()}
+            run = self.run(inputs[1 + len(side_values):], dict(zip(self.side_names, inputs[1:1 + len(side_values)])))
             try:
                 outputs = self._run_and_pack(run, inputs, self.fake_steps())
             except FusionRuleError as error:
@@ -263,7 +252,7 @@ def _template_id(owner_id: int, key) -> int:
     owner = registered_owner(owner_id)
     ops, fuse = (list(owner), owner.fuse) if hasattr(owner, "fuse") else ([owner], True)
     device, dtype, x_requires_grad, _, grad_on, params_key, side_key = key
-    side_names = sorted({n for op in ops for n in op.side_inputs})
+    side_names = side_input_names(ops)
     side_grad = frozenset(n for n, v in zip(side_names, side_key) if v is not None and v[1])
     params_grad = [any(rg for _, _, rg, _ in params) for params in params_key]
     with torch.set_grad_enabled(grad_on):
@@ -287,7 +276,7 @@ def compiled_call(owner, ops, x, side: dict, op_params: list):
         raise TypeError(
             f"{type(owner).__name__}: argument 'x' is a quantized tensor, not supported under torch.compile"
         )
-    side_names = sorted({n for op in ops for n in op.side_inputs})
+    side_names = side_input_names(ops)
     side_values = [side.get(n) for n in side_names]
     for name, value in zip(side_names, side_values):
         if value is not None and not isinstance(value, torch.Tensor):

@@ -480,6 +480,9 @@ class Plan:
 
     def explain(self, ops) -> str:
         lines = [f"plan for {self.info.device_label}, dtype {str(self.info.dtype).removeprefix('torch.')}"]
+        produced = _side_value_lines(ops)
+        if produced:
+            lines.append("side values: " + "; ".join(produced))
         for passes, steps in (("forward", self.forward), ("backward", self.backward)):
             lines.append(f"{passes}:")
             for step in steps:
@@ -490,6 +493,25 @@ class Plan:
             for name, start, stop, reason in self.not_fired[passes]:
                 lines.append(f"  not fired: rule '{name}' on [{start}:{stop}]: {reason}")
         return "\n".join(lines)
+
+
+def _side_value_lines(ops) -> list:
+    """Per op producing side values: ``"Permute (op 0) -> routing [ops 4], split_sizes [ops 1, 3]"``
+    (the ops that consume each value, up to the next op producing the same name)."""
+    lines = []
+    for i, op in enumerate(ops):
+        values = []
+        for name in op.side_outputs:
+            users = []
+            for j in range(i + 1, len(ops)):
+                if name in ops[j].side_inputs:
+                    users.append(str(j))
+                if name in ops[j].side_outputs:
+                    break
+            values.append(f"{name} [ops {', '.join(users)}]" if users else f"{name} [unused]")
+        if values:
+            lines.append(f"{op.op_name} (op {i}) -> {', '.join(values)}")
+    return lines
 
 
 def _choose_backend(rule: FusionRule, ops, info: StepInfo):

@@ -40,16 +40,21 @@ def plan_info(
 ) -> PlanInfo:
     """``side_grad``: names of side inputs requiring grad; ``params_grad``: per op, whether any
     parameter this call reads requires grad; ``x_recipe``: the input's Recipe if it is a
-    QuantizedTensor; ``grad_on``: gradients wanted (default: grad mode)."""
+    QuantizedTensor; ``grad_on``: gradients wanted (default: grad mode). A side value an op
+    produces (``grad_side_outputs``) needs a gradient when that op's input or parameters do."""
     grad_on = torch.is_grad_enabled() if grad_on is None else grad_on
     input_rg, params_rg, input_recipe = [], [], []
     running = grad_on and x_requires_grad
+    grad_names = set(side_grad)
     for op, param_grad in zip(ops, params_grad):
         input_rg.append(running)
         input_recipe.append(x_recipe)
         x_recipe = op.output_recipe(x_recipe)
-        needs = grad_on and (param_grad or not side_grad.isdisjoint(op.side_inputs))
+        needs = grad_on and (param_grad or not grad_names.isdisjoint(op.side_inputs))
         params_rg.append(needs)
+        grad_names.difference_update(op.side_outputs)
+        if running or needs:
+            grad_names.update(op.grad_side_outputs)
         running = running or needs
     return PlanInfo(device.type, _capability(device), dtype, tuple(input_rg), tuple(params_rg), tuple(input_recipe))
 
@@ -82,18 +87,76 @@ def get_plan(ops, info: PlanInfo, cache: dict, fuse: bool):
     return plan
 
 
+def side_input_names(ops) -> list:
+    """The side values the caller passes (sorted): those an op consumes before any op produces them."""
+    names, produced = set(), set()
+    for op in ops:
+        names.update(n for n in op.side_inputs if n not in produced)
+        produced.update(op.side_outputs)
+    return sorted(names)
+
+
 def check_side_inputs(owner: str, ops, side: dict) -> None:
-    consumed = {name for op in ops for name in op.side_inputs}
+    consumed = set(side_input_names(ops))
     unknown = sorted(set(side) - consumed)
     if unknown:
+        produced = [n for n in unknown if any(n in op.side_outputs for op in ops)]
+        if produced:
+            op = next(op for op in ops if produced[0] in op.side_outputs)
+            raise ValueError(f"{owner}: side input '{produced[0]}' is produced by {op.op_name} in this sequence; "
+                             "do not pass it")
         raise ValueError(
             f"{owner}: side input(s) {', '.join(map(repr, unknown))} not consumed by any op "
             f"(consumed: {', '.join(sorted(consumed)) or 'none'})"
         )
+    available = {n for n, v in side.items() if v is not None}
     for i, op in enumerate(ops):
         for name in op.side_inputs:
-            if side.get(name) is None and name not in op.optional_side_inputs:
-                raise ValueError(f"{op.op_name} (op {i}): missing side input '{name}'")
+            if name not in available and name not in op.optional_side_inputs:
+                producer = next((p.op_name for p in ops[i + 1:] if name in p.side_outputs), None)
+                hint = f" (produced by {producer}, which must come before it)" if producer else ""
+                raise ValueError(f"{op.op_name} (op {i}): missing side input '{name}'{hint}")
+        available.update(op.side_outputs)
+
+
+class SideValues:
+    """The side values of one call as the ops see them: the caller's side inputs, then what the
+    ops produce for the ops after them (``ctx.produced``: at bind time, e.g. a permute's routing,
+    or in the forward, e.g. a router's probabilities).
+
+    ``source``: name -> index of the op that produced the current value (absent: the caller's);
+    ``grad_names``: names whose current value needs a gradient; ``memo``: binding state shared by
+    the ops of one call (offsets computed once, which probabilities were already applied).
+    """
+
+    def __init__(self, side: dict, grad_names):
+        self.values = {n: v for n, v in side.items() if v is not None}
+        self.source: dict = {}
+        self.grad_names = set(grad_names)
+        self.memo: dict = {}
+
+    def bind(self, ops, ctxs, start: int, stop: int, x) -> None:
+        """Bind the side inputs of ops[start:stop] (a step about to run on ``x``)."""
+        like = x
+        for i in range(start, stop):
+            op, ctx = ops[i], ctxs[i]
+            if ctx.side_sources is not None:
+                continue  # bound by an earlier call of bind (a step run again)
+            ctx.side = op.bind_side_inputs(self.values, like, self.memo)
+            ctx.side_sources = {n: self.source[n] for n in op.side_inputs if n in self.source}
+            ctx.grad_names = ctx.grad_names | {n for n in op.side_inputs if n in self.grad_names}
+            ctx.produced = dict(op.bound_side_outputs(ctx))
+            self.publish(i, ctx)
+            like = op.output_like(ctx, like)
+
+    def publish(self, i: int, ctx) -> None:
+        """Make what op ``i`` produced visible to the ops after it."""
+        for name, value in ctx.produced.items():
+            self.values[name], self.source[name] = value, i
+            if name in ctx.op.grad_side_outputs and (ctx.input_requires_grad or ctx.params_require_grad):
+                self.grad_names.add(name)
+            else:
+                self.grad_names.discard(name)
 
 
 class Run:
@@ -105,18 +168,23 @@ class Run:
     the tensors themselves live in the Function's saved tensors.
     """
 
-    def __init__(self, ops, ctxs, plan, grad_side_names, param_slots, num_params):
+    def __init__(self, ops, ctxs, plan, grad_side_names, param_slots, num_params, side=None):
         self.ops, self.ctxs, self.plan = ops, ctxs, plan
         self.grad_side_names = grad_side_names
         self.param_slots = param_slots
         self.num_params = num_params
+        self.side = SideValues(side or {}, grad_side_names)
 
     def forward(self, x, steps=None):
-        """Run the forward steps (default: the plan's) on ``x``; returns the output."""
+        """Run the forward steps (default: the plan's) on ``x``; returns the output. Each step's
+        ops are bound to the side values just before it runs."""
         for step in self.plan.forward if steps is None else steps:
             if step.start > 0:
                 self.ctxs[step.start].input_recompute = self.ctxs[step.start - 1].recompute_output
+            self.side.bind(self.ops, self.ctxs, step.start, step.stop, x)
             x = step.run(self.ops, self.ctxs, x, "forward")
+            for i in range(step.start, step.stop):
+                self.side.publish(i, self.ctxs[i])
         return x
 
     def pack(self, tensors=None, index=None) -> list:
@@ -125,10 +193,11 @@ class Run:
         ``tensors``/``index`` (id -> slot) may come pre-filled: tensors found there keep their slot.
         """
         tensors, index = ([], {}) if tensors is None else (tensors, index)
+        self.side = SideValues({}, ())  # the forward's side values: only what the contexts saved lives on
         for ctx in self.ctxs:
             ctx.saved = pack(ctx.saved, tensors, index)
             ctx.side = pack(ctx.side, tensors, index)
-            ctx.params = {}
+            ctx.params, ctx.produced = {}, {}
             ctx.recompute_output = ctx.input_recompute = None
         return tensors
 
@@ -138,10 +207,18 @@ class Run:
         for ctx in ctxs:
             ctx.saved = unpack(ctx.saved, saved_tensors)
             ctx.side = unpack(ctx.side, saved_tensors)
+            ctx.produced_grads = {}
         op_grads = [None] * len(self.ops)
         for step in self.plan.backward:
             dy, grads = step.run(self.ops, ctxs, dy, "backward")
             op_grads[step.start : step.stop] = grads
+            for i, op_grad in enumerate(grads or (), step.start):
+                for name, grad in list((op_grad or {}).items()):
+                    producer = ctxs[i].side_sources.get(name)
+                    if producer is not None and grad is not None:  # for the op that produced it
+                        del op_grad[name]
+                        earlier = ctxs[producer].produced_grads.get(name)
+                        ctxs[producer].produced_grads[name] = grad if earlier is None else earlier + grad
         side_grads = {name: None for name in self.grad_side_names}
         param_grads = [None] * self.num_params
         for i, grads in enumerate(op_grads):
@@ -201,12 +278,10 @@ def prepare_run(ops, x, side: dict, op_params: list, cache: dict, fuse: bool, gr
     info = plan_info(ops, x.device, x.dtype, x.requires_grad, side_grad, params_grad, recipe_of(x), grad_on)
     plan = get_plan(ops, info, cache, fuse)
 
-    memo: dict = {}
     ctxs, params, param_slots = [], [], {}
     slot_of = {}  # id(tensor) -> position in params
     for i, op in enumerate(ops):
         ctx = OpContext(op, i, info.input_requires_grad[i], info.params_require_grad[i])
-        ctx.side = op.bind_side_inputs(side, x, memo)
         ctx.params = op_params[i]
         for name, param in ctx.params.items():
             if id(param) not in slot_of:
@@ -214,15 +289,12 @@ def prepare_run(ops, x, side: dict, op_params: list, cache: dict, fuse: bool, gr
                 params.append(param)
             param_slots[(i, name)] = slot_of[id(param)]
         if grad_on:
-            ctx.grad_names = frozenset(
-                name for name, value in (*ctx.params.items(), *ctx.side.items())
-                if isinstance(value, torch.Tensor) and value.requires_grad
-            )
+            ctx.grad_names = frozenset(name for name, value in ctx.params.items() if value.requires_grad)
         ctxs.append(ctx)
 
     grad_needed = info.input_requires_grad[-1] or info.params_require_grad[-1] if ops else False
     side_names = sorted(side_grad)  # every side input is consumed (checked)
-    return Run(ops, ctxs, plan, side_names, param_slots, len(params)), params, grad_needed
+    return Run(ops, ctxs, plan, side_names, param_slots, len(params), side), params, grad_needed
 
 
 def saved_tensor_bytes(output: torch.Tensor) -> int:

@@ -1,19 +1,21 @@
 """Values kept for the backward travel through autograd's saved tensors, never around them.
 
 `pack` turns what the ops left in their contexts (tensors, QuantizedTensors, tensors carrying a
-column-wise copy, `Recompute`s, `Saved` fields, dicts, lists, plain values) into a skeleton without tensors plus
+column-wise copy, `Recompute`s, `Saved` fields, `Routing`s, dicts, lists, plain values) into a skeleton without tensors plus
 the list of tensors, which the Sequential's autograd.Function hands to ``save_for_backward``.
 So ``saved_tensors_hooks`` see every saved tensor, activation checkpointing can drop them,
 in-place changes after the forward raise torch's usual error, and a retained graph can run its
 backward again. `unpack` rebuilds the values from the skeleton and ``ctx.saved_tensors``.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from .context import Recompute, Saved
 from .quantization import QuantizedTensor
+from .routing import Routing
 
 _QUANTIZED_FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv", "offsets",
                      "block_columns_data", "block_columns_scale_inv")
@@ -69,6 +71,8 @@ def pack(value, tensors: list, index: dict):
         return _Recomputed(value.fn, pack(value.args, tensors, index))
     if isinstance(value, Saved):
         return Saved(**pack(vars(value), tensors, index))
+    if isinstance(value, Routing):
+        return dataclasses.replace(value, **{f.name: pack(getattr(value, f.name), tensors, index) for f in dataclasses.fields(value)})
     if isinstance(value, dict):
         return {key: pack(item, tensors, index) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -93,6 +97,8 @@ def unpack(skeleton, tensors):
         return Recompute(skeleton.fn, *unpack(skeleton.args, tensors))
     if isinstance(skeleton, Saved):
         return Saved(**unpack(vars(skeleton), tensors))
+    if isinstance(skeleton, Routing):
+        return dataclasses.replace(skeleton, **{f.name: unpack(getattr(skeleton, f.name), tensors) for f in dataclasses.fields(skeleton)})
     if isinstance(skeleton, dict):
         return {key: unpack(item, tensors) for key, item in skeleton.items()}
     if isinstance(skeleton, (list, tuple)):
@@ -112,5 +118,7 @@ def slot_indices(skeleton) -> set:
         return slot_indices(skeleton.args)
     if isinstance(skeleton, Saved):
         skeleton = vars(skeleton)
+    if isinstance(skeleton, Routing):
+        skeleton = [getattr(skeleton, f.name) for f in dataclasses.fields(skeleton)]
     items = skeleton.values() if isinstance(skeleton, dict) else skeleton if isinstance(skeleton, (list, tuple)) else ()
     return set().union(*(slot_indices(item) for item in items))

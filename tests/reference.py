@@ -48,3 +48,17 @@ def clamped_swiglu(x, limit=7.0, alpha=1.702):
 
 def scaled_swiglu(x, probs):
     return swiglu(x) * probs.unsqueeze(-1)
+
+
+def moe_layer(x, indices, probs, w1, w2, act=swiglu):
+    """The MoE layer slot by slot: ``sum_j probs[t, j] * act(x[t] @ w1[e].T) @ w2[e].T`` over the
+    slots of token t whose expert e = indices[t, j] is in [0, E) (others are dropped)."""
+    num_experts = w1.shape[0]
+    out = x.new_zeros(x.shape[0], w2.shape[1])
+    for j in range(indices.shape[1]):
+        for e in range(num_experts):
+            tokens = (indices[:, j] == e).nonzero().flatten()
+            if tokens.numel():
+                y = act(x[tokens] @ w1[e].t()) @ w2[e].t()
+                out = out.index_add(0, tokens, probs[tokens, j, None] * y)
+    return out

@@ -3,6 +3,7 @@
 from .activation import Activation, ClampedSwiGLU, GeGLU, ScaledSwiGLU, SReLU, SwiGLU
 from .base import BasicOp, OpContext, Recompute
 from .grouped_linear import GroupedLinear
+from .moe import Permute, TopKRouter, Unpermute
 from .quantize import Quantize
 from .transpose import Transpose
 
@@ -13,10 +14,13 @@ __all__ = [
     "GeGLU",
     "GroupedLinear",
     "OpContext",
+    "Permute",
     "Quantize",
     "Recompute",
     "SReLU",
     "ScaledSwiGLU",
     "SwiGLU",
+    "TopKRouter",
     "Transpose",
+    "Unpermute",
 ]

@@ -15,6 +15,7 @@ import torch
 
 from .. import env
 from ..errors import OpTypeError, OpValueError
+from ..routing import rows_to_slots, slots_to_rows
 from .base import BasicOp, OpContext, Recompute, is_quantized
 
 _GELU_K = math.sqrt(2.0 / math.pi)
@@ -207,7 +208,9 @@ class ClampedSwiGLU(_GLU):
 class ScaledSwiGLU(SwiGLU):
     """``silu(gate) * up * probs[row]``: SwiGLU times a per-row scale (router probability).
 
-    Side input ``probs``: (M,) floating tensor on x's device; its gradient is returned too.
+    Side input ``probs``: (M,) floating tensor on x's device, one per row; after a `Permute`, the
+    router's (T, k) per-slot probabilities, which it takes to the rows through the permute's
+    ``routing`` (a later `Unpermute` then sums without weighting). Its gradient is returned too.
     """
 
     kernel_name = "scaled_swiglu"
@@ -219,12 +222,21 @@ class ScaledSwiGLU(SwiGLU):
             raise OpTypeError(f"ScaledSwiGLU: argument 'probs' must be a torch.Tensor, got {type(probs).__name__}")
         if not probs.is_floating_point():
             raise OpTypeError(f"ScaledSwiGLU: argument 'probs' must be floating point, got {probs.dtype}")
+        if probs.device != x.device:
+            raise OpValueError(f"ScaledSwiGLU: argument 'probs' is on {probs.device} but the input is on {x.device}")
+        routing = side.get("routing")
+        if routing is not None and probs.dim() == 2:
+            if probs.shape != routing.slot_rows.shape or x.shape[0] != routing.row_slots.shape[0]:
+                raise OpValueError(
+                    f"ScaledSwiGLU: argument 'probs' must have the shape of the permute's 'indices' "
+                    f"{tuple(routing.slot_rows.shape)}, got {tuple(probs.shape)}"
+                )
+            memo["probs_applied"] = True
+            return {"probs": slots_to_rows(probs, routing), "routing": routing}
         if probs.dim() != 1 or probs.shape[0] != x.shape[0]:
             raise OpValueError(
                 f"ScaledSwiGLU: argument 'probs' must have shape ({x.shape[0]},) (one per row), got {tuple(probs.shape)}"
             )
-        if probs.device != x.device:
-            raise OpValueError(f"ScaledSwiGLU: argument 'probs' is on {probs.device} but the input is on {x.device}")
         return {"probs": probs}
 
     def compute(self, side: dict, x):
@@ -239,7 +251,16 @@ class ScaledSwiGLU(SwiGLU):
         dx = self.act_grad(pre_math, dy_math * _upcast(probs).unsqueeze(-1)).to(pre.dtype)
         return dx, (dy_math * self.act(pre_math)).sum(-1).to(probs.dtype)
 
+    @staticmethod
+    def probs_grads(ctx: OpContext, row_grad: torch.Tensor) -> dict:
+        """``{"probs": gradient}`` from the per-row gradient (M,), in the shape and dtype of the
+        side input (per slot after a permute); empty when probs need none."""
+        if not ctx.needs_grad("probs"):
+            return {}
+        routing = ctx.side.get("routing")
+        grad = row_grad if routing is None else rows_to_slots(row_grad, routing)
+        return {"probs": grad.to(ctx.side["probs"].dtype)}
+
     def input_grad(self, ctx: OpContext, pre, dy):
-        probs = ctx.side["probs"]
-        dx, dprobs = _run_math(self, "scaled_backward_math", pre, dy, probs.detach())
-        return dx, ({"probs": dprobs} if ctx.needs_grad("probs") else {})
+        dx, dprobs = _run_math(self, "scaled_backward_math", pre, dy, ctx.side["probs"].detach())
+        return dx, self.probs_grads(ctx, dprobs)

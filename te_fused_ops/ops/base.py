@@ -15,6 +15,10 @@ class BasicOp(nn.Module):
 
     ``side_inputs``: names of keyword inputs the op consumes (``split_sizes``, ``probs``);
     ``optional_side_inputs``: those of them a call may leave out.
+    ``side_outputs``: names of side values the op produces for the ops after it (in
+    ``ctx.produced``, set by `bind_side_inputs`' caller from `bound_side_outputs` or by the
+    forward); ``grad_side_outputs``: those of them that take a gradient (the backward finds it
+    in ``ctx.produced_grads``).
     ``param_names``: attributes holding the op's parameters (None entries are skipped); each
     call reads them once and the op's forward and backward use only what it read (``ctx.params``).
     """
@@ -22,6 +26,8 @@ class BasicOp(nn.Module):
     side_inputs: tuple = ()
     format_role = None  # "quantize" / "transpose": the planner may fold the op into a step as a format
     optional_side_inputs: tuple = ()
+    side_outputs: tuple = ()
+    grad_side_outputs: tuple = ()
     param_names: tuple = ()
 
     def __init__(self):
@@ -61,8 +67,19 @@ class BasicOp(nn.Module):
         return params
 
     def bind_side_inputs(self, side: dict, x: torch.Tensor, memo: dict) -> dict:
-        """Check this op's side inputs against the sequence input ``x``; return what ctx.side holds."""
+        """Check this op's side inputs against ``x``, a tensor shaped as the op's input (rows,
+        features; it may hold no data); return what ctx.side holds. ``side``: every side value
+        visible here by name; ``memo``: binding state shared by the ops of one call."""
         return {name: side[name] for name in self.side_inputs if name in side}
+
+    def bound_side_outputs(self, ctx: OpContext) -> dict:
+        """The side values this op produces once bound (before its forward runs), by name."""
+        return {}
+
+    def output_like(self, ctx: OpContext, x: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped as this op's output rows (for binding the ops after it in the same step),
+        given one shaped as its input: ``x`` unless the op changes the number of rows."""
+        return x
 
     def op_forward(self, ctx: OpContext, x):
         raise NotImplementedError

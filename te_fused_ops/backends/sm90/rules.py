@@ -206,7 +206,7 @@ def _supports_dactivation(ops, info):
 
 
 def _act_grads(act_ctx, d_probs) -> dict:
-    return {"probs": d_probs.to(act_ctx.side["probs"].dtype)} if act_ctx.needs_grad("probs") else {}
+    return act_ctx.op.probs_grads(act_ctx, d_probs) if act_ctx.needs_grad("probs") else {}
 
 
 def _dact_bf16(ops, ctxs, dy):

@@ -1,0 +1,321 @@
+"""The MoE layer's routing ops: `TopKRouter`, `Permute` (dispatch) and `Unpermute` (combine).
+
+A layer reads ``Sequential(TopKRouter(...), Permute(E), GroupedLinear(E, H, 2I), ScaledSwiGLU(),
+GroupedLinear(E, I, H), Unpermute())(x)``, or, with routing computed elsewhere, the same without
+the router called as ``layer(x, indices=idx, probs=p)``. The ops pass side values down the
+sequence: the router produces ``indices`` (T, k) and ``probs`` (T, k); the permute produces the
+``routing`` (`te_fused_ops.routing.Routing`) and the per-expert row counts as ``split_sizes``
+(a device tensor: no host sync), which the grouped ops after it use.
+"""
+
+import torch
+from torch import nn
+
+from .. import routing as rows
+from ..errors import OpTypeError, OpValueError
+from ..splits import remember_offsets, validation_enabled
+from .base import BasicOp, OpContext, Recompute, is_quantized
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_tokens(op_name: str, x, num_rows: int, what: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise OpTypeError(f"{op_name}: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
+    if is_quantized(x):
+        raise OpTypeError(f"{op_name}: argument 'x' is a QuantizedTensor; pass a bf16/fp16/fp32 tensor")
+    if not x.is_floating_point():
+        raise OpTypeError(f"{op_name}: argument 'x' must be a floating-point tensor, got {x.dtype}")
+    if x.dim() != 2 or x.shape[0] != num_rows:
+        raise OpValueError(f"{op_name}: argument 'x' must have shape ({num_rows}, features) ({what}), "
+                           f"got {tuple(x.shape)}")
+
+
+def _rows_like(x: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """A tensor shaped (num_rows, x's features) on x's device holding one element."""
+    return torch.empty((1, 1), dtype=x.dtype, device=x.device).expand(num_rows, x.shape[-1])
+
+
+def check_slot_probs(op_name: str, probs, routing: rows.Routing, device: torch.device) -> None:
+    """``probs`` (T, k) floating on ``device``, one per slot of ``routing``."""
+    if not isinstance(probs, torch.Tensor):
+        raise OpTypeError(f"{op_name}: argument 'probs' must be a torch.Tensor, got {type(probs).__name__}")
+    if not probs.is_floating_point():
+        raise OpTypeError(f"{op_name}: argument 'probs' must be floating point, got {probs.dtype}")
+    if probs.shape != routing.slot_rows.shape:
+        raise OpValueError(f"{op_name}: argument 'probs' must have the shape of 'indices' "
+                           f"{tuple(routing.slot_rows.shape)} (tokens, k), got {tuple(probs.shape)}")
+    if probs.device != device:
+        raise OpValueError(f"{op_name}: argument 'probs' is on {probs.device} but the input is on {device}")
+
+
+class Permute(BasicOp):
+    """Dispatch: tokens (T, H) -> their routed rows grouped by expert (T * k, H).
+
+    Side input ``indices`` (T, k) int32/int64: the expert of each slot; ``-1`` marks a dropped
+    slot. On the CPU (and with TE_FUSED_OPS_VALIDATE=1) any other id outside [0, E) raises; on
+    CUDA it is read as a dropped slot (checking would sync). Rows are ordered by expert, then by
+    token; the dropped slots' rows come last as padding (zeros; the grouped ops give them zero
+    output and gradient). Produces ``routing`` and ``split_sizes`` (E,) int32 for the ops after it.
+    The output is not kept for the backward: whoever needs it there (the next GroupedLinear's
+    weight gradient) gets it again from x, which is k times smaller.
+    """
+
+    side_inputs = ("indices",)
+    side_outputs = ("routing", "split_sizes")
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
+            raise OpValueError(f"Permute: argument 'num_experts' must be a positive int, got {num_experts!r}")
+        self.num_experts = num_experts
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}"
+
+    def plan_signature(self) -> tuple:
+        return (Permute, self.num_experts)
+
+    def check_indices(self, indices, x: torch.Tensor) -> None:
+        if not isinstance(indices, torch.Tensor):
+            raise OpTypeError(f"Permute: argument 'indices' must be a torch.Tensor, got {type(indices).__name__}")
+        if indices.dtype not in _INDEX_DTYPES:
+            raise OpTypeError(f"Permute: argument 'indices' must have dtype int32 or int64, got {indices.dtype}")
+        if indices.dim() != 2 or indices.shape[0] != x.shape[0] or indices.shape[1] == 0:
+            raise OpValueError(f"Permute: argument 'indices' must have shape ({x.shape[0]}, k) (tokens, k >= 1), "
+                               f"got {tuple(indices.shape)}")
+        if indices.device != x.device:
+            raise OpValueError(f"Permute: argument 'indices' is on {indices.device} but argument 'x' is on {x.device}")
+        if validation_enabled(indices.device) and indices.device.type != "meta":
+            bad = indices[(indices < -1) | (indices >= self.num_experts)]
+            if bad.numel():
+                raise OpValueError(f"Permute: argument 'indices' holds {bad[0].item()}, outside [0, {self.num_experts}) "
+                                   "and not -1 (a dropped slot)")
+
+    def bind_side_inputs(self, side: dict, x: torch.Tensor, memo: dict) -> dict:
+        if x.dim() != 2:
+            raise OpValueError(f"Permute: argument 'x' must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
+        indices = side["indices"]
+        self.check_indices(indices, x)
+        key = ("routing", id(indices), self.num_experts)
+        if key not in memo:
+            memo[key] = rows.route(indices, self.num_experts)
+        routing = memo[key]
+        remember_offsets(memo, routing.counts, routing.row_slots.shape[0], routing.offsets)
+        return {"routing": routing}
+
+    def bound_side_outputs(self, ctx: OpContext) -> dict:
+        routing = ctx.side["routing"]
+        return {"routing": routing, "split_sizes": routing.counts}
+
+    def output_like(self, ctx: OpContext, x: torch.Tensor) -> torch.Tensor:
+        return _rows_like(x, ctx.side["routing"].row_slots.shape[0])
+
+    def forward_rows(self, ctx: OpContext, x, scatter) -> torch.Tensor:
+        """The forward with ``scatter(x, routing)`` moving the rows (a backend's, or the torch one)."""
+        routing = ctx.side["routing"]
+        _check_tokens("Permute", x, routing.slot_rows.shape[0], "tokens, hidden")
+        ctx.recompute_output = Recompute(scatter, x, routing)
+        return scatter(x, routing)
+
+    def op_forward(self, ctx: OpContext, x) -> torch.Tensor:
+        return self.forward_rows(ctx, x, rows.scatter_rows)
+
+    def op_backward(self, ctx: OpContext, dy):
+        if not ctx.input_requires_grad:
+            return None, {}
+        return rows.gather_sum(dy, ctx.side["routing"]), {}
+
+
+class Unpermute(BasicOp):
+    """Combine: expert-ordered rows (T * k, H) -> tokens (T, H), each token's kept slots summed.
+
+    The slots are weighted by the side input ``probs`` (T, k) unless an op since the `Permute`
+    already applied them (`ScaledSwiGLU` fed the same ``probs``): then the combine is a plain sum
+    and its backward a plain gather. Needs the ``routing`` of a `Permute` before it.
+    """
+
+    side_inputs = ("routing", "probs")
+    optional_side_inputs = ("probs",)
+
+    def bind_side_inputs(self, side: dict, x: torch.Tensor, memo: dict) -> dict:
+        routing = side.get("routing")
+        if routing is None:
+            raise OpValueError("Unpermute: no 'routing'; a Permute must come before it in the sequence")
+        bound = {"routing": routing}
+        probs = side.get("probs")
+        if probs is not None and not memo.get("probs_applied"):
+            check_slot_probs("Unpermute", probs, routing, x.device)
+            bound["probs"] = probs
+        return bound
+
+    def output_like(self, ctx: OpContext, x: torch.Tensor) -> torch.Tensor:
+        return _rows_like(x, ctx.side["routing"].slot_rows.shape[0])
+
+    def check_input(self, ctx: OpContext, y) -> None:
+        _check_tokens("Unpermute", y, ctx.side["routing"].row_slots.shape[0], "tokens * k rows in expert order")
+
+    def keep_for_backward(self, ctx: OpContext, y: torch.Tensor) -> None:
+        """The expert rows are kept only for the probabilities' gradient."""
+        if "probs" in ctx.side and ctx.needs_grad("probs"):
+            ctx.save_input(y)
+
+    def op_forward(self, ctx: OpContext, y) -> torch.Tensor:
+        self.check_input(ctx, y)
+        self.keep_for_backward(ctx, y)
+        return rows.gather_sum(y, ctx.side["routing"], ctx.side.get("probs"))
+
+    def op_backward(self, ctx: OpContext, dy):
+        routing, probs = ctx.side["routing"], ctx.side.get("probs")
+        dy_rows = rows.scatter_rows(dy, routing, probs) if ctx.input_requires_grad else None
+        grads = {}
+        if probs is not None and ctx.needs_grad("probs"):
+            grads["probs"] = rows.slot_dots(dy, ctx.load_input(), routing).to(probs.dtype)
+        return dy_rows, grads
+
+
+_SCORES = ("softmax", "sigmoid")
+
+
+class TopKRouter(BasicOp):
+    """Router: x (T, H) passes through; produces ``indices`` (T, k) int64 and ``probs`` (T, k) float32
+    (float64 for a float64 x).
+
+    logits = x @ weight.T (E, H), scored with ``score`` ("softmax" over the experts, or "sigmoid");
+    the top ``k`` experts by score (plus ``expert_bias`` when given: DeepSeek-V3's load-balancing
+    bias, used for the choice only) within the ``group_topk`` best of ``num_groups`` expert groups
+    (DeepSeek-V3's group-limited routing; a group scores as the sum of its top two, or its top one
+    with softmax); probs = the chosen scores, divided by their sum when ``normalize`` (Qwen3,
+    DeepSeek-V3), times ``scale``. ``aux_loss_coeff`` > 0: the load-balancing loss
+    ``coeff * E * sum_e f_e * P_e`` (f_e: share of slots routed to expert e, P_e: mean score of e,
+    scores normalized per token for sigmoid) is added to the training objective: its gradient
+    joins the router's in the backward, and ``router.aux_loss`` holds its value (detached) after
+    each forward for logging. The choice is never differentiated; probs are.
+    """
+
+    side_outputs = ("indices", "probs")
+    grad_side_outputs = ("probs",)
+    param_names = ("weight", "expert_bias")
+
+    def __init__(self, hidden: int, num_experts: int, k: int, score: str = "softmax", normalize: bool = False,
+                 scale: float = 1.0, num_groups: int = 1, group_topk: int = 1, expert_bias: bool = False,
+                 aux_loss_coeff: float = 0.0, dtype=None, device=None):
+        super().__init__()
+        for arg, value in (("hidden", hidden), ("num_experts", num_experts), ("k", k), ("num_groups", num_groups),
+                           ("group_topk", group_topk)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise OpValueError(f"TopKRouter: argument '{arg}' must be a positive int, got {value!r}")
+        if score not in _SCORES:
+            raise OpValueError(f"TopKRouter: argument 'score' must be one of {_SCORES}, got {score!r}")
+        if num_experts % num_groups or group_topk > num_groups:
+            raise OpValueError(f"TopKRouter: argument 'num_groups' ({num_groups}) must divide num_experts "
+                               f"({num_experts}) and be >= group_topk ({group_topk})")
+        if k > num_experts // num_groups * group_topk:
+            raise OpValueError(f"TopKRouter: argument 'k' ({k}) exceeds the experts of the chosen groups "
+                               f"({num_experts // num_groups * group_topk})")
+        if not aux_loss_coeff >= 0:
+            raise OpValueError(f"TopKRouter: argument 'aux_loss_coeff' must be >= 0, got {aux_loss_coeff!r}")
+        self.hidden, self.num_experts, self.k = hidden, num_experts, k
+        self.score, self.normalize, self.scale = score, bool(normalize), float(scale)
+        self.num_groups, self.group_topk = num_groups, group_topk
+        self.aux_loss_coeff = float(aux_loss_coeff)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device))
+        self.expert_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device),
+                                         requires_grad=False) if expert_bias else None)
+        self.aux_loss = None
+        nn.init.normal_(self.weight, std=hidden**-0.5)
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden}, num_experts={self.num_experts}, k={self.k}, score={self.score!r}, "
+                f"normalize={self.normalize}, scale={self.scale}")
+
+    def plan_signature(self) -> tuple:
+        return (TopKRouter, self.num_experts, self.k, self.score, self.normalize, self.scale, self.num_groups,
+                self.group_topk, self.aux_loss_coeff)
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits, -1) if self.score == "softmax" else torch.sigmoid(logits)
+
+    def choose(self, scores: torch.Tensor, bias) -> torch.Tensor:
+        """(T, k) int64 expert ids of the top-k (no gradient)."""
+        ranking = scores if bias is None else scores + bias
+        if self.num_groups > 1:
+            grouped = ranking.view(ranking.shape[0], self.num_groups, -1)
+            top = min(2, grouped.shape[-1]) if self.score == "sigmoid" else 1
+            group_scores = grouped.topk(top, -1).values.sum(-1)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.group_topk, -1).indices, True)
+            ranking = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(ranking)
+        return ranking.topk(self.k, -1).indices
+
+    def slot_probs(self, scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        probs = scores.gather(1, indices)
+        if self.normalize:
+            probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
+        return probs * self.scale if self.scale != 1.0 else probs
+
+    def balance_loss(self, scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """0-d float32: ``coeff * E * sum_e f_e * P_e``."""
+        tokens = max(scores.shape[0], 1)
+        routed = torch.zeros(self.num_experts, dtype=scores.dtype, device=scores.device)
+        routed.scatter_add_(0, indices.reshape(-1), torch.ones(indices.numel(), dtype=scores.dtype,
+                                                                device=scores.device))
+        share = routed / (tokens * self.k)
+        per_token = scores if self.score == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
+        return self.aux_loss_coeff * self.num_experts * (share * per_token.sum(0) / tokens).sum()
+
+    def op_forward(self, ctx: OpContext, x) -> torch.Tensor:
+        weight = ctx.params["weight"]
+        _check_tokens("TopKRouter", x, x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else -1, "tokens, hidden")
+        if x.shape[1] != self.hidden:
+            raise OpValueError(f"TopKRouter: argument 'x' must have shape (tokens, {self.hidden}), got {tuple(x.shape)}")
+        if x.dtype != weight.dtype:
+            raise OpTypeError(f"TopKRouter: argument 'x' has dtype {x.dtype} but the weight has {weight.dtype}")
+        logits = (x @ weight.t()).to(torch.promote_types(x.dtype, torch.float32))
+        scores = self.scores(logits)
+        indices = self.choose(scores, ctx.params.get("expert_bias"))
+        probs = self.slot_probs(scores, indices)
+        if self.aux_loss_coeff:
+            self.aux_loss = self.balance_loss(scores, indices).detach()
+        ctx.produced = {"indices": indices, "probs": probs}
+        if ctx.input_requires_grad or ctx.params_require_grad:
+            ctx.saved.logits, ctx.saved.indices, ctx.saved.weight = logits, indices, weight
+            ctx.save_input(x)
+        return x
+
+    def score_grads(self, logits: torch.Tensor, indices: torch.Tensor, d_probs) -> torch.Tensor:
+        """d objective / d logits (T, E), the objective being ``<probs, d_probs>`` plus the balance
+        loss (explicit: the backward may run where autograd records nothing, e.g. in a custom op)."""
+        scores = self.scores(logits)
+        d_scores = torch.zeros_like(scores)
+        if d_probs is not None:
+            d_chosen = d_probs.to(scores.dtype) * self.scale
+            if self.normalize:
+                chosen = scores.gather(1, indices)
+                total = chosen.sum(-1, keepdim=True) + 1e-20
+                d_chosen = d_chosen / total - (d_chosen * chosen).sum(-1, keepdim=True) / total**2
+            d_scores.scatter_add_(1, indices, d_chosen)
+        if self.aux_loss_coeff:
+            tokens = max(scores.shape[0], 1)
+            routed = torch.zeros(self.num_experts, dtype=scores.dtype, device=scores.device)
+            routed.scatter_add_(0, indices.reshape(-1), torch.ones(indices.numel(), dtype=scores.dtype,
+                                                                    device=scores.device))
+            weight = self.aux_loss_coeff * self.num_experts * routed / (tokens * self.k) / tokens  # (E,)
+            if self.score == "softmax":
+                d_scores += weight
+            else:
+                total = scores.sum(-1, keepdim=True) + 1e-20
+                d_scores += weight / total - (scores * weight).sum(-1, keepdim=True) / total**2
+        if self.score == "softmax":
+            return scores * (d_scores - (d_scores * scores).sum(-1, keepdim=True))
+        return d_scores * scores * (1 - scores)
+
+    def op_backward(self, ctx: OpContext, dy):
+        x, weight = ctx.load_input(), ctx.saved.weight
+        d_logits = self.score_grads(ctx.saved.logits, ctx.saved.indices, ctx.produced_grads.get("probs")).to(x.dtype)
+        grads = {"weight": d_logits.t() @ x} if ctx.needs_grad("weight") else {}
+        dx = None
+        if ctx.input_requires_grad:
+            dx = d_logits @ weight.detach()
+            dx = dx if dy is None else dy + dx
+        return dx, grads

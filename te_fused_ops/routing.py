@@ -1,0 +1,110 @@
+"""Token routing for the MoE layer ops: top-k expert ids -> expert-ordered rows, on the device.
+
+T tokens, k slots per token, M = T * k rows. Slot (t, j) is routed to expert ``indices[t, j]``;
+an id outside ``[0, E)`` (``-1`` by convention) marks a dropped slot. Rows are ordered by expert,
+and within an expert by slot (a stable sort: deterministic, tokens in order); the rows of the
+dropped slots come last and are padding: the grouped ops after the permute give them zero output
+and zero gradient. Everything here is sync-free (no value reaches the host).
+
+The torch functions below are the reference row movers (every device); a backend may run the
+same contracts on its kernels (`scatter_rows`, `gather_sum`).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where each slot's row lives in expert order.
+
+    slot_rows:  (T, k) int32, the row of slot (t, j); flattened, a permutation of [0, M)
+    row_slots:  (M,) int64, the slot (t * k + j) of each row (the inverse permutation)
+    offsets:    (E + 1,) int32, expert e owns rows offsets[e]:offsets[e+1]; rows from
+                offsets[E] on are the dropped slots' (padding)
+    counts:     (E,) int32, rows per expert (the grouped ops' ``split_sizes``)
+    """
+
+    slot_rows: torch.Tensor
+    row_slots: torch.Tensor
+    offsets: torch.Tensor
+    counts: torch.Tensor
+
+    @property
+    def num_kept(self) -> torch.Tensor:
+        """(1,) int32 view: rows below it belong to an expert."""
+        return self.offsets[-1:]
+
+    @property
+    def top_k(self) -> int:
+        return self.slot_rows.shape[1]
+
+    def kept_slots(self) -> torch.Tensor:
+        """(T, k) bool: the slot reached an expert."""
+        return self.slot_rows < self.offsets[-1]
+
+    def kept_rows(self) -> torch.Tensor:
+        """(M, 1) bool: the row belongs to an expert."""
+        rows = torch.arange(self.row_slots.shape[0], device=self.offsets.device, dtype=torch.int32)
+        return (rows < self.offsets[-1]).unsqueeze(1)
+
+
+def route(indices: torch.Tensor, num_experts: int) -> Routing:
+    """The `Routing` of top-k expert ids ``indices`` (T, k) int32/int64 (checked by the caller)."""
+    device = indices.device
+    flat = indices.reshape(-1).to(torch.int64)
+    num_rows = flat.shape[0]
+    expert = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    row_slots = torch.sort(expert, stable=True).indices
+    slot_rows = torch.empty(num_rows, dtype=torch.int32, device=device)
+    slot_rows.scatter_(0, row_slots, torch.arange(num_rows, dtype=torch.int32, device=device))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
+    counts.scatter_add_(0, expert, torch.ones(num_rows, dtype=torch.int32, device=device))
+    counts = counts[:num_experts]
+    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0, dtype=torch.int32)])
+    return Routing(slot_rows.view(indices.shape), row_slots, offsets, counts)
+
+
+def _math(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def scatter_rows(x: torch.Tensor, routing: Routing, scale=None) -> torch.Tensor:
+    """(T, H) -> (M, H): row ``slot_rows[t, j]`` gets ``x[t]`` (times ``scale[t, j]``); padding
+    rows get zeros. The permute's forward; with the probs, the combine's backward."""
+    k = routing.top_k
+    rows = x.index_select(0, routing.row_slots // k)
+    if scale is not None:
+        rows = (_math(rows) * _math(scale).reshape(-1)[routing.row_slots].unsqueeze(1)).to(x.dtype)
+    return rows.masked_fill(~routing.kept_rows(), 0)
+
+
+def gather_sum(src: torch.Tensor, routing: Routing, weights=None) -> torch.Tensor:
+    """(M, H) -> (T, H): ``sum_j weights[t, j] * src[slot_rows[t, j]]`` over the kept slots, in
+    float32, rounded once. The combine's forward; without weights, the permute's backward."""
+    picked = _math(src)[routing.slot_rows.long()]  # (T, k, H)
+    factor = routing.kept_slots().to(picked.dtype)
+    if weights is not None:
+        factor = factor * _math(weights)
+    return (picked * factor.unsqueeze(-1)).sum(1).to(src.dtype)
+
+
+def slot_dots(dy: torch.Tensor, src: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """(T, k) float32: ``<dy[t], src[slot_rows[t, j]]>`` for kept slots, 0 for dropped ones (the
+    gradient of the combine's weights)."""
+    picked = _math(src)[routing.slot_rows.long()]
+    dots = (picked * _math(dy).unsqueeze(1)).sum(-1)
+    return dots * routing.kept_slots()
+
+
+def rows_to_slots(row_values: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """(M,) per-row values -> (T, k) per-slot values (dropped slots: 0)."""
+    slots = row_values[routing.slot_rows.long()]
+    return slots * routing.kept_slots().to(slots.dtype)
+
+
+def slots_to_rows(slot_values: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """(T, k) per-slot values -> (M,) per-row values (padding rows: 0)."""
+    rows = slot_values.reshape(-1)[routing.row_slots]
+    return rows * routing.kept_rows().squeeze(1).to(rows.dtype)

@@ -1,0 +1,279 @@
+"""The MoE layer ops (`TopKRouter`, `Permute`, `Unpermute`) on the torch path, against float64
+references: forward, backward (x, weights, probs), edge cases of routing, bad input, side values
+in the Sequential and in explain(), torch.compile, checkpointing, optimizer steps, saved bytes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import moe_layer, rel_err
+
+from te_fused_ops import (
+    GroupedLinear,
+    OpTypeError,
+    OpValueError,
+    Permute,
+    ScaledSwiGLU,
+    Sequential,
+    SwiGLU,
+    TopKRouter,
+    Unpermute,
+)
+from te_fused_ops.routing import route
+from te_fused_ops.runner import saved_tensor_bytes
+
+E, H, I = 4, 8, 6
+F64 = torch.float64
+
+
+def layer(act="scaled", num_experts=E, dtype=F64, router=None):
+    activation = ScaledSwiGLU() if act == "scaled" else SwiGLU()
+    ops = [Permute(num_experts), GroupedLinear(num_experts, H, 2 * I, dtype=dtype), activation,
+           GroupedLinear(num_experts, I, H, dtype=dtype), Unpermute()]
+    return Sequential(*([router] if router is not None else []), *ops)
+
+
+def inputs(tokens, k, seed=0, low=-1, num_experts=E):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, H, dtype=F64, generator=gen).requires_grad_()
+    indices = torch.randint(low, num_experts, (tokens, k), generator=gen)
+    probs = torch.rand(tokens, k, dtype=F64, generator=gen).requires_grad_()
+    return x, indices, probs
+
+
+ROUTINGS = {
+    "random with drops": lambda t, k: torch.randint(-1, E, (t, k)),
+    "all on one expert": lambda t, k: torch.full((t, k), 2),
+    "every slot dropped": lambda t, k: torch.full((t, k), -1),
+    "duplicate experts per token": lambda t, k: torch.randint(0, E, (t, 1)).expand(t, k).contiguous(),
+    "empty experts": lambda t, k: torch.randint(0, 2, (t, k)),
+}
+
+
+@pytest.mark.parametrize("act", ["scaled", "combine"])
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("tokens,k", [(0, 2), (1, 1), (13, 1), (17, 3)])
+def test_layer_matches_float64_reference(act, routing, tokens, k):
+    torch.manual_seed(tokens * 10 + k)
+    moe = layer(act)
+    x, _, probs = inputs(tokens, k)
+    indices = ROUTINGS[routing](tokens, k)
+    y = moe(x, indices=indices, probs=probs)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    w1, w2 = moe[1].weight, moe[3].weight
+    ref = moe_layer(x, indices, probs, w1, w2) + 0 * (x.sum() + probs.sum() + w1.sum() + w2.sum())
+    grads = torch.autograd.grad(ref, (x, probs, w1, w2), dy)
+    assert y.shape == (tokens, H)
+    assert rel_err(y, ref) <= 1e-12
+    for got, want in zip((x.grad, probs.grad, w1.grad, w2.grad), grads):
+        assert rel_err(got, want) <= 1e-12
+
+
+def test_routing_is_sync_free_shaped_and_stable():
+    indices = torch.tensor([[1, -1], [0, 1], [1, 7], [0, 0]])
+    routing = route(indices, 2)
+    assert routing.counts.tolist() == [3, 3]
+    assert routing.offsets.tolist() == [0, 3, 6]  # rows 6 and 7: the dropped slots
+    # rows by expert, then slot order; dropped slots (-1 and 7) last
+    assert routing.row_slots.tolist() == [2, 6, 7, 0, 3, 4, 1, 5]
+    flat = routing.slot_rows.flatten()
+    assert torch.equal(flat[routing.row_slots], torch.arange(8, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("score,normalize,groups,group_topk,bias", [
+    ("softmax", True, 1, 1, False), ("softmax", False, 1, 1, False), ("sigmoid", True, 4, 2, True),
+])
+def test_router_matches_autograd_reference(score, normalize, groups, group_topk, bias):
+    torch.manual_seed(0)
+    tokens, k, num_experts = 24, 3, 8
+    router = TopKRouter(H, num_experts, k, score=score, normalize=normalize, scale=2.5, num_groups=groups,
+                        group_topk=group_topk, expert_bias=bias, aux_loss_coeff=0.01, dtype=F64)
+    if bias:
+        router.expert_bias.data.normal_()
+    moe = layer(num_experts=num_experts, router=router)
+    x = torch.randn(tokens, H, dtype=F64, requires_grad=True)
+    y = moe(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+
+    logits = x @ router.weight.t()
+    scores = torch.softmax(logits, -1) if score == "softmax" else torch.sigmoid(logits)
+    ranking = scores.detach() + (router.expert_bias if bias else 0)
+    if groups > 1:
+        grouped = ranking.view(tokens, groups, -1)
+        best = grouped.topk(2, -1).values.sum(-1).topk(group_topk, -1).indices
+        mask = torch.ones(tokens, groups, dtype=torch.bool).scatter_(1, best, False)
+        ranking = grouped.masked_fill(mask[..., None], -float("inf")).view(tokens, -1)
+    indices = ranking.topk(k, -1).indices
+    probs = scores.gather(1, indices)
+    if normalize:
+        probs = probs / probs.sum(-1, keepdim=True)
+    probs = probs * 2.5
+    share = torch.zeros(num_experts, dtype=F64).index_add_(0, indices.flatten(), torch.ones(tokens * k, dtype=F64))
+    per_token = scores if score == "softmax" else scores / scores.sum(-1, keepdim=True)
+    aux = 0.01 * num_experts * (share / (tokens * k) * per_token.mean(0)).sum()
+    ref = moe_layer(x, indices, probs, moe[2].weight, moe[4].weight)
+    params = (x, router.weight, moe[2].weight, moe[4].weight)
+    grads = torch.autograd.grad((ref * dy).sum() + aux, params)
+    assert rel_err(y, ref) <= 1e-12
+    assert abs(router.aux_loss.item() - aux.item()) <= 1e-12
+    for param, want in zip(params, grads):
+        assert rel_err(param.grad, want) <= 1e-10
+
+
+def test_explain_names_the_side_values():
+    moe = layer()
+    x, indices, probs = inputs(8, 2)
+    text = moe.explain(x, indices=indices, probs=probs)
+    assert "Permute" in text and "Unpermute" in text
+    assert "side values: Permute (op 0) -> routing [ops 4], split_sizes [ops 1, 3]" in text
+    router = TopKRouter(H, E, 2, dtype=F64)
+    text = layer(router=router).explain(x)
+    assert "side values: TopKRouter (op 0) -> indices [ops 1], probs [ops 3, 5]; Permute (op 1)" in text
+
+
+def test_bad_input_names_op_and_argument():
+    moe = layer()
+    x, indices, probs = inputs(8, 2)
+    with pytest.raises(OpValueError, match=r"Permute: argument 'indices' holds 9"):
+        moe(x, indices=torch.full((8, 2), 9), probs=probs)
+    with pytest.raises(OpValueError, match=r"Permute: argument 'indices' holds -3"):
+        moe(x, indices=torch.full((8, 2), -3), probs=probs)
+    with pytest.raises(OpTypeError, match=r"Permute: argument 'indices' must have dtype int32 or int64"):
+        moe(x, indices=indices.float(), probs=probs)
+    with pytest.raises(OpValueError, match=r"Permute: argument 'indices' must have shape \(8, k\)"):
+        moe(x, indices=indices[:5], probs=probs)
+    with pytest.raises(OpValueError, match=r"ScaledSwiGLU: argument 'probs' must have the shape"):
+        moe(x, indices=indices, probs=probs[:, :1])
+    with pytest.raises(OpTypeError, match=r"ScaledSwiGLU: argument 'probs' must be floating point"):
+        moe(x, indices=indices, probs=indices)
+    with pytest.raises(OpValueError, match=r"Unpermute: argument 'probs' must have the shape"):
+        layer("combine")(x, indices=indices, probs=probs[:, :1])
+    with pytest.raises(ValueError, match=r"Permute \(op 0\): missing side input 'indices'"):
+        moe(x, probs=probs)
+    with pytest.raises(ValueError, match=r"'split_sizes' is produced by Permute"):
+        moe(x, indices=indices, probs=probs, split_sizes=torch.ones(E, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"Unpermute \(op 0\): missing side input 'routing'"):
+        Sequential(Unpermute())(x)
+
+
+def test_compiled_layer_compiles_once_for_new_routing():
+    moe = layer("scaled", dtype=torch.float32)
+    frames = []
+
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        return gm
+
+    compiled = torch.compile(moe, backend=backend, dynamic=False)
+    for step in range(3):
+        x, indices, probs = inputs(16, 2, seed=step)
+        x, probs = x.float().detach().requires_grad_(), probs.float().detach().requires_grad_()
+        y = compiled(x, indices=indices, probs=probs)
+        y.square().sum().backward()
+        want = moe(x, indices=indices, probs=probs)
+        grads = torch.autograd.grad(want.square().sum(), (x, probs))
+        assert torch.equal(y, want)
+        assert torch.equal(x.grad, grads[0]) and torch.equal(probs.grad, grads[1])
+    assert len(frames) == 1
+
+
+def test_router_layer_under_compile_equals_eager():
+    torch.manual_seed(0)
+    moe = layer("scaled", dtype=torch.float32, router=TopKRouter(H, E, 2, normalize=True, aux_loss_coeff=0.01))
+    compiled = torch.compile(moe, backend="eager", dynamic=False)
+    x = torch.randn(16, H, requires_grad=True)
+    compiled(x).sum().backward()
+    got = [x.grad] + [p.grad for p in moe.parameters()]
+    x.grad = None
+    moe.zero_grad(set_to_none=True)
+    moe(x).sum().backward()
+    for a, b in zip(got, [x.grad] + [p.grad for p in moe.parameters()]):
+        assert torch.equal(a, b)
+
+
+def test_two_runs_are_bit_equal():
+    moe = layer(dtype=torch.float32)
+    x, indices, probs = inputs(33, 4)
+    x, probs = x.float().detach().requires_grad_(), probs.float().detach().requires_grad_()
+    results = []
+    for _ in range(2):
+        moe.zero_grad(set_to_none=True)
+        x.grad = probs.grad = None
+        y = moe(x, indices=indices, probs=probs)
+        y.square().sum().backward()
+        results.append([y, x.grad, probs.grad] + [p.grad for p in moe.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_activation_checkpointing_and_fused_adamw_train_like_the_reference():
+    torch.manual_seed(0)
+    moe = layer(dtype=torch.float32)
+    w1 = moe[1].weight.detach().clone().requires_grad_()
+    w2 = moe[3].weight.detach().clone().requires_grad_()
+    opt = torch.optim.AdamW(moe.parameters(), lr=1e-2, fused=True)
+    opt_ref = torch.optim.AdamW([w1, w2], lr=1e-2, fused=True)
+    for step in range(5):
+        x, indices, probs = inputs(24, 2, seed=step)
+        x, probs = x.float().detach(), probs.float().detach()
+        y = torch.utils.checkpoint.checkpoint(
+            lambda x, p: moe(x, indices=indices, probs=p), x, probs, use_reentrant=False)
+        y.square().mean().backward()
+        moe_layer(x, indices, probs, w1, w2).square().mean().backward()
+        opt.step(), opt_ref.step()
+        opt.zero_grad(set_to_none=True), opt_ref.zero_grad(set_to_none=True)
+        assert rel_err(moe[1].weight, w1) <= 1e-5 and rel_err(moe[3].weight, w2) <= 1e-5
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd saves while ``fn`` runs, parameters excluded."""
+    storages = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+def plain_torch_layer(x, indices, probs, w1, w2):
+    """The layer as a user writes it in torch: argsort permute, per-expert GEMMs, gather combine."""
+    tokens, k = indices.shape
+    flat = indices.flatten()
+    key = torch.where(flat >= 0, flat, w1.shape[0])
+    order = torch.sort(key, stable=True).indices
+    x_perm = x.index_select(0, order // k)
+    counts = torch.bincount(key, minlength=w1.shape[0] + 1).tolist()
+    h, start = [], 0
+    for e, n in enumerate(counts[:-1]):
+        h.append(x_perm[start:start + n] @ w1[e].t())
+        start += n
+    h.append(x_perm.new_zeros(counts[-1], w1.shape[1]))
+    act = SwiGLU().act(torch.cat(h))
+    y, start = [], 0
+    for e, n in enumerate(counts[:-1]):
+        y.append(act[start:start + n] @ w2[e].t())
+        start += n
+    y.append(act.new_zeros(counts[-1], w2.shape[1]))
+    y = torch.cat(y)
+    rows = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())).view(tokens, k)
+    kept = (indices >= 0).to(x.dtype)
+    return (y[rows] * (probs * kept)[..., None]).sum(1)
+
+
+def test_saved_bytes_below_sixty_percent_of_the_plain_torch_layer():
+    torch.manual_seed(0)
+    moe = layer(dtype=torch.float32)
+    x, indices, probs = inputs(256, 4, low=0)
+    x, probs = x.float().detach().requires_grad_(), probs.float().detach().requires_grad_()
+    w1, w2 = moe[1].weight, moe[3].weight
+    ours = _saved_bytes(lambda: moe(x, indices=indices, probs=probs))
+    theirs = _saved_bytes(lambda: plain_torch_layer(x, indices, probs, w1, w2))
+    assert rel_err(moe(x, indices=indices, probs=probs), plain_torch_layer(x, indices, probs, w1, w2)) <= 1e-5
+    y = moe(x, indices=indices, probs=probs)
+    assert saved_tensor_bytes(y) <= ours
+    assert ours <= 0.6 * theirs, (ours, theirs)
