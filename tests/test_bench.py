@@ -1,6 +1,7 @@
 """The benchmarks on a CPU: bench_grouped_mlp.py runs (small shapes by default, progress, outputs
 outside tracked files, columns that say what they measure); every other benchmark needs an sm_90
-GPU and says so in one line instead of a traceback."""
+GPU and says so in one line instead of a traceback; bench_moe_layer.py's routing and contenders
+run here on a tiny shape (eager math)."""
 
 import importlib.util
 import json
@@ -10,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_grouped_mlp.py"
@@ -110,3 +112,74 @@ def test_rotated_medians_cancel_a_first_position_bonus():
     assert set(times) == set(cost)
     assert times["a"] == times["b"] and times["c"] > times["a"]  # no variant keeps the bonus
     assert sum(label == "a" for label in last) == 1 + 2 * 3  # warm-up pass, then 2N rounds
+
+
+def load_moe_layer(monkeypatch):
+    """benchmarks/bench_moe_layer.py as a module (its `from common import ...` needs benchmarks/)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_moe_layer", ROOT / "benchmarks" / "bench_moe_layer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_moe_layer_routing_is_skewed_top_k_and_deterministic(monkeypatch):
+    bench = load_moe_layer(monkeypatch)
+    indices, probs = bench.skewed_topk(4096, 4, 16)
+    again, _ = bench.skewed_topk(4096, 4, 16)
+    assert torch.equal(indices, again) and indices.dtype == torch.int64 and probs.dtype == torch.float32
+    assert ((indices >= 0) & (indices < 16)).all()
+    assert (indices.sort(-1).values.diff(dim=-1) > 0).all()  # k distinct experts per token
+    assert torch.allclose(probs.sum(-1), torch.ones(4096)) and (probs.diff(dim=-1) <= 0).all()  # top first
+    counts = torch.bincount(indices.flatten(), minlength=16)
+    assert counts.max() > 3 * counts.min()  # skewed, not uniform
+
+
+def test_moe_layer_torch_permute_is_a_permutation(monkeypatch):
+    bench = load_moe_layer(monkeypatch)
+    t, k, e = 50, 3, 6
+    indices, _ = bench.skewed_topk(t, k, e)
+    x = torch.randn(t, 8)
+    routing, x_perm = bench.torch_permute(x, indices, e)
+    flat = indices.flatten()
+    assert torch.equal(routing.counts, torch.bincount(flat, minlength=e))
+    assert routing.ends.dtype == torch.int32 and routing.ends[-1] == t * k
+    assert (flat[routing.order].diff() >= 0).all()  # expert order
+    assert torch.equal(routing.order[routing.rows.flatten()], torch.arange(t * k))  # rows: the inverse
+    assert torch.equal(x_perm, x[routing.order // k])
+
+
+def test_moe_layer_contenders_a_and_b_match_on_cpu(monkeypatch):
+    """(a) plain torch and (b) the library's experts with torch permute/combine, with and without
+    the router, on the CPU (eager math): each matches (a), and the saved-activation count holds
+    (a)'s x_perm, pre, act and y_perm. (c) is left to the GPU run and the test below."""
+    bench = load_moe_layer(monkeypatch)
+    p = bench.make_problem("smoke", bench.SMOKE_SHAPES["smoke"], device="cpu")
+    t, k, _, h, i = bench.SMOKE_SHAPES["smoke"]
+    assert p.layer_flops() == 6 * t * k * h * i
+    for runs, reference in ((bench.build_contenders(p, compiled=False, fused=False), "a"),
+                            (bench.build_router_contenders(p, compiled=False, fused=False), "a+router")):
+        assert len(runs) == 2
+        checks = bench.check_contenders(runs, p.dy, reference)
+        assert all(c["status"] == "ok" and c["max_rel_err"] < 1e-2 for c in checks.values()), checks
+        assert checks[reference]["max_rel_err"] == 0
+        assert set(checks[reference]["rel_err"]) == {"out", "dx", "dw1", "dw2", "dprobs" if reference == "a" else
+                                                     "drouter"}
+    runs = bench.build_contenders(p, compiled=False, fused=False)
+    params = [p.fc1.weight, p.fc2.weight]
+    saved, out = bench.saved_activation_bytes(runs["a"].forward, exclude=params + [p.x, p.probs])
+    assert out.shape == (t, h)
+    assert saved >= 2 * t * k * (h + 2 * i + i + h)  # x_perm, pre, act, y_perm in bf16
+    with_inputs, _ = bench.saved_activation_bytes(runs["a"].forward, exclude=params)
+    assert with_inputs == saved + p.probs.untyped_storage().nbytes()  # GatherCombine keeps the probs
+
+
+def test_moe_layer_fused_contenders_match_on_cpu(monkeypatch):
+    bench = load_moe_layer(monkeypatch)
+    if bench.fused_ops() is None:
+        pytest.skip("te_fused_ops has no Permute / Unpermute / TopKRouter yet")
+    p = bench.make_problem("smoke", bench.SMOKE_SHAPES["smoke"], device="cpu")
+    for runs, reference in ((bench.build_contenders(p, compiled=False), "a"),
+                            (bench.build_router_contenders(p, compiled=False), "a+router")):
+        checks = bench.check_contenders(runs, p.dy, reference)
+        assert all(c["status"] == "ok" for c in checks.values()), checks
