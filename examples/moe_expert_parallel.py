@@ -19,14 +19,15 @@ no routing values:
     send counts     (W, E_l)      kept assignments per destination rank and its local expert
     receive buffer  (W * C, H)    rows s*C .. s*C + C - 1 came from rank s, laid out as above;
                                   receive counts (W, E_l): row s = what rank s sent here
-    expert buffer   (W * C, H)    the receive buffer permuted on the device: rows grouped by local
-                                  expert (expert 0 from every source, then expert 1, ...), then every
-                                  unused slot: the padding rows past sum(split_sizes) that
-                                  te_fused_ops' GroupedLinear gives zero output and zero gradient
+
+The local experts are one te_fused_ops layer run on the receive buffer: each receive row has one
+local expert (k = 1; the unused slots' id is -1, dropped), so `Permute(E_l)` groups the rows by
+expert on the device and produces the split sizes, `GroupedLinear`/`ScaledSwiGLU`/`GroupedLinear`
+compute, and `Unpermute()` puts the results back in the receive layout.
 
 The router probabilities travel the same way ((W * C,) buffers). Combine: the expert output, already
-scaled by the probabilities in ScaledSwiGLU, is permuted back to the receive layout, returned with
-the reverse all_to_all and added to the tokens of its send slots. The data exchanges use the
+scaled by the probabilities in ScaledSwiGLU and back in the receive layout, is returned with the
+reverse all_to_all and added to the tokens of its send slots. The data exchanges use the
 differentiable torch.distributed.nn.functional.all_to_all_single, so gradients flow back to the
 input, the router and the experts.
 """
@@ -44,7 +45,7 @@ import torch.distributed.nn.functional as dist_nn
 import torch.multiprocessing as mp
 from torch import nn
 
-from te_fused_ops import CudaGraphStep, GroupedLinear, ScaledSwiGLU, Sequential
+from te_fused_ops import CudaGraphStep, GroupedLinear, Permute, ScaledSwiGLU, Sequential, Unpermute
 
 # torch suggests its functional collectives instead; this autograd version also runs in eager
 # mode on gloo and inside CUDA graph captures, so it is the one used here
@@ -96,32 +97,13 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, world: int, slots: in
     return slot_assignment, send_counts.view(world, local_experts), (~kept).sum()
 
 
-def plan_receive(recv_counts: torch.Tensor, slots: int):
-    """Receive-side bookkeeping, on the device.
-
-    recv_counts (W, E_l) int64 (row s: rows from rank s per local expert) -> recv_to_expert (W * C,)
-    int64: the expert-buffer row of each receive row; expert_to_recv (W * C,) int64, its inverse;
-    split_sizes (E_l,) int64.
-    """
+def receive_experts(recv_counts: torch.Tensor, slots: int) -> torch.Tensor:
+    """The local expert of each receive row, on the device: recv_counts (W, E_l) int64 (row s: rows
+    from rank s per local expert) -> (W * C, 1) int64, -1 for the unused slots."""
     world, local_experts = recv_counts.shape
-    device = recv_counts.device
-    column = torch.arange(slots, device=device).expand(world, slots).contiguous()  # (W, C) row in chunk
-    chunk_end = torch.cumsum(recv_counts, 1)  # (W, E_l) end of expert e's rows in chunk s
-    expert = torch.searchsorted(chunk_end, column, right=True)  # (W, C); E_l for unused slots
-    used = expert < local_experts
-    expert = expert.clamp(max=local_experts - 1)
-    split_sizes = recv_counts.sum(0)
-    expert_start = torch.cumsum(split_sizes, 0) - split_sizes  # (E_l,) in the expert buffer
-    earlier_sources = torch.cumsum(recv_counts, 0) - recv_counts  # (W, E_l) rows from sources < s
-    chunk_start = chunk_end - recv_counts
-    used_row = (
-        expert_start[expert] + earlier_sources.gather(1, expert) + column - chunk_start.gather(1, expert)
-    )
-    padding_row = split_sizes.sum() + torch.cumsum(~used.reshape(-1), 0).view(world, slots) - 1
-    recv_to_expert = torch.where(used, used_row, padding_row).reshape(-1)
-    rows = torch.arange(world * slots, device=device)
-    expert_to_recv = torch.empty_like(recv_to_expert).scatter_(0, recv_to_expert, rows)
-    return recv_to_expert, expert_to_recv, split_sizes
+    column = torch.arange(slots, device=recv_counts.device).expand(world, slots).contiguous()  # (W, C)
+    expert = torch.searchsorted(torch.cumsum(recv_counts, 1), column, right=True)  # E_l: unused slot
+    return torch.where(expert < local_experts, expert, -1).reshape(-1, 1)
 
 
 def all_to_all(t: torch.Tensor, group=None) -> torch.Tensor:
@@ -149,9 +131,11 @@ class ExpertParallelMoE(nn.Module):
         self.top_k, self.capacity_factor = top_k, capacity_factor
         self.router = Router(hidden, num_experts, top_k, device=device)
         self.experts = Sequential(
+            Permute(self.local_experts),
             GroupedLinear(self.local_experts, hidden, 2 * ffn, dtype=dtype, device=device),
             ScaledSwiGLU(),
             GroupedLinear(self.local_experts, ffn, hidden, dtype=dtype, device=device),
+            Unpermute(),
         )
 
     def forward(self, x: torch.Tensor):
@@ -167,13 +151,8 @@ class ExpertParallelMoE(nn.Module):
         x_recv = all_to_all(with_zero_row(x).index_select(0, slot_token), self.group)
         probs_recv = all_to_all(with_zero_row(probs.reshape(-1)).index_select(0, slot_assignment), self.group)
 
-        recv_to_expert, expert_to_recv, split_sizes = plan_receive(recv_counts, slots)
-        h = self.experts(
-            x_recv.index_select(0, expert_to_recv),
-            split_sizes=split_sizes,
-            probs=probs_recv.index_select(0, expert_to_recv),
-        )
-        y_back = all_to_all(h.index_select(0, recv_to_expert), self.group)  # in this rank's send slots
+        y_recv = self.experts(x_recv, indices=receive_experts(recv_counts, slots), probs=probs_recv.unsqueeze(1))
+        y_back = all_to_all(y_recv, self.group)  # in this rank's send slots
         y = x.new_zeros(tokens + 1, x.shape[1]).index_add(0, slot_token, y_back)
         return y[:tokens], dropped
 
@@ -182,7 +161,7 @@ class ExpertParallelMoE(nn.Module):
         """Copy the router and this rank's slice of an all-experts ``Sequential`` (the reference)."""
         self.router.load_state_dict(router.state_dict())
         local = slice(self.rank * self.local_experts, (self.rank + 1) * self.local_experts)
-        for mine, full in ((self.experts[0], experts[0]), (self.experts[2], experts[2])):
+        for mine, full in ((self.experts[1], experts[0]), (self.experts[3], experts[2])):
             mine.weight.copy_(full.weight[local])
 
 
@@ -267,8 +246,8 @@ def check_against_reference(args, layer: ExpertParallelMoE, router: Router, expe
         "output": rel_err(y, y_ref[rank * tokens : (rank + 1) * tokens]),
         "input grad": rel_err(x.grad, xs[rank].grad),
         "router grad": rel_err(router_grad, router.gate.weight.grad),
-        "fc1 weight grad": rel_err(layer.experts[0].weight.grad, experts[0].weight.grad[local]),
-        "fc2 weight grad": rel_err(layer.experts[2].weight.grad, experts[2].weight.grad[local]),
+        "fc1 weight grad": rel_err(layer.experts[1].weight.grad, experts[0].weight.grad[local]),
+        "fc2 weight grad": rel_err(layer.experts[3].weight.grad, experts[2].weight.grad[local]),
     }
     worst = torch.tensor(list(errors.values()), dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=layer.group)

@@ -9,7 +9,8 @@ from . import (
     dactivation_grouped_linear,
     grouped_linear,
     grouped_linear_activation,
+    moe,
     quantize,
 )
 
-__all__ = ["dactivation_grouped_linear", "grouped_linear", "grouped_linear_activation", "quantize"]
+__all__ = ["dactivation_grouped_linear", "grouped_linear", "grouped_linear_activation", "moe", "quantize"]

@@ -19,13 +19,19 @@ class Model(torch.nn.Module):
 
     def __init__(self, recipe):
         super().__init__()
-        from te_fused_ops import GroupedLinear, Quantize, Sequential, SwiGLU
+        from te_fused_ops import GroupedLinear, Permute, Quantize, ScaledSwiGLU, Sequential, SwiGLU, TopKRouter, Unpermute
 
+        self.routed = recipe == "moe"
+        if self.routed:  # the whole MoE layer, routed by its own router
+            ops = [TopKRouter(H, G, 2, normalize=True), Permute(G),
+                   GroupedLinear(G, H, 2 * I), ScaledSwiGLU(), GroupedLinear(G, I, H), Unpermute()]
+            self.mlp = Sequential(*ops)
+            return
         ops = [GroupedLinear(G, H, 2 * I, bias=True), SwiGLU(), GroupedLinear(G, I, H)]
         self.mlp = Sequential(*([Quantize(recipe)] if recipe else []), *ops)
 
     def forward(self, x, split_sizes):
-        return self.mlp(x, split_sizes=split_sizes)
+        return self.mlp(x) if self.routed else self.mlp(x, split_sizes=split_sizes)
 
 
 def local_batch(step, rank):
@@ -66,7 +72,7 @@ def _worker(rank, init_file, recipe, reshard_after_forward):
             loss.backward()
             opt_ref.step()
             opt_ref.zero_grad(set_to_none=True)
-            if recipe is None:
+            if recipe in (None, "moe"):
                 for name, p in unsharded.state_dict().items():
                     got = sharded.state_dict()[name].full_tensor()
                     assert ref.rel_err(got, p) <= 1e-5, f"rank {rank} step {step}: {name} diverged"
@@ -76,7 +82,7 @@ def _worker(rank, init_file, recipe, reshard_after_forward):
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
-@pytest.mark.parametrize("recipe", [None, "fp8_blockwise"])
+@pytest.mark.parametrize("recipe", [None, "fp8_blockwise", "moe"])
 def test_fully_shard_trains_like_unsharded_model(recipe, reshard_after_forward, tmp_path):
     # without resharding, the unsharded parameters keep their address and version across steps:
     # a weight copy cached on (address, version) went stale there

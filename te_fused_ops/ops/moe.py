@@ -190,7 +190,9 @@ class TopKRouter(BasicOp):
     ``coeff * E * sum_e f_e * P_e`` (f_e: share of slots routed to expert e, P_e: mean score of e,
     scores normalized per token for sigmoid) is added to the training objective: its gradient
     joins the router's in the backward, and ``router.aux_loss`` holds its value (detached) after
-    each forward for logging. The choice is never differentiated; probs are.
+    each forward for logging. Its gradient is added as is, whatever the caller scales the main
+    loss by (divide the coefficient likewise when averaging over micro-batches or ranks). The
+    choice is never differentiated; probs are.
     """
 
     side_outputs = ("indices", "probs")
