@@ -1,0 +1,192 @@
+"""GPU contracts of the MoE layer ops: the sm90 path equals the torch backend and a float64
+reference, sync-free, one CUDA graph replayed with new routing, bit-equal reruns, saved bytes."""
+
+import pytest
+import torch
+from reference import moe_layer, rel_err
+
+import te_fused_ops as tfo
+from te_fused_ops import GroupedLinear, Permute, ScaledSwiGLU, Sequential, SwiGLU, TopKRouter, Unpermute
+
+pytestmark = pytest.mark.gpu
+
+E, H, I, T, K = 8, 256, 128, 512, 4
+
+
+def layer(act="scaled", router=None, seed=0):
+    torch.manual_seed(seed)
+    ops = [Permute(E), GroupedLinear(E, H, 2 * I, dtype=torch.bfloat16, device="cuda"),
+           ScaledSwiGLU() if act == "scaled" else SwiGLU(),
+           GroupedLinear(E, I, H, dtype=torch.bfloat16, device="cuda"), Unpermute()]
+    return Sequential(*([router] if router is not None else []), *ops)
+
+
+def routing(seed, tokens=T, k=K, drop=0.1):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, E, generator=gen) + torch.linspace(0, 3, E)  # skewed
+    indices = logits.topk(k, -1).indices
+    indices[torch.rand(tokens, k, generator=gen) < drop] = -1
+    probs = torch.rand(tokens, k, generator=gen)
+    return indices.cuda(), probs.cuda()
+
+
+def step(moe, x, dy, **side):
+    y = moe(x, **side)
+    y.backward(dy)
+    return y
+
+
+def grads(moe, x, probs=None):
+    return [x.grad] + ([probs.grad] if probs is not None else []) + [p.grad for p in moe.parameters()
+                                                                      if p.requires_grad]
+
+
+def test_sm90_row_rules_are_planned():
+    moe = layer()
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    indices, probs = routing(0)
+    text = moe.explain(x, indices=indices, probs=probs)
+    for rule in ("permute", "unpermute", "permute_backward", "unpermute_backward"):
+        assert f"rule '{rule}' (backend sm90)" in text, text
+
+
+@pytest.mark.parametrize("act", ["scaled", "combine"])
+@pytest.mark.parametrize("tokens,k,drop", [(T, K, 0.1), (0, 2, 0.0), (37, 1, 0.0), (64, 8, 1.0), (100, 3, 0.5)])
+def test_fused_equals_torch_backend_and_float64(act, tokens, k, drop, monkeypatch):
+    indices, probs = routing(tokens + k, tokens, k, drop)
+    x0 = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for backend in ("sm90", "torch"):
+        monkeypatch.setenv("TE_FUSED_OPS_BACKEND", backend)
+        moe = layer(act)
+        x = x0.clone().requires_grad_()
+        p = probs.clone().requires_grad_()
+        y = step(moe, x, dy, indices=indices, probs=p)
+        results[backend] = [y] + grads(moe, x, p)
+        monkeypatch.delenv("TE_FUSED_OPS_BACKEND")
+    w1, w2 = (t.detach().double().requires_grad_() for t in (moe[1].weight, moe[3].weight))
+    xd, pd = x0.double().requires_grad_(), probs.double().requires_grad_()
+    ref = moe_layer(xd, indices, pd, w1, w2) + 0 * (xd.sum() + pd.sum() + w1.sum() + w2.sum())
+    want = [ref, *torch.autograd.grad(ref, (xd, pd, w1, w2), dy.double())]
+    for got_fused, got_torch, expected in zip(results["sm90"], results["torch"], want):
+        assert torch.isfinite(got_fused).all()
+        assert rel_err(got_fused, got_torch) <= 2e-2
+        assert rel_err(got_fused, expected) <= 2e-2
+
+
+def test_out_of_range_ids_are_dropped_slots_on_cuda():
+    moe = layer()
+    indices, probs = routing(1)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    bad = indices.clone()
+    bad[::3, 0] = E + 5
+    bad[1::3, 1] = -7
+    dropped = bad.clone()
+    dropped[(bad < 0) | (bad >= E)] = -1
+    with torch.no_grad():
+        assert torch.equal(moe(x, indices=bad, probs=probs), moe(x, indices=dropped, probs=probs))
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("with_router", [False, True])
+def test_layer_step_is_sync_free(with_router):
+    router = TopKRouter(H, E, K, normalize=True, aux_loss_coeff=0.01, dtype=torch.bfloat16, device="cuda")
+    moe = layer(router=router if with_router else None)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    indices, probs = routing(2)
+    side = {} if with_router else {"indices": indices, "probs": probs.requires_grad_()}
+    step(moe, x, dy, **side)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(moe, x, dy, **side)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cuda_graph_replays_with_three_routings():
+    moe = layer()
+    static_x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    static_dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    static_indices, static_probs = routing(3)
+    static_probs.requires_grad_()
+
+    def graph_step():
+        for t in [static_x, static_probs, *moe.parameters()]:
+            t.grad = None
+        return step(moe, static_x, static_dy, indices=static_indices, probs=static_probs)
+
+    graphed = tfo.CudaGraphStep(graph_step)
+    for seed in (4, 5, 6):
+        indices, probs = routing(seed)
+        with torch.no_grad():
+            static_indices.copy_(indices)
+            static_probs.copy_(probs)
+        y = graphed()
+        torch.cuda.synchronize()
+        got = [y.clone()] + [g.clone() for g in grads(moe, static_x, static_probs)]
+        eager = layer()
+        eager.load_state_dict(moe.state_dict())
+        x = static_x.detach().clone().requires_grad_()
+        p = probs.clone().requires_grad_()
+        want = [step(eager, x, static_dy, indices=indices, probs=p)] + grads(eager, x, p)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
+def test_two_runs_are_bit_equal():
+    moe = layer()
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    indices, probs = routing(7)
+    probs.requires_grad_()
+    runs = []
+    for _ in range(2):
+        for t in [x, probs, *moe.parameters()]:
+            t.grad = None
+        runs.append([step(moe, x, dy, indices=indices, probs=probs)] + grads(moe, x, probs))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def _saved_bytes(fn) -> int:
+    storages = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+def plain_torch_layer(x, indices, probs, w1, w2):
+    """The plain torch layer: argsort permute, torch._grouped_mm, gather combine (no atomics)."""
+    tokens, k = indices.shape
+    key = torch.where(indices.flatten() >= 0, indices.flatten(), E)
+    order = torch.sort(key, stable=True).indices
+    x_perm = x.index_select(0, order // k)
+    counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device).scatter_add_(
+        0, key, torch.ones_like(key, dtype=torch.int32))
+    offsets = torch.cumsum(counts[:E], 0, dtype=torch.int32)
+    h = torch._grouped_mm(x_perm, w1.transpose(-2, -1), offs=offsets)
+    gate, up = h.chunk(2, -1)
+    y = torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
+    rows = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+    kept = (indices >= 0).to(probs.dtype)
+    return (y[rows.view(tokens, k)] * (probs * kept)[..., None]).sum(1)
+
+
+def test_saved_bytes_below_sixty_percent_of_the_plain_torch_layer():
+    moe = layer()
+    x = torch.randn(4096, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    indices, probs = routing(8, 4096, 8, 0.0)
+    probs = probs.to(torch.bfloat16).requires_grad_()
+    ours = _saved_bytes(lambda: moe(x, indices=indices, probs=probs))
+    theirs = _saved_bytes(lambda: plain_torch_layer(x, indices, probs, moe[1].weight, moe[3].weight))
+    print(f"saved bytes: fused layer {ours}, plain torch layer {theirs} ({ours / theirs:.2f}x)")
+    assert ours <= 0.6 * theirs
