@@ -15,7 +15,10 @@ softmax over the k chosen logits in float32, rounded to bf16 (the layer's dtype,
 Contenders (one process, the same weights and inputs: each contender uses the same Parameter
 objects, gradients None before every step):
   a          plain torch, written well: permute with a stable argsort of the expert ids,
-             x.index_select, per-expert counts by a sync-free scatter_add_, int32 cumsum offsets;
+             x.index_select whose backward is a slot sum compiled per shape (dx[t] = sum_j
+             dx_perm[rows[t, j]]: a gather, where autograd's index_select backward is an
+             index_add with atomics), per-expert counts by a sync-free scatter_add_, int32
+             cumsum offsets;
              the expert MLP as `bench_train_step.ReferenceMLP` (one autograd.Function, six
              torch._grouped_mm, SwiGLU and dSwiGLU compiled per shape); the combine a gather
              (one autograd.Function compiled per shape, forward and backward): rows = the inverse
@@ -172,6 +175,11 @@ def combine_backward_math(dout, y_perm, probs, rows, order):
     return d_y, d_probs
 
 
+def slot_sum_math(dx_perm, rows):
+    """(T, H): sum_j dx_perm[rows[t, j]] in float32, rounded once (the permute's backward)."""
+    return dx_perm[rows].float().sum(1).to(dx_perm.dtype)
+
+
 class LayerMath:
     """The elementwise parts of (a): compiled per shape (CUDA), or eager (``compiled=False``: the
     CPU test)."""
@@ -180,6 +188,7 @@ class LayerMath:
         wrap = compile_per_shape if compiled else (lambda fn: fn)
         self.swiglu, self.dswiglu = wrap(swiglu_math), wrap(dswiglu_math)
         self.combine, self.combine_backward = wrap(combine_math), wrap(combine_backward_math)
+        self.slot_sum = wrap(slot_sum_math)
 
 
 @functools.cache
@@ -211,6 +220,21 @@ class ExpertMLP(torch.autograd.Function):
         return dx, dw1, dw2, None, None
 
 
+class GatherPermute(torch.autograd.Function):
+    """x_perm = x[order // k] (index_select), with a gather slot-sum backward (no atomics)."""
+
+    @staticmethod
+    def forward(ctx, x, order, rows, math):
+        ctx.math = math
+        ctx.save_for_backward(rows)
+        return x.index_select(0, order // rows.shape[1])
+
+    @staticmethod
+    def backward(ctx, dx_perm):
+        (rows,) = ctx.saved_tensors
+        return ctx.math.slot_sum(dx_perm.contiguous(), rows), None, None, None
+
+
 class GatherCombine(torch.autograd.Function):
     """out[t] = sum_j probs[t, j] * y_perm[rows[t, j]], with a gather backward (no atomics)."""
 
@@ -235,15 +259,16 @@ class TorchRouting:
     ends: torch.Tensor    # (E,) int32 cumulative counts (torch._grouped_mm's offs)
 
 
-def torch_permute(x, indices, e: int):
-    """(TorchRouting, x_perm (T*k, H)): sync-free (no value reaches the host)."""
+def torch_permute(x, indices, e: int, gather: bool = True):
+    """(TorchRouting, x_perm (T*k, H), or None without ``gather``): sync-free (no value reaches
+    the host)."""
     t, k = indices.shape
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(e, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
     rows = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=x.device)).view(t, k)
     routing = TorchRouting(order, rows, counts, torch.cumsum(counts, 0, dtype=torch.int32))
-    return routing, x.index_select(0, order // k)
+    return routing, x.index_select(0, order // k) if gather else None
 
 
 def torch_router(x, wr, k: int):
@@ -255,8 +280,9 @@ def torch_router(x, wr, k: int):
 
 
 def plain_layer(x, indices, probs, w1, w2, e: int, math: LayerMath):
-    """(a): torch permute, ExpertMLP, GatherCombine."""
-    routing, x_perm = torch_permute(x, indices, e)
+    """(a): torch permute with a gather backward (GatherPermute), ExpertMLP, GatherCombine."""
+    routing, _ = torch_permute(x.detach(), indices, e, gather=False)
+    x_perm = GatherPermute.apply(x, routing.order, routing.rows, math)
     y_perm = ExpertMLP.apply(x_perm, w1, w2, routing.ends, math)
     return GatherCombine.apply(y_perm, probs, routing.rows, routing.order, math)
 
