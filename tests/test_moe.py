@@ -4,7 +4,6 @@ in the Sequential and in explain(), torch.compile, checkpointing, optimizer step
 
 import pytest
 import torch
-import torch.nn.functional as F
 from reference import moe_layer, rel_err
 
 from te_fused_ops import (
@@ -217,8 +216,7 @@ def test_activation_checkpointing_and_fused_adamw_train_like_the_reference():
     for step in range(5):
         x, indices, probs = inputs(24, 2, seed=step)
         x, probs = x.float().detach(), probs.float().detach()
-        y = torch.utils.checkpoint.checkpoint(
-            lambda x, p: moe(x, indices=indices, probs=p), x, probs, use_reentrant=False)
+        y = torch.utils.checkpoint.checkpoint(moe, x, indices=indices, probs=probs, use_reentrant=False)
         y.square().mean().backward()
         moe_layer(x, indices, probs, w1, w2).square().mean().backward()
         opt.step(), opt_ref.step()

@@ -6,7 +6,15 @@ import torch
 from reference import moe_layer, rel_err
 
 import te_fused_ops as tfo
-from te_fused_ops import GroupedLinear, Permute, ScaledSwiGLU, Sequential, SwiGLU, TopKRouter, Unpermute
+from te_fused_ops import (
+    GroupedLinear,
+    Permute,
+    ScaledSwiGLU,
+    Sequential,
+    SwiGLU,
+    TopKRouter,
+    Unpermute,
+)
 
 pytestmark = pytest.mark.gpu
 
