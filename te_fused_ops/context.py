@@ -103,7 +103,7 @@ class OpContext:
                           forward only, never kept for the backward
     grad_names:           parameter and side-input names whose tensors require grad
     side:                 bound side inputs (e.g. ``offsets`` for grouped ops, ``probs``)
-    side_sources:         side-input name -> index of the op that produced it (None: not bound yet)
+    side_sources:         side-input name -> index of the op that produced it (None until bound)
     produced:             side values this op produced for the ops after it (forward only)
     produced_grads:       gradients of the produced values, for the backward (from the ops that used them)
     saved:                `Saved` values for the backward, by field; tensors reach the backward

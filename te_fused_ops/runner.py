@@ -140,8 +140,6 @@ class SideValues:
         like = x
         for i in range(start, stop):
             op, ctx = ops[i], ctxs[i]
-            if ctx.side_sources is not None:
-                continue  # bound by an earlier call of bind (a step run again)
             ctx.side = op.bind_side_inputs(self.values, like, self.memo)
             ctx.side_sources = {n: self.source[n] for n in op.side_inputs if n in self.source}
             ctx.grad_names = ctx.grad_names | {n for n in op.side_inputs if n in self.grad_names}
