@@ -62,3 +62,17 @@ def moe_layer(x, indices, probs, w1, w2, act=swiglu):
                 y = act(x[tokens] @ w1[e].t()) @ w2[e].t()
                 out = out.index_add(0, tokens, probs[tokens, j, None] * y)
     return out
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd saves while ``fn`` runs, parameters excluded."""
+    storages = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())

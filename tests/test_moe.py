@@ -4,7 +4,7 @@ in the Sequential and in explain(), torch.compile, checkpointing, optimizer step
 
 import pytest
 import torch
-from reference import moe_layer, rel_err
+from reference import moe_layer, rel_err, saved_bytes
 
 from te_fused_ops import (
     GroupedLinear,
@@ -224,20 +224,6 @@ def test_activation_checkpointing_and_fused_adamw_train_like_the_reference():
         assert rel_err(moe[1].weight, w1) <= 1e-5 and rel_err(moe[3].weight, w2) <= 1e-5
 
 
-def _saved_bytes(fn) -> int:
-    """Bytes of the distinct storages autograd saves while ``fn`` runs, parameters excluded."""
-    storages = {}
-
-    def pack(t):
-        if not isinstance(t, torch.nn.Parameter):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(storages.values())
-
-
 def plain_torch_layer(x, indices, probs, w1, w2):
     """The layer as a user writes it in torch: argsort permute, per-expert GEMMs, gather combine."""
     tokens, k = indices.shape
@@ -269,8 +255,8 @@ def test_saved_bytes_below_sixty_percent_of_the_plain_torch_layer():
     x, indices, probs = inputs(256, 4, low=0)
     x, probs = x.float().detach().requires_grad_(), probs.float().detach().requires_grad_()
     w1, w2 = moe[1].weight, moe[3].weight
-    ours = _saved_bytes(lambda: moe(x, indices=indices, probs=probs))
-    theirs = _saved_bytes(lambda: plain_torch_layer(x, indices, probs, w1, w2))
+    ours = saved_bytes(lambda: moe(x, indices=indices, probs=probs))
+    theirs = saved_bytes(lambda: plain_torch_layer(x, indices, probs, w1, w2))
     assert rel_err(moe(x, indices=indices, probs=probs), plain_torch_layer(x, indices, probs, w1, w2)) <= 1e-5
     y = moe(x, indices=indices, probs=probs)
     assert saved_tensor_bytes(y) <= ours

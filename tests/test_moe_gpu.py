@@ -3,7 +3,7 @@ reference, sync-free, one CUDA graph replayed with new routing, bit-equal reruns
 
 import pytest
 import torch
-from reference import moe_layer, rel_err
+from reference import moe_layer, rel_err, saved_bytes
 
 import te_fused_ops as tfo
 from te_fused_ops import (
@@ -159,19 +159,6 @@ def test_two_runs_are_bit_equal():
         assert torch.equal(a, b)
 
 
-def _saved_bytes(fn) -> int:
-    storages = {}
-
-    def pack(t):
-        if not isinstance(t, torch.nn.Parameter):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(storages.values())
-
-
 def plain_torch_layer(x, indices, probs, w1, w2):
     """The plain torch layer: argsort permute, torch._grouped_mm, gather combine (no atomics)."""
     tokens, k = indices.shape
@@ -194,7 +181,7 @@ def test_saved_bytes_below_sixty_percent_of_the_plain_torch_layer():
     x = torch.randn(4096, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     indices, probs = routing(8, 4096, 8, 0.0)
     probs = probs.to(torch.bfloat16).requires_grad_()
-    ours = _saved_bytes(lambda: moe(x, indices=indices, probs=probs))
-    theirs = _saved_bytes(lambda: plain_torch_layer(x, indices, probs, moe[1].weight, moe[3].weight))
+    ours = saved_bytes(lambda: moe(x, indices=indices, probs=probs))
+    theirs = saved_bytes(lambda: plain_torch_layer(x, indices, probs, moe[1].weight, moe[3].weight))
     print(f"saved bytes: fused layer {ours}, plain torch layer {theirs} ({ours / theirs:.2f}x)")
     assert ours <= 0.6 * theirs

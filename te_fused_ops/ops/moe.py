@@ -19,15 +19,16 @@ from .base import BasicOp, OpContext, Recompute, is_quantized
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _check_tokens(op_name: str, x, num_rows: int, what: str) -> None:
+def _check_tokens(op_name: str, x, num_rows, what: str) -> None:
+    """x a plain floating (num_rows, features) tensor (num_rows None: any)."""
     if not isinstance(x, torch.Tensor):
         raise OpTypeError(f"{op_name}: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
     if is_quantized(x):
         raise OpTypeError(f"{op_name}: argument 'x' is a QuantizedTensor; pass a bf16/fp16/fp32 tensor")
     if not x.is_floating_point():
         raise OpTypeError(f"{op_name}: argument 'x' must be a floating-point tensor, got {x.dtype}")
-    if x.dim() != 2 or x.shape[0] != num_rows:
-        raise OpValueError(f"{op_name}: argument 'x' must have shape ({num_rows}, features) ({what}), "
+    if x.dim() != 2 or num_rows not in (None, x.shape[0]):
+        raise OpValueError(f"{op_name}: argument 'x' must have shape ({'rows' if num_rows is None else num_rows}, features) ({what}), "
                            f"got {tuple(x.shape)}")
 
 
@@ -268,7 +269,7 @@ class TopKRouter(BasicOp):
 
     def op_forward(self, ctx: OpContext, x) -> torch.Tensor:
         weight = ctx.params["weight"]
-        _check_tokens("TopKRouter", x, x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else -1, "tokens, hidden")
+        _check_tokens("TopKRouter", x, None, "tokens, hidden")
         if x.shape[1] != self.hidden:
             raise OpValueError(f"TopKRouter: argument 'x' must have shape (tokens, {self.hidden}), got {tuple(x.shape)}")
         if x.dtype != weight.dtype:
