@@ -82,7 +82,7 @@ def _worker(rank, init_file, recipe, reshard_after_forward):
 
 
 @pytest.mark.parametrize("recipe,reshard_after_forward", [
-    (None, True), (None, False), ("fp8_blockwise", True), ("fp8_blockwise", False), ("moe", True),
+    (None, True), (None, False), ("fp8_blockwise", True), ("fp8_blockwise", False),
 ])
 def test_fully_shard_trains_like_unsharded_model(recipe, reshard_after_forward, tmp_path):
     # without resharding, the unsharded parameters keep their address and version across steps:

@@ -152,29 +152,21 @@ def test_split_offsets_compiles(size_dtype):
     assert compile_split_offsets(size_dtype, tvm_ffi=False) is not None
 
 
-def test_moe_rows_compile():
-    """The plain row movers compile (the GPU tests run every configuration)."""
-    from te_fused_ops.backends.sm90.kernels.moe_rows import compile_gather_sum, compile_scatter_rows
-
-    assert compile_scatter_rows(torch.bfloat16, False, False, tvm_ffi=False) is not None
-    assert compile_gather_sum(torch.bfloat16, False, tvm_ffi=False) is not None
-
-
 def test_moe_rows_keep_registers(tmp_path):
-    """The row movers' largest configurations compile and use no local memory (an rmem tensor made
-    per slot inside the unrolled slot loop once spilled: the scatter with the dot ran at a third of
-    its speed on an H100)."""
+    """The largest row mover (scatter with scale and dot) compiles and uses no local memory (an rmem
+    tensor made per slot inside the unrolled slot loop once spilled: it ran at a third of its speed
+    on an H100). The other configurations compile and run in the GPU tests."""
     from test_wgmma_batching import _nvdisasm
 
     nvdisasm = _nvdisasm()
     assert nvdisasm, "nvdisasm not found: install the test extra (nvidia-cuda-nvdisasm)"
-    code = ("import torch; from te_fused_ops.backends.sm90.kernels.moe_rows import compile_scatter_rows as s, "
-            "compile_gather_sum as g; s(torch.bfloat16, True, True, False); g(torch.float16, True, False)")
+    code = ("import torch; from te_fused_ops.backends.sm90.kernels.moe_rows import compile_scatter_rows as s; "
+            "s(torch.bfloat16, True, True, False)")
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(tmp_path),
                CUTE_DSL_DISABLE_FILE_CACHING="1")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, timeout=600)
     cubins = sorted(tmp_path.glob("*.cubin"))
-    assert len(cubins) == 2
+    assert len(cubins) == 1
     for cubin in cubins:
         sass = subprocess.run([nvdisasm, "-c", str(cubin)], check=True, capture_output=True, text=True).stdout
         assert "LDL" not in sass and "STL" not in sass, f"{cubin.name}: local memory"
