@@ -20,10 +20,9 @@ def _sm90a(monkeypatch):
 
 
 @needs_cutlass
-@pytest.mark.parametrize("cluster_m", [1, 2])
-@pytest.mark.parametrize("main_grad", [False, True])
-@pytest.mark.parametrize("tile_n", [128, 256])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype,tile_n,main_grad,cluster_m", [  # with test_wgmma_batching's two: each pair once
+    (torch.bfloat16, 128, False, 1), (torch.float16, 256, True, 1), (torch.float16, 128, False, 2),
+])
 def test_wgrad_compiles(dtype, tile_n, main_grad, cluster_m):
     from te_fused_ops.backends.sm90.kernels.grouped_wgrad import compile_grouped_wgrad
 
@@ -95,8 +94,7 @@ def test_cpu_inputs_rejected():
 
 
 @needs_cutlass
-@pytest.mark.parametrize("cluster_m", [1, 2])
-@pytest.mark.parametrize("main_grad", [False, True])
+@pytest.mark.parametrize("main_grad,cluster_m", [(True, 1)])  # test_wgmma_batching compiles (False, 2)
 def test_fp8_wgrad_compiles(main_grad, cluster_m):
     import cutlass
 
@@ -112,7 +110,7 @@ def test_fp8_wgrad_compiles(main_grad, cluster_m):
 
 
 @needs_cutlass
-@pytest.mark.parametrize("from_rows, rows, power_2_scales", [(False, True, False), (True, False, False), (False, False, True)])
+@pytest.mark.parametrize("from_rows, rows, power_2_scales", [(False, True, True), (True, False, False)])
 def test_block_columns_compile(from_rows, rows, power_2_scales):
     from te_fused_ops.backends.sm90.kernels.block_quantize import COLUMN_MAX_GROUPS, compile_block_columns
     from te_fused_ops.backends.sm90.kernels.block_quantize_sm90 import COLUMN_SCAN_GROUPS
