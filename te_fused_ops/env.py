@@ -40,6 +40,10 @@ def _count(raw: str) -> int:
     return value
 
 
+def _path(raw: str) -> str:
+    return raw
+
+
 _FLAG_VALUES = "one of 1, 0, true, false, on, off (any case)"
 
 
@@ -82,6 +86,24 @@ SWITCHES = {
             "TE_FUSED_OPS_SM_MARGIN", _count, lambda: "an integer >= 0", 0, "0",
             "SMs the sm90 GEMMs leave free for kernels running beside them (e.g. all-to-all); "
             "`sm_margin=` of the kernel wrappers overrides it",
+        ),
+        Switch(
+            "TE_FUSED_OPS_KERNEL_CACHE", _flag, lambda: _FLAG_VALUES, True, "1",
+            "0 compiles every sm90 kernel in each process; by default a compiled kernel is written to "
+            "the kernel cache directory once and loaded by later processes",
+        ),
+        Switch(
+            "TE_FUSED_OPS_KERNEL_CACHE_DIR", _path, lambda: "a directory path", None,
+            "`$XDG_CACHE_HOME/te_fused_ops/kernels`, else `~/.cache/te_fused_ops/kernels`",
+            "where compiled kernels are kept; it must be owned by you and not writable by group or "
+            "others (else it is not used), unless `TE_FUSED_OPS_KERNEL_CACHE_TRUST=1`",
+        ),
+        Switch(
+            "TE_FUSED_OPS_KERNEL_CACHE_TRUST", _flag, lambda: _FLAG_VALUES, False, "0",
+            "1 loads kernels from a cache directory owned by someone else or writable by others (a "
+            "shared one, e.g. filled by `python -m te_fused_ops.precompile` on a shared filesystem): "
+            "set it only when you trust everyone who can write there; digests and symlinks are checked "
+            "either way",
         ),
     )
 }

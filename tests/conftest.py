@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -10,3 +12,8 @@ def pytest_collection_modifyitems(config, items):
             if marker in item.keywords and gpus < count:
                 item.add_marker(pytest.mark.skip(reason=reason))
                 break
+
+
+# Tests compile what they test: no compiled kernel is read from (or written to) the user's cache;
+# tests/test_kernel_cache.py turns it on in a temporary directory.
+os.environ["TE_FUSED_OPS_KERNEL_CACHE"] = "0"

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from .launch import DTYPES, compile_launcher, fake_tensor, num_sms, tvm_ffi_available
+from .launch import DTYPES, cached_kernel, compile_launcher, fake_tensor, num_sms, tvm_ffi_available
 
 _NAME = "block_quantize_sm90"
 _DEQUANT_NAME = "block_dequantize_sm90"
@@ -67,7 +67,7 @@ def _compile(kernel, dtype, data_first: bool, tvm_ffi, extra=(), transposed=None
     return compile_launcher(kernel, (*tensors, *extra, cutlass.Int32(1)), tvm_ffi)
 
 
-@functools.cache
+@cached_kernel
 def compile_block_quantize(dtype, block_rows, tvm_ffi=None, power_2_scales=False, tensor_scale=False,
                            transposed=False):
     """Compile (once per configuration) and return fn(x (G, R, C), data, scale_inv, amax_parts,
@@ -83,7 +83,7 @@ def compile_block_quantize(dtype, block_rows, tvm_ffi=None, power_2_scales=False
     return _compile(kernel, dtype, False, tvm_ffi, (parts,), transposed)
 
 
-@functools.cache
+@cached_kernel
 def compile_tensor_amax(dtype, with_offsets, tvm_ffi=None):
     """Compile (once per configuration) and return fn(x (G, R, C), offsets (G+1,) int32 or None,
     parts (P,) float32); the grid is P CTAs."""
@@ -98,7 +98,7 @@ def compile_tensor_amax(dtype, with_offsets, tvm_ffi=None):
     return compile_launcher(TensorAmaxSm90(), (x, offsets, parts), tvm_ffi)
 
 
-@functools.cache
+@cached_kernel
 def compile_block_dequantize(dtype, tvm_ffi=None):
     """Compile (once per output dtype) and return fn(data (G, R, C), scale_inv, out, max_ctas)."""
     from .block_quantize_sm90 import BlockDequantizeSm90
@@ -106,7 +106,7 @@ def compile_block_dequantize(dtype, tvm_ffi=None):
     return _compile(BlockDequantizeSm90(torch.finfo(dtype).max), dtype, True, tvm_ffi)
 
 
-@functools.cache
+@cached_kernel
 def compile_block_columns(dtype, from_rows, rows, power_2_scales, tvm_ffi=None):
     """Compile (once per configuration) and return fn(x (M, C), x multipliers or None, offsets
     (G+1,), data (C, 128 blocks), scale_inv (blocks, C), row data or None, row scale_inv or None,

@@ -32,6 +32,7 @@ from .launch import (
     LaunchMemo,
     check_input,
     check_tensor,
+    cached_kernel,
     compile_launcher,
     fake_tensor,
     num_sms,
@@ -193,7 +194,7 @@ def _compile(kernel, args, tvm_ffi):
     return compile_launcher(kernel, (*args, default_constants(), cutlass.Int32(1)), tvm_ffi)
 
 
-@functools.cache
+@cached_kernel
 def compile_grouped_gemm(
     dtype, tile_n, activation, has_bias, tvm_ffi=None, cluster_m=2, weight_layout="nk", act_amax=False,
     **kernel_opts
@@ -222,7 +223,7 @@ def compile_grouped_gemm(
     return _compile(kernel, args, tvm_ffi)
 
 
-@functools.cache
+@cached_kernel
 def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cluster_m=2, weight_layout="nk",
                                    tile_n=256, columns=False, **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_gemm_act_quant_sm90``:
@@ -256,7 +257,7 @@ def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cl
     return _compile(kernel, args, tvm_ffi)
 
 
-@functools.cache
+@cached_kernel
 def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_m=2, epilogue_warps=False,
                                **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_dgrad_dact_sm90``:
@@ -286,7 +287,7 @@ def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_
     return _compile(kernel, args, tvm_ffi)
 
 
-@functools.cache
+@cached_kernel
 def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2, d_pre_amax=False, **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_dgrad_dact_fp8_sm90``:
     fn(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, d_pre, probs, d_probs_part, d_pre_amax, constants,
@@ -314,7 +315,7 @@ def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2,
     return _compile(kernel, args, tvm_ffi)
 
 
-@functools.cache
+@cached_kernel
 def compile_grouped_dgrad_dact_quant_fp8(dtype, activation, tvm_ffi=None, cluster_m=2, power_2_scales=False,
                                          **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_dgrad_dact_quant_fp8_sm90``:
@@ -346,7 +347,7 @@ def compile_grouped_dgrad_dact_quant_fp8(dtype, activation, tvm_ffi=None, cluste
     return _compile(kernel, args, tvm_ffi)
 
 
-@functools.cache
+@cached_kernel
 def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_m=2, tile_n=128, act_amax=False,
                              **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_gemm_fp8_sm90``:

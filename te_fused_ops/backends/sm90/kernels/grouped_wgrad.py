@@ -22,6 +22,7 @@ from .launch import (
     LaunchMemo,
     check_input,
     check_tensor,
+    cached_kernel,
     compile_launcher,
     fake_tensor,
     num_sms,
@@ -56,7 +57,7 @@ def choose_config(n: int, k: int, max_ctas: int) -> tuple[int, int]:
     return (128 if k <= 128 else 256), (2 if n > 128 and max_ctas >= 2 else 1)
 
 
-@functools.cache
+@cached_kernel
 def compile_grouped_wgrad(dtype, tile_n, main_grad, cluster_m=1, tvm_ffi=None, fp8=False, **kernel_opts):
     """Compile (once per configuration) and return the launcher fn(dy, x, offsets, out, dy scales,
     x scales, tokens, max_ctas): 16-bit dy (M, N), x (M, K), no scales or tokens (None), or with

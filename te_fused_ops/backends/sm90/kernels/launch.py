@@ -10,6 +10,8 @@ import functools
 
 import torch
 
+from ....kernel_cache import disk_cached
+
 DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -42,6 +44,32 @@ def compile_launcher(kernel, args, tvm_ffi=None):
         tvm_ffi = tvm_ffi_available()
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
     return cute.compile(kernel, *args, stream, options="--enable-tvm-ffi" if tvm_ffi else "")
+
+
+def _export(compiled, path, symbol, tvm_ffi) -> None:
+    """Write the object file of launcher ``compiled`` (host launch code and the embedded cubin)."""
+    if tvm_ffi:
+        compiled.export_to_c(str(path), function_name=symbol)
+    else:
+        path.write_bytes(compiled.dump_to_object(symbol))
+
+
+def _load(path, symbol, tvm_ffi):
+    """The launcher in object file ``path`` under ``symbol``, as `compile_launcher` returns it."""
+    import cutlass.cute as cute
+
+    return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=tvm_ffi), symbol)
+
+
+def _tvm_ffi_of(bound) -> bool:
+    tvm_ffi = bound.arguments.get("tvm_ffi")
+    return tvm_ffi_available() if tvm_ffi is None else bool(tvm_ffi)
+
+
+def cached_kernel(compile_fn):
+    """Memoize a kernel-compiling function (arguments -> launcher) in memory and on disk
+    (`te_fused_ops.kernel_cache`): a later process loads the binary instead of compiling it."""
+    return disk_cached(_export, _load, _tvm_ffi_of)(compile_fn)
 
 
 @functools.cache

@@ -27,6 +27,7 @@ from .launch import (
     call_signature,
     check_input,
     check_tensor,
+    cached_kernel,
     compile_launcher,
     fake_tensor,
     tvm_ffi_available,
@@ -56,7 +57,7 @@ def _fake_operands(dtype):
             fake_tensor(cutlass.Float32, (t, k), 4))
 
 
-@functools.cache
+@cached_kernel
 def compile_scatter_rows(dtype, scaled: bool, dot: bool, tvm_ffi=True):
     """Compile (once per configuration) and return fn(x, rows, num_kept, out, scale, y, dot_out),
     scale None unless ``scaled``, y and dot_out None unless ``dot``."""
@@ -68,7 +69,7 @@ def compile_scatter_rows(dtype, scaled: bool, dot: bool, tvm_ffi=True):
     return compile_launcher(ScatterRowsSm90(scaled, dot), args, tvm_ffi)
 
 
-@functools.cache
+@cached_kernel
 def compile_gather_sum(dtype, weighted: bool, tvm_ffi=True):
     """Compile (once per configuration) and return fn(src, rows, num_kept, out, weights), weights
     None unless ``weighted``."""

@@ -12,7 +12,7 @@ import functools
 import torch
 
 from . import sm90_unavailable_reason
-from .launch import compile_launcher, fake_tensor, tvm_ffi_available
+from .launch import cached_kernel, compile_launcher, fake_tensor, tvm_ffi_available
 
 
 @functools.cache
@@ -21,7 +21,7 @@ def kernel_available() -> bool:
     return sm90_unavailable_reason() is None and tvm_ffi_available()
 
 
-@functools.cache
+@cached_kernel
 def compile_split_offsets(size_dtype, tvm_ffi=True):
     """Compile (once per size dtype) and return the launcher fn(sizes, offsets, num_rows)."""
     import cutlass

@@ -1,0 +1,291 @@
+"""Compiled kernels kept on disk: one file per kernel binary, loaded by later processes.
+
+Importable without cutlass or a GPU. A kernel-compiling function decorated with `disk_cached`
+first looks for its entry under `cache_dir()`; on a miss it compiles, exports the object file and
+writes the entry atomically (temporary file + rename, so eight processes starting at once never
+read a torn file; a per-entry lock lets one of them compile while the others wait for it).
+
+Loading a binary runs its code, so an entry is read only when
+- the directory is a real directory (not a symlink) owned by this user and not writable by group
+  or others, unless ``TE_FUSED_OPS_KERNEL_CACHE_TRUST=1`` says a shared directory is trusted;
+- the entry is a regular file (opened without following symlinks) with the same owner rules;
+- its header names exactly the key asked for and the SHA-256 recorded there matches the payload.
+Anything else is ignored with a warning and recompiled (and replaced where the directory is ours).
+
+File layout: ``MAGIC``, a 4-byte little-endian header length, a JSON header {"key", "sha256",
+"tvm_ffi", "symbol"}, then the object file (``payload``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import inspect
+import json
+import os
+import pathlib
+import platform
+import stat
+import struct
+import sys
+import tempfile
+import warnings
+from importlib import metadata
+
+from . import env
+
+MAGIC = b"TFOKC1\n"
+_HEADER_LEN = struct.Struct("<I")
+_SOURCE_ROOT = pathlib.Path(__file__).parent
+
+
+def cache_dir() -> pathlib.Path:
+    """``TE_FUSED_OPS_KERNEL_CACHE_DIR``, else ``$XDG_CACHE_HOME/te_fused_ops/kernels``, else
+    ``~/.cache/te_fused_ops/kernels``."""
+    configured = env.read("TE_FUSED_OPS_KERNEL_CACHE_DIR")
+    if configured:
+        return pathlib.Path(configured).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "te_fused_ops" / "kernels"
+
+
+def _unsafe_reason(st: os.stat_result, what: str) -> str | None:
+    """Why a file or directory with stat ``st`` may not be trusted (None: it may)."""
+    if env.read("TE_FUSED_OPS_KERNEL_CACHE_TRUST"):
+        return None
+    if st.st_uid != os.getuid():
+        return f"{what} is owned by uid {st.st_uid}, not this user ({os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{what} is writable by group or others (mode {stat.filemode(st.st_mode)})"
+    return None
+
+
+def directory_unsafe_reason(path: pathlib.Path) -> str | None:
+    """Why the cache directory ``path`` may not be used (None: it may). A missing one is created
+    (mode 0700)."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as e:
+        return f"cannot create or read {path}: {e}"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a directory (symlinks are not followed)"
+    return _unsafe_reason(st, str(path))
+
+
+def _warn(message: str) -> None:
+    warnings.warn(f"te_fused_ops kernel cache: {message}; compiling instead", stacklevel=4)
+
+
+def read_entry(path: pathlib.Path, key: str) -> tuple[dict, bytes] | None:
+    """(header, payload) of the entry at ``path`` if it exists and passes every check above for
+    ``key``; None (with a warning unless the file is simply absent) otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # ELOOP: a symlink
+        _warn(f"{path} not opened ({e.strerror}; symlinks are not followed)")
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        reason = "not a regular file" if not stat.S_ISREG(st.st_mode) else _unsafe_reason(st, str(path))
+        if reason:
+            _warn(reason)
+            return None
+        data = f.read()
+    try:
+        if not data.startswith(MAGIC):
+            raise ValueError("not a kernel cache entry")
+        (length,) = _HEADER_LEN.unpack_from(data, len(MAGIC))
+        start = len(MAGIC) + _HEADER_LEN.size
+        header = json.loads(data[start : start + length])
+        payload = data[start + length :]
+        if header.get("key") != key:
+            raise ValueError("its key differs from the one asked for")
+        if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+            raise ValueError("its content does not match its recorded digest")
+    except (ValueError, struct.error) as e:
+        _warn(f"{path} ignored: {e}")
+        return None
+    return header, payload
+
+
+def write_entry(path: pathlib.Path, key: str, payload: bytes, **fields) -> None:
+    """Write the entry for ``key`` atomically (a complete file appears under ``path`` or none)."""
+    header = json.dumps({"key": key, "sha256": hashlib.sha256(payload).hexdigest(), **fields}).encode()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC + _HEADER_LEN.pack(len(header)) + header + payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _entry_lock(path: pathlib.Path):
+    """An exclusive lock beside entry ``path`` (released when the holder exits or dies); none
+    where it cannot be made (a read-only shared directory)."""
+    try:
+        fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+@functools.cache
+def _build_identity() -> str:
+    """Everything outside a kernel's own arguments that changes its binary: this library's kernel
+    sources, the CuTe DSL and TVM-FFI versions, the Python and host."""
+    digest = hashlib.sha256()
+    for source in sorted((_SOURCE_ROOT / "backends" / "sm90" / "kernels").glob("*.py")):
+        digest.update(source.name.encode() + source.read_bytes())
+    digest.update((_SOURCE_ROOT / "activations.py").read_bytes())
+    versions = []
+    for dist in metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name.startswith("nvidia-cutlass-dsl") or name == "apache-tvm-ffi":
+            versions.append(f"{name}=={dist.version}")
+    return "|".join([digest.hexdigest(), *sorted(versions), f"py{sys.version_info[0]}.{sys.version_info[1]}",
+                     platform.machine()])
+
+
+def _target_arch() -> str:
+    arch = os.environ.get("CUTE_DSL_ARCH", "")
+    if arch:
+        return arch
+    import torch
+
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"sm_{major}{minor}"
+    return "none"
+
+
+def _canonical(value) -> str:
+    """A stable text of a compile argument (torch dtypes, strings, numbers, bools, None, tuples, dicts)."""
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(_canonical(v) for v in value) + ")"
+    if isinstance(value, dict):  # **kernel_opts
+        return "{" + ",".join(f"{k}:{_canonical(v)}" for k, v in sorted(value.items())) + "}"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    import torch
+
+    if isinstance(value, torch.dtype):
+        return str(value)
+    raise TypeError(f"kernel cache: no stable key for a compile argument of type {type(value).__name__}")
+
+
+def entry_key(fn, bound: inspect.BoundArguments) -> str:
+    """The key of ``fn``'s binary for arguments ``bound`` (defaults applied)."""
+    args = ",".join(f"{name}={_canonical(value)}" for name, value in sorted(bound.arguments.items()))
+    return f"{fn.__module__}.{fn.__qualname__}({args})|{_target_arch()}|{_build_identity()}"
+
+
+def _entry_path(directory: pathlib.Path, key: str) -> pathlib.Path:
+    return directory / (hashlib.sha256(key.encode()).hexdigest()[:40] + ".tfok")
+
+
+def enabled() -> bool:
+    return env.read("TE_FUSED_OPS_KERNEL_CACHE")
+
+
+COMPILERS: list = []
+"""Every `DiskCachedCompile` of the process, for `stats`."""
+
+
+def stats() -> dict:
+    """Kernels this process compiled (and wrote, where the cache is on) and loaded from disk."""
+    return {"compiled": sum(c.compiled_here for c in COMPILERS), "loaded": sum(c.loaded_from_disk for c in COMPILERS)}
+
+
+class DiskCachedCompile:
+    """A kernel-compiling function memoized in memory and on disk. ``export(compiled, path,
+    symbol, tvm_ffi)`` writes the object file of a compiled function, ``load(path, symbol, tvm_ffi)`` loads
+    one; ``tvm_ffi_of(bound)`` says which launcher form the arguments ask for."""
+
+    def __init__(self, fn, export, load, tvm_ffi_of):
+        functools.update_wrapper(self, fn)
+        self.fn, self.export, self.load, self.tvm_ffi_of = fn, export, load, tvm_ffi_of
+        self.signature = inspect.signature(fn)
+        self.memo: dict = {}
+        self.loaded_from_disk = 0  # entries this process loaded instead of compiling
+        self.compiled_here = 0
+        COMPILERS.append(self)
+
+    def cache_clear(self) -> None:
+        self.memo.clear()
+
+    def __call__(self, *args, **kwargs):
+        memo_key = (args, tuple(sorted(kwargs.items())))
+        compiled = self.memo.get(memo_key)
+        if compiled is None:
+            compiled = self.memo[memo_key] = self._compile_or_load(args, kwargs)
+        return compiled
+
+    def _compile(self, args, kwargs):
+        self.compiled_here += 1
+        return self.fn(*args, **kwargs)
+
+    def _compile_or_load(self, args, kwargs):
+        if not enabled():
+            return self._compile(args, kwargs)
+        directory = cache_dir()
+        reason = directory_unsafe_reason(directory)
+        if reason:
+            _warn(f"directory not used: {reason}")
+            return self._compile(args, kwargs)
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        tvm_ffi = self.tvm_ffi_of(bound)
+        key = entry_key(self.fn, bound) + f"|tvm_ffi={tvm_ffi}"
+        path = _entry_path(directory, key)
+        symbol = "tfo_" + path.stem[:24]
+        with _entry_lock(path):
+            loaded = self._load(path, key, symbol, tvm_ffi)
+            if loaded is not None:
+                return loaded
+            compiled = self._compile(args, kwargs)
+            try:
+                with tempfile.TemporaryDirectory() as scratch:
+                    obj = pathlib.Path(scratch) / "kernel.o"
+                    self.export(compiled, obj, symbol, tvm_ffi)
+                    write_entry(path, key, obj.read_bytes(), tvm_ffi=tvm_ffi, symbol=symbol)
+            except Exception as e:  # a kernel that cannot be kept still runs
+                warnings.warn(f"te_fused_ops kernel cache: {path} not written ({type(e).__name__}: {e})", stacklevel=3)
+            return compiled
+
+    def _load(self, path, key, symbol, tvm_ffi):
+        entry = read_entry(path, key)
+        if entry is None:
+            return None
+        header, payload = entry
+        # The verified bytes, not the path again: what was checked is what is loaded.
+        with tempfile.TemporaryDirectory() as scratch:  # private (0700)
+            obj = pathlib.Path(scratch) / "kernel.o"
+            obj.write_bytes(payload)
+            try:
+                loaded = self.load(obj, header["symbol"], tvm_ffi)
+            except Exception as e:  # a binary this runtime rejects: recompile
+                _warn(f"{path} not loadable ({type(e).__name__}: {e})")
+                return None
+        self.loaded_from_disk += 1
+        return loaded
+
+
+def disk_cached(export, load, tvm_ffi_of):
+    """Decorator form of `DiskCachedCompile`."""
+    return lambda fn: DiskCachedCompile(fn, export, load, tvm_ffi_of)

@@ -1,0 +1,106 @@
+"""Warm the on-disk kernel cache before a job: ``python -m te_fused_ops.precompile``.
+
+Builds the expert MLP (or, with ``--moe``, the routed layer) for the given shapes and recipes and
+runs one forward and backward of each on random data, on the GPU the job will use, so every kernel
+those steps launch is compiled once and written to the cache (`te_fused_ops.kernel_cache`). Later
+processes, e.g. the ranks of the job, load them instead of compiling. Kernel choices depend on the
+token count, so pass the counts a rank sees (``--tokens`` takes several).
+
+Example (qwen3-30b-a3b experts, bf16 and FP8)::
+
+    python -m te_fused_ops.precompile --experts 128 --hidden 2048 --ffn 768 --tokens 8192 \\
+        --moe --topk 8 --recipe bf16 --recipe fp8_blockwise
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from . import kernel_cache
+from .ops import ClampedSwiGLU, GeGLU, GroupedLinear, Permute, Quantize, ScaledSwiGLU, SReLU, SwiGLU, Transpose, Unpermute
+from .sequential import Sequential
+
+ACTIVATION_OPS = {op.kernel_name: op for op in (SwiGLU, GeGLU, SReLU, ClampedSwiGLU, ScaledSwiGLU)}
+RECIPES = ("bf16", "fp8_blockwise", "fp8_current")
+
+
+def build_layer(args, recipe: str, device) -> Sequential:
+    """The layer a training step of ``args`` runs under ``recipe`` (bf16, or FP8 casts before both
+    linears, FC2's input with its column-wise copy)."""
+    act_op = ACTIVATION_OPS[args.activation]
+    fc1_out = 2 * args.ffn if act_op is not SReLU else args.ffn
+    kw = dict(device=device, dtype=args.dtype)
+    fc1 = GroupedLinear(args.experts, args.hidden, fc1_out, **kw)
+    fc2 = GroupedLinear(args.experts, args.ffn, args.hidden, **kw)
+    ops = [fc1, act_op(), fc2]
+    if recipe != "bf16":
+        ops = [Quantize(recipe), fc1, act_op(), Quantize(recipe), Transpose(), fc2]
+    if args.moe:
+        ops = [Permute(args.experts), *ops, Unpermute()]
+    return Sequential(*ops)
+
+
+def run_step(layer: Sequential, args, tokens: int, device) -> dict:
+    """One forward and backward of ``layer`` on ``tokens`` random tokens (random routing); the
+    output and every gradient, by name."""
+    x = torch.randn(tokens, args.hidden, device=device, dtype=args.dtype, requires_grad=True)
+    if args.moe:
+        indices = torch.randint(0, args.experts, (tokens, args.topk), device=device)
+        side = {"indices": indices, "probs": torch.rand(tokens, args.topk, device=device)}
+    else:
+        side = {"split_sizes": torch.full((args.experts,), tokens // args.experts, device=device)}
+        if args.activation == "scaled_swiglu":
+            side["probs"] = torch.rand(tokens, device=device)
+    out = layer(x, **side)
+    out.float().square().mean().backward()
+    torch.cuda.synchronize(device)
+    grads = {f"grad {name}": p.grad for name, p in layer.named_parameters()}
+    return {"out": out.detach(), "grad x": x.grad, **grads}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m te_fused_ops.precompile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experts", type=int, required=True, help="experts (groups) on this rank")
+    parser.add_argument("--hidden", type=int, required=True, help="model width H")
+    parser.add_argument("--ffn", type=int, required=True, help="expert width I (FC1 makes 2I for a GLU)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192], help="tokens per step (several allowed)")
+    parser.add_argument("--activation", default="swiglu", choices=sorted(ACTIVATION_OPS))
+    parser.add_argument("--recipe", action="append", choices=RECIPES, help="bf16 (default) or an FP8 recipe; repeatable")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--moe", action="store_true", help="the routed layer: Permute .. Unpermute around the MLP")
+    parser.add_argument("--topk", type=int, default=8, help="slots per token with --moe")
+    args = parser.parse_args(argv)
+    args.dtype = getattr(torch, args.dtype)
+    args.recipe = args.recipe or ["bf16"]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("te_fused_ops.precompile: needs the GPU the job runs on (the kernels are built for it)")
+    device = torch.device("cuda", torch.cuda.current_device())
+    directory = kernel_cache.cache_dir()
+    reason = kernel_cache.directory_unsafe_reason(directory)
+    if reason:
+        raise SystemExit(f"te_fused_ops.precompile: cache directory not usable: {reason}")
+    if not kernel_cache.enabled():
+        raise SystemExit("te_fused_ops.precompile: TE_FUSED_OPS_KERNEL_CACHE=0 turns the cache off")
+    started = time.perf_counter()
+    for recipe in args.recipe:
+        layer = build_layer(args, recipe, device)
+        for tokens in args.tokens:
+            step_start = time.perf_counter()
+            run_step(layer, args, tokens, device)
+            print(f"{recipe:14s} tokens {tokens:6d}: {time.perf_counter() - step_start:6.1f} s", flush=True)
+    stats = kernel_cache.stats()
+    print(f"kernel cache {directory}: {stats['compiled']} compiled and written, {stats['loaded']} already there; "
+          f"{time.perf_counter() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,231 @@
+"""The on-disk kernel cache: entries are loaded only from a trusted directory, only when their
+digest matches, never through a symlink; writes are atomic under concurrent writers; a compiled
+kernel is loaded back instead of recompiled (CPU: compiled for sm_90a, loaded, not launched)."""
+
+import importlib.util
+import multiprocessing
+import os
+import pathlib
+import warnings
+
+import pytest
+
+from te_fused_ops import kernel_cache
+
+KEY = "test.kernel(dtype=torch.bfloat16)|sm_90a|build"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    directory = tmp_path / "kernels"
+    monkeypatch.setenv("TE_FUSED_OPS_KERNEL_CACHE", "1")
+    monkeypatch.setenv("TE_FUSED_OPS_KERNEL_CACHE_DIR", str(directory))
+    monkeypatch.delenv("TE_FUSED_OPS_KERNEL_CACHE_TRUST", raising=False)
+    assert kernel_cache.directory_unsafe_reason(directory) is None  # created, mode 0700
+    assert oct(os.stat(directory).st_mode & 0o777) == "0o700"
+    return directory
+
+
+def _entry(directory, payload=b"\x7fELF object bytes" * 100, key=KEY):
+    path = directory / "entry.tfok"
+    kernel_cache.write_entry(path, key, payload, tvm_ffi=False, symbol="tfo_x")
+    return path, payload
+
+
+def test_entry_round_trip(cache):
+    path, payload = _entry(cache)
+    header, read = kernel_cache.read_entry(path, KEY)
+    assert read == payload and header["symbol"] == "tfo_x" and header["tvm_ffi"] is False
+    assert kernel_cache.read_entry(cache / "absent.tfok", KEY) is None
+
+
+def test_changed_byte_is_not_loaded(cache):
+    path, payload = _entry(cache)
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="does not match its recorded digest"):
+        assert kernel_cache.read_entry(path, KEY) is None
+
+
+def test_truncated_or_foreign_file_is_not_loaded(cache):
+    path, _ = _entry(cache)
+    path.write_bytes(path.read_bytes()[:20])
+    with pytest.warns(UserWarning, match="ignored"):
+        assert kernel_cache.read_entry(path, KEY) is None
+    path.write_bytes(b"#!/bin/sh\nrm -rf ~\n")
+    with pytest.warns(UserWarning, match="not a kernel cache entry"):
+        assert kernel_cache.read_entry(path, KEY) is None
+
+
+def test_entry_for_another_key_is_not_loaded(cache):
+    path, _ = _entry(cache)
+    with pytest.warns(UserWarning, match="key differs"):
+        assert kernel_cache.read_entry(path, KEY + "|other") is None
+
+
+def test_symlinked_entry_is_not_followed(cache, tmp_path):
+    target, _ = _entry(tmp_path)  # a valid entry elsewhere
+    link = cache / "linked.tfok"
+    link.symlink_to(target)
+    with pytest.warns(UserWarning, match="symlinks are not followed"):
+        assert kernel_cache.read_entry(link, KEY) is None
+
+
+def test_world_writable_directory_or_entry_is_refused(cache, monkeypatch):
+    path, payload = _entry(cache)
+    os.chmod(path, 0o666)
+    with pytest.warns(UserWarning, match="writable by group or others"):
+        assert kernel_cache.read_entry(path, KEY) is None
+    os.chmod(path, 0o600)
+    os.chmod(cache, 0o777)
+    assert "writable by group or others" in kernel_cache.directory_unsafe_reason(cache)
+    monkeypatch.setenv("TE_FUSED_OPS_KERNEL_CACHE_TRUST", "1")  # a shared directory, trusted explicitly
+    assert kernel_cache.directory_unsafe_reason(cache) is None
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="digest"):  # the digest is checked either way
+        assert kernel_cache.read_entry(path, KEY) is None
+
+
+def test_symlinked_directory_is_refused(cache, tmp_path):
+    link = tmp_path / "link"
+    link.symlink_to(cache, target_is_directory=True)
+    assert "not a directory" in kernel_cache.directory_unsafe_reason(link)
+
+
+def _hammer(path, payload_byte, rounds):
+    for _ in range(rounds):
+        kernel_cache.write_entry(pathlib.Path(path), KEY, bytes([payload_byte]) * 300_000, tvm_ffi=False, symbol="s")
+
+
+def test_concurrent_writers_never_leave_a_torn_entry(cache):
+    """Eight processes replace one entry over and over while this one reads it: every read is
+    absent or whole (one writer's payload), never a mix."""
+    path = cache / "shared.tfok"
+    context = multiprocessing.get_context("fork")
+    writers = [context.Process(target=_hammer, args=(str(path), b, 15)) for b in range(8)]
+    for w in writers:
+        w.start()
+    seen = set()
+    while any(w.is_alive() for w in writers):
+        entry = kernel_cache.read_entry(path, KEY)
+        if entry is not None:
+            payload = entry[1]
+            assert len(payload) == 300_000 and payload == payload[:1] * len(payload)
+            seen.add(payload[0])
+    for w in writers:
+        w.join()
+        assert w.exitcode == 0
+    assert kernel_cache.read_entry(path, KEY) is not None
+    assert not [p for p in os.listdir(cache) if p.endswith(".tmp")]
+
+
+def test_compile_arguments_need_a_stable_key():
+    with pytest.raises(TypeError, match="no stable key"):
+        kernel_cache._canonical(object())
+    import torch
+
+    assert kernel_cache._canonical((torch.bfloat16, 2, "nk", None, True)) == "(torch.bfloat16,2,'nk',None,True)"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed")
+def test_compiled_kernel_is_loaded_back_not_recompiled(cache, monkeypatch):
+    """Compile for sm_90a, write the entry, load it back as a new process would; a corrupted entry
+    is recompiled and replaced; the key changes with the target architecture."""
+    import torch
+
+    from te_fused_ops.backends.sm90.kernels.split_offsets import compile_split_offsets
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    compile_split_offsets.cache_clear()
+    start = compile_split_offsets.loaded_from_disk
+    compiled = compile_split_offsets(torch.int64, tvm_ffi=False)
+    assert compile_split_offsets(torch.int64, tvm_ffi=False) is compiled  # in memory
+    (entry,) = cache.glob("*.tfok")
+    compile_split_offsets.cache_clear()  # as a fresh process
+    loaded = compile_split_offsets(torch.int64, tvm_ffi=False)
+    assert loaded is not compiled and callable(loaded)
+    assert compile_split_offsets.loaded_from_disk == start + 1
+
+    data = bytearray(entry.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    entry.write_bytes(bytes(data))
+    compile_split_offsets.cache_clear()
+    with pytest.warns(UserWarning, match="digest"):
+        compile_split_offsets(torch.int64, tvm_ffi=False)
+    assert compile_split_offsets.loaded_from_disk == start + 1  # recompiled
+    compile_split_offsets.cache_clear()
+    compile_split_offsets(torch.int64, tvm_ffi=False)  # the rewritten entry loads
+    assert compile_split_offsets.loaded_from_disk == start + 2
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    bound = compile_split_offsets.signature.bind(torch.int64, tvm_ffi=False)
+    other = kernel_cache.entry_key(compile_split_offsets.fn, bound)
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    assert kernel_cache.entry_key(compile_split_offsets.fn, bound) != other
+    compile_split_offsets.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("classic", [False, True], ids=["tvm_ffi", "classic"])
+def test_loaded_kernel_launches_and_matches(cache, monkeypatch, classic):
+    """A kernel loaded from its entry launches and computes what the compiled one did (both
+    launcher forms), and the float64 reference."""
+    import torch
+
+    from te_fused_ops.backends.sm90.kernels import grouped_wgrad, launch
+
+    if classic:
+        monkeypatch.setattr(grouped_wgrad, "tvm_ffi_available", lambda: False)
+    elif not launch.tvm_ffi_available():
+        pytest.skip("TVM-FFI not installed")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    splits = [200, 0, 777, 64, 300]
+    dy = torch.randn(sum(splits), 384, device="cuda", dtype=torch.bfloat16, generator=gen)
+    x = torch.randn(sum(splits), 264, device="cuda", dtype=torch.bfloat16, generator=gen)
+    offsets = torch.tensor([0, *torch.tensor(splits).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    start = grouped_wgrad.compile_grouped_wgrad.loaded_from_disk
+    results = []
+    warnings.simplefilter("error", UserWarning)  # a kernel not written or not loadable fails here
+    for _ in range(2):  # compile and write, then load as a fresh process would
+        monkeypatch.setattr(grouped_wgrad, "_LAUNCHERS", {})
+        monkeypatch.setattr(grouped_wgrad, "_MEMO", launch.LaunchMemo())
+        grouped_wgrad.compile_grouped_wgrad.cache_clear()
+        out = torch.full((len(splits), 384, 264), float("nan"), device="cuda", dtype=torch.bfloat16)
+        results.append(grouped_wgrad.grouped_wgrad_sm90(dy, x, offsets, out=out))
+    assert grouped_wgrad.compile_grouped_wgrad.loaded_from_disk == start + 1
+    assert torch.equal(results[0], results[1])
+    for g, (lo, hi) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        ref = dy[lo:hi].double().T @ x[lo:hi].double()
+        torch.testing.assert_close(results[1][g].double(), ref, rtol=2e-2, atol=2e-1)
+    grouped_wgrad.compile_grouped_wgrad.cache_clear()
+
+
+def test_precompile_needs_a_gpu_and_builds_the_layers(monkeypatch):
+    import torch
+
+    from te_fused_ops import GroupedLinear, Permute, Quantize, SwiGLU, Transpose, Unpermute, precompile
+
+    args = precompile.parse_args("--experts 4 --hidden 64 --ffn 32 --moe --topk 2 --recipe fp8_blockwise".split())
+    layer = precompile.build_layer(args, args.recipe[0], torch.device("cpu"))
+    assert [type(op) for op in layer] == [Permute, Quantize, GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear,
+                                          Unpermute]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs the GPU the job runs on"):
+        precompile.main("--experts 4 --hidden 64 --ffn 32".split())
+
+
+@pytest.mark.gpu
+def test_precompile_fills_the_cache_for_the_next_process(cache):
+    """The second run of the command finds every kernel of the layer on disk."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "te_fused_ops.precompile", "--experts", "4", "--hidden", "256", "--ffn", "128",
+               "--tokens", "512", "--moe", "--topk", "2", "--activation", "scaled_swiglu"]
+    first = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600).stdout
+    second = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600).stdout
+    assert " 0 already there" in first and "compiled and written" in first
+    assert ": 0 compiled and written" in second and " 0 already there" not in second
