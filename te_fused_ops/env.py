@@ -93,6 +93,13 @@ SWITCHES = {
             "the kernel cache directory once and loaded by later processes",
         ),
         Switch(
+            "TE_FUSED_OPS_AUTOTUNE", _flag, lambda: _FLAG_VALUES, False, "0",
+            "1 times the launch configurations of an sm90 GEMM kernel the first time a problem class "
+            "(kernel, dtype, groups, N, K, rows to a power of two) runs, keeps the fastest whose results "
+            "equal the default's bit for bit, and stores it beside the cached kernels (a host sync, "
+            "once per class); stored choices are used without it",
+        ),
+        Switch(
             "TE_FUSED_OPS_KERNEL_CACHE_DIR", _path, lambda: "a directory path", None,
             "`$XDG_CACHE_HOME/te_fused_ops/kernels`, else `~/.cache/te_fused_ops/kernels`",
             "where compiled kernels are kept; it must be owned by you and not writable by group or "

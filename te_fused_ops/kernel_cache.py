@@ -51,7 +51,7 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "te_fused_ops" / "kernels"
 
 
-def _unsafe_reason(st: os.stat_result, what: str) -> str | None:
+def file_unsafe_reason(st: os.stat_result, what: str) -> str | None:
     """Why a file or directory with stat ``st`` may not be trusted (None: it may)."""
     if env.read("TE_FUSED_OPS_KERNEL_CACHE_TRUST"):
         return None
@@ -72,7 +72,7 @@ def directory_unsafe_reason(path: pathlib.Path) -> str | None:
         return f"cannot create or read {path}: {e}"
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         return f"{path} is not a directory (symlinks are not followed)"
-    return _unsafe_reason(st, str(path))
+    return file_unsafe_reason(st, str(path))
 
 
 def _warn(message: str) -> None:
@@ -91,7 +91,7 @@ def read_entry(path: pathlib.Path, key: str) -> tuple[dict, bytes] | None:
         return None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
-        reason = "not a regular file" if not stat.S_ISREG(st.st_mode) else _unsafe_reason(st, str(path))
+        reason = "not a regular file" if not stat.S_ISREG(st.st_mode) else file_unsafe_reason(st, str(path))
         if reason:
             _warn(reason)
             return None
@@ -130,7 +130,7 @@ def write_entry(path: pathlib.Path, key: str, payload: bytes, **fields) -> None:
 
 
 @contextlib.contextmanager
-def _entry_lock(path: pathlib.Path):
+def entry_lock(path: pathlib.Path):
     """An exclusive lock beside entry ``path`` (released when the holder exits or dies); none
     where it cannot be made (a read-only shared directory)."""
     try:
@@ -146,7 +146,7 @@ def _entry_lock(path: pathlib.Path):
 
 
 @functools.cache
-def _build_identity() -> str:
+def build_identity() -> str:
     """Everything outside a kernel's own arguments that changes its binary: this library's kernel
     sources, the CuTe DSL and TVM-FFI versions, the Python and host."""
     digest = hashlib.sha256()
@@ -192,7 +192,7 @@ def _canonical(value) -> str:
 def entry_key(fn, bound: inspect.BoundArguments) -> str:
     """The key of ``fn``'s binary for arguments ``bound`` (defaults applied)."""
     args = ",".join(f"{name}={_canonical(value)}" for name, value in sorted(bound.arguments.items()))
-    return f"{fn.__module__}.{fn.__qualname__}({args})|{_target_arch()}|{_build_identity()}"
+    return f"{fn.__module__}.{fn.__qualname__}({args})|{_target_arch()}|{build_identity()}"
 
 
 def _entry_path(directory: pathlib.Path, key: str) -> pathlib.Path:
@@ -254,7 +254,7 @@ class DiskCachedCompile:
         key = entry_key(self.fn, bound) + f"|tvm_ffi={tvm_ffi}"
         path = _entry_path(directory, key)
         symbol = "tfo_" + path.stem[:24]
-        with _entry_lock(path):
+        with entry_lock(path):
             loaded = self._load(path, key, symbol, tvm_ffi)
             if loaded is not None:
                 return loaded

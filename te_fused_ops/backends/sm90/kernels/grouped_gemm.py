@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from . import sm90_unavailable_reason
+from . import sm90_unavailable_reason, tuning
 from ....activations import ACTIVATIONS, GLU_N_MULTIPLE, activation_constants, activation_spec
 from .block_quantize import BlockColumns
 from .grouped_wgrad import FP8_MAX_GROUPS  # the FP8 kernels' group scan in shared memory
@@ -453,7 +453,22 @@ def grouped_gemm_sm90(
     )
     args = (x, weight, offsets, bias, activation, probs, out, act_out, weight_layout, tile_n, cluster_m, sm_margin,
             act_amax)
-    launch = _MEMO.get(key) or _MEMO.put(key, _forward_launch(*args))
+    launch = _MEMO.get(key)
+    if launch is None:
+        launch = _forward_launch(*args)
+        if tile_n is None and cluster_m is None and launch[0] is not None:
+            n = weight.shape[1] if weight_layout == "nk" else weight.shape[2]
+            config = tuning.tuned_config(
+                _FWD, (x.dtype, weight.shape[0], n, x.shape[1], tuning.rows_bucket(x.shape[0]), activation,
+                       weight_layout, bias is not None),
+                lambda t, c: grouped_gemm_sm90(x, weight, offsets, bias=bias, activation=activation, probs=probs,
+                                               weight_layout=weight_layout, tile_n=t, cluster_m=c,
+                                               sm_margin=sm_margin, act_amax=act_amax, **constants),
+                choose_config(x.shape[0], n, weight.shape[0], num_sms(x.get_device())))
+            if config is not None:
+                args = (*args[:9], *config, *args[11:])
+                launch = _forward_launch(*args)
+        _MEMO.put(key, launch)
     fn, pre_shape, act_shape, clusters, num_parts = launch
     pre = out if out is not None else x.new_empty(pre_shape)
     act = act_out if act_out is not None or act_shape is None else x.new_empty(act_shape)
@@ -740,7 +755,22 @@ def grouped_dgrad_dact_sm90(
         _DACT, activation, tile_n, cluster_m, sm_margin, epilogue_warps,
     )
     args = (dy, weight, offsets, pre, activation, probs, out, act_out, tile_n, cluster_m, sm_margin, epilogue_warps)
-    launch = _MEMO.get(key) or _MEMO.put(key, _dact_launch(*args))
+    launch = _MEMO.get(key)
+    if launch is None:
+        launch = _dact_launch(*args)
+        if tile_n is None and cluster_m is None and launch[0] is not None:
+            i = weight.shape[2]
+            config = tuning.tuned_config(
+                _DACT, (dy.dtype, weight.shape[0], i, dy.shape[1], tuning.rows_bucket(dy.shape[0]), activation,
+                        epilogue_warps),
+                lambda t, c: grouped_dgrad_dact_sm90(dy, weight, offsets, pre, activation=activation, probs=probs,
+                                                     sm_margin=sm_margin, tile_n=t, cluster_m=c,
+                                                     epilogue_warps=epilogue_warps, **constants),
+                choose_config(dy.shape[0], i, weight.shape[0], num_sms(dy.get_device())))
+            if config is not None:
+                args = (*args[:8], *config, *args[10:])
+                launch = _dact_launch(*args)
+        _MEMO.put(key, launch)
     fn, act_shape, partial_shape, clusters = launch
     d_pre = out if out is not None else torch.empty_like(pre)
     act = act_out if act_out is not None else dy.new_empty(act_shape)

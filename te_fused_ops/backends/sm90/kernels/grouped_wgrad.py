@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from . import sm90_unavailable_reason
+from . import sm90_unavailable_reason, tuning
 from .launch import (
     DTYPES,
     LaunchMemo,
@@ -112,7 +112,20 @@ def grouped_wgrad_sm90(
         tile_n, cluster_m, sm_margin,
     )
     args = (dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m)
-    launch = _MEMO.get(key) or _MEMO.put(key, _launch(*args))
+    launch = _MEMO.get(key)
+    if launch is None:
+        launch = _launch(*args)
+        if tile_n is None and cluster_m is None and launch[0] is not None:
+            g, n, k = launch[1]
+            config = tuning.tuned_config(
+                _NAME, (dy.dtype, g, n, k, tuning.rows_bucket(dy.shape[0]), main_grad is not None),
+                lambda t, c: grouped_wgrad_sm90(dy, x, offsets, sm_margin=sm_margin, tile_n=t, cluster_m=c,
+                                                main_grad=None if main_grad is None else main_grad.clone()),
+                choose_config(n, k, max(1, num_sms(dy.get_device()) - (sm_margin or 0))))
+            if config is not None:
+                args = (*args[:6], *config)
+                launch = _launch(*args)
+        _MEMO.put(key, launch)
     fn, shape, max_ctas = launch
     result = main_grad if main_grad is not None else out if out is not None else dy.new_empty(shape)
     if fn is None:  # no rows (every group is empty) or no output

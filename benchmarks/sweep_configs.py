@@ -1,0 +1,114 @@
+"""Each sm90 kernel of the bf16 training step under every (tile_n, cluster_m), on shapes chosen to
+cover the problem classes (fine-grained: many experts, I 512-1536; coarse: few experts, I 8k-16k;
+sizes not multiples of 128), against the configuration the wrappers choose by themselves.
+
+Per shape and kernel: every configuration's output must equal the default's bit for bit (a
+configuration changes the tiling, never the order of the K sum); then each is timed
+(`common.sustained_ms`, short windows, forward then reversed order after a warm-up pass) and the
+table reports the default's time over the best one's. Data: ``$OUT/sweep_configs_<gpu>.json``.
+
+    python benchmarks/sweep_configs.py [--shapes name,...] [--out DIR]
+"""
+
+import argparse
+import json
+import os
+import sys
+
+from common import require_sm90
+
+if __name__ == "__main__":
+    require_sm90(__file__)
+
+import torch
+from bench_train_step import CONFIGS, step_kernels
+from common import device_tag, skewed_splits, sustained_ms
+
+from te_fused_ops import GroupedLinear, Sequential, SwiGLU
+
+SWEEP_SHAPES = {  # name: (M routed rows, H, I, E); classes: fine / coarse / unaligned
+    "fine qwen3 E128 I768": (65536, 2048, 768, 128),
+    "fine E256 I512": (32768, 2048, 512, 256),
+    "fine E64 I1408": (32768, 2048, 1408, 64),
+    "fine E128 I1536 small": (16384, 4096, 1536, 128),
+    "mid dsv3 E32 I2048": (32768, 7168, 2048, 32),
+    "unaligned gptoss E32 H2880": (32768, 2880, 2880, 32),
+    "unaligned E16 H2880 I1408": (16384, 2880, 1408, 16),
+    "coarse mixtral E8 I14336": (32768, 4096, 14336, 8),
+    "coarse E16 I8192": (16384, 6144, 8192, 16),
+}
+
+
+def auto_config(name, m, h, i, e):
+    """(tile_n, cluster_m) the wrappers choose for kernel ``name`` of this shape."""
+    from te_fused_ops.backends.sm90.kernels import grouped_gemm, grouped_wgrad
+    from te_fused_ops.backends.sm90.kernels.launch import num_sms
+
+    sms = num_sms(torch.cuda.current_device())
+    if "wgrad" in name:
+        n, k = (h, i) if name.startswith("FC2") else (2 * i, h)
+        return grouped_wgrad.choose_config(n, k, sms)
+    n = {"FC1 fwd + SwiGLU": 2 * i, "FC2 fwd": h, "FC2 dgrad + dSwiGLU": i, "FC1 dgrad": h}[name]
+    return grouped_gemm.choose_config(m, n, e, sms)
+
+
+def time_configs(fns: dict) -> dict:
+    times = {label: [] for label in fns}
+    for fn in fns.values():
+        sustained_ms(fn, 0.1, 0.05)
+    for order in (list(fns), list(fns)[::-1]):
+        for label in order:
+            times[label].append(sustained_ms(fns[label], 0.05, 0.1) * 1e3)
+    return {label: min(v) for label, v in times.items()}
+
+
+def first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default=",".join(SWEEP_SHAPES))
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    results = {}
+    for shape in args.shapes.split(","):
+        m, h, i, e = SWEEP_SHAPES[shape]
+        torch.manual_seed(0)
+        splits = skewed_splits(m, e, 0, align=8).cuda()
+        offsets = torch.nn.functional.pad(splits.cumsum(0), (1, 0)).to(torch.int32)
+        mlp = Sequential(GroupedLinear(e, h, 2 * i, dtype=torch.bfloat16, device="cuda"), SwiGLU(),
+                         GroupedLinear(e, i, h, dtype=torch.bfloat16, device="cuda"))
+        x = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
+        dy = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
+        results[shape] = {}
+        for kernel, fn in step_kernels(mlp, offsets, x, dy).items():
+            auto = tuple(auto_config(kernel, m, h, i, e))
+            reference = first(fn()).clone()
+            fns, equal = {}, {}
+            for tile_n, cluster_m in CONFIGS:
+                label = f"{tile_n}x{cluster_m}"
+                run = (lambda fn=fn, t=tile_n, c=cluster_m: fn(tile_n=t, cluster_m=c))
+                equal[label] = bool(torch.equal(first(run()), reference))
+                fns[label] = run
+            times = time_configs(fns)
+            best = min(times, key=times.get)
+            auto_label = f"{auto[0]}x{auto[1]}"
+            results[shape][kernel] = {"us": times, "auto": auto_label, "best": best, "equal": equal,
+                                      "auto_over_best": times[auto_label] / times[best]}
+            print(f"{shape:28s} {kernel:20s} " + " ".join(f"{k} {v:7.0f}" for k, v in times.items())
+                  + f"  auto {auto_label} best {best} {times[auto_label] / times[best]:.3f}"
+                  + ("" if all(equal.values()) else f"  NOT EQUAL {equal}"), flush=True)
+        del mlp, x, dy
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"sweep_configs_{device_tag(torch.cuda.get_device_name())}.json")
+    with open(path, "w") as f:
+        json.dump({"configs": [f"{t}x{c}" for t, c in CONFIGS], "shapes": SWEEP_SHAPES, "results": results}, f, indent=1)
+    worst = max((r["auto_over_best"], s, k) for s, rs in results.items() for k, r in rs.items())
+    print(f"worst default/best: {worst[0]:.3f} ({worst[1]}, {worst[2]})")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

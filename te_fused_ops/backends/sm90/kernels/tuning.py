@@ -1,0 +1,144 @@
+"""Per-shape launch configurations: tuned winners kept on disk, and the opt-in autotuner.
+
+Importable without cutlass. A wrapper asks `tuned_config(family, problem, run)` once per argument
+signature (on a launch-memo miss, never per call). It returns a stored (tile_n, cluster_m) for
+the problem class, or None (the wrapper's heuristic then decides). With
+``TE_FUSED_OPS_AUTOTUNE=1`` an unknown class is tuned on the spot: ``run(tile_n, cluster_m)``
+launches every candidate on the caller's operands into fresh outputs; a candidate whose outputs
+differ from the heuristic's by a single bit is discarded; the fastest remaining one is stored
+(a host sync, once per class; skipped while a CUDA graph is being captured).
+
+The table lives beside the compiled kernels (`kernel_cache.cache_dir()`, the same trust checks)
+in ``tuned_configs.json``: {problem key: [tile_n, cluster_m]}. Keys name the GPU and a digest of
+the kernel sources, so a new build or another GPU tunes again. A value that is not a candidate is
+ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import stat
+import tempfile
+import warnings
+
+import torch
+
+from .... import env, kernel_cache
+
+CANDIDATES = ((128, 1), (128, 2), (256, 1), (256, 2))  # (tile_n, cluster_m) of the bf16 GEMM kernels
+TABLE_NAME = "tuned_configs.json"
+_REPEATS = 10
+_table: dict | None = None  # loaded on first use
+_table_path: pathlib.Path | None = None
+
+
+def rows_bucket(m: int) -> int:
+    """The problem class's row count: M rounded up to a power of two."""
+    return 1 << max(0, (m - 1).bit_length())
+
+
+def problem_key(family: str, *dims) -> str:
+    """The table key of ``family`` on ``dims`` (dtype, group count, N, K, rows bucket, epilogue)
+    for this GPU and these kernel sources."""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    build = hashlib.sha256(kernel_cache.build_identity().encode()).hexdigest()[:12]
+    return f"{family}|{'|'.join(map(str, dims))}|{device}|{build}"
+
+
+def _path() -> pathlib.Path:
+    return kernel_cache.cache_dir() / TABLE_NAME
+
+
+def _read_table() -> dict:
+    """The stored table, or {} when there is none or it fails the trust checks (with a warning)."""
+    path = _path()
+    if not kernel_cache.enabled() or kernel_cache.directory_unsafe_reason(path.parent):
+        return {}
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        warnings.warn(f"te_fused_ops tuned configs: {path} not read ({e.strerror})", stacklevel=4)
+        return {}
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or kernel_cache.file_unsafe_reason(st, str(path)):
+            warnings.warn(f"te_fused_ops tuned configs: {path} not trusted, ignored", stacklevel=4)
+            return {}
+        try:
+            table = json.load(f)
+        except ValueError:
+            warnings.warn(f"te_fused_ops tuned configs: {path} is not JSON, ignored", stacklevel=4)
+            return {}
+    return {k: tuple(v) for k, v in table.items() if isinstance(v, list) and tuple(v) in CANDIDATES} \
+        if isinstance(table, dict) else {}
+
+
+def table() -> dict:
+    """key -> (tile_n, cluster_m), read from disk on first use (again after the cache directory
+    changes)."""
+    global _table, _table_path
+    if _table is None or _table_path != _path():
+        _table, _table_path = _read_table(), _path()
+    return _table
+
+
+def _store(key: str, config: tuple) -> None:
+    """Add ``key`` to the table in memory and on disk (merged with what other processes wrote)."""
+    table()[key] = config
+    path = _path()
+    if not kernel_cache.enabled() or kernel_cache.directory_unsafe_reason(path.parent):
+        return
+    with kernel_cache.entry_lock(path):  # read, merge and replace as one step among processes
+        merged = {**_read_table(), key: config}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TABLE_NAME + ".", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({k: list(v) for k, v in sorted(merged.items())}, f, indent=0)
+        os.replace(tmp, path)
+
+
+def _median_ms(fn) -> float:
+    for _ in range(3):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(_REPEATS)]
+    for begin, end in events:
+        begin.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return sorted(b.elapsed_time(e) for b, e in events)[_REPEATS // 2]
+
+
+def _outputs(result) -> list:
+    items = result if isinstance(result, tuple) else (result,)
+    return [t for t in items if isinstance(t, torch.Tensor)]
+
+
+def tune(run, default: tuple) -> tuple:
+    """The fastest candidate whose outputs equal ``default``'s bit for bit."""
+    reference = _outputs(run(*default))
+    times = {}
+    for config in CANDIDATES:
+        outputs = _outputs(run(*config))
+        if len(outputs) == len(reference) and all(torch.equal(a, b) for a, b in zip(outputs, reference)):
+            times[config] = _median_ms(lambda config=config: run(*config))
+    return min(times, key=times.get) if times else default
+
+
+def tuned_config(family: str, dims: tuple, run, default: tuple):
+    """(tile_n, cluster_m) stored for this problem class, else tuned now under
+    ``TE_FUSED_OPS_AUTOTUNE=1`` (``default``: the heuristic's choice, the reference outputs), else
+    None."""
+    key = problem_key(family, *dims)
+    config = table().get(key)
+    if config is not None or not env.read("TE_FUSED_OPS_AUTOTUNE", family):
+        return config
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return None
+    config = tune(run, default)
+    _store(key, config)
+    return config

@@ -1,0 +1,125 @@
+"""Per-shape launch configurations: the autotuner keeps only candidates whose outputs equal the
+default's bit for bit, stores the winner beside the cached kernels, and later lookups (and
+processes) use it; a table that fails the trust checks or names a non-candidate is ignored."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from te_fused_ops.backends.sm90.kernels import tuning
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    directory = tmp_path / "kernels"
+    monkeypatch.setenv("TE_FUSED_OPS_KERNEL_CACHE", "1")
+    monkeypatch.setenv("TE_FUSED_OPS_KERNEL_CACHE_DIR", str(directory))
+    monkeypatch.delenv("TE_FUSED_OPS_KERNEL_CACHE_TRUST", raising=False)
+    monkeypatch.delenv("TE_FUSED_OPS_AUTOTUNE", raising=False)
+    monkeypatch.setattr(tuning, "_table", None)
+    directory.mkdir(mode=0o700)
+    return directory
+
+
+def fake_run(wrong=(), calls=None):
+    """A kernel whose output is the same for every config except those in ``wrong``."""
+    def run(tile_n, cluster_m):
+        if calls is not None:
+            calls.append((tile_n, cluster_m))
+        value = 1.0 if (tile_n, cluster_m) in wrong else 0.0
+        return torch.full((4,), value), None
+    return run
+
+
+def test_tune_keeps_the_fastest_equal_candidate(monkeypatch):
+    times = {(128, 1): 3.0, (128, 2): 1.0, (256, 1): 2.0, (256, 2): 4.0}
+    timed = []
+    monkeypatch.setattr(tuning, "_median_ms", lambda fn: timed.append(1) or times[fn.__defaults__[0]])
+    assert tuning.tune(fake_run(), (256, 2)) == (128, 2)
+    assert tuning.tune(fake_run(wrong={(128, 2)}), (256, 2)) == (256, 1)  # the fastest differs by a bit
+    assert tuning.tune(fake_run(wrong={(128, 1), (128, 2), (256, 1)}), (256, 2)) == (256, 2)
+
+
+def test_stored_choice_is_used_and_survives_the_process(cache, monkeypatch):
+    monkeypatch.setattr(tuning, "_median_ms", lambda fn: {(128, 1): 1.0}.get(fn.__defaults__[0], 2.0))
+    dims = (torch.bfloat16, 8, 512, 256, 4096, "swiglu")
+    calls = []
+    assert tuning.tuned_config("fwd", dims, fake_run(calls=calls), (256, 2)) is None  # not autotuning: heuristic
+    assert not calls
+    monkeypatch.setenv("TE_FUSED_OPS_AUTOTUNE", "1")
+    assert tuning.tuned_config("fwd", dims, fake_run(calls=calls), (256, 2)) == (128, 1)
+    assert calls  # tuned on the spot
+    stored = json.loads((cache / tuning.TABLE_NAME).read_text())
+    assert list(stored.values()) == [[128, 1]]
+    monkeypatch.setenv("TE_FUSED_OPS_AUTOTUNE", "0")
+    monkeypatch.setattr(tuning, "_table", None)  # as a new process
+    calls.clear()
+    assert tuning.tuned_config("fwd", dims, fake_run(calls=calls), (256, 2)) == (128, 1)
+    assert not calls
+    other = (torch.bfloat16, 8, 512, 256, 8192, "swiglu")  # another row bucket: another class
+    assert tuning.tuned_config("fwd", other, fake_run(), (256, 2)) is None
+
+
+def test_untrusted_or_bad_table_is_ignored(cache, monkeypatch):
+    dims = (torch.bfloat16, 8, 512, 256, 4096, None)
+    key = tuning.problem_key("fwd", *dims)
+    path = cache / tuning.TABLE_NAME
+    path.write_text(json.dumps({key: [128, 1]}))
+    os.chmod(path, 0o600)
+    assert tuning.table() == {key: (128, 1)}
+    path.write_text(json.dumps({key: [96, 3]}))  # not a candidate
+    monkeypatch.setattr(tuning, "_table", None)
+    assert tuning.table() == {}
+    path.write_text(json.dumps({key: [128, 1]}))
+    os.chmod(path, 0o666)
+    monkeypatch.setattr(tuning, "_table", None)
+    with pytest.warns(UserWarning, match="not trusted"):
+        assert tuning.table() == {}
+    os.chmod(path, 0o600)
+    path.write_text("{not json")
+    monkeypatch.setattr(tuning, "_table", None)
+    with pytest.warns(UserWarning, match="not JSON"):
+        assert tuning.table() == {}
+
+
+def test_rows_bucket():
+    assert [tuning.rows_bucket(m) for m in (1, 2, 3, 1000, 1024, 1025)] == [1, 2, 4, 1024, 1024, 2048]
+
+
+@pytest.mark.gpu
+def test_autotuned_kernels_equal_the_default(cache, monkeypatch):
+    """Forward, dgrad + dAct and wgrad tuned on the spot: results bit-equal to the heuristic's, one
+    table entry per class, and a later lookup launches the stored choice without tuning."""
+    from te_fused_ops.backends.sm90.kernels import grouped_gemm, grouped_wgrad
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm90 kernels need a Hopper GPU")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    g, h, i, m = 8, 512, 384, 3000
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    dy = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w1 = torch.randn(g, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=gen) / h**0.5
+    w2 = torch.randn(g, h, i, device="cuda", dtype=torch.bfloat16, generator=gen) / i**0.5
+    offsets = torch.tensor([0, 100, 100, 900, 1300, 2000, 2100, 2900, 2950], device="cuda", dtype=torch.int32)
+
+    def step():
+        pre, act = grouped_gemm.grouped_gemm_sm90(x, w1, offsets, activation="swiglu")
+        d_pre, act2, _ = grouped_gemm.grouped_dgrad_dact_sm90(dy, w2, offsets, pre, activation="swiglu")
+        return [pre, act, d_pre, act2, grouped_wgrad.grouped_wgrad_sm90(dy, act2, offsets)]
+
+    default = step()
+    monkeypatch.setenv("TE_FUSED_OPS_AUTOTUNE", "1")
+    monkeypatch.setattr(grouped_gemm, "_MEMO", grouped_gemm.LaunchMemo())
+    monkeypatch.setattr(grouped_wgrad, "_MEMO", grouped_wgrad.LaunchMemo())
+    tuned = step()
+    assert all(torch.equal(a, b) for a, b in zip(default, tuned))
+    stored = json.loads((cache / tuning.TABLE_NAME).read_text())
+    assert len(stored) == 3 and {k.split("|")[0] for k in stored} == {
+        "grouped_gemm_sm90", "grouped_dgrad_dact_sm90", "grouped_wgrad_sm90"}
+    monkeypatch.setattr(tuning, "tune", lambda *a: pytest.fail("tuned twice"))
+    monkeypatch.setattr(tuning, "_table", None)
+    monkeypatch.setattr(grouped_gemm, "_MEMO", grouped_gemm.LaunchMemo())
+    monkeypatch.setattr(grouped_wgrad, "_MEMO", grouped_wgrad.LaunchMemo())
+    assert all(torch.equal(a, b) for a, b in zip(default, step()))
