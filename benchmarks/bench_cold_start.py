@@ -16,6 +16,11 @@ import sys
 import tempfile
 import time
 
+from common import require_sm90
+
+if __name__ == "__main__":  # one line, exit 2, on other machines
+    require_sm90(__file__)
+
 CASES = {  # name: precompile arguments (one rank's layer)
     "qwen3 mlp bf16": "--experts 128 --hidden 2048 --ffn 768 --tokens 65536",
     "qwen3 mlp fp8": "--experts 128 --hidden 2048 --ffn 768 --tokens 65536 --recipe fp8_blockwise",
