@@ -78,8 +78,19 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def shape_of(name):
+    """(M, H, I, E) of a named shape or of ``MxHxIxE`` (any sizes, e.g. ``32768x2880x1408x16``)."""
+    if name in SHAPES:
+        return SHAPES[name]
+    try:
+        m, h, i, e = (int(v) for v in name.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--shapes: {name!r} is neither one of {', '.join(SHAPES)} nor MxHxIxE") from None
+    return m, h, i, e
+
+
 def problem(name):
-    m, h, i, e = SHAPES[name]
+    m, h, i, e = shape_of(name)
     torch.manual_seed(0)
     splits = skewed_splits(m, e, align=8).cuda()
     offsets = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
@@ -243,7 +254,7 @@ def is_gemm_kernel(name: str) -> bool:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names or MxHxIxE sizes")
     ap.add_argument("--out", default=None, help="folder for the JSON/markdown result (default: print only)")
     ap.add_argument("--profile", action="store_true", help="also print the kernel breakdown of one fused step")
     ap.add_argument("--sweep", action="store_true", help="only time each sm90 kernel per tile config")
@@ -252,7 +263,7 @@ def main():
     device = torch.cuda.get_device_name()
     results = []
     for name in args.shapes.split(","):
-        m, h, i, e = SHAPES[name]
+        m, h, i, e = shape_of(name)
         print(f"[{name}] M={m} H={h} I={i} E={e} ...", flush=True)
         mlp, splits, offsets, x, dy = problem(name)
         if args.ncu:

@@ -31,6 +31,7 @@ import stat
 import struct
 import sys
 import tempfile
+import time
 import warnings
 from importlib import metadata
 
@@ -168,9 +169,9 @@ def _target_arch() -> str:
         return arch
     import torch
 
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # what the DSL targets here: Hopper's arch-specific "a" variant
         major, minor = torch.cuda.get_device_capability()
-        return f"sm_{major}{minor}"
+        return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
     return "none"
 
 
@@ -208,8 +209,13 @@ COMPILERS: list = []
 
 
 def stats() -> dict:
-    """Kernels this process compiled (and wrote, where the cache is on) and loaded from disk."""
-    return {"compiled": sum(c.compiled_here for c in COMPILERS), "loaded": sum(c.loaded_from_disk for c in COMPILERS)}
+    """Kernels this process compiled (and wrote, where the cache is on) and loaded from disk, and
+    the seconds each took."""
+    totals = {"compiled": 0, "loaded": 0, "compile s": 0.0, "write s": 0.0, "load s": 0.0}
+    for c in COMPILERS:
+        for name, value in (("compiled", c.compiled_here), ("loaded", c.loaded_from_disk), *c.seconds.items()):
+            totals[name] += value
+    return totals
 
 
 class DiskCachedCompile:
@@ -224,6 +230,7 @@ class DiskCachedCompile:
         self.memo: dict = {}
         self.loaded_from_disk = 0  # entries this process loaded instead of compiling
         self.compiled_here = 0
+        self.seconds = {"compile s": 0.0, "write s": 0.0, "load s": 0.0}
         COMPILERS.append(self)
 
     def cache_clear(self) -> None:
@@ -238,7 +245,11 @@ class DiskCachedCompile:
 
     def _compile(self, args, kwargs):
         self.compiled_here += 1
-        return self.fn(*args, **kwargs)
+        started = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds["compile s"] += time.perf_counter() - started
 
     def _compile_or_load(self, args, kwargs):
         if not enabled():
@@ -255,20 +266,29 @@ class DiskCachedCompile:
         path = _entry_path(directory, key)
         symbol = "tfo_" + path.stem[:24]
         with entry_lock(path):
-            loaded = self._load(path, key, symbol, tvm_ffi)
+            loaded = self._load(path, key, tvm_ffi)
             if loaded is not None:
                 return loaded
             compiled = self._compile(args, kwargs)
+            started = time.perf_counter()
             try:
                 with tempfile.TemporaryDirectory() as scratch:
                     obj = pathlib.Path(scratch) / "kernel.o"
                     self.export(compiled, obj, symbol, tvm_ffi)
                     write_entry(path, key, obj.read_bytes(), tvm_ffi=tvm_ffi, symbol=symbol)
+                self.seconds["write s"] += time.perf_counter() - started
             except Exception as e:  # a kernel that cannot be kept still runs
                 warnings.warn(f"te_fused_ops kernel cache: {path} not written ({type(e).__name__}: {e})", stacklevel=3)
             return compiled
 
-    def _load(self, path, key, symbol, tvm_ffi):
+    def _load(self, path, key, tvm_ffi):
+        started = time.perf_counter()
+        try:
+            return self._load_verified(path, key, tvm_ffi)
+        finally:
+            self.seconds["load s"] += time.perf_counter() - started
+
+    def _load_verified(self, path, key, tvm_ffi):
         entry = read_entry(path, key)
         if entry is None:
             return None

@@ -98,7 +98,8 @@ def main(argv=None) -> int:
             print(f"{recipe:14s} tokens {tokens:6d}: {time.perf_counter() - step_start:6.1f} s", flush=True)
     stats = kernel_cache.stats()
     print(f"kernel cache {directory}: {stats['compiled']} compiled and written, {stats['loaded']} already there; "
-          f"{time.perf_counter() - started:.1f} s")
+          f"{time.perf_counter() - started:.1f} s (compiling {stats['compile s']:.1f}, writing {stats['write s']:.1f}, "
+          f"loading {stats['load s']:.1f})")
     return 0
 
 
