@@ -39,7 +39,7 @@ from .ops import (
     Transpose,
     Unpermute,
 )
-from .quantization import reuse_quantized_weights
+from .quantization import cast_weights_once_per_step, reuse_quantized_weights
 from .sequential import Sequential
 from .splits import validation
 
@@ -66,6 +66,7 @@ __all__ = [
     "Transpose",
     "Unpermute",
     "backend_names",
+    "cast_weights_once_per_step",
     "fusion_rule",
     "get_rule",
     "list_backends",

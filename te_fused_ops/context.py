@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 from torch import nn
 
-from .quantization import current_reuse_scope
+from .quantization import current_reuse_scope, step_scope_of
 
 _owners: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
 _uids = itertools.count()
@@ -115,8 +115,9 @@ class OpContext:
     main_grads:           parameter name -> fp32 buffer the backward accumulates that gradient
                           into instead of returning it (an output, so not a saved tensor)
     forward_rule:         name of the fusion rule whose forward ran this op, or None (error hints)
-    reuse_scope:          the `reuse_quantized_weights` scope open when the forward ran (or None):
-                          both passes make or reuse weight copies in it
+    reuse_scope:          the `reuse_quantized_weights` scope open when the forward ran, else the
+                          op's `cast_weights_once_per_step` scope (or None): both passes make or
+                          reuse weight copies in it
     """
 
     def __init__(self, op, index: int, input_requires_grad: bool, params_require_grad: bool):
@@ -137,7 +138,7 @@ class OpContext:
         self.output_format = None
         self.main_grads: dict = {}
         self.forward_rule = None
-        self.reuse_scope = current_reuse_scope()
+        self.reuse_scope = current_reuse_scope() or step_scope_of(op)
 
     def save_input(self, x) -> None:
         """Keep the op's input for the backward, lazily when its producer can recompute it."""

@@ -62,6 +62,7 @@ as 0, the others are clamped to ``[0, M]`` and made nondecreasing (running max).
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
@@ -624,6 +625,73 @@ def current_reuse_scope():
     return getattr(_reuse, "scope", None)
 
 
+_step_scopes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its StepCasts' scope
+
+
+def step_scope_of(op):
+    """The `ReuseScope` of the `cast_weights_once_per_step` that ``op`` belongs to, or None."""
+    return _step_scopes.get(op)
+
+
+class StepCasts:
+    """What `cast_weights_once_per_step` returns: ``remove()`` (or leaving its ``with`` block)
+    detaches it (hooks removed, copies dropped, the modules cast on every call again)."""
+
+    def __init__(self, optimizer, model):
+        self.scope = ReuseScope()
+        self.modules = list(model.modules())
+        taken = [m for m in self.modules if m in _step_scopes]
+        if taken:
+            raise ValueError(f"cast_weights_once_per_step: {type(taken[0]).__name__} already belongs to another "
+                             f"cast_weights_once_per_step (remove() it first)")
+        for module in self.modules:
+            _step_scopes[module] = self.scope
+        drop = lambda *args: self.drop()  # noqa: E731
+        self._hooks = [optimizer.register_step_pre_hook(drop), optimizer.register_step_post_hook(drop)]
+
+    def drop(self) -> None:
+        """Drop the copies kept (the next forward casts again)."""
+        self.scope.copies.clear()
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        for module in self.modules:
+            if _step_scopes.get(module) is self.scope:
+                del _step_scopes[module]
+        self.drop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+
+def cast_weights_once_per_step(optimizer, model) -> StepCasts:
+    """Quantize each weight of ``model`` once per optimizer step: its forwards reuse the copies
+    made since ``optimizer``'s last step (in the backward too), and ``optimizer.step()`` drops them
+    (before and after it runs). The gradient-accumulation loop needs no other change:
+
+        casts = te_fused_ops.cast_weights_once_per_step(optimizer, model)   # once
+        for step in range(steps):
+            for micro_batch in micro_batches:
+                model(micro_batch, split_sizes=s).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    A copy is keyed on the weight tensor (address, shape, dtype), its version counter and the
+    recipe: a write through the parameter (``load_state_dict``, ``p.copy_(...)``, any in-place op)
+    or a new tensor (``p.data = t``, FSDP2's all-gathered weights, a parametrization) gets a fresh
+    copy. Not seen: in-place writes through ``p.data`` outside ``optimizer.step()``
+    (``p.data.mul_(...)`` bumps no version counter): call ``casts.drop()`` after such a write.
+    Other models (a copy of ``model`` too) are not affected. The copies of one step stay alive until
+    the next: an FP8 copy of each weight, plus its transposed copy where the data gradient reads one.
+    """
+    return StepCasts(optimizer, model)
+
+
 @contextmanager
 def reuse_quantized_weights():
     """Opt-in scope in which each weight is quantized once and the copy reused until it closes.
@@ -660,7 +728,11 @@ def reuse_or_make(weight: torch.Tensor, recipe, kind: str, make, scope):
     copies = None if scope is None else scope.copies
     if copies is None:
         return make()
-    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, recipe, kind)
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference tensor: no version counter to key on
+        return make()
+    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, version, recipe, kind)
     if key not in copies:
         copies[key] = (weight, make())  # the weight is kept so its address cannot be reused
     return copies[key][1]

@@ -266,6 +266,23 @@ def test_sm90_fp8_weight_copies_are_made_once_per_reuse_scope(monkeypatch):
     for a, b in zip(reused, fresh):
         for u, v in zip(a, b):
             assert torch.equal(u, v)
+    made.clear()
+    optimizer = torch.optim.AdamW(seq.parameters(), lr=1e-3, fused=True)
+    with tfo.cast_weights_once_per_step(optimizer, seq):  # the same, kept until the optimizer step
+        per_step = micro_batches()
+        assert made == ["block_quantize_sm90 transposed"] * 2, made
+        for p in seq.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        stepped = fresh_copy(seq)
+        x = batches[0].clone()
+        before = len(made)
+        y = seq(x, split_sizes=split_sizes)
+        assert len(made) == before + 2  # the step dropped the copies: both weights cast again
+        assert torch.equal(y, stepped(x, split_sizes=split_sizes))
+    for a, b in zip(per_step, fresh):
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
 
 
 @pytest.mark.parametrize("recipe", [Float8BlockScaling(), Float8BlockScaling(power_2_scales=True)])

@@ -325,6 +325,64 @@ def test_reuse_quantized_weights_is_an_explicit_scope():
     assert torch.equal(after, fresh_copy(seq)(x, split_sizes=SPLITS))
 
 
+def _count_weight_casts(monkeypatch) -> list:
+    import te_fused_ops.quantization as quantization
+
+    casts, real = [], quantization.quantize_weight
+    monkeypatch.setattr(quantization, "quantize_weight", lambda w, recipe, **kw: casts.append(w.shape) or real(w, recipe, **kw))
+    return casts
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_weights_cast_once_per_optimizer_step(fused, monkeypatch):
+    """Gradient accumulation with `cast_weights_once_per_step`: FC1's FP8 weight is cast once per
+    optimizer step (not per micro-batch, not again in the data gradient), and every output and
+    gradient equals a fresh model's that casts on every call, after every (fused) AdamW step."""
+    casts = _count_weight_casts(monkeypatch)
+    seq = mlp()
+    opt = torch.optim.AdamW(seq.parameters(), lr=1e-2, fused=fused, foreach=None if fused else False)
+    with tfo.cast_weights_once_per_step(opt, seq):
+        for step in range(3):
+            fresh = fresh_copy(seq)
+            casts.clear()
+            for micro_batch in range(3):
+                x = batch(10 * step + micro_batch).requires_grad_(True)
+                x_fresh = x.detach().clone().requires_grad_(True)
+                y = seq(x, split_sizes=SPLITS)
+                y.square().mean().backward()
+                expected = fresh(x_fresh, split_sizes=SPLITS)
+                expected.square().mean().backward()
+                assert torch.equal(y, expected), f"stale weights at step {step}"
+                assert torch.equal(x.grad, x_fresh.grad)
+                for p, q in zip(seq.parameters(), fresh.parameters()):
+                    assert torch.equal(p.grad, q.grad)
+            assert len(casts) == 1 + 2 * 3  # this model: one a step; the fresh copy: in each forward and dgrad
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    casts.clear()
+    seq(batch(0), split_sizes=SPLITS)
+    seq(batch(0), split_sizes=SPLITS)
+    assert len(casts) == 2  # detached: a cast per call again
+
+
+def test_step_casts_see_writes_through_the_parameter_and_new_tensors():
+    seq = mlp()
+    x = batch(1)
+    with tfo.cast_weights_once_per_step(torch.optim.SGD(seq.parameters(), lr=0.1), seq) as casts:
+        seq(x, split_sizes=SPLITS)
+        seq.load_state_dict(mlp(seed=5).state_dict())  # copies in place: the version counter moves
+        assert torch.equal(seq(x, split_sizes=SPLITS), fresh_copy(seq)(x, split_sizes=SPLITS))
+        with torch.no_grad():
+            seq[1].weight.mul_(0.5)
+        assert torch.equal(seq(x, split_sizes=SPLITS), fresh_copy(seq)(x, split_sizes=SPLITS))
+        seq[1].weight.data = seq[1].weight.data * 2  # a new tensor
+        assert torch.equal(seq(x, split_sizes=SPLITS), fresh_copy(seq)(x, split_sizes=SPLITS))
+        seq[1].weight.data.mul_(3)  # through .data: no version bump, not seen (documented) ...
+        assert not torch.equal(seq(x, split_sizes=SPLITS), fresh_copy(seq)(x, split_sizes=SPLITS))
+        casts.drop()  # ... until the copies are dropped
+        assert torch.equal(seq(x, split_sizes=SPLITS), fresh_copy(seq)(x, split_sizes=SPLITS))
+
+
 def test_reuse_scope_reaches_the_backward_on_autograd_thread(monkeypatch):
     """Autograd runs a CUDA graph's backward on a thread of its own, where the forward thread's
     scope is not open: the copies a forward made in the scope are reused by its backward (run here
