@@ -3,7 +3,9 @@ library on one machine, each in its own process, against the same yardstick.
 
 Per shape (`common.MODEL_SHAPES`, `common.mlp_problem`): the step (gradients set to None, forward,
 backward) of the bf16 `Sequential(GroupedLinear, SwiGLU, GroupedLinear)`, the FC2-FP8 and the
-all-FP8 (`fp8_blockwise`) chains, and plain torch (`bench_train_step.ReferenceMLP`); each output
+all-FP8 (`fp8_blockwise`) chains, the all-FP8 chain with its weights cast once per optimizer step of
+4 micro-batches (`cast_weights_once_per_step`; the average micro-batch), and plain torch
+(`bench_train_step.ReferenceMLP`); each output
 and gradient checked against plain torch first (max relative Frobenius error printed); times are
 `common.sustained_ms` medians in rotated order. Prints per shape the step us and plain torch / step.
 
@@ -13,6 +15,7 @@ and gradient checked against plain torch first (max relative Frobenius error pri
 """
 
 import argparse
+import copy
 import json
 import sys
 
@@ -34,6 +37,7 @@ def main():
     import te_fused_ops
     from bench_train_step import ReferenceMLP
     from common import MODEL_SHAPES, mlp_problem, rotated_medians, sustained_ms
+    import te_fused_ops as tfo
     from te_fused_ops import Quantize, Sequential, SwiGLU, Transpose
 
     print("te_fused_ops from", te_fused_ops.__file__, flush=True)
@@ -48,18 +52,33 @@ def main():
             "all fp8": Sequential(Quantize("fp8_blockwise"), fc1, SwiGLU(), *fc2_fp8),
             "plain torch": lambda x, split_sizes: ReferenceMLP.apply(x, fc1.weight, fc2.weight, ends),
         }
-        leaves = [x, fc1.weight, fc2.weight]
+        leaves = {label: [x, fc1.weight, fc2.weight] for label in models}
+        # all FP8 with its weights cast once per optimizer step of 4 micro-batches: its own copies of
+        # the two linears (the step casts would otherwise reach the other variants' modules too)
+        fc1_own, fc2_own = copy.deepcopy(fc1), copy.deepcopy(fc2)
+        own = Sequential(Quantize("fp8_blockwise"), fc1_own, SwiGLU(), Quantize("fp8_blockwise"), Transpose(), fc2_own)
+        casts = tfo.cast_weights_once_per_step(torch.optim.SGD(own.parameters(), lr=0.0), own)
+        calls = [0]
 
-        def step(model):
-            for t in leaves:
+        def one_of_four_micro_batches(x, split_sizes, own=own, casts=casts, calls=calls):
+            calls[0] += 1
+            if calls[0] % 4 == 0:
+                casts.drop()  # what the optimizer step does every 4 micro-batches
+            return own(x, split_sizes=split_sizes)
+
+        models["all fp8, 4 micro-batches a step"] = one_of_four_micro_batches
+        leaves["all fp8, 4 micro-batches a step"] = [x, fc1_own.weight, fc2_own.weight]
+
+        def step(label):
+            for t in leaves[label]:
                 t.grad = None
-            model(x, split_sizes=splits).backward(dy)
-            return [t.grad.float() for t in leaves]
+            models[label](x, split_sizes=splits).backward(dy)
+            return [t.grad.float() for t in leaves[label]]
 
-        want = step(models["plain torch"])
-        errors = {label: max(((a - b).norm() / b.norm()).item() for a, b in zip(step(m), want))
-                  for label, m in models.items()}
-        us = rotated_medians({label: (lambda m=m: step(m)) for label, m in models.items()},
+        want = step("plain torch")
+        errors = {label: max(((a - b).norm() / b.norm()).item() for a, b in zip(step(label), want))
+                  for label in models}
+        us = rotated_medians({label: (lambda label=label: step(label)) for label in models},
                              lambda fn: sustained_ms(fn, 0.25, 0.25) * 1e3)
         ratios = {label: us["plain torch"] / t for label, t in us.items()}
         results[name] = {"us": us, "plain_torch_over_step": ratios, "max_rel_err_vs_plain": errors}
