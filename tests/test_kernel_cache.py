@@ -160,6 +160,15 @@ def test_compiled_kernel_is_loaded_back_not_recompiled(cache, monkeypatch):
     compile_split_offsets(torch.int64, tvm_ffi=False)  # the rewritten entry loads
     assert compile_split_offsets.loaded_from_disk == start + 2
 
+    # another library or DSL version: another key, so the entry is not read and a new one written
+    monkeypatch.setattr(kernel_cache, "build_identity", lambda: "another build")
+    compile_split_offsets.cache_clear()
+    compile_split_offsets(torch.int64, tvm_ffi=False)
+    assert compile_split_offsets.loaded_from_disk == start + 2 and len(list(cache.glob("*.tfok"))) == 2
+    monkeypatch.undo()
+    monkeypatch.setenv("TE_FUSED_OPS_KERNEL_CACHE", "1")
+    monkeypatch.setenv("TE_FUSED_OPS_KERNEL_CACHE_DIR", str(cache))
+
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
     bound = compile_split_offsets.signature.bind(torch.int64, tvm_ffi=False)
     other = kernel_cache.entry_key(compile_split_offsets.fn, bound)
