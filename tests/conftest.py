@@ -17,3 +17,15 @@ def pytest_collection_modifyitems(config, items):
 # Tests compile what they test: no compiled kernel is read from (or written to) the user's cache;
 # tests/test_kernel_cache.py turns it on in a temporary directory.
 os.environ["TE_FUSED_OPS_KERNEL_CACHE"] = "0"
+
+
+@pytest.fixture
+def kernel_cache_dir(tmp_path, monkeypatch):
+    """An empty kernel cache directory (mode 0700), in use for the test; autotuning off."""
+    directory = tmp_path / "kernels"
+    directory.mkdir(mode=0o700)
+    monkeypatch.setenv("TE_FUSED_OPS_KERNEL_CACHE", "1")
+    monkeypatch.setenv("TE_FUSED_OPS_KERNEL_CACHE_DIR", str(directory))
+    monkeypatch.delenv("TE_FUSED_OPS_KERNEL_CACHE_TRUST", raising=False)
+    monkeypatch.delenv("TE_FUSED_OPS_AUTOTUNE", raising=False)
+    return directory

@@ -16,14 +16,14 @@ KEY = "test.kernel(dtype=torch.bfloat16)|sm_90a|build"
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    directory = tmp_path / "kernels"
-    monkeypatch.setenv("TE_FUSED_OPS_KERNEL_CACHE", "1")
-    monkeypatch.setenv("TE_FUSED_OPS_KERNEL_CACHE_DIR", str(directory))
-    monkeypatch.delenv("TE_FUSED_OPS_KERNEL_CACHE_TRUST", raising=False)
-    assert kernel_cache.directory_unsafe_reason(directory) is None  # created, mode 0700
+def cache(kernel_cache_dir):
+    return kernel_cache_dir
+
+
+def test_missing_directory_is_created_private(tmp_path):
+    directory = tmp_path / "a" / "kernels"
+    assert kernel_cache.directory_unsafe_reason(directory) is None
     assert oct(os.stat(directory).st_mode & 0o777) == "0o700"
-    return directory
 
 
 def _entry(directory, payload=b"\x7fELF object bytes" * 100, key=KEY):

@@ -12,15 +12,9 @@ from te_fused_ops.backends.sm90.kernels import tuning
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    directory = tmp_path / "kernels"
-    monkeypatch.setenv("TE_FUSED_OPS_KERNEL_CACHE", "1")
-    monkeypatch.setenv("TE_FUSED_OPS_KERNEL_CACHE_DIR", str(directory))
-    monkeypatch.delenv("TE_FUSED_OPS_KERNEL_CACHE_TRUST", raising=False)
-    monkeypatch.delenv("TE_FUSED_OPS_AUTOTUNE", raising=False)
+def cache(kernel_cache_dir, monkeypatch):
     monkeypatch.setattr(tuning, "_table", None)
-    directory.mkdir(mode=0o700)
-    return directory
+    return kernel_cache_dir
 
 
 def fake_run(wrong=(), calls=None):
