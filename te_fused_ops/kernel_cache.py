@@ -104,6 +104,8 @@ def read_entry(path: pathlib.Path, key: str) -> tuple[dict, bytes] | None:
         start = len(MAGIC) + _HEADER_LEN.size
         header = json.loads(data[start : start + length])
         payload = data[start + length :]
+        if not isinstance(header, dict) or not isinstance(header.get("symbol"), str):
+            raise ValueError("its header is not one of this library's")
         if header.get("key") != key:
             raise ValueError("its key differs from the one asked for")
         if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
