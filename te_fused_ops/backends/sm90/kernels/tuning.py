@@ -96,9 +96,13 @@ def _store(key: str, config: tuple) -> None:
     with kernel_cache.entry_lock(path):  # read, merge and replace as one step among processes
         merged = {**_read_table(), key: config}
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TABLE_NAME + ".", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({k: list(v) for k, v in sorted(merged.items())}, f, indent=0)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({k: list(v) for k, v in sorted(merged.items())}, f, indent=0)
+            os.replace(tmp, path)
+        except OSError as e:  # the choice still holds in this process
+            os.unlink(tmp)
+            warnings.warn(f"te_fused_ops tuned configs: {path} not written ({e})", stacklevel=4)
 
 
 def _median_ms(fn) -> float:
