@@ -26,7 +26,6 @@ extents symbolic.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch

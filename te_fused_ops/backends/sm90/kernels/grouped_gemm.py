@@ -19,7 +19,6 @@ layout; nothing is repacked.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 

@@ -12,7 +12,6 @@ launch argument, so margins share one compiled kernel. The launch depends on ten
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
