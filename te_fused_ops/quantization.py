@@ -724,9 +724,11 @@ def reuse_quantized_weights():
 
 def reuse_or_make(weight: torch.Tensor, recipe, kind: str, make, scope):
     """``make()`` (a copy derived from ``weight``), or while ``scope`` (a `ReuseScope` or None) is
-    open the one made earlier in it for the same weight, recipe and ``kind`` of copy."""
+    open the one made earlier in it for the same weight, recipe and ``kind`` of copy. Never while a
+    CUDA graph is being captured: a graph replays whatever it captured, so a reused copy would be
+    read as it was at capture time after every later optimizer step; the graph casts each replay."""
     copies = None if scope is None else scope.copies
-    if copies is None:
+    if copies is None or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return make()
     try:
         version = weight._version

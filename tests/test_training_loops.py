@@ -383,6 +383,25 @@ def test_step_casts_see_writes_through_the_parameter_and_new_tensors():
         assert torch.equal(seq(x, split_sizes=SPLITS), fresh_copy(seq)(x, split_sizes=SPLITS))
 
 
+def test_no_weight_copy_is_reused_or_kept_inside_a_cuda_graph_capture(monkeypatch):
+    """A captured graph replays its reads of a reused copy as captured: during a capture every
+    weight is cast afresh (in the graph) and nothing is stored for later calls."""
+    casts = _count_weight_casts(monkeypatch)
+    seq = mlp()
+    x = batch(4)
+    with tfo.cast_weights_once_per_step(torch.optim.SGD(seq.parameters(), lr=0.1), seq):
+        seq(x, split_sizes=SPLITS)
+        assert len(casts) == 1
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        seq(x, split_sizes=SPLITS)
+        seq(x, split_sizes=SPLITS)
+        assert len(casts) == 3  # cast in each "captured" call, the copy made before not read
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        seq(x, split_sizes=SPLITS)
+        assert len(casts) == 3  # the copy from before the capture, nothing new kept during it
+
+
 def test_reuse_scope_reaches_the_backward_on_autograd_thread(monkeypatch):
     """Autograd runs a CUDA graph's backward on a thread of its own, where the forward thread's
     scope is not open: the copies a forward made in the scope are reused by its backward (run here
