@@ -148,6 +148,12 @@ def entry_lock(path: pathlib.Path):
         os.close(fd)
 
 
+_COMPILER_DISTRIBUTIONS = (  # what builds and loads the binaries besides this library
+    "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core",
+    "nvidia-cutlass-dsl-libs-cu12", "nvidia-cutlass-dsl-libs-cu13", "apache-tvm-ffi",
+)
+
+
 @functools.cache
 def build_identity() -> str:
     """Everything outside a kernel's own arguments that changes its binary: this library's kernel
@@ -157,11 +163,12 @@ def build_identity() -> str:
         digest.update(source.name.encode() + source.read_bytes())
     digest.update((_SOURCE_ROOT / "activations.py").read_bytes())
     versions = []
-    for dist in metadata.distributions():
-        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
-        if name.startswith("nvidia-cutlass-dsl") or name == "apache-tvm-ffi":
-            versions.append(f"{name}=={dist.version}")
-    return "|".join([digest.hexdigest(), *sorted(versions), f"py{sys.version_info[0]}.{sys.version_info[1]}",
+    for name in _COMPILER_DISTRIBUTIONS:
+        try:
+            versions.append(f"{name}=={metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            continue
+    return "|".join([digest.hexdigest(), *versions, f"py{sys.version_info[0]}.{sys.version_info[1]}",
                      platform.machine()])
 
 
