@@ -3,6 +3,7 @@ digest matches, never through a symlink; writes are atomic under concurrent writ
 kernel is loaded back instead of recompiled (CPU: compiled for sm_90a, loaded, not launched)."""
 
 import importlib.util
+import json
 import multiprocessing
 import os
 import pathlib
@@ -242,3 +243,74 @@ def test_precompile_fills_the_cache_for_the_next_process(cache):
     second = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600).stdout
     assert " 0 already there" in first and "compiled and written" in first
     assert ": 0 compiled and written" in second and " 0 already there" not in second
+
+
+class _StandIn:
+    """A compile-only stand-in for a kernel-compiling function: ``compile(n, scale=1)`` returns a
+    launcher object; ``export`` writes its bytes, ``load`` rebuilds it from them."""
+
+    def __init__(self, fail_export=False, fail_load=False):
+        self.compiles, self.loads = 0, 0
+        self.fail_export, self.fail_load = fail_export, fail_load
+
+    def compile(self, n, scale=1, tvm_ffi=None):
+        self.compiles += 1
+        return ("launcher", n * scale)
+
+    def export(self, compiled, path, symbol, tvm_ffi):
+        if self.fail_export:
+            raise RuntimeError("exporter broke")
+        path.write_bytes(json.dumps([symbol, compiled[1]]).encode())
+
+    def load(self, path, symbol, tvm_ffi):
+        if self.fail_load:
+            raise RuntimeError("loader broke")
+        self.loads += 1
+        stored_symbol, value = json.loads(path.read_bytes())
+        assert stored_symbol == symbol
+        return ("launcher", value)
+
+
+def _cached(stand_in):
+    compile_fn = stand_in.compile
+
+    def stand_in_compile(n, scale=1, tvm_ffi=None):
+        return compile_fn(n, scale, tvm_ffi)
+
+    return kernel_cache.DiskCachedCompile(stand_in_compile, stand_in.export, stand_in.load, lambda bound: False)
+
+
+def test_stand_in_compile_is_written_once_and_loaded_after(cache):
+    stand_in = _StandIn()
+    cached = _cached(stand_in)
+    assert cached(3, scale=2) == ("launcher", 6) and stand_in.compiles == 1
+    assert cached(3, scale=2) == ("launcher", 6) and stand_in.compiles == 1  # memory
+    cached.cache_clear()
+    assert cached(3, 2) == ("launcher", 6)  # positional or keyword: one entry
+    assert (stand_in.compiles, stand_in.loads) == (1, 1) and len(list(cache.glob("*.tfok"))) == 1
+    assert cached(4) == ("launcher", 4) and stand_in.compiles == 2  # other arguments: another entry
+    assert kernel_cache.stats()["loaded"] >= 1
+
+
+def test_a_kernel_that_cannot_be_kept_or_loaded_still_runs(cache, monkeypatch):
+    broken = _StandIn(fail_export=True)
+    cached = _cached(broken)
+    with pytest.warns(UserWarning, match="not written .*exporter broke"):
+        assert cached(5) == ("launcher", 5)
+    assert not list(cache.glob("*.tfok"))
+    _cached(_StandIn())(6)  # writes the entry (every `_cached` function has the same key)
+    unloadable = _StandIn(fail_load=True)
+    cached = _cached(unloadable)
+    with pytest.warns(UserWarning, match="not loadable .*loader broke"):
+        assert cached(6) == ("launcher", 6)
+    assert unloadable.compiles == 1
+
+
+def test_cache_off_compiles_in_every_process(cache, monkeypatch):
+    monkeypatch.setenv("TE_FUSED_OPS_KERNEL_CACHE", "0")
+    stand_in = _StandIn()
+    cached = _cached(stand_in)
+    cached(7)
+    cached.cache_clear()
+    cached(7)
+    assert stand_in.compiles == 2 and not list(cache.glob("*.tfok"))
