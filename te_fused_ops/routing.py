@@ -108,3 +108,70 @@ def slots_to_rows(slot_values: torch.Tensor, routing: Routing) -> torch.Tensor:
     """(T, k) per-slot values -> (M,) per-row values (padding rows: 0)."""
     rows = slot_values.reshape(-1)[routing.row_slots]
     return rows * routing.kept_rows().squeeze(1).to(rows.dtype)
+
+
+@dataclass(frozen=True)
+class ExpertParallelRouting(Routing):
+    """The routing of a `Permute` with ``group=`` (experts split evenly over the group's W ranks,
+    C send rows per destination rank). The `Routing` fields describe the W * C rows this rank
+    received (one slot each, grouped by local expert; unused rows are dropped slots); the others
+    map this rank's T tokens to its W * C send rows (rows d * C .. d * C + C - 1 go to rank d).
+
+    send_slots:  (W * C,) int64, the slot t * k + j each send row carries; T * k for an unused row
+    dropped:     () int64, this rank's slots past their destination's capacity
+    tokens, slots_per_token: T and k
+    group:       the process group
+    """
+
+    send_slots: torch.Tensor
+    dropped: torch.Tensor
+    tokens: int
+    slots_per_token: int
+    group: object
+
+    def send_tokens(self) -> torch.Tensor:
+        """(W * C,) int64: the token of each send row (T for an unused row)."""
+        return self.send_slots // self.slots_per_token
+
+
+def all_to_all(t: torch.Tensor, group) -> torch.Tensor:
+    """(W * C, ...) -> (W * C, ...): chunk d goes to rank d, chunk s of the result came from rank s."""
+    import torch.distributed as dist
+
+    out = torch.empty_like(t)
+    dist.all_to_all_single(out, t.contiguous(), group=group)
+    return out
+
+
+def route_expert_parallel(indices: torch.Tensor, num_experts: int, group, capacity: int) -> ExpertParallelRouting:
+    """The `ExpertParallelRouting` of this rank's ids ``indices`` (T, k) (checked by the caller):
+    a destination rank fills its ``capacity`` rows in the order (expert, token, slot); the counts
+    go to every rank (one small all-to-all, no host sync), which groups what it receives."""
+    import torch.distributed as dist
+
+    device, world = indices.device, dist.get_world_size(group)
+    local_experts = num_experts // world
+    flat = indices.reshape(-1).to(torch.int64)
+    num_slots = flat.shape[0]
+    expert = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # num_experts: dropped
+    order = torch.sort(expert, stable=True).indices
+    sorted_expert = expert[order]
+    per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    per_expert.scatter_add_(0, expert, torch.ones_like(expert))
+    per_rank = per_expert[:num_experts].view(world, local_experts).sum(1)
+    destination = sorted_expert // local_experts  # world for a dropped slot
+    rank_start = torch.cat([torch.cumsum(per_rank, 0) - per_rank, per_rank.new_zeros(1)])
+    position = torch.arange(num_slots, device=device) - rank_start[destination]
+    sent = destination < world
+    kept = sent & (position < capacity)
+    row = torch.where(kept, destination * capacity + position, world * capacity)  # the last: a spill row
+    send_slots = torch.full((world * capacity + 1,), num_slots, dtype=torch.int64, device=device)
+    send_slots = send_slots.scatter_(0, row, order)[:-1]
+    send_counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    send_counts = send_counts.scatter_add_(0, sorted_expert, kept.long())[:num_experts].view(world, local_experts)
+    recv_counts = all_to_all(send_counts, group)  # row s: what rank s sends here, per local expert
+    column = torch.arange(capacity, device=device).expand(world, capacity)
+    received = torch.searchsorted(torch.cumsum(recv_counts, 1), column.contiguous(), right=True)
+    local = route(torch.where(received < local_experts, received, -1).reshape(-1, 1), local_experts)
+    return ExpertParallelRouting(local.slot_rows, local.row_slots, local.offsets, local.counts, send_slots,
+                                 (sent & ~kept).sum(), indices.shape[0], indices.shape[1], group)

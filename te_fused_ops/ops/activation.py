@@ -15,7 +15,7 @@ import torch
 
 from .. import env
 from ..errors import OpTypeError, OpValueError
-from ..routing import rows_to_slots, slots_to_rows
+from ..routing import ExpertParallelRouting, rows_to_slots, slots_to_rows
 from .base import BasicOp, OpContext, Recompute, is_quantized
 
 _GELU_K = math.sqrt(2.0 / math.pi)
@@ -225,6 +225,9 @@ class ScaledSwiGLU(SwiGLU):
         if probs.device != x.device:
             raise OpValueError(f"ScaledSwiGLU: argument 'probs' is on {probs.device} but the input is on {x.device}")
         routing = side.get("routing")
+        if isinstance(routing, ExpertParallelRouting) and probs.dim() == 2:
+            raise OpValueError("ScaledSwiGLU: the rows of an expert-parallel Permute (group=) came from other "
+                               "ranks; pass the tokens' 'probs' to Unpermute(group=...) instead")
         if routing is not None and probs.dim() == 2:
             if probs.shape != routing.slot_rows.shape or x.shape[0] != routing.row_slots.shape[0]:
                 raise OpValueError(

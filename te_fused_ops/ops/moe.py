@@ -8,6 +8,8 @@ sequence: the router produces ``indices`` (T, k) and ``probs`` (T, k); the permu
 (a device tensor: no host sync), which the grouped ops after it use.
 """
 
+import math
+
 import torch
 from torch import nn
 
@@ -60,22 +62,48 @@ class Permute(BasicOp):
     output and gradient). Produces ``routing`` and ``split_sizes`` (E,) int32 for the ops after it.
     The output is not kept for the backward: whoever needs it there (the next GroupedLinear's
     weight gradient) gets it again from x, which is k times smaller.
+
+    Expert parallelism: with ``group`` (a `torch.distributed` process group of W ranks) the E
+    experts are split evenly over the ranks (rank r owns experts r * E / W ..), ``indices`` hold
+    global ids, and each rank sends every destination rank at most C = ceil(capacity_factor * T * k
+    / W) rows (static shapes: no host sync; slots past a destination's capacity are dropped, in the
+    order expert, token, slot; ``permute.dropped`` holds this rank's count of the last call, a
+    device tensor). The output is the W * C rows this
+    rank received, grouped by its E / W local experts (``split_sizes`` (E / W,)); the grouped ops
+    after it hold the local experts. Pair it with ``Unpermute(group=...)``, which takes the
+    probabilities. The rows move on the torch path (an all-to-all each way).
     """
 
     side_inputs = ("indices",)
     side_outputs = ("routing", "split_sizes")
 
-    def __init__(self, num_experts: int):
+    def __init__(self, num_experts: int, group=None, capacity_factor: float = 1.0):
         super().__init__()
         if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
             raise OpValueError(f"Permute: argument 'num_experts' must be a positive int, got {num_experts!r}")
-        self.num_experts = num_experts
+        self.num_experts, self.group, self.capacity_factor = num_experts, group, capacity_factor
+        self.dropped = None  # with group: () int64, this rank's slots dropped by the last call
+        if group is not None:
+            import torch.distributed as dist
+
+            world = dist.get_world_size(group)
+            if num_experts % world:
+                raise OpValueError(f"Permute: argument 'num_experts' ({num_experts}) must split evenly over the "
+                                   f"{world} ranks of 'group'")
+            if not capacity_factor > 0:
+                raise OpValueError(f"Permute: argument 'capacity_factor' must be > 0, got {capacity_factor!r}")
 
     def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}"
+        ep = "" if self.group is None else f", group of {self.world_size()}, capacity_factor={self.capacity_factor}"
+        return f"num_experts={self.num_experts}{ep}"
+
+    def world_size(self) -> int:
+        import torch.distributed as dist
+
+        return 1 if self.group is None else dist.get_world_size(self.group)
 
     def plan_signature(self) -> tuple:
-        return (Permute, self.num_experts)
+        return (Permute, self.num_experts, None if self.group is None else id(self.group), self.capacity_factor)
 
     def check_indices(self, indices, x: torch.Tensor) -> None:
         if not isinstance(indices, torch.Tensor):
@@ -98,9 +126,15 @@ class Permute(BasicOp):
             raise OpValueError(f"Permute: argument 'x' must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
         indices = side["indices"]
         self.check_indices(indices, x)
-        key = ("routing", id(indices), self.num_experts)
+        key = ("routing", id(indices), self.num_experts, id(self.group))
         if key not in memo:
-            memo[key] = rows.route(indices, self.num_experts)
+            if self.group is None:
+                memo[key] = rows.route(indices, self.num_experts)
+            else:
+                world = self.world_size()
+                capacity = max(1, math.ceil(self.capacity_factor * indices.numel() / world))
+                memo[key] = rows.route_expert_parallel(indices, self.num_experts, self.group, capacity)
+                self.dropped = memo[key].dropped
         routing = memo[key]
         remember_offsets(memo, routing.counts, routing.row_slots.shape[0], routing.offsets)
         return {"routing": routing}
@@ -115,6 +149,10 @@ class Permute(BasicOp):
     def forward_rows(self, ctx: OpContext, x, scatter) -> torch.Tensor:
         """The forward with ``scatter(x, routing)`` moving the rows (a backend's, or the torch one)."""
         routing = ctx.side["routing"]
+        if isinstance(routing, rows.ExpertParallelRouting):  # send rows out, group what arrives
+            _check_tokens("Permute", x, routing.tokens, "tokens, hidden")
+            sent = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, routing.send_tokens())
+            return scatter(rows.all_to_all(sent, routing.group), routing)
         _check_tokens("Permute", x, routing.slot_rows.shape[0], "tokens, hidden")
         ctx.recompute_output = Recompute(scatter, x, routing)
         return scatter(x, routing)
@@ -125,7 +163,12 @@ class Permute(BasicOp):
     def op_backward(self, ctx: OpContext, dy):
         if not ctx.input_requires_grad:
             return None, {}
-        return rows.gather_sum(dy, ctx.side["routing"]), {}
+        routing = ctx.side["routing"]
+        if isinstance(routing, rows.ExpertParallelRouting):
+            back = rows.all_to_all(rows.gather_sum(dy, routing), routing.group)  # in this rank's send rows
+            dx = dy.new_zeros(routing.tokens + 1, dy.shape[1]).index_add_(0, routing.send_tokens(), back)
+            return dx[:-1], {}
+        return rows.gather_sum(dy, routing), {}
 
 
 class Unpermute(BasicOp):
@@ -134,24 +177,45 @@ class Unpermute(BasicOp):
     The slots are weighted by the side input ``probs`` (T, k) unless an op since the `Permute`
     already applied them (`ScaledSwiGLU` fed the same ``probs``): then the combine is a plain sum
     and its backward a plain gather. Needs the ``routing`` of a `Permute` before it.
+
+    With ``group`` (the group of an expert-parallel ``Permute(..., group=...)``) the rows go back
+    to the ranks they came from (an all-to-all) and are summed there into their tokens, weighted
+    by ``probs`` (T, k) of the rank's own tokens.
     """
 
     side_inputs = ("routing", "probs")
     optional_side_inputs = ("probs",)
 
+    def __init__(self, group=None):
+        super().__init__()
+        self.group = group
+
+    def plan_signature(self) -> tuple:
+        return (Unpermute, None if self.group is None else id(self.group))
+
     def bind_side_inputs(self, side: dict, x: torch.Tensor, memo: dict) -> dict:
         routing = side.get("routing")
         if routing is None:
             raise OpValueError("Unpermute: no 'routing'; a Permute must come before it in the sequence")
+        expert_parallel = isinstance(routing, rows.ExpertParallelRouting)
+        if expert_parallel != (self.group is not None) or (expert_parallel and routing.group is not self.group):
+            raise OpValueError("Unpermute: argument 'group' must be the group of the Permute before it "
+                               f"(got {'None' if self.group is None else 'a group'}, the Permute has "
+                               f"{'one' if expert_parallel else 'none'})")
         bound = {"routing": routing}
         probs = side.get("probs")
         if probs is not None and not memo.get("probs_applied"):
-            check_slot_probs("Unpermute", probs, routing, x.device)
+            if expert_parallel:
+                check_token_probs("Unpermute", probs, (routing.tokens, routing.slots_per_token), x.device)
+            else:
+                check_slot_probs("Unpermute", probs, routing, x.device)
             bound["probs"] = probs
         return bound
 
     def output_like(self, ctx: OpContext, x: torch.Tensor) -> torch.Tensor:
-        return _rows_like(x, ctx.side["routing"].slot_rows.shape[0])
+        routing = ctx.side["routing"]
+        return _rows_like(x, routing.tokens if isinstance(routing, rows.ExpertParallelRouting) else
+                          routing.slot_rows.shape[0])
 
     def check_input(self, ctx: OpContext, y) -> None:
         _check_tokens("Unpermute", y, ctx.side["routing"].row_slots.shape[0], "tokens * k rows in expert order")
@@ -163,16 +227,69 @@ class Unpermute(BasicOp):
 
     def op_forward(self, ctx: OpContext, y) -> torch.Tensor:
         self.check_input(ctx, y)
+        routing = ctx.side["routing"]
+        if isinstance(routing, rows.ExpertParallelRouting):
+            back = rows.all_to_all(rows.gather_sum(y, routing), routing.group)  # in this rank's send rows
+            if "probs" in ctx.side and ctx.needs_grad("probs"):
+                ctx.saved.returned_rows = back
+            return _sum_into_tokens(back, routing, ctx.side.get("probs"))
         self.keep_for_backward(ctx, y)
-        return rows.gather_sum(y, ctx.side["routing"], ctx.side.get("probs"))
+        return rows.gather_sum(y, routing, ctx.side.get("probs"))
 
     def op_backward(self, ctx: OpContext, dy):
         routing, probs = ctx.side["routing"], ctx.side.get("probs")
+        if isinstance(routing, rows.ExpertParallelRouting):
+            return _expert_parallel_combine_backward(ctx, dy, routing, probs)
         dy_rows = rows.scatter_rows(dy, routing, probs) if ctx.input_requires_grad else None
         grads = {}
         if probs is not None and ctx.needs_grad("probs"):
             grads["probs"] = rows.slot_dots(dy, ctx.load_input(), routing).to(probs.dtype)
         return dy_rows, grads
+
+
+def check_token_probs(op_name: str, probs, shape: tuple, device: torch.device) -> None:
+    """``probs`` floating, of ``shape`` (T, k), on ``device``."""
+    if not isinstance(probs, torch.Tensor):
+        raise OpTypeError(f"{op_name}: argument 'probs' must be a torch.Tensor, got {type(probs).__name__}")
+    if not probs.is_floating_point():
+        raise OpTypeError(f"{op_name}: argument 'probs' must be floating point, got {probs.dtype}")
+    if tuple(probs.shape) != tuple(shape):
+        raise OpValueError(f"{op_name}: argument 'probs' must have the shape of 'indices' {tuple(shape)} (tokens, k), "
+                           f"got {tuple(probs.shape)}")
+    if probs.device != device:
+        raise OpValueError(f"{op_name}: argument 'probs' is on {probs.device} but the input is on {device}")
+
+
+def _send_row_weights(routing: "rows.ExpertParallelRouting", probs, like: torch.Tensor) -> torch.Tensor:
+    """(W * C, 1): the probability of the slot each send row carried (0 for an unused row)."""
+    flat = torch.cat([probs.reshape(-1), probs.new_zeros(1)])
+    return flat.index_select(0, routing.send_slots).to(like.dtype).unsqueeze(1)
+
+
+def _sum_into_tokens(back: torch.Tensor, routing: "rows.ExpertParallelRouting", probs) -> torch.Tensor:
+    """Send-row results (W * C, H) -> tokens (T, H), each weighted by its slot's probability."""
+    if probs is not None:
+        back = back * _send_row_weights(routing, probs, back)
+    out = back.new_zeros(routing.tokens + 1, back.shape[1]).index_add_(0, routing.send_tokens(), back)
+    return out[:-1]
+
+
+def _expert_parallel_combine_backward(ctx: OpContext, dy, routing: "rows.ExpertParallelRouting", probs):
+    """The expert-parallel `Unpermute`'s backward: each send row's token gradient (weighted), back
+    to the ranks that computed it, grouped as their rows; the probabilities' gradient from the
+    rows that came back."""
+    dy_rows = torch.cat([dy, dy.new_zeros(1, dy.shape[1])]).index_select(0, routing.send_tokens())
+    grads = {}
+    if probs is not None and ctx.needs_grad("probs"):
+        dots = (dy_rows.to(torch.float64 if dy.dtype == torch.float64 else torch.float32)
+                * ctx.saved.returned_rows).sum(1)
+        slots = dots.new_zeros(routing.tokens * routing.slots_per_token + 1).index_add_(0, routing.send_slots, dots)
+        grads["probs"] = slots[:-1].view(routing.tokens, routing.slots_per_token).to(probs.dtype)
+    if not ctx.input_requires_grad:
+        return None, grads
+    if probs is not None:
+        dy_rows = dy_rows * _send_row_weights(routing, probs, dy_rows)
+    return rows.scatter_rows(rows.all_to_all(dy_rows, routing.group), routing), grads
 
 
 _SCORES = ("softmax", "sigmoid")

@@ -13,6 +13,8 @@ from .kernels.moe_rows import MAX_SLOTS, VEC, gather_sum, scatter_rows
 
 
 def _supports(ops, info):
+    if getattr(ops[0], "group", None) is not None:
+        return "expert parallel (group=): the torch path moves the rows"
     if info.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {str(info.dtype).removeprefix('torch.')} not supported (bf16, fp16)"
     if info.input_recipe[0] is not None:

@@ -1,0 +1,132 @@
+"""`Permute(E, group=...)` / `Unpermute(group=...)`: the routed layer with its experts split over 2
+gloo processes equals the float64 slot-by-slot reference of all ranks' tokens on one process
+(output, and the gradients of x, probs and every rank's experts); slots past a destination's
+capacity are dropped and counted like the reference rule; bad input raises on every rank."""
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from spawn import spawn
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+
+WORLD, E, H, I, T, K = 2, 6, 16, 8, 13, 3
+
+
+def rank_inputs(rank):
+    """This rank's tokens, routing (with -1 dropped slots and duplicate experts) and probs."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(T, H, generator=gen, dtype=torch.float64)
+    indices = torch.randint(-1, E, (T, K), generator=gen)
+    indices[0] = torch.tensor([2, 2, 5])
+    probs = torch.rand(T, K, generator=gen, dtype=torch.float64)
+    return x, indices, probs
+
+
+def weights():
+    gen = torch.Generator().manual_seed(7)
+    return (torch.randn(E, 2 * I, H, generator=gen, dtype=torch.float64) / H**0.5,
+            torch.randn(E, H, I, generator=gen, dtype=torch.float64) / I**0.5)
+
+
+def kept_slots(indices_per_rank, capacity):
+    """(T, k) bool per source rank: its slot fits in the destination's ``capacity`` rows, filled
+    in the order (expert, token, slot): the rule, written as a host loop."""
+    local = E // WORLD
+    kept = []
+    for indices in indices_per_rank:
+        used = [0] * WORLD
+        mask = torch.zeros(indices.shape, dtype=torch.bool)
+        for e, t, j in sorted((e, t, j) for t, row in enumerate(indices.tolist()) for j, e in enumerate(row) if e >= 0):
+            if used[e // local] < capacity:
+                used[e // local] += 1
+                mask[t, j] = True
+        kept.append(mask)
+    return kept
+
+
+def _worker(rank, init_file, capacity_factor):
+    sys.path.insert(0, os.path.dirname(__file__))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        import reference as ref
+
+        from te_fused_ops import GroupedLinear, Permute, Sequential, SwiGLU, Unpermute
+
+        local = E // WORLD
+        w1, w2 = weights()
+        fc1 = GroupedLinear(local, H, 2 * I, dtype=torch.float64)
+        fc2 = GroupedLinear(local, I, H, dtype=torch.float64)
+        with torch.no_grad():
+            fc1.weight.copy_(w1[rank * local:(rank + 1) * local])
+            fc2.weight.copy_(w2[rank * local:(rank + 1) * local])
+        group = dist.group.WORLD
+        layer = Sequential(Permute(E, group=group, capacity_factor=capacity_factor), fc1, SwiGLU(), fc2,
+                           Unpermute(group=group))
+        x, indices, probs = rank_inputs(rank)
+        x.requires_grad_(True)
+        probs.requires_grad_(True)
+        y = layer(x, indices=indices, probs=probs)
+        dy = torch.randn(T, H, generator=torch.Generator().manual_seed(50 + rank), dtype=torch.float64)
+        y.backward(dy)
+
+        # the reference on all ranks' tokens, with the slots the capacity rule drops set to -1
+        inputs = [rank_inputs(r) for r in range(WORLD)]
+        capacity = max(1, math.ceil(capacity_factor * T * K / WORLD))
+        kept = kept_slots([i for _, i, _ in inputs], capacity)
+        xs = torch.cat([i[0] for i in inputs]).requires_grad_(True)
+        ps = torch.cat([i[2] for i in inputs]).requires_grad_(True)
+        ids = torch.cat([torch.where(k, i[1], -1) for i, k in zip(inputs, kept)])
+        rw1, rw2 = w1.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+        ry = ref.moe_layer(xs, ids, ps, rw1, rw2)
+        dys = torch.cat([torch.randn(T, H, generator=torch.Generator().manual_seed(50 + r), dtype=torch.float64)
+                         for r in range(WORLD)])
+        ry.backward(dys)
+        mine = slice(rank * T, (rank + 1) * T)
+        close = dict(rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(y, ry[mine], **close)
+        torch.testing.assert_close(x.grad, xs.grad[mine], **close)
+        torch.testing.assert_close(probs.grad, ps.grad[mine], **close)
+        experts = slice(rank * local, (rank + 1) * local)
+        torch.testing.assert_close(fc1.weight.grad, rw1.grad[experts], **close)
+        torch.testing.assert_close(fc2.weight.grad, rw2.grad[experts], **close)
+        from test_expert_parallel import no_host_reads
+
+        from te_fused_ops.routing import route_expert_parallel
+
+        with no_host_reads():  # the routing reads no value back to the host
+            routing = route_expert_parallel(indices, E, group, capacity)
+        expected_dropped = int(((inputs[rank][1] >= 0) & ~kept[rank]).sum())
+        assert int(routing.dropped) == int(layer[0].dropped) == expected_dropped, (int(routing.dropped), expected_dropped)
+        assert (expected_dropped > 0) == (capacity_factor < 1)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("capacity_factor", [float(WORLD), 0.5], ids=["no drops", "drops"])
+def test_expert_parallel_layer_equals_one_process(capacity_factor, tmp_path):
+    spawn(_worker, (str(tmp_path / "init"), capacity_factor), WORLD)
+
+
+def _bad_input_worker(rank, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        from te_fused_ops import OpValueError, Permute, Sequential, Unpermute
+
+        with pytest.raises(OpValueError, match=r"Permute: argument 'num_experts' \(5\) must split evenly over the 2"):
+            Permute(5, group=dist.group.WORLD)
+        layer = Sequential(Permute(4, group=dist.group.WORLD), Unpermute())
+        with pytest.raises(OpValueError, match="Unpermute: argument 'group' must be the group of the Permute"):
+            layer(torch.randn(3, 8), indices=torch.zeros(3, 1, dtype=torch.int64))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_bad_input_raises_on_every_rank(tmp_path):
+    spawn(_bad_input_worker, (str(tmp_path / "init"),), WORLD)
