@@ -8,28 +8,15 @@ the same layer in one process, prints a short report and exits non-zero on a mis
 also captures a whole training step in a CUDA graph and replays it with new tokens.
 
 Layout. W ranks, E experts, rank r owns experts r*E_l .. (r+1)*E_l - 1 (E_l = E / W). Each rank
-routes its T tokens (width H) to k experts each: A = T * k assignments, flattened token-major
-(assignment a is token a // k). Every (source, destination) pair of ranks has a fixed number of
-slots, C = ceil(capacity_factor * T * k / W), so every buffer has a static shape and the host reads
-no routing values:
-
-    send buffer     (W * C, H)    rows d*C .. d*C + C - 1 go to rank d: the assignments kept for
-                                  rank d, sorted by expert (then token), then zero rows. A
-                                  destination's assignments past its C slots are dropped.
-    send counts     (W, E_l)      kept assignments per destination rank and its local expert
-    receive buffer  (W * C, H)    rows s*C .. s*C + C - 1 came from rank s, laid out as above;
-                                  receive counts (W, E_l): row s = what rank s sent here
-
-The local experts are one te_fused_ops layer run on the receive buffer: each receive row has one
-local expert (k = 1; the unused slots' id is -1, dropped), so `Permute(E_l)` groups the rows by
-expert on the device and produces the split sizes, `GroupedLinear`/`ScaledSwiGLU`/`GroupedLinear`
-compute, and `Unpermute()` puts the results back in the receive layout.
-
-The router probabilities travel the same way ((W * C,) buffers). Combine: the expert output, already
-scaled by the probabilities in ScaledSwiGLU and back in the receive layout, is returned with the
-reverse all_to_all and added to the tokens of its send slots. The data exchanges use the
-differentiable torch.distributed.nn.functional.all_to_all_single, so gradients flow back to the
-input, the router and the experts.
+routes its T tokens (width H) to k experts each. The layer is the router and one te_fused_ops
+`Sequential`: `Permute(E, group=..., capacity_factor=...)` sends each token's slots to the ranks
+owning their experts (one all_to_all; every (source, destination) pair of ranks has C =
+ceil(capacity_factor * T * k / W) rows, so every buffer has a static shape and the host reads no
+routing values; a destination's slots past its C rows are dropped, in the order expert, token,
+slot) and groups the rows a rank received by its local experts; `GroupedLinear`, `SwiGLU`,
+`GroupedLinear` run the rank's experts; `Unpermute(group=...)` sends the rows back and sums them
+into their tokens, weighted by the router probabilities. Gradients flow back to the input, the
+router (through the probabilities) and every rank's experts.
 """
 
 import argparse
@@ -37,19 +24,13 @@ import math
 import os
 import sys
 import tempfile
-import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 import torch.multiprocessing as mp
 from torch import nn
 
-from te_fused_ops import CudaGraphStep, GroupedLinear, Permute, ScaledSwiGLU, Sequential, Unpermute
-
-# torch suggests its functional collectives instead; this autograd version also runs in eager
-# mode on gloo and inside CUDA graph captures, so it is the one used here
-warnings.filterwarnings("ignore", message=r".*all_to_all_single is deprecated", category=FutureWarning)
+from te_fused_ops import CudaGraphStep, GroupedLinear, Permute, ScaledSwiGLU, Sequential, SwiGLU, Unpermute
 
 
 def capacity(tokens: int, top_k: int, world: int, capacity_factor: float) -> int:
@@ -72,52 +53,6 @@ class Router(nn.Module):
         return probs / probs.sum(-1, keepdim=True), experts
 
 
-def plan_dispatch(experts: torch.Tensor, num_experts: int, world: int, slots: int):
-    """Send-side bookkeeping, on the device.
-
-    experts (T, k) int64 -> slot_assignment (W * C,) int64: the flat assignment index each send slot
-    carries (A = T * k for an empty slot); send_counts (W, E_l) int64; dropped () int64.
-    """
-    flat = experts.reshape(-1)
-    num_assignments, local_experts = flat.numel(), num_experts // world
-    order = torch.argsort(flat, stable=True)  # assignments grouped by expert, then token
-    sorted_experts = flat[order]
-    per_expert = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat)
-    )
-    per_rank = per_expert.view(world, local_experts).sum(1)
-    destination = sorted_experts // local_experts
-    rank_start = torch.cumsum(per_rank, 0) - per_rank  # first sorted position of each destination
-    position = torch.arange(num_assignments, device=flat.device) - rank_start[destination]
-    kept = position < slots
-    slot = torch.where(kept, destination * slots + position, world * slots)  # dropped: a spill slot
-    slot_assignment = torch.full((world * slots + 1,), num_assignments, device=flat.device)
-    slot_assignment = slot_assignment.scatter_(0, slot, order)[:-1]
-    send_counts = torch.zeros_like(per_expert).scatter_add_(0, sorted_experts, kept.long())
-    return slot_assignment, send_counts.view(world, local_experts), (~kept).sum()
-
-
-def receive_experts(recv_counts: torch.Tensor, slots: int) -> torch.Tensor:
-    """The local expert of each receive row, on the device: recv_counts (W, E_l) int64 (row s: rows
-    from rank s per local expert) -> (W * C, 1) int64, -1 for the unused slots."""
-    world, local_experts = recv_counts.shape
-    column = torch.arange(slots, device=recv_counts.device).expand(world, slots).contiguous()  # (W, C)
-    expert = torch.searchsorted(torch.cumsum(recv_counts, 1), column, right=True)  # E_l: unused slot
-    return torch.where(expert < local_experts, expert, -1).reshape(-1, 1)
-
-
-def all_to_all(t: torch.Tensor, group=None) -> torch.Tensor:
-    """(W * C, ...) -> (W * C, ...): chunk d goes to rank d, chunk s of the result came from rank s;
-    differentiable (the backward is the reverse all_to_all)."""
-    group = dist.group.WORLD if group is None else group
-    return dist_nn.all_to_all_single(torch.empty_like(t), t.contiguous(), group=group)
-
-
-def with_zero_row(t: torch.Tensor) -> torch.Tensor:
-    """(N, ...) -> (N + 1, ...): a zero row appended, read by the empty slots."""
-    return torch.cat([t, t.new_zeros(1, *t.shape[1:])])
-
-
 class ExpertParallelMoE(nn.Module):
     """Top-k MoE layer whose E experts are split evenly over the ranks of ``group``."""
 
@@ -125,36 +60,22 @@ class ExpertParallelMoE(nn.Module):
         super().__init__()
         self.group = dist.group.WORLD if group is None else group
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        if num_experts % self.world:
-            raise ValueError(f"ExpertParallelMoE: {num_experts} experts do not split evenly over {self.world} ranks")
         self.num_experts, self.local_experts = num_experts, num_experts // self.world
         self.top_k, self.capacity_factor = top_k, capacity_factor
         self.router = Router(hidden, num_experts, top_k, device=device)
         self.experts = Sequential(
-            Permute(self.local_experts),
+            Permute(num_experts, group=self.group, capacity_factor=capacity_factor),
             GroupedLinear(self.local_experts, hidden, 2 * ffn, dtype=dtype, device=device),
-            ScaledSwiGLU(),
+            SwiGLU(),
             GroupedLinear(self.local_experts, ffn, hidden, dtype=dtype, device=device),
-            Unpermute(),
+            Unpermute(group=self.group),
         )
 
     def forward(self, x: torch.Tensor):
         """x (T, H) -> y (T, H), dropped () int64 (this rank's assignments past their capacity)."""
-        tokens = x.shape[0]
-        slots = capacity(tokens, self.top_k, self.world, self.capacity_factor)
         probs, experts = self.router(x)
-        slot_assignment, send_counts, dropped = plan_dispatch(experts, self.num_experts, self.world, slots)
-        slot_token = slot_assignment // self.top_k  # T (the zero row) for empty slots
-
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # (W, E_l): static shape
-        x_recv = all_to_all(with_zero_row(x).index_select(0, slot_token), self.group)
-        probs_recv = all_to_all(with_zero_row(probs.reshape(-1)).index_select(0, slot_assignment), self.group)
-
-        y_recv = self.experts(x_recv, indices=receive_experts(recv_counts, slots), probs=probs_recv.unsqueeze(1))
-        y_back = all_to_all(y_recv, self.group)  # in this rank's send slots
-        y = x.new_zeros(tokens + 1, x.shape[1]).index_add(0, slot_token, y_back)
-        return y[:tokens], dropped
+        y = self.experts(x, indices=experts, probs=probs)
+        return y, self.experts[0].dropped.clone()
 
     @torch.no_grad()
     def load_shard(self, router: Router, experts: Sequential) -> None:
@@ -171,7 +92,7 @@ class ExpertParallelMoE(nn.Module):
 def kept_assignments(experts: torch.Tensor, local_experts: int, world: int, slots: int) -> torch.Tensor:
     """(T, k) bool: whether each assignment of one source rank fits in its destination's slots.
 
-    The capacity rule of ``plan_dispatch``, written independently as a host loop: a destination
+    The capacity rule of ``Permute(group=...)``, written independently as a host loop: a destination
     rank fills its C slots in the order (expert, token, choice).
     """
     used = [0] * world
