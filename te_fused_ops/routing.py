@@ -143,6 +143,15 @@ def all_to_all(t: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def rank_counts(indices: torch.Tensor, num_experts: int, world: int) -> torch.Tensor:
+    """(W,) int64: this rank's slots whose expert lives on each rank (experts split evenly)."""
+    flat = indices.reshape(-1).to(torch.int64)
+    kept = (flat >= 0) & (flat < num_experts)
+    destination = torch.where(kept, flat // (num_experts // world), world)
+    return torch.zeros(world + 1, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, destination, torch.ones_like(destination))[:world]
+
+
 def route_expert_parallel(indices: torch.Tensor, num_experts: int, group, capacity: int) -> ExpertParallelRouting:
     """The `ExpertParallelRouting` of this rank's ids ``indices`` (T, k) (checked by the caller):
     a destination rank fills its ``capacity`` rows in the order (expert, token, slot); the counts

@@ -76,7 +76,7 @@ def _worker(rank, init_file, capacity_factor):
 
         # the reference on all ranks' tokens, with the slots the capacity rule drops set to -1
         inputs = [rank_inputs(r) for r in range(WORLD)]
-        capacity = max(1, math.ceil(capacity_factor * T * K / WORLD))
+        capacity = T * K if capacity_factor is None else max(1, math.ceil(capacity_factor * T * K / WORLD))
         kept = kept_slots([i for _, i, _ in inputs], capacity)
         xs = torch.cat([i[0] for i in inputs]).requires_grad_(True)
         ps = torch.cat([i[2] for i in inputs]).requires_grad_(True)
@@ -102,13 +102,13 @@ def _worker(rank, init_file, capacity_factor):
             routing = route_expert_parallel(indices, E, group, capacity)
         expected_dropped = int(((inputs[rank][1] >= 0) & ~kept[rank]).sum())
         assert int(routing.dropped) == int(layer[0].dropped) == expected_dropped, (int(routing.dropped), expected_dropped)
-        assert (expected_dropped > 0) == (capacity_factor < 1)
+        assert (expected_dropped > 0) == (capacity_factor is not None and capacity_factor < 1)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("capacity_factor", [float(WORLD), 0.5], ids=["no drops", "drops"])
+@pytest.mark.parametrize("capacity_factor", [float(WORLD), 0.5, None], ids=["no drops", "drops", "dropless"])
 def test_expert_parallel_layer_equals_one_process(capacity_factor, tmp_path):
     spawn(_worker, (str(tmp_path / "init"), capacity_factor), WORLD)
 
@@ -123,6 +123,12 @@ def _bad_input_worker(rank, init_file):
         layer = Sequential(Permute(4, group=dist.group.WORLD), Unpermute())
         with pytest.raises(OpValueError, match="Unpermute: argument 'group' must be the group of the Permute"):
             layer(torch.randn(3, 8), indices=torch.zeros(3, 1, dtype=torch.int64))
+        layer = Sequential(Permute(4, group=dist.group.WORLD), Unpermute(group=dist.group.WORLD))
+        tokens = 3 + 4 * rank  # a different capacity on each rank
+        with pytest.raises(OpValueError, match="Permute: the ranks of 'group' send 2 to 4 rows per rank pair"):
+            layer(torch.randn(tokens, 8), indices=torch.zeros(tokens, 1, dtype=torch.int64))
+        with pytest.raises(OpValueError, match=r"Permute: argument 'indices' holds 4, outside \[0, 4\)"):
+            layer(torch.randn(3, 8), indices=torch.full((3, 1), 4))
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -68,7 +68,9 @@ class Permute(BasicOp):
     global ids, and each rank sends every destination rank at most C = ceil(capacity_factor * T * k
     / W) rows (static shapes: no host sync; slots past a destination's capacity are dropped, in the
     order expert, token, slot; ``permute.dropped`` holds this rank's count of the last call, a
-    device tensor). The output is the W * C rows this
+    device tensor). ``capacity_factor=None`` drops nothing: C is then the largest count any rank
+    sends any rank in this call (an all-reduce and one host read per call; shapes change with
+    the routing). The output is the W * C rows this
     rank received, grouped by its E / W local experts (``split_sizes`` (E / W,)); the grouped ops
     after it hold the local experts. Pair it with ``Unpermute(group=...)``, which takes the
     probabilities. The rows move on the torch path (an all-to-all each way).
@@ -77,7 +79,7 @@ class Permute(BasicOp):
     side_inputs = ("indices",)
     side_outputs = ("routing", "split_sizes")
 
-    def __init__(self, num_experts: int, group=None, capacity_factor: float = 1.0):
+    def __init__(self, num_experts: int, group=None, capacity_factor: float | None = 1.0):
         super().__init__()
         if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
             raise OpValueError(f"Permute: argument 'num_experts' must be a positive int, got {num_experts!r}")
@@ -90,12 +92,30 @@ class Permute(BasicOp):
             if num_experts % world:
                 raise OpValueError(f"Permute: argument 'num_experts' ({num_experts}) must split evenly over the "
                                    f"{world} ranks of 'group'")
-            if not capacity_factor > 0:
-                raise OpValueError(f"Permute: argument 'capacity_factor' must be > 0, got {capacity_factor!r}")
+            if capacity_factor is not None and not capacity_factor > 0:
+                raise OpValueError(f"Permute: argument 'capacity_factor' must be > 0 or None, got {capacity_factor!r}")
 
     def extra_repr(self) -> str:
         ep = "" if self.group is None else f", group of {self.world_size()}, capacity_factor={self.capacity_factor}"
         return f"num_experts={self.num_experts}{ep}"
+
+    def capacity(self, indices: torch.Tensor) -> int:
+        """C, the rows every rank sends every rank in this call (``group`` set)."""
+        import torch.distributed as dist
+
+        world = self.world_size()
+        if self.capacity_factor is None:  # dropless: the largest (source, destination) count
+            largest = rows.rank_counts(indices, self.num_experts, world).max().reshape(1)
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
+            return max(1, int(largest.item()))
+        capacity = max(1, math.ceil(self.capacity_factor * indices.numel() / world))
+        if validation_enabled(indices.device):  # the same C on every rank, or an error on every rank
+            bounds = torch.tensor([capacity, -capacity], device=indices.device)
+            dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.group)
+            if int(bounds[0]) != -int(bounds[1]):
+                raise OpValueError(f"Permute: the ranks of 'group' send {-int(bounds[1])} to {int(bounds[0])} rows per "
+                                   "rank pair (capacity_factor * tokens * k / ranks); every rank needs the same")
+        return capacity
 
     def world_size(self) -> int:
         import torch.distributed as dist
@@ -131,9 +151,7 @@ class Permute(BasicOp):
             if self.group is None:
                 memo[key] = rows.route(indices, self.num_experts)
             else:
-                world = self.world_size()
-                capacity = max(1, math.ceil(self.capacity_factor * indices.numel() / world))
-                memo[key] = rows.route_expert_parallel(indices, self.num_experts, self.group, capacity)
+                memo[key] = rows.route_expert_parallel(indices, self.num_experts, self.group, self.capacity(indices))
                 self.dropped = memo[key].dropped
         routing = memo[key]
         remember_offsets(memo, routing.counts, routing.row_slots.shape[0], routing.offsets)
