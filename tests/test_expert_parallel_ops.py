@@ -1,7 +1,8 @@
 """`Permute(E, group=...)` / `Unpermute(group=...)`: the routed layer with its experts split over 2
 gloo processes equals the float64 slot-by-slot reference of all ranks' tokens on one process
 (output, and the gradients of x, probs and every rank's experts); slots past a destination's
-capacity are dropped and counted like the reference rule; bad input raises on every rank."""
+capacity are dropped and counted like the reference rule; torch.compile compiles the layer once
+for new routing; bad input raises on every rank."""
 
 import math
 import os
@@ -136,3 +137,35 @@ def _bad_input_worker(rank, init_file):
 
 def test_expert_parallel_bad_input_raises_on_every_rank(tmp_path):
     spawn(_bad_input_worker, (str(tmp_path / "init"),), WORLD)
+
+
+def _compile_worker(rank, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        from te_fused_ops import GroupedLinear, Permute, Sequential, SwiGLU, Unpermute
+
+        torch.manual_seed(0)
+        group = dist.group.WORLD
+        layer = Sequential(Permute(E, group=group, capacity_factor=2.0), GroupedLinear(E // WORLD, H, 2 * I), SwiGLU(),
+                           GroupedLinear(E // WORLD, I, H), Unpermute(group=group))
+        torch._dynamo.reset()
+        compiled = torch.compile(layer)
+        for step in range(3):  # a new routing each step
+            gen = torch.Generator().manual_seed(10 * step + rank)
+            x = torch.randn(T, H, generator=gen, requires_grad=True)
+            indices, probs = torch.randint(0, E, (T, K), generator=gen), torch.rand(T, K, generator=gen)
+            y = compiled(x, indices=indices, probs=probs)
+            y.square().sum().backward()
+            x_eager = x.detach().clone().requires_grad_(True)
+            y_eager = layer(x_eager, indices=indices, probs=probs)
+            y_eager.square().sum().backward()
+            torch.testing.assert_close(y, y_eager)
+            torch.testing.assert_close(x.grad, x_eager.grad)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # compiled once
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_layer_compiles_once_for_new_routing(tmp_path):
+    spawn(_compile_worker, (str(tmp_path / "init"),), WORLD)
