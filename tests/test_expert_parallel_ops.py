@@ -2,7 +2,8 @@
 gloo processes equals the float64 slot-by-slot reference of all ranks' tokens on one process
 (output, and the gradients of x, probs and every rank's experts); slots past a destination's
 capacity are dropped and counted like the reference rule; torch.compile compiles the layer once
-for new routing; bad input raises on every rank."""
+for new routing; activation checkpointing recomputes it bit for bit; bad input raises on every
+rank."""
 
 import math
 import os
@@ -162,10 +163,25 @@ def _compile_worker(rank, init_file):
             torch.testing.assert_close(y, y_eager)
             torch.testing.assert_close(x.grad, x_eager.grad)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # compiled once
+
+        # activation checkpointing: the recomputed forward exchanges again; bit-equal gradients
+        from torch.utils.checkpoint import checkpoint
+
+        probs.requires_grad_(True)
+        x = x.detach().requires_grad_(True)
+        layer.zero_grad(set_to_none=True)
+        y = checkpoint(lambda x, probs: layer(x, indices=indices, probs=probs), x, probs, use_reentrant=False)
+        y.square().sum().backward()
+        kept = [x.grad, probs.grad, *(p.grad.clone() for p in layer.parameters())]
+        x.grad = probs.grad = None
+        layer.zero_grad(set_to_none=True)
+        layer(x, indices=indices, probs=probs).square().sum().backward()
+        for a, b in zip(kept, [x.grad, probs.grad, *(p.grad for p in layer.parameters())]):
+            assert torch.equal(a, b)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def test_expert_parallel_layer_compiles_once_for_new_routing(tmp_path):
+def test_expert_parallel_layer_under_compile_and_checkpointing(tmp_path):
     spawn(_compile_worker, (str(tmp_path / "init"),), WORLD)
