@@ -2,8 +2,8 @@
 gloo processes equals the float64 slot-by-slot reference of all ranks' tokens on one process
 (output, and the gradients of x, probs and every rank's experts); slots past a destination's
 capacity are dropped and counted like the reference rule; torch.compile compiles the layer once
-for new routing; activation checkpointing recomputes it bit for bit; bad input raises on every
-rank."""
+for new routing; activation checkpointing recomputes it bit for bit; a TopKRouter before it gets
+its gradient; bad input raises on every rank."""
 
 import math
 import os
@@ -178,10 +178,24 @@ def _compile_worker(rank, init_file):
         layer(x, indices=indices, probs=probs).square().sum().backward()
         for a, b in zip(kept, [x.grad, probs.grad, *(p.grad for p in layer.parameters())]):
             assert torch.equal(a, b)
+
+        # a TopKRouter first: its probabilities' gradient comes back from the combine
+        from te_fused_ops import TopKRouter
+
+        router = TopKRouter(H, E, K, normalize=True)
+        routed = Sequential(router, *layer)
+        x = x.detach().requires_grad_(True)
+        routed(x).square().sum().backward()
+        x_ref = x.detach().clone().requires_grad_(True)
+        weight = router.weight.detach().clone().requires_grad_(True)
+        top, chosen = torch.softmax(x_ref @ weight.t(), -1).topk(K, -1)
+        layer(x_ref, indices=chosen, probs=top / top.sum(-1, keepdim=True)).square().sum().backward()
+        torch.testing.assert_close(router.weight.grad, weight.grad)
+        torch.testing.assert_close(x.grad, x_ref.grad)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def test_expert_parallel_layer_under_compile_and_checkpointing(tmp_path):
+def test_expert_parallel_layer_under_compile_checkpointing_and_a_router(tmp_path):
     spawn(_compile_worker, (str(tmp_path / "init"),), WORLD)
