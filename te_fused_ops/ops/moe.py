@@ -211,6 +211,11 @@ class Unpermute(BasicOp):
     def plan_signature(self) -> tuple:
         return (Unpermute, None if self.group is None else id(self.group))
 
+    def extra_repr(self) -> str:
+        import torch.distributed as dist
+
+        return "" if self.group is None else f"group of {dist.get_world_size(self.group)}"
+
     def bind_side_inputs(self, side: dict, x: torch.Tensor, memo: dict) -> dict:
         routing = side.get("routing")
         if routing is None:
