@@ -3,6 +3,7 @@ backend can run it on its kernels (the references are the ops' own passes)."""
 
 from te_fused_ops.fusion import FusionRule, register_rule
 from te_fused_ops.ops import Permute, Unpermute
+from te_fused_ops.quantization import Float8BlockScaling
 
 
 def _forward_reference(ops, ctxs, x):
@@ -21,3 +22,27 @@ unpermute = register_rule(FusionRule(
     "unpermute", pattern=(Unpermute,), passes="forward", reference=_forward_reference))
 unpermute_backward = register_rule(FusionRule(
     "unpermute_backward", pattern=(Unpermute,), passes="backward", reference=_backward_reference))
+
+
+def _cast_before_sending_reason(ops, info):
+    fmt = info.output_format[0] if info.output_format else None
+    if getattr(ops[0], "group", None) is None:
+        return "no group: nothing is sent; the cast runs after the permute"
+    if fmt is None or fmt.recipe is None:
+        return "no Quantize after the permute"
+    if not isinstance(fmt.recipe, Float8BlockScaling):
+        return f"{fmt.recipe.name}: only row-local scales (1x128 blocks) let a token be cast before it is sent"
+    if fmt.columns:
+        return "a Transpose after the cast: the column-wise copy needs the received rows"
+    return None
+
+
+def _cast_before_sending(ops, ctxs, x):
+    return ops[0].forward_cast_rows(ctxs[0], x, ctxs[0].output_format)
+
+
+# expert parallel: the Quantize after the permute casts each token before it is sent (FP8 payload)
+permute_quantize = register_rule(FusionRule(
+    "permute+quantize", pattern=(Permute,), passes="forward", supports=_cast_before_sending_reason,
+    reference=_cast_before_sending, formats=(1,)))
+

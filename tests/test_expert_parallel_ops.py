@@ -3,7 +3,8 @@ gloo processes equals the float64 slot-by-slot reference of all ranks' tokens on
 (output, and the gradients of x, probs and every rank's experts); slots past a destination's
 capacity are dropped and counted like the reference rule; torch.compile compiles the layer once
 for new routing; activation checkpointing recomputes it bit for bit; a TopKRouter before it gets
-its gradient; bad input raises on every rank."""
+its gradient; a Quantize after the permute sends E4M3 rows and scales; bad input raises on every
+rank."""
 
 import math
 import os
@@ -199,3 +200,58 @@ def _compile_worker(rank, init_file):
 
 def test_expert_parallel_layer_under_compile_checkpointing_and_a_router(tmp_path):
     spawn(_compile_worker, (str(tmp_path / "init"),), WORLD)
+
+
+def _fp8_worker(rank, init_file):
+    """The FP8 payload: each token cast once and sent as E4M3 rows + scales; the layer equals the
+    single-process layer that casts after permuting (the 1x128 blocks are row-local)."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        from te_fused_ops import GroupedLinear, Permute, Quantize, Sequential, SwiGLU, Unpermute
+        from te_fused_ops import routing as rows
+
+        local, group = E // WORLD, dist.group.WORLD
+        fc1, fc2 = GroupedLinear(local, H * 8, 2 * I), GroupedLinear(local, I, H * 8)
+        ref1, ref2 = GroupedLinear(E, H * 8, 2 * I), GroupedLinear(E, I, H * 8)
+        gen = torch.Generator().manual_seed(11)
+        w1 = torch.randn(E, 2 * I, H * 8, generator=gen) / 32
+        w2 = torch.randn(E, H * 8, I, generator=gen) / 4
+        with torch.no_grad():
+            ref1.weight.copy_(w1), ref2.weight.copy_(w2)
+            fc1.weight.copy_(w1[rank * local:(rank + 1) * local]), fc2.weight.copy_(w2[rank * local:(rank + 1) * local])
+        layer = Sequential(Permute(E, group=group, capacity_factor=float(WORLD)), Quantize("fp8_blockwise"), fc1, SwiGLU(),
+                           fc2, Unpermute(group=group))
+        inputs = []
+        for r in range(WORLD):
+            g = torch.Generator().manual_seed(300 + r)
+            inputs.append((torch.randn(T, H * 8, generator=g), torch.randint(-1, E, (T, K), generator=g),
+                           torch.rand(T, K, generator=g)))
+        x, indices, probs = (t.clone() for t in inputs[rank])
+        x.requires_grad_(True)
+        assert "[0:2] Permute, Quantize -> rule 'permute+quantize'" in layer.explain(x, indices=indices, probs=probs)
+        sent = []
+        real = rows.all_to_all
+        rows.all_to_all = lambda t, g: sent.append(t.dtype) or real(t, g)
+        try:
+            y = layer(x, indices=indices, probs=probs)
+        finally:
+            rows.all_to_all = real
+        # the counts, then the E4M3 rows and their scales (no 16/32-bit rows), then the combine's rows
+        assert sent == [torch.int64, torch.uint8, torch.float32, torch.float32], sent
+        y.square().sum().backward()
+
+        reference = Sequential(Permute(E), Quantize("fp8_blockwise"), ref1, SwiGLU(), ref2, Unpermute())
+        xs = torch.cat([i[0] for i in inputs]).requires_grad_(True)
+        ry = reference(xs, indices=torch.cat([i[1] for i in inputs]), probs=torch.cat([i[2] for i in inputs]))
+        ry.square().sum().backward()
+        mine = slice(rank * T, (rank + 1) * T)
+        torch.testing.assert_close(y, ry[mine], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x.grad, xs.grad[mine], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fc1.weight.grad, ref1.weight.grad[rank * local:(rank + 1) * local], rtol=1e-5, atol=1e-5)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_fp8_payload_equals_casting_after_the_exchange(tmp_path):
+    spawn(_fp8_worker, (str(tmp_path / "init"),), WORLD)
