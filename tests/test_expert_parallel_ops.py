@@ -3,8 +3,8 @@ gloo processes equals the float64 slot-by-slot reference of all ranks' tokens on
 (output, and the gradients of x, probs and every rank's experts); slots past a destination's
 capacity are dropped and counted like the reference rule; torch.compile compiles the layer once
 for new routing; activation checkpointing recomputes it bit for bit; a TopKRouter before it gets
-its gradient; a Quantize after the permute sends E4M3 rows and scales; bad input raises on every
-rank."""
+its gradient; a Quantize after the permute sends E4M3 rows and scales; FSDP2 on the router beside
+the expert-parallel experts trains like a replicated router; bad input raises on every rank."""
 
 import math
 import os
@@ -255,3 +255,47 @@ def _fp8_worker(rank, init_file):
 
 def test_expert_parallel_fp8_payload_equals_casting_after_the_exchange(tmp_path):
     spawn(_fp8_worker, (str(tmp_path / "init"),), WORLD)
+
+
+def _fsdp_worker(rank, init_file):
+    """FSDP2 on the router (data parallel over the group) beside expert parallelism on the experts:
+    three SGD steps equal a replicated router whose gradient is averaged by hand."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from te_fused_ops import GroupedLinear, Permute, Sequential, SwiGLU, TopKRouter, Unpermute
+
+        group, local = dist.group.WORLD, E // WORLD
+
+        def make():
+            torch.manual_seed(0)  # the router the same on every rank; the experts this rank's own
+            router = TopKRouter(H, E, K, normalize=True)
+            torch.manual_seed(1 + rank)
+            return Sequential(router, Permute(E, group=group, capacity_factor=float(WORLD)),
+                              GroupedLinear(local, H, 2 * I), SwiGLU(), GroupedLinear(local, I, H),
+                              Unpermute(group=group))
+
+        sharded, plain = make(), make()
+        fully_shard(sharded[0], mesh=init_device_mesh("cpu", (WORLD,)))
+        opt, opt_plain = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (sharded, plain))
+        for step in range(3):
+            x = torch.randn(T, H, generator=torch.Generator().manual_seed(10 * step + rank))
+            sharded(x).square().mean().backward()
+            plain(x).square().mean().backward()
+            dist.all_reduce(plain[0].weight.grad, group=group)
+            plain[0].weight.grad /= WORLD
+            for o in (opt, opt_plain):
+                o.step()
+                o.zero_grad(set_to_none=True)
+            torch.testing.assert_close(sharded[0].weight.full_tensor(), plain[0].weight.detach())
+            for mine, other in ((sharded[2], plain[2]), (sharded[4], plain[4])):
+                torch.testing.assert_close(mine.weight, other.weight)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_router_beside_expert_parallel_experts(tmp_path):
+    spawn(_fsdp_worker, (str(tmp_path / "init"),), WORLD)
