@@ -71,10 +71,11 @@ class Permute(BasicOp):
     order expert, token, slot; ``permute.dropped`` holds this rank's count of the last call, a
     device tensor). ``capacity_factor=None`` drops nothing: C is then the largest count any rank
     sends any rank in this call (an all-reduce and one host read per call; shapes change with
-    the routing). The output is the W * C rows this
-    rank received, grouped by its E / W local experts (``split_sizes`` (E / W,)); the grouped ops
-    after it hold the local experts. Pair it with ``Unpermute(group=...)``, which takes the
-    probabilities. The rows move on the torch path (an all-to-all each way).
+    the routing). The output is the W * C rows this rank received, grouped by its E / W local
+    experts (``split_sizes`` (E / W,)); the grouped ops after it hold the local experts. Pair it
+    with ``Unpermute(group=...)``, which takes the probabilities. The rows move on the torch path
+    (an all-to-all each way). Where values are checked (CPU, TE_FUSED_OPS_VALIDATE=1), ids out of
+    range or capacities that differ on any rank raise on every rank.
     """
 
     side_inputs = ("indices",)
@@ -101,7 +102,9 @@ class Permute(BasicOp):
         return f"num_experts={self.num_experts}{ep}"
 
     def capacity(self, indices: torch.Tensor) -> int:
-        """C, the rows every rank sends every rank in this call (``group`` set)."""
+        """C, the rows every rank sends every rank in this call (``group`` set); where values are
+        checked, bad ids or differing capacities on any rank raise on every rank (no rank is left
+        waiting in a collective)."""
         import torch.distributed as dist
 
         world = self.world_size()
@@ -110,11 +113,16 @@ class Permute(BasicOp):
             dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
             return max(1, int(largest.item()))
         capacity = max(1, math.ceil(self.capacity_factor * indices.numel() / world))
-        if validation_enabled(indices.device):  # the same C on every rank, or an error on every rank
-            bounds = torch.tensor([capacity, -capacity], device=indices.device)
+        if validation_enabled(indices.device):
+            bad = ((indices < -1) | (indices >= self.num_experts)).sum()
+            bounds = torch.stack([bad, bad.new_tensor(capacity), bad.new_tensor(-capacity)])
             dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.group)
-            if int(bounds[0]) != -int(bounds[1]):
-                raise OpValueError(f"Permute: the ranks of 'group' send {-int(bounds[1])} to {int(bounds[0])} rows per "
+            if int(bounds[0]):
+                self.check_index_values(indices)  # names the id on the rank that holds it
+                raise OpValueError(f"Permute: argument 'indices' holds ids outside [0, {self.num_experts}) on another "
+                                   "rank of 'group'")
+            if int(bounds[1]) != -int(bounds[2]):
+                raise OpValueError(f"Permute: the ranks of 'group' send {-int(bounds[2])} to {int(bounds[1])} rows per "
                                    "rank pair (capacity_factor * tokens * k / ranks); every rank needs the same")
         return capacity
 
@@ -126,7 +134,13 @@ class Permute(BasicOp):
     def plan_signature(self) -> tuple:
         return (Permute, self.num_experts, None if self.group is None else id(self.group), self.capacity_factor)
 
-    def check_indices(self, indices, x: torch.Tensor) -> None:
+    def check_index_values(self, indices: torch.Tensor) -> None:
+        bad = indices[(indices < -1) | (indices >= self.num_experts)]
+        if bad.numel():
+            raise OpValueError(f"Permute: argument 'indices' holds {bad[0].item()}, outside [0, {self.num_experts}) "
+                               "and not -1 (a dropped slot)")
+
+    def check_indices(self, indices, x: torch.Tensor, values: bool = True) -> None:
         if not isinstance(indices, torch.Tensor):
             raise OpTypeError(f"Permute: argument 'indices' must be a torch.Tensor, got {type(indices).__name__}")
         if indices.dtype not in _INDEX_DTYPES:
@@ -136,17 +150,14 @@ class Permute(BasicOp):
                                f"got {tuple(indices.shape)}")
         if indices.device != x.device:
             raise OpValueError(f"Permute: argument 'indices' is on {indices.device} but argument 'x' is on {x.device}")
-        if validation_enabled(indices.device) and indices.device.type != "meta":
-            bad = indices[(indices < -1) | (indices >= self.num_experts)]
-            if bad.numel():
-                raise OpValueError(f"Permute: argument 'indices' holds {bad[0].item()}, outside [0, {self.num_experts}) "
-                                   "and not -1 (a dropped slot)")
+        if values and validation_enabled(indices.device) and indices.device.type != "meta":
+            self.check_index_values(indices)
 
     def bind_side_inputs(self, side: dict, x: torch.Tensor, memo: dict) -> dict:
         if x.dim() != 2:
             raise OpValueError(f"Permute: argument 'x' must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
         indices = side["indices"]
-        self.check_indices(indices, x)
+        self.check_indices(indices, x, values=self.group is None)  # with a group: checked with the capacity
         key = ("routing", id(indices), self.num_experts, id(self.group))
         if key not in memo:
             if self.group is None:
