@@ -133,6 +133,16 @@ class ExpertParallelRouting(Routing):
         """(W * C,) int64: the token of each send row (T for an unused row)."""
         return self.send_slots // self.slots_per_token
 
+    def send_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Per-token rows (T, H) -> the send rows (W * C, H), zeros in the unused ones."""
+        padded = torch.cat([tokens, tokens.new_zeros(1, tokens.shape[1])])
+        return padded.index_select(0, self.send_tokens())
+
+    def sum_send_rows(self, sent: torch.Tensor) -> torch.Tensor:
+        """Send rows (W * C, H) -> per-token sums (T, H) (the reverse of `send_rows`)."""
+        out = sent.new_zeros(self.tokens + 1, sent.shape[1]).index_add_(0, self.send_tokens(), sent)
+        return out[:-1]
+
 
 def all_to_all(t: torch.Tensor, group) -> torch.Tensor:
     """(W * C, ...) -> (W * C, ...): chunk d goes to rank d, chunk s of the result came from rank s."""

@@ -40,15 +40,15 @@ def _rows_like(x: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.empty((1, 1), dtype=x.dtype, device=x.device).expand(num_rows, x.shape[-1])
 
 
-def check_slot_probs(op_name: str, probs, routing: rows.Routing, device: torch.device) -> None:
-    """``probs`` (T, k) floating on ``device``, one per slot of ``routing``."""
+def check_slot_probs(op_name: str, probs, slots: tuple, device: torch.device) -> None:
+    """``probs`` floating on ``device``, one per slot: shape ``slots`` (T, k)."""
     if not isinstance(probs, torch.Tensor):
         raise OpTypeError(f"{op_name}: argument 'probs' must be a torch.Tensor, got {type(probs).__name__}")
     if not probs.is_floating_point():
         raise OpTypeError(f"{op_name}: argument 'probs' must be floating point, got {probs.dtype}")
-    if probs.shape != routing.slot_rows.shape:
+    if tuple(probs.shape) != tuple(slots):
         raise OpValueError(f"{op_name}: argument 'probs' must have the shape of 'indices' "
-                           f"{tuple(routing.slot_rows.shape)} (tokens, k), got {tuple(probs.shape)}")
+                           f"{tuple(slots)} (tokens, k), got {tuple(probs.shape)}")
     if probs.device != device:
         raise OpValueError(f"{op_name}: argument 'probs' is on {probs.device} but the input is on {device}")
 
@@ -181,8 +181,7 @@ class Permute(BasicOp):
         routing = ctx.side["routing"]
         if isinstance(routing, rows.ExpertParallelRouting):  # send rows out, group what arrives
             _check_tokens("Permute", x, routing.tokens, "tokens, hidden")
-            sent = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, routing.send_tokens())
-            return scatter(rows.all_to_all(sent, routing.group), routing)
+            return scatter(rows.all_to_all(routing.send_rows(x), routing.group), routing)
         _check_tokens("Permute", x, routing.slot_rows.shape[0], "tokens, hidden")
         ctx.recompute_output = Recompute(scatter, x, routing)
         return scatter(x, routing)
@@ -197,10 +196,9 @@ class Permute(BasicOp):
         rows. The same values as casting the received rows (the blocks are row-local)."""
         routing = ctx.side["routing"]
         _check_tokens("Permute", x, routing.tokens, "tokens, hidden")
-        cast = quantize(torch.cat([x, x.new_zeros(1, x.shape[1])]), fmt.recipe, rowwise=True)
-        sending = routing.send_tokens()
+        cast = quantize(torch.cat([x, x.new_zeros(1, x.shape[1])]), fmt.recipe, rowwise=True)  # a zero row: unused
         data, scale_inv = (
-            rows.scatter_rows(rows.all_to_all(t.index_select(0, sending), routing.group), routing)
+            rows.scatter_rows(rows.all_to_all(t.index_select(0, routing.send_tokens()), routing.group), routing)
             for t in (cast.rowwise_data.view(torch.uint8), cast.rowwise_scale_inv)
         )
         return QuantizedTensor((data.shape[0], x.shape[1]), x.dtype, x.device, recipe=fmt.recipe, role=cast.role,
@@ -212,9 +210,7 @@ class Permute(BasicOp):
             return None, {}
         routing = ctx.side["routing"]
         if isinstance(routing, rows.ExpertParallelRouting):
-            back = rows.all_to_all(rows.gather_sum(dy, routing), routing.group)  # in this rank's send rows
-            dx = dy.new_zeros(routing.tokens + 1, dy.shape[1]).index_add_(0, routing.send_tokens(), back)
-            return dx[:-1], {}
+            return routing.sum_send_rows(rows.all_to_all(rows.gather_sum(dy, routing), routing.group)), {}
         return rows.gather_sum(dy, routing), {}
 
 
@@ -257,10 +253,8 @@ class Unpermute(BasicOp):
         bound = {"routing": routing}
         probs = side.get("probs")
         if probs is not None and not memo.get("probs_applied"):
-            if expert_parallel:
-                check_token_probs("Unpermute", probs, (routing.tokens, routing.slots_per_token), x.device)
-            else:
-                check_slot_probs("Unpermute", probs, routing, x.device)
+            slots = (routing.tokens, routing.slots_per_token) if expert_parallel else routing.slot_rows.shape
+            check_slot_probs("Unpermute", probs, slots, x.device)
             bound["probs"] = probs
         return bound
 
@@ -299,19 +293,6 @@ class Unpermute(BasicOp):
         return dy_rows, grads
 
 
-def check_token_probs(op_name: str, probs, shape: tuple, device: torch.device) -> None:
-    """``probs`` floating, of ``shape`` (T, k), on ``device``."""
-    if not isinstance(probs, torch.Tensor):
-        raise OpTypeError(f"{op_name}: argument 'probs' must be a torch.Tensor, got {type(probs).__name__}")
-    if not probs.is_floating_point():
-        raise OpTypeError(f"{op_name}: argument 'probs' must be floating point, got {probs.dtype}")
-    if tuple(probs.shape) != tuple(shape):
-        raise OpValueError(f"{op_name}: argument 'probs' must have the shape of 'indices' {tuple(shape)} (tokens, k), "
-                           f"got {tuple(probs.shape)}")
-    if probs.device != device:
-        raise OpValueError(f"{op_name}: argument 'probs' is on {probs.device} but the input is on {device}")
-
-
 def _send_row_weights(routing: "rows.ExpertParallelRouting", probs, like: torch.Tensor) -> torch.Tensor:
     """(W * C, 1): the probability of the slot each send row carried (0 for an unused row)."""
     flat = torch.cat([probs.reshape(-1), probs.new_zeros(1)])
@@ -322,19 +303,17 @@ def _sum_into_tokens(back: torch.Tensor, routing: "rows.ExpertParallelRouting", 
     """Send-row results (W * C, H) -> tokens (T, H), each weighted by its slot's probability."""
     if probs is not None:
         back = back * _send_row_weights(routing, probs, back)
-    out = back.new_zeros(routing.tokens + 1, back.shape[1]).index_add_(0, routing.send_tokens(), back)
-    return out[:-1]
+    return routing.sum_send_rows(back)
 
 
 def _expert_parallel_combine_backward(ctx: OpContext, dy, routing: "rows.ExpertParallelRouting", probs):
     """The expert-parallel `Unpermute`'s backward: each send row's token gradient (weighted), back
     to the ranks that computed it, grouped as their rows; the probabilities' gradient from the
     rows that came back."""
-    dy_rows = torch.cat([dy, dy.new_zeros(1, dy.shape[1])]).index_select(0, routing.send_tokens())
+    dy_rows = routing.send_rows(dy)
     grads = {}
     if probs is not None and ctx.needs_grad("probs"):
-        dots = (dy_rows.to(torch.float64 if dy.dtype == torch.float64 else torch.float32)
-                * ctx.saved.returned_rows).sum(1)
+        dots = (dy_rows.to(torch.promote_types(dy.dtype, torch.float32)) * ctx.saved.returned_rows).sum(1)
         slots = dots.new_zeros(routing.tokens * routing.slots_per_token + 1).index_add_(0, routing.send_slots, dots)
         grads["probs"] = slots[:-1].view(routing.tokens, routing.slots_per_token).to(probs.dtype)
     if not ctx.input_requires_grad:
