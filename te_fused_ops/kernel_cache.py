@@ -80,23 +80,31 @@ def _warn(message: str) -> None:
     warnings.warn(f"te_fused_ops kernel cache: {message}; compiling instead", stacklevel=4)
 
 
-def read_entry(path: pathlib.Path, key: str) -> tuple[dict, bytes] | None:
-    """(header, payload) of the entry at ``path`` if it exists and passes every check above for
-    ``key``; None (with a warning unless the file is simply absent) otherwise."""
+def read_trusted(path: pathlib.Path, untrusted) -> bytes | None:
+    """The bytes of ``path`` if it is a regular file (not followed through a symlink) passing the
+    owner rules above; None when it is absent, else ``untrusted(reason)`` and None."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
     except OSError as e:  # ELOOP: a symlink
-        _warn(f"{path} not opened ({e.strerror}; symlinks are not followed)")
+        untrusted(f"{path} not opened ({e.strerror}; symlinks are not followed)")
         return None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         reason = "not a regular file" if not stat.S_ISREG(st.st_mode) else file_unsafe_reason(st, str(path))
         if reason:
-            _warn(reason)
+            untrusted(reason)
             return None
-        data = f.read()
+        return f.read()
+
+
+def read_entry(path: pathlib.Path, key: str) -> tuple[dict, bytes] | None:
+    """(header, payload) of the entry at ``path`` if it exists and passes every check above for
+    ``key``; None (with a warning unless the file is simply absent) otherwise."""
+    data = read_trusted(path, _warn)
+    if data is None:
+        return None
     try:
         if not data.startswith(MAGIC):
             raise ValueError("not a kernel cache entry")

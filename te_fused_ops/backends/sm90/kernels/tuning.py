@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import pathlib
-import stat
 import tempfile
 import warnings
 
@@ -57,23 +56,16 @@ def _read_table() -> dict:
     path = _path()
     if not kernel_cache.enabled() or kernel_cache.directory_unsafe_reason(path.parent):
         return {}
+    untrusted = lambda reason: warnings.warn(f"te_fused_ops tuned configs: {path} not trusted ({reason}), "  # noqa: E731
+                                             "ignored", stacklevel=5)
+    data = kernel_cache.read_trusted(path, untrusted)
+    if data is None:
+        return {}
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
+        table = json.loads(data)
+    except ValueError:
+        warnings.warn(f"te_fused_ops tuned configs: {path} is not JSON, ignored", stacklevel=4)
         return {}
-    except OSError as e:
-        warnings.warn(f"te_fused_ops tuned configs: {path} not read ({e.strerror})", stacklevel=4)
-        return {}
-    with os.fdopen(fd) as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or kernel_cache.file_unsafe_reason(st, str(path)):
-            warnings.warn(f"te_fused_ops tuned configs: {path} not trusted, ignored", stacklevel=4)
-            return {}
-        try:
-            table = json.load(f)
-        except ValueError:
-            warnings.warn(f"te_fused_ops tuned configs: {path} is not JSON, ignored", stacklevel=4)
-            return {}
     return {k: tuple(v) for k, v in table.items() if isinstance(v, list) and tuple(v) in CANDIDATES} \
         if isinstance(table, dict) else {}
 
