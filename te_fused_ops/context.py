@@ -114,6 +114,10 @@ class OpContext:
     output_format:        the `Format` folded after this op in the running step, else None
     main_grads:           parameter name -> fp32 buffer the backward accumulates that gradient
                           into instead of returning it (an output, so not a saved tensor)
+    grad_buffers:         parameter name -> tensor the backward may write that gradient into
+                          (it still returns it; a chunked segment's slice of the full gradient)
+    chunked:              the `overlap.ChunkedSegment` of the call, on the context of the op
+                          that opens it (its chunks' own contexts), else None
     forward_rule:         name of the fusion rule whose forward ran this op, or None (error hints)
     reuse_scope:          the `reuse_quantized_weights` scope open when the forward ran, else the
                           op's `cast_weights_once_per_step` scope (or None): both passes make or
@@ -137,6 +141,8 @@ class OpContext:
         self.input_format = None
         self.output_format = None
         self.main_grads: dict = {}
+        self.grad_buffers: dict = {}
+        self.chunked = None
         self.forward_rule = None
         self.reuse_scope = current_reuse_scope() or step_scope_of(op)
 

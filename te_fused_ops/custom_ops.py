@@ -13,7 +13,7 @@ round trip, and saved tensors that alias inputs need no copy).
 """
 
 import dataclasses
-import itertools
+import hashlib
 import weakref
 from typing import Optional
 
@@ -28,7 +28,19 @@ from .saved import slot_indices
 from .splits import validation
 
 _templates: "weakref.WeakValueDictionary[int, RunTemplate]" = weakref.WeakValueDictionary()
-_ids = itertools.count()
+_made: dict = {}  # structure digest -> templates made with it in this process
+
+
+def _new_template_id(ops, plan, key) -> int:
+    """A template id that names its structure: a digest of the ops' plan signatures, the plan's
+    steps and the call signature, and how many templates of that structure this process made
+    before. Inductor's on-disk cache keys a compiled graph by its text, where the id is a constant:
+    another process reaching the same id has the same structure, so a cached graph's saved-tensor
+    shapes hold for it (a plain counter would let another model's graph be reused)."""
+    text = repr((key, [op.plan_signature() for op in ops], [step.label(ops) for step in plan.forward + plan.backward]))
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:5], "big")
+    made = _made[digest] = _made.get(digest, -1) + 1
+    return digest << 20 | made % (1 << 20)
 
 
 class RunTemplate:
@@ -45,7 +57,7 @@ class RunTemplate:
 
     def __init__(self, ops, plan, key):
         _, dtype, x_requires_grad, x_dim, grad_on, params_key, side_key = key
-        self.id = next(_ids)
+        self.id = _new_template_id(ops, plan, key)
         self.ops, self.plan = ops, plan
         self.side_names = side_input_names(ops)
         side = dict(zip(self.side_names, side_key))
@@ -75,7 +87,7 @@ class RunTemplate:
             )
             for i, op in enumerate(ops)
         ]
-        self.ctxs = self.saved_positions = self.outputs_meta = self.num_tensors = None
+        self.ctxs = self.skeleton = self.saved_positions = self.outputs_meta = self.num_tensors = None
 
     def run(self, params: list, side: dict):
         """A `Run` with fresh contexts holding ``params``, on the side inputs ``side``."""
@@ -93,7 +105,7 @@ class RunTemplate:
         if not fake:
             run = self.run(params, dict(zip(self.side_names, side_values)))
             outputs = _unaliased([t.contiguous() for t in self._run_and_pack(run, inputs, None)], inputs)
-            self._record(run.ctxs, outputs, len(inputs))
+            self._record(run, outputs, len(inputs))
             return outputs
         with unset_fake_temporarily(), validation(False):  # real meta tensors: reading their values fails loudly
             meta: dict = {}
@@ -107,7 +119,7 @@ class RunTemplate:
                     "what the forward saves: it may not read tensor values (.tolist(), .item())]"
                 ) from error
         outputs = [torch.empty(t.shape, dtype=t.dtype, device=x.device) for t in outputs]
-        self._record(run.ctxs, outputs, len(inputs))
+        self._record(run, outputs, len(inputs))
         return outputs
 
     def _run_and_pack(self, run, inputs: list, steps) -> list:
@@ -132,15 +144,15 @@ class RunTemplate:
         return [dataclasses.replace(step, implementation=step.rule.reference) if step.rule is not None else step
                 for step in self.plan.forward]
 
-    def _record(self, ctxs, outputs, num_inputs: int) -> None:
+    def _record(self, run, outputs, num_inputs: int) -> None:
         """Keep the first forward's packed contexts; later forwards must save the same structure."""
         outputs_meta = [(t.dtype, t.dim()) for t in outputs]
-        skeleton = [(c.saved, c.side) for c in ctxs]
+        skeleton = [(c.saved, c.side) for c in run.contexts()]
         if self.ctxs is None:
-            self.ctxs, self.outputs_meta = ctxs, outputs_meta
+            self.ctxs, self.outputs_meta, self.skeleton = run.ctxs, outputs_meta, skeleton
             self.saved_positions = sorted(slot_indices(skeleton))
             self.num_tensors = num_inputs + len(outputs)
-        elif outputs_meta != self.outputs_meta or skeleton != [(c.saved, c.side) for c in self.ctxs]:
+        elif outputs_meta != self.outputs_meta or skeleton != self.skeleton:
             rules = ", ".join(f"'{s.rule.name}' ({s.backend})" for s in self.plan.forward if s.rule is not None)
             raise RuntimeError(
                 f"te_fused_ops under torch.compile: this call saved other values for the backward than "

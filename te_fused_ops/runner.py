@@ -12,6 +12,7 @@ import torch
 
 from .backends import backends_version
 from .context import OpContext
+from .overlap import ChunkedSegment, find_segment
 from .fusion import (
     PlanInfo,
     forced_backend,
@@ -147,6 +148,14 @@ class SideValues:
             self.publish(i, ctx)
             like = op.output_like(ctx, like)
 
+    def for_chunk(self, chunk: int, chunks: int) -> "SideValues":
+        """The side values as chunk ``chunk`` of a chunked segment sees them: the same values, a
+        memo of its own (holding the chunk, and state shared by the chunks of this call)."""
+        values = SideValues(self.values, self.grad_names)
+        values.source = dict(self.source)
+        values.memo = {"chunk": chunk, "chunks": chunks, "chunks shared": self.memo.setdefault("chunks shared", {})}
+        return values
+
     def publish(self, i: int, ctx) -> None:
         """Make what op ``i`` produced visible to the ops after it."""
         for name, value in ctx.produced.items():
@@ -172,11 +181,22 @@ class Run:
         self.param_slots = param_slots
         self.num_params = num_params
         self.side = SideValues(side or {}, grad_side_names)
+        self.segment = find_segment(ops)
 
     def forward(self, x, steps=None):
         """Run the forward steps (default: the plan's) on ``x``; returns the output. Each step's
         ops are bound to the side values just before it runs."""
-        for step in self.plan.forward if steps is None else steps:
+        steps = self.plan.forward if steps is None else steps
+        index = 0
+        while index < len(steps):
+            step = steps[index]
+            index += 1
+            if self.segment is not None and step.start == self.segment.start:
+                stop = self._segment_steps(steps, index - 1, "forward")
+                chunked = self.ctxs[step.start].chunked = ChunkedSegment(self, self.segment)
+                x = chunked.forward(self, steps[index - 1:stop], x)
+                index = stop
+                continue
             if step.start > 0:
                 self.ctxs[step.start].input_recompute = self.ctxs[step.start - 1].recompute_output
             self.side.bind(self.ops, self.ctxs, step.start, step.stop, x)
@@ -185,6 +205,29 @@ class Run:
                 self.side.publish(i, self.ctxs[i])
         return x
 
+    def _segment_steps(self, steps: list, first: int, passes: str) -> int:
+        """One past the last of ``steps`` (from ``first`` on, in ``passes`` order) over the chunked
+        segment, checking that they cover it alone, its closing op in a step of its own."""
+        seg = self.segment
+        stop = first
+        while stop < len(steps) and seg.start <= steps[stop].start < seg.stop:
+            stop += 1
+        spans = [(s.start, s.stop) for s in steps[first:stop]]
+        opening, closing = (spans[0], spans[-1]) if passes == "forward" else (spans[-1], spans[0])
+        if len(spans) < 2 or opening[0] != seg.start or closing != (seg.stop - 1, seg.stop) or max(
+                end for _, end in spans) > seg.stop:
+            raise ValueError(f"{self.ops[seg.start].op_name} (op {seg.start}): the chunked segment [{seg.start}:"
+                             f"{seg.stop}] must be planned as steps of its own, its last op alone (the {passes} "
+                             f"plan: {', '.join(s.label(self.ops) for s in steps[first:stop])})")
+        return stop
+
+    def contexts(self) -> list:
+        """Every context of this call: the ops', then each chunk's of a chunked segment."""
+        chunked = self.ctxs[self.segment.start].chunked if self.segment is not None else None
+        if chunked is None:
+            return list(self.ctxs)
+        return [*self.ctxs, *(c[i] for c in chunked.contexts for i in range(self.segment.start, self.segment.stop))]
+
     def pack(self, tensors=None, index=None) -> list:
         """Replace the tensors the contexts keep by slots; return them (for save_for_backward).
 
@@ -192,25 +235,44 @@ class Run:
         """
         tensors, index = ([], {}) if tensors is None else (tensors, index)
         self.side = SideValues({}, ())  # the forward's side values: only what the contexts saved lives on
-        for ctx in self.ctxs:
+        for ctx in self.contexts():
             ctx.saved = pack(ctx.saved, tensors, index)
             ctx.side = pack(ctx.side, tensors, index)
             ctx.params, ctx.produced = {}, {}
             ctx.recompute_output = ctx.input_recompute = None
         return tensors
 
+    @staticmethod
+    def _unpacked(ctx, saved_tensors):
+        """A copy of ``ctx`` with its saved values rebuilt on ``saved_tensors``."""
+        ctx = copy.copy(ctx)
+        ctx.saved = unpack(ctx.saved, saved_tensors)
+        ctx.side = unpack(ctx.side, saved_tensors)
+        ctx.produced_grads = {}
+        return ctx
+
     def backward(self, dy, saved_tensors):
         """(dx, side-input grads, parameter grads) from the contexts rebuilt on ``saved_tensors``."""
-        ctxs = [copy.copy(ctx) for ctx in self.ctxs]
-        for ctx in ctxs:
-            ctx.saved = unpack(ctx.saved, saved_tensors)
-            ctx.side = unpack(ctx.side, saved_tensors)
-            ctx.produced_grads = {}
+        ctxs = [self._unpacked(ctx, saved_tensors) for ctx in self.ctxs]
         op_grads = [None] * len(self.ops)
-        for step in self.plan.backward:
-            dy, grads = step.run(self.ops, ctxs, dy, "backward")
-            op_grads[step.start : step.stop] = grads
-            for i, op_grad in enumerate(grads or (), step.start):
+        steps, index = self.plan.backward, 0
+        while index < len(steps):
+            step = steps[index]
+            index += 1
+            if self.segment is not None and self.segment.start <= step.start < self.segment.stop:
+                stop = self._segment_steps(steps, index - 1, "backward")
+                chunked = ctxs[self.segment.start].chunked
+                contexts = [[*ctxs[:self.segment.start],
+                             *(self._unpacked(chunk[i], saved_tensors) for i in range(self.segment.start, self.segment.stop)),
+                             *ctxs[self.segment.stop:]] for chunk in chunked.contexts]
+                dy, grads = chunked.backward(self, steps[index - 1:stop], dy, contexts)
+                index = stop
+                step_start = self.segment.start
+            else:
+                dy, grads = step.run(self.ops, ctxs, dy, "backward")
+                step_start = step.start
+            op_grads[step_start : step_start + len(grads or ())] = grads or ()
+            for i, op_grad in enumerate(grads or (), step_start):
                 for name, grad in list((op_grad or {}).items()):
                     producer = ctxs[i].side_sources.get(name)
                     if producer is not None and grad is not None:  # for the op that produced it

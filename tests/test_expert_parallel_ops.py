@@ -36,23 +36,25 @@ def weights():
             torch.randn(E, H, I, generator=gen, dtype=torch.float64) / I**0.5)
 
 
-def kept_slots(indices_per_rank, capacity):
-    """(T, k) bool per source rank: its slot fits in the destination's ``capacity`` rows, filled
-    in the order (expert, token, slot): the rule, written as a host loop."""
+def kept_slots(indices_per_rank, capacity, chunks=1):
+    """(T, k) bool per source rank: its slot fits in the ``capacity`` rows of its destination (and
+    chunk of the destination's experts), filled in the order (expert, token, slot): the rule,
+    written as a host loop."""
     local = E // WORLD
     kept = []
     for indices in indices_per_rank:
-        used = [0] * WORLD
+        used = {}
         mask = torch.zeros(indices.shape, dtype=torch.bool)
         for e, t, j in sorted((e, t, j) for t, row in enumerate(indices.tolist()) for j, e in enumerate(row) if e >= 0):
-            if used[e // local] < capacity:
-                used[e // local] += 1
+            where = (e // local, e % local // (local // chunks))
+            if used.get(where, 0) < capacity:
+                used[where] = used.get(where, 0) + 1
                 mask[t, j] = True
         kept.append(mask)
     return kept
 
 
-def _worker(rank, init_file, capacity_factor):
+def _worker(rank, init_file, capacity_factor, chunks):
     sys.path.insert(0, os.path.dirname(__file__))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
@@ -68,19 +70,21 @@ def _worker(rank, init_file, capacity_factor):
             fc1.weight.copy_(w1[rank * local:(rank + 1) * local])
             fc2.weight.copy_(w2[rank * local:(rank + 1) * local])
         group = dist.group.WORLD
-        layer = Sequential(Permute(E, group=group, capacity_factor=capacity_factor), fc1, SwiGLU(), fc2,
-                           Unpermute(group=group))
+        layer = Sequential(Permute(E, group=group, capacity_factor=capacity_factor, chunks=chunks), fc1, SwiGLU(),
+                           fc2, Unpermute(group=group))
         x, indices, probs = rank_inputs(rank)
         x.requires_grad_(True)
         probs.requires_grad_(True)
         y = layer(x, indices=indices, probs=probs)
+        chunked = y.grad_fn.run.ctxs[0].chunked
+        assert (chunked is not None and len(chunked.contexts) == chunks) == (chunks > 1)
         dy = torch.randn(T, H, generator=torch.Generator().manual_seed(50 + rank), dtype=torch.float64)
         y.backward(dy)
 
         # the reference on all ranks' tokens, with the slots the capacity rule drops set to -1
         inputs = [rank_inputs(r) for r in range(WORLD)]
-        capacity = T * K if capacity_factor is None else max(1, math.ceil(capacity_factor * T * K / WORLD))
-        kept = kept_slots([i for _, i, _ in inputs], capacity)
+        capacity = T * K if capacity_factor is None else max(1, math.ceil(capacity_factor * T * K / (WORLD * chunks)))
+        kept = kept_slots([i for _, i, _ in inputs], capacity, chunks)
         xs = torch.cat([i[0] for i in inputs]).requires_grad_(True)
         ps = torch.cat([i[2] for i in inputs]).requires_grad_(True)
         ids = torch.cat([torch.where(k, i[1], -1) for i, k in zip(inputs, kept)])
@@ -104,16 +108,21 @@ def _worker(rank, init_file, capacity_factor):
         with no_host_reads():  # the routing reads no value back to the host
             routing = route_expert_parallel(indices, E, group, capacity)
         expected_dropped = int(((inputs[rank][1] >= 0) & ~kept[rank]).sum())
-        assert int(routing.dropped) == int(layer[0].dropped) == expected_dropped, (int(routing.dropped), expected_dropped)
+        assert int(layer[0].dropped) == expected_dropped, (int(layer[0].dropped), expected_dropped)
+        if chunks == 1:
+            assert int(routing.dropped) == expected_dropped
         assert (expected_dropped > 0) == (capacity_factor is not None and capacity_factor < 1)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("capacity_factor", [float(WORLD), 0.5, None], ids=["no drops", "drops", "dropless"])
-def test_expert_parallel_layer_equals_one_process(capacity_factor, tmp_path):
-    spawn(_worker, (str(tmp_path / "init"), capacity_factor), WORLD)
+@pytest.mark.parametrize("capacity_factor, chunks", [
+    (float(WORLD), 1), (0.5, 1), (None, 1), (3.0 * WORLD, 3), (0.5, 3), (None, 3)],
+    ids=["no drops", "drops", "dropless", "chunked, no drops", "chunked, drops", "chunked, dropless"])
+def test_expert_parallel_layer_equals_one_process(capacity_factor, chunks, tmp_path):
+    """``chunks=3``: one local expert per chunk, each chunk's exchanges beside another's experts."""
+    spawn(_worker, (str(tmp_path / "init"), capacity_factor, chunks), WORLD)
 
 
 def _bad_input_worker(rank, init_file):
@@ -143,15 +152,16 @@ def test_expert_parallel_bad_input_raises_on_every_rank(tmp_path):
     spawn(_bad_input_worker, (str(tmp_path / "init"),), WORLD)
 
 
-def _compile_worker(rank, init_file):
+def _compile_worker(rank, init_file, chunks):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         from te_fused_ops import GroupedLinear, Permute, Sequential, SwiGLU, Unpermute
 
         torch.manual_seed(0)
         group = dist.group.WORLD
-        layer = Sequential(Permute(E, group=group, capacity_factor=2.0), GroupedLinear(E // WORLD, H, 2 * I), SwiGLU(),
-                           GroupedLinear(E // WORLD, I, H), Unpermute(group=group))
+        layer = Sequential(Permute(E, group=group, capacity_factor=2.0 * chunks, chunks=chunks),
+                           GroupedLinear(E // WORLD, H, 2 * I), SwiGLU(), GroupedLinear(E // WORLD, I, H),
+                           Unpermute(group=group))
         torch._dynamo.reset()
         compiled = torch.compile(layer)
         for step in range(3):  # a new routing each step
@@ -200,8 +210,9 @@ def _compile_worker(rank, init_file):
         dist.destroy_process_group()
 
 
-def test_expert_parallel_layer_under_compile_checkpointing_and_a_router(tmp_path):
-    spawn(_compile_worker, (str(tmp_path / "init"),), WORLD)
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_expert_parallel_layer_under_compile_checkpointing_and_a_router(chunks, tmp_path):
+    spawn(_compile_worker, (str(tmp_path / "init"), chunks), WORLD)
 
 
 def _fp8_worker(rank, init_file):

@@ -29,6 +29,9 @@ class BasicOp(nn.Module):
     side_outputs: tuple = ()
     grad_side_outputs: tuple = ()
     param_names: tuple = ()
+    expert_params: tuple = ()  # parameters whose first dimension indexes the op's experts (groups)
+    chunks = 1  # > 1: the op opens a chunked segment (te_fused_ops.overlap) ...
+    closes_chunks = False  # ... which the next op with closes_chunks ends
 
     def __init__(self):
         super().__init__()

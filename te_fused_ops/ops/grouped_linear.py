@@ -59,6 +59,7 @@ class GroupedLinear(BasicOp):
 
     side_inputs = ("split_sizes",)
     param_names = ("weight", "bias")
+    expert_params = ("weight", "bias")
 
     def __init__(
         self,
@@ -103,7 +104,9 @@ class GroupedLinear(BasicOp):
         return (GroupedLinear, self.num_groups, self.in_features, self.out_features, self.bias is not None)
 
     def bind_side_inputs(self, side: dict, x: torch.Tensor, memo: dict) -> dict:
-        return {"offsets": bind_offsets("GroupedLinear", side, x, memo, self.num_groups)}
+        experts = memo.get("chunk experts")  # in a chunked segment: (first, stop) of the chunk's experts
+        groups = self.num_groups if experts is None else experts[1] - experts[0]
+        return {"offsets": bind_offsets("GroupedLinear", side, x, memo, groups)}
 
     def check_input(self, x, weight: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):

@@ -76,17 +76,33 @@ class Permute(BasicOp):
     with ``Unpermute(group=...)``, which takes the probabilities. The rows move on the torch path
     (an all-to-all each way). Where values are checked (CPU, TE_FUSED_OPS_VALIDATE=1), ids out of
     range or capacities that differ on any rank raise on every rank.
+
+    ``chunks=n`` (with ``group``) overlaps the exchanges with the experts: the ops up to the
+    ``Unpermute`` run as n chunks of the local experts (chunk c: experts [c L/n, (c+1) L/n) of
+    every rank, L = E / W), each chunk's dispatch and combine (and their backwards) on a side
+    stream while another chunk's experts run (`te_fused_ops.overlap`); the capacity then applies
+    per chunk (ceil(capacity_factor * T * k / (W * n)) rows per rank pair and chunk). While the
+    chunks overlap, the GEMMs leave ``overlap_sms`` SMs free for the exchanges' kernels.
     """
 
     side_inputs = ("indices",)
     side_outputs = ("routing", "split_sizes")
 
-    def __init__(self, num_experts: int, group=None, capacity_factor: float | None = 1.0):
+    def __init__(self, num_experts: int, group=None, capacity_factor: float | None = 1.0, chunks: int = 1,
+                 overlap_sms: int = 16):
         super().__init__()
         if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
             raise OpValueError(f"Permute: argument 'num_experts' must be a positive int, got {num_experts!r}")
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks <= 0:
+            raise OpValueError(f"Permute: argument 'chunks' must be a positive int, got {chunks!r}")
+        if not isinstance(overlap_sms, int) or isinstance(overlap_sms, bool) or overlap_sms < 0:
+            raise OpValueError(f"Permute: argument 'overlap_sms' must be an int >= 0, got {overlap_sms!r}")
         self.num_experts, self.group, self.capacity_factor = num_experts, group, capacity_factor
+        self.chunks, self.overlap_sms = chunks, overlap_sms
         self.dropped = None  # with group: () int64, this rank's slots dropped by the last call
+        if group is None and chunks > 1:
+            raise OpValueError("Permute: argument 'chunks' > 1 overlaps the exchanges of expert parallelism and "
+                               "needs 'group'")
         if group is not None:
             import torch.distributed as dist
 
@@ -94,25 +110,47 @@ class Permute(BasicOp):
             if num_experts % world:
                 raise OpValueError(f"Permute: argument 'num_experts' ({num_experts}) must split evenly over the "
                                    f"{world} ranks of 'group'")
+            if num_experts // world % chunks:
+                raise OpValueError(f"Permute: argument 'chunks' ({chunks}) must divide the {num_experts // world} "
+                                   "experts of each rank")
             if capacity_factor is not None and not capacity_factor > 0:
                 raise OpValueError(f"Permute: argument 'capacity_factor' must be > 0 or None, got {capacity_factor!r}")
 
     def extra_repr(self) -> str:
         ep = "" if self.group is None else f", group of {self.world_size()}, capacity_factor={self.capacity_factor}"
-        return f"num_experts={self.num_experts}{ep}"
+        chunks = f", chunks={self.chunks}" if self.chunks > 1 else ""
+        return f"num_experts={self.num_experts}{ep}{chunks}"
 
-    def capacity(self, indices: torch.Tensor) -> int:
-        """C, the rows every rank sends every rank in this call (``group`` set); where values are
-        checked, bad ids or differing capacities on any rank raise on every rank (no rank is left
-        waiting in a collective)."""
+    def chunk_experts(self, chunk: int) -> tuple:
+        """(first, stop): the local experts of chunk ``chunk`` (of ``chunks``)."""
+        per_chunk = self.num_experts // self.world_size() // self.chunks
+        return chunk * per_chunk, (chunk + 1) * per_chunk
+
+    def chunk_indices(self, indices: torch.Tensor, chunk: int) -> torch.Tensor:
+        """(T, k) int64: the slots routed to chunk ``chunk``'s experts, as ids among the E / chunks
+        experts of the chunks (rank r's j-th expert of the chunk: r * L / chunks + j); -1 elsewhere."""
+        local = self.num_experts // self.world_size()
+        per_chunk = local // self.chunks
+        ids = indices.to(torch.int64)
+        inside = (ids >= 0) & (ids < self.num_experts) & (ids % local // per_chunk == chunk)
+        return torch.where(inside, ids // local * per_chunk + ids % per_chunk, -1)
+
+    def capacities(self, indices: torch.Tensor) -> list:
+        """C per chunk: the rows every rank sends every rank in this call (``group`` set); where
+        values are checked, bad ids or differing capacities on any rank raise on every rank (no
+        rank is left waiting in a collective)."""
         import torch.distributed as dist
 
         world = self.world_size()
-        if self.capacity_factor is None:  # dropless: the largest (source, destination) count
-            largest = rows.rank_counts(indices, self.num_experts, world).max().reshape(1)
+        if self.capacity_factor is None:  # dropless: the largest (source, destination) count of each chunk
+            if self.chunks == 1:
+                largest = rows.rank_counts(indices, self.num_experts, world).max().reshape(1)
+            else:
+                largest = torch.stack([rows.rank_counts(self.chunk_indices(indices, c), self.num_experts // self.chunks,
+                                                        world).max() for c in range(self.chunks)])
             dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
-            return max(1, int(largest.item()))
-        capacity = max(1, math.ceil(self.capacity_factor * indices.numel() / world))
+            return [max(1, count) for count in largest.tolist()]
+        capacity = max(1, math.ceil(self.capacity_factor * indices.numel() / (world * self.chunks)))
         if validation_enabled(indices.device):
             bad = ((indices < -1) | (indices >= self.num_experts)).sum()
             bounds = torch.stack([bad, bad.new_tensor(capacity), bad.new_tensor(-capacity)])
@@ -124,7 +162,7 @@ class Permute(BasicOp):
             if int(bounds[1]) != -int(bounds[2]):
                 raise OpValueError(f"Permute: the ranks of 'group' send {-int(bounds[2])} to {int(bounds[1])} rows per "
                                    "rank pair (capacity_factor * tokens * k / ranks); every rank needs the same")
-        return capacity
+        return [capacity] * self.chunks
 
     def world_size(self) -> int:
         import torch.distributed as dist
@@ -132,7 +170,8 @@ class Permute(BasicOp):
         return 1 if self.group is None else dist.get_world_size(self.group)
 
     def plan_signature(self) -> tuple:
-        return (Permute, self.num_experts, None if self.group is None else id(self.group), self.capacity_factor)
+        return (Permute, self.num_experts, None if self.group is None else id(self.group), self.capacity_factor,
+                self.chunks)
 
     def check_index_values(self, indices: torch.Tensor) -> None:
         bad = indices[(indices < -1) | (indices >= self.num_experts)]
@@ -160,11 +199,22 @@ class Permute(BasicOp):
         self.check_indices(indices, x, values=self.group is None)  # with a group: checked with the capacity
         key = ("routing", id(indices), self.num_experts, id(self.group))
         if key not in memo:
+            chunk = memo.get("chunk")
             if self.group is None:
                 memo[key] = rows.route(indices, self.num_experts)
-            else:
-                memo[key] = rows.route_expert_parallel(indices, self.num_experts, self.group, self.capacity(indices))
+            elif chunk is None:
+                memo[key] = rows.route_expert_parallel(indices, self.num_experts, self.group,
+                                                       self.capacities(indices)[0])
                 self.dropped = memo[key].dropped
+            else:  # one chunk of a chunked segment: its experts' slots, the capacities of all chunks found once
+                shared = memo["chunks shared"]
+                if "capacities" not in shared:
+                    shared["capacities"] = self.capacities(indices)
+                memo[key] = rows.route_expert_parallel(self.chunk_indices(indices, chunk), self.num_experts // self.chunks,
+                                                       self.group, shared["capacities"][chunk])
+                memo["chunk experts"] = self.chunk_experts(chunk)
+                dropped = memo[key].dropped
+                self.dropped = dropped if chunk == 0 else self.dropped + dropped
         routing = memo[key]
         remember_offsets(memo, routing.counts, routing.row_slots.shape[0], routing.offsets)
         return {"routing": routing}
@@ -228,6 +278,7 @@ class Unpermute(BasicOp):
 
     side_inputs = ("routing", "probs")
     optional_side_inputs = ("probs",)
+    closes_chunks = True
 
     def __init__(self, group=None):
         super().__init__()

@@ -6,6 +6,7 @@ import os
 import torch
 
 from ... import env
+from ...overlap import reserved_sms
 from .. import Backend, register_backend
 from .kernels import sm90_unavailable_reason
 from .kernels.split_offsets import kernel_available, split_offsets_sm90
@@ -43,9 +44,10 @@ _sm_margin_read = [None, 0]  # [raw value, parsed setting] of the latest read
 
 
 def sm_margin() -> int:
-    """SMs the sm90 GEMMs leave free for kernels beside them (env TE_FUSED_OPS_SM_MARGIN, read at
-    every call; parsed again only when the raw value changed)."""
+    """SMs the sm90 GEMMs leave free for kernels beside them: env TE_FUSED_OPS_SM_MARGIN (read at
+    every call; parsed again only when the raw value changed), or more while a chunked segment's
+    exchanges run beside them (`overlap.reserved_sms`)."""
     raw = _ENVIRON_STORE.get(_SM_MARGIN_KEY) if _ENVIRON_STORE is not None else os.environ.get(_SM_MARGIN)
     if raw != _sm_margin_read[0]:
         _sm_margin_read[:] = [raw, env.read(_SM_MARGIN, "sm90 backend")]
-    return _sm_margin_read[1]
+    return max(_sm_margin_read[1], reserved_sms())

@@ -259,12 +259,14 @@ def linear_param_grads(ctx, dy: torch.Tensor, x=None, dy_columns=None, out_dtype
     offsets, grads = ctx.side["offsets"], {}
     if ctx.needs_grad("weight"):
         main_grad = ctx.main_grads.get("weight")  # accumulated in place by the kernel's epilogue
+        out = ctx.grad_buffers.get("weight") if main_grad is None else None  # a chunk's slice of the gradient
         if dy_columns is None:
             dw = grouped_wgrad_sm90(dy, ctx.load_input() if x is None else x, offsets, main_grad=main_grad,
-                                    sm_margin=sm_margin())
+                                    out=out, sm_margin=sm_margin())
         else:
             out_dtype = dy.dtype if out_dtype is None else out_dtype
             dw = grouped_wgrad_fp8_sm90(dy_columns, x, offsets, out_dtype=out_dtype, main_grad=main_grad,
+                                        out=out if out is not None and out.dtype == out_dtype else None,
                                         sm_margin=sm_margin())
         if main_grad is None:
             grads["weight"] = dw
