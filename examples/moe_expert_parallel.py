@@ -3,6 +3,9 @@
     python examples/moe_expert_parallel.py --device cpu              # 2 gloo processes, spawned here
     torchrun --nproc-per-node 2 examples/moe_expert_parallel.py     # NCCL on 2 GPUs (CPU: gloo)
 
+On CUDA the default size is a realistic one (4096 tokens per rank, H 2048, I 768, 32 experts,
+top-8); on the CPU a small one.
+
 It checks the layer (output; gradients of the input, the router and every rank's experts) against
 the same layer in one process, prints a short report and exits non-zero on a mismatch. On CUDA it
 also captures a whole training step in a CUDA graph and replays it with new tokens.
@@ -16,7 +19,9 @@ routing values; a destination's slots past its C rows are dropped, in the order 
 slot) and groups the rows a rank received by its local experts; `GroupedLinear`, `SwiGLU`,
 `GroupedLinear` run the rank's experts; `Unpermute(group=...)` sends the rows back and sums them
 into their tokens, weighted by the router probabilities. Gradients flow back to the input, the
-router (through the probabilities) and every rank's experts.
+router (through the probabilities) and every rank's experts. With ``--chunks n`` (default 2) the
+layer runs as n chunks of each rank's experts, one chunk's exchanges beside another chunk's experts
+(the capacity then holds per chunk: C = ceil(capacity_factor * T * k / (W * n))).
 """
 
 import argparse
@@ -56,15 +61,16 @@ class Router(nn.Module):
 class ExpertParallelMoE(nn.Module):
     """Top-k MoE layer whose E experts are split evenly over the ranks of ``group``."""
 
-    def __init__(self, hidden, ffn, num_experts, top_k=2, capacity_factor=1.25, group=None, dtype=None, device=None):
+    def __init__(self, hidden, ffn, num_experts, top_k=2, capacity_factor=1.25, chunks=1, group=None, dtype=None,
+                 device=None):
         super().__init__()
         self.group = dist.group.WORLD if group is None else group
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.num_experts, self.local_experts = num_experts, num_experts // self.world
-        self.top_k, self.capacity_factor = top_k, capacity_factor
+        self.top_k, self.capacity_factor, self.chunks = top_k, capacity_factor, chunks
         self.router = Router(hidden, num_experts, top_k, device=device)
         self.experts = Sequential(
-            Permute(num_experts, group=self.group, capacity_factor=capacity_factor),
+            Permute(num_experts, group=self.group, capacity_factor=capacity_factor, chunks=chunks),
             GroupedLinear(self.local_experts, hidden, 2 * ffn, dtype=dtype, device=device),
             SwiGLU(),
             GroupedLinear(self.local_experts, ffn, hidden, dtype=dtype, device=device),
@@ -89,23 +95,25 @@ class ExpertParallelMoE(nn.Module):
 # ---- the single-process reference and the check ------------------------------------------------
 
 
-def kept_assignments(experts: torch.Tensor, local_experts: int, world: int, slots: int) -> torch.Tensor:
+def kept_assignments(experts: torch.Tensor, local_experts: int, slots: int, chunks: int) -> torch.Tensor:
     """(T, k) bool: whether each assignment of one source rank fits in its destination's slots.
 
-    The capacity rule of ``Permute(group=...)``, written independently as a host loop: a destination
-    rank fills its C slots in the order (expert, token, choice).
+    The capacity rule of ``Permute(group=..., chunks=...)``, written independently as a host loop:
+    a destination rank fills the C slots of each chunk of its experts in the order (expert, token,
+    choice).
     """
-    used = [0] * world
+    used = {}
     kept = torch.zeros(experts.shape, dtype=torch.bool)
     rows = experts.tolist()
     for expert, token, choice in sorted((e, t, c) for t, row in enumerate(rows) for c, e in enumerate(row)):
-        if used[expert // local_experts] < slots:
-            used[expert // local_experts] += 1
+        where = (expert // local_experts, expert % local_experts // (local_experts // chunks))
+        if used.get(where, 0) < slots:
+            used[where] = used.get(where, 0) + 1
             kept[token, choice] = True
     return kept.to(experts.device)
 
 
-def reference_forward(router: Router, experts: Sequential, xs, world: int, slots: int):
+def reference_forward(router: Router, experts: Sequential, xs, world: int, slots: int, chunks: int):
     """The layer in one process: xs, every rank's (T, H) tokens -> (W * T, H) output, dropped count.
 
     Routing runs per rank (the shapes, so the bits, the ranks route with); all experts in one call.
@@ -114,7 +122,7 @@ def reference_forward(router: Router, experts: Sequential, xs, world: int, slots
     tokens, chosen, probs = [], [], []
     for rank, x in enumerate(xs):
         p, e = router(x)
-        kept = kept_assignments(e, local_experts, world, slots)
+        kept = kept_assignments(e, local_experts, slots, chunks)
         token = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(e) + rank * x.shape[0]
         tokens.append(token[kept])
         chosen.append(e[kept])
@@ -158,8 +166,8 @@ def check_against_reference(args, layer: ExpertParallelMoE, router: Router, expe
     dist.all_reduce(dropped, group=layer.group)
 
     xs = [xr.clone().requires_grad_() for xr, _ in batches]
-    slots = capacity(tokens, layer.top_k, world, layer.capacity_factor)
-    y_ref, dropped_ref = reference_forward(router, experts, xs, world, slots)
+    slots = capacity(tokens, layer.top_k, world * layer.chunks, layer.capacity_factor)
+    y_ref, dropped_ref = reference_forward(router, experts, xs, world, slots, layer.chunks)
     (y_ref.float() * torch.cat([dy for _, dy in batches])).sum().backward()
 
     local = slice(rank * layer.local_experts, (rank + 1) * layer.local_experts)
@@ -226,7 +234,7 @@ def run(args, device) -> bool:
         GroupedLinear(args.experts, args.ffn, args.hidden, dtype=dtype, device=device),
     )
     layer = ExpertParallelMoE(
-        args.hidden, args.ffn, args.experts, args.top_k, args.capacity_factor, dtype=dtype, device=device
+        args.hidden, args.ffn, args.experts, args.top_k, args.capacity_factor, args.chunks, dtype=dtype, device=device
     )
     layer.load_shard(router, experts)
 
@@ -236,7 +244,8 @@ def run(args, device) -> bool:
         f"expert-parallel MoE: {layer.world} ranks ({dist.get_backend(layer.group)}, {device.type}, "
         f"{str(dtype).removeprefix('torch.')}), {args.experts} experts ({layer.local_experts} per rank), "
         f"{args.tokens} tokens per rank, top-{args.top_k}, "
-        f"{capacity(args.tokens, args.top_k, layer.world, args.capacity_factor)} slots per rank pair",
+        f"{args.chunks} chunks, {capacity(args.tokens, args.top_k, layer.world * args.chunks, args.capacity_factor)} "
+        "slots per rank pair and chunk",
         f"dropped assignments: {dropped} of {layer.world * args.tokens * args.top_k} (reference: {dropped_ref})",
         f"max relative error vs the single-process reference (tolerance {tol:g}):",
         *(f"  {name:16s} {err:.2e}" for name, err in errors.items()),
@@ -279,14 +288,21 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     parser.add_argument("--nproc", type=int, default=2, help="processes to spawn (ignored under torchrun)")
-    parser.add_argument("--tokens", type=int, default=128, help="tokens per rank")
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--ffn", type=int, default=64, help="expert intermediate size")
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--tokens", type=int, help="tokens per rank (default: CUDA 4096, CPU 128)")
+    parser.add_argument("--hidden", type=int, help="default: CUDA 2048, CPU 64")
+    parser.add_argument("--ffn", type=int, help="expert intermediate size (default: CUDA 768, CPU 64)")
+    parser.add_argument("--experts", type=int, help="default: CUDA 32, CPU 8")
+    parser.add_argument("--top-k", type=int, help="default: CUDA 8, CPU 2")
     parser.add_argument("--capacity-factor", type=float, default=1.0)
+    parser.add_argument("--chunks", type=int, default=2, help="chunks of each rank's experts, overlapped")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    sizes = dict(tokens=4096, hidden=2048, ffn=768, experts=32, top_k=8) if args.device == "cuda" else dict(
+        tokens=128, hidden=64, ffn=64, experts=8, top_k=2)
+    for name, value in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
 
 def main(argv=None) -> int:

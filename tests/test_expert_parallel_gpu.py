@@ -1,0 +1,165 @@
+"""The expert-parallel layer on 2 GPUs over NCCL: bf16 and FP8, with and without the overlap
+(``chunks``), equal to the single-GPU layer on all ranks' tokens (output, gradients of x, probs and
+every rank's experts); sync-free with a static capacity; one CUDA graph of the whole step replayed
+with three routings equals eager; FSDP2 on the router beside the experts. Skipped without 2 GPUs."""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from spawn import spawn
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
+
+WORLD, E, H, I, T, K = 2, 8, 256, 128, 512, 2
+
+
+def tokens(rank, step=0):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(T, H, generator=gen)
+    indices = torch.randint(-1, E, (T, K), generator=gen)
+    return x, indices, torch.rand(T, K, generator=gen), torch.randn(T, H, generator=gen)
+
+
+def layers(group, chunks, fp8, local, device):
+    from te_fused_ops import GroupedLinear, Permute, Quantize, Sequential, SwiGLU, Unpermute
+
+    torch.manual_seed(0)
+    kw = dict(dtype=torch.bfloat16, device=device)
+    full1, full2 = GroupedLinear(E, H, 2 * I, **kw), GroupedLinear(E, I, H, **kw)
+    fc1, fc2 = GroupedLinear(local.stop - local.start, H, 2 * I, **kw), GroupedLinear(local.stop - local.start, I, H, **kw)
+    with torch.no_grad():
+        fc1.weight.copy_(full1.weight[local])
+        fc2.weight.copy_(full2.weight[local])
+    cast = [Quantize("fp8_blockwise")] if fp8 else []
+    layer = Sequential(Permute(E, group=group, capacity_factor=float(WORLD), chunks=chunks), *cast, fc1, SwiGLU(), fc2,
+                       Unpermute(group=group))
+    reference = Sequential(Permute(E), *cast, full1, SwiGLU(), full2, Unpermute())
+    return layer, reference
+
+
+def _worker(rank, init_file):
+    sys.path.insert(0, os.path.dirname(__file__))
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        import reference as ref
+
+        from te_fused_ops import CudaGraphStep
+
+        group, per_rank = dist.group.WORLD, E // WORLD
+        local = slice(rank * per_rank, (rank + 1) * per_rank)
+        for chunks in (1, 2):
+            for fp8 in (False, True):
+                where = f"rank {rank}, chunks {chunks}, fp8 {fp8}"
+                layer, reference = layers(group, chunks, fp8, local, device)
+                assert "(backend sm90)" in layer.explain(torch.empty(T, H, dtype=torch.bfloat16, device=device),
+                                                        indices=tokens(rank)[1].to(device), probs=tokens(rank)[2].to(device))
+                x, indices, probs, dy = (t.to(device) for t in tokens(rank))
+                x, probs = x.bfloat16().requires_grad_(), probs.requires_grad_()
+                layer(x, indices=indices, probs=probs).float().backward(dy)  # compiles the kernels
+                x.grad = probs.grad = None
+                layer.zero_grad(set_to_none=True)
+                torch.cuda.synchronize()
+                with torch.cuda.set_sync_debug_mode("error"):  # static capacity: no host read
+                    y = layer(x, indices=indices, probs=probs)
+                    y.float().backward(dy)
+                torch.cuda.synchronize()
+                batches = [tokens(r) for r in range(WORLD)]
+                xs = torch.cat([b[0] for b in batches]).to(device, torch.bfloat16).requires_grad_()
+                ps = torch.cat([b[2] for b in batches]).to(device).requires_grad_()
+                ry = reference(xs, indices=torch.cat([b[1] for b in batches]).to(device), probs=ps)
+                ry.float().backward(torch.cat([b[3] for b in batches]).to(device))
+                mine = slice(rank * T, (rank + 1) * T)
+                tol = 3e-2 if fp8 else 1e-2
+                for name, got, want in [("y", y, ry[mine]), ("dx", x.grad, xs.grad[mine]),
+                                        ("dprobs", probs.grad, ps.grad[mine]),
+                                        ("dw1", layer[-4].weight.grad, reference[-4].weight.grad[local]),
+                                        ("dw2", layer[-2].weight.grad, reference[-2].weight.grad[local])]:
+                    err = ref.rel_err(got, want)
+                    assert err <= tol, f"{where}: {name} rel err {err:.2e}"
+                assert int(layer[0].dropped) == 0, where
+
+                # one CUDA graph of the whole step, replayed with three routings, equals eager
+                static = [t.clone() for t in (x.detach(), indices, probs.detach())]
+                static[0].requires_grad_()
+                static[2].requires_grad_()
+                params = [layer[-4].weight, layer[-2].weight]
+
+                def step():
+                    for t in (static[0], static[2], *params):
+                        t.grad = None
+                    out = layer(static[0], indices=static[1], probs=static[2])
+                    out.float().backward(dy)
+                    return out.detach()
+
+                graphed = CudaGraphStep(step)
+                for replay in range(1, 4):
+                    nx, ni, npr, _ = (t.to(device) for t in tokens(rank, replay))
+                    with torch.no_grad():
+                        static[0].copy_(nx.bfloat16())
+                        static[1].copy_(ni)
+                        static[2].copy_(npr)
+                    out = graphed()
+                    ex, ep = nx.bfloat16().requires_grad_(), npr.clone().requires_grad_()
+                    want = layer(ex, indices=ni, probs=ep)
+                    grads = torch.autograd.grad(want.float(), [ex, ep, *params], dy)
+                    got = [out, static[0].grad, static[2].grad, *(p.grad for p in params)]
+                    for a, b in zip(got, [want, *grads]):
+                        assert torch.equal(a, b), f"{where}: CUDA graph replay {replay} differs from eager"
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_layer_on_two_gpus_equals_one_gpu(tmp_path):
+    spawn(_worker, (str(tmp_path / "init"),), WORLD)
+
+
+def _fsdp_worker(rank, init_file):
+    """FSDP2 on the router (NCCL) beside the experts of each rank: three SGD steps equal a
+    replicated router whose gradient is averaged by hand."""
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from te_fused_ops import GroupedLinear, Permute, Sequential, SwiGLU, TopKRouter, Unpermute
+
+        group, local = dist.group.WORLD, E // WORLD
+
+        def make():
+            torch.manual_seed(0)
+            router = TopKRouter(H, E, K, normalize=True, device=device)
+            torch.manual_seed(1 + rank)
+            return Sequential(router, Permute(E, group=group, capacity_factor=float(2 * WORLD), chunks=2),
+                              GroupedLinear(local, H, 2 * I, device=device), SwiGLU(),
+                              GroupedLinear(local, I, H, device=device), Unpermute(group=group))
+
+        sharded, plain = make(), make()
+        fully_shard(sharded[0], mesh=init_device_mesh("cuda", (WORLD,)))
+        opt, opt_plain = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (sharded, plain))
+        for step in range(3):
+            x = torch.randn(T, H, generator=torch.Generator().manual_seed(10 * step + rank)).to(device)
+            sharded(x).square().mean().backward()
+            plain(x).square().mean().backward()
+            dist.all_reduce(plain[0].weight.grad, group=group)
+            plain[0].weight.grad /= WORLD
+            for o in (opt, opt_plain):
+                o.step()
+                o.zero_grad(set_to_none=True)
+            torch.testing.assert_close(sharded[0].weight.full_tensor(), plain[0].weight.detach())
+            for mine, other in ((sharded[2], plain[2]), (sharded[4], plain[4])):
+                torch.testing.assert_close(mine.weight, other.weight)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_router_beside_expert_parallel_experts_on_two_gpus(tmp_path):
+    spawn(_fsdp_worker, (str(tmp_path / "init"),), WORLD)
