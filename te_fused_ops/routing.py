@@ -118,12 +118,16 @@ class ExpertParallelRouting(Routing):
     map this rank's T tokens to its W * C send rows (rows d * C .. d * C + C - 1 go to rank d).
 
     send_slots:  (W * C,) int64, the slot t * k + j each send row carries; T * k for an unused row
+    send_slot_rows: (T, k) int32, the send row of each slot; W * C for a slot not sent
+    send_kept:   (1,) int32 holding W * C (send rows below it are kept: the row kernels' num_kept)
     dropped:     () int64, this rank's slots past their destination's capacity
     tokens, slots_per_token: T and k
     group:       the process group
     """
 
     send_slots: torch.Tensor
+    send_slot_rows: torch.Tensor
+    send_kept: torch.Tensor
     dropped: torch.Tensor
     tokens: int
     slots_per_token: int
@@ -186,6 +190,8 @@ def route_expert_parallel(indices: torch.Tensor, num_experts: int, group, capaci
     row = torch.where(kept, destination * capacity + position, world * capacity)  # the last: a spill row
     send_slots = torch.full((world * capacity + 1,), num_slots, dtype=torch.int64, device=device)
     send_slots = send_slots.scatter_(0, row, order)[:-1]
+    send_slot_rows = torch.empty(num_slots, dtype=torch.int32, device=device).scatter_(0, order, row.to(torch.int32))
+    send_kept = torch.full((1,), world * capacity, dtype=torch.int32, device=device)
     send_counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     send_counts = send_counts.scatter_add_(0, sorted_expert, kept.long())[:num_experts].view(world, local_experts)
     recv_counts = all_to_all(send_counts, group)  # row s: what rank s sends here, per local expert
@@ -193,4 +199,5 @@ def route_expert_parallel(indices: torch.Tensor, num_experts: int, group, capaci
     received = torch.searchsorted(torch.cumsum(recv_counts, 1), column.contiguous(), right=True)
     local = route(torch.where(received < local_experts, received, -1).reshape(-1, 1), local_experts)
     return ExpertParallelRouting(local.slot_rows, local.row_slots, local.offsets, local.counts, send_slots,
-                                 (sent & ~kept).sum(), indices.shape[0], indices.shape[1], group)
+                                 send_slot_rows.view(indices.shape), send_kept, (sent & ~kept).sum(),
+                                 indices.shape[0], indices.shape[1], group)

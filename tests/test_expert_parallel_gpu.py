@@ -56,17 +56,24 @@ def _worker(rank, init_file):
             for fp8 in (False, True):
                 where = f"rank {rank}, chunks {chunks}, fp8 {fp8}"
                 layer, reference = layers(group, chunks, fp8, local, device)
-                assert "(backend sm90)" in layer.explain(torch.empty(T, H, dtype=torch.bfloat16, device=device),
-                                                        indices=tokens(rank)[1].to(device), probs=tokens(rank)[2].to(device))
+                plan = layer.explain(torch.empty(T, H, dtype=torch.bfloat16, device=device, requires_grad=True),
+                                     indices=tokens(rank)[1].to(device), probs=tokens(rank)[2].to(device))
+                rules = ["'unpermute' (backend sm90)", "'unpermute_backward' (backend sm90)",
+                         "'permute_backward' (backend sm90)",
+                         "'permute+quantize' (backend sm90)" if fp8 else "'permute' (backend sm90)"]
+                assert all(rule in plan for rule in rules), plan
                 x, indices, probs, dy = (t.to(device) for t in tokens(rank))
                 x, probs = x.bfloat16().requires_grad_(), probs.requires_grad_()
                 layer(x, indices=indices, probs=probs).float().backward(dy)  # compiles the kernels
                 x.grad = probs.grad = None
                 layer.zero_grad(set_to_none=True)
                 torch.cuda.synchronize()
-                with torch.cuda.set_sync_debug_mode("error"):  # static capacity: no host read
+                torch.cuda.set_sync_debug_mode("error")  # static capacity: no host read
+                try:
                     y = layer(x, indices=indices, probs=probs)
                     y.float().backward(dy)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
                 torch.cuda.synchronize()
                 batches = [tokens(r) for r in range(WORLD)]
                 xs = torch.cat([b[0] for b in batches]).to(device, torch.bfloat16).requires_grad_()

@@ -22,7 +22,7 @@ from .base import BasicOp, OpContext, Recompute, is_quantized
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _check_tokens(op_name: str, x, num_rows, what: str) -> None:
+def check_tokens(op_name: str, x, num_rows, what: str) -> None:
     """x a plain floating (num_rows, features) tensor (num_rows None: any)."""
     if not isinstance(x, torch.Tensor):
         raise OpTypeError(f"{op_name}: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
@@ -230,27 +230,31 @@ class Permute(BasicOp):
         """The forward with ``scatter(x, routing)`` moving the rows (a backend's, or the torch one)."""
         routing = ctx.side["routing"]
         if isinstance(routing, rows.ExpertParallelRouting):  # send rows out, group what arrives
-            _check_tokens("Permute", x, routing.tokens, "tokens, hidden")
+            check_tokens("Permute", x, routing.tokens, "tokens, hidden")
             return scatter(rows.all_to_all(routing.send_rows(x), routing.group), routing)
-        _check_tokens("Permute", x, routing.slot_rows.shape[0], "tokens, hidden")
+        check_tokens("Permute", x, routing.slot_rows.shape[0], "tokens, hidden")
         ctx.recompute_output = Recompute(scatter, x, routing)
         return scatter(x, routing)
 
     def op_forward(self, ctx: OpContext, x) -> torch.Tensor:
         return self.forward_rows(ctx, x, rows.scatter_rows)
 
-    def forward_cast_rows(self, ctx: OpContext, x, fmt) -> QuantizedTensor:
+    def forward_cast_rows(self, ctx: OpContext, x, fmt, move=None) -> QuantizedTensor:
         """Expert parallel with a 1x128 row-block cast (``fmt``, the folded Quantize) after it: each
         token is cast once, before sending, and its E4M3 row and scales travel instead of the
         16-bit row (about half the bytes); rows and scales are grouped as `forward_rows` groups
-        rows. The same values as casting the received rows (the blocks are row-local)."""
+        rows. The same values as casting the received rows (the blocks are row-local).
+        ``move(t, routing)``: per-token rows (T, n) -> the grouped received rows (a backend's
+        movers; default the torch ones)."""
         routing = ctx.side["routing"]
-        _check_tokens("Permute", x, routing.tokens, "tokens, hidden")
-        cast = quantize(torch.cat([x, x.new_zeros(1, x.shape[1])]), fmt.recipe, rowwise=True)  # a zero row: unused
-        data, scale_inv = (
-            rows.scatter_rows(rows.all_to_all(t.index_select(0, routing.send_tokens()), routing.group), routing)
-            for t in (cast.rowwise_data.view(torch.uint8), cast.rowwise_scale_inv)
-        )
+        check_tokens("Permute", x, routing.tokens, "tokens, hidden")
+        if move is None:
+            def move(t, routing):
+                sent = torch.cat([t, t.new_zeros(1, t.shape[1])]).index_select(0, routing.send_tokens())
+                return rows.scatter_rows(rows.all_to_all(sent, routing.group), routing)
+
+        cast = quantize(x, fmt.recipe, rowwise=True)
+        data, scale_inv = (move(t, routing) for t in (cast.rowwise_data.view(torch.uint8), cast.rowwise_scale_inv))
         return QuantizedTensor((data.shape[0], x.shape[1]), x.dtype, x.device, recipe=fmt.recipe, role=cast.role,
                                rowwise_data=data.view(cast.rowwise_data.dtype), rowwise_scale_inv=scale_inv,
                                offsets=fmt.offsets)
@@ -315,7 +319,7 @@ class Unpermute(BasicOp):
                           routing.slot_rows.shape[0])
 
     def check_input(self, ctx: OpContext, y) -> None:
-        _check_tokens("Unpermute", y, ctx.side["routing"].row_slots.shape[0], "tokens * k rows in expert order")
+        check_tokens("Unpermute", y, ctx.side["routing"].row_slots.shape[0], "tokens * k rows in expert order")
 
     def keep_for_backward(self, ctx: OpContext, y: torch.Tensor) -> None:
         """The expert rows are kept only for the probabilities' gradient."""
@@ -468,7 +472,7 @@ class TopKRouter(BasicOp):
 
     def op_forward(self, ctx: OpContext, x) -> torch.Tensor:
         weight = ctx.params["weight"]
-        _check_tokens("TopKRouter", x, None, "tokens, hidden")
+        check_tokens("TopKRouter", x, None, "tokens, hidden")
         if x.shape[1] != self.hidden:
             raise OpValueError(f"TopKRouter: argument 'x' must have shape (tokens, {self.hidden}), got {tuple(x.shape)}")
         if x.dtype != weight.dtype:

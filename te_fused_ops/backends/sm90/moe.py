@@ -3,18 +3,22 @@ backwards) on the row kernels (`kernels.moe_rows`): each token's row is read onc
 its k expert rows, and the k expert rows of a token are summed in one pass, in float32, in slot
 order (deterministic, no atomics). A shape the kernels do not take (hidden size not a multiple
 of 8, more than 16 slots per token) runs the op's torch pass.
+
+Expert parallel (``group=``): the same kernels move each token's rows to its send rows (the
+routing's ``send_slot_rows``; unused send rows are not written: the receiving rank drops them)
+and sum the rows that come back into the tokens (weighted by the probs in the combine); the
+received rows are grouped by local expert (k = 1) and back.
 """
 
 import torch
 
-from ...routing import Routing
+from ...ops.moe import check_tokens
+from ...routing import ExpertParallelRouting, Routing, all_to_all
 from .backend import SM90
 from .kernels.moe_rows import MAX_SLOTS, VEC, gather_sum, scatter_rows
 
 
 def _supports(ops, info):
-    if getattr(ops[0], "group", None) is not None:
-        return "expert parallel (group=): the torch path moves the rows"
     if info.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {str(info.dtype).removeprefix('torch.')} not supported (bf16, fp16)"
     if info.input_recipe[0] is not None:
@@ -24,8 +28,8 @@ def _supports(ops, info):
 
 def _kernels_take(rows: torch.Tensor, routing: Routing) -> bool:
     """Whether the row kernels take these rows (hidden size, slots per token)."""
-    return rows.shape[1] % VEC == 0 and 1 <= routing.top_k <= MAX_SLOTS and rows.dtype in (torch.bfloat16,
-                                                                                            torch.float16)
+    slots = routing.slots_per_token if isinstance(routing, ExpertParallelRouting) else routing.top_k
+    return rows.shape[1] % VEC == 0 and 1 <= slots <= MAX_SLOTS and rows.dtype in (torch.bfloat16, torch.float16)
 
 
 def _weights(probs):
@@ -37,11 +41,27 @@ def permuted_rows(x: torch.Tensor, routing: Routing) -> torch.Tensor:
     return scatter_rows(x.contiguous(), routing.slot_rows, routing.num_kept)
 
 
+def _send_rows(x: torch.Tensor, routing: ExpertParallelRouting, scale=None, y=None, dot_out=None) -> torch.Tensor:
+    """Tokens (T, H) -> this rank's send rows (W * C, H) (times the slot's ``scale``; with ``y``
+    and ``dot_out`` also the slots' dots with the rows ``y`` came back in)."""
+    return scatter_rows(x, routing.send_slot_rows, routing.send_kept, scale=scale, y=y, dot_out=dot_out,
+                        num_rows=routing.send_slots.shape[0])
+
+
+def _token_sums(sent: torch.Tensor, routing: ExpertParallelRouting, weights=None) -> torch.Tensor:
+    """Send rows (W * C, H) -> each token's sum of its slots' rows (weighted)."""
+    return gather_sum(sent, routing.send_slot_rows, routing.send_kept, weights=weights)
+
+
 @SM90.implement("permute", supports=_supports)
 def _permute(ops, ctxs, x):
     op, ctx = ops[0], ctxs[0]
-    if not (isinstance(x, torch.Tensor) and x.dim() == 2 and _kernels_take(x, ctx.side["routing"])):
+    routing = ctx.side["routing"]
+    if not (isinstance(x, torch.Tensor) and x.dim() == 2 and _kernels_take(x, routing)):
         return op.op_forward(ctx, x)
+    if isinstance(routing, ExpertParallelRouting):
+        check_tokens("Permute", x, routing.tokens, "tokens, hidden")
+        return permuted_rows(all_to_all(_send_rows(x.contiguous(), routing), routing.group), routing)
     return op.forward_rows(ctx, x, permuted_rows)
 
 
@@ -52,7 +72,10 @@ def _permute_backward(ops, ctxs, dy):
     if not ctx.input_requires_grad or not _kernels_take(dy, routing):
         dx, grads = op.op_backward(ctx, dy)
         return dx, [grads]
-    return gather_sum(dy.contiguous(), routing.slot_rows, routing.num_kept), [{}]
+    received = gather_sum(dy.contiguous(), routing.slot_rows, routing.num_kept)
+    if isinstance(routing, ExpertParallelRouting):
+        return _token_sums(all_to_all(received, routing.group), routing), [{}]
+    return received, [{}]
 
 
 @SM90.implement("unpermute", supports=_supports)
@@ -62,8 +85,14 @@ def _unpermute(ops, ctxs, y):
     op.check_input(ctx, y)
     if not _kernels_take(y, routing):
         return op.op_forward(ctx, y)
+    probs = _weights(ctx.side.get("probs"))
+    if isinstance(routing, ExpertParallelRouting):
+        back = all_to_all(gather_sum(y.contiguous(), routing.slot_rows, routing.num_kept), routing.group)
+        if "probs" in ctx.side and ctx.needs_grad("probs"):
+            ctx.saved.returned_rows = back
+        return _token_sums(back, routing, probs)
     op.keep_for_backward(ctx, y)
-    return gather_sum(y.contiguous(), routing.slot_rows, routing.num_kept, weights=_weights(ctx.side.get("probs")))
+    return gather_sum(y.contiguous(), routing.slot_rows, routing.num_kept, weights=probs)
 
 
 @SM90.implement("unpermute_backward", supports=_supports)
@@ -74,10 +103,40 @@ def _unpermute_backward(ops, ctxs, dy):
         dx, grads = op.op_backward(ctx, dy)
         return dx, [grads]
     dy = dy.contiguous()
-    if probs is None or not ctx.needs_grad("probs"):
-        dy_rows = scatter_rows(dy, routing.slot_rows, routing.num_kept, scale=_weights(probs))
-        return (dy_rows if ctx.input_requires_grad else None), [{}]
-    dots = torch.empty(routing.slot_rows.shape, dtype=torch.float32, device=dy.device)
-    dy_rows = scatter_rows(dy, routing.slot_rows, routing.num_kept, scale=_weights(probs),
-                           y=ctx.load_input().contiguous(), dot_out=dots)
-    return (dy_rows if ctx.input_requires_grad else None), [{"probs": dots.to(probs.dtype)}]
+    expert_parallel = isinstance(routing, ExpertParallelRouting)
+    grads, dots, returned = {}, None, None
+    if probs is not None and ctx.needs_grad("probs"):
+        dots = torch.empty((routing.tokens, routing.slots_per_token) if expert_parallel else routing.slot_rows.shape,
+                           dtype=torch.float32, device=dy.device)
+        returned = (ctx.saved.returned_rows if expert_parallel else ctx.load_input()).contiguous()
+        grads["probs"] = dots
+    if expert_parallel:
+        dy_rows = _send_rows(dy, routing, _weights(probs), returned, dots)
+        dy_rows = permuted_rows(all_to_all(dy_rows, routing.group), routing) if ctx.input_requires_grad else None
+    else:
+        dy_rows = scatter_rows(dy, routing.slot_rows, routing.num_kept, scale=_weights(probs), y=returned, dot_out=dots)
+    if dots is not None:
+        grads["probs"] = dots.to(probs.dtype)
+    return (dy_rows if ctx.input_requires_grad else None), [grads]
+
+
+def _moved_as_half(t: torch.Tensor, routing: ExpertParallelRouting) -> torch.Tensor:
+    """Per-token rows of any dtype (T, n), whole 16-byte vectors, viewed as fp16, sent and grouped."""
+    half = t.contiguous().view(torch.float16)
+    return permuted_rows(all_to_all(_send_rows(half, routing), routing.group), routing).view(t.dtype)
+
+
+def _cast_supports(ops, info):
+    return None if info.dtype in (torch.bfloat16, torch.float16) else "dtype: bf16 / fp16 inputs only"
+
+
+@SM90.implement("permute+quantize", supports=_cast_supports)
+def _permute_cast(ops, ctxs, x):
+    """The FP8 dispatch: the cast rows and their scales moved by the row kernels (as fp16 words)."""
+    op, ctx = ops[0], ctxs[0]
+    routing = ctx.side["routing"]
+    hidden = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
+    if hidden % 512 or not _kernels_take(x, routing):  # the E4M3 row and its scales whole 16-byte vectors
+        return op.forward_cast_rows(ctx, x, ctx.output_format)
+    return op.forward_cast_rows(ctx, x, ctx.output_format, _moved_as_half)
+

@@ -121,14 +121,14 @@ def _check_hidden(fn_name: str, t, arg: str) -> None:
         raise ValueError(f"{fn_name}: H={t.shape[1]} ({arg}.shape[1]) must be a positive multiple of {VEC}")
 
 
-def _scatter_launch(x, rows, num_kept, out, scale, y, dot_out):
+def _scatter_launch(x, rows, num_kept, out, scale, y, dot_out, num_rows=None):
     """Every check of `scatter_rows`; (launcher or None when T == 0, out's shape (M, H))."""
     name = "scatter_rows"
     dev = check_input(name, x, "x")
     _check_hidden(name, x, "x")
     tokens, hidden = x.shape
     _, k = _check_routing(name, rows, num_kept, dev, tokens)
-    shape = (tokens * k, hidden)
+    shape = (tokens * k if num_rows is None else num_rows, hidden)
     if out is not None:
         _check_rows_of(name, out, "out", x.dtype, shape, dev)
     if scale is not None:
@@ -148,8 +148,6 @@ def _gather_launch(src, rows, num_kept, out, weights):
     dev = check_input(name, src, "src")
     _check_hidden(name, src, "src")
     tokens, k = _check_routing(name, rows, num_kept, dev)
-    if src.shape[0] != tokens * k:
-        raise ValueError(f"{name}: src has {src.shape[0]} rows, expected T * k = {tokens * k} (rows {tuple(rows.shape)})")
     shape = (tokens, src.shape[1])
     if out is not None:
         _check_rows_of(name, out, "out", src.dtype, shape, dev)
@@ -171,18 +169,19 @@ def _run(fn, checks, check_args, tensors):
         raise
 
 
-def scatter_rows(x, rows, num_kept, out=None, scale=None, y=None, dot_out=None):
+def scatter_rows(x, rows, num_kept, out=None, scale=None, y=None, dot_out=None, num_rows=None):
     """Token order -> expert order: for each slot (t, j) with row r = rows[t, j], out[r] = x[t]
     (times scale[t, j] in float32, rounded once) when kept (0 <= r < num_kept[0]), out[r] = 0
     when dropped and 0 <= r < M. With ``y`` (M, H) and ``dot_out`` (T, k) float32 also
-    dot_out[t, j] = <x[t], y[r]> in float32 for kept slots, 0 for dropped ones.
+    dot_out[t, j] = <x[t], y[r]> in float32 for kept slots, 0 for dropped ones. Rows no slot
+    names are not written.
 
-    x (T, H) bf16/fp16; rows (T, k) int32; num_kept (1,) int32; out (M, H) = (T * k, H) like x,
-    allocated when None; scale (T, k) float32 or None. Reads each x row once. Returns out.
-    Checks run once per argument signature (`launch.call_signature`); repeats only launch.
+    x (T, H) bf16/fp16; rows (T, k) int32; num_kept (1,) int32; out (M, H) like x, M = ``num_rows``
+    (default T * k), allocated when None; scale (T, k) float32 or None. Reads each x row once.
+    Returns out. Checks run once per argument signature (`launch.call_signature`); repeats only launch.
     """
-    key = (call_signature(True, x, rows, num_kept, out, scale, y, dot_out), "scatter_rows")
-    args = (x, rows, num_kept, out, scale, y, dot_out)
+    key = (call_signature(True, x, rows, num_kept, out, scale, y, dot_out), "scatter_rows", num_rows)
+    args = (x, rows, num_kept, out, scale, y, dot_out, num_rows)
     fn, shape = _MEMO.get(key) or _MEMO.put(key, _scatter_launch(*args))
     out = x.new_empty(shape) if out is None else out
     _run(fn, _scatter_launch, args, (x, rows, num_kept, out, scale, y, dot_out))
@@ -194,7 +193,7 @@ def gather_sum(src, rows, num_kept, out=None, weights=None):
     of weights[t, j] * src[rows[t, j]] (weights None: 1), in slot order, float32, rounded once; a
     token with no kept slot gets zeros. Deterministic (no atomics).
 
-    src (M, H) = (T * k, H) bf16/fp16; rows (T, k) int32; num_kept (1,) int32; out (T, H) like
+    src (M, H) bf16/fp16 (any M); rows (T, k) int32; num_kept (1,) int32; out (T, H) like
     src, allocated when None; weights (T, k) float32 or None. Returns out. Checks run once per
     argument signature (`launch.call_signature`); repeats only launch.
     """
