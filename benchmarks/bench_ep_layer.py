@@ -150,6 +150,27 @@ def step_time(fn, device, warm: int, iters: int) -> float:
     return statistics.median(b.elapsed_time(e) for b, e in events)
 
 
+def profile(label: str, fn, rank: int) -> None:
+    """torch.profiler over 3 steps of ``fn`` (every rank runs them; rank 0 prints): host ms per
+    step and the kernels by GPU time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as run_profile
+
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with run_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        host_ms = (time.perf_counter() - start) * 1e3 / 3
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3 / 3
+    if rank == 0:
+        print(f"  profile {label}: host {host_ms:.2f} ms/step (to the last launch), wall {wall_ms:.2f} ms/step",
+              flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60), flush=True)
+
+
 def rel_err(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
@@ -218,6 +239,9 @@ def run_shape(name, shape, device, group, args) -> dict:
         for _ in range(4):
             dist.all_to_all_single(comm_out, comm_rows, group=group)
 
+    for label in args.profile:
+        if label in layers:
+            profile(label, step(layers[label]), rank)
     timed = {label: step(f) for label, f in layers.items() if rows[label]["status"] == "ok"}
     timed["comm"] = comm
     samples = {label: [] for label in timed}
@@ -305,8 +329,10 @@ def parse_args(argv=None):
     parser.add_argument("--smoke", action="store_true", help="a tiny shape (2 gloo processes on the CPU)")
     parser.add_argument("--nproc", type=int, default=2, help="processes to spawn (ignored under torchrun)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", default="", help="contenders to profile (comma-separated labels)")
     args = parser.parse_args(argv)
     args.chunks = [int(n) for n in args.chunks.split(",") if n]
+    args.profile = [label for label in args.profile.split(",") if label]
     if args.smoke:
         args.rounds, args.warm, args.iters = 2, 1, 2
     return args

@@ -89,9 +89,13 @@ def _worker(rank, init_file):
                     err = ref.rel_err(got, want)
                     assert err <= tol, f"{where}: {name} rel err {err:.2e}"
                 assert int(layer[0].dropped) == 0, where
+                # the eager graphs hold the parameters' AccumulateGrad nodes, made on the default
+                # stream: released before capturing (a capture may not make that stream wait)
+                del y, ry, x, probs, xs, ps
 
                 # one CUDA graph of the whole step, replayed with three routings, equals eager
-                static = [t.clone() for t in (x.detach(), indices, probs.detach())]
+                static = [t.to(device) for t in tokens(rank)[:3]]
+                static[0] = static[0].bfloat16()
                 static[0].requires_grad_()
                 static[2].requires_grad_()
                 params = [layer[-4].weight, layer[-2].weight]
