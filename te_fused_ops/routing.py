@@ -166,38 +166,58 @@ def rank_counts(indices: torch.Tensor, num_experts: int, world: int) -> torch.Te
         0, destination, torch.ones_like(destination))[:world]
 
 
-def route_expert_parallel(indices: torch.Tensor, num_experts: int, group, capacity: int) -> ExpertParallelRouting:
+def route_expert_parallel(indices: torch.Tensor, num_experts: int, group, capacity: int,
+                          chunks: int = 1) -> ExpertParallelRouting | list:
     """The `ExpertParallelRouting` of this rank's ids ``indices`` (T, k) (checked by the caller):
     a destination rank fills its ``capacity`` rows in the order (expert, token, slot); the counts
-    go to every rank (one small all-to-all, no host sync), which groups what it receives."""
+    go to every rank (one small all-to-all, no host sync), which groups what it receives.
+
+    ``chunks`` > 1: the list of the routings of the chunks of each rank's experts (chunk c: local
+    experts c L / chunks ..), ``capacity`` rows per rank pair and chunk, found together (one sort,
+    one exchange of counts); chunk c's send rows are its own W * C (its ``send_slot_rows`` name
+    them; a slot of another chunk is not sent by it), its received rows grouped by the chunk's
+    experts. The first chunk's ``dropped`` counts the slots dropped in every chunk (the others: 0).
+    """
     import torch.distributed as dist
 
     device, world = indices.device, dist.get_world_size(group)
     local_experts = num_experts // world
+    per_chunk = local_experts // chunks
     flat = indices.reshape(-1).to(torch.int64)
     num_slots = flat.shape[0]
-    expert = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # num_experts: dropped
-    order = torch.sort(expert, stable=True).indices
-    sorted_expert = expert[order]
-    per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
-    per_expert.scatter_add_(0, expert, torch.ones_like(expert))
-    per_rank = per_expert[:num_experts].view(world, local_experts).sum(1)
-    destination = sorted_expert // local_experts  # world for a dropped slot
-    rank_start = torch.cat([torch.cumsum(per_rank, 0) - per_rank, per_rank.new_zeros(1)])
-    position = torch.arange(num_slots, device=device) - rank_start[destination]
-    sent = destination < world
+    valid = (flat >= 0) & (flat < num_experts)
+    # a slot's block: (chunk, destination rank), chunk-major; num_blocks for a dropped slot
+    num_blocks = chunks * world
+    block = torch.where(valid, flat % local_experts // per_chunk * world + flat // local_experts, num_blocks)
+    order = torch.sort(torch.where(valid, block * num_experts + flat, num_blocks * num_experts), stable=True).indices
+    sorted_block = block[order]
+    per_block = torch.zeros(num_blocks + 1, dtype=torch.int64, device=device).scatter_add_(
+        0, block, torch.ones_like(block))[:num_blocks]
+    block_start = torch.cat([torch.cumsum(per_block, 0) - per_block, per_block.new_zeros(1)])
+    position = torch.arange(num_slots, device=device) - block_start[sorted_block]
+    sent = sorted_block < num_blocks
     kept = sent & (position < capacity)
-    row = torch.where(kept, destination * capacity + position, world * capacity)  # the last: a spill row
-    send_slots = torch.full((world * capacity + 1,), num_slots, dtype=torch.int64, device=device)
+    row = torch.where(kept, sorted_block * capacity + position, num_blocks * capacity)  # the last: a spill row
+    send_slots = torch.full((num_blocks * capacity + 1,), num_slots, dtype=torch.int64, device=device)
     send_slots = send_slots.scatter_(0, row, order)[:-1]
-    send_slot_rows = torch.empty(num_slots, dtype=torch.int32, device=device).scatter_(0, order, row.to(torch.int32))
-    send_kept = torch.full((1,), world * capacity, dtype=torch.int32, device=device)
+    slot_row = torch.empty(num_slots, dtype=torch.int64, device=device).scatter_(0, order, row)
+    kept_expert = torch.where(kept, flat[order], num_experts)
     send_counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
-    send_counts = send_counts.scatter_add_(0, sorted_expert, kept.long())[:num_experts].view(world, local_experts)
+    send_counts = send_counts.scatter_add_(0, kept_expert, kept.long())[:num_experts].view(world, local_experts)
     recv_counts = all_to_all(send_counts, group)  # row s: what rank s sends here, per local expert
-    column = torch.arange(capacity, device=device).expand(world, capacity)
-    received = torch.searchsorted(torch.cumsum(recv_counts, 1), column.contiguous(), right=True)
-    local = route(torch.where(received < local_experts, received, -1).reshape(-1, 1), local_experts)
-    return ExpertParallelRouting(local.slot_rows, local.row_slots, local.offsets, local.counts, send_slots,
-                                 send_slot_rows.view(indices.shape), send_kept, (sent & ~kept).sum(),
-                                 indices.shape[0], indices.shape[1], group)
+    dropped = (sent & ~kept).sum()
+    column = torch.arange(capacity, device=device).expand(world, capacity).contiguous()
+    send_kept = torch.full((1,), world * capacity, dtype=torch.int32, device=device)
+    routings = []
+    for chunk in range(chunks):
+        counts = recv_counts[:, chunk * per_chunk:(chunk + 1) * per_chunk]
+        received = torch.searchsorted(torch.cumsum(counts, 1), column, right=True)
+        local = route(torch.where(received < per_chunk, received, -1).reshape(-1, 1), per_chunk)
+        first = chunk * world * capacity
+        in_chunk = (slot_row >= first) & (slot_row < first + world * capacity)
+        send_slot_rows = torch.where(in_chunk, slot_row - first, world * capacity).to(torch.int32).view(indices.shape)
+        routings.append(ExpertParallelRouting(
+            local.slot_rows, local.row_slots, local.offsets, local.counts,
+            send_slots[first:first + world * capacity], send_slot_rows, send_kept,
+            dropped if chunk == 0 else torch.zeros_like(dropped), indices.shape[0], indices.shape[1], group))
+    return routings[0] if chunks == 1 else routings

@@ -52,75 +52,75 @@ def _worker(rank, init_file):
 
         group, per_rank = dist.group.WORLD, E // WORLD
         local = slice(rank * per_rank, (rank + 1) * per_rank)
-        for chunks in (1, 2):
-            for fp8 in (False, True):
-                where = f"rank {rank}, chunks {chunks}, fp8 {fp8}"
-                layer, reference = layers(group, chunks, fp8, local, device)
-                plan = layer.explain(torch.empty(T, H, dtype=torch.bfloat16, device=device, requires_grad=True),
-                                     indices=tokens(rank)[1].to(device), probs=tokens(rank)[2].to(device))
-                rules = ["'unpermute' (backend sm90)", "'unpermute_backward' (backend sm90)",
-                         "'permute_backward' (backend sm90)",
-                         "'permute+quantize' (backend sm90)" if fp8 else "'permute' (backend sm90)"]
-                assert all(rule in plan for rule in rules), plan
-                x, indices, probs, dy = (t.to(device) for t in tokens(rank))
-                x, probs = x.bfloat16().requires_grad_(), probs.requires_grad_()
-                layer(x, indices=indices, probs=probs).float().backward(dy)  # compiles the kernels
-                x.grad = probs.grad = None
-                layer.zero_grad(set_to_none=True)
-                torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("error")  # static capacity: no host read
-                try:
-                    y = layer(x, indices=indices, probs=probs)
-                    y.float().backward(dy)
-                finally:
-                    torch.cuda.set_sync_debug_mode(0)
-                torch.cuda.synchronize()
-                batches = [tokens(r) for r in range(WORLD)]
-                xs = torch.cat([b[0] for b in batches]).to(device, torch.bfloat16).requires_grad_()
-                ps = torch.cat([b[2] for b in batches]).to(device).requires_grad_()
-                ry = reference(xs, indices=torch.cat([b[1] for b in batches]).to(device), probs=ps)
-                ry.float().backward(torch.cat([b[3] for b in batches]).to(device))
-                mine = slice(rank * T, (rank + 1) * T)
-                tol = 3e-2 if fp8 else 1e-2
-                for name, got, want in [("y", y, ry[mine]), ("dx", x.grad, xs.grad[mine]),
-                                        ("dprobs", probs.grad, ps.grad[mine]),
-                                        ("dw1", layer[-4].weight.grad, reference[-4].weight.grad[local]),
-                                        ("dw2", layer[-2].weight.grad, reference[-2].weight.grad[local])]:
-                    err = ref.rel_err(got, want)
-                    assert err <= tol, f"{where}: {name} rel err {err:.2e}"
-                assert int(layer[0].dropped) == 0, where
-                # the eager graphs hold the parameters' AccumulateGrad nodes, made on the default
-                # stream: released before capturing (a capture may not make that stream wait)
-                del y, ry, x, probs, xs, ps
+        for chunks, fp8 in ((1, False), (2, False), (2, True)):
+            where = f"rank {rank}, chunks {chunks}, fp8 {fp8}"
+            print(where, flush=True)
+            layer, reference = layers(group, chunks, fp8, local, device)
+            plan = layer.explain(torch.empty(T, H, dtype=torch.bfloat16, device=device, requires_grad=True),
+                                 indices=tokens(rank)[1].to(device), probs=tokens(rank)[2].to(device))
+            rules = ["'unpermute' (backend sm90)", "'unpermute_backward' (backend sm90)",
+                     "'permute_backward' (backend sm90)",
+                     "'permute+quantize' (backend sm90)" if fp8 else "'permute' (backend sm90)"]
+            assert all(rule in plan for rule in rules), plan
+            x, indices, probs, dy = (t.to(device) for t in tokens(rank))
+            x, probs = x.bfloat16().requires_grad_(), probs.requires_grad_()
+            layer(x, indices=indices, probs=probs).float().backward(dy)  # compiles the kernels
+            x.grad = probs.grad = None
+            layer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")  # static capacity: no host read
+            try:
+                y = layer(x, indices=indices, probs=probs)
+                y.float().backward(dy)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+            batches = [tokens(r) for r in range(WORLD)]
+            xs = torch.cat([b[0] for b in batches]).to(device, torch.bfloat16).requires_grad_()
+            ps = torch.cat([b[2] for b in batches]).to(device).requires_grad_()
+            ry = reference(xs, indices=torch.cat([b[1] for b in batches]).to(device), probs=ps)
+            ry.float().backward(torch.cat([b[3] for b in batches]).to(device))
+            mine = slice(rank * T, (rank + 1) * T)
+            tol = 3e-2 if fp8 else 1e-2
+            for name, got, want in [("y", y, ry[mine]), ("dx", x.grad, xs.grad[mine]),
+                                    ("dprobs", probs.grad, ps.grad[mine]),
+                                    ("dw1", layer[-4].weight.grad, reference[-4].weight.grad[local]),
+                                    ("dw2", layer[-2].weight.grad, reference[-2].weight.grad[local])]:
+                err = ref.rel_err(got, want)
+                assert err <= tol, f"{where}: {name} rel err {err:.2e}"
+            assert int(layer[0].dropped) == 0, where
+            # the eager graphs hold the parameters' AccumulateGrad nodes, made on the default
+            # stream: released before capturing (a capture may not make that stream wait)
+            del y, ry, x, probs, xs, ps
 
-                # one CUDA graph of the whole step, replayed with three routings, equals eager
-                static = [t.to(device) for t in tokens(rank)[:3]]
-                static[0] = static[0].bfloat16()
-                static[0].requires_grad_()
-                static[2].requires_grad_()
-                params = [layer[-4].weight, layer[-2].weight]
+            # one CUDA graph of the whole step, replayed with three routings, equals eager
+            static = [t.to(device) for t in tokens(rank)[:3]]
+            static[0] = static[0].bfloat16()
+            static[0].requires_grad_()
+            static[2].requires_grad_()
+            params = [layer[-4].weight, layer[-2].weight]
 
-                def step():
-                    for t in (static[0], static[2], *params):
-                        t.grad = None
-                    out = layer(static[0], indices=static[1], probs=static[2])
-                    out.float().backward(dy)
-                    return out.detach()
+            def step():
+                for t in (static[0], static[2], *params):
+                    t.grad = None
+                out = layer(static[0], indices=static[1], probs=static[2])
+                out.float().backward(dy)
+                return out.detach()
 
-                graphed = CudaGraphStep(step)
-                for replay in range(1, 4):
-                    nx, ni, npr, _ = (t.to(device) for t in tokens(rank, replay))
-                    with torch.no_grad():
-                        static[0].copy_(nx.bfloat16())
-                        static[1].copy_(ni)
-                        static[2].copy_(npr)
-                    out = graphed()
-                    ex, ep = nx.bfloat16().requires_grad_(), npr.clone().requires_grad_()
-                    want = layer(ex, indices=ni, probs=ep)
-                    grads = torch.autograd.grad(want.float(), [ex, ep, *params], dy)
-                    got = [out, static[0].grad, static[2].grad, *(p.grad for p in params)]
-                    for a, b in zip(got, [want, *grads]):
-                        assert torch.equal(a, b), f"{where}: CUDA graph replay {replay} differs from eager"
+            graphed = CudaGraphStep(step)
+            for replay in range(1, 4):
+                nx, ni, npr, _ = (t.to(device) for t in tokens(rank, replay))
+                with torch.no_grad():
+                    static[0].copy_(nx.bfloat16())
+                    static[1].copy_(ni)
+                    static[2].copy_(npr)
+                out = graphed()
+                ex, ep = nx.bfloat16().requires_grad_(), npr.clone().requires_grad_()
+                want = layer(ex, indices=ni, probs=ep)
+                grads = torch.autograd.grad(want.float(), [ex, ep, *params], dy)
+                got = [out, static[0].grad, static[2].grad, *(p.grad for p in params)]
+                for a, b in zip(got, [want, *grads]):
+                    assert torch.equal(a, b), f"{where}: CUDA graph replay {replay} differs from eager"
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -136,7 +136,7 @@ def test_fsdp2_bf16_mixed_precision_trains_like_unsharded_model_on_two_gpus(tmp_
 def test_expert_parallel_example_under_torchrun_with_nccl_and_cuda_graph():
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531",
-         str(ROOT / "examples" / "moe_expert_parallel.py")],
+         str(ROOT / "examples" / "moe_expert_parallel.py"), "--tokens", "512", "--experts", "8", "--top-k", "2"],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     print(result.stdout)

@@ -206,15 +206,14 @@ class Permute(BasicOp):
                 memo[key] = rows.route_expert_parallel(indices, self.num_experts, self.group,
                                                        self.capacities(indices)[0])
                 self.dropped = memo[key].dropped
-            else:  # one chunk of a chunked segment: its experts' slots, the capacities of all chunks found once
+            else:  # one chunk of a chunked segment: the routings of all chunks are made together
                 shared = memo["chunks shared"]
-                if "capacities" not in shared:
-                    shared["capacities"] = self.capacities(indices)
-                memo[key] = rows.route_expert_parallel(self.chunk_indices(indices, chunk), self.num_experts // self.chunks,
-                                                       self.group, shared["capacities"][chunk])
+                if "routings" not in shared:
+                    shared["routings"] = rows.route_expert_parallel(indices, self.num_experts, self.group,
+                                                                    max(self.capacities(indices)), self.chunks)
+                    self.dropped = shared["routings"][0].dropped
+                memo[key] = shared["routings"][chunk]
                 memo["chunk experts"] = self.chunk_experts(chunk)
-                dropped = memo[key].dropped
-                self.dropped = dropped if chunk == 0 else self.dropped + dropped
         routing = memo[key]
         remember_offsets(memo, routing.counts, routing.row_slots.shape[0], routing.offsets)
         return {"routing": routing}
