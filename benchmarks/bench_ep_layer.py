@@ -22,6 +22,9 @@ rank, rotated order, the same weights (each rank its own experts):
               another's experts (overlap)
   fp8 / fp8 xN  static, a Quantize("fp8_blockwise") after the Permute (E4M3 rows + 1x128 scales
               travel), SwiGLU, Quantize + Transpose, GroupedLinear (the all-FP8 expert step)
+  ... graph   the sync-free contenders (static capacity) captured as one CUDA graph per step
+              (`CudaGraphStep`) and replayed: no host time (the plain torch layer reads its
+              all-to-all sizes on the host, so it cannot be captured)
 Every contender's output and gradients (x, probs, both experts' weights) are compared with torch's
 before timing (relative Frobenius error, max over ranks; bf16 tolerance 2e-2, FP8 1e-1). Times:
 CUDA events around each step (fixed counts, so every rank runs the same collectives), median per
@@ -215,6 +218,8 @@ def run_shape(name, shape, device, group, args) -> dict:
     leaves = [x, probs, fc1.weight, fc2.weight]
 
     def step(forward):
+        if getattr(forward, "graphed", False):
+            return forward
         def run():
             for t in leaves:
                 t.grad = None
@@ -222,9 +227,28 @@ def run_shape(name, shape, device, group, args) -> dict:
         return run
 
     def results(forward):
+        if getattr(forward, "graphed", False):  # a replay leaves the output and gradients in static tensors
+            return [forward().clone()] + [t.grad.clone() for t in leaves]
         step(forward)()
         return [forward().detach()] + [t.grad.clone() for t in leaves]
 
+    if device.type == "cuda" and args.graphs:  # the sync-free contenders as one CUDA graph per step
+        from te_fused_ops import CudaGraphStep
+
+        def graph_step(forward):
+            def run():
+                for t in leaves:
+                    t.grad = None
+                out = forward()
+                out.backward(dy)
+                return out.detach()
+            return run
+
+        for label in [label for label in layers if label.startswith(("lib static", "lib x", "fp8"))]:
+            graphed = CudaGraphStep(graph_step(layers[label]))
+            layers[f"{label} graph"] = graphed
+            graphed.graphed = True
+            pair_rows[f"{label} graph"] = pair_rows[label]
     want = results(layers["torch"])
     largest = dropless[0].capacities(indices)[0]  # the dropless layer's rows per rank pair
     pair_rows["lib"] = largest
@@ -274,7 +298,7 @@ def run_shape(name, shape, device, group, args) -> dict:
                 rows[label]["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
     for label in rows:
         if label.startswith(("lib x", "fp8 x")) and label in ms:
-            serial = ms["lib static" if label.startswith("lib") else "fp8"]
+            serial = ms[("lib static" if label.startswith("lib") else "fp8") + (" graph" if label.endswith("graph") else "")]
             rows[label]["hidden_share"] = (serial - ms[label]) / ms["comm"]
     return {"shape": name, "tokens": tokens, "k": k, "experts": experts, "hidden": hidden, "ffn": ffn,
             "world": world, "capacity_factor": cf, "comm_ms": ms["comm"], "contenders": rows}
@@ -337,6 +361,8 @@ def parse_args(argv=None):
     parser.add_argument("--smoke", action="store_true", help="a tiny shape (2 gloo processes on the CPU)")
     parser.add_argument("--nproc", type=int, default=2, help="processes to spawn (ignored under torchrun)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--no-graphs", dest="graphs", action="store_false",
+                        help="leave out the CUDA-graph contenders (the sync-free ones captured as one graph per step)")
     parser.add_argument("--profile", default="", help="contenders to profile (comma-separated labels)")
     args = parser.parse_args(argv)
     args.chunks = [int(n) for n in args.chunks.split(",") if n]

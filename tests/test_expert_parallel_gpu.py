@@ -3,6 +3,7 @@
 every rank's experts); sync-free with a static capacity; one CUDA graph of the whole step replayed
 with three routings equals eager; FSDP2 on the router beside the experts. Skipped without 2 GPUs."""
 
+import faulthandler
 import os
 import sys
 
@@ -41,6 +42,7 @@ def layers(group, chunks, fp8, local, device):
 
 
 def _worker(rank, init_file):
+    faulthandler.dump_traceback_later(240, exit=True)  # a rank stuck in a collective says where, then leaves
     sys.path.insert(0, os.path.dirname(__file__))
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
