@@ -228,7 +228,7 @@ def run_shape(name, shape, device, group, args) -> dict:
 
     def results(forward):
         if getattr(forward, "graphed", False):  # a replay leaves the output and gradients in static tensors
-            return [forward().clone()] + [t.grad.clone() for t in leaves]
+            return [t.clone() for t in forward()]
         step(forward)()
         return [forward().detach()] + [t.grad.clone() for t in leaves]
 
@@ -241,7 +241,7 @@ def run_shape(name, shape, device, group, args) -> dict:
                     t.grad = None
                 out = forward()
                 out.backward(dy)
-                return out.detach()
+                return [out.detach()] + [t.grad for t in leaves]  # this graph's static output and gradients
             return run
 
         for label in [label for label in layers if label.startswith(("lib static", "lib x", "fp8"))]:
