@@ -19,9 +19,10 @@ routing values; a destination's slots past its C rows are dropped, in the order 
 slot) and groups the rows a rank received by its local experts; `GroupedLinear`, `SwiGLU`,
 `GroupedLinear` run the rank's experts; `Unpermute(group=...)` sends the rows back and sums them
 into their tokens, weighted by the router probabilities. Gradients flow back to the input, the
-router (through the probabilities) and every rank's experts. With ``--chunks n`` (default 2) the
-layer runs as n chunks of each rank's experts, one chunk's exchanges beside another chunk's experts
-(the capacity then holds per chunk: C = ceil(capacity_factor * T * k / (W * n))).
+router (through the probabilities) and every rank's experts. With ``--chunks n`` the layer runs as
+n chunks of each rank's experts, one chunk's exchanges beside another chunk's experts (the capacity
+then holds per chunk: C = ceil(capacity_factor * T * k / (W * n))); on 2 H100s over NVLink this was
+measured slower than one chunk (docs/notes/expert-parallel.md).
 """
 
 import argparse
@@ -294,7 +295,8 @@ def parse_args(argv=None):
     parser.add_argument("--experts", type=int, help="default: CUDA 32, CPU 8")
     parser.add_argument("--top-k", type=int, help="default: CUDA 8, CPU 2")
     parser.add_argument("--capacity-factor", type=float, default=1.0)
-    parser.add_argument("--chunks", type=int, default=2, help="chunks of each rank's experts, overlapped")
+    parser.add_argument("--chunks", type=int, default=1,
+                        help="chunks of each rank's experts, one chunk's exchanges beside another's experts")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     sizes = dict(tokens=4096, hidden=2048, ffn=768, experts=32, top_k=8) if args.device == "cuda" else dict(

@@ -128,3 +128,22 @@ def test_unsupported_configurations_raise_naming_the_op():
     for seq, match in ((main_grad, r"GroupedLinear \(op 0\): accumulate_main_grad"), (quantized, r"Quantize \(op 1\)")):
         with pytest.raises(Exception, match=match):
             torch.compile(seq, backend="aot_eager", fullgraph=True)(torch.randn(ROWS, H), **side)
+
+
+def test_template_ids_name_their_structure():
+    """A compiled call's template id (a constant in the graph inductor caches on disk) is a digest of
+    its structure: another model cannot reuse a graph whose saved tensors have other shapes."""
+    from te_fused_ops.custom_ops import _new_template_id
+    from te_fused_ops.runner import get_plan, plan_info
+
+    def made(out_features):
+        ops = [GroupedLinear(2, 8, out_features)]
+        info = plan_info(ops, torch.device("cpu"), torch.float32, True, frozenset(), [True], grad_on=True)
+        return ops, get_plan(ops, info, {}, True)
+
+    key = ("cpu", torch.float32, True, 2, True, (), ())
+    (ops16, plan16), (ops32, plan32) = made(16), made(32)
+    first, second = _new_template_id(ops16, plan16, key), _new_template_id(ops16, plan16, key)
+    other = _new_template_id(ops32, plan32, key)
+    assert first >> 20 == second >> 20 and first != second  # the same structure: one digest, counted apart
+    assert other >> 20 != first >> 20

@@ -139,6 +139,13 @@ def _bad_input_worker(rank, init_file):
         tokens = 3 + 4 * rank  # a different capacity on each rank
         with pytest.raises(OpValueError, match="Permute: the ranks of 'group' send 2 to 4 rows per rank pair"):
             layer(torch.randn(tokens, 8), indices=torch.zeros(tokens, 1, dtype=torch.int64))
+        with pytest.raises(OpValueError, match=r"Permute: argument 'chunks' \(3\) must divide the 2 experts"):
+            Permute(4, group=dist.group.WORLD, chunks=3)
+        with pytest.raises(OpValueError, match=r"Permute: argument 'chunks' > 1 overlaps .* needs 'group'"):
+            Permute(4, chunks=2)
+        with pytest.raises(ValueError, match=r"Permute \(op 0\): chunks=2 needs an op that closes the chunks"):
+            Sequential(Permute(4, group=dist.group.WORLD, chunks=2))(torch.randn(3, 8),
+                                                                     indices=torch.zeros(3, 1, dtype=torch.int64))
         message = (r"Permute: argument 'indices' holds 4, outside \[0, 4\)" if rank == 1 else
                    r"Permute: argument 'indices' holds ids outside \[0, 4\) on another rank")
         with pytest.raises(OpValueError, match=message):  # bad ids on rank 1 only: both raise, none waits
