@@ -183,3 +183,16 @@ def test_moe_layer_fused_contenders_match_on_cpu(monkeypatch):
                             (bench.build_router_contenders(p, compiled=False), "a+router")):
         checks = bench.check_contenders(runs, p.dy, reference)
         assert all(c["status"] == "ok" for c in checks.values()), checks
+
+
+def test_ep_layer_benchmark_smoke_on_two_gloo_processes(tmp_path):
+    """bench_ep_layer.py --smoke: every contender (plain torch EP layer, the library dropless,
+    static, chunked, FP8) checked against plain torch on 2 gloo processes, the table written."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_ep_layer.py"), "--device", "cpu",
+                             "--smoke", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    payload = json.loads((tmp_path / "runs" / "ep_layer_cpux2_smoke.json").read_text())
+    rows = payload["results"][0]["contenders"]
+    assert {"torch", "lib", "lib static", "lib x2", "lib x4", "fp8", "fp8 x2"} <= set(rows), sorted(rows)
+    assert all(row["status"] == "ok" and "ms" in row for row in rows.values()), rows
+
