@@ -21,7 +21,7 @@ from .fusion import (
     registry_version,
 )
 from .quantization import is_quantized
-from .saved import pack, unpack
+from .saved import pack, storage_bases, unpack
 
 
 @functools.cache
@@ -234,10 +234,12 @@ class Run:
         ``tensors``/``index`` (id -> slot) may come pre-filled: tensors found there keep their slot.
         """
         tensors, index = ([], {}) if tensors is None else (tensors, index)
+        # views of the pre-filled tensors (the inputs) are kept as such: they reach the backward unchanged
+        bases = storage_bases(tensors)
         self.side = SideValues({}, ())  # the forward's side values: only what the contexts saved lives on
         for ctx in self.contexts():
-            ctx.saved = pack(ctx.saved, tensors, index)
-            ctx.side = pack(ctx.side, tensors, index)
+            ctx.saved = pack(ctx.saved, tensors, index, bases)
+            ctx.side = pack(ctx.side, tensors, index, bases)
             ctx.params, ctx.produced = {}, {}
             ctx.recompute_output = ctx.input_recompute = None
         return tensors

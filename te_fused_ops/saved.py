@@ -1,7 +1,7 @@
 """Values kept for the backward travel through autograd's saved tensors, never around them.
 
-`pack` turns what the ops left in their contexts (tensors, QuantizedTensors, tensors carrying a
-column-wise copy, `Recompute`s, `Saved` fields, `Routing`s, dicts, lists, plain values) into a skeleton without tensors plus
+`pack` turns what the ops left in their contexts (tensors, views of the call's inputs,
+QuantizedTensors, tensors carrying a column-wise copy, `Recompute`s, `Saved` fields, `Routing`s, dicts, lists, plain values) into a skeleton without tensors plus
 the list of tensors, which the Sequential's autograd.Function hands to ``save_for_backward``.
 So ``saved_tensors_hooks`` see every saved tensor, activation checkpointing can drop them,
 in-place changes after the forward raise torch's usual error, and a retained graph can run its
@@ -35,6 +35,17 @@ class _WithColumnwise:
 
 
 @dataclass(frozen=True)
+class _View:
+    """A view of a tensor already kept (e.g. an expert slice of an input weight): rebuilt from it,
+    so the custom op under torch.compile does not copy it out as an output of its own."""
+
+    base: _Slot
+    shape: tuple
+    stride: tuple
+    offset: int
+
+
+@dataclass(frozen=True)
 class _Quantized:
     shape: torch.Size
     dtype: torch.dtype
@@ -57,26 +68,49 @@ def _slot(t: torch.Tensor, tensors: list, index: dict) -> _Slot:
     return _Slot(index[id(t)])
 
 
-def pack(value, tensors: list, index: dict):
-    """Skeleton of ``value``; its tensors are appended to ``tensors`` once each (``index``: id -> slot)."""
+def _storage_key(t: torch.Tensor) -> int:
+    """Names ``t``'s storage (the same for every view of it, on the meta device too; ``_base`` is
+    not set below autograd, where a custom op runs)."""
+    return t.untyped_storage()._cdata
+
+
+def storage_bases(tensors: list) -> dict:
+    """`pack`'s ``bases`` for ``tensors`` (the first tensor on each storage)."""
+    bases: dict = {}
+    for slot, t in enumerate(tensors):
+        if isinstance(t, torch.Tensor):
+            bases.setdefault(_storage_key(t), slot)
+    return bases
+
+
+def pack(value, tensors: list, index: dict, bases: dict = None):
+    """Skeleton of ``value``; its tensors are appended to ``tensors`` once each (``index``: id -> slot).
+
+    ``bases``: `_storage_key` -> slot, for tensors that reach the backward unchanged (a call's
+    inputs under torch.compile): a view of one of them (an expert slice of a weight) is kept as
+    that slot plus the view's geometry, not as a tensor of its own."""
     if isinstance(value, QuantizedTensor):
-        fields = tuple(pack(getattr(value, name), tensors, index) for name in _QUANTIZED_FIELDS)
+        fields = tuple(pack(getattr(value, name), tensors, index, bases) for name in _QUANTIZED_FIELDS)
         return _Quantized(value.shape, value.dtype, value.device, value.recipe, value.role, fields)
     if isinstance(value, torch.Tensor):
         columnwise = getattr(value, "te_columnwise", None)
         if columnwise is not None:
             return _WithColumnwise(_slot(value, tensors, index), _slot(columnwise, tensors, index))
+        base = bases.get(_storage_key(value)) if bases and id(value) not in index else None
+        if base is not None and tensors[base].dtype == value.dtype:
+            return _View(_Slot(base), tuple(value.shape), tuple(value.stride()), value.storage_offset())
         return _slot(value, tensors, index)
     if isinstance(value, Recompute):
-        return _Recomputed(value.fn, pack(value.args, tensors, index))
+        return _Recomputed(value.fn, pack(value.args, tensors, index, bases))
     if isinstance(value, Saved):
-        return Saved(**pack(vars(value), tensors, index))
+        return Saved(**pack(vars(value), tensors, index, bases))
     if isinstance(value, Routing):
-        return dataclasses.replace(value, **{f.name: pack(getattr(value, f.name), tensors, index) for f in dataclasses.fields(value)})
+        return dataclasses.replace(value, **{f.name: pack(getattr(value, f.name), tensors, index, bases)
+                                             for f in dataclasses.fields(value)})
     if isinstance(value, dict):
-        return {key: pack(item, tensors, index) for key, item in value.items()}
+        return {key: pack(item, tensors, index, bases) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(pack(item, tensors, index) for item in value)
+        return type(value)(pack(item, tensors, index, bases) for item in value)
     return value
 
 
@@ -84,6 +118,8 @@ def unpack(skeleton, tensors):
     """The value `pack` took apart, rebuilt on ``tensors`` (``ctx.saved_tensors``)."""
     if isinstance(skeleton, _Slot):
         return tensors[skeleton.index]
+    if isinstance(skeleton, _View):
+        return tensors[skeleton.base.index].as_strided(skeleton.shape, skeleton.stride, skeleton.offset)
     if isinstance(skeleton, _WithColumnwise):
         value = tensors[skeleton.tensor.index].view_as(tensors[skeleton.tensor.index])
         value.te_columnwise = tensors[skeleton.columnwise.index]
@@ -110,6 +146,8 @@ def slot_indices(skeleton) -> set:
     """Indices of the tensors a skeleton refers to."""
     if isinstance(skeleton, _Slot):
         return {skeleton.index}
+    if isinstance(skeleton, _View):
+        return {skeleton.base.index}
     if isinstance(skeleton, _WithColumnwise):
         return {skeleton.tensor.index, skeleton.columnwise.index}
     if isinstance(skeleton, _Quantized):

@@ -222,7 +222,7 @@ def test_expert_parallel_layer_under_compile_checkpointing_and_a_router(chunks, 
     spawn(_compile_worker, (str(tmp_path / "init"), chunks), WORLD)
 
 
-def _fp8_worker(rank, init_file):
+def _fp8_worker(rank, init_file, chunks):
     """The FP8 payload: each token cast once and sent as E4M3 rows + scales; the layer equals the
     single-process layer that casts after permuting (the 1x128 blocks are row-local)."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -239,8 +239,8 @@ def _fp8_worker(rank, init_file):
         with torch.no_grad():
             ref1.weight.copy_(w1), ref2.weight.copy_(w2)
             fc1.weight.copy_(w1[rank * local:(rank + 1) * local]), fc2.weight.copy_(w2[rank * local:(rank + 1) * local])
-        layer = Sequential(Permute(E, group=group, capacity_factor=float(WORLD)), Quantize("fp8_blockwise"), fc1, SwiGLU(),
-                           fc2, Unpermute(group=group))
+        layer = Sequential(Permute(E, group=group, capacity_factor=float(WORLD * chunks), chunks=chunks),
+                           Quantize("fp8_blockwise"), fc1, SwiGLU(), fc2, Unpermute(group=group))
         inputs = []
         for r in range(WORLD):
             g = torch.Generator().manual_seed(300 + r)
@@ -256,8 +256,11 @@ def _fp8_worker(rank, init_file):
             y = layer(x, indices=indices, probs=probs)
         finally:
             rows.all_to_all = real
-        # the counts, then the E4M3 rows and their scales (no 16/32-bit rows), then the combine's rows
-        assert sent == [torch.int64, torch.uint8, torch.float32, torch.float32], sent
+        # the counts, then per chunk the E4M3 rows and their scales (no 16/32-bit rows), and the combine's rows
+        if chunks == 1:
+            assert sent == [torch.int64, torch.uint8, torch.float32, torch.float32], sent
+        else:
+            assert sent[0] == torch.int64 and sent.count(torch.uint8) == chunks and len(sent) == 1 + 3 * chunks, sent
         y.square().sum().backward()
 
         reference = Sequential(Permute(E), Quantize("fp8_blockwise"), ref1, SwiGLU(), ref2, Unpermute())
@@ -273,8 +276,9 @@ def _fp8_worker(rank, init_file):
         dist.destroy_process_group()
 
 
-def test_expert_parallel_fp8_payload_equals_casting_after_the_exchange(tmp_path):
-    spawn(_fp8_worker, (str(tmp_path / "init"),), WORLD)
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_expert_parallel_fp8_payload_equals_casting_after_the_exchange(chunks, tmp_path):
+    spawn(_fp8_worker, (str(tmp_path / "init"), chunks), WORLD)
 
 
 def _fsdp_worker(rank, init_file):
