@@ -220,6 +220,8 @@ def run_shape(name, shape, device, group, args) -> dict:
         pair_rows[label] = chunks * math.ceil(chunk_cf * tokens * k / (world * chunks))
         layer = library_layer(fc1, fc2, experts, group, chunk_cf, chunks, fp8)
         layers[label] = lambda layer=layer: layer(x, indices=indices, probs=probs)
+    if args.contenders:
+        layers = {label: f for label, f in layers.items() if label == "torch" or label in args.contenders}
     leaves = [x, probs, fc1.weight, fc2.weight]
 
     def step(forward):
@@ -369,9 +371,11 @@ def parse_args(argv=None):
     parser.add_argument("--no-graphs", dest="graphs", action="store_false",
                         help="leave out the CUDA-graph contenders (the sync-free ones captured as one graph per step)")
     parser.add_argument("--profile", default="", help="contenders to profile (comma-separated labels)")
+    parser.add_argument("--contenders", default="", help="only these (comma-separated labels; torch always runs)")
     args = parser.parse_args(argv)
     args.chunks = [int(n) for n in args.chunks.split(",") if n]
     args.profile = [label for label in args.profile.split(",") if label]
+    args.contenders = [label for label in args.contenders.split(",") if label]
     if args.smoke:
         args.rounds, args.warm, args.iters = 2, 1, 2
     return args
