@@ -166,7 +166,6 @@ class ChunkedSegment:
     def forward(self, run, steps: list, x):
         """The segment's output: ``steps`` (the plan's forward steps over the segment) per chunk."""
         seg, streams = self.segment, Streams(x.device)
-        first, inner, last = steps[0], steps[1:-1], steps[-1]
         sides = [run.side.for_chunk(c, seg.chunks) for c in range(seg.chunks)]
         for c, ctxs in enumerate(self.contexts):
             ctxs[seg.start].input_recompute = run.ctxs[seg.start - 1].recompute_output if seg.start else None
@@ -183,24 +182,12 @@ class ChunkedSegment:
                 sides[c].publish(i, ctxs[i])
             return value
 
-        pending = [streams.on_side(lambda: step(0, first, x), x)]
-        outputs = []
-        for c in range(seg.chunks):
-            rows = streams.take(*pending[c])
-            if c + 1 < seg.chunks:
-                pending.append(streams.on_side(lambda c=c: step(c + 1, first, x), x))
-            with _Reserving(self.overlap_sms if streams.cuda else 0):
-                for at in inner:
-                    rows = step(c, at, rows)
-            outputs.append(streams.on_side(lambda c=c, rows=rows: step(c, last, rows), rows))
-        streams.join()
-        return _sum([streams.take(value, event) for value, event in outputs])
+        return _sum(self._pipelined(streams, step, steps, x))
 
     def backward(self, run, steps: list, dy, contexts: list):
         """(dx, per-op grads of the segment's ops) from ``steps`` (the plan's backward steps over
         the segment, last op first) on the unpacked per-chunk ``contexts``."""
         seg, streams = self.segment, Streams(dy.device)
-        first, inner, last = steps[0], steps[1:-1], steps[-1]
         buffers = {key: torch.empty(shape, dtype=dtype, device=dy.device) for key, (shape, dtype) in
                    self.grad_shapes.items()}
         for c, ctxs in enumerate(contexts):
@@ -215,19 +202,26 @@ class ChunkedSegment:
                 chunk_grads[c][i - seg.start] = grad or {}
             return value
 
-        pending = [streams.on_side(lambda: step(0, first, dy), dy)]
-        dxs = []
-        for c in range(seg.chunks):
+        dx_parts = [dx for dx in self._pipelined(streams, step, steps, dy) if dx is not None]
+        return (_sum(dx_parts) if dx_parts else None), self._merge(chunk_grads, buffers)
+
+    def _pipelined(self, streams: Streams, step, steps: list, value) -> list:
+        """``step(c, at, value)`` over ``steps`` for every chunk c: the first step (on ``value``) and
+        the last on the side stream, the others on the current one, chunk c + 1's first step and
+        chunk c's last beside chunk c's (c + 1's) others; the last steps' results, in chunk order."""
+        first, inner, last = steps[0], steps[1:-1], steps[-1]
+        pending = [streams.on_side(lambda: step(0, first, value), value)]
+        results = []
+        for c in range(self.segment.chunks):
             rows = streams.take(*pending[c])
-            if c + 1 < seg.chunks:
-                pending.append(streams.on_side(lambda c=c: step(c + 1, first, dy), dy))
+            if c + 1 < self.segment.chunks:
+                pending.append(streams.on_side(lambda c=c: step(c + 1, first, value), value))
             with _Reserving(self.overlap_sms if streams.cuda else 0):
                 for at in inner:
                     rows = step(c, at, rows)
-            dxs.append(streams.on_side(lambda c=c, rows=rows: step(c, last, rows), rows))
+            results.append(streams.on_side(lambda c=c, rows=rows: step(c, last, rows), rows))
         streams.join()
-        dx_parts = [streams.take(value, event) for value, event in dxs if value is not None]
-        return (_sum(dx_parts) if dx_parts else None), self._merge(chunk_grads, buffers)
+        return [streams.take(result, event) for result, event in results]
 
     def _merge(self, chunk_grads: list, buffers: dict) -> list:
         """Per op of the segment: sliced parameters' gradients as their full buffer (a chunk's

@@ -133,42 +133,14 @@ def test_expert_parallel_layer_on_two_gpus_equals_one_gpu(tmp_path):
 
 
 def _fsdp_worker(rank, init_file):
-    """FSDP2 on the router (NCCL) beside the experts of each rank: three SGD steps equal a
-    replicated router whose gradient is averaged by hand."""
+    """FSDP2 on the router (NCCL) beside two overlapped chunks of each rank's experts."""
+    sys.path.insert(0, os.path.dirname(__file__))
     torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from test_expert_parallel_ops import train_router_beside_experts
 
-        from te_fused_ops import GroupedLinear, Permute, Sequential, SwiGLU, TopKRouter, Unpermute
-
-        group, local = dist.group.WORLD, E // WORLD
-
-        def make():
-            torch.manual_seed(0)
-            router = TopKRouter(H, E, K, normalize=True, device=device)
-            torch.manual_seed(1 + rank)
-            return Sequential(router, Permute(E, group=group, capacity_factor=float(2 * WORLD), chunks=2),
-                              GroupedLinear(local, H, 2 * I, device=device), SwiGLU(),
-                              GroupedLinear(local, I, H, device=device), Unpermute(group=group))
-
-        sharded, plain = make(), make()
-        fully_shard(sharded[0], mesh=init_device_mesh("cuda", (WORLD,)))
-        opt, opt_plain = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (sharded, plain))
-        for step in range(3):
-            x = torch.randn(T, H, generator=torch.Generator().manual_seed(10 * step + rank)).to(device)
-            sharded(x).square().mean().backward()
-            plain(x).square().mean().backward()
-            dist.all_reduce(plain[0].weight.grad, group=group)
-            plain[0].weight.grad /= WORLD
-            for o in (opt, opt_plain):
-                o.step()
-                o.zero_grad(set_to_none=True)
-            torch.testing.assert_close(sharded[0].weight.full_tensor(), plain[0].weight.detach())
-            for mine, other in ((sharded[2], plain[2]), (sharded[4], plain[4])):
-                torch.testing.assert_close(mine.weight, other.weight)
+        train_router_beside_experts(rank, torch.device("cuda", rank), (E, H, I, T, K), chunks=2)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -281,41 +281,48 @@ def test_expert_parallel_fp8_payload_equals_casting_after_the_exchange(chunks, t
     spawn(_fp8_worker, (str(tmp_path / "init"), chunks), WORLD)
 
 
+def train_router_beside_experts(rank, device, sizes, chunks=1):
+    """FSDP2 on the router (data parallel over the world group) beside expert parallelism on the
+    experts (``chunks`` of them overlapped): three SGD steps equal a replicated router whose
+    gradient is averaged by hand. ``sizes``: (experts, hidden, intermediate, tokens, k)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from te_fused_ops import GroupedLinear, Permute, Sequential, SwiGLU, TopKRouter, Unpermute
+
+    experts, hidden, ffn, tokens, k = sizes
+    group, world = dist.group.WORLD, dist.get_world_size()
+    local = experts // world
+
+    def make():
+        torch.manual_seed(0)  # the router the same on every rank; the experts this rank's own
+        router = TopKRouter(hidden, experts, k, normalize=True, device=device)
+        torch.manual_seed(1 + rank)
+        return Sequential(router, Permute(experts, group=group, capacity_factor=float(world * chunks), chunks=chunks),
+                          GroupedLinear(local, hidden, 2 * ffn, device=device), SwiGLU(),
+                          GroupedLinear(local, ffn, hidden, device=device), Unpermute(group=group))
+
+    sharded, plain = make(), make()
+    fully_shard(sharded[0], mesh=init_device_mesh(device.type, (world,)))
+    opt, opt_plain = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (sharded, plain))
+    for step in range(3):
+        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(10 * step + rank)).to(device)
+        sharded(x).square().mean().backward()
+        plain(x).square().mean().backward()
+        dist.all_reduce(plain[0].weight.grad, group=group)
+        plain[0].weight.grad /= world
+        for o in (opt, opt_plain):
+            o.step()
+            o.zero_grad(set_to_none=True)
+        torch.testing.assert_close(sharded[0].weight.full_tensor(), plain[0].weight.detach())
+        for mine, other in ((sharded[2], plain[2]), (sharded[4], plain[4])):
+            torch.testing.assert_close(mine.weight, other.weight)
+
+
 def _fsdp_worker(rank, init_file):
-    """FSDP2 on the router (data parallel over the group) beside expert parallelism on the experts:
-    three SGD steps equal a replicated router whose gradient is averaged by hand."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        from te_fused_ops import GroupedLinear, Permute, Sequential, SwiGLU, TopKRouter, Unpermute
-
-        group, local = dist.group.WORLD, E // WORLD
-
-        def make():
-            torch.manual_seed(0)  # the router the same on every rank; the experts this rank's own
-            router = TopKRouter(H, E, K, normalize=True)
-            torch.manual_seed(1 + rank)
-            return Sequential(router, Permute(E, group=group, capacity_factor=float(WORLD)),
-                              GroupedLinear(local, H, 2 * I), SwiGLU(), GroupedLinear(local, I, H),
-                              Unpermute(group=group))
-
-        sharded, plain = make(), make()
-        fully_shard(sharded[0], mesh=init_device_mesh("cpu", (WORLD,)))
-        opt, opt_plain = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (sharded, plain))
-        for step in range(3):
-            x = torch.randn(T, H, generator=torch.Generator().manual_seed(10 * step + rank))
-            sharded(x).square().mean().backward()
-            plain(x).square().mean().backward()
-            dist.all_reduce(plain[0].weight.grad, group=group)
-            plain[0].weight.grad /= WORLD
-            for o in (opt, opt_plain):
-                o.step()
-                o.zero_grad(set_to_none=True)
-            torch.testing.assert_close(sharded[0].weight.full_tensor(), plain[0].weight.detach())
-            for mine, other in ((sharded[2], plain[2]), (sharded[4], plain[4])):
-                torch.testing.assert_close(mine.weight, other.weight)
+        train_router_beside_experts(rank, torch.device("cpu"), (E, H, I, T, K))
         dist.barrier()
     finally:
         dist.destroy_process_group()
