@@ -36,6 +36,7 @@ from .backends import (
 )
 from .context import Format
 from .errors import OpInputError
+from .overlap import find_segment
 
 PASSES = ("forward", "backward")
 
@@ -483,6 +484,10 @@ class Plan:
         produced = _side_value_lines(ops)
         if produced:
             lines.append("side values: " + "; ".join(produced))
+        segment = find_segment(ops)
+        if segment is not None:
+            lines.append(f"chunked: ops [{segment.start}:{segment.stop}] run as {segment.chunks} chunks of the experts, "
+                         "the first and last steps (the exchanges) on a side stream beside the others")
         for passes, steps in (("forward", self.forward), ("backward", self.backward)):
             lines.append(f"{passes}:")
             for step in steps:

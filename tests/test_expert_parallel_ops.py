@@ -78,6 +78,8 @@ def _worker(rank, init_file, capacity_factor, chunks):
         y = layer(x, indices=indices, probs=probs)
         chunked = y.grad_fn.run.ctxs[0].chunked
         assert (chunked is not None and len(chunked.contexts) == chunks) == (chunks > 1)
+        plan = layer.explain(x, indices=indices, probs=probs)
+        assert (f"chunked: ops [0:5] run as {chunks} chunks of the experts" in plan) == (chunks > 1), plan
         dy = torch.randn(T, H, generator=torch.Generator().manual_seed(50 + rank), dtype=torch.float64)
         y.backward(dy)
 
