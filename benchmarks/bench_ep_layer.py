@@ -15,7 +15,7 @@ rank, rotated order, the same weights (each rank its own experts):
               per shape (`bench_moe_layer.ExpertMLP`), the rows back, the gather combine with the
               probs compiled per shape (`GatherCombine`)
   lib         Sequential(Permute(E, group, capacity_factor=None), GroupedLinear, SwiGLU,
-              GroupedLinear, Unpermute(group)) (dropless: the largest rank-pair count, one host read)
+              GroupedLinear, Unpermute(group)) (dropless: exact sizes, one host read)
   lib static  the same with a static capacity (sync-free): the smallest capacity factor (step 0.05)
               that drops nothing at this routing
   lib xN      static, chunks=N: N chunks of each rank's experts, one chunk's exchanges beside
@@ -128,7 +128,7 @@ def exchange_bytes(label: str, indices, experts: int, group, rows_per_rank: int,
     """Bytes this rank's all-to-alls send to other ranks in one step (forward + backward);
     ``rows_per_rank``: the library's rows per rank pair (all chunks)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if label == "torch":
+    if label in ("torch", "lib"):  # exact sizes (the library's dropless layer too)
         to_rank = torch.bincount(indices.reshape(-1) // (experts // world), minlength=world)
         received = torch.empty_like(to_rank)
         dist.all_to_all_single(received, to_rank, group=group)
@@ -207,7 +207,7 @@ def run_shape(name, shape, device, group, args) -> dict:
     math_fns = layer_math(device.type == "cuda")
     cf = no_drop_capacity_factor(indices, experts, group)
     capacity = math.ceil(cf * tokens * k / world)
-    pair_rows = {"torch": 0, "lib": None}  # the library's rows per rank pair and step (all chunks)
+    pair_rows = {"torch": 0, "lib": 0}  # the library's rows per rank pair and step (all chunks); exact: unused
 
     layers = {"torch": lambda: torch_ep_layer(x, indices, probs, fc1.weight, fc2.weight, experts, group, math_fns)}
     dropless = library_layer(fc1, fc2, experts, group, None)
@@ -257,8 +257,6 @@ def run_shape(name, shape, device, group, args) -> dict:
             graphed.graphed = True
             pair_rows[f"{label} graph"] = pair_rows[label]
     want = results(layers["torch"])
-    largest = dropless[0].capacities(indices)[0]  # the dropless layer's rows per rank pair
-    pair_rows["lib"] = largest
     rows = {}
     for label, forward in layers.items():
         got = results(forward)

@@ -112,17 +112,20 @@ def slots_to_rows(slot_values: torch.Tensor, routing: Routing) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ExpertParallelRouting(Routing):
-    """The routing of a `Permute` with ``group=`` (experts split evenly over the group's W ranks,
-    C send rows per destination rank). The `Routing` fields describe the W * C rows this rank
-    received (one slot each, grouped by local expert; unused rows are dropped slots); the others
-    map this rank's T tokens to its W * C send rows (rows d * C .. d * C + C - 1 go to rank d).
+    """The routing of a `Permute` with ``group=`` (experts split evenly over the group's W ranks).
+    The `Routing` fields describe the rows this rank received (one slot each, grouped by local
+    expert; unused rows are dropped slots); the others map this rank's T tokens to its send rows,
+    N of them: W blocks of C rows with a static capacity (rows d * C .. d * C + C - 1 go to rank d),
+    or exactly the rows each rank gets when dropless (``splits``).
 
-    send_slots:  (W * C,) int64, the slot t * k + j each send row carries; T * k for an unused row
-    send_slot_rows: (T, k) int32, the send row of each slot; W * C for a slot not sent
-    send_kept:   (1,) int32 holding W * C (send rows below it are kept: the row kernels' num_kept)
+    send_slots:  (N,) int64, the slot t * k + j each send row carries; T * k for an unused row
+    send_slot_rows: (T, k) int32, the send row of each slot; N for a slot not sent
+    send_kept:   (1,) int32 holding N (send rows below it are kept: the row kernels' num_kept)
     dropped:     () int64, this rank's slots past their destination's capacity
     tokens, slots_per_token: T and k
     group:       the process group
+    splits:      None (W equal blocks each way), or (rows sent to each rank, rows received from
+                 each rank) as host lists (dropless: read once when the routing was made)
     """
 
     send_slots: torch.Tensor
@@ -132,51 +135,55 @@ class ExpertParallelRouting(Routing):
     tokens: int
     slots_per_token: int
     group: object
+    splits: tuple = None
 
     def send_tokens(self) -> torch.Tensor:
-        """(W * C,) int64: the token of each send row (T for an unused row)."""
+        """(N,) int64: the token of each send row (T for an unused row)."""
         return self.send_slots // self.slots_per_token
 
     def send_rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Per-token rows (T, H) -> the send rows (W * C, H), zeros in the unused ones."""
+        """Per-token rows (T, H) -> the send rows (N, H), zeros in the unused ones."""
         padded = torch.cat([tokens, tokens.new_zeros(1, tokens.shape[1])])
         return padded.index_select(0, self.send_tokens())
 
     def sum_send_rows(self, sent: torch.Tensor) -> torch.Tensor:
-        """Send rows (W * C, H) -> per-token sums (T, H) (the reverse of `send_rows`)."""
+        """Send rows (N, H) -> per-token sums (T, H) (the reverse of `send_rows`)."""
         out = sent.new_zeros(self.tokens + 1, sent.shape[1]).index_add_(0, self.send_tokens(), sent)
         return out[:-1]
 
+    def exchange(self, sent: torch.Tensor) -> torch.Tensor:
+        """Send rows (N, ...) -> the rows this rank receives (one all-to-all)."""
+        sizes = (None, None) if self.splits is None else (self.splits[1], self.splits[0])
+        return all_to_all(sent, self.group, *sizes)
 
-def all_to_all(t: torch.Tensor, group) -> torch.Tensor:
-    """(W * C, ...) -> (W * C, ...): chunk d goes to rank d, chunk s of the result came from rank s."""
+    def exchange_back(self, received: torch.Tensor) -> torch.Tensor:
+        """Received rows -> this rank's send rows (N, ...) (the reverse all-to-all)."""
+        sizes = (None, None) if self.splits is None else self.splits
+        return all_to_all(received, self.group, *sizes)
+
+
+def all_to_all(t: torch.Tensor, group, out_sizes=None, in_sizes=None) -> torch.Tensor:
+    """Rows to every rank: block d of ``t`` goes to rank d, block s of the result came from rank
+    s; W equal blocks, or blocks of ``in_sizes`` / ``out_sizes`` rows (host lists)."""
     import torch.distributed as dist
 
-    out = torch.empty_like(t)
-    dist.all_to_all_single(out, t.contiguous(), group=group)
+    out = t.new_empty((t.shape[0] if out_sizes is None else sum(out_sizes), *t.shape[1:]))
+    dist.all_to_all_single(out, t.contiguous(), out_sizes, in_sizes, group=group)
     return out
 
 
-def rank_counts(indices: torch.Tensor, num_experts: int, world: int) -> torch.Tensor:
-    """(W,) int64: this rank's slots whose expert lives on each rank (experts split evenly)."""
-    flat = indices.reshape(-1).to(torch.int64)
-    kept = (flat >= 0) & (flat < num_experts)
-    destination = torch.where(kept, flat // (num_experts // world), world)
-    return torch.zeros(world + 1, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, destination, torch.ones_like(destination))[:world]
-
-
-def route_expert_parallel(indices: torch.Tensor, num_experts: int, group, capacity: int,
-                          chunks: int = 1) -> ExpertParallelRouting | list:
+def route_expert_parallel(indices: torch.Tensor, num_experts: int, group, capacity, chunks: int = 1):
     """The `ExpertParallelRouting` of this rank's ids ``indices`` (T, k) (checked by the caller):
     a destination rank fills its ``capacity`` rows in the order (expert, token, slot); the counts
-    go to every rank (one small all-to-all, no host sync), which groups what it receives.
+    go to every rank (one small all-to-all), which groups what it receives. No host sync, unless
+    ``capacity`` is None (dropless): then every slot is sent and the exchanged counts are read on
+    the host once to size the buffers exactly.
 
     ``chunks`` > 1: the list of the routings of the chunks of each rank's experts (chunk c: local
     experts c L / chunks ..), ``capacity`` rows per rank pair and chunk, found together (one sort,
-    one exchange of counts); chunk c's send rows are its own W * C (its ``send_slot_rows`` name
-    them; a slot of another chunk is not sent by it), its received rows grouped by the chunk's
-    experts. The first chunk's ``dropped`` counts the slots dropped in every chunk (the others: 0).
+    one exchange of counts); chunk c's send rows are its own (its ``send_slot_rows`` name them; a
+    slot of another chunk is not sent by it), its received rows grouped by the chunk's experts.
+    The first chunk's ``dropped`` counts the slots dropped in every chunk (the others: 0).
     """
     import torch.distributed as dist
 
@@ -191,33 +198,50 @@ def route_expert_parallel(indices: torch.Tensor, num_experts: int, group, capaci
     block = torch.where(valid, flat % local_experts // per_chunk * world + flat // local_experts, num_blocks)
     order = torch.sort(torch.where(valid, block * num_experts + flat, num_blocks * num_experts), stable=True).indices
     sorted_block = block[order]
-    per_block = torch.zeros(num_blocks + 1, dtype=torch.int64, device=device).scatter_add_(
-        0, block, torch.ones_like(block))[:num_blocks]
-    block_start = torch.cat([torch.cumsum(per_block, 0) - per_block, per_block.new_zeros(1)])
-    position = torch.arange(num_slots, device=device) - block_start[sorted_block]
     sent = sorted_block < num_blocks
-    kept = sent & (position < capacity)
-    row = torch.where(kept, sorted_block * capacity + position, num_blocks * capacity)  # the last: a spill row
-    send_slots = torch.full((num_blocks * capacity + 1,), num_slots, dtype=torch.int64, device=device)
-    send_slots = send_slots.scatter_(0, row, order)[:-1]
-    slot_row = torch.empty(num_slots, dtype=torch.int64, device=device).scatter_(0, order, row)
-    kept_expert = torch.where(kept, flat[order], num_experts)
+    if capacity is None:  # dropless: every valid slot, in block order
+        kept, row = sent, torch.where(sent, torch.arange(num_slots, device=device), num_slots)
+    else:
+        per_block = torch.zeros(num_blocks + 1, dtype=torch.int64, device=device).scatter_add_(
+            0, block, torch.ones_like(block))[:num_blocks]
+        block_start = torch.cat([torch.cumsum(per_block, 0) - per_block, per_block.new_zeros(1)])
+        position = torch.arange(num_slots, device=device) - block_start[sorted_block]
+        kept = sent & (position < capacity)
+        row = torch.where(kept, sorted_block * capacity + position, num_blocks * capacity)  # the last: a spill row
     send_counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
-    send_counts = send_counts.scatter_add_(0, kept_expert, kept.long())[:num_experts].view(world, local_experts)
+    send_counts = send_counts.scatter_add_(0, torch.where(kept, flat[order], num_experts), kept.long())
+    send_counts = send_counts[:num_experts].view(world, local_experts)
     recv_counts = all_to_all(send_counts, group)  # row s: what rank s sends here, per local expert
     dropped = (sent & ~kept).sum()
-    column = torch.arange(capacity, device=device).expand(world, capacity).contiguous()
-    send_kept = torch.full((1,), world * capacity, dtype=torch.int32, device=device)
-    routings = []
+    slot_row = torch.empty(num_slots, dtype=torch.int64, device=device).scatter_(0, order, row)
+    if capacity is None:  # the block sizes, read on the host once: (chunk, rank) sent, (chunk, rank) received
+        sizes = torch.stack([send_counts.view(world, chunks, per_chunk).sum(2).t(),
+                             recv_counts.view(world, chunks, per_chunk).sum(2).t()]).tolist()
+        send_sizes, recv_sizes = sizes
+        send_slots = order[:sum(map(sum, send_sizes))]
+    else:
+        send_sizes = [[capacity] * world] * chunks
+        recv_sizes = send_sizes
+        send_slots = torch.full((num_blocks * capacity + 1,), num_slots, dtype=torch.int64, device=device)
+        send_slots = send_slots.scatter_(0, row, order)[:-1]
+    routings, first = [], 0
     for chunk in range(chunks):
         counts = recv_counts[:, chunk * per_chunk:(chunk + 1) * per_chunk]
-        received = torch.searchsorted(torch.cumsum(counts, 1), column, right=True)
-        local = route(torch.where(received < per_chunk, received, -1).reshape(-1, 1), per_chunk)
-        first = chunk * world * capacity
-        in_chunk = (slot_row >= first) & (slot_row < first + world * capacity)
-        send_slot_rows = torch.where(in_chunk, slot_row - first, world * capacity).to(torch.int32).view(indices.shape)
+        sending, receiving = sum(send_sizes[chunk]), sum(recv_sizes[chunk])
+        if capacity is None:
+            local_ids = torch.arange(per_chunk, device=device).repeat(world).repeat_interleave(
+                counts.reshape(-1), output_size=receiving)
+        else:
+            column = torch.arange(capacity, device=device).expand(world, capacity).contiguous()
+            received = torch.searchsorted(torch.cumsum(counts, 1), column, right=True)
+            local_ids = torch.where(received < per_chunk, received, -1)
+        local = route(local_ids.reshape(-1, 1), per_chunk)
+        in_chunk = (slot_row >= first) & (slot_row < first + sending)
+        send_slot_rows = torch.where(in_chunk, slot_row - first, sending).to(torch.int32).view(indices.shape)
         routings.append(ExpertParallelRouting(
-            local.slot_rows, local.row_slots, local.offsets, local.counts,
-            send_slots[first:first + world * capacity], send_slot_rows, send_kept,
-            dropped if chunk == 0 else torch.zeros_like(dropped), indices.shape[0], indices.shape[1], group))
+            local.slot_rows, local.row_slots, local.offsets, local.counts, send_slots[first:first + sending],
+            send_slot_rows, torch.full((1,), sending, dtype=torch.int32, device=device),
+            dropped if chunk == 0 else torch.zeros_like(dropped), indices.shape[0], indices.shape[1], group,
+            None if capacity is not None else (send_sizes[chunk], recv_sizes[chunk])))
+        first += sending
     return routings[0] if chunks == 1 else routings

@@ -109,6 +109,13 @@ def _worker(rank, init_file, capacity_factor, chunks):
 
         with no_host_reads():  # the routing reads no value back to the host
             routing = route_expert_parallel(indices, E, group, capacity)
+        if capacity_factor is None:  # dropless: exactly the valid slots travel, sized by one host read
+            exact = route_expert_parallel(indices, E, group, None)
+            valid = int((indices >= 0).sum())
+            assert exact.send_slots.shape[0] == sum(exact.splits[0]) == valid, (exact.splits, valid)
+            balance = torch.tensor([sum(exact.splits[1]) - valid])  # what all ranks receive = what all send
+            dist.all_reduce(balance)
+            assert int(balance) == 0
         expected_dropped = int(((inputs[rank][1] >= 0) & ~kept[rank]).sum())
         assert int(layer[0].dropped) == expected_dropped, (int(layer[0].dropped), expected_dropped)
         if chunks == 1:
@@ -253,7 +260,7 @@ def _fp8_worker(rank, init_file, chunks):
         assert "[0:2] Permute, Quantize -> rule 'permute+quantize'" in layer.explain(x, indices=indices, probs=probs)
         sent = []
         real = rows.all_to_all
-        rows.all_to_all = lambda t, g: sent.append(t.dtype) or real(t, g)
+        rows.all_to_all = lambda t, g, *sizes: sent.append(t.dtype) or real(t, g, *sizes)
         try:
             y = layer(x, indices=indices, probs=probs)
         finally:

@@ -69,9 +69,9 @@ class Permute(BasicOp):
     global ids, and each rank sends every destination rank at most C = ceil(capacity_factor * T * k
     / W) rows (static shapes: no host sync; slots past a destination's capacity are dropped, in the
     order expert, token, slot; ``permute.dropped`` holds this rank's count of the last call, a
-    device tensor). ``capacity_factor=None`` drops nothing: C is then the largest count any rank
-    sends any rank in this call (an all-reduce and one host read per call; shapes change with
-    the routing). The output is the W * C rows this rank received, grouped by its E / W local
+    device tensor). ``capacity_factor=None`` drops nothing: every slot is sent, the exchanged
+    counts read on the host once per call to size the exchanges exactly (shapes change with the
+    routing). The output is the rows this rank received (W * C with a static capacity), grouped by its E / W local
     experts (``split_sizes`` (E / W,)); the grouped ops after it hold the local experts. Pair it
     with ``Unpermute(group=...)``, which takes the probabilities. The rows move on the torch path
     (an all-to-all each way). Where values are checked (CPU, TE_FUSED_OPS_VALIDATE=1), ids out of
@@ -126,30 +126,15 @@ class Permute(BasicOp):
         per_chunk = self.num_experts // self.world_size() // self.chunks
         return chunk * per_chunk, (chunk + 1) * per_chunk
 
-    def chunk_indices(self, indices: torch.Tensor, chunk: int) -> torch.Tensor:
-        """(T, k) int64: the slots routed to chunk ``chunk``'s experts, as ids among the E / chunks
-        experts of the chunks (rank r's j-th expert of the chunk: r * L / chunks + j); -1 elsewhere."""
-        local = self.num_experts // self.world_size()
-        per_chunk = local // self.chunks
-        ids = indices.to(torch.int64)
-        inside = (ids >= 0) & (ids < self.num_experts) & (ids % local // per_chunk == chunk)
-        return torch.where(inside, ids // local * per_chunk + ids % per_chunk, -1)
-
-    def capacities(self, indices: torch.Tensor) -> list:
-        """C per chunk: the rows every rank sends every rank in this call (``group`` set); where
-        values are checked, bad ids or differing capacities on any rank raise on every rank (no
-        rank is left waiting in a collective)."""
+    def capacity(self, indices: torch.Tensor):
+        """C, the rows every rank sends every rank (per chunk) in this call, or None (dropless);
+        where values are checked, bad ids or differing capacities on any rank raise on every rank
+        (no rank is left waiting in a collective)."""
         import torch.distributed as dist
 
+        if self.capacity_factor is None:
+            return None
         world = self.world_size()
-        if self.capacity_factor is None:  # dropless: the largest (source, destination) count of each chunk
-            if self.chunks == 1:
-                largest = rows.rank_counts(indices, self.num_experts, world).max().reshape(1)
-            else:
-                largest = torch.stack([rows.rank_counts(self.chunk_indices(indices, c), self.num_experts // self.chunks,
-                                                        world).max() for c in range(self.chunks)])
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
-            return [max(1, count) for count in largest.tolist()]
         capacity = max(1, math.ceil(self.capacity_factor * indices.numel() / (world * self.chunks)))
         if validation_enabled(indices.device):
             bad = ((indices < -1) | (indices >= self.num_experts)).sum()
@@ -162,7 +147,7 @@ class Permute(BasicOp):
             if int(bounds[1]) != -int(bounds[2]):
                 raise OpValueError(f"Permute: the ranks of 'group' send {-int(bounds[2])} to {int(bounds[1])} rows per "
                                    "rank pair (capacity_factor * tokens * k / ranks); every rank needs the same")
-        return [capacity] * self.chunks
+        return capacity
 
     def world_size(self) -> int:
         import torch.distributed as dist
@@ -203,14 +188,13 @@ class Permute(BasicOp):
             if self.group is None:
                 memo[key] = rows.route(indices, self.num_experts)
             elif chunk is None:
-                memo[key] = rows.route_expert_parallel(indices, self.num_experts, self.group,
-                                                       self.capacities(indices)[0])
+                memo[key] = rows.route_expert_parallel(indices, self.num_experts, self.group, self.capacity(indices))
                 self.dropped = memo[key].dropped
             else:  # one chunk of a chunked segment: the routings of all chunks are made together
                 shared = memo["chunks shared"]
                 if "routings" not in shared:
                     shared["routings"] = rows.route_expert_parallel(indices, self.num_experts, self.group,
-                                                                    max(self.capacities(indices)), self.chunks)
+                                                                    self.capacity(indices), self.chunks)
                     self.dropped = shared["routings"][0].dropped
                 memo[key] = shared["routings"][chunk]
                 memo["chunk experts"] = self.chunk_experts(chunk)
@@ -230,7 +214,7 @@ class Permute(BasicOp):
         routing = ctx.side["routing"]
         if isinstance(routing, rows.ExpertParallelRouting):  # send rows out, group what arrives
             check_tokens("Permute", x, routing.tokens, "tokens, hidden")
-            return scatter(rows.all_to_all(routing.send_rows(x), routing.group), routing)
+            return scatter(routing.exchange(routing.send_rows(x)), routing)
         check_tokens("Permute", x, routing.slot_rows.shape[0], "tokens, hidden")
         ctx.recompute_output = Recompute(scatter, x, routing)
         return scatter(x, routing)
@@ -250,7 +234,7 @@ class Permute(BasicOp):
         if move is None:
             def move(t, routing):
                 sent = torch.cat([t, t.new_zeros(1, t.shape[1])]).index_select(0, routing.send_tokens())
-                return rows.scatter_rows(rows.all_to_all(sent, routing.group), routing)
+                return rows.scatter_rows(routing.exchange(sent), routing)
 
         cast = quantize(x, fmt.recipe, rowwise=True)
         data, scale_inv = (move(t, routing) for t in (cast.rowwise_data.view(torch.uint8), cast.rowwise_scale_inv))
@@ -263,7 +247,7 @@ class Permute(BasicOp):
             return None, {}
         routing = ctx.side["routing"]
         if isinstance(routing, rows.ExpertParallelRouting):
-            return routing.sum_send_rows(rows.all_to_all(rows.gather_sum(dy, routing), routing.group)), {}
+            return routing.sum_send_rows(routing.exchange_back(rows.gather_sum(dy, routing))), {}
         return rows.gather_sum(dy, routing), {}
 
 
@@ -329,7 +313,7 @@ class Unpermute(BasicOp):
         self.check_input(ctx, y)
         routing = ctx.side["routing"]
         if isinstance(routing, rows.ExpertParallelRouting):
-            back = rows.all_to_all(rows.gather_sum(y, routing), routing.group)  # in this rank's send rows
+            back = routing.exchange_back(rows.gather_sum(y, routing))  # in this rank's send rows
             if "probs" in ctx.side and ctx.needs_grad("probs"):
                 ctx.saved.returned_rows = back
             return _sum_into_tokens(back, routing, ctx.side.get("probs"))
@@ -348,13 +332,13 @@ class Unpermute(BasicOp):
 
 
 def _send_row_weights(routing: "rows.ExpertParallelRouting", probs, like: torch.Tensor) -> torch.Tensor:
-    """(W * C, 1): the probability of the slot each send row carried (0 for an unused row)."""
+    """(N, 1): the probability of the slot each send row carried (0 for an unused row)."""
     flat = torch.cat([probs.reshape(-1), probs.new_zeros(1)])
     return flat.index_select(0, routing.send_slots).to(like.dtype).unsqueeze(1)
 
 
 def _sum_into_tokens(back: torch.Tensor, routing: "rows.ExpertParallelRouting", probs) -> torch.Tensor:
-    """Send-row results (W * C, H) -> tokens (T, H), each weighted by its slot's probability."""
+    """Send-row results (N, H) -> tokens (T, H), each weighted by its slot's probability."""
     if probs is not None:
         back = back * _send_row_weights(routing, probs, back)
     return routing.sum_send_rows(back)
@@ -374,7 +358,7 @@ def _expert_parallel_combine_backward(ctx: OpContext, dy, routing: "rows.ExpertP
         return None, grads
     if probs is not None:
         dy_rows = dy_rows * _send_row_weights(routing, probs, dy_rows)
-    return rows.scatter_rows(rows.all_to_all(dy_rows, routing.group), routing), grads
+    return rows.scatter_rows(routing.exchange(dy_rows), routing), grads
 
 
 _SCORES = ("softmax", "sigmoid")

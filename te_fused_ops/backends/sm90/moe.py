@@ -13,7 +13,7 @@ received rows are grouped by local expert (k = 1) and back.
 import torch
 
 from ...ops.moe import check_tokens
-from ...routing import ExpertParallelRouting, Routing, all_to_all
+from ...routing import ExpertParallelRouting, Routing
 from .backend import SM90
 from .kernels.moe_rows import MAX_SLOTS, VEC, gather_sum, scatter_rows
 
@@ -42,14 +42,14 @@ def permuted_rows(x: torch.Tensor, routing: Routing) -> torch.Tensor:
 
 
 def _send_rows(x: torch.Tensor, routing: ExpertParallelRouting, scale=None, y=None, dot_out=None) -> torch.Tensor:
-    """Tokens (T, H) -> this rank's send rows (W * C, H) (times the slot's ``scale``; with ``y``
+    """Tokens (T, H) -> this rank's send rows (N, H) (times the slot's ``scale``; with ``y``
     and ``dot_out`` also the slots' dots with the rows ``y`` came back in)."""
     return scatter_rows(x, routing.send_slot_rows, routing.send_kept, scale=scale, y=y, dot_out=dot_out,
                         num_rows=routing.send_slots.shape[0])
 
 
 def _token_sums(sent: torch.Tensor, routing: ExpertParallelRouting, weights=None) -> torch.Tensor:
-    """Send rows (W * C, H) -> each token's sum of its slots' rows (weighted)."""
+    """Send rows (N, H) -> each token's sum of its slots' rows (weighted)."""
     return gather_sum(sent, routing.send_slot_rows, routing.send_kept, weights=weights)
 
 
@@ -61,7 +61,7 @@ def _permute(ops, ctxs, x):
         return op.op_forward(ctx, x)
     if isinstance(routing, ExpertParallelRouting):
         check_tokens("Permute", x, routing.tokens, "tokens, hidden")
-        return permuted_rows(all_to_all(_send_rows(x.contiguous(), routing), routing.group), routing)
+        return permuted_rows(routing.exchange(_send_rows(x.contiguous(), routing)), routing)
     return op.forward_rows(ctx, x, permuted_rows)
 
 
@@ -74,7 +74,7 @@ def _permute_backward(ops, ctxs, dy):
         return dx, [grads]
     received = gather_sum(dy.contiguous(), routing.slot_rows, routing.num_kept)
     if isinstance(routing, ExpertParallelRouting):
-        return _token_sums(all_to_all(received, routing.group), routing), [{}]
+        return _token_sums(routing.exchange_back(received), routing), [{}]
     return received, [{}]
 
 
@@ -87,7 +87,7 @@ def _unpermute(ops, ctxs, y):
         return op.op_forward(ctx, y)
     probs = _weights(ctx.side.get("probs"))
     if isinstance(routing, ExpertParallelRouting):
-        back = all_to_all(gather_sum(y.contiguous(), routing.slot_rows, routing.num_kept), routing.group)
+        back = routing.exchange_back(gather_sum(y.contiguous(), routing.slot_rows, routing.num_kept))
         if "probs" in ctx.side and ctx.needs_grad("probs"):
             ctx.saved.returned_rows = back
         return _token_sums(back, routing, probs)
@@ -112,7 +112,7 @@ def _unpermute_backward(ops, ctxs, dy):
         grads["probs"] = dots
     if expert_parallel:
         dy_rows = _send_rows(dy, routing, _weights(probs), returned, dots)
-        dy_rows = permuted_rows(all_to_all(dy_rows, routing.group), routing) if ctx.input_requires_grad else None
+        dy_rows = permuted_rows(routing.exchange(dy_rows), routing) if ctx.input_requires_grad else None
     else:
         dy_rows = scatter_rows(dy, routing.slot_rows, routing.num_kept, scale=_weights(probs), y=returned, dot_out=dots)
     if dots is not None:
@@ -123,7 +123,7 @@ def _unpermute_backward(ops, ctxs, dy):
 def _moved_as_half(t: torch.Tensor, routing: ExpertParallelRouting) -> torch.Tensor:
     """Per-token rows of any dtype (T, n), whole 16-byte vectors, viewed as fp16, sent and grouped."""
     half = t.contiguous().view(torch.float16)
-    return permuted_rows(all_to_all(_send_rows(half, routing), routing.group), routing).view(t.dtype)
+    return permuted_rows(routing.exchange(_send_rows(half, routing)), routing).view(t.dtype)
 
 
 def _cast_supports(ops, info):
