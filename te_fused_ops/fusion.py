@@ -36,7 +36,7 @@ from .backends import (
 )
 from .context import Format
 from .errors import OpInputError
-from .overlap import find_segment
+from .overlap import Segment, find_segment, segment_steps
 
 PASSES = ("forward", "backward")
 
@@ -478,13 +478,15 @@ class Plan:
     backward: list  # in execution order (last ops first)
     not_fired: dict  # pass -> [(rule name, start, stop, reason)]
     templates: dict = field(default_factory=dict)  # call signature -> custom_ops.RunTemplate (torch.compile)
+    segment: Optional[Segment] = None  # the chunked segment (`overlap`), if an op opens one
+    segment_steps: dict = field(default_factory=dict)  # pass -> (first, stop) indices of its steps over it
 
     def explain(self, ops) -> str:
         lines = [f"plan for {self.info.device_label}, dtype {str(self.info.dtype).removeprefix('torch.')}"]
         produced = _side_value_lines(ops)
         if produced:
             lines.append("side values: " + "; ".join(produced))
-        segment = find_segment(ops)
+        segment = self.segment
         if segment is not None:
             lines.append(f"chunked: ops [{segment.start}:{segment.stop}] run as {segment.chunks} chunks of the experts, "
                          "the first and last steps (the exchanges) on a side stream beside the others")
@@ -630,4 +632,9 @@ def make_plan(ops, info: PlanInfo, fuse: bool = True) -> Plan:
     fuse = fuse and fusion_enabled_by_env()
     forward, fwd_not_fired = _plan_pass(ops, info, "forward", fuse)
     backward, bwd_not_fired = _plan_pass(ops, info, "backward", fuse)
-    return Plan(info, forward, backward, {"forward": fwd_not_fired, "backward": bwd_not_fired})
+    plan = Plan(info, forward, backward, {"forward": fwd_not_fired, "backward": bwd_not_fired})
+    plan.segment = find_segment(ops)
+    if plan.segment is not None:
+        plan.segment_steps = {passes: segment_steps(ops, plan.segment, steps, passes)
+                              for passes, steps in (("forward", forward), ("backward", backward))}
+    return plan

@@ -67,6 +67,23 @@ def find_segment(ops):
     return None
 
 
+def segment_steps(ops, segment: Segment, steps: list, passes: str) -> tuple:
+    """(first, stop): the indices of the ``passes`` plan ``steps`` over ``segment``, checked to
+    cover it alone, its closing op in a step of its own (made once, with the plan)."""
+    first = next(i for i, step in enumerate(steps) if segment.start <= step.start < segment.stop)
+    stop = first
+    while stop < len(steps) and segment.start <= steps[stop].start < segment.stop:
+        stop += 1
+    spans = [(s.start, s.stop) for s in steps[first:stop]]
+    opening, closing = (spans[0], spans[-1]) if passes == "forward" else (spans[-1], spans[0])
+    if len(spans) < 2 or opening[0] != segment.start or closing != (segment.stop - 1, segment.stop) or max(
+            end for _, end in spans) > segment.stop:
+        raise ValueError(f"{ops[segment.start].op_name} (op {segment.start}): the chunked segment [{segment.start}:"
+                         f"{segment.stop}] must be planned as steps of its own, its last op alone (the {passes} "
+                         f"plan: {', '.join(s.label(ops) for s in steps[first:stop])})")
+    return first, stop
+
+
 def _tensors(value) -> list:
     if isinstance(value, QuantizedTensor):
         return [t for t in vars(value).values() if isinstance(t, torch.Tensor)]

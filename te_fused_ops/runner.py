@@ -12,7 +12,7 @@ import torch
 
 from .backends import backends_version
 from .context import OpContext
-from .overlap import ChunkedSegment, find_segment
+from .overlap import ChunkedSegment
 from .fusion import (
     PlanInfo,
     forced_backend,
@@ -181,7 +181,6 @@ class Run:
         self.param_slots = param_slots
         self.num_params = num_params
         self.side = SideValues(side or {}, grad_side_names)
-        self.segment = find_segment(ops)
 
     def forward(self, x, steps=None):
         """Run the forward steps (default: the plan's) on ``x``; returns the output. Each step's
@@ -191,9 +190,9 @@ class Run:
         while index < len(steps):
             step = steps[index]
             index += 1
-            if self.segment is not None and step.start == self.segment.start:
-                stop = self._segment_steps(steps, index - 1, "forward")
-                chunked = self.ctxs[step.start].chunked = ChunkedSegment(self, self.segment)
+            if self.plan.segment is not None and index - 1 == self.plan.segment_steps["forward"][0]:
+                stop = self.plan.segment_steps["forward"][1]
+                chunked = self.ctxs[step.start].chunked = ChunkedSegment(self, self.plan.segment)
                 x = chunked.forward(self, steps[index - 1:stop], x)
                 index = stop
                 continue
@@ -205,28 +204,13 @@ class Run:
                 self.side.publish(i, self.ctxs[i])
         return x
 
-    def _segment_steps(self, steps: list, first: int, passes: str) -> int:
-        """One past the last of ``steps`` (from ``first`` on, in ``passes`` order) over the chunked
-        segment, checking that they cover it alone, its closing op in a step of its own."""
-        seg = self.segment
-        stop = first
-        while stop < len(steps) and seg.start <= steps[stop].start < seg.stop:
-            stop += 1
-        spans = [(s.start, s.stop) for s in steps[first:stop]]
-        opening, closing = (spans[0], spans[-1]) if passes == "forward" else (spans[-1], spans[0])
-        if len(spans) < 2 or opening[0] != seg.start or closing != (seg.stop - 1, seg.stop) or max(
-                end for _, end in spans) > seg.stop:
-            raise ValueError(f"{self.ops[seg.start].op_name} (op {seg.start}): the chunked segment [{seg.start}:"
-                             f"{seg.stop}] must be planned as steps of its own, its last op alone (the {passes} "
-                             f"plan: {', '.join(s.label(self.ops) for s in steps[first:stop])})")
-        return stop
-
     def contexts(self) -> list:
         """Every context of this call: the ops', then each chunk's of a chunked segment."""
-        chunked = self.ctxs[self.segment.start].chunked if self.segment is not None else None
+        seg = self.plan.segment
+        chunked = self.ctxs[seg.start].chunked if seg is not None else None
         if chunked is None:
             return list(self.ctxs)
-        return [*self.ctxs, *(c[i] for c in chunked.contexts for i in range(self.segment.start, self.segment.stop))]
+        return [*self.ctxs, *(c[i] for c in chunked.contexts for i in range(seg.start, seg.stop))]
 
     def pack(self, tensors=None, index=None) -> list:
         """Replace the tensors the contexts keep by slots; return them (for save_for_backward).
@@ -261,15 +245,15 @@ class Run:
         while index < len(steps):
             step = steps[index]
             index += 1
-            if self.segment is not None and self.segment.start <= step.start < self.segment.stop:
-                stop = self._segment_steps(steps, index - 1, "backward")
-                chunked = ctxs[self.segment.start].chunked
-                contexts = [[*ctxs[:self.segment.start],
-                             *(self._unpacked(chunk[i], saved_tensors) for i in range(self.segment.start, self.segment.stop)),
-                             *ctxs[self.segment.stop:]] for chunk in chunked.contexts]
+            seg = self.plan.segment
+            if seg is not None and index - 1 == self.plan.segment_steps["backward"][0]:
+                stop = self.plan.segment_steps["backward"][1]
+                chunked = ctxs[seg.start].chunked
+                contexts = [[*ctxs[:seg.start], *(self._unpacked(chunk[i], saved_tensors) for i in range(seg.start, seg.stop)),
+                             *ctxs[seg.stop:]] for chunk in chunked.contexts]
                 dy, grads = chunked.backward(self, steps[index - 1:stop], dy, contexts)
                 index = stop
-                step_start = self.segment.start
+                step_start = seg.start
             else:
                 dy, grads = step.run(self.ops, ctxs, dy, "backward")
                 step_start = step.start

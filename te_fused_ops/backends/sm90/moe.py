@@ -126,11 +126,7 @@ def _moved_as_half(t: torch.Tensor, routing: ExpertParallelRouting) -> torch.Ten
     return permuted_rows(routing.exchange(_send_rows(half, routing)), routing).view(t.dtype)
 
 
-def _cast_supports(ops, info):
-    return None if info.dtype in (torch.bfloat16, torch.float16) else "dtype: bf16 / fp16 inputs only"
-
-
-@SM90.implement("permute+quantize", supports=_cast_supports)
+@SM90.implement("permute+quantize", supports=_supports)
 def _permute_cast(ops, ctxs, x):
     """The FP8 dispatch: the cast rows and their scales moved by the row kernels (as fp16 words)."""
     op, ctx = ops[0], ctxs[0]
