@@ -189,7 +189,11 @@ def kernel_rows(mlp, offsets, x, dy):
     }
 
 
-CONFIGS = [(128, 1), (128, 2), (256, 1), (256, 2)]  # (tile_n, cluster_m) tried by --sweep
+def configs():
+    """(tile_n, cluster_m) tried by --sweep and `sweep_configs.py`: the autotuner's candidates."""
+    from te_fused_ops.backends.sm90.kernels.tuning import CANDIDATES
+
+    return CANDIDATES
 
 
 def step_kernels(mlp, offsets, x, dy):
@@ -215,7 +219,7 @@ def sweep_configs(mlp, offsets, x, dy):
     table = {}
     for name, fn in step_kernels(mlp, offsets, x, dy).items():
         times = {"auto": sustained_ms(fn) * 1e3}
-        for tile_n, cluster_m in CONFIGS:
+        for tile_n, cluster_m in configs():
             times[f"{tile_n}x{cluster_m}"] = sustained_ms(lambda: fn(tile_n=tile_n, cluster_m=cluster_m)) * 1e3
         table[name] = times
         print(f"  {name:22s} " + "  ".join(f"{k} {v:7.0f}" for k, v in times.items()), flush=True)

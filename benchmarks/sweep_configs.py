@@ -21,7 +21,7 @@ if __name__ == "__main__":
     require_sm90(__file__)
 
 import torch
-from bench_train_step import CONFIGS, step_kernels
+from bench_train_step import configs, step_kernels
 from common import device_tag, skewed_splits, sustained_ms
 
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU
@@ -49,7 +49,10 @@ def auto_config(name, m, h, i, e):
         n, k = (h, i) if name.startswith("FC2") else (2 * i, h)
         return grouped_wgrad.choose_config(n, k, sms)
     n = {"FC1 fwd + SwiGLU": 2 * i, "FC2 fwd": h, "FC2 dgrad + dSwiGLU": i, "FC1 dgrad": h}[name]
-    return grouped_gemm.choose_config(m, n, e, sms)
+    tiles = {}
+    if "fwd" in name:
+        tiles = grouped_gemm.forward_tiles(grouped_gemm._FWD, "nk", "swiglu" if "SwiGLU" in name else None)
+    return grouped_gemm.choose_config(m, n, e, sms, **tiles)
 
 
 def time_configs(fns: dict) -> dict:
@@ -86,7 +89,7 @@ def main():
             auto = tuple(auto_config(kernel, m, h, i, e))
             reference = first(fn()).clone()
             fns, equal = {}, {}
-            for tile_n, cluster_m in CONFIGS:
+            for tile_n, cluster_m in configs():
                 label = f"{tile_n}x{cluster_m}"
                 run = (lambda fn=fn, t=tile_n, c=cluster_m: fn(tile_n=t, cluster_m=c))
                 equal[label] = bool(torch.equal(first(run()), reference))
@@ -104,7 +107,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"sweep_configs_{device_tag(torch.cuda.get_device_name())}.json")
     with open(path, "w") as f:
-        json.dump({"configs": [f"{t}x{c}" for t, c in CONFIGS], "shapes": SWEEP_SHAPES, "results": results}, f, indent=1)
+        json.dump({"configs": [f"{t}x{c}" for t, c in configs()], "shapes": SWEEP_SHAPES, "results": results}, f, indent=1)
     worst = max((r["auto_over_best"], s, k) for s, rs in results.items() for k, r in rs.items())
     print(f"worst default/best: {worst[0]:.3f} ({worst[1]}, {worst[2]})")
     sys.exit(0)

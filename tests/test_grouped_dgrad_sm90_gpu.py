@@ -121,7 +121,7 @@ def run_kn(splits, m, k, n, dtype=torch.bfloat16, activation=None, has_bias=Fals
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tile_n,cluster_m", [(128, 2), (256, 1)])
+@pytest.mark.parametrize("tile_n,cluster_m", [(128, 2), (192, 2), (192, 1), (256, 1)])
 def test_kn_uneven_splits(dtype, tile_n, cluster_m):
     # N=320: the last n-tile is partial for both tile widths; 50 padding rows
     run_kn(UNEVEN, 500, 192, 320, dtype, tile_n=tile_n, cluster_m=cluster_m)
@@ -236,6 +236,15 @@ def test_dact_activations(activation, dtype, epilogue_warps):
 @pytest.mark.parametrize("activation", ["swiglu", "scaled_swiglu", "srelu"])
 def test_dact_tile_256_without_cluster(activation, epilogue_warps):
     run_dact(UNEVEN, 500, 192, dact_width(activation), activation, seed=1, tile_n=256, cluster_m=1,
+             epilogue_warps=epilogue_warps)
+
+
+@pytest.mark.parametrize("epilogue_warps", [True, False])
+@pytest.mark.parametrize("cluster_m", [1, 2])
+@pytest.mark.parametrize("activation", ["swiglu", "scaled_swiglu", "srelu"])
+def test_dact_tile_192(activation, cluster_m, epilogue_warps):
+    # I = 320: the last of two 192-wide tiles is partial
+    run_dact(UNEVEN, 500, 192, 320, activation, seed=9, tile_n=192, cluster_m=cluster_m,
              epilogue_warps=epilogue_warps)
 
 

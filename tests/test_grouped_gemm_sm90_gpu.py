@@ -109,7 +109,7 @@ def test_epilogues(activation, dtype, has_bias):
 
 
 @pytest.mark.parametrize("cluster_m", [1, 2])
-@pytest.mark.parametrize("tile_n", [128, 256])
+@pytest.mark.parametrize("tile_n", [128, 192, 256])
 @pytest.mark.parametrize("activation", [None, "swiglu", "srelu"])
 def test_tile_n_and_partial_n_tiles(tile_n, activation, cluster_m):
     # N=320: the second 256-wide tile is partial; GLU I=160 ends inside a tile
@@ -210,7 +210,7 @@ def test_guard_after_output_and_bad_offsets():
 
 
 @pytest.mark.parametrize("cluster_m", [1, 2])
-@pytest.mark.parametrize("tile_n", [128, 256])
+@pytest.mark.parametrize("tile_n", [128, 192, 256])
 @pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
 def test_glu_half_ends_inside_n_tile(activation, tile_n, cluster_m):
     # N=192: I=96 is not a multiple of tile_n/2, so the last n-tile of each half is partial (the

@@ -74,7 +74,7 @@ UNEVEN = [1, 7, 0, 13, 300, 0, 129, 64, 0]  # unaligned starts, zero groups in t
 
 
 @pytest.mark.parametrize("cluster_m", [1, 2])
-@pytest.mark.parametrize("tile_n", [128, 256])
+@pytest.mark.parametrize("tile_n", [128, 192, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_uneven_unaligned_splits(dtype, tile_n, cluster_m):
     # N=320 / K=320: partial m- and n-tiles, an odd m-tile count (a CTA pair's second tile

@@ -226,3 +226,18 @@ def test_choose_config_pairs_when_n_has_two_tiles():
     assert choose_config(2000, 256, 64, 132) == (128, 2)  # few tiles: 128 wide, two of them
     assert choose_config(100, 128, 8, 132) == (128, 1)  # one n-tile, small groups: no pairs
     assert choose_config(32768, 128, 8, 132) == (256, 2)  # one n-tile, large groups
+
+
+def test_forward_takes_192_wide_tiles_where_they_pad_n_less():
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import _ACT_QUANT, _FWD, choose_config, forward_tiles
+
+    def forward(n, activation=None, layout="nk", fn=_FWD):
+        return choose_config(32768, n, 32, 132, **forward_tiles(fn, layout, activation))[0]
+
+    assert forward(2880) == 192  # 15 tiles of 192, 12 of 256 hold 6.7% padding
+    assert forward(5760, "swiglu") == 192  # halves of 2880: 30 boxes of 96, 23 of 128
+    assert forward(2816, "swiglu") == 256  # halves of 1408: 11 boxes of 128
+    assert forward(2048) == forward(4096, "swiglu") == 256
+    assert forward(2880, layout="kn") == 256  # FC1's data gradient: 192 not faster there
+    assert forward(2880, fn=_ACT_QUANT) == 256  # the cast epilogue's tiles hold whole 1 x 128 blocks
+    assert choose_config(32768, 2880, 32, 132) == (256, 2)  # dgrad + dActivation: 256

@@ -28,7 +28,7 @@ def fake_run(wrong=(), calls=None):
 
 
 def test_tune_keeps_the_fastest_equal_candidate(monkeypatch):
-    times = {(128, 1): 3.0, (128, 2): 1.0, (256, 1): 2.0, (256, 2): 4.0}
+    times = {(128, 1): 3.0, (128, 2): 1.0, (192, 1): 5.0, (192, 2): 6.0, (256, 1): 2.0, (256, 2): 4.0}
     timed = []
     monkeypatch.setattr(tuning, "_median_ms", lambda fn: timed.append(1) or times[fn.__defaults__[0]])
     assert tuning.tune(fake_run(), (256, 2)) == (128, 2)

@@ -80,6 +80,8 @@ def test_choose_config():
     assert choose_config(4096, 7168, 132) == (256, 2)
     assert choose_config(128, 128, 132) == (128, 1)
     assert choose_config(2048, 768, 1) == (256, 1)
+    assert choose_config(5760, 2880, 132) == (192, 2)  # K = 2880: 15 tiles of 192, no padding
+    assert choose_config(2880, 1408, 132) == (256, 2)  # K = 1408 pads both widths alike
 
 
 def test_cpu_inputs_rejected():

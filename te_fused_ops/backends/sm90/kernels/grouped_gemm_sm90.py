@@ -154,8 +154,8 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
                     f"FP8 operands need tile_n {'128' if self.varlen_k else '128 or 192'} and K-major operands"
                 )
             self.tile_k = 128
-        elif tile_n not in (128, 256):
-            raise ValueError("tile_n must be 128 or 256")
+        elif tile_n not in (128, 192, 256):
+            raise ValueError("tile_n must be 128, 192 or 256")
         self.acc_dtype = Float32
         self.tile_n = tile_n
         self.a_layout = LayoutEnum.ROW_MAJOR if a_major == "k" else LayoutEnum.COL_MAJOR

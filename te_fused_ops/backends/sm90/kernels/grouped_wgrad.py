@@ -51,9 +51,10 @@ def sm90_wgrad_unsupported_reason(dtype, n, k) -> str | None:
 
 
 def choose_config(n: int, k: int, max_ctas: int) -> tuple[int, int]:
-    """(tile_n, cluster_m) from shapes only: 256-wide tiles (along K of dW) unless K fits in 128
-    columns; CTA pairs sharing the x tile when N spans more than one 128-row tile."""
-    return (128 if k <= 128 else 256), (2 if n > 128 and max_ctas >= 2 else 1)
+    """(tile_n, cluster_m) from shapes only: wide tiles along K of dW (256, or 192 where that pads
+    K less, `tuning.wide_tile`: 6.7% faster at K = 2880) unless K fits in 128 columns; CTA pairs
+    sharing the x tile when N spans more than one 128-row tile."""
+    return (128 if k <= 128 else tuning.wide_tile(k)), (2 if n > 128 and max_ctas >= 2 else 1)
 
 
 @cached_kernel
@@ -102,7 +103,7 @@ def grouped_wgrad_sm90(
     Returns dW (G, N, K) in dy's dtype (written into ``out`` if given; empty groups give 0), or,
     with ``main_grad`` (fp32 (G, N, K)), main_grad += dW in place and main_grad is returned.
     sm_margin (int >= 0; None: 0) SMs are left free.
-    tile_n (128 or 256, along K) and cluster_m (1, 2: CTA pairs multicast x) override the
+    tile_n (128, 192 or 256, along K) and cluster_m (1, 2: CTA pairs multicast x) override the
     heuristic. No host sync. Checks run once per argument signature (`launch.call_signature`).
     """
     tvm_ffi = tvm_ffi_available()
@@ -182,8 +183,8 @@ def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m):
     g = offsets.shape[0] - 1
     _check_destination(_NAME, out, main_grad, dy.dtype, (g, n, k), dev)
     margin = resolve_sm_margin(sm_margin, _NAME)
-    if tile_n not in (None, 128, 256):
-        raise ValueError(f"{_NAME}: tile_n must be 128 or 256, got {tile_n!r}")
+    if tile_n not in (None, *tuning.TILE_NS):
+        raise ValueError(f"{_NAME}: tile_n must be one of {tuning.TILE_NS}, got {tile_n!r}")
     if cluster_m not in (None, 1, 2):
         raise ValueError(f"{_NAME}: cluster_m must be 1 or 2, got {cluster_m!r}")
     if g * n * k == 0 or m == 0:

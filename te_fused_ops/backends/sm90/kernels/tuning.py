@@ -27,7 +27,24 @@ import torch
 
 from .... import env, kernel_cache
 
-CANDIDATES = ((128, 1), (128, 2), (256, 1), (256, 2))  # (tile_n, cluster_m) of the bf16 GEMM kernels
+TILE_NS = (128, 192, 256)  # tile widths of the bf16 GEMM kernels
+CANDIDATES = tuple((t, c) for t in TILE_NS for c in (1, 2))  # (tile_n, cluster_m) the autotuner times
+WASTE_MARGIN = 0.01  # 192-wide tiles win where they pad N by at least this share less than 256-wide ones
+
+
+def padded_share(n: int, tile_n: int, halves: int = 1) -> float:
+    """The share of the n-tiles' columns past N when each of ``halves`` halves of N (a GLU's gate
+    and up) is tiled by tile_n / halves columns."""
+    part, box = n // halves, tile_n // halves
+    return (-(-part // box) * box - part) / part
+
+
+def wide_tile(n: int, halves: int = 1, tile_ns=TILE_NS) -> int:
+    """The wide tile for N: 192 where 256-wide tiles pad N by WASTE_MARGIN more (N = 2880: 12
+    tiles of 256 hold 6.7% padding, 15 of 192 none), else 256."""
+    if 192 in tile_ns and padded_share(n, 192, halves) + WASTE_MARGIN <= padded_share(n, 256, halves):
+        return 192
+    return 256
 TABLE_NAME = "tuned_configs.json"
 _REPEATS = 10
 _table: dict | None = None  # loaded on first use
