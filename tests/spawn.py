@@ -1,8 +1,11 @@
 """mp.spawn for the multi-process tests, with workers that leave without C++ teardown."""
 
+import contextlib
 import os
 import sys
+import traceback
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -19,3 +22,20 @@ def _run_then_exit(rank, worker, *args):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+@contextlib.contextmanager
+def process_group(backend: str, init_file: str, rank: int, world: int):
+    """``init_process_group`` for the body; on an error the rank prints its traceback and leaves at
+    once (``os._exit(1)``): tearing the group down would wait for a peer still inside a collective,
+    and the error would never be printed."""
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        yield
+    except BaseException:
+        print(f"rank {rank} failed:", file=sys.stderr)
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.destroy_process_group()
