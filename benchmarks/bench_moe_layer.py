@@ -33,6 +33,14 @@ objects, gradients None before every step):
   c          the fused layer: Sequential(Permute(E), GroupedLinear, ScaledSwiGLU, GroupedLinear,
              Unpermute())(x, indices=indices, probs=probs)
   c-combine  the same with SwiGLU: Unpermute applies the probs
+With ``--recipe fp8_blockwise`` (or another recipe name) two more, and no router rows:
+  c-fp8      Sequential(Permute(E), Quantize(recipe), GroupedLinear, ScaledSwiGLU, Quantize(recipe),
+             Transpose(), GroupedLinear, Unpermute()): both GEMMs in FP8, the weights cast every step
+  c-fp8-4mb  the same on its own copy of the weights under `cast_weights_once_per_step` (their
+             copies dropped every fourth step, as the optimizer step of 4 micro-batches does): the
+             average micro-batch of the gradient-accumulation regime
+  and a "vs c" column (the bf16 fused layer's ms / this ms). The FP8 contenders are checked
+  against (a) with TOL_FP8 (their relative error against bf16 is the printed check).
 (c) runs where te_fused_ops has Permute, Unpermute and TopKRouter; else a printed line skips it.
 Router rows: the step with the router in it, x (T, H) -> router -> layer, the router weight Wr
 (E, H) bf16 (randn / sqrt(H), seed 0; its routing is what a random router picks, near uniform,
@@ -59,6 +67,7 @@ tests/test_bench.py checks (a), (b) and, where its ops import, (c) there on the 
 
     python benchmarks/bench_moe_layer.py [--shapes qwen3-30b-a3b,...] [--rounds N] [--out DIR]
     python benchmarks/bench_moe_layer.py --smoke      # T 64, k 2, E 4, H 64, I 64: seconds
+    python benchmarks/bench_moe_layer.py --recipe fp8_blockwise   # + the FP8 layer, two regimes
 """
 
 import argparse
@@ -81,7 +90,10 @@ from common import (
     write_results,
 )
 
-from te_fused_ops import GroupedLinear, ScaledSwiGLU, Sequential, SwiGLU
+import copy
+
+import te_fused_ops
+from te_fused_ops import GroupedLinear, Quantize, ScaledSwiGLU, Sequential, SwiGLU, Transpose
 
 SHAPES = {  # name: (T tokens, k experts per token, E experts, H hidden, I expert width)
     "qwen3-30b-a3b": (8192, 8, 128, 2048, 768),
@@ -91,6 +103,8 @@ SHAPES = {  # name: (T tokens, k experts per token, E experts, H hidden, I exper
 }
 SMOKE_SHAPES = {"smoke": (64, 2, 4, 64, 64)}
 TOL = 1e-2  # largest relative Frobenius error against (a) of a contender that is timed
+TOL_FP8 = 0.1  # the same for the FP8 contenders (E4M3 operands: about 6-7% from bf16)
+MICRO_BATCHES = 4  # c-fp8-4mb: forwards per optimizer step
 ROUTING = ("skewed top-k, seed 0: expert shares p_e ~ U(0,1)^2; per token the top-k of log p_e + Gumbel(0,1) "
            "(k distinct experts sampled without replacement, proportional to p); probs = softmax of the k chosen "
            "logits in float32, rounded to bf16")
@@ -314,9 +328,35 @@ def fused_ops():
     return Permute, Unpermute, TopKRouter
 
 
-def build_contenders(p: Problem, compiled: bool = True, fused: bool = True) -> dict:
+def fp8_contenders(p: Problem, permute, unpermute, recipe: str, leaves: dict, inputs: tuple) -> dict:
+    """c-fp8 and c-fp8-4mb (module docstring): the layer with both GEMMs in FP8 (``recipe``), its
+    weights cast every step, and on its own weight copies cast once per optimizer step of
+    MICRO_BATCHES forwards."""
+    def layer(fc1, fc2):
+        return Sequential(permute(p.e), Quantize(recipe), fc1, ScaledSwiGLU(), Quantize(recipe), Transpose(), fc2,
+                          unpermute())
+
+    every_step = layer(p.fc1, p.fc2)
+    fc1_own, fc2_own = copy.deepcopy(p.fc1), copy.deepcopy(p.fc2)  # the step casts reach only these
+    once = layer(fc1_own, fc2_own)
+    casts = te_fused_ops.cast_weights_once_per_step(torch.optim.SGD(once.parameters(), lr=0.0), once)
+    calls = [0]
+
+    def one_of_the_micro_batches():
+        calls[0] += 1
+        if calls[0] % MICRO_BATCHES == 0:
+            casts.drop()  # what the optimizer step does after the last micro-batch
+        return once(p.x, indices=p.indices, probs=p.probs)
+
+    return {
+        "c-fp8": Contender(lambda: every_step(p.x, indices=p.indices, probs=p.probs), leaves, inputs),
+        "c-fp8-4mb": Contender(one_of_the_micro_batches, dict(leaves, w1=fc1_own.weight, w2=fc2_own.weight), inputs),
+    }
+
+
+def build_contenders(p: Problem, compiled: bool = True, fused: bool = True, recipe: str | None = None) -> dict:
     """label -> Contender for the layer with the given routing: a, b, and (``fused`` and the ops
-    importable) c, c-combine."""
+    importable) c, c-combine and, with a ``recipe``, c-fp8 and c-fp8-4mb."""
     math = layer_math(compiled)
     w1, w2 = p.fc1.weight, p.fc2.weight
     leaves = {"x": p.x, "probs": p.probs, "w1": w1, "w2": w2}
@@ -334,6 +374,8 @@ def build_contenders(p: Problem, compiled: bool = True, fused: bool = True) -> d
         for label, act in (("c", ScaledSwiGLU), ("c-combine", SwiGLU)):
             layer = Sequential(permute(p.e), p.fc1, act(), p.fc2, unpermute())
             runs[label] = Contender(lambda layer=layer: layer(p.x, indices=p.indices, probs=p.probs), leaves, inputs)
+        if recipe is not None:
+            runs.update(fp8_contenders(p, permute, unpermute, recipe, leaves, inputs))
     return runs
 
 
@@ -423,7 +465,7 @@ def check_contenders(runs: dict, dy, reference: str) -> dict:
         if run.indices is not None and runs[reference].indices is not None:
             check["same_experts"] = (run.indices().sort(-1).values == runs[reference].indices().sort(-1).values
                                      ).all(-1).float().mean().item()
-        check["status"] = "ok" if check["max_rel_err"] <= TOL else "mismatch"
+        check["status"] = "ok" if check["max_rel_err"] <= (TOL_FP8 if "fp8" in label else TOL) else "mismatch"
         checks[label] = check
         print(f"  {label:10s} {'MISMATCH, not timed' if check['status'] == 'mismatch' else 'matches'} {reference}: "
               + "  ".join(f"{name} {err:.1e}" for name, err in errs.items()), flush=True)
@@ -481,7 +523,7 @@ def measure(runs: dict, checks: dict, dy, flops: int, rounds: int, window_s: flo
             row["peak_mib"] = extra_peak_mib(timed[label])
             clear(run.leaves.values())
         rows[label] = row
-    for base in ("a", "b"):
+    for base in ("a", "b", "c"):
         base_ms = next((r["step_ms"] for label, r in rows.items() if label.split("+")[0] == base and "step_ms" in r),
                        None)
         for r in rows.values():
@@ -497,33 +539,36 @@ def table(device: str, results: list) -> str:
     lines = [
         (f"MoE layer training step (gradients None, forward, backward; dispatch, FC1, SwiGLU, FC2, combine), "
          f"bf16, skewed top-k routing, {device}; median ms of rotated rounds; TFLOPS = 3 x forward FLOPs / step; "
-         "vs a / vs b = their ms / this ms; peak = MiB above the step's start; saved = activation MiB kept for "
+         "vs a / vs b / vs c = their ms / this ms; peak = MiB above the step's start; saved = activation MiB kept for "
          "the backward (inputs and parameters excluded)"),
         "",
-        "| shape | contender | step ms | TFLOPS | vs a | vs b | peak MiB | saved MiB | max rel err | status |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | contender | step ms | TFLOPS | vs a | vs b | vs c | peak MiB | saved MiB | max rel err | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for res in results:
         for label, r in {**res["layer"], **res["router"]}.items():
             lines.append(
                 f"| {res['shape']} | {label} | {fmt(r.get('step_ms'), '.3f')} | {fmt(r.get('tflops'), '.0f')} | "
-                f"{fmt(r.get('vs_a'), '.2f')} | {fmt(r.get('vs_b'), '.2f')} | {fmt(r.get('peak_mib'), '.0f')} | "
+                f"{fmt(r.get('vs_a'), '.2f')} | {fmt(r.get('vs_b'), '.2f')} | {fmt(r.get('vs_c'), '.2f')} | "
+                f"{fmt(r.get('peak_mib'), '.0f')} | "
                 f"{fmt(r.get('saved_mib'), '.0f')} | {fmt(r.get('max_rel_err'), '.1e')} | {r['status']} |")
     return "\n".join(lines)
 
 
-def run_shape(name: str, shape, rounds: int, window_s: float) -> dict:
+def run_shape(name: str, shape, rounds: int, window_s: float, recipe: str | None = None) -> dict:
     t, k, e, h, i = shape
     print(f"[{name}] T={t} k={k} E={e} H={h} I={i} ...", flush=True)
     p = make_problem(name, shape)
     counts = torch.bincount(p.indices.flatten(), minlength=e)
     result = {"shape": name, "T": t, "k": k, "E": e, "H": h, "I": i, "max_rows_per_expert": int(counts.max()),
               "min_rows_per_expert": int(counts.min()), "layer_flops_fwd": p.layer_flops()}
-    runs = build_contenders(p)
+    runs = build_contenders(p, recipe=recipe)
     result["layer"] = measure(runs, check_contenders(runs, p.dy, "a"), p.dy, p.layer_flops(), rounds, window_s)
-    runs = build_router_contenders(p)
-    result["router"] = measure(runs, check_contenders(runs, p.dy, "a+router"), p.dy,
-                               p.layer_flops() + p.router_flops(), rounds, window_s)
+    result["router"] = {}
+    if recipe is None:
+        runs = build_router_contenders(p)
+        result["router"] = measure(runs, check_contenders(runs, p.dy, "a+router"), p.dy,
+                                   p.layer_flops() + p.router_flops(), rounds, window_s)
     for label, r in {**result["layer"], **result["router"]}.items():
         if "step_ms" in r:
             extra = ""
@@ -531,7 +576,7 @@ def run_shape(name: str, shape, rounds: int, window_s: float) -> dict:
                 extra = (f"  (with inputs {r['saved_mib_with_inputs']:.1f}, runner "
                          f"{fmt(r['runner_saved_mib'], '.1f')})")
             print(f"  {label:10s} step {r['step_ms']:8.3f} ms  {r['tflops']:5.0f} TFLOPS  vs a {fmt(r['vs_a'], '.2f')}"
-                  f"  vs b {fmt(r['vs_b'], '.2f')}  peak {r['peak_mib']:8.0f} MiB  saved {r['saved_mib']:8.1f} MiB"
+                  f"  vs b {fmt(r['vs_b'], '.2f')}  vs c {fmt(r['vs_c'], '.2f')}  peak {r['peak_mib']:8.0f} MiB  saved {r['saved_mib']:8.1f} MiB"
                   + extra, flush=True)
     del p, runs
     torch.cuda.empty_cache()
@@ -543,6 +588,8 @@ def main():
     ap.add_argument("--shapes", default=None, help=f"comma-separated, of {','.join(SHAPES)} (default: all)")
     ap.add_argument("--rounds", type=int, default=1, help="passes of rotated rounds; the median pass is kept")
     ap.add_argument("--smoke", action="store_true", help="tiny shape (T 64, k 2, E 4, H 64, I 64), short windows")
+    ap.add_argument("--recipe", default=None, help="also the FP8 layer with this recipe (e.g. fp8_blockwise), "
+                    "weights cast every step and once per 4 micro-batches; no router rows")
     ap.add_argument("--out", default=None, help="folder for the .json/.md (default: benchmarks/results, with "
                     "--smoke its git-ignored runs/ folder)")
     args = ap.parse_args()
@@ -553,10 +600,10 @@ def main():
         ap.error(f"unknown shapes {unknown}; known: {list(shapes)}")
     window_s = 0.02 if args.smoke else 0.4
     device = torch.cuda.get_device_name()
-    results = [run_shape(name, shapes[name], args.rounds, window_s) for name in names]
+    results = [run_shape(name, shapes[name], args.rounds, window_s, args.recipe) for name in names]
     text = table(device, results)
-    stem = f"moe_layer{'_smoke' if args.smoke else ''}_{device_tag(device)}"
-    payload = {"device": device, "routing": ROUTING, "tolerance": TOL,
+    stem = f"moe_layer{'_' + args.recipe if args.recipe else ''}{'_smoke' if args.smoke else ''}_{device_tag(device)}"
+    payload = {"device": device, "routing": ROUTING, "tolerance": TOL, "recipe": args.recipe,
                "rounds": args.rounds, "results": results}
     write_results(args.out or (os.path.join(RESULTS, "runs") if args.smoke else RESULTS), stem, payload, text)
     print(text)

@@ -185,6 +185,33 @@ def test_moe_layer_fused_contenders_match_on_cpu(monkeypatch):
         assert all(c["status"] == "ok" for c in checks.values()), checks
 
 
+def test_moe_layer_fp8_contenders_match_and_cast_weights_once_per_four_steps(monkeypatch):
+    """--recipe fp8_blockwise: the FP8 layer (weights cast every step) and its micro-batch form
+    match (a) within TOL_FP8 on the CPU, and the micro-batch form casts its weights on the first
+    and every fourth call only."""
+    bench = load_moe_layer(monkeypatch)
+    if bench.fused_ops() is None:
+        pytest.skip("te_fused_ops has no Permute / Unpermute / TopKRouter yet")
+    from te_fused_ops import quantization
+
+    p = bench.make_problem("smoke", (64, 2, 4, 128, 128), device="cpu")
+    runs = bench.build_contenders(p, compiled=False, recipe="fp8_blockwise")
+    assert {"c-fp8", "c-fp8-4mb"} <= set(runs)
+    checks = bench.check_contenders({label: runs[label] for label in ("a", "c", "c-fp8", "c-fp8-4mb")}, p.dy, "a")
+    assert all(c["status"] == "ok" for c in checks.values()), checks
+    assert checks["c-fp8"]["max_rel_err"] > checks["c"]["max_rel_err"]  # E4M3 operands: not the bf16 layer
+    casts = []
+    real = quantization._quantize
+    monkeypatch.setattr(quantization, "_quantize", lambda x, recipe, rowwise, columnwise, offsets, role, *rest: (
+        casts.append(role) or real(x, recipe, rowwise, columnwise, offsets, role, *rest)))
+    per_call = []
+    for _ in range(8):  # calls 2-9 of the micro-batch form (the check made the first)
+        casts.clear()
+        runs["c-fp8-4mb"].forward()
+        per_call.append(casts.count("weight"))
+    assert [n > 0 for n in per_call] == [False, False, True, False, False, False, True, False], per_call
+
+
 def test_ep_layer_benchmark_smoke_on_two_gloo_processes(tmp_path):
     """bench_ep_layer.py --smoke: every contender (plain torch EP layer, the library dropless,
     static, chunked, FP8) checked against plain torch on 2 gloo processes, the table written."""
