@@ -44,14 +44,14 @@ def test_wgrad_kernel_configs_fit(main_grad):
 
     from te_fused_ops.backends.sm90.kernels.grouped_wgrad_sm90 import GroupedWgradSm90
 
-    for tile_n in (128, 256):
+    for tile_n in (128, 192, 256):
         kern = GroupedWgradSm90(cutlass.BFloat16, tile_n, main_grad)
         assert kern.ab_stages >= 3 and kern.epi_slots >= 2
         assert kern.varlen_k and kern.defer_stores != main_grad  # dW: deferred stores; main_grad: a C-tile load
         if main_grad:
             assert kern.c_stages >= 2
     with pytest.raises(ValueError, match="tile_n"):
-        GroupedWgradSm90(cutlass.BFloat16, 192, main_grad)
+        GroupedWgradSm90(cutlass.BFloat16, 320, main_grad)
     with pytest.raises(ValueError, match="cluster_m"):
         GroupedWgradSm90(cutlass.BFloat16, 256, main_grad, cluster_m=4)
     with pytest.raises(ValueError, match="shared memory"):
