@@ -16,6 +16,8 @@ Variants: ``quack`` (``tuned=False``: quack's default sm90 config) and ``quack_t
 first call per shape and keeps the winner, also on disk under ``QUACK_CACHE_DIR``).
 Outputs and gradients are checked against the reference (rel. Frobenius <= 1e-2) before timing;
 times as in `bench_train_step.py` (`time_variants`: rotated medians of `common.sustained_ms`).
+Then each backward GEMM of quack (tuned, or default with ``--no-tune``) against the torch kernel
+doing the same work, the rows `bench_train_step.py` prints for this library's kernels.
 
 quack 0.6.5 needs CuTe DSL 4.7.1, so this runs in its own environment on the GPU machine:
     bash benchmarks/quack_env/prepare.sh        # here: fills .quackcarry/ (git-ignored, about 58 MiB)
@@ -33,8 +35,8 @@ if __name__ == "__main__":  # before torch, triton and the kernels load: one lin
 import quack
 import quack.gemm_interface as qg
 import torch
-from bench_train_step import SHAPES, ReferenceMLP, problem, rel_err, shape_of, time_variants
-from common import device_tag, write_results
+from bench_train_step import SHAPES, ReferenceMLP, dswiglu, problem, rel_err, shape_of, swiglu, time_variants
+from common import device_tag, rotated_medians, sustained_ms, write_results
 
 
 def interleave(w1):
@@ -120,6 +122,44 @@ def tuned_configs():
     return out
 
 
+def kernel_rows(mlp, offsets, x, dy, tuned):
+    """Per-kernel times of quack's backward GEMMs (``tuned`` or default) against the torch kernels
+    doing the same work: the torch side is `bench_train_step.kernel_rows`'s, so each quack / torch
+    ratio compares with that benchmark's ours / torch in the same machine session."""
+    ends = offsets[1:]
+    w1, w2, xd = mlp[0].weight.detach(), mlp[2].weight.detach(), x.detach()
+    w1q = interleave(w1)
+    pre = torch._grouped_mm(xd, w1.transpose(-2, -1), offs=ends)
+    act = swiglu(pre)
+    d_pre = dswiglu(pre, torch._grouped_mm(dy, w2, offs=ends))
+    pre_q, act_q = qg.gemm_act(xd, w1q.mT, activation="swiglu", cu_seqlens_m=offsets, tuned=tuned)
+    d_pre_q = qg.gemm_dact(dy, w2, pre_q, activation="swiglu", cu_seqlens_m=offsets, dynamic_scheduler=True,
+                           tuned=tuned)[0]
+    kw = dict(dynamic_scheduler=True, tuned=tuned)
+    rows = {
+        "FC2 dgrad + dSwiGLU (+ act)": (
+            lambda: qg.gemm_dact(dy, w2, pre_q, activation="swiglu", cu_seqlens_m=offsets, **kw),
+            lambda: dswiglu(pre, torch._grouped_mm(dy, w2, offs=ends)),
+        ),
+        "FC2 wgrad": (
+            lambda: qg.gemm(dy.T, act_q, cu_seqlens_k=offsets, **kw),
+            lambda: torch._grouped_mm(dy.t(), act, offs=ends),
+        ),
+        "FC1 dgrad": (
+            lambda: qg.gemm(d_pre_q, w1q, cu_seqlens_m=offsets, **kw),
+            lambda: torch._grouped_mm(d_pre, w1, offs=ends),
+        ),
+        "FC1 wgrad": (
+            lambda: qg.gemm(d_pre_q.T, xd, cu_seqlens_k=offsets, **kw),
+            lambda: torch._grouped_mm(d_pre.t(), xd, offs=ends),
+        ),
+    }
+    return {
+        name: rotated_medians({"quack_us": ours, "torch_us": theirs}, lambda fn: sustained_ms(fn) * 1e3)
+        for name, (ours, theirs) in rows.items()
+    }
+
+
 def check(runs, dy, name):
     """Each quack variant's y, dx, dW1, dW2 vs the reference; label -> (first step s, max rel err,
     autotune winners of this shape)."""
@@ -168,6 +208,10 @@ def main():
             row[label] = r
             print(f"  {label:11s} fwd {r['fwd_ms']:8.3f} ms  bwd {r['bwd_ms']:8.3f} ms  step {r['step_ms']:8.3f} ms"
                   f"  {r['step_tflops']:6.0f} TFLOPS  peak {r['peak_mib']:8.0f} MiB", flush=True)
+        row["kernels"] = kernel_rows(mlp, offsets, x, dy, tuned=not args.no_tune)
+        for kernel, r in row["kernels"].items():
+            print(f"  {kernel:28s} quack{'' if args.no_tune else ' tuned'} {r['quack_us']:8.0f} us"
+                  f"  torch {r['torch_us']:8.0f} us", flush=True)
         results.append(row)
         del mlp, runs, x, dy
         torch.cuda.empty_cache()
@@ -192,6 +236,9 @@ def main():
             + " | ".join(f"{ref['bwd_ms'] / r[k]['bwd_ms']:.2f}x" for k in labels) + " | "
             + " / ".join(f"{r[k]['peak_mib']:.0f}" for k in ["reference"] + labels) + " |"
         )
+    lines += ["", "| shape | kernel | quack us | torch us | speedup |", "|---|---|---|---|---|"]
+    lines += [f"| {r['shape']} | {kernel} | {k['quack_us']:.0f} | {k['torch_us']:.0f} | "
+              f"{k['torch_us'] / k['quack_us']:.2f}x |" for r in results for kernel, k in r["kernels"].items()]
     table = "\n".join(lines)
     print(table)
     if args.out:
