@@ -86,12 +86,16 @@ def _worker(rank, init_file):
             ry.float().backward(torch.cat([b[3] for b in batches]).to(device))
             mine = slice(rank * T, (rank + 1) * T)
             tol = 3e-2 if fp8 else 1e-2
+            # FP8: the one-GPU layer casts FC1's input column-wise too and runs FC1's weight gradient
+            # in FP8; the expert-parallel FC1 receives E4M3 rows only and computes it from them
+            # dequantized, so dW1 differs by an FP8 cast of both operands (about 5%)
+            tols = {"dw1": 1e-1} if fp8 else {}
             for name, got, want in [("y", y, ry[mine]), ("dx", x.grad, xs.grad[mine]),
                                     ("dprobs", probs.grad, ps.grad[mine]),
                                     ("dw1", layer[-4].weight.grad, reference[-4].weight.grad[local]),
                                     ("dw2", layer[-2].weight.grad, reference[-2].weight.grad[local])]:
                 err = ref.rel_err(got, want)
-                assert err <= tol, f"{where}: {name} rel err {err:.2e}"
+                assert err <= tols.get(name, tol), f"{where}: {name} rel err {err:.2e}"
             assert int(layer[0].dropped) == 0, where
             # the eager graphs hold the parameters' AccumulateGrad nodes, made on the default
             # stream: released before capturing (a capture may not make that stream wait)
