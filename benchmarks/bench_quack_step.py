@@ -125,7 +125,7 @@ def tuned_configs():
 def kernel_rows(mlp, offsets, x, dy, tuned):
     """Per-kernel times of quack's backward GEMMs (``tuned`` or default) against the torch kernels
     doing the same work: the torch side is `bench_train_step.kernel_rows`'s, so each quack / torch
-    ratio compares with that benchmark's ours / torch in the same machine session."""
+    ratio compares with that benchmark's ours / torch run on the same machine."""
     ends = offsets[1:]
     w1, w2, xd = mlp[0].weight.detach(), mlp[2].weight.detach(), x.detach()
     w1q = interleave(w1)
