@@ -243,7 +243,8 @@ def check_act_amax(run, act_shape, cluster_m, end):
 
 
 @pytest.mark.parametrize("activation,tile_n,cluster_m", [("swiglu", 256, 2), ("swiglu", 128, 1), ("srelu", 128, 2),
-                                                         ("scaled_swiglu", 256, 1), ("clamped_swiglu", 128, 2)])
+                                                         ("scaled_swiglu", 256, 1), ("clamped_swiglu", 128, 2),
+                                                         ("swiglu", 192, 2), ("srelu", 192, 1)])
 def test_act_amax_from_the_epilogue(activation, tile_n, cluster_m):
     """fp8_current's amax of the act from the epilogue: padding rows hold huge values (their act
     is not an output), one row's act is NaN and one's Inf (finite values only count)."""
