@@ -35,7 +35,7 @@ if __name__ == "__main__":  # before torch, triton and the kernels load: one lin
 import quack
 import quack.gemm_interface as qg
 import torch
-from bench_train_step import SHAPES, ReferenceMLP, dswiglu, problem, rel_err, shape_of, swiglu, time_variants
+from bench_train_step import SHAPES, ReferenceMLP, dswiglu, problem, rel_err, shape_of, step_rows, swiglu
 from common import device_tag, rotated_medians, sustained_ms, write_results
 
 
@@ -202,12 +202,7 @@ def main():
                "first_step_s": {k: v[0] for k, v in checked.items()},
                "max_rel_err": {k: v[1] for k, v in checked.items()},
                "tuned_configs": checked.get("quack_tuned", (0, 0, []))[2]}
-        flops = 2 * m * h * 2 * i + 2 * m * i * h  # forward
-        for label, r in time_variants(runs, dy).items():
-            r["step_tflops"] = 3 * flops / (r["step_ms"] * 1e-3) / 1e12
-            row[label] = r
-            print(f"  {label:11s} fwd {r['fwd_ms']:8.3f} ms  bwd {r['bwd_ms']:8.3f} ms  step {r['step_ms']:8.3f} ms"
-                  f"  {r['step_tflops']:6.0f} TFLOPS  peak {r['peak_mib']:8.0f} MiB", flush=True)
+        row.update(step_rows(runs, dy, m, h, i, width=11))
         row["kernels"] = kernel_rows(mlp, offsets, x, dy, tuned=not args.no_tune)
         for kernel, r in row["kernels"].items():
             print(f"  {kernel:28s} quack{'' if args.no_tune else ' tuned'} {r['quack_us']:8.0f} us"

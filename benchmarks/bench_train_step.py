@@ -155,6 +155,17 @@ def time_variants(runs, dy):
     }
 
 
+def step_rows(runs, dy, m, h, i, width=9) -> dict:
+    """label -> `time_variants`' row plus step TFLOPS (3 x the forward's), each printed."""
+    flops = 2 * m * h * 2 * i + 2 * m * i * h  # forward
+    rows = time_variants(runs, dy)
+    for label, r in rows.items():
+        r["step_tflops"] = 3 * flops / (r["step_ms"] * 1e-3) / 1e12
+        print(f"  {label:{width}s} fwd {r['fwd_ms']:8.3f} ms  bwd {r['bwd_ms']:8.3f} ms  step {r['step_ms']:8.3f} ms"
+              f"  {r['step_tflops']:6.0f} TFLOPS  peak {r['peak_mib']:8.0f} MiB", flush=True)
+    return rows
+
+
 def kernel_rows(mlp, offsets, x, dy):
     """Per-kernel times of the fused backward vs the torch kernels doing the same work."""
     from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_dgrad_dact_sm90, grouped_gemm_sm90
@@ -289,12 +300,7 @@ def main():
         assert max(errs) <= 1e-2, f"{name}: fused vs reference errors {errs}"
         del grads
         row = {"shape": name, "M": m, "H": h, "I": i, "E": e, "max_rel_err": max(errs)}
-        flops = 2 * m * h * 2 * i + 2 * m * i * h  # forward
-        for label, r in time_variants(runs, dy).items():
-            r["step_tflops"] = 3 * flops / (r["step_ms"] * 1e-3) / 1e12
-            row[label] = r
-            print(f"  {label:9s} fwd {r['fwd_ms']:8.3f} ms  bwd {r['bwd_ms']:8.3f} ms  step {r['step_ms']:8.3f} ms"
-                  f"  {r['step_tflops']:6.0f} TFLOPS  peak {r['peak_mib']:8.0f} MiB", flush=True)
+        row.update(step_rows(runs, dy, m, h, i))
         row["kernels"] = kernel_rows(mlp, offsets, x, dy)
         for kname, k in row["kernels"].items():
             print(f"  {kname:28s} ours {k['ours_us']:8.0f} us  torch {k['torch_us']:8.0f} us", flush=True)
