@@ -184,9 +184,8 @@ class GroupedLinear(BasicOp):
         dy_data, dy_wgrad = self.grad_operands(ctx, dy)
         grads = {}
         dx = None
-        if ctx.input_requires_grad:
-            weight = gemm_weight(ctx.saved.weight, ctx.saved.recipe, ctx.reuse_scope)
-            dx = grouped_mm_nn(dy_data, weight.detach(), offsets)
+        # the weight gradient first: an input the backward recomputes (a Permute's rows) is freed
+        # before dx is allocated
         if ctx.needs_grad("weight"):
             dw = grouped_wgrad(dy_wgrad, columnwise_view(ctx.load_input()), offsets)
             if "weight" in ctx.main_grads:
@@ -195,4 +194,7 @@ class GroupedLinear(BasicOp):
                 grads["weight"] = dw
         if ctx.needs_grad("bias"):
             grads["bias"] = grouped_row_sum(dy_data, offsets)
+        if ctx.input_requires_grad:
+            weight = gemm_weight(ctx.saved.weight, ctx.saved.recipe, ctx.reuse_scope)
+            dx = grouped_mm_nn(dy_data, weight.detach(), offsets)
         return dx, grads

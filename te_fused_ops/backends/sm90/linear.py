@@ -290,9 +290,12 @@ def linear_backward(linear: GroupedLinear, ctx, dy, dy_amax_parts=None, x=None):
     offsets = ctx.side["offsets"]
     dx = None
     if recipe is None:
+        # the weight gradient first: an input the backward recomputes (a Permute's rows) is freed
+        # before dx is allocated, so the two never coexist at the step's peak
+        grads = linear_param_grads(ctx, dy)
         if ctx.input_requires_grad:
             dx = grouped_gemm_sm90(dy, ctx.saved.weight.detach(), offsets, weight_layout="kn", sm_margin=sm_margin())[0]
-        return dx, linear_param_grads(ctx, dy)
+        return dx, grads
     if x is None and ctx.needs_grad("weight"):
         x = ctx.load_input()
     dy_rows, dy_columns = fp8_grad_casts(ctx, dy, recipe, x, ctx.input_requires_grad, dy_amax_parts)
