@@ -164,23 +164,21 @@ def profile(label: str, fn, rank: int) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as run_profile
 
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(3):
-        fn()
-    plain_host = (time.perf_counter() - start) * 1e3 / 3
-    torch.cuda.synchronize()
-    plain_wall = (time.perf_counter() - start) * 1e3 / 3
-    if rank == 0:
-        print(f"  {label} without the profiler: host {plain_host:.2f} ms/step, wall {plain_wall:.2f} ms/step", flush=True)
-    start = time.perf_counter()
-    with run_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    def host_and_wall():  # ms per step: to the last launch, and to the GPU's end
+        start = time.perf_counter()
         for _ in range(3):
             fn()
-        host_ms = (time.perf_counter() - start) * 1e3 / 3
+        host = (time.perf_counter() - start) * 1e3 / 3
         torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - start) * 1e3 / 3
+        return host, (time.perf_counter() - start) * 1e3 / 3
+
+    fn()
+    torch.cuda.synchronize()
+    plain_host, plain_wall = host_and_wall()
+    if rank == 0:
+        print(f"  {label} without the profiler: host {plain_host:.2f} ms/step, wall {plain_wall:.2f} ms/step", flush=True)
+    with run_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        host_ms, wall_ms = host_and_wall()
     if rank == 0:
         print(f"  profile {label}: host {host_ms:.2f} ms/step (to the last launch), wall {wall_ms:.2f} ms/step",
               flush=True)

@@ -147,8 +147,7 @@ def fp8_tile_n(n: int, glu: bool) -> int:
     Measured on the FC1 forward (H100, `bench_fp8_sm90.py --part kernels`, one run, t192 against
     t128 with SwiGLU): qwen3 and gpt-oss 3.6% and 2.4% faster at 192 (neither pads), dsv3 6%
     slower (192 pads its 2048-wide halves by 3%), mixtral 1.8% faster (pads 0.4%: kept at 128)."""
-    halves = 2 if glu else 1
-    return 192 if tuning.padded_share(n, 192, halves) <= tuning.padded_share(n, 128, halves) else 128
+    return 192 if tuning.pads_no_more(n, 192, 128, 2 if glu else 1) else 128
 
 
 def forward_tiles(fn_name, weight_layout, activation) -> dict:

@@ -39,12 +39,18 @@ def padded_share(n: int, tile_n: int, halves: int = 1) -> float:
     return (-(-part // box) * box - part) / part
 
 
+def pads_no_more(n: int, tile_n: int, other: int, halves: int = 1, margin: float = 0.0) -> bool:
+    """Whether ``tile_n``-wide tiles pad N (`padded_share`) by at least ``margin`` less than
+    ``other``-wide ones, or no more when ``margin`` is 0."""
+    return padded_share(n, tile_n, halves) + margin <= padded_share(n, other, halves)
+
+
 def wide_tile(n: int, halves: int = 1, tile_ns=TILE_NS) -> int:
     """The wide tile for N: 192 where 256-wide tiles pad N by WASTE_MARGIN more (N = 2880: 12
     tiles of 256 hold 6.7% padding, 15 of 192 none), else 256."""
-    if 192 in tile_ns and padded_share(n, 192, halves) + WASTE_MARGIN <= padded_share(n, 256, halves):
-        return 192
-    return 256
+    return 192 if 192 in tile_ns and pads_no_more(n, 192, 256, halves, WASTE_MARGIN) else 256
+
+
 TABLE_NAME = "tuned_configs.json"
 _REPEATS = 10
 _table: dict | None = None  # loaded on first use
