@@ -7,7 +7,7 @@ configuration changes the tiling, never the order of the K sum); then each is ti
 (`common.sustained_ms`, short windows, forward then reversed order after a warm-up pass) and the
 table reports the default's time over the best one's. Data: ``$OUT/sweep_configs_<gpu>.json``.
 
-    python benchmarks/sweep_configs.py [--shapes name,...] [--out DIR]
+    python benchmarks/sweep_configs.py [--shapes name,...] [--out DIR] [--pingpong]
 """
 
 import argparse
@@ -40,7 +40,7 @@ SWEEP_SHAPES = {  # name: (M routed rows, H, I, E); classes: fine / coarse / una
 
 
 def auto_config(name, m, h, i, e):
-    """(tile_n, cluster_m) the wrappers choose for kernel ``name`` of this shape."""
+    """(tile_n, cluster_m[, "p" for ping-pong]) the wrappers choose for kernel ``name`` of this shape."""
     from te_fused_ops.backends.sm90.kernels import grouped_gemm, grouped_wgrad
     from te_fused_ops.backends.sm90.kernels.launch import num_sms
 
@@ -49,6 +49,8 @@ def auto_config(name, m, h, i, e):
         n, k = (h, i) if name.startswith("FC2") else (2 * i, h)
         return grouped_wgrad.choose_config(n, k, sms)
     n = {"FC1 fwd + SwiGLU": 2 * i, "FC2 fwd": h, "FC2 dgrad + dSwiGLU": i, "FC1 dgrad": h}[name]
+    if grouped_gemm.pingpong_pays(m, n, sms, 2 if "SwiGLU" in name and "fwd" in name else 1):
+        return 192, 2, "p"
     tiles = {}
     if "fwd" in name:
         tiles = grouped_gemm.forward_tiles(grouped_gemm._FWD, "nk", "swiglu" if "SwiGLU" in name else None)
@@ -73,6 +75,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default=",".join(SWEEP_SHAPES))
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--pingpong", action="store_true",
+                        help="also the ping-pong schedule (labels TxCp) at tile_n 128 and 192 for the kernels other "
+                             "than the weight gradients")
     args = parser.parse_args()
     results = {}
     for shape in args.shapes.split(","):
@@ -89,14 +94,17 @@ def main():
             auto = tuple(auto_config(kernel, m, h, i, e))
             reference = first(fn()).clone()
             fns, equal = {}, {}
-            for tile_n, cluster_m in configs():
-                label = f"{tile_n}x{cluster_m}"
-                run = (lambda fn=fn, t=tile_n, c=cluster_m: fn(tile_n=t, cluster_m=c))
+            pingpong = [(t, c, "p") for t, c in configs() if t in (128, 192)] if args.pingpong \
+                and "wgrad" not in kernel else []
+            for tile_n, cluster_m, *schedule in [*configs(), *pingpong]:
+                label = f"{tile_n}x{cluster_m}{''.join(schedule)}"
+                extra = {"pingpong": True} if schedule else {}
+                run = (lambda fn=fn, t=tile_n, c=cluster_m, extra=extra: fn(tile_n=t, cluster_m=c, **extra))
                 equal[label] = bool(torch.equal(first(run()), reference))
                 fns[label] = run
             times = time_configs(fns)
             best = min(times, key=times.get)
-            auto_label = f"{auto[0]}x{auto[1]}"
+            auto_label = f"{auto[0]}x{auto[1]}{''.join(auto[2:])}"
             results[shape][kernel] = {"us": times, "auto": auto_label, "best": best, "equal": equal,
                                       "auto_over_best": times[auto_label] / times[best]}
             print(f"{shape:28s} {kernel:20s} " + " ".join(f"{k} {v:7.0f}" for k, v in times.items())

@@ -248,6 +248,28 @@ def test_dact_tile_192(activation, cluster_m, epilogue_warps):
              epilogue_warps=epilogue_warps)
 
 
+@pytest.mark.parametrize("tile_n", [128, 192])
+@pytest.mark.parametrize("activation", ["swiglu", "scaled_swiglu", "srelu", "clamped_swiglu"])
+def test_dact_pingpong(activation, tile_n):
+    """Each MMA warpgroup on every other tile (one cluster: many tiles a CTA; then the whole GPU),
+    the C chunks loaded at the start of its epilogue's turn: against float64, and bit for bit
+    the cooperative schedule's (d_probs partials included)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for margin in (sms - 2, None):
+        outs = [run_dact(UNEVEN, 500, 192, 320, activation, seed=13, tile_n=tile_n, cluster_m=2, sm_margin=margin,
+                         pingpong=pingpong) for pingpong in (True, False)]
+        for a, b in zip(*outs):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tile_n", [128, 192])
+def test_kn_pingpong(tile_n):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    pingpong = run_kn(UNEVEN, 500, 192, 640, seed=14, tile_n=tile_n, cluster_m=2, sm_margin=sms - 2, pingpong=True)
+    cooperative = run_kn(UNEVEN, 500, 192, 640, seed=14, tile_n=tile_n, cluster_m=2, sm_margin=sms - 2)
+    assert torch.equal(pingpong, cooperative)
+
+
 def test_dact_epilogue_warps_round_h_only():
     """The epilogue warps see h rounded to dy's dtype: act is bitwise the MMA-warpgroup epilogue's,
     d_pre within that rounding."""

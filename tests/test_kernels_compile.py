@@ -250,3 +250,46 @@ def test_forward_takes_192_wide_tiles_where_they_pad_n_less():
     assert forward(2880, layout="kn") == 256  # FC1's data gradient: 192 not faster there
     assert forward(2880, fn=_ACT_QUANT) == 256  # the cast epilogue's tiles hold whole 1 x 128 blocks
     assert choose_config(32768, 2880, 32, 132) == (256, 2)  # dgrad + dActivation: 256
+
+
+def test_pingpong_where_192_wide_tiles_fill_the_grid_and_pad_n_no_more(monkeypatch):
+    """The ping-pong heuristic (`pingpong_pays`) on the swept classes, and how `_launch_config`
+    resolves it: only with no tile_n / cluster_m given, never beside a conflicting option."""
+    from te_fused_ops.backends.sm90.kernels import grouped_gemm as gg
+
+    pays = lambda m, n, halves=1: gg.pingpong_pays(m, n, 132, halves)  # noqa: E731
+    assert pays(65536, 1536, 2) and pays(65536, 768)  # qwen3 FC1 forward + SwiGLU, dgrad + dSwiGLU
+    assert pays(32768, 5760, 2) and pays(32768, 2880)  # gpt-oss: 192 pads N less than 256
+    assert not pays(65536, 2048)  # qwen3 FC2 forward: 11 tiles of 192 pad, 8 of 256 do not
+    assert not pays(32768, 4096, 2) and not pays(32768, 7168)  # dsv3
+    assert not pays(32768, 28672, 2) and not pays(32768, 14336)  # mixtral
+    assert not pays(256, 1536, 2)  # 2 x 8 tiles of 192 leave most of the grid idle
+    monkeypatch.setattr(gg, "num_sms", lambda dev: 132)
+    auto = gg._launch_config("f", 65536, 768, 128, 0, None, None, None, pingpong=None)
+    assert auto[0:2] == (192, 2) and auto[3] is True
+    assert gg._launch_config("f", 65536, 768, 128, 0, 256, None, None, pingpong=None)[3] is False
+    assert gg._launch_config("f", 65536, 768, 128, 0, None, None, None, pingpong=None, conflict="x")[3] is False
+    assert gg._launch_config("f", 65536, 2048, 128, 0, None, None, None, pingpong=True)[0] == 192
+    with pytest.raises(ValueError, match="f: pingpong needs tile_n"):
+        gg._launch_config("f", 65536, 2048, 128, 0, 256, None, None, pingpong=True)
+    with pytest.raises(ValueError, match="f: pingpong does not run with epilogue_warps"):
+        gg._launch_config("f", 65536, 2048, 128, 0, None, None, None, pingpong=True, conflict="epilogue_warps")
+    with pytest.raises(TypeError, match="f: pingpong must be a bool"):
+        gg._launch_config("f", 65536, 2048, 128, 0, None, None, None, pingpong=1)
+
+
+@pytest.mark.parametrize("activation,tile_n", [("swiglu", 192), (None, 128)])
+def test_pingpong_forward_compiles(activation, tile_n):
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_gemm
+
+    assert compile_grouped_gemm(torch.bfloat16, tile_n, activation, True, False, 2, pingpong=True) is not None
+
+
+def test_pingpong_rejects_what_it_cannot_run():
+    import cutlass
+
+    from te_fused_ops.backends.sm90.kernels.grouped_dact_sm90 import GroupedGemmDActSm90
+
+    for opts in ({"tile_n": 256}, {"tile_n": 128, "epilogue_warps": True}):
+        with pytest.raises(ValueError, match="pingpong needs"):
+            GroupedGemmDActSm90(cutlass.BFloat16, activation="swiglu", pingpong=True, **opts)

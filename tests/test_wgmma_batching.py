@@ -36,6 +36,12 @@ COMPILE = {  # name: Python that compiles one configuration (torch as torch, bf1
                                  "c(bf16, 256, 'swiglu', False, False, 2)",
     "wgrad dW tile 192 pair": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import compile_grouped_wgrad as c;"
                               "c(bf16, 192, False, 2, False)",
+    "forward + SwiGLU tile 192 ping-pong": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
+                                          " compile_grouped_gemm as c; c(bf16, 192, 'swiglu', False, False, 2,"
+                                          " pingpong=True)",
+    "dgrad + dScaledSwiGLU tile 192 ping-pong": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
+                                               " compile_grouped_dgrad_dact as c;"
+                                               " c(bf16, 192, 'scaled_swiglu', False, 2, False, pingpong=True)",
     "FP8 wgrad dW pair": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import compile_grouped_wgrad as c;"
                          "c(bf16, 128, False, 2, False, True)",
     "FP8 forward + SwiGLU": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_gemm_fp8 as c;"

@@ -258,7 +258,18 @@ class Sm90Epilogue:
             tRS_sD = thr_copy_r2s.partition_D(smem_tensors.sAcc)  # (R2S, R2S_M, R2S_N, chunk)
         elif const_expr(self.num_out > 0):
             tRS_sD = thr_copy_r2s.partition_D(smem_tensors.sD)  # (R2S, R2S_M, R2S_N, buf)
+        # the accumulator by chunk: value v of chunk s at index s * frag + v, in tRS_cD's order. The
+        # retiled accumulator is ((V, N), M, 1): V values of one 16-column group of a 64-row slab,
+        # N groups along tile_n, M slabs; with ping-pong's two slabs (128-row tiles on one
+        # warpgroup) a chunk is 2 groups of both, so the view orders the values (V, M, N)
         tRS_rAcc = tiled_copy_r2s.retile(acc)
+        if const_expr(self.pingpong):
+            (values, groups), slabs = tRS_rAcc.shape[0], tRS_rAcc.shape[1]
+            (value_stride, group_stride), slab_stride = tRS_rAcc.stride[0], tRS_rAcc.stride[1]
+            tRS_rAcc = cute.make_tensor(
+                tRS_rAcc.iterator,
+                cute.make_layout((values, slabs, groups), stride=(value_stride, slab_stride, group_stride)),
+            )
         # coordinates (row, col in the chunk) of each register value
         tRS_cD = thr_copy_r2s.partition_S(cute.make_identity_tensor(self.epi_tile))
         rD_shape = cute.shape(tRS_cD)
@@ -318,10 +329,10 @@ class Sm90Epilogue:
 
     @cute.jit
     def _epilogue_tile(self, params, epi, tile: Tile, has_rows, n_box, half_chunks, state, sD, store_tmas, load_tmas,
-                       store_pipe, is_store_warp, c_pipe, c_read, c_write, c_loads, epi_count):
-        """The tile's epilogue on the MMA warpgroups, one 128 x 32 chunk per step: the loaded
-        inputs (zeros on padding rows), the hooks, the outputs through the store slots by TMA.
-        Returns (c_read, c_write, epi_count)."""
+                       store_pipe, is_store_warp, c_pipe, c_read, c_write, c_loads, epi_count, epi_barrier):
+        """The tile's epilogue on the MMA warpgroup(s), one 128 x 32 chunk per step: the loaded
+        inputs (zeros on padding rows), the hooks, the outputs through the store slots by TMA;
+        ``epi_barrier`` joins the threads of the tile. Returns (c_read, c_write, epi_count)."""
         frag = cute.size(cute.shape(epi.tRS_cD))
         rAcc, rIn, rOut, rStore = epi.rAcc, epi.rIn, epi.rOut, epi.rStore
         mt = tile.mt
@@ -360,7 +371,7 @@ class Sm90Epilogue:
                     rStore.store(rOut[o].load().to(self.dtype))
                     cute.copy(epi.tiled_copy_r2s, rStore, epi.tRS_sD[(None, None, None, slot * self.num_out + o)])
                 cute.arch.fence_proxy("async.shared", space="cta")
-                self.epi_barrier.arrive_and_wait()
+                epi_barrier.arrive_and_wait()
             if const_expr(self.num_in > 0 and step + self.c_stages < self.num_steps):
                 if tile.is_group and is_store_warp:
                     self._load_c(load_tmas, c_pipe, c_write, *c_loads, mt, chunk + self.c_stages, half_chunks)
@@ -378,7 +389,7 @@ class Sm90Epilogue:
                 if is_store_warp:
                     store_pipe.producer_commit()
                     store_pipe.producer_acquire()
-                self.epi_barrier.arrive_and_wait()
+                epi_barrier.arrive_and_wait()
                 epi_count = epi_count + 1
         self.epi_end_tile(params, tile, n_box, epi.tRS_cD, state)
         return c_read, c_write, epi_count

@@ -133,7 +133,9 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
             up = rIn[1][v].to(Float32) if const_expr(glu) else None
             value, d_x, d_u = ACTIVATION_MATH[self.spec.name](rIn[0][v].to(Float32), up, params.constants)
             if const_expr(self.spec.takes_probs):
-                state[1][v] = h * value
+                # rounded as a product of its own (mul.rn, never contracted into the sum's adds):
+                # the same bits whatever ptxas fuses, so every schedule and tile width agrees
+                state[1][v] = cute.math.mul(h, value, rounding=cute.math.RoundingMode.NEAREST_EVEN)
                 p = row_value(params.probs, tile.row0 + tRS_cD[v][0], tile, params.m_total)
                 h = h * p
                 value = value * p

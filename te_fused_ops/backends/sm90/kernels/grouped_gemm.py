@@ -142,6 +142,16 @@ def choose_config(m: int, n: int, g: int, num_sms: int, tile_ns=(128, 256), halv
     return tile_n, 2 if n > tile_n or m >= 1024 * g else 1
 
 
+def pingpong_pays(m: int, n: int, num_sms: int, halves: int = 1) -> bool:
+    """Whether the ping-pong schedule on 192-wide tiles with CTA pairs is the choice for a 16-bit
+    forward, "kn" data gradient or dgrad + dActivation: 192-wide tiles fill the persistent grid and
+    pad N (a GLU's halves: ``halves`` 2) no more than 256-wide ones. Measured (H100,
+    `sweep_configs.py --pingpong`, six shape classes): 1.02-1.12x the best cooperative
+    configuration where that holds (qwen3, gpt-oss, H 2880 with I 1408); where 192-wide tiles pad N
+    more (dsv3, mixtral, I 512) the cooperative 256-wide tiles are faster, by up to 1.7x."""
+    return -(-m // 128) * -(-n // 192) >= num_sms and tuning.pads_no_more(n, 192, 256, halves)
+
+
 def fp8_tile_n(n: int, glu: bool) -> int:
     """The FP8 GEMM's n-tile: 192 where it pads N (a GLU's halves) no more than 128 does, else 128.
     Measured on the FC1 forward (H100, `bench_fp8_sm90.py --part kernels`, one run, t192 against
@@ -214,7 +224,7 @@ def _compile(kernel, args, tvm_ffi):
 @cached_kernel
 def compile_grouped_gemm(
     dtype, tile_n, activation, has_bias, tvm_ffi=None, cluster_m=2, weight_layout="nk", act_amax=False,
-    **kernel_opts
+    pingpong=False, **kernel_opts
 ):
     """Compile (once per configuration) and return the launcher of ``grouped_gemm_sm90``:
     fn(x, weight, offsets, pre, act, bias, probs, act_amax, constants, max_clusters[, stream])."""
@@ -236,7 +246,8 @@ def compile_grouped_gemm(
         _amax_parts_fake() if act_amax else None,
     )
     b_major = {"nk": "k", "kn": "mn"}[weight_layout]
-    kernel = GroupedGemmActSm90(dt, tile_n, activation, has_bias, b_major, cluster_m, act_amax=act_amax, **kernel_opts)
+    kernel = GroupedGemmActSm90(dt, tile_n, activation, has_bias, b_major, cluster_m, act_amax=act_amax,
+                                pingpong=pingpong, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -276,7 +287,7 @@ def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cl
 
 @cached_kernel
 def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_m=2, epilogue_warps=False,
-                               **kernel_opts):
+                               pingpong=False, **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_dgrad_dact_sm90``:
     fn(dy, weight, offsets, pre, d_pre, act, probs, d_probs_part, constants, max_clusters[, stream])."""
     import cutlass
@@ -300,7 +311,8 @@ def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_
         fake_tensor(cutlass.Float32, (m,), 4) if spec.takes_probs else None,
         fake_tensor(cutlass.Float32, (n_tiles, m), 4) if spec.takes_probs else None,
     )
-    kernel = GroupedGemmDActSm90(dt, tile_n, activation, cluster_m, epilogue_warps=epilogue_warps, **kernel_opts)
+    kernel = GroupedGemmDActSm90(dt, tile_n, activation, cluster_m, epilogue_warps=epilogue_warps, pingpong=pingpong,
+                                 **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -427,17 +439,34 @@ def _check_epilogue_tensors(fn_name, spec, dtype, bias, probs, out, act_out, m, 
     return act_shape
 
 
-def _launch_config(fn_name, m, n, g, dev, tile_n, cluster_m, sm_margin, tiles=None):
-    """(tile_n, cluster_m, max_clusters) from shapes, overrides (``tiles``: `forward_tiles`) and
-    the SM margin."""
+def _launch_config(fn_name, m, n, g, dev, tile_n, cluster_m, sm_margin, tiles=None, pingpong=False,
+                   conflict=None):
+    """(tile_n, cluster_m, max_clusters, pingpong) from shapes, overrides (``tiles``:
+    `forward_tiles`) and the SM margin. ``pingpong``: True / False, or None for the heuristic
+    (`pingpong_pays`) when tile_n and cluster_m are not given either; ``conflict`` names an option
+    that is on and rules ping-pong out (None: none)."""
     margin = resolve_sm_margin(sm_margin, fn_name)
     sms = num_sms(dev)
     auto_tile_n, auto_cluster_m = choose_config(m, n, g, sms, **(tiles or {}))
+    if pingpong is not None and not isinstance(pingpong, bool):
+        raise TypeError(f"{fn_name}: pingpong must be a bool or None, got {type(pingpong).__name__}")
+    if pingpong is None:
+        halves = (tiles or {}).get("halves", 1)
+        pingpong = (tile_n is None and cluster_m is None and conflict is None
+                    and pingpong_pays(m, n, sms, halves))
+        if pingpong:
+            tile_n, cluster_m = 192, 2
+    if pingpong and tile_n is None:
+        tile_n = 192 if auto_tile_n > 128 else 128
     tile_n = auto_tile_n if tile_n is None else tile_n
     cluster_m = auto_cluster_m if cluster_m is None else cluster_m
     if tile_n not in tuning.TILE_NS or cluster_m not in (1, 2):
         raise ValueError(f"{fn_name}: tile_n must be one of {tuning.TILE_NS} and cluster_m 1 or 2")
-    return tile_n, cluster_m, max_clusters(sms, margin, cluster_m)
+    if pingpong and tile_n not in tuning.PINGPONG_TILE_NS:
+        raise ValueError(f"{fn_name}: pingpong needs tile_n in {tuning.PINGPONG_TILE_NS}, got {tile_n}")
+    if pingpong and conflict:
+        raise ValueError(f"{fn_name}: pingpong does not run with {conflict}")
+    return tile_n, cluster_m, max_clusters(sms, margin, cluster_m), pingpong
 
 
 _LAUNCHERS = {}
@@ -446,7 +475,7 @@ _MEMO = LaunchMemo()  # argument signature -> validated launch (both wrappers; k
 
 def grouped_gemm_sm90(
     x, weight, offsets, *, bias=None, activation=None, probs=None, out=None, act_out=None,
-    weight_layout="nk", tile_n=None, cluster_m=None, sm_margin=None, act_amax=False, **constants,
+    weight_layout="nk", tile_n=None, cluster_m=None, sm_margin=None, act_amax=False, pingpong=None, **constants,
 ):
     """pre = x_g @ W[g].T ("nk") or x_g @ W[g] ("kn") (+ b[g]) per row group, act = activation(pre).
 
@@ -459,6 +488,8 @@ def grouped_gemm_sm90(
     Returns (pre (M, N) = [gate, up] for GLU, act (M, N/2) GLU / (M, N) srelu / None).
     Rows >= offsets[G] are zero. No host sync; the launch depends on shapes only.
     tile_n (128, 192 or 256) and cluster_m (1: no W multicast, 2) override the heuristic;
+    ``pingpong`` (None: the heuristic's) runs each MMA warpgroup on tiles of its own, one's
+    epilogue under the other's mainloop (tile_n 128 or 192, no ``act_amax``);
     sm_margin: SMs to leave free (None: 0).
     ``act_amax``: also return (P,) float32 partial maxima of |act| over the grouped rows (finite
     values, as stored) whose max is the act's amax (`tensor_quantize_sm90`'s ``amax_parts``).
@@ -467,10 +498,10 @@ def grouped_gemm_sm90(
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, x, weight, offsets, bias, probs, out, act_out),
-        _FWD, activation, weight_layout, tile_n, cluster_m, sm_margin, act_amax,
+        _FWD, activation, weight_layout, tile_n, cluster_m, sm_margin, act_amax, pingpong,
     )
     args = (x, weight, offsets, bias, activation, probs, out, act_out, weight_layout, tile_n, cluster_m, sm_margin,
-            act_amax)
+            act_amax, pingpong)
     launch = _MEMO.get(key)
     if launch is None:
         launch = _forward_launch(*args)
@@ -481,7 +512,8 @@ def grouped_gemm_sm90(
                        weight_layout, bias is not None),
                 lambda t, c: grouped_gemm_sm90(x, weight, offsets, bias=bias, activation=activation, probs=probs,
                                                weight_layout=weight_layout, tile_n=t, cluster_m=c,
-                                               sm_margin=sm_margin, act_amax=act_amax, **constants),
+                                               sm_margin=sm_margin, act_amax=act_amax, pingpong=pingpong,
+                                               **constants),
                 choose_config(x.shape[0], n, weight.shape[0], num_sms(x.get_device()),
                               **forward_tiles(_FWD, weight_layout, activation)))
             if config is not None:
@@ -509,18 +541,19 @@ def _amax_parts(fn, num_parts, device):
 
 def _forward_launch(
     x, weight, offsets, bias, activation, probs, out, act_out, weight_layout, tile_n, cluster_m, sm_margin,
-    act_amax=False,
+    act_amax=False, pingpong=None,
 ):
     """Every check of `grouped_gemm_sm90`; (launcher or None when M == 0, pre shape, act shape or
     None, persistent grid in clusters, act-amax parts or 0)."""
-    m, n, act_shape, tile_n, cluster_m, clusters = _forward_checks(
-        _FWD, x, weight, offsets, bias, activation, probs, out, act_out, weight_layout, tile_n, cluster_m, sm_margin
+    m, n, act_shape, tile_n, cluster_m, clusters, pingpong = _forward_checks(
+        _FWD, x, weight, offsets, bias, activation, probs, out, act_out, weight_layout, tile_n, cluster_m, sm_margin,
+        pingpong, "act_amax" if act_amax else None,
     )
     num_parts = _check_amax_request(_FWD, "act_amax", act_amax, act_shape is not None, clusters, cluster_m)
     if m == 0:
         return None, (m, n), act_shape, clusters, num_parts
     key = (_FWD, x.dtype, tile_n, activation, bias is not None, tvm_ffi_available(), cluster_m, weight_layout,
-           bool(act_amax))
+           bool(act_amax), pingpong)
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_gemm(*key[1:])
@@ -538,9 +571,11 @@ def _check_amax_request(fn_name, arg, asked, has_output, clusters, cluster_m) ->
 
 
 def _forward_checks(
-    fn_name, x, weight, offsets, bias, activation, probs, out, act_out, weight_layout, tile_n, cluster_m, sm_margin
+    fn_name, x, weight, offsets, bias, activation, probs, out, act_out, weight_layout, tile_n, cluster_m, sm_margin,
+    pingpong=False, conflict=None,
 ):
-    """The checks of a bf16/fp16 forward; (M, N, act shape or None, tile_n, cluster_m, grid)."""
+    """The checks of a bf16/fp16 forward; (M, N, act shape or None, tile_n, cluster_m, grid,
+    pingpong) (``pingpong``, ``conflict``: as for `_launch_config`)."""
     dev = check_input(fn_name, x, "x")
     check_tensor(fn_name, weight, "weight", x.dtype, 3, dev)
     check_tensor(fn_name, offsets, "offsets", torch.int32, 1, dev)
@@ -566,9 +601,11 @@ def _forward_checks(
             + (f" for activation {activation!r}" if glu else "")
         )
     act_shape = _check_epilogue_tensors(fn_name, spec, x.dtype, bias, probs, out, act_out, m, n, g, dev)
-    tile_n, cluster_m, clusters = _launch_config(fn_name, m, n, g, dev, tile_n, cluster_m, sm_margin,
-                                                 forward_tiles(fn_name, weight_layout, activation))
-    return m, n, act_shape, tile_n, cluster_m, clusters
+    tile_n, cluster_m, clusters, pingpong = _launch_config(
+        fn_name, m, n, g, dev, tile_n, cluster_m, sm_margin, forward_tiles(fn_name, weight_layout, activation),
+        pingpong, conflict,
+    )
+    return m, n, act_shape, tile_n, cluster_m, clusters, pingpong
 
 
 def grouped_gemm_act_quant_sm90(
@@ -640,7 +677,7 @@ def _act_quant_launch(x, weight, offsets, bias, activation, probs, out, weight_l
         raise ValueError(f"{_ACT_QUANT}: out (the pre-activation buffer) needs an activation")
     if not isinstance(columns, bool):
         raise TypeError(f"{_ACT_QUANT}: columns must be a bool, got {type(columns).__name__}")
-    m, n, act_shape, tile_n, cluster_m, clusters = _forward_checks(
+    m, n, act_shape, tile_n, cluster_m, clusters, _ = _forward_checks(
         _ACT_QUANT, x, weight, offsets, bias, activation, probs, out, None, weight_layout,
         256 if spec else tile_n, cluster_m, sm_margin,
     )
@@ -712,7 +749,7 @@ def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, pro
     act_shape = _check_epilogue_tensors(_FP8, spec, out_dtype, bias, probs, out, act_out, m, n, g, dev)
     if tile_n not in (None, 128, 192):
         raise ValueError(f"{_FP8}: tile_n must be 128 or 192, got {tile_n!r}")
-    _, cluster_m, clusters = _launch_config(_FP8, m, n, g, dev, 128, cluster_m, sm_margin)
+    _, cluster_m, clusters, _ = _launch_config(_FP8, m, n, g, dev, 128, cluster_m, sm_margin)
     num_parts = _check_amax_request(_FP8, "act_amax", act_amax, act_shape is not None, clusters, cluster_m)
     if m == 0:
         return None, (m, n), act_shape, clusters, num_parts
@@ -755,7 +792,7 @@ def _check_fp8_operands(fn_name, a, b, offsets):
 
 def grouped_dgrad_dact_sm90(
     dy, weight, offsets, pre, *, activation, probs=None, out=None, act_out=None,
-    sm_margin=None, tile_n=None, cluster_m=None, epilogue_warps=None, **constants,
+    sm_margin=None, tile_n=None, cluster_m=None, epilogue_warps=None, pingpong=None, **constants,
 ):
     """Backward of FC2 fused with the activation's backward: h = dy_g @ W[g], then dActivation.
 
@@ -769,14 +806,16 @@ def grouped_dgrad_dact_sm90(
     ``epilogue_warps`` (None: False): True runs the dActivation on three warps of its own, on h
     rounded to dy's dtype (as the unfused path stores it), while the MMA warpgroups run the next
     tile; False: the MMA warpgroups run it from their fp32 accumulator between tiles.
+    ``pingpong`` as for `grouped_gemm_sm90` (not with epilogue_warps).
     Checks run once per argument signature, as for `grouped_gemm_sm90`.
     """
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, dy, weight, offsets, pre, probs, out, act_out),
-        _DACT, activation, tile_n, cluster_m, sm_margin, epilogue_warps,
+        _DACT, activation, tile_n, cluster_m, sm_margin, epilogue_warps, pingpong,
     )
-    args = (dy, weight, offsets, pre, activation, probs, out, act_out, tile_n, cluster_m, sm_margin, epilogue_warps)
+    args = (dy, weight, offsets, pre, activation, probs, out, act_out, tile_n, cluster_m, sm_margin, epilogue_warps,
+            pingpong)
     launch = _MEMO.get(key)
     if launch is None:
         launch = _dact_launch(*args)
@@ -787,7 +826,8 @@ def grouped_dgrad_dact_sm90(
                         epilogue_warps),
                 lambda t, c: grouped_dgrad_dact_sm90(dy, weight, offsets, pre, activation=activation, probs=probs,
                                                      sm_margin=sm_margin, tile_n=t, cluster_m=c,
-                                                     epilogue_warps=epilogue_warps, **constants),
+                                                     epilogue_warps=epilogue_warps, pingpong=pingpong,
+                                                     **constants),
                 choose_config(dy.shape[0], i, weight.shape[0], num_sms(dy.get_device())))
             if config is not None:
                 args = (*args[:8], *config, *args[10:])
@@ -803,7 +843,7 @@ def grouped_dgrad_dact_sm90(
 
 
 def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile_n, cluster_m, sm_margin,
-                 epilogue_warps):
+                 epilogue_warps, pingpong=None):
     """Every check of `grouped_dgrad_dact_sm90`; (launcher or None when M == 0, act shape,
     d_probs partials shape or None, persistent grid in clusters)."""
     dev = check_input(_DACT, dy, "dy")
@@ -839,11 +879,13 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
         epilogue_warps = False
     elif not isinstance(epilogue_warps, bool):
         raise TypeError(f"{_DACT}: epilogue_warps must be a bool or None, got {type(epilogue_warps).__name__}")
-    tile_n, cluster_m, clusters = _launch_config(_DACT, m, i, g, dev, tile_n, cluster_m, sm_margin)
+    tile_n, cluster_m, clusters, pingpong = _launch_config(_DACT, m, i, g, dev, tile_n, cluster_m, sm_margin,
+                                                           pingpong=pingpong,
+                                                           conflict="epilogue_warps" if epilogue_warps else None)
     partial_shape = (-(-i // tile_n), m) if spec.takes_probs else None
     if m == 0:
         return None, (m, i), partial_shape, clusters
-    key = (_DACT, dy.dtype, tile_n, activation, tvm_ffi_available(), cluster_m, epilogue_warps)
+    key = (_DACT, dy.dtype, tile_n, activation, tvm_ffi_available(), cluster_m, epilogue_warps, pingpong)
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_dgrad_dact(*key[1:])
@@ -911,7 +953,7 @@ def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activ
     check_tensor(name, pre, "pre", pre.dtype, 2, dev)
     _check_shape(name, pre, "pre", (m, 2 * i if spec.glu else i))
     _check_probs(name, spec, probs, m, dev)
-    _, cluster_m, clusters = _launch_config(name, m, i, g, dev, 128, cluster_m, sm_margin)
+    _, cluster_m, clusters, _ = _launch_config(name, m, i, g, dev, 128, cluster_m, sm_margin)
     partial_shape = (-(-i // 128), m) if spec.takes_probs else None
     num_parts = _check_amax_request(name, "d_pre_amax", d_pre_amax, True, clusters, cluster_m)
     if m == 0:

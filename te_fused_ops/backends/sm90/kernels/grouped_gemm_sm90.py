@@ -32,6 +32,14 @@ warpgroup run the same hooks on 8-row blocks with 16-byte loads and stores strai
 global memory and registers (no TMA, no C or D buffers). A fourth warpgroup would cap every thread
 at 128 registers (ptxas budgets the kernel by its thread count, whatever setmaxnreg says later).
 
+With ``pingpong`` (16-bit varlen-M kernels, tile_n 128 or 192) each MMA warpgroup takes every other
+tile whole (two 64-row WGMMA slabs, tile_n fp32 accumulator registers a thread): both read every
+tile-ring entry and pass over the other's k-tiles and C chunks; their mainloops take turns on the
+tensor cores and each one's epilogue (16-column chunks, so a thread holds as many values per chunk
+as on two warpgroups) runs under the other's mainloop, the turns kept by named barriers
+(`named_barriers_sm90`). It pays where the epilogue is a large share of a tile (short K, several
+outputs, loaded inputs).
+
 With ``b_boxes`` = 2 (forward GLU), n-tile nt covers B rows [nt * tile_n/2, (nt+1) * tile_n/2) and
 the same rows of the second half: each B stage is filled by two TMA boxes of tile_n/2 (gate, then
 up) from a view of W with a separate half mode, (N/2, K, 2, G), so each half is clipped at its
@@ -64,12 +72,13 @@ import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass.tensor_utils import LayoutEnum
 
 from .epilogue_sm90 import Sm90Epilogue
-from .group_tile_scheduler import RASTER_BAND, SORT_MAX_G, TILE_FIELDS, TILE_SLOTS, GroupTileScheduler
+from .group_tile_scheduler import RASTER_BAND, SORT_MAX_G, TILE_FIELDS, TILE_SLOTS, GroupTileScheduler, Tile
 from .mainloop_sm90 import Sm90Mainloop
+from .named_barriers_sm90 import EPI_BARRIER, EPI_TURN, MMA_TURN
 from .varlen_sm90 import ragged_rows, rows_by_block
 
 MAX_EPI_SLOTS = 2  # TMA-store slots of 128 x 32 (tile_m x epi_n) where shared memory has room
@@ -114,7 +123,8 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
     (m-tiles per band of the tile order inside a group, `banded_tile`), ``split_tail`` (varlen-M,
     cluster_m 2: a group's odd last m-tile split along N over the pair, `cluster_tile`),
     ``epilogue_warps`` (the epilogue on warps of its own, module docstring), ``defer_stores`` (one
-    output, no loads: stored under the next tile's mainloop). Subclasses set ``b_boxes``,
+    output, no loads: stored under the next tile's mainloop), ``pingpong`` (each MMA warpgroup on
+    tiles of its own, module docstring). Subclasses set ``b_boxes``,
     ``epi_stores``, ``epi_loads`` (and ``varlen_k``, ``sort_groups``) before calling this
     ``__init__``.
     """
@@ -137,6 +147,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
     def __init__(
         self, dtype, tile_n, b_major="k", cluster_m=2, ab_stages=None, epi_slots=None, ab_dtype=None, c_stages=2,
         raster_band=RASTER_BAND, split_tail=True, epilogue_warps=False, a_major="k", defer_stores=False,
+        pingpong=False,
     ):
         if b_major not in ("k", "mn") or a_major not in ("k", "mn"):
             raise ValueError("a_major and b_major must be 'k' or 'mn'")
@@ -171,6 +182,11 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         self.box_may_split = 128 % self.box_n != 0  # FP8: a B box can cross a W scale block
         self.num_out = len(self.epi_stores)
         self.num_in = len(self.epi_loads)
+        # ping-pong: a warpgroup holds a whole 128-row tile, twice the rows a thread holds of a
+        # chunk; 16-column chunks keep its epilogue registers those of a 128 x 32 chunk on two
+        self.pingpong = pingpong
+        if pingpong:
+            self.epi_n = 16
         self.num_steps = self.box_n // self.epi_n
         self.num_mma_wg = 2
         if epilogue_warps and (self.block_scaled or not self.supports_epilogue_warps or self.num_out == 0
@@ -178,6 +194,19 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             raise ValueError(f"{type(self).__name__}: epilogue_warps needs 16-bit operands and stored outputs")
         if defer_stores and (self.num_out != 1 or self.num_in or self.b_boxes != 1 or epilogue_warps):
             raise ValueError(f"{type(self).__name__}: defer_stores needs one output and no loaded inputs")
+        if pingpong and (tile_n not in (128, 192) or self.block_scaled or dtype.width != 16 or self.varlen_k or epilogue_warps
+                         or defer_stores or self.group_blocks or self.epi_scratch):
+            raise ValueError(
+                f"{type(self).__name__}: pingpong needs tile_n 128 or 192, 16-bit operands, varlen-M and an "
+                "epilogue of the MMA warpgroups without shared scratch"
+            )
+        # ping-pong: each MMA warpgroup takes every other tile whole (128 x tile_n, tile_n fp32
+        # accumulator registers a thread); their mainloops take turns, and one's epilogue runs
+        # under the other's mainloop
+        self.mma_atoms = 1 if pingpong else self.num_mma_wg  # MMA warpgroups on one tile
+        # registers a thread after setmaxnreg (at most 512 over the three warpgroups): ping-pong's
+        # whole-tile accumulators take what the producer warp can spare
+        self.producer_registers, self.mma_registers = (24, 240) if pingpong else (40, 232)
         # epilogue_warps: warps 1-3 of the producer warpgroup run the epilogue; every warpgroup keeps the
         # launch's 168 registers (no setmaxnreg)
         self.epilogue_warps = epilogue_warps
@@ -213,7 +242,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             slots = max(slots, min(MAX_EPI_SLOTS, room // (buf_bytes * self.num_out)))
         self.epi_slots = slots
         self.ab_stages = ab_stages
-        self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=128 * self.num_mma_wg)
+        self.epi_barrier = pipeline.NamedBarrier(barrier_id=EPI_BARRIER, num_threads=128 * self.mma_atoms)
 
     # ------------------------------------------------------------------ host side (traced)
     def launch(self, mA, mW, mOffsets, outputs, inputs, epi_params, max_clusters, stream, scales=None, m_total=None):
@@ -252,7 +281,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             self.a_layout.sm90_mma_major_mode(),
             self.b_layout.sm90_mma_major_mode(),
             self.acc_dtype,
-            (self.num_mma_wg, 1, 1),
+            (self.mma_atoms, 1, 1),
             tiler_mn=(64, self.tile_n),
         )
         tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
@@ -459,7 +488,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         if wg_idx == 0:
             # ---------------------------------------------------------- TMA producer
             if const_expr(not self.epilogue_warps):
-                cute.arch.setmaxregister_decrease(40)
+                cute.arch.setmaxregister_decrease(self.producer_registers)
             if warp_idx == 0:
                 self._produce(pipes, sTiles, smem_tensors, tma_a, mA, tma_b, mB, scales, sched, first_tile,
                               num_clusters, rank, k_tiles)
@@ -472,7 +501,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         else:
             # ---------------------------------------------------------- MMA (+ epilogue)
             if const_expr(not self.epilogue_warps):
-                cute.arch.setmaxregister_increase(232)
+                cute.arch.setmaxregister_increase(self.mma_registers)
             self._consume(pipes, sTiles, smem_tensors, tiled_mma, store_tmas, load_tmas, epi_params, epi_shared,
                           scales, num_groups, n_box, half_chunks, k_tiles, m_total, tidx, warp_idx)
 
@@ -484,7 +513,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.num_mma_wg * 4 * self.cluster_m
+                pipeline.Agent.Thread, self.mma_atoms * 4 * self.cluster_m
             ),
             tx_count=self.ab_bytes,
             cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
@@ -497,7 +526,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
                 barrier_storage=storage.c_full_empty.data_ptr(),
                 num_stages=self.c_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_atoms * 4),
                 tx_count=self.c_bytes,
                 defer_sync=True,
             )
@@ -550,11 +579,16 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
                  num_groups, n_box, half_chunks, k_tiles, m_total, tidx, warp_idx):
         """MMA warpgroups: each tile of the ring through the k-loop (`_mainloop_tile`), then its
         epilogue: handed over to the epilogue warps, deferred under the next tile, or run here.
+        Ping-pong: both warpgroups read every ring entry and each takes every other tile, passing
+        over the other's k-tiles and C chunks; the mainloops take turns (MMA_TURN, passed on once a
+        warpgroup's last WGMMAs are issued), and so do the epilogues (EPI_TURN, passed on once its
+        stores have left shared memory).
 
         The tile loop carries one record, `consumer_loop_state`: the helpers hand their pipeline
         states back into it, and its field order is the order of the loop-carried values."""
-        ab_pipe, c_pipe, acc_pipe, tile_pipe = pipes
-        mma_tidx = tidx - 128
+        tile_pipe = pipes.tile
+        mma_wg = cute.arch.make_warp_uniform(tidx // 128 - 1)  # MMA warpgroup 0 or 1
+        mma_tidx = tidx % 128 if const_expr(self.pingpong) else tidx - 128
         mainloop_args = self._mma_fragments(tiled_mma, mma_tidx, smem_tensors, scales)
         acc = mainloop_args[0]
         epi = self._epilogue_fragments(tiled_mma, mma_tidx, acc, smem_tensors)
@@ -572,11 +606,22 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         if const_expr(self.num_out > 0 and not self.epilogue_warps):
             store_pipe = pipeline.PipelineTmaStore.create(
                 num_stages=self.epi_slots,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_mma_wg),
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.mma_atoms),
             )
-        is_store_warp = warp_idx == 4
+        # the first warp of the tile's warpgroup(s) issues the TMA stores and C loads
+        is_store_warp = warp_idx % 4 == 0 if const_expr(self.pingpong) else warp_idx == 4
+        epi_barrier = self.epi_barrier
+        if const_expr(self.pingpong):
+            epi_barrier = pipeline.NamedBarrier(barrier_id=EPI_BARRIER + mma_wg, num_threads=128)
         store_args = (epi.tiled_copy_r2s, epi.tRS_sD, smem_tensors.sD, store_tmas, store_pipe, is_store_warp)
-        loop = self.consumer_loop_state(tiled_mma)
+        tile_args = (pipes, mainloop_args, epi, state, smem_tensors, store_tmas, load_tmas, store_pipe, is_store_warp,
+                     epi_barrier, epi_params, scales, n_box, half_chunks, m_total, mma_wg, store_args, pending,
+                     pending_tile)
+        loop = self.consumer_loop_state(tiled_mma, mma_wg)
+        if const_expr(self.pingpong):
+            if mma_wg == 0:  # the first turns are warpgroup 0's
+                cute.arch.barrier_arrive(barrier_id=MMA_TURN, number_of_threads=256)
+                cute.arch.barrier_arrive(barrier_id=EPI_TURN, number_of_threads=256)
         tile_pipe.consumer_wait(loop.tile_read)
         loop.found = sTiles[0, loop.tile_read.index] != 0
         while loop.found:
@@ -586,34 +631,25 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             tile_k_tiles = k_tiles if tile.is_group else 0
             if const_expr(self.varlen_k):
                 tile_k_tiles = (tile.end - tile.start + self.tile_k - 1) // self.tile_k
-
-            # C-tile loads of the first steps run under the mainloop (padding tiles: none,
-            # their inputs read as zeros)
-            c_loads = None
-            if const_expr(self.num_in > 0 and not self.epilogue_warps):
-                c_loads = self._partition_loads(load_tmas, smem_tensors.sC, tile)
-                if tile.is_group and is_store_warp:
-                    for step in cutlass.range_constexpr(min(self.c_stages, self.num_steps)):
-                        self._load_c(load_tmas, c_pipe, loop.c_write, *c_loads, tile.mt,
-                                     tile.nt * self.num_steps + step, half_chunks)
-                        loop.c_write.advance()
-
-            loop.tiled_mma, loop.read_state, loop.release_state, loop.epi_count = self._mainloop_tile(
-                ab_pipe, loop.read_state, loop.release_state, loop.tiled_mma, mainloop_args, scales, tile, tile_k_tiles,
-                n_box, m_total, store_args, pending, pending_tile, loop.epi_count,
-            )
-
-            # ------------------------------------------------------ epilogue
-            if const_expr(self.epilogue_warps):
-                loop.acc_write = self._hand_over_acc(acc_pipe, loop.acc_write, epi, tile, has_rows)
-            elif const_expr(self.defer_stores):  # outputs wait for the next tile's k-tiles
-                self._defer_outputs(epi_params, epi, tile, has_rows, n_box, state, pending, pending_tile)
+            states = (loop.tiled_mma, loop.read_state, loop.release_state, loop.epi_count, loop.c_read, loop.c_write,
+                      loop.acc_write)
+            if const_expr(self.pingpong):
+                if loop.mine:
+                    states = self._consume_tile(tile_args, states, tile, has_rows, tile_k_tiles)
+                else:  # the other warpgroup's tile: its k-tiles and C chunks pass by
+                    read_state, release_state, c_read, c_write = states[1], states[2], states[4], states[5]
+                    read_state.advance(tile_k_tiles)
+                    release_state.advance(tile_k_tiles)
+                    if const_expr(self.num_in > 0):
+                        chunks = self.num_steps if tile.is_group else 0
+                        c_read.advance(Int32(chunks))
+                        c_write.advance(Int32(chunks))
+                    states = (states[0], read_state, release_state, states[3], c_read, c_write, states[6])
+                loop.mine = not loop.mine
             else:
-                loop.c_read, loop.c_write, loop.epi_count = self._epilogue_tile(
-                    epi_params, epi, tile, has_rows, n_box, half_chunks, state, smem_tensors.sD, store_tmas,
-                    load_tmas, store_pipe, is_store_warp, c_pipe, loop.c_read, loop.c_write, c_loads, loop.epi_count,
-                )
-
+                states = self._consume_tile(tile_args, states, tile, has_rows, tile_k_tiles)
+            (loop.tiled_mma, loop.read_state, loop.release_state, loop.epi_count, loop.c_read, loop.c_write,
+             loop.acc_write) = states
             tile_pipe.consumer_wait(loop.tile_read)
             loop.found = sTiles[0, loop.tile_read.index] != 0
         epi_count = loop.epi_count
@@ -623,21 +659,77 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
                     self._store_chunk(store_args, pending[step], pending_tile, step, epi_count)
                     epi_count = epi_count + 1
         if const_expr(self.epilogue_warps):
-            acc_pipe.producer_tail(loop.acc_write)
+            pipes.acc.producer_tail(loop.acc_write)
         else:
-            self.epi_end_kernel(epi_params, mma_tidx // 32, state)
+            self.epi_end_kernel(epi_params, (tidx - 128) // 32, state)
             if const_expr(self.num_out > 0):
                 if is_store_warp:
                     store_pipe.producer_tail()
 
-    def consumer_loop_state(self, tiled_mma):
+    @cute.jit
+    def _consume_tile(self, tile_args, states, tile: Tile, has_rows, tile_k_tiles):
+        """One tile on the MMA warpgroup(s) (`_consume`): C prefetch, mainloop, epilogue.
+        ``states``: (tiled_mma, read_state, release_state, epi_count, c_read, c_write, acc_write),
+        returned advanced."""
+        (pipes, mainloop_args, epi, state, smem_tensors, store_tmas, load_tmas, store_pipe, is_store_warp,
+         epi_barrier, epi_params, scales, n_box, half_chunks, m_total, mma_wg, store_args, pending,
+         pending_tile) = tile_args
+        tiled_mma, read_state, release_state, epi_count, c_read, c_write, acc_write = states
+        # C-tile loads of the first steps run under the mainloop (padding tiles: none, their inputs
+        # read as zeros); ping-pong: at the start of the epilogue's turn, the C stages being the
+        # other warpgroup's until then
+        c_loads = None
+        if const_expr(self.num_in > 0 and not self.epilogue_warps):
+            c_loads = self._partition_loads(load_tmas, smem_tensors.sC, tile)
+            if const_expr(not self.pingpong):
+                c_write = self._prefetch_c(load_tmas, pipes.c, c_write, c_loads, tile, is_store_warp, half_chunks)
+
+        tiled_mma, read_state, release_state, epi_count = self._mainloop_tile(
+            pipes.ab, read_state, release_state, tiled_mma, mainloop_args, scales, tile, tile_k_tiles, n_box,
+            m_total, store_args, pending, pending_tile, epi_count, mma_wg,
+        )
+
+        # ------------------------------------------------------ epilogue
+        if const_expr(self.epilogue_warps):
+            acc_write = self._hand_over_acc(pipes.acc, acc_write, epi, tile, has_rows)
+        elif const_expr(self.defer_stores):  # outputs wait for the next tile's k-tiles
+            self._defer_outputs(epi_params, epi, tile, has_rows, n_box, state, pending, pending_tile)
+        else:
+            if const_expr(self.pingpong):
+                cute.arch.barrier(barrier_id=EPI_TURN + mma_wg, number_of_threads=256)
+                if const_expr(self.num_in > 0):
+                    c_write = self._prefetch_c(load_tmas, pipes.c, c_write, c_loads, tile, is_store_warp,
+                                               half_chunks)
+            c_read, c_write, epi_count = self._epilogue_tile(
+                epi_params, epi, tile, has_rows, n_box, half_chunks, state, smem_tensors.sD, store_tmas, load_tmas,
+                store_pipe, is_store_warp, pipes.c, c_read, c_write, c_loads, epi_count, epi_barrier,
+            )
+            if const_expr(self.pingpong):
+                if const_expr(self.num_out > 0):
+                    if is_store_warp:  # the store buffers are the other warpgroup's next
+                        store_pipe.producer_tail()
+                cute.arch.barrier_arrive(barrier_id=EPI_TURN + 1 - mma_wg, number_of_threads=256)
+        return tiled_mma, read_state, release_state, epi_count, c_read, c_write, acc_write
+
+    @cute.jit
+    def _prefetch_c(self, load_tmas, c_pipe, c_write, c_loads, tile: Tile, is_store_warp, half_chunks):
+        """The TMA loads of the tile's first C chunks (group tiles; the store warp); returns c_write."""
+        if tile.is_group and is_store_warp:
+            for step in cutlass.range_constexpr(min(self.c_stages, self.num_steps)):
+                self._load_c(load_tmas, c_pipe, c_write, *c_loads, tile.mt, tile.nt * self.num_steps + step,
+                             half_chunks)
+                c_write.advance()
+        return c_write
+
+    def consumer_loop_state(self, tiled_mma, mma_wg):
         """The values the MMA warpgroups' tile loop carries, as one record (a SimpleNamespace, which
         the DSL carries field by field in this order): the chunk stores so far (store slot),
         whether a tile was found, the pipeline states of the tile ring and the C-tile loads
         (write), the MMA (its ACCUMULATE flag, set inside the k-loop, goes from tile to tile as in
         one kernel body), the pipeline states of the A/B stages (read, release), the accumulator
-        hand-over and the C-tile loads (read) (None where unused). The order is the code's: ptxas
-        assigns the carried registers in it."""
+        hand-over and the C-tile loads (read) (None where unused), and with ping-pong whether the
+        next tile is this warpgroup's. The order is the code's: ptxas assigns the carried
+        registers in it."""
         c_write, c_read, acc_write = None, None, None
         if const_expr(self.num_in > 0 and not self.epilogue_warps):
             c_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.c_stages)
@@ -654,4 +746,5 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             release_state=pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages),
             acc_write=acc_write,
             c_read=c_read,
+            mine=Boolean(mma_wg == 0) if const_expr(self.pingpong) else None,
         )

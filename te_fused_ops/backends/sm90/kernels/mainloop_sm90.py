@@ -12,6 +12,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Boolean, Float32, Int32, const_expr
 
 from .group_tile_scheduler import TILE_SLOTS, Tile
+from .named_barriers_sm90 import MMA_TURN
 from .varlen_sm90 import group_token_view
 
 
@@ -146,14 +147,18 @@ class Sm90Mainloop:
 
     @cute.jit
     def _mainloop_tile(self, ab_pipe, read_state, release_state, tiled_mma, mainloop_args, scales, tile: Tile,
-                       tile_k_tiles, n_box, m_total, store_args, pending, pending_tile, epi_count):
+                       tile_k_tiles, n_box, m_total, store_args, pending, pending_tile, epi_count, mma_wg):
         """acc = the tile's product over its ``tile_k_tiles`` k-tiles (0: padding tiles, empty groups,
         acc stays zero). FP8: each block's WGMMAs, then its promotion (`_fp8_k_tile`). The first
         k-tiles are issued outside the k-loop: with defer_stores num_steps, each followed by one
         chunk store of the previous tile (`_store_chunk`); else one (16-bit: it starts the WGMMA
         chain) or none (FP8: every block is alike). The accumulate flag changes inside the loops
-        and stays loop-carried. Returns (tiled_mma, read_state, release_state, epi_count)."""
+        and stays loop-carried. Ping-pong: the k-loop waits for MMA warpgroup ``mma_wg``'s turn and
+        passes it on once its last WGMMAs are issued. Returns (tiled_mma, read_state, release_state,
+        epi_count)."""
         acc, tCrA, tCrB, fp8_args = mainloop_args
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=MMA_TURN + mma_wg, number_of_threads=256)
         peeled = self.num_steps if const_expr(self.defer_stores) else 0 if const_expr(self.block_scaled) else 1
         acc.fill(0.0)
         multipliers = Float32(0.0)
@@ -201,10 +206,15 @@ class Sm90Mainloop:
                     release_state.advance()
                     read_state.advance()
             if const_expr(not self.block_scaled):
+                if const_expr(self.pingpong):
+                    cute.arch.barrier_arrive(barrier_id=MMA_TURN + 1 - mma_wg, number_of_threads=256)
                 cute.nvgpu.warpgroup.wait_group(0)  # unconditional: ptxas sees every path waited
                 if tile_k_tiles > 0:
                     ab_pipe.consumer_release(release_state)
                     release_state.advance()
+        if const_expr(self.pingpong):
+            if not runs:  # a tile without k-tiles passes the turn on at once
+                cute.arch.barrier_arrive(barrier_id=MMA_TURN + 1 - mma_wg, number_of_threads=256)
         return tiled_mma, read_state, release_state, epi_count
 
     @cute.jit

@@ -28,6 +28,7 @@ import torch
 from .... import env, kernel_cache
 
 TILE_NS = (128, 192, 256)  # tile widths of the bf16 GEMM kernels
+PINGPONG_TILE_NS = (128, 192)  # with ping-pong each warpgroup holds a whole tile's accumulator
 CANDIDATES = tuple((t, c) for t in TILE_NS for c in (1, 2))  # (tile_n, cluster_m) the autotuner times
 WASTE_MARGIN = 0.01  # 192-wide tiles win where they pad N by at least this share less than 256-wide ones
 
