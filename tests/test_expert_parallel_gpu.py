@@ -42,7 +42,9 @@ def layers(group, chunks, fp8, local, device, capacity_factor):
 
 
 def _worker(rank, init_file):
-    faulthandler.dump_traceback_later(480, exit=True)  # a rank stuck in a collective says where, then leaves
+    # every 240 s each rank prints where it is (a collective that never returns, or a long compile);
+    # run with -s to see it and the configuration lines as they come
+    faulthandler.dump_traceback_later(240, repeat=True)
     sys.path.insert(0, os.path.dirname(__file__))
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
