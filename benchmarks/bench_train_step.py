@@ -200,11 +200,17 @@ def kernel_rows(mlp, offsets, x, dy):
     }
 
 
-def configs():
-    """(tile_n, cluster_m) tried by --sweep and `sweep_configs.py`: the autotuner's candidates."""
-    from te_fused_ops.backends.sm90.kernels.tuning import CANDIDATES
+def configs(pingpong: bool = False):
+    """The `tuning.LaunchConfig`s tried by --sweep and `sweep_configs.py`: the autotuner's
+    cooperative candidates, and with ``pingpong`` its ping-pong ones."""
+    from te_fused_ops.backends.sm90.kernels.tuning import CANDIDATES, PINGPONG_CANDIDATES
 
-    return CANDIDATES
+    return CANDIDATES + (PINGPONG_CANDIDATES if pingpong else ())
+
+
+def config_label(config) -> str:
+    """128x2, or 192x2p for ping-pong."""
+    return f"{config.tile_n}x{config.cluster_m}{'p' if config.pingpong else ''}"
 
 
 def step_kernels(mlp, offsets, x, dy):
@@ -230,8 +236,8 @@ def sweep_configs(mlp, offsets, x, dy):
     table = {}
     for name, fn in step_kernels(mlp, offsets, x, dy).items():
         times = {"auto": sustained_ms(fn) * 1e3}
-        for tile_n, cluster_m in configs():
-            times[f"{tile_n}x{cluster_m}"] = sustained_ms(lambda: fn(tile_n=tile_n, cluster_m=cluster_m)) * 1e3
+        for config in configs():
+            times[config_label(config)] = sustained_ms(lambda: fn(**config._asdict())) * 1e3
         table[name] = times
         print(f"  {name:22s} " + "  ".join(f"{k} {v:7.0f}" for k, v in times.items()), flush=True)
     return table

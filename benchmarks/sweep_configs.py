@@ -21,7 +21,7 @@ if __name__ == "__main__":
     require_sm90(__file__)
 
 import torch
-from bench_train_step import configs, step_kernels
+from bench_train_step import config_label, configs, step_kernels
 from common import device_tag, skewed_splits, sustained_ms
 
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU
@@ -40,21 +40,19 @@ SWEEP_SHAPES = {  # name: (M routed rows, H, I, E); classes: fine / coarse / una
 
 
 def auto_config(name, m, h, i, e):
-    """(tile_n, cluster_m[, "p" for ping-pong]) the wrappers choose for kernel ``name`` of this shape."""
-    from te_fused_ops.backends.sm90.kernels import grouped_gemm, grouped_wgrad
+    """The `tuning.LaunchConfig` the wrappers choose for kernel ``name`` of this shape."""
+    from te_fused_ops.backends.sm90.kernels import grouped_gemm, grouped_wgrad, tuning
     from te_fused_ops.backends.sm90.kernels.launch import num_sms
 
     sms = num_sms(torch.cuda.current_device())
     if "wgrad" in name:
         n, k = (h, i) if name.startswith("FC2") else (2 * i, h)
-        return grouped_wgrad.choose_config(n, k, sms)
+        return tuning.LaunchConfig(*grouped_wgrad.choose_config(n, k, sms))
     n = {"FC1 fwd + SwiGLU": 2 * i, "FC2 fwd": h, "FC2 dgrad + dSwiGLU": i, "FC1 dgrad": h}[name]
-    if grouped_gemm.pingpong_pays(m, n, sms, 2 if "SwiGLU" in name and "fwd" in name else 1):
-        return 192, 2, "p"
     tiles = {}
     if "fwd" in name:
         tiles = grouped_gemm.forward_tiles(grouped_gemm._FWD, "nk", "swiglu" if "SwiGLU" in name else None)
-    return grouped_gemm.choose_config(m, n, e, sms, **tiles)
+    return grouped_gemm.heuristic_config(m, n, e, sms, tiles)
 
 
 def time_configs(fns: dict) -> dict:
@@ -91,20 +89,17 @@ def main():
         dy = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
         results[shape] = {}
         for kernel, fn in step_kernels(mlp, offsets, x, dy).items():
-            auto = tuple(auto_config(kernel, m, h, i, e))
+            auto = auto_config(kernel, m, h, i, e)
             reference = first(fn()).clone()
             fns, equal = {}, {}
-            pingpong = [(t, c, "p") for t, c in configs() if t in (128, 192)] if args.pingpong \
-                and "wgrad" not in kernel else []
-            for tile_n, cluster_m, *schedule in [*configs(), *pingpong]:
-                label = f"{tile_n}x{cluster_m}{''.join(schedule)}"
-                extra = {"pingpong": True} if schedule else {}
-                run = (lambda fn=fn, t=tile_n, c=cluster_m, extra=extra: fn(tile_n=t, cluster_m=c, **extra))
+            for config in configs(args.pingpong and "wgrad" not in kernel):
+                label = config_label(config)
+                run = (lambda fn=fn, config=config: fn(**config._asdict()))
                 equal[label] = bool(torch.equal(first(run()), reference))
                 fns[label] = run
             times = time_configs(fns)
             best = min(times, key=times.get)
-            auto_label = f"{auto[0]}x{auto[1]}{''.join(auto[2:])}"
+            auto_label = config_label(auto)
             results[shape][kernel] = {"us": times, "auto": auto_label, "best": best, "equal": equal,
                                       "auto_over_best": times[auto_label] / times[best]}
             print(f"{shape:28s} {kernel:20s} " + " ".join(f"{k} {v:7.0f}" for k, v in times.items())
@@ -115,7 +110,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"sweep_configs_{device_tag(torch.cuda.get_device_name())}.json")
     with open(path, "w") as f:
-        json.dump({"configs": [f"{t}x{c}" for t, c in configs()], "shapes": SWEEP_SHAPES, "results": results}, f, indent=1)
+        json.dump({"configs": [config_label(c) for c in configs(args.pingpong)], "shapes": SWEEP_SHAPES,
+                   "results": results}, f, indent=1)
     worst = max((r["auto_over_best"], s, k) for s, rs in results.items() for k, r in rs.items())
     print(f"worst default/best: {worst[0]:.3f} ({worst[1]}, {worst[2]})")
     sys.exit(0)

@@ -19,38 +19,48 @@ def cache(kernel_cache_dir, monkeypatch):
 
 def fake_run(wrong=(), calls=None):
     """A kernel whose output is the same for every config except those in ``wrong``."""
-    def run(tile_n, cluster_m):
+    def run(tile_n, cluster_m, pingpong=False):
+        config = tuning.LaunchConfig(tile_n, cluster_m, pingpong)
         if calls is not None:
-            calls.append((tile_n, cluster_m))
-        value = 1.0 if (tile_n, cluster_m) in wrong else 0.0
+            calls.append(config)
+        value = 1.0 if config in wrong else 0.0
         return torch.full((4,), value), None
     return run
 
 
+def cfg(tile_n, cluster_m, pingpong=False):
+    return tuning.LaunchConfig(tile_n, cluster_m, pingpong)
+
+
 def test_tune_keeps_the_fastest_equal_candidate(monkeypatch):
-    times = {(128, 1): 3.0, (128, 2): 1.0, (192, 1): 5.0, (192, 2): 6.0, (256, 1): 2.0, (256, 2): 4.0}
-    timed = []
-    monkeypatch.setattr(tuning, "_median_ms", lambda fn: timed.append(1) or times[fn.__defaults__[0]])
-    assert tuning.tune(fake_run(), (256, 2)) == (128, 2)
-    assert tuning.tune(fake_run(wrong={(128, 2)}), (256, 2)) == (256, 1)  # the fastest differs by a bit
-    assert tuning.tune(fake_run(wrong={(128, 1), (128, 2), (256, 1)}), (256, 2)) == (256, 2)
+    times = {cfg(128, 1): 3.0, cfg(128, 2): 1.0, cfg(192, 1): 5.0, cfg(192, 2): 6.0, cfg(256, 1): 2.0,
+             cfg(256, 2): 4.0, cfg(128, 1, True): 7.0, cfg(128, 2, True): 8.0, cfg(192, 1, True): 9.0,
+             cfg(192, 2, True): 0.5}
+    monkeypatch.setattr(tuning, "_median_ms", lambda fn: times[fn.__defaults__[0]])
+    assert tuning.tune(fake_run(), cfg(256, 2)) == (128, 2, False)
+    assert tuning.tune(fake_run(wrong={cfg(128, 2)}), cfg(256, 2)) == (256, 1, False)  # the fastest differs by a bit
+    assert tuning.tune(fake_run(wrong={cfg(128, 1), cfg(128, 2), cfg(256, 1)}), cfg(256, 2)) == (256, 2, False)
+    # the ping-pong candidates where the kernel has them
+    everything = tuning.CANDIDATES + tuning.PINGPONG_CANDIDATES
+    assert tuning.tune(fake_run(), cfg(192, 2, True), everything) == (192, 2, True)
+    assert tuning.tune(fake_run(wrong={cfg(192, 2, True)}), cfg(256, 2), everything) == (128, 2, False)
 
 
 def test_stored_choice_is_used_and_survives_the_process(cache, monkeypatch):
-    monkeypatch.setattr(tuning, "_median_ms", lambda fn: {(128, 1): 1.0}.get(fn.__defaults__[0], 2.0))
+    monkeypatch.setattr(tuning, "_median_ms", lambda fn: {cfg(128, 1): 1.0}.get(fn.__defaults__[0], 2.0))
     dims = (torch.bfloat16, 8, 512, 256, 4096, "swiglu")
     calls = []
     assert tuning.tuned_config("fwd", dims, fake_run(calls=calls), (256, 2)) is None  # not autotuning: heuristic
     assert not calls
     monkeypatch.setenv("TE_FUSED_OPS_AUTOTUNE", "1")
-    assert tuning.tuned_config("fwd", dims, fake_run(calls=calls), (256, 2)) == (128, 1)
+    assert tuning.tuned_config("fwd", dims, fake_run(calls=calls), (256, 2)) == (128, 1, False)
     assert calls  # tuned on the spot
     stored = json.loads((cache / tuning.TABLE_NAME).read_text())
-    assert list(stored.values()) == [[128, 1]]
+    assert list(stored.values()) == [[128, 1, False]]
     monkeypatch.setenv("TE_FUSED_OPS_AUTOTUNE", "0")
     monkeypatch.setattr(tuning, "_table", None)  # as a new process
     calls.clear()
-    assert tuning.tuned_config("fwd", dims, fake_run(calls=calls), (256, 2)) == (128, 1)
+    assert tuning.tuned_config("fwd", dims, fake_run(calls=calls), (256, 2)) == (128, 1, False)
     assert not calls
     other = (torch.bfloat16, 8, 512, 256, 8192, "swiglu")  # another row bucket: another class
     assert tuning.tuned_config("fwd", other, fake_run(), (256, 2)) is None
@@ -60,13 +70,13 @@ def test_untrusted_or_bad_table_is_ignored(cache, monkeypatch):
     dims = (torch.bfloat16, 8, 512, 256, 4096, None)
     key = tuning.problem_key("fwd", *dims)
     path = cache / tuning.TABLE_NAME
-    path.write_text(json.dumps({key: [128, 1]}))
+    path.write_text(json.dumps({key: [192, 2, True]}))
     os.chmod(path, 0o600)
-    assert tuning.table() == {key: (128, 1)}
-    path.write_text(json.dumps({key: [96, 3]}))  # not a candidate
+    assert tuning.table() == {key: (192, 2, True)}
+    path.write_text(json.dumps({key: [256, 2, True]}))  # not a candidate: no ping-pong at 256
     monkeypatch.setattr(tuning, "_table", None)
     assert tuning.table() == {}
-    path.write_text(json.dumps({key: [128, 1]}))
+    path.write_text(json.dumps({key: [128, 1, False]}))
     os.chmod(path, 0o666)
     monkeypatch.setattr(tuning, "_table", None)
     with pytest.warns(UserWarning, match="not trusted"):

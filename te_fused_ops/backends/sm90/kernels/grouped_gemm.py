@@ -439,27 +439,41 @@ def _check_epilogue_tensors(fn_name, spec, dtype, bias, probs, out, act_out, m, 
     return act_shape
 
 
+def heuristic_config(m, n, g, sms, tiles=None, conflict=None) -> tuning.LaunchConfig:
+    """The configuration chosen from shapes alone: ping-pong on 192-wide tiles in CTA pairs where it
+    pays (`pingpong_pays`) and no option in ``conflict`` rules it out, else `choose_config`'s."""
+    tiles = tiles or {}
+    if conflict is None and pingpong_pays(m, n, sms, tiles.get("halves", 1)):
+        return tuning.LaunchConfig(192, 2, True)
+    return tuning.LaunchConfig(*choose_config(m, n, g, sms, **tiles))
+
+
+def _candidates(conflict) -> tuple:
+    """The autotuner's candidates: the cooperative configurations, and the ping-pong ones unless
+    the option ``conflict`` names is on."""
+    return tuning.CANDIDATES + (() if conflict else tuning.PINGPONG_CANDIDATES)
+
+
 def _launch_config(fn_name, m, n, g, dev, tile_n, cluster_m, sm_margin, tiles=None, pingpong=False,
                    conflict=None):
     """(tile_n, cluster_m, max_clusters, pingpong) from shapes, overrides (``tiles``:
     `forward_tiles`) and the SM margin. ``pingpong``: True / False, or None for the heuristic
-    (`pingpong_pays`) when tile_n and cluster_m are not given either; ``conflict`` names an option
-    that is on and rules ping-pong out (None: none)."""
+    (`heuristic_config`) when tile_n and cluster_m are not given either; ``conflict`` names an
+    option that is on and rules ping-pong out (None: none)."""
     margin = resolve_sm_margin(sm_margin, fn_name)
     sms = num_sms(dev)
-    auto_tile_n, auto_cluster_m = choose_config(m, n, g, sms, **(tiles or {}))
     if pingpong is not None and not isinstance(pingpong, bool):
         raise TypeError(f"{fn_name}: pingpong must be a bool or None, got {type(pingpong).__name__}")
+    cooperative = choose_config(m, n, g, sms, **(tiles or {}))
     if pingpong is None:
-        halves = (tiles or {}).get("halves", 1)
-        pingpong = (tile_n is None and cluster_m is None and conflict is None
-                    and pingpong_pays(m, n, sms, halves))
+        auto = heuristic_config(m, n, g, sms, tiles, conflict)
+        pingpong = tile_n is None and cluster_m is None and auto.pingpong
         if pingpong:
-            tile_n, cluster_m = 192, 2
+            tile_n, cluster_m = auto.tile_n, auto.cluster_m
     if pingpong and tile_n is None:
-        tile_n = 192 if auto_tile_n > 128 else 128
-    tile_n = auto_tile_n if tile_n is None else tile_n
-    cluster_m = auto_cluster_m if cluster_m is None else cluster_m
+        tile_n = 192 if cooperative[0] > 128 else 128
+    tile_n = cooperative[0] if tile_n is None else tile_n
+    cluster_m = cooperative[1] if cluster_m is None else cluster_m
     if tile_n not in tuning.TILE_NS or cluster_m not in (1, 2):
         raise ValueError(f"{fn_name}: tile_n must be one of {tuning.TILE_NS} and cluster_m 1 or 2")
     if pingpong and tile_n not in tuning.PINGPONG_TILE_NS:
@@ -505,19 +519,20 @@ def grouped_gemm_sm90(
     launch = _MEMO.get(key)
     if launch is None:
         launch = _forward_launch(*args)
-        if tile_n is None and cluster_m is None and launch[0] is not None:
+        if tile_n is None and cluster_m is None and pingpong is None and launch[0] is not None:
             n = weight.shape[1] if weight_layout == "nk" else weight.shape[2]
+            conflict = "act_amax" if act_amax else None
             config = tuning.tuned_config(
                 _FWD, (x.dtype, weight.shape[0], n, x.shape[1], tuning.rows_bucket(x.shape[0]), activation,
                        weight_layout, bias is not None),
-                lambda t, c: grouped_gemm_sm90(x, weight, offsets, bias=bias, activation=activation, probs=probs,
-                                               weight_layout=weight_layout, tile_n=t, cluster_m=c,
-                                               sm_margin=sm_margin, act_amax=act_amax, pingpong=pingpong,
-                                               **constants),
-                choose_config(x.shape[0], n, weight.shape[0], num_sms(x.get_device()),
-                              **forward_tiles(_FWD, weight_layout, activation)))
+                lambda t, c, p: grouped_gemm_sm90(x, weight, offsets, bias=bias, activation=activation, probs=probs,
+                                                  weight_layout=weight_layout, tile_n=t, cluster_m=c,
+                                                  sm_margin=sm_margin, act_amax=act_amax, pingpong=p, **constants),
+                heuristic_config(x.shape[0], n, weight.shape[0], num_sms(x.get_device()),
+                                 forward_tiles(_FWD, weight_layout, activation), conflict),
+                _candidates(conflict))
             if config is not None:
-                args = (*args[:9], *config, *args[11:])
+                args = (*args[:9], config.tile_n, config.cluster_m, *args[11:13], config.pingpong)
                 launch = _forward_launch(*args)
         _MEMO.put(key, launch)
     fn, pre_shape, act_shape, clusters, num_parts = launch
@@ -819,18 +834,19 @@ def grouped_dgrad_dact_sm90(
     launch = _MEMO.get(key)
     if launch is None:
         launch = _dact_launch(*args)
-        if tile_n is None and cluster_m is None and launch[0] is not None:
+        if tile_n is None and cluster_m is None and pingpong is None and launch[0] is not None:
             i = weight.shape[2]
+            conflict = "epilogue_warps" if epilogue_warps else None
             config = tuning.tuned_config(
                 _DACT, (dy.dtype, weight.shape[0], i, dy.shape[1], tuning.rows_bucket(dy.shape[0]), activation,
                         epilogue_warps),
-                lambda t, c: grouped_dgrad_dact_sm90(dy, weight, offsets, pre, activation=activation, probs=probs,
-                                                     sm_margin=sm_margin, tile_n=t, cluster_m=c,
-                                                     epilogue_warps=epilogue_warps, pingpong=pingpong,
-                                                     **constants),
-                choose_config(dy.shape[0], i, weight.shape[0], num_sms(dy.get_device())))
+                lambda t, c, p: grouped_dgrad_dact_sm90(dy, weight, offsets, pre, activation=activation, probs=probs,
+                                                        sm_margin=sm_margin, tile_n=t, cluster_m=c,
+                                                        epilogue_warps=epilogue_warps, pingpong=p, **constants),
+                heuristic_config(dy.shape[0], i, weight.shape[0], num_sms(dy.get_device()), conflict=conflict),
+                _candidates(conflict))
             if config is not None:
-                args = (*args[:8], *config, *args[10:])
+                args = (*args[:8], config.tile_n, config.cluster_m, *args[10:12], config.pingpong)
                 launch = _dact_launch(*args)
         _MEMO.put(key, launch)
     fn, act_shape, partial_shape, clusters = launch

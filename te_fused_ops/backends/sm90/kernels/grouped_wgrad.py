@@ -119,11 +119,11 @@ def grouped_wgrad_sm90(
             g, n, k = launch[1]
             config = tuning.tuned_config(
                 _NAME, (dy.dtype, g, n, k, tuning.rows_bucket(dy.shape[0]), main_grad is not None),
-                lambda t, c: grouped_wgrad_sm90(dy, x, offsets, sm_margin=sm_margin, tile_n=t, cluster_m=c,
-                                                main_grad=None if main_grad is None else main_grad.clone()),
+                lambda t, c, p: grouped_wgrad_sm90(dy, x, offsets, sm_margin=sm_margin, tile_n=t, cluster_m=c,
+                                                   main_grad=None if main_grad is None else main_grad.clone()),
                 choose_config(n, k, max(1, num_sms(dy.get_device()) - (sm_margin or 0))))
             if config is not None:
-                args = (*args[:6], *config)
+                args = (*args[:6], config.tile_n, config.cluster_m)
                 launch = _launch(*args)
         _MEMO.put(key, launch)
     fn, shape, max_ctas = launch

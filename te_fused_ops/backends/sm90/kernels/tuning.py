@@ -1,17 +1,17 @@
 """Per-shape launch configurations: tuned winners kept on disk, and the opt-in autotuner.
 
-Importable without cutlass. A wrapper asks `tuned_config(family, problem, run)` once per argument
-signature (on a launch-memo miss, never per call). It returns a stored (tile_n, cluster_m) for
-the problem class, or None (the wrapper's heuristic then decides). With
-``TE_FUSED_OPS_AUTOTUNE=1`` an unknown class is tuned on the spot: ``run(tile_n, cluster_m)``
-launches every candidate on the caller's operands into fresh outputs; a candidate whose outputs
-differ from the heuristic's by a single bit is discarded; the fastest remaining one is stored
-(a host sync, once per class; skipped while a CUDA graph is being captured).
+Importable without cutlass. A wrapper asks `tuned_config(family, problem, run, default,
+candidates)` once per argument signature (on a launch-memo miss, never per call). It returns a
+stored `LaunchConfig` for the problem class, or None (the wrapper's heuristic then decides). With
+``TE_FUSED_OPS_AUTOTUNE=1`` an unknown class is tuned on the spot: ``run(tile_n, cluster_m,
+pingpong)`` launches every candidate on the caller's operands into fresh outputs; a candidate
+whose outputs differ from the heuristic's by a single bit is discarded; the fastest remaining one
+is stored (a host sync, once per class; skipped while a CUDA graph is being captured).
 
 The table lives beside the compiled kernels (`kernel_cache.cache_dir()`, the same trust checks)
-in ``tuned_configs.json``: {problem key: [tile_n, cluster_m]}. Keys name the GPU and a digest of
-the kernel sources, so a new build or another GPU tunes again. A value that is not a candidate is
-ignored.
+in ``tuned_configs.json``: {problem key: [tile_n, cluster_m, pingpong]}. Keys name the GPU and a
+digest of the kernel sources, so a new build or another GPU tunes again. A value that is not a
+candidate is ignored.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 import pathlib
 import tempfile
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -29,7 +30,19 @@ from .... import env, kernel_cache
 
 TILE_NS = (128, 192, 256)  # tile widths of the bf16 GEMM kernels
 PINGPONG_TILE_NS = (128, 192)  # with ping-pong each warpgroup holds a whole tile's accumulator
-CANDIDATES = tuple((t, c) for t in TILE_NS for c in (1, 2))  # (tile_n, cluster_m) the autotuner times
+
+
+class LaunchConfig(NamedTuple):
+    """A bf16 kernel's launch configuration: n-tile width, CTAs per cluster, and whether the MMA
+    warpgroups run the ping-pong schedule (each on tiles of its own) rather than sharing tiles."""
+
+    tile_n: int
+    cluster_m: int
+    pingpong: bool = False
+
+
+CANDIDATES = tuple(LaunchConfig(t, c) for t in TILE_NS for c in (1, 2))  # the cooperative ones
+PINGPONG_CANDIDATES = tuple(LaunchConfig(t, c, True) for t in PINGPONG_TILE_NS for c in (1, 2))
 WASTE_MARGIN = 0.01  # 192-wide tiles win where they pad N by at least this share less than 256-wide ones
 
 
@@ -90,12 +103,13 @@ def _read_table() -> dict:
     except ValueError:
         warnings.warn(f"te_fused_ops tuned configs: {path} is not JSON, ignored", stacklevel=4)
         return {}
-    return {k: tuple(v) for k, v in table.items() if isinstance(v, list) and tuple(v) in CANDIDATES} \
+    known = CANDIDATES + PINGPONG_CANDIDATES
+    return {k: LaunchConfig(*v) for k, v in table.items() if isinstance(v, list) and tuple(v) in known} \
         if isinstance(table, dict) else {}
 
 
 def table() -> dict:
-    """key -> (tile_n, cluster_m), read from disk on first use (again after the cache directory
+    """key -> `LaunchConfig`, read from disk on first use (again after the cache directory
     changes)."""
     global _table, _table_path
     if _table is None or _table_path != _path():
@@ -138,19 +152,19 @@ def _outputs(result) -> list:
     return [t for t in items if isinstance(t, torch.Tensor)]
 
 
-def tune(run, default: tuple) -> tuple:
-    """The fastest candidate whose outputs equal ``default``'s bit for bit."""
+def tune(run, default: LaunchConfig, candidates=CANDIDATES) -> LaunchConfig:
+    """The fastest of ``candidates`` whose outputs equal ``default``'s bit for bit."""
     reference = _outputs(run(*default))
     times = {}
-    for config in CANDIDATES:
+    for config in candidates:
         outputs = _outputs(run(*config))
         if len(outputs) == len(reference) and all(torch.equal(a, b) for a, b in zip(outputs, reference)):
             times[config] = _median_ms(lambda config=config: run(*config))
     return min(times, key=times.get) if times else default
 
 
-def tuned_config(family: str, dims: tuple, run, default: tuple):
-    """(tile_n, cluster_m) stored for this problem class, else tuned now under
+def tuned_config(family: str, dims: tuple, run, default: LaunchConfig, candidates=CANDIDATES):
+    """The `LaunchConfig` stored for this problem class, else tuned now among ``candidates`` under
     ``TE_FUSED_OPS_AUTOTUNE=1`` (``default``: the heuristic's choice, the reference outputs), else
     None."""
     key = problem_key(family, *dims)
@@ -159,6 +173,6 @@ def tuned_config(family: str, dims: tuple, run, default: tuple):
         return config
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return None
-    config = tune(run, default)
+    config = tune(run, LaunchConfig(*default), candidates)
     _store(key, config)
     return config
