@@ -95,6 +95,50 @@ class Pipelines(NamedTuple):
     tile: object
 
 
+class TileContext(NamedTuple):
+    """What an MMA warpgroup's every tile uses (`GroupedGemmSm90._consume_tile`): the pipelines,
+    the mainloop's fragments (`_mma_fragments`), the epilogue's (`EpiFragments`) and its hooks'
+    state, the shared-memory tensors, the store / load TMA atoms and views, the TMA store pipeline
+    and whether this warp issues the stores, the barrier of the tile's consumer threads, the
+    hooks' parameters, the FP8 multipliers, N / b_boxes, the chunk offset of a [gate, up] tensor's
+    half 1, the rows the offsets index, the MMA warpgroup (0, 1), and defer_stores' store
+    arguments and pending outputs (None where unused)."""
+
+    pipes: object
+    mainloop_args: object
+    epi: object
+    state: object
+    smem_tensors: object
+    store_tmas: tuple
+    load_tmas: tuple
+    store_pipe: object
+    is_store_warp: object
+    epi_barrier: object
+    epi_params: object
+    scales: object
+    n_box: object
+    half_chunks: object
+    m_total: object
+    mma_wg: object
+    store_args: object
+    pending: object
+    pending_tile: object
+
+
+class TileStates(NamedTuple):
+    """The pipeline states and counters a tile advances (`GroupedGemmSm90._consume_tile`): the MMA
+    (its ACCUMULATE flag), the A/B stages' read and release states, the chunk stores so far, the
+    C-tile loads' read and write states and the accumulator hand-over (None where unused)."""
+
+    tiled_mma: object
+    read_state: object
+    release_state: object
+    epi_count: object
+    c_read: object
+    c_write: object
+    acc_write: object
+
+
 class SmemTensors(NamedTuple):
     """The kernel's shared-memory tensors: A/B stages (sB_boxes: ((box_n, tile_k), b_boxes, 1,
     stages), box h filling B rows [h box_n, (h+1) box_n)), store buffers sD and load buffers sC,
@@ -614,9 +658,9 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         if const_expr(self.pingpong):
             epi_barrier = pipeline.NamedBarrier(barrier_id=EPI_BARRIER + mma_wg, num_threads=128)
         store_args = (epi.tiled_copy_r2s, epi.tRS_sD, smem_tensors.sD, store_tmas, store_pipe, is_store_warp)
-        tile_args = (pipes, mainloop_args, epi, state, smem_tensors, store_tmas, load_tmas, store_pipe, is_store_warp,
-                     epi_barrier, epi_params, scales, n_box, half_chunks, m_total, mma_wg, store_args, pending,
-                     pending_tile)
+        context = TileContext(pipes, mainloop_args, epi, state, smem_tensors, store_tmas, load_tmas, store_pipe,
+                              is_store_warp, epi_barrier, epi_params, scales, n_box, half_chunks, m_total, mma_wg,
+                              store_args, pending, pending_tile)
         loop = self.consumer_loop_state(tiled_mma, mma_wg)
         if const_expr(self.pingpong):
             if mma_wg == 0:  # the first turns are warpgroup 0's
@@ -631,23 +675,25 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             tile_k_tiles = k_tiles if tile.is_group else 0
             if const_expr(self.varlen_k):
                 tile_k_tiles = (tile.end - tile.start + self.tile_k - 1) // self.tile_k
-            states = (loop.tiled_mma, loop.read_state, loop.release_state, loop.epi_count, loop.c_read, loop.c_write,
-                      loop.acc_write)
+            states = TileStates(loop.tiled_mma, loop.read_state, loop.release_state, loop.epi_count, loop.c_read,
+                                loop.c_write, loop.acc_write)
             if const_expr(self.pingpong):
                 if loop.mine:
-                    states = self._consume_tile(tile_args, states, tile, has_rows, tile_k_tiles)
+                    states = self._consume_tile(context, states, tile, has_rows, tile_k_tiles)
                 else:  # the other warpgroup's tile: its k-tiles and C chunks pass by
-                    read_state, release_state, c_read, c_write = states[1], states[2], states[4], states[5]
+                    read_state, release_state, c_read, c_write = (states.read_state, states.release_state,
+                                                                  states.c_read, states.c_write)
                     read_state.advance(tile_k_tiles)
                     release_state.advance(tile_k_tiles)
                     if const_expr(self.num_in > 0):
                         chunks = self.num_steps if tile.is_group else 0
                         c_read.advance(Int32(chunks))
                         c_write.advance(Int32(chunks))
-                    states = (states[0], read_state, release_state, states[3], c_read, c_write, states[6])
+                    states = states._replace(read_state=read_state, release_state=release_state, c_read=c_read,
+                                             c_write=c_write)
                 loop.mine = not loop.mine
             else:
-                states = self._consume_tile(tile_args, states, tile, has_rows, tile_k_tiles)
+                states = self._consume_tile(context, states, tile, has_rows, tile_k_tiles)
             (loop.tiled_mma, loop.read_state, loop.release_state, loop.epi_count, loop.c_read, loop.c_write,
              loop.acc_write) = states
             tile_pipe.consumer_wait(loop.tile_read)
@@ -667,13 +713,12 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
                     store_pipe.producer_tail()
 
     @cute.jit
-    def _consume_tile(self, tile_args, states, tile: Tile, has_rows, tile_k_tiles):
-        """One tile on the MMA warpgroup(s) (`_consume`): C prefetch, mainloop, epilogue.
-        ``states``: (tiled_mma, read_state, release_state, epi_count, c_read, c_write, acc_write),
-        returned advanced."""
+    def _consume_tile(self, context: TileContext, states: TileStates, tile: Tile, has_rows, tile_k_tiles):
+        """One tile on the MMA warpgroup(s) (`_consume`): C prefetch, mainloop, epilogue; returns
+        ``states`` advanced."""
         (pipes, mainloop_args, epi, state, smem_tensors, store_tmas, load_tmas, store_pipe, is_store_warp,
          epi_barrier, epi_params, scales, n_box, half_chunks, m_total, mma_wg, store_args, pending,
-         pending_tile) = tile_args
+         pending_tile) = context
         tiled_mma, read_state, release_state, epi_count, c_read, c_write, acc_write = states
         # C-tile loads of the first steps run under the mainloop (padding tiles: none, their inputs
         # read as zeros); ping-pong: at the start of the epilogue's turn, the C stages being the
@@ -709,7 +754,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
                     if is_store_warp:  # the store buffers are the other warpgroup's next
                         store_pipe.producer_tail()
                 cute.arch.barrier_arrive(barrier_id=EPI_TURN + 1 - mma_wg, number_of_threads=256)
-        return tiled_mma, read_state, release_state, epi_count, c_read, c_write, acc_write
+        return TileStates(tiled_mma, read_state, release_state, epi_count, c_read, c_write, acc_write)
 
     @cute.jit
     def _prefetch_c(self, load_tmas, c_pipe, c_write, c_loads, tile: Tile, is_store_warp, half_chunks):
