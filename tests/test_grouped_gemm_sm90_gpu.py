@@ -123,6 +123,14 @@ def test_pingpong(activation, n, tile_n, cluster_m):
             assert (a is None and b is None) or torch.equal(a, b)
 
 
+@pytest.mark.parametrize("activation", ["geglu", None])
+def test_pingpong_fp16(activation):
+    outs = [run_case(UNEVEN, 1000, 256, 384, activation, torch.float16, activation is None, 192, 13, 2,
+                     pingpong=pingpong, sm_margin=few_sms_margin(2)) for pingpong in (True, False)]
+    for a, b in zip(*outs):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("activation", [None, *ACTIVATIONS])
 @pytest.mark.parametrize("has_bias", [False, True])
