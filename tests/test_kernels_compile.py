@@ -293,3 +293,11 @@ def test_pingpong_rejects_what_it_cannot_run():
     for opts in ({"tile_n": 256}, {"tile_n": 128, "epilogue_warps": True}):
         with pytest.raises(ValueError, match="pingpong needs"):
             GroupedGemmDActSm90(cutlass.BFloat16, activation="swiglu", pingpong=True, **opts)
+
+
+def test_pingpong_conflicts_of_the_forward():
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import _forward_conflict
+
+    assert _forward_conflict("swiglu", "nk", False) is None and _forward_conflict(None, "kn", False) is None
+    assert _forward_conflict("swiglu", "kn", False) == "a GLU activation on weight_layout 'kn'"
+    assert _forward_conflict(None, "nk", True) == "act_amax"

@@ -448,6 +448,17 @@ def heuristic_config(m, n, g, sms, tiles=None, conflict=None) -> tuning.LaunchCo
     return tuning.LaunchConfig(*choose_config(m, n, g, sms, **tiles))
 
 
+def _forward_conflict(activation, weight_layout, act_amax) -> str | None:
+    """The option of a 16-bit forward that rules ping-pong out, or None: ``act_amax``, or a GLU
+    activation on "kn" weights (neither checked on a GPU with ping-pong)."""
+    if act_amax:
+        return "act_amax"
+    spec = activation_spec(activation, _FWD)
+    if weight_layout == "kn" and spec is not None and spec.glu:
+        return "a GLU activation on weight_layout 'kn'"
+    return None
+
+
 def _candidates(conflict) -> tuple:
     """The autotuner's candidates: the cooperative configurations, and the ping-pong ones unless
     the option ``conflict`` names is on."""
@@ -521,7 +532,7 @@ def grouped_gemm_sm90(
         launch = _forward_launch(*args)
         if tile_n is None and cluster_m is None and pingpong is None and launch[0] is not None:
             n = weight.shape[1] if weight_layout == "nk" else weight.shape[2]
-            conflict = "act_amax" if act_amax else None
+            conflict = _forward_conflict(activation, weight_layout, act_amax)
             config = tuning.tuned_config(
                 _FWD, (x.dtype, weight.shape[0], n, x.shape[1], tuning.rows_bucket(x.shape[0]), activation,
                        weight_layout, bias is not None),
@@ -562,7 +573,7 @@ def _forward_launch(
     None, persistent grid in clusters, act-amax parts or 0)."""
     m, n, act_shape, tile_n, cluster_m, clusters, pingpong = _forward_checks(
         _FWD, x, weight, offsets, bias, activation, probs, out, act_out, weight_layout, tile_n, cluster_m, sm_margin,
-        pingpong, "act_amax" if act_amax else None,
+        pingpong, _forward_conflict(activation, weight_layout, act_amax),
     )
     num_parts = _check_amax_request(_FWD, "act_amax", act_amax, act_shape is not None, clusters, cluster_m)
     if m == 0:
