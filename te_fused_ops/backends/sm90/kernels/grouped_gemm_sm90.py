@@ -159,7 +159,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
     """Persistent grouped GEMM core for sm_90a; subclasses add the epilogue and ``__call__``.
 
     Compile-time configuration: ``dtype`` (cutlass.BFloat16 / Float16: A, B and the epilogue
-    tensors; Float32 epilogue tensors with a 16-bit ``ab_dtype``), ``tile_n`` (128 or 256; tile_m
+    tensors; Float32 epilogue tensors with a 16-bit ``ab_dtype``), ``tile_n`` (128, 192 or 256; tile_m
     is 128, tile_k 64; FP8 operands: 128 or 192, tile_k 128), ``a_major`` / ``b_major`` ("k" or
     "mn": A (M, K) / (K, M) and W (G, N, K) / (G, K, N); varlen-K: the token views), ``cluster_m``
     (1, or 2: B multicast to a CTA pair), ``ab_stages`` / ``epi_slots`` (None: fill shared
@@ -238,8 +238,8 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             raise ValueError(f"{type(self).__name__}: epilogue_warps needs 16-bit operands and stored outputs")
         if defer_stores and (self.num_out != 1 or self.num_in or self.b_boxes != 1 or epilogue_warps):
             raise ValueError(f"{type(self).__name__}: defer_stores needs one output and no loaded inputs")
-        if pingpong and (tile_n not in (128, 192) or self.block_scaled or dtype.width != 16 or self.varlen_k or epilogue_warps
-                         or defer_stores or self.group_blocks or self.epi_scratch):
+        if pingpong and (tile_n not in (128, 192) or self.block_scaled or dtype.width != 16 or self.varlen_k
+                         or epilogue_warps or defer_stores or self.group_blocks or self.epi_scratch):
             raise ValueError(
                 f"{type(self).__name__}: pingpong needs tile_n 128 or 192, 16-bit operands, varlen-M and an "
                 "epilogue of the MMA warpgroups without shared scratch"
