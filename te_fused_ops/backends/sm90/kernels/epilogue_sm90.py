@@ -330,7 +330,7 @@ class Sm90Epilogue:
     @cute.jit
     def _epilogue_tile(self, params, epi, tile: Tile, has_rows, n_box, half_chunks, state, sD, store_tmas, load_tmas,
                        store_pipe, is_store_warp, c_pipe, c_read, c_write, c_loads, epi_count, epi_barrier):
-        """The tile's epilogue on the MMA warpgroup(s), one 128 x 32 chunk per step: the loaded
+        """The tile's epilogue on the MMA warpgroup(s), one 128 x epi_n chunk per step: the loaded
         inputs (zeros on padding rows), the hooks, the outputs through the store slots by TMA;
         ``epi_barrier`` joins the threads of the tile. Returns (c_read, c_write, epi_count)."""
         frag = cute.size(cute.shape(epi.tRS_cD))

@@ -535,7 +535,7 @@ def grouped_gemm_sm90(
             conflict = _forward_conflict(activation, weight_layout, act_amax)
             config = tuning.tuned_config(
                 _FWD, (x.dtype, weight.shape[0], n, x.shape[1], tuning.rows_bucket(x.shape[0]), activation,
-                       weight_layout, bias is not None),
+                       weight_layout, bias is not None, bool(act_amax)),
                 lambda t, c, p: grouped_gemm_sm90(x, weight, offsets, bias=bias, activation=activation, probs=probs,
                                                   weight_layout=weight_layout, tile_n=t, cluster_m=c,
                                                   sm_margin=sm_margin, act_amax=act_amax, pingpong=p, **constants),
