@@ -74,8 +74,7 @@ def main():
     parser.add_argument("--shapes", default=",".join(SWEEP_SHAPES))
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--pingpong", action="store_true",
-                        help="also the ping-pong schedule (labels TxCp) at tile_n 128 and 192 for the kernels other "
-                             "than the weight gradients")
+                        help="also the ping-pong schedule (labels TxCp) at tile_n 128 and 192")
     args = parser.parse_args()
     results = {}
     for shape in args.shapes.split(","):
@@ -92,7 +91,7 @@ def main():
             auto = auto_config(kernel, m, h, i, e)
             reference = first(fn()).clone()
             fns, equal = {}, {}
-            for config in configs(args.pingpong and "wgrad" not in kernel):
+            for config in configs(args.pingpong):
                 label = config_label(config)
                 run = (lambda fn=fn, config=config: fn(**config._asdict()))
                 equal[label] = bool(torch.equal(first(run()), reference))

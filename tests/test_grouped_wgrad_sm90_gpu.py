@@ -61,10 +61,10 @@ def check_dw(dw, ref, splits):
             assert torch.all(dw[g] == 0), f"empty group {g} not zero"
 
 
-def run_case(splits, m, n, k, dtype=torch.bfloat16, seed=0, tile_n=None, cluster_m=None):
+def run_case(splits, m, n, k, dtype=torch.bfloat16, seed=0, tile_n=None, cluster_m=None, **cfg):
     dy, x, offsets = make_inputs(splits, m, n, k, dtype, seed)
     out = torch.full((len(splits), n, k), float("nan"), dtype=dtype, device="cuda")
-    dw = grouped_wgrad_sm90(dy, x, offsets, out=out, tile_n=tile_n, cluster_m=cluster_m)
+    dw = grouped_wgrad_sm90(dy, x, offsets, out=out, tile_n=tile_n, cluster_m=cluster_m, **cfg)
     assert dw.data_ptr() == out.data_ptr() and dw.dtype == dtype
     check_dw(dw, reference(dy, x, offsets), splits)
     return dy, x, offsets, dw
@@ -81,6 +81,19 @@ def test_uneven_unaligned_splits(dtype, tile_n, cluster_m):
     # lies past N); 40 padding rows
     run_case(UNEVEN, sum(UNEVEN) + 40, 320, 320, dtype, seed=1, tile_n=tile_n,
              cluster_m=cluster_m)
+
+
+@pytest.mark.parametrize("cluster_m", [1, 2])
+@pytest.mark.parametrize("tile_n", [128, 192])
+def test_pingpong(tile_n, cluster_m):
+    """Each MMA warpgroup on every other tile (empty groups' zero tiles included), on one cluster
+    (many tiles a CTA) and on the whole GPU: against float64, and bit for bit the cooperative
+    schedule's dW."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for margin in (sms - cluster_m, None):
+        dws = [run_case(UNEVEN, sum(UNEVEN) + 40, 320, 320, seed=1, tile_n=tile_n, cluster_m=cluster_m,
+                        sm_margin=margin, pingpong=pingpong)[3] for pingpong in (True, False)]
+        assert torch.equal(*dws)
 
 
 @pytest.mark.parametrize(

@@ -131,3 +131,10 @@ def test_fp8_wrappers_reject_cpu_inputs():
         grouped_wgrad_fp8_sm90(cols, cols, off)
     with pytest.raises(ValueError, match="block_columns_sm90: x must be a contiguous 2-D CUDA tensor"):
         block_columns_sm90(torch.zeros(16, 16, dtype=torch.bfloat16), off)
+
+
+@needs_cutlass
+def test_wgrad_pingpong_compiles():
+    from te_fused_ops.backends.sm90.kernels.grouped_wgrad import compile_grouped_wgrad
+
+    assert compile_grouped_wgrad(torch.bfloat16, 192, False, 2, tvm_ffi=False, pingpong=True) is not None

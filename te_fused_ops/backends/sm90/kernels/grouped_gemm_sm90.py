@@ -238,10 +238,10 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             raise ValueError(f"{type(self).__name__}: epilogue_warps needs 16-bit operands and stored outputs")
         if defer_stores and (self.num_out != 1 or self.num_in or self.b_boxes != 1 or epilogue_warps):
             raise ValueError(f"{type(self).__name__}: defer_stores needs one output and no loaded inputs")
-        if pingpong and (tile_n not in (128, 192) or self.block_scaled or dtype.width != 16 or self.varlen_k
-                         or epilogue_warps or defer_stores or self.group_blocks or self.epi_scratch):
+        if pingpong and (tile_n not in (128, 192) or self.block_scaled or dtype.width != 16 or epilogue_warps
+                         or defer_stores or self.group_blocks or self.epi_scratch):
             raise ValueError(
-                f"{type(self).__name__}: pingpong needs tile_n 128 or 192, 16-bit operands, varlen-M and an "
+                f"{type(self).__name__}: pingpong needs tile_n 128 or 192, 16-bit operands and outputs, and an "
                 "epilogue of the MMA warpgroups without shared scratch"
             )
         # ping-pong: each MMA warpgroup takes every other tile whole (128 x tile_n, tile_n fp32

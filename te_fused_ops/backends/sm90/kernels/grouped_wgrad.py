@@ -58,7 +58,8 @@ def choose_config(n: int, k: int, max_ctas: int) -> tuple[int, int]:
 
 
 @cached_kernel
-def compile_grouped_wgrad(dtype, tile_n, main_grad, cluster_m=1, tvm_ffi=None, fp8=False, **kernel_opts):
+def compile_grouped_wgrad(dtype, tile_n, main_grad, cluster_m=1, tvm_ffi=None, fp8=False, pingpong=False,
+                          **kernel_opts):
     """Compile (once per configuration) and return the launcher fn(dy, x, offsets, out, dy scales,
     x scales, tokens, max_ctas): 16-bit dy (M, N), x (M, K), no scales or tokens (None), or with
     ``fp8`` the block-padded E4M3 copies dy^T (N, 128 blocks), x^T (K, 128 blocks), their
@@ -85,7 +86,7 @@ def compile_grouped_wgrad(dtype, tile_n, main_grad, cluster_m=1, tvm_ffi=None, f
     out = fake_tensor(cutlass.Float32 if main_grad else dt, (g, n, k))
     args = (*operands, fake_tensor(cutlass.Int32, (g1,), 4), out, *scales, cutlass.Int32(1))
     kernel = GroupedWgradSm90(dt, tile_n, main_grad, cluster_m, ab_dtype=cutlass.Float8E4M3FN if fp8 else None,
-                              **kernel_opts)
+                              pingpong=pingpong, **kernel_opts)
     return compile_launcher(kernel, args, tvm_ffi)
 
 
@@ -94,7 +95,7 @@ _MEMO = LaunchMemo()  # argument signature -> validated launch
 
 
 def grouped_wgrad_sm90(
-    dy, x, offsets, *, out=None, main_grad=None, sm_margin=None, tile_n=None, cluster_m=None
+    dy, x, offsets, *, out=None, main_grad=None, sm_margin=None, tile_n=None, cluster_m=None, pingpong=None
 ):
     """dW[g] = dy_g^T @ x_g over the token rows offsets[g]:offsets[g+1] of each group.
 
@@ -104,26 +105,29 @@ def grouped_wgrad_sm90(
     with ``main_grad`` (fp32 (G, N, K)), main_grad += dW in place and main_grad is returned.
     sm_margin (int >= 0; None: 0) SMs are left free.
     tile_n (128, 192 or 256, along K) and cluster_m (1, 2: CTA pairs multicast x) override the
-    heuristic. No host sync. Checks run once per argument signature (`launch.call_signature`).
+    heuristic; ``pingpong`` (None: False) runs each MMA warpgroup on tiles of its own (tile_n 128 or
+    192, not with main_grad). No host sync. Checks run once per argument signature (`launch.call_signature`).
     """
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, dy, x, offsets, out, main_grad),
-        tile_n, cluster_m, sm_margin,
+        tile_n, cluster_m, sm_margin, pingpong,
     )
-    args = (dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m)
+    args = (dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m, pingpong)
     launch = _MEMO.get(key)
     if launch is None:
         launch = _launch(*args)
-        if tile_n is None and cluster_m is None and launch[0] is not None:
+        if tile_n is None and cluster_m is None and pingpong is None and launch[0] is not None:
             g, n, k = launch[1]
             config = tuning.tuned_config(
                 _NAME, (dy.dtype, g, n, k, tuning.rows_bucket(dy.shape[0]), main_grad is not None),
                 lambda t, c, p: grouped_wgrad_sm90(dy, x, offsets, sm_margin=sm_margin, tile_n=t, cluster_m=c,
+                                                   pingpong=p or None,
                                                    main_grad=None if main_grad is None else main_grad.clone()),
-                choose_config(n, k, max(1, num_sms(dy.get_device()) - (sm_margin or 0))))
+                choose_config(n, k, max(1, num_sms(dy.get_device()) - (sm_margin or 0))),
+                tuning.CANDIDATES + (() if main_grad is not None else tuning.PINGPONG_CANDIDATES))
             if config is not None:
-                args = (*args[:6], config.tile_n, config.cluster_m)
+                args = (*args[:6], config.tile_n, config.cluster_m, config.pingpong)
                 launch = _launch(*args)
         _MEMO.put(key, launch)
     fn, shape, max_ctas = launch
@@ -162,7 +166,7 @@ def _check_destination(name, out, main_grad, dtype, shape, dev):
             raise ValueError(f"{name}: {arg} must have shape {shape}, got {tuple(given.shape)}")
 
 
-def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m):
+def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m, pingpong=None):
     """Every check of `grouped_wgrad_sm90`; (launcher or None when there is nothing to compute,
     dW shape, persistent grid in CTAs)."""
     dev = check_input(_NAME, dy, "dy")
@@ -187,15 +191,21 @@ def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m):
         raise ValueError(f"{_NAME}: tile_n must be one of {tuning.TILE_NS}, got {tile_n!r}")
     if cluster_m not in (None, 1, 2):
         raise ValueError(f"{_NAME}: cluster_m must be 1 or 2, got {cluster_m!r}")
+    if pingpong not in (None, False, True):
+        raise TypeError(f"{_NAME}: pingpong must be a bool or None, got {type(pingpong).__name__}")
+    if pingpong and (tile_n not in (None, *tuning.PINGPONG_TILE_NS) or main_grad is not None):
+        raise ValueError(f"{_NAME}: pingpong needs tile_n in {tuning.PINGPONG_TILE_NS} and no main_grad")
     if g * n * k == 0 or m == 0:
         return None, (g, n, k), 0
 
     max_ctas = max(1, num_sms(dev) - margin)
     auto_tile_n, auto_cluster_m = choose_config(n, k, max_ctas)
+    if pingpong and tile_n is None:
+        tile_n = 192 if auto_tile_n > 128 else 128
     tile_n = tile_n or auto_tile_n
     cluster_m = cluster_m or auto_cluster_m
     max_ctas = max(max_ctas, cluster_m)
-    key = (dy.dtype, tile_n, main_grad is not None, cluster_m, tvm_ffi_available(), False)
+    key = (dy.dtype, tile_n, main_grad is not None, cluster_m, tvm_ffi_available(), False, bool(pingpong))
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_wgrad(*key)

@@ -48,7 +48,9 @@ class GroupedWgradSm90(GroupedGemmSm90):
     tile_n 128, tile_k 128), ``accumulate`` (fp32 main_grad += dW instead of writing dW in
     ``dtype``), ``cluster_m`` (1, or 2: CTA pairs multicast the x tile), ``sort_groups`` (visit
     groups largest first), ``ab_stages`` / ``epi_slots`` (None: fill shared memory), ``c_stages``
-    (accumulate: main_grad chunks loaded ahead), ``raster_band`` (`banded_tile`). The persistent grid size is a launch argument.
+    (accumulate: main_grad chunks loaded ahead), ``raster_band`` (`banded_tile`), ``pingpong``
+    (each MMA warpgroup on tiles of its own, dW in ``dtype``; the core's docstring). The persistent
+    grid size is a launch argument.
     """
 
     varlen_k = True
@@ -56,7 +58,7 @@ class GroupedWgradSm90(GroupedGemmSm90):
 
     def __init__(
         self, dtype, tile_n, accumulate, cluster_m=1, sort_groups=True, ab_stages=None,
-        epi_slots=None, raster_band=RASTER_BAND, ab_dtype=None, c_stages=2,
+        epi_slots=None, raster_band=RASTER_BAND, ab_dtype=None, c_stages=2, pingpong=False,
     ):
         self.accumulate = accumulate
         self.sort_groups = sort_groups
@@ -65,7 +67,8 @@ class GroupedWgradSm90(GroupedGemmSm90):
         super().__init__(
             Float32 if accumulate else dtype, tile_n, b_major="k" if fp8 else "mn", cluster_m=cluster_m,
             ab_stages=ab_stages, epi_slots=epi_slots, ab_dtype=dtype if ab_dtype is None else ab_dtype,
-            c_stages=c_stages, raster_band=raster_band, a_major="k" if fp8 else "mn", defer_stores=not accumulate,
+            c_stages=c_stages, raster_band=raster_band, a_major="k" if fp8 else "mn",
+            defer_stores=not accumulate and not pingpong, pingpong=pingpong,
         )
 
     @cute.jit
