@@ -3,8 +3,9 @@
 Per shape (uneven seeded routing; FC1: x (M, H) @ W (E, 2I, H) with SwiGLU and without):
   gmm bf16     torch._grouped_mm on bf16 operands (no activation)
   sm90 bf16    grouped_gemm_sm90, bf16 operands
-  sm90 fp8     grouped_gemm_fp8_sm90, E4M3 operands with 1x128 / 128x128 multipliers (t192: the
-               192-wide tile instead of the default 128)
+  sm90 fp8     grouped_gemm_fp8_sm90, E4M3 operands with 1x128 / 128x128 multipliers (t128 / t192:
+               that tile width instead of the default `fp8_tile_n`; "overlap": two block products in
+               flight, one promoted under the next one's WGMMAs)
   casts        block_quantize_sm90 / block_dequantize_sm90 vs the torch quantizer (bit for bit);
                "current": one scale per tensor (fp8_current, tensor_quantize_sm90: amax launch + cast,
                x's amax over its grouped rows)
@@ -114,6 +115,8 @@ def run_shape(name):
         "sm90 fp8": check(grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, out=poisoned.clone())[0], x8, w8, offsets, "fp8"),
         "sm90 fp8 t192": check(grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, out=poisoned.clone(), tile_n=192)[0],
                                x8, w8, offsets, "fp8 t192"),
+        "sm90 fp8 t128 overlap": check(grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, out=poisoned.clone(), tile_n=128,
+                                                             overlap_promotion=True)[0], x8, w8, offsets, "fp8 overlap"),
     }
     # FC1 + SwiGLU + E4M3 cast, fused: the same bytes as the plain kernel's act cast afterwards
     _, act = grouped_gemm_sm90(xb, wb, offsets, activation="swiglu", tile_n=256)
@@ -142,6 +145,9 @@ def run_shape(name):
         "sm90 fp8 + swiglu": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu"),
         "sm90 fp8 t192": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, tile_n=192),
         "sm90 fp8 t192 + swiglu": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu", tile_n=192),
+        "sm90 fp8 t128 + swiglu": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu", tile_n=128),
+        "sm90 fp8 t128 overlap + swiglu": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu",
+                                                                        tile_n=128, overlap_promotion=True),
         "sm90 bf16 + swiglu, then cast": lambda: block_quantize_sm90(
             grouped_gemm_sm90(xb, wb, offsets, activation="swiglu", tile_n=256)[1], 1),
         "sm90 bf16 + swiglu + cast": lambda: grouped_gemm_act_quant_sm90(xb, wb, offsets, activation="swiglu"),

@@ -47,7 +47,8 @@ def quantized_operands(x, w):
     return qx.rowwise_data, qx.rowwise_scale_inv, qw.rowwise_data, qw.rowwise_scale_inv, x64, w64
 
 
-def run_case(splits, m, k, n, activation, dtype=torch.bfloat16, has_bias=False, seed=0, cluster_m=None, tile_n=None):
+def run_case(splits, m, k, n, activation, dtype=torch.bfloat16, has_bias=False, seed=0, cluster_m=None, tile_n=None,
+             **cfg):
     torch.manual_seed(seed)
     g = len(splits)
     x = torch.randn(m, k, device="cuda") * torch.rand(m, 1, device="cuda") * 4  # rows of varied range
@@ -66,7 +67,7 @@ def run_case(splits, m, k, n, activation, dtype=torch.bfloat16, has_bias=False, 
         act_out = torch.full((m, n // 2 if glu else n), float("nan"), dtype=dtype, device="cuda")
     pre, act = grouped_gemm_fp8_sm90(
         xq, xs, wq, ws, offsets, bias=bias, activation=activation, probs=probs, limit=LIMIT, alpha=ALPHA,
-        out_dtype=dtype, out=out, act_out=act_out, cluster_m=cluster_m, tile_n=tile_n,
+        out_dtype=dtype, out=out, act_out=act_out, cluster_m=cluster_m, tile_n=tile_n, **cfg,
     )
     ref_pre, ref_act = reference(x64, w64, offsets, bias, activation, probs)
     end = int(offsets[-1])
@@ -75,6 +76,7 @@ def run_case(splits, m, k, n, activation, dtype=torch.bfloat16, has_bias=False, 
     if activation is not None:
         assert rel_err(act, ref_act) <= 1e-2
         assert torch.all(act[end:] == 0)
+    return pre, act
 
 
 @pytest.mark.parametrize("activation,cluster_m,tile_n", [("swiglu", 2, 128), ("srelu", 1, 192), ("scaled_swiglu", 2, 192)])
@@ -111,6 +113,18 @@ def test_tile_192_crosses_scale_blocks(activation, n):
     # 128-row block of W, so a tile's columns take the multipliers of two blocks; n 520: a partial
     # last tile in a partial last block
     run_case(UNEVEN, 1000, 384, n, activation, tile_n=192)
+
+
+@pytest.mark.parametrize("k", [16, 208, 384, 1024])  # 1, 2 (partial last), 3 and 8 blocks
+@pytest.mark.parametrize("activation", [None, "swiglu", "scaled_swiglu"])
+def test_overlapped_promotion(activation, k):
+    """Two block products in flight (odd and even block counts, one block): against float64, and bit
+    for bit the kernel that promotes each block before the next one's WGMMAs (the same sum order)."""
+    n = 256 if activation else 320
+    outs = [run_case(UNEVEN, 1000, k, n, activation, seed=7, tile_n=128, overlap_promotion=overlap)
+            for overlap in (True, False)]
+    for a, b in zip(*outs):
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 @pytest.mark.parametrize("k", [16, 208, 1024])  # one partial block, a partial last block, 8 blocks

@@ -301,3 +301,9 @@ def test_pingpong_conflicts_of_the_forward():
     assert _forward_conflict("swiglu", "nk", False) is None and _forward_conflict(None, "kn", False) is None
     assert _forward_conflict("swiglu", "kn", False) == "a GLU activation on weight_layout 'kn'"
     assert _forward_conflict(None, "nk", True) == "act_amax"
+
+
+def test_fp8_overlapped_promotion_compiles():
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_gemm_fp8
+
+    assert compile_grouped_gemm_fp8(torch.bfloat16, "swiglu", False, False, 2, 128, overlap_promotion=True) is not None

@@ -378,7 +378,7 @@ def compile_grouped_dgrad_dact_quant_fp8(dtype, activation, tvm_ffi=None, cluste
 
 @cached_kernel
 def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_m=2, tile_n=128, act_amax=False,
-                             **kernel_opts):
+                             overlap_promotion=False, **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_gemm_fp8_sm90``:
     fn(x, x_scale, weight, weight_scale, offsets, pre, act, bias, probs, act_amax, constants, max_clusters)."""
     import cutlass
@@ -400,7 +400,8 @@ def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_
         fake_tensor(cutlass.Float32, (m,), 4) if spec is not None and spec.takes_probs else None,
         _amax_parts_fake() if act_amax else None,
     )
-    kernel = GroupedGemmActFp8Sm90(dt, activation, has_bias, cluster_m, tile_n, act_amax=act_amax, **kernel_opts)
+    kernel = GroupedGemmActFp8Sm90(dt, activation, has_bias, cluster_m, tile_n, act_amax=act_amax,
+                                   overlap_promotion=overlap_promotion, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -725,7 +726,7 @@ def _act_quant_launch(x, weight, offsets, bias, activation, probs, out, weight_l
 def grouped_gemm_fp8_sm90(
     x, x_scale_inv, weight, weight_scale_inv, offsets, *, bias=None, activation=None, probs=None,
     out_dtype=torch.bfloat16, out=None, act_out=None, tile_n=None, cluster_m=None, sm_margin=None,
-    act_amax=False, **constants,
+    act_amax=False, overlap_promotion=False, **constants,
 ):
     """`grouped_gemm_sm90` ("nk" layout) on block-scaled FP8 operands, outputs in ``out_dtype``.
 
@@ -737,15 +738,16 @@ def grouped_gemm_fp8_sm90(
     `grouped_gemm_sm90`. Returns (pre, act). Each 128-deep block's product is accumulated in fp32
     and scaled on the CUDA cores. tile_n: 128 or 192 (None: `fp8_tile_n`); cluster_m (1, 2)
     overrides the heuristic. ``act_amax``: also return the act's amax parts, as `grouped_gemm_sm90`.
-    No host sync; checks run once per argument signature.
+    ``overlap_promotion`` (tile_n 128): two block products in flight, one promoted while the next
+    one's WGMMAs run. No host sync; checks run once per argument signature.
     """
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, x, x_scale_inv, weight, weight_scale_inv, offsets, bias, probs, out, act_out),
-        _FP8, activation, out_dtype, tile_n, cluster_m, sm_margin, act_amax,
+        _FP8, activation, out_dtype, tile_n, cluster_m, sm_margin, act_amax, overlap_promotion,
     )
     args = (x, x_scale_inv, weight, weight_scale_inv, offsets, bias, activation, probs, out_dtype, out,
-            act_out, tile_n, cluster_m, sm_margin, act_amax)
+            act_out, tile_n, cluster_m, sm_margin, act_amax, overlap_promotion)
     launch = _MEMO.get(key) or _MEMO.put(key, _fp8_launch(*args))
     fn, pre_shape, act_shape, clusters, num_parts = launch
     pre = out if out is not None else torch.empty(pre_shape, dtype=out_dtype, device=x.device)
@@ -760,7 +762,7 @@ def grouped_gemm_fp8_sm90(
 
 
 def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, probs, out_dtype, out, act_out,
-                tile_n, cluster_m, sm_margin, act_amax=False):
+                tile_n, cluster_m, sm_margin, act_amax=False, overlap_promotion=False):
     """Every check of `grouped_gemm_fp8_sm90`; (launcher or None when M == 0, pre shape, act shape
     or None, persistent grid in clusters, act-amax parts or 0)."""
     if out_dtype not in DTYPES:
@@ -775,12 +777,17 @@ def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, pro
     act_shape = _check_epilogue_tensors(_FP8, spec, out_dtype, bias, probs, out, act_out, m, n, g, dev)
     if tile_n not in (None, 128, 192):
         raise ValueError(f"{_FP8}: tile_n must be 128 or 192, got {tile_n!r}")
+    if overlap_promotion not in (False, True):
+        raise TypeError(f"{_FP8}: overlap_promotion must be a bool, got {type(overlap_promotion).__name__}")
+    if overlap_promotion and tile_n not in (None, 128):
+        raise ValueError(f"{_FP8}: overlap_promotion needs tile_n 128, got {tile_n}")
     _, cluster_m, clusters, _ = _launch_config(_FP8, m, n, g, dev, 128, cluster_m, sm_margin)
     num_parts = _check_amax_request(_FP8, "act_amax", act_amax, act_shape is not None, clusters, cluster_m)
     if m == 0:
         return None, (m, n), act_shape, clusters, num_parts
-    key = (_FP8, out_dtype, activation, bias is not None, tvm_ffi_available(), cluster_m, tile_n or fp8_tile_n(n, glu),
-           bool(act_amax))
+    tile_n = 128 if overlap_promotion else tile_n or fp8_tile_n(n, glu)
+    key = (_FP8, out_dtype, activation, bias is not None, tvm_ffi_available(), cluster_m, tile_n, bool(act_amax),
+           overlap_promotion)
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_gemm_fp8(*key[1:])

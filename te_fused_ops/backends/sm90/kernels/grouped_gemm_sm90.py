@@ -191,7 +191,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
     def __init__(
         self, dtype, tile_n, b_major="k", cluster_m=2, ab_stages=None, epi_slots=None, ab_dtype=None, c_stages=2,
         raster_band=RASTER_BAND, split_tail=True, epilogue_warps=False, a_major="k", defer_stores=False,
-        pingpong=False,
+        pingpong=False, overlap_promotion=False,
     ):
         if b_major not in ("k", "mn") or a_major not in ("k", "mn"):
             raise ValueError("a_major and b_major must be 'k' or 'mn'")
@@ -244,6 +244,11 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
                 f"{type(self).__name__}: pingpong needs tile_n 128 or 192, 16-bit operands and outputs, and an "
                 "epilogue of the MMA warpgroups without shared scratch"
             )
+        # FP8 varlen-M: two block products in flight (`_fp8_overlapped_k_tiles`): 3 x 64 fp32 registers a
+        # thread at tile_n 128
+        if overlap_promotion and (not self.block_scaled or self.varlen_k or tile_n != 128):
+            raise ValueError(f"{type(self).__name__}: overlap_promotion needs FP8 operands, varlen-M and tile_n 128")
+        self.overlap_promotion = overlap_promotion
         # ping-pong: each MMA warpgroup takes every other tile whole (128 x tile_n, tile_n fp32
         # accumulator registers a thread); their mainloops take turns, and one's epilogue runs
         # under the other's mainloop

@@ -142,7 +142,10 @@ class Sm90Mainloop:
         if const_expr(self.block_scaled):
             tCcAcc = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
             block_scales = (smem_tensors.sSFA, smem_tensors.sSFB) if const_expr(self.stage_scales) else scales
-            fp8_args = (cute.make_rmem_tensor(acc_shape, self.acc_dtype), tCrA, tCrB, block_scales, tCcAcc)
+            acc_block = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            if const_expr(self.overlap_promotion):  # two block products, one in flight while the other is promoted
+                acc_block = (acc_block, cute.make_rmem_tensor(acc_shape, self.acc_dtype))
+            fp8_args = (acc_block, tCrA, tCrB, block_scales, tCcAcc)
         return acc, tCrA, tCrB, fp8_args
 
     @cute.jit
@@ -167,7 +170,13 @@ class Sm90Mainloop:
         # varlen-M: one branch around the whole mainloop (k-tiles or none); defer_stores: the
         # previous tile's stores run whatever this tile's k-tile count
         runs = Boolean(True) if const_expr(self.defer_stores) else tile_k_tiles > 0
-        if runs:
+        if const_expr(self.overlap_promotion):
+            if runs:
+                tiled_mma, read_state, release_state = self._fp8_overlapped_k_tiles(
+                    ab_pipe, read_state, release_state, tiled_mma, acc, fp8_args, tile, tile_k_tiles, multipliers,
+                    n_box, m_total,
+                )
+        elif runs:
             for step in cutlass.range_constexpr(peeled):
                 if step < tile_k_tiles:
                     if const_expr(self.block_scaled):
@@ -289,6 +298,61 @@ class Sm90Mainloop:
             ab_pipe.consumer_release(read_state)
             self._promote(acc, acc_block, held)
         return ahead
+
+    @cute.jit
+    def _fp8_overlapped_k_tiles(self, ab_pipe, read_state, release_state, tiled_mma, acc, fp8_args, tile: Tile,
+                                tile_k_tiles, held, n_box, m_total):
+        """FP8 varlen-M with ``overlap_promotion``: block k's WGMMAs go into one of two block
+        products before block k - 1's promotion from the other (wait_group(1)), so the CUDA cores
+        promote while the tensor cores run. Block 0 and then every even block use the first
+        product, odd blocks the second: the loop takes blocks in pairs (odd, even) and a last odd
+        block follows it, so on every path a product is rewritten only once its WGMMAs are done
+        (ptxas serializes every WGMMA otherwise, C7514). ``held``: block 0's multipliers. Returns
+        (tiled_mma, read_state, release_state), the states past the tile's k-tiles."""
+        (even, odd), tCrA, tCrB, scales, tCcAcc = fp8_args
+        ab_pipe.consumer_wait(read_state)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        cute.nvgpu.warpgroup.fence()
+        mma_block(tiled_mma, even, tCrA, tCrB, read_state.index)
+        cute.nvgpu.warpgroup.commit_group()
+        read_state.advance()
+        for pair in range((tile_k_tiles - 1) // 2):
+            for product, done in ((odd, even), (even, odd)):  # block 2 pair + 1, then 2 pair + 2
+                ab_pipe.consumer_wait(read_state)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                cute.nvgpu.warpgroup.fence()
+                mma_block(tiled_mma, product, tCrA, tCrB, read_state.index)
+                cute.nvgpu.warpgroup.commit_group()
+                read_state.advance()
+                block = 2 * pair + (1 if product is odd else 2)
+                ahead = self._block_scales(scales, tile, tCcAcc, block, n_box, m_total)  # under its WGMMAs
+                cute.nvgpu.warpgroup.wait_group(1)  # the previous block is done
+                ab_pipe.consumer_release(release_state)
+                release_state.advance()
+                self._promote(acc, done, held)
+                held = ahead
+        if (tile_k_tiles - 1) % 2 == 1:  # a last, odd block
+            ab_pipe.consumer_wait(read_state)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+            cute.nvgpu.warpgroup.fence()
+            mma_block(tiled_mma, odd, tCrA, tCrB, read_state.index)
+            cute.nvgpu.warpgroup.commit_group()
+            read_state.advance()
+            ahead = self._block_scales(scales, tile, tCcAcc, tile_k_tiles - 1, n_box, m_total)
+            cute.nvgpu.warpgroup.wait_group(1)
+            ab_pipe.consumer_release(release_state)
+            release_state.advance()
+            self._promote(acc, even, held)
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipe.consumer_release(release_state)
+            release_state.advance()
+            self._promote(acc, odd, ahead)
+        else:
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipe.consumer_release(release_state)
+            release_state.advance()
+            self._promote(acc, even, held)
+        return tiled_mma, read_state, release_state
 
     @cute.jit
     def _stage_multipliers(self, scales, tCcAcc, stage):
