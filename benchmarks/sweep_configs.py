@@ -75,6 +75,8 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--pingpong", action="store_true",
                         help="also the ping-pong schedule (labels TxCp) at tile_n 128 and 192")
+    parser.add_argument("--kernels", default="",
+                        help="comma-separated substrings: sweep only the kernels whose name holds one")
     args = parser.parse_args()
     results = {}
     for shape in args.shapes.split(","):
@@ -88,6 +90,8 @@ def main():
         dy = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
         results[shape] = {}
         for kernel, fn in step_kernels(mlp, offsets, x, dy).items():
+            if args.kernels and not any(part in kernel for part in args.kernels.split(",")):
+                continue
             auto = auto_config(kernel, m, h, i, e)
             reference = first(fn()).clone()
             fns, equal = {}, {}
