@@ -313,7 +313,11 @@ def train_router_beside_experts(rank, device, sizes, chunks=1):
 
     sharded, plain = make(), make()
     fully_shard(sharded[0], mesh=init_device_mesh(device.type, (world,)))
-    opt, opt_plain = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (sharded, plain))
+    def param_groups(m):  # the router's DTensors apart from the experts' tensors: a foreach step may not mix them
+        router = list(m[0].parameters())
+        return [{"params": router}, {"params": [p for p in m.parameters() if all(p is not r for r in router)]}]
+
+    opt, opt_plain = (torch.optim.SGD(param_groups(m), lr=0.1) for m in (sharded, plain))
     for step in range(3):
         x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(10 * step + rank)).to(device)
         sharded(x).square().mean().backward()
