@@ -5,7 +5,8 @@ Per shape (uneven seeded routing; FC1: x (M, H) @ W (E, 2I, H) with SwiGLU and w
   sm90 bf16    grouped_gemm_sm90, bf16 operands
   sm90 fp8     grouped_gemm_fp8_sm90, E4M3 operands with 1x128 / 128x128 multipliers (t128 / t192:
                that tile width instead of the default `fp8_tile_n`; "overlap": two block products in
-               flight, one promoted under the next one's WGMMAs)
+               flight, one promoted under the next one's WGMMAs (the default promotes each block
+               before the next one's WGMMAs))
   casts        block_quantize_sm90 / block_dequantize_sm90 vs the torch quantizer (bit for bit);
                "current": one scale per tensor (fp8_current, tensor_quantize_sm90: amax launch + cast,
                x's amax over its grouped rows)
@@ -144,6 +145,8 @@ def run_shape(name):
         "sm90 fp8": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets),
         "sm90 fp8 + swiglu": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu"),
         "sm90 fp8 t192": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, tile_n=192),
+        "sm90 fp8 t128 overlap": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, tile_n=128,
+                                                               overlap_promotion=True),
         "sm90 fp8 t192 + swiglu": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu", tile_n=192),
         "sm90 fp8 t128 + swiglu": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu", tile_n=128),
         "sm90 fp8 t128 overlap + swiglu": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu",

@@ -215,3 +215,7 @@ def test_argument_errors():
         grouped_gemm_fp8_sm90(xq, xs, wq, ws, off, out_dtype=torch.float32)
     with pytest.raises(ValueError, match=f"{name}: tile_n must be 128 or 192"):
         grouped_gemm_fp8_sm90(xq, xs, wq, ws, off, tile_n=256)
+    with pytest.raises(ValueError, match=f"{name}: overlap_promotion needs tile_n 128"):
+        grouped_gemm_fp8_sm90(xq, xs, wq, ws, off, tile_n=192, overlap_promotion=True)
+    with pytest.raises(TypeError, match=f"{name}: overlap_promotion must be a bool"):
+        grouped_gemm_fp8_sm90(xq, xs, wq, ws, off, overlap_promotion=1)

