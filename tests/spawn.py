@@ -1,6 +1,7 @@
 """mp.spawn for the multi-process tests, with workers that leave without C++ teardown."""
 
 import contextlib
+import faulthandler
 import os
 import sys
 import traceback
@@ -24,11 +25,15 @@ def _run_then_exit(rank, worker, *args):
     os._exit(0)
 
 
+TEARDOWN_S = 60  # a rank whose destroy_process_group() takes longer fails with its stack printed
+
+
 @contextlib.contextmanager
 def process_group(backend: str, init_file: str, rank: int, world: int):
     """``init_process_group`` for the body; on an error the rank prints its traceback and leaves at
     once (``os._exit(1)``): tearing the group down would wait for a peer still inside a collective,
-    and the error would never be printed."""
+    and the error would never be printed. A teardown that hangs fails the rank after TEARDOWN_S
+    (stack printed) instead of stalling the test run."""
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         yield
@@ -38,4 +43,6 @@ def process_group(backend: str, init_file: str, rank: int, world: int):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+    faulthandler.dump_traceback_later(TEARDOWN_S, exit=True)
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
