@@ -300,6 +300,28 @@ class Sm90Mainloop:
         return ahead
 
     @cute.jit
+    def _issue_block(self, ab_pipe, read_state, tiled_mma, product, tCrA, tCrB):
+        """The WGMMAs of the next block (k-tile) into ``product``, as one commit group; returns
+        (tiled_mma, read_state past it): both carried by the caller's loop."""
+        ab_pipe.consumer_wait(read_state)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        cute.nvgpu.warpgroup.fence()
+        mma_block(tiled_mma, product, tCrA, tCrB, read_state.index)
+        cute.nvgpu.warpgroup.commit_group()
+        read_state.advance()
+        return tiled_mma, read_state
+
+    @cute.jit
+    def _retire_block(self, ab_pipe, release_state, acc, product, multipliers, in_flight: cutlass.Constexpr[int]):
+        """Once all but ``in_flight`` commit groups are done: release the oldest block's stage and
+        promote its ``product`` into acc; returns release_state past it."""
+        cute.nvgpu.warpgroup.wait_group(in_flight)
+        ab_pipe.consumer_release(release_state)
+        release_state.advance()
+        self._promote(acc, product, multipliers)
+        return release_state
+
+    @cute.jit
     def _fp8_overlapped_k_tiles(self, ab_pipe, read_state, release_state, tiled_mma, acc, fp8_args, tile: Tile,
                                 tile_k_tiles, held, n_box, m_total):
         """FP8 varlen-M with ``overlap_promotion``: block k's WGMMAs go into one of two block
@@ -310,48 +332,21 @@ class Sm90Mainloop:
         (ptxas serializes every WGMMA otherwise, C7514). ``held``: block 0's multipliers. Returns
         (tiled_mma, read_state, release_state), the states past the tile's k-tiles."""
         (even, odd), tCrA, tCrB, scales, tCcAcc = fp8_args
-        ab_pipe.consumer_wait(read_state)
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-        cute.nvgpu.warpgroup.fence()
-        mma_block(tiled_mma, even, tCrA, tCrB, read_state.index)
-        cute.nvgpu.warpgroup.commit_group()
-        read_state.advance()
+        tiled_mma, read_state = self._issue_block(ab_pipe, read_state, tiled_mma, even, tCrA, tCrB)
         for pair in range((tile_k_tiles - 1) // 2):
             for product, done in ((odd, even), (even, odd)):  # block 2 pair + 1, then 2 pair + 2
-                ab_pipe.consumer_wait(read_state)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                cute.nvgpu.warpgroup.fence()
-                mma_block(tiled_mma, product, tCrA, tCrB, read_state.index)
-                cute.nvgpu.warpgroup.commit_group()
-                read_state.advance()
+                tiled_mma, read_state = self._issue_block(ab_pipe, read_state, tiled_mma, product, tCrA, tCrB)
                 block = 2 * pair + (1 if product is odd else 2)
                 ahead = self._block_scales(scales, tile, tCcAcc, block, n_box, m_total)  # under its WGMMAs
-                cute.nvgpu.warpgroup.wait_group(1)  # the previous block is done
-                ab_pipe.consumer_release(release_state)
-                release_state.advance()
-                self._promote(acc, done, held)
+                release_state = self._retire_block(ab_pipe, release_state, acc, done, held, 1)
                 held = ahead
         if (tile_k_tiles - 1) % 2 == 1:  # a last, odd block
-            ab_pipe.consumer_wait(read_state)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-            cute.nvgpu.warpgroup.fence()
-            mma_block(tiled_mma, odd, tCrA, tCrB, read_state.index)
-            cute.nvgpu.warpgroup.commit_group()
-            read_state.advance()
+            tiled_mma, read_state = self._issue_block(ab_pipe, read_state, tiled_mma, odd, tCrA, tCrB)
             ahead = self._block_scales(scales, tile, tCcAcc, tile_k_tiles - 1, n_box, m_total)
-            cute.nvgpu.warpgroup.wait_group(1)
-            ab_pipe.consumer_release(release_state)
-            release_state.advance()
-            self._promote(acc, even, held)
-            cute.nvgpu.warpgroup.wait_group(0)
-            ab_pipe.consumer_release(release_state)
-            release_state.advance()
-            self._promote(acc, odd, ahead)
+            release_state = self._retire_block(ab_pipe, release_state, acc, even, held, 1)
+            release_state = self._retire_block(ab_pipe, release_state, acc, odd, ahead, 0)
         else:
-            cute.nvgpu.warpgroup.wait_group(0)
-            ab_pipe.consumer_release(release_state)
-            release_state.advance()
-            self._promote(acc, even, held)
+            release_state = self._retire_block(ab_pipe, release_state, acc, even, held, 0)
         return tiled_mma, read_state, release_state
 
     @cute.jit
