@@ -68,6 +68,7 @@ tests/test_bench.py checks (a), (b) and, where its ops import, (c) there on the 
     python benchmarks/bench_moe_layer.py [--shapes qwen3-30b-a3b,...] [--rounds N] [--out DIR]
     python benchmarks/bench_moe_layer.py --smoke      # T 64, k 2, E 4, H 64, I 64: seconds
     python benchmarks/bench_moe_layer.py --recipe fp8_blockwise   # + the FP8 layer, two regimes
+    python benchmarks/bench_moe_layer.py --profile a,c   # + where each one's step goes (kernels, host)
 """
 
 import argparse
@@ -85,6 +86,8 @@ from common import (
     compile_per_shape,
     device_tag,
     extra_peak_mib,
+    gpu_us_per_kernel,
+    host_us_per_call,
     rotated_medians,
     sustained_ms,
     write_results,
@@ -555,7 +558,20 @@ def table(device: str, results: list) -> str:
     return "\n".join(lines)
 
 
-def run_shape(name: str, shape, rounds: int, window_s: float, recipe: str | None = None) -> dict:
+def profile_contender(label: str, run: Contender, dy, step_ms: float) -> dict:
+    """Where one step of ``run`` goes: GPU time per kernel (torch.profiler), their sum against the
+    measured step (the rest: the GPU idle between kernels), and the host time to issue a step."""
+    kernels = gpu_us_per_kernel(step_fn(run, dy))
+    kernel_ms = sum(kernels.values()) / 1e3
+    host_ms = host_us_per_call(step_fn(run, dy), calls=2, batches=10) / 1e3
+    print(f"  profile {label}: kernels {kernel_ms:.3f} ms of the {step_ms:.3f} ms step (idle {step_ms - kernel_ms:.3f}),"
+          f" host {host_ms:.3f} ms to issue a step, {len(kernels)} kernels", flush=True)
+    for kernel, us in sorted(kernels.items(), key=lambda item: -item[1])[:12]:
+        print(f"    {us:9.1f} us  {kernel[:110]}", flush=True)
+    return {"kernel_ms": kernel_ms, "host_ms": host_ms, "kernels_us": kernels}
+
+
+def run_shape(name: str, shape, rounds: int, window_s: float, recipe: str | None = None, profile=()) -> dict:
     t, k, e, h, i = shape
     print(f"[{name}] T={t} k={k} E={e} H={h} I={i} ...", flush=True)
     p = make_problem(name, shape)
@@ -564,6 +580,10 @@ def run_shape(name: str, shape, rounds: int, window_s: float, recipe: str | None
               "min_rows_per_expert": int(counts.min()), "layer_flops_fwd": p.layer_flops()}
     runs = build_contenders(p, recipe=recipe)
     result["layer"] = measure(runs, check_contenders(runs, p.dy, "a"), p.dy, p.layer_flops(), rounds, window_s)
+    for label in profile:
+        if label in runs and "step_ms" in result["layer"].get(label, {}):
+            result["layer"][label]["profile"] = profile_contender(label, runs[label], p.dy,
+                                                                  result["layer"][label]["step_ms"])
     result["router"] = {}
     if recipe is None:
         runs = build_router_contenders(p)
@@ -592,6 +612,8 @@ def main():
                     "weights cast every step and once per 4 micro-batches; no router rows")
     ap.add_argument("--out", default=None, help="folder for the .json/.md (default: benchmarks/results, with "
                     "--smoke its git-ignored runs/ folder)")
+    ap.add_argument("--profile", default="", help="contenders (e.g. a,c) whose step is also broken down: GPU time "
+                    "per kernel, idle GPU time, host time to issue a step")
     args = ap.parse_args()
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     names = args.shapes.split(",") if args.shapes else list(shapes)
@@ -600,7 +622,8 @@ def main():
         ap.error(f"unknown shapes {unknown}; known: {list(shapes)}")
     window_s = 0.02 if args.smoke else 0.4
     device = torch.cuda.get_device_name()
-    results = [run_shape(name, shapes[name], args.rounds, window_s, args.recipe) for name in names]
+    profile = [label for label in args.profile.split(",") if label]
+    results = [run_shape(name, shapes[name], args.rounds, window_s, args.recipe, profile) for name in names]
     text = table(device, results)
     stem = f"moe_layer{'_' + args.recipe if args.recipe else ''}{'_smoke' if args.smoke else ''}_{device_tag(device)}"
     payload = {"device": device, "routing": ROUTING, "tolerance": TOL, "recipe": args.recipe,
