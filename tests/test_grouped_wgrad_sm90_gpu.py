@@ -334,5 +334,11 @@ def test_argument_errors(monkeypatch):
         grouped_wgrad_sm90(dy, x, off, cluster_m=4)
     with pytest.raises(ValueError, match=f"{name}: tile_n"):
         grouped_wgrad_sm90(dy, x, off, tile_n=64)
+    with pytest.raises(TypeError, match=f"{name}: pingpong must be a bool or None"):
+        grouped_wgrad_sm90(dy, x, off, pingpong=1)
+    with pytest.raises(ValueError, match=f"{name}: pingpong needs tile_n"):
+        grouped_wgrad_sm90(dy, x, off, pingpong=True, tile_n=256)
+    with pytest.raises(ValueError, match=f"{name}: pingpong needs tile_n .* and no main_grad"):
+        grouped_wgrad_sm90(dy, x, off, pingpong=True, main_grad=torch.zeros(2, 32, 16, device="cuda"))
     monkeypatch.setenv("TE_FUSED_OPS_SM_MARGIN", "lots")  # the wrappers read no environment
     grouped_wgrad_sm90(dy, x, off)

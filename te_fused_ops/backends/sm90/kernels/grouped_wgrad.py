@@ -191,7 +191,7 @@ def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m, pingpo
         raise ValueError(f"{_NAME}: tile_n must be one of {tuning.TILE_NS}, got {tile_n!r}")
     if cluster_m not in (None, 1, 2):
         raise ValueError(f"{_NAME}: cluster_m must be 1 or 2, got {cluster_m!r}")
-    if pingpong not in (None, False, True):
+    if pingpong is not None and not isinstance(pingpong, bool):
         raise TypeError(f"{_NAME}: pingpong must be a bool or None, got {type(pingpong).__name__}")
     if pingpong and (tile_n not in (None, *tuning.PINGPONG_TILE_NS) or main_grad is not None):
         raise ValueError(f"{_NAME}: pingpong needs tile_n in {tuning.PINGPONG_TILE_NS} and no main_grad")
