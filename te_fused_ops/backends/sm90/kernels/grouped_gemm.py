@@ -474,8 +474,7 @@ def _launch_config(fn_name, m, n, g, dev, tile_n, cluster_m, sm_margin, tiles=No
     option that is on and rules ping-pong out (None: none)."""
     margin = resolve_sm_margin(sm_margin, fn_name)
     sms = num_sms(dev)
-    if pingpong is not None and not isinstance(pingpong, bool):
-        raise TypeError(f"{fn_name}: pingpong must be a bool or None, got {type(pingpong).__name__}")
+    tuning.check_pingpong(fn_name, pingpong)
     cooperative = choose_config(m, n, g, sms, **(tiles or {}))
     if pingpong is None:
         auto = heuristic_config(m, n, g, sms, tiles, conflict)
@@ -483,7 +482,7 @@ def _launch_config(fn_name, m, n, g, dev, tile_n, cluster_m, sm_margin, tiles=No
         if pingpong:
             tile_n, cluster_m = auto.tile_n, auto.cluster_m
     if pingpong and tile_n is None:
-        tile_n = 192 if cooperative[0] > 128 else 128
+        tile_n = tuning.pingpong_tile_n(cooperative[0])
     tile_n = cooperative[0] if tile_n is None else tile_n
     cluster_m = cooperative[1] if cluster_m is None else cluster_m
     if tile_n not in tuning.TILE_NS or cluster_m not in (1, 2):

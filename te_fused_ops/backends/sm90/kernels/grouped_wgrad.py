@@ -191,8 +191,7 @@ def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m, pingpo
         raise ValueError(f"{_NAME}: tile_n must be one of {tuning.TILE_NS}, got {tile_n!r}")
     if cluster_m not in (None, 1, 2):
         raise ValueError(f"{_NAME}: cluster_m must be 1 or 2, got {cluster_m!r}")
-    if pingpong is not None and not isinstance(pingpong, bool):
-        raise TypeError(f"{_NAME}: pingpong must be a bool or None, got {type(pingpong).__name__}")
+    tuning.check_pingpong(_NAME, pingpong)
     if pingpong and (tile_n not in (None, *tuning.PINGPONG_TILE_NS) or main_grad is not None):
         raise ValueError(f"{_NAME}: pingpong needs tile_n in {tuning.PINGPONG_TILE_NS} and no main_grad")
     if g * n * k == 0 or m == 0:
@@ -201,7 +200,7 @@ def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m, pingpo
     max_ctas = max(1, num_sms(dev) - margin)
     auto_tile_n, auto_cluster_m = choose_config(n, k, max_ctas)
     if pingpong and tile_n is None:
-        tile_n = 192 if auto_tile_n > 128 else 128
+        tile_n = tuning.pingpong_tile_n(auto_tile_n)
     tile_n = tile_n or auto_tile_n
     cluster_m = cluster_m or auto_cluster_m
     max_ctas = max(max_ctas, cluster_m)

@@ -41,6 +41,17 @@ class LaunchConfig(NamedTuple):
     pingpong: bool = False
 
 
+def check_pingpong(fn_name: str, pingpong) -> None:
+    """TypeError naming ``fn_name`` unless ``pingpong`` is a bool or None (1 is not True here)."""
+    if pingpong is not None and not isinstance(pingpong, bool):
+        raise TypeError(f"{fn_name}: pingpong must be a bool or None, got {type(pingpong).__name__}")
+
+
+def pingpong_tile_n(cooperative_tile_n: int) -> int:
+    """The ping-pong tile width in place of a cooperative one: 192 for the wide tiles, else 128."""
+    return 192 if cooperative_tile_n > 128 else 128
+
+
 CANDIDATES = tuple(LaunchConfig(t, c) for t in TILE_NS for c in (1, 2))  # the cooperative ones
 PINGPONG_CANDIDATES = tuple(LaunchConfig(t, c, True) for t in PINGPONG_TILE_NS for c in (1, 2))
 WASTE_MARGIN = 0.01  # 192-wide tiles win where they pad N by at least this share less than 256-wide ones
