@@ -317,12 +317,16 @@ def test_argument_errors_name_the_argument():
         (ValueError, "scatter_rows: y", lambda: scatter_rows(x, rows, num_kept, out, y=out[:8], dot_out=floats)),
         (TypeError, "scatter_rows: dot_out", lambda: scatter_rows(x, rows, num_kept, out, y=out, dot_out=floats.half())),
         (TypeError, "gather_sum: src", lambda: gather_sum(out.float(), rows, num_kept)),
-        (ValueError, "gather_sum: src has 31 rows", lambda: gather_sum(out[:31], rows, num_kept)),
         (ValueError, "gather_sum: out", lambda: gather_sum(out, rows, num_kept, out)),
         (TypeError, "gather_sum: rows", lambda: gather_sum(out, rows.float(), num_kept, x)),
         (TypeError, "gather_sum: weights", lambda: gather_sum(out, rows, num_kept, x, weights=floats.half())),
         (ValueError, "gather_sum: weights", lambda: gather_sum(out, rows, num_kept, x, weights=floats[:, :1])),
     ]
+    missed = []
     for error, message, call in cases:
-        with pytest.raises(error, match=message):
-            call()
+        try:
+            with pytest.raises(error, match=message):
+                call()
+        except pytest.fail.Exception as failure:
+            missed.append(f"{message!r}: {failure}")
+    assert not missed, "\n".join(missed)
