@@ -148,7 +148,8 @@ def run_shape(name):
         "sm90 fp8 t128 overlap": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, tile_n=128,
                                                                overlap_promotion=True),
         "sm90 fp8 t192 + swiglu": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu", tile_n=192),
-        "sm90 fp8 t128 + swiglu": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu", tile_n=128),
+        "sm90 fp8 t128 + swiglu": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu", tile_n=128,
+                                                                overlap_promotion=False),
         "sm90 fp8 t128 overlap + swiglu": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu",
                                                                         tile_n=128, overlap_promotion=True),
         "sm90 bf16 + swiglu, then cast": lambda: block_quantize_sm90(

@@ -118,13 +118,15 @@ def test_tile_192_crosses_scale_blocks(activation, n):
 @pytest.mark.parametrize("k", [16, 208, 384, 1024])  # 1, 2 (partial last), 3 and 8 blocks
 @pytest.mark.parametrize("activation", [None, "swiglu", "scaled_swiglu"])
 def test_overlapped_promotion(activation, k):
-    """Two block products in flight (odd and even block counts, one block): against float64, and bit
-    for bit the kernel that promotes each block before the next one's WGMMAs (the same sum order)."""
+    """Two block products in flight (odd and even block counts, one block; explicitly and as the
+    default at tile 128): against float64, and bit for bit the kernel that promotes each block
+    before the next one's WGMMAs (the same sum order)."""
     n = 256 if activation else 320
-    outs = [run_case(UNEVEN, 1000, k, n, activation, seed=7, tile_n=128, overlap_promotion=overlap)
-            for overlap in (True, False)]
-    for a, b in zip(*outs):
-        assert (a is None and b is None) or torch.equal(a, b)
+    overlapped, default, one_product = (run_case(UNEVEN, 1000, k, n, activation, seed=7, tile_n=128,
+                                                 overlap_promotion=overlap) for overlap in (True, None, False))
+    for outs in (default, one_product):
+        for a, b in zip(overlapped, outs):
+            assert (a is None and b is None) or torch.equal(a, b)
 
 
 @pytest.mark.parametrize("k", [16, 208, 1024])  # one partial block, a partial last block, 8 blocks
