@@ -24,25 +24,24 @@ unpermute_backward = register_rule(FusionRule(
     "unpermute_backward", pattern=(Unpermute,), passes="backward", reference=_backward_reference))
 
 
-def _cast_before_sending_reason(ops, info):
+def _cast_before_moving_reason(ops, info):
     fmt = info.output_format[0] if info.output_format else None
-    if getattr(ops[0], "group", None) is None:
-        return "no group: nothing is sent; the cast runs after the permute"
     if fmt is None or fmt.recipe is None:
         return "no Quantize after the permute"
     if not isinstance(fmt.recipe, Float8BlockScaling):
-        return f"{fmt.recipe.name}: only row-local scales (1x128 blocks) let a token be cast before it is sent"
+        return f"{fmt.recipe.name}: only row-local scales (1x128 blocks) let a token be cast before it is moved"
     if fmt.columns:
-        return "a Transpose after the cast: the column-wise copy needs the received rows"
+        return "a Transpose after the cast: the column-wise copy needs the grouped rows"
     return None
 
 
-def _cast_before_sending(ops, ctxs, x):
+def _cast_before_moving(ops, ctxs, x):
     return ops[0].forward_cast_rows(ctxs[0], x, ctxs[0].output_format)
 
 
-# expert parallel: the Quantize after the permute casts each token before it is sent (FP8 payload)
+# the Quantize after the permute casts each token once (T rows, not T * k) and its E4M3 row and
+# scales move (to the expert rows, or to the ranks as the FP8 payload); the weight gradient's
+# column-wise copy of x is then made from the grouped E4M3 rows
 permute_quantize = register_rule(FusionRule(
-    "permute+quantize", pattern=(Permute,), passes="forward", supports=_cast_before_sending_reason,
-    reference=_cast_before_sending, formats=(1,)))
-
+    "permute+quantize", pattern=(Permute,), passes="forward", supports=_cast_before_moving_reason,
+    reference=_cast_before_moving, formats=(1,)))

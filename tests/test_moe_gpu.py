@@ -83,6 +83,47 @@ def test_fused_equals_torch_backend_and_float64(act, tokens, k, drop, monkeypatc
         assert rel_err(got_fused, expected) <= 2e-2
 
 
+@pytest.mark.parametrize("hidden", [512, 336])  # the scales moved by the row kernel / in torch (3 floats a row)
+def test_fp8_dispatch_casts_each_token_once(hidden, monkeypatch):
+    """Permute + a 1x128 Quantize on one GPU: each token cast once and its E4M3 row and scales
+    moved (rule 'permute+quantize' on sm90): the kept rows bit-equal to the cast of the bf16
+    permuted rows; the FP8 layer around it within the FP8 tolerance of the torch backend's and
+    of the bf16 layer's float64 reference."""
+    indices, probs = routing(5, drop=0.2)
+    x0 = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
+    dispatch = Sequential(Permute(E), tfo.Quantize("fp8_blockwise"))
+    assert "[0:2] Permute, Quantize -> rule 'permute+quantize' (backend sm90)" in dispatch.explain(x0, indices=indices)
+    with torch.no_grad():
+        got = dispatch(x0, indices=indices)
+        rows = Sequential(Permute(E))(x0, indices=indices)
+    want = tfo.quantization.quantize(rows, "fp8_blockwise")
+    kept = int((indices >= 0).sum())
+    assert torch.equal(got.rowwise_data[:kept].view(torch.uint8), want.rowwise_data[:kept].view(torch.uint8))
+    assert torch.equal(got.rowwise_scale_inv[:kept], want.rowwise_scale_inv[:kept])
+
+    dy = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for backend in ("sm90", "torch"):
+        monkeypatch.setenv("TE_FUSED_OPS_BACKEND", backend)
+        torch.manual_seed(0)
+        moe = Sequential(Permute(E), tfo.Quantize("fp8_blockwise"),
+                         GroupedLinear(E, hidden, 2 * I, dtype=torch.bfloat16, device="cuda"), ScaledSwiGLU(),
+                         tfo.Quantize("fp8_blockwise"), tfo.Transpose(),
+                         GroupedLinear(E, I, hidden, dtype=torch.bfloat16, device="cuda"), Unpermute())
+        x = x0.clone().requires_grad_()
+        p = probs.clone().requires_grad_()
+        results[backend] = [step(moe, x, dy, indices=indices, probs=p)] + grads(moe, x, p)
+        monkeypatch.delenv("TE_FUSED_OPS_BACKEND")
+    w1, w2 = (t.detach().double().requires_grad_() for t in (moe[2].weight, moe[6].weight))
+    xd, pd = x0.double().requires_grad_(), probs.double().requires_grad_()
+    ref = moe_layer(xd, indices, pd, w1, w2) + 0 * (xd.sum() + pd.sum() + w1.sum() + w2.sum())
+    want = [ref, *torch.autograd.grad(ref, (xd, pd, w1, w2), dy.double())]
+    for got_fused, got_torch, expected in zip(results["sm90"], results["torch"], want):
+        assert torch.isfinite(got_fused).all()
+        assert rel_err(got_fused, got_torch) <= 2e-2
+        assert rel_err(got_fused, expected) <= 0.1
+
+
 def test_out_of_range_ids_are_dropped_slots_on_cuda():
     moe = layer()
     indices, probs = routing(1)

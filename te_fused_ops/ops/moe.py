@@ -222,24 +222,32 @@ class Permute(BasicOp):
     def op_forward(self, ctx: OpContext, x) -> torch.Tensor:
         return self.forward_rows(ctx, x, rows.scatter_rows)
 
-    def forward_cast_rows(self, ctx: OpContext, x, fmt, move=None) -> QuantizedTensor:
-        """Expert parallel with a 1x128 row-block cast (``fmt``, the folded Quantize) after it: each
-        token is cast once, before sending, and its E4M3 row and scales travel instead of the
-        16-bit row (about half the bytes); rows and scales are grouped as `forward_rows` groups
-        rows. The same values as casting the received rows (the blocks are row-local).
-        ``move(t, routing)``: per-token rows (T, n) -> the grouped received rows (a backend's
-        movers; default the torch ones)."""
+    def forward_cast_rows(self, ctx: OpContext, x, fmt, move=None, cast=None) -> QuantizedTensor:
+        """The permute with a 1x128 row-block cast (``fmt``, the folded Quantize) after it: each
+        token is cast once (T rows, not T * k) and its E4M3 row and scales move instead of the
+        16-bit row (about half the bytes): to the expert-ordered rows, or with a group to the
+        ranks (sent, then grouped as `forward_rows` groups rows). The same values as casting the
+        moved rows (the blocks are row-local). ``move(t, routing)``: per-token rows (T, n) -> the
+        expert-ordered rows (a backend's movers; default the torch ones); ``cast(x, recipe)``:
+        (data (T, H) E4M3, scales (T, ceil(H/128)) float32) (default `quantize`)."""
         routing = ctx.side["routing"]
-        check_tokens("Permute", x, routing.tokens, "tokens, hidden")
-        if move is None:
+        expert_parallel = isinstance(routing, rows.ExpertParallelRouting)
+        check_tokens("Permute", x, routing.tokens if expert_parallel else routing.slot_rows.shape[0], "tokens, hidden")
+        if move is None and expert_parallel:
             def move(t, routing):
                 sent = torch.cat([t, t.new_zeros(1, t.shape[1])]).index_select(0, routing.send_tokens())
                 return rows.scatter_rows(routing.exchange(sent), routing)
+        elif move is None:
+            move = rows.scatter_rows
+        if cast is None:
+            def cast(x, recipe):
+                made = quantize(x, recipe, rowwise=True)
+                return made.rowwise_data, made.rowwise_scale_inv
 
-        cast = quantize(x, fmt.recipe, rowwise=True)
-        data, scale_inv = (move(t, routing) for t in (cast.rowwise_data.view(torch.uint8), cast.rowwise_scale_inv))
-        return QuantizedTensor((data.shape[0], x.shape[1]), x.dtype, x.device, recipe=fmt.recipe, role=cast.role,
-                               rowwise_data=data.view(cast.rowwise_data.dtype), rowwise_scale_inv=scale_inv,
+        data, scale_inv = cast(x, fmt.recipe)
+        data, scale_inv = move(data.view(torch.uint8), routing), move(scale_inv, routing)
+        return QuantizedTensor((data.shape[0], x.shape[1]), x.dtype, x.device, recipe=fmt.recipe, role="activation",
+                               rowwise_data=data.view(torch.float8_e4m3fn), rowwise_scale_inv=scale_inv,
                                offsets=fmt.offsets)
 
     def op_backward(self, ctx: OpContext, dy):

@@ -8,13 +8,19 @@ Expert parallel (``group=``): the same kernels move each token's rows to its sen
 routing's ``send_slot_rows``; unused send rows are not written: the receiving rank drops them)
 and sum the rows that come back into the tokens (weighted by the probs in the combine); the
 received rows are grouped by local expert (k = 1) and back.
+
+FP8 dispatch (``permute+quantize``, a 1x128 Quantize after the permute): each token is cast once
+on the cast kernel and its E4M3 row and scales move as fp16 words (half the bytes of the 16-bit
+row), on one GPU and to the ranks alike.
 """
 
 import torch
 
 from ...ops.moe import check_tokens
 from ...routing import ExpertParallelRouting, Routing
+from ...routing import scatter_rows as torch_scatter_rows
 from .backend import SM90
+from .kernels.block_quantize import block_quantize_sm90
 from .kernels.moe_rows import MAX_SLOTS, VEC, gather_sum, scatter_rows
 
 
@@ -120,19 +126,32 @@ def _unpermute_backward(ops, ctxs, dy):
     return (dy_rows if ctx.input_requires_grad else None), [grads]
 
 
-def _moved_as_half(t: torch.Tensor, routing: ExpertParallelRouting) -> torch.Tensor:
-    """Per-token rows of any dtype (T, n), whole 16-byte vectors, viewed as fp16, sent and grouped."""
-    half = t.contiguous().view(torch.float16)
-    return permuted_rows(routing.exchange(_send_rows(half, routing)), routing).view(t.dtype)
+def _moved_as_half(t: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Per-token rows of any dtype (T, n), viewed as fp16, to the expert rows (expert parallel:
+    sent, then grouped) on the row kernels; one GPU: in torch where a row is not whole 16-byte
+    vectors (the scales of a hidden size that is not a multiple of 512: a few bytes a row)."""
+    if isinstance(routing, ExpertParallelRouting):
+        half = t.contiguous().view(torch.float16)
+        return permuted_rows(routing.exchange(_send_rows(half, routing)), routing).view(t.dtype)
+    if t.shape[1] * t.element_size() % 16:
+        return torch_scatter_rows(t, routing)
+    return permuted_rows(t.contiguous().view(torch.float16), routing).view(t.dtype)
+
+
+def _cast_rows(x: torch.Tensor, recipe):
+    """Each token's 1 x 128 block cast on the cast kernel: (data (T, H), scales (T, ceil(H/128)))."""
+    return block_quantize_sm90(x.contiguous(), 1, recipe.power_2_scales)
 
 
 @SM90.implement("permute+quantize", supports=_supports)
 def _permute_cast(ops, ctxs, x):
-    """The FP8 dispatch: the cast rows and their scales moved by the row kernels (as fp16 words)."""
+    """The FP8 dispatch: each token cast once on the cast kernel, its E4M3 row and scales moved by
+    the row kernels (as fp16 words)."""
     op, ctx = ops[0], ctxs[0]
     routing = ctx.side["routing"]
     hidden = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
-    if hidden % 512 or not _kernels_take(x, routing):  # the E4M3 row and its scales whole 16-byte vectors
+    whole_vectors = hidden % 512 == 0 if isinstance(routing, ExpertParallelRouting) else hidden % 16 == 0
+    if not whole_vectors or not _kernels_take(x, routing):
         return op.forward_cast_rows(ctx, x, ctx.output_format)
-    return op.forward_cast_rows(ctx, x, ctx.output_format, _moved_as_half)
+    return op.forward_cast_rows(ctx, x, ctx.output_format, _moved_as_half, _cast_rows)
 
