@@ -118,9 +118,12 @@ def test_fp8_dispatch_casts_each_token_once(hidden, monkeypatch):
     xd, pd = x0.double().requires_grad_(), probs.double().requires_grad_()
     ref = moe_layer(xd, indices, pd, w1, w2) + 0 * (xd.sum() + pd.sum() + w1.sum() + w2.sum())
     want = [ref, *torch.autograd.grad(ref, (xd, pd, w1, w2), dy.double())]
+    # the weight gradients differ by ~3% between the backends (H100): sm90's FP8 weight gradient
+    # reads column-wise E4M3 copies (x's made from its E4M3 rows), the torch backend's bf16 one
+    # the dequantized rows
     for got_fused, got_torch, expected in zip(results["sm90"], results["torch"], want):
         assert torch.isfinite(got_fused).all()
-        assert rel_err(got_fused, got_torch) <= 2e-2
+        assert rel_err(got_fused, got_torch) <= 5e-2
         assert rel_err(got_fused, expected) <= 0.1
 
 
