@@ -1,7 +1,8 @@
 """The first training step of a fresh process, with and without the on-disk kernel cache.
 
 Each case runs in its own process (`python -m te_fused_ops.precompile`'s layer and step): cache
-off; cache on, empty directory (compile and write); cache on, filled (a later process loads);
+off; cache on, empty directory (compile and write); cache on, filled (a later process loads); cache on,
+empty, the step's kernels compiled in forked workers first (`precompile.compile_step_kernels`);
 then eight processes starting at once on an empty directory (one compiles each kernel, the others
 wait for it and load); and the plain torch step of the same MLP (`bench_train_step.ReferenceMLP`,
 SwiGLU through torch.compile) with an empty and a filled inductor cache. Outputs and gradients of
@@ -41,6 +42,11 @@ def child(layer_args: str, save: str) -> None:
     torch.manual_seed(0)
     layer = precompile.build_layer(args, args.recipe[0], device)
     imported = time.perf_counter()
+    parallel = {}
+    if os.environ.get("BENCH_PARALLEL_COMPILE"):  # the step's kernels compiled in forked workers first
+        throwaway = precompile.build_layer(args, args.recipe[0], device)
+        parallel = precompile.compile_step_kernels(lambda: precompile.run_step(throwaway, args, args.tokens[0], device))
+        del throwaway
     torch.manual_seed(1)
     tensors = precompile.run_step(layer, args, args.tokens[0], device)
     first = time.perf_counter()
@@ -50,7 +56,7 @@ def child(layer_args: str, save: str) -> None:
     torch.save({k: v.cpu() for k, v in tensors.items() if v is not None}, save)
     report = {"import s": imported - started, "first step s": first - imported, "second step s": second - first,
               "to first step s": time.time() - float(os.environ["BENCH_SPAWNED_AT"]) - (second - first),
-              **kernel_cache.stats()}
+              **kernel_cache.stats(), **{f"parallel {k}": v for k, v in parallel.items()}}
     print("REPORT " + json.dumps(report), flush=True)
 
 
@@ -82,9 +88,10 @@ def torch_child(layer_args: str) -> None:
     print("REPORT " + json.dumps(report), flush=True)
 
 
-def spawn(layer_args, save, cache_dir, cache_on, plain_torch=False):
+def spawn(layer_args, save, cache_dir, cache_on, plain_torch=False, parallel=False):
     env = dict(os.environ, TE_FUSED_OPS_KERNEL_CACHE="1" if cache_on else "0", TE_FUSED_OPS_KERNEL_CACHE_DIR=cache_dir,
-               TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"), BENCH_SPAWNED_AT=repr(time.time()))
+               TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"), BENCH_SPAWNED_AT=repr(time.time()),
+               BENCH_PARALLEL_COMPILE="1" if parallel else "")
     mode = ["--torch-child"] if plain_torch else ["--child"]
     return subprocess.Popen([sys.executable, __file__, *mode, layer_args, "--save", save], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -130,6 +137,11 @@ def main():
             runs[label] = save
             rows.append({"case": name, "run": label, **report, "equal": same(runs["cache off"], save)})
             print(rows[-1], flush=True)
+        save = os.path.join(work, f"{name}-parallel.pt".replace(" ", "_"))
+        report, _ = report_of(spawn(layer_args, save, cache_dir + "-parallel", True, parallel=True))
+        rows.append({"case": name, "run": "empty cache, compiled in forked workers", **report,
+                     "equal": same(runs["cache off"], save)})
+        print(rows[-1], flush=True)
         if name == "qwen3 mlp bf16":
             torch_dir = cache_dir + "-torch"
             for label in ("plain torch + inductor, empty cache", "plain torch + inductor, filled cache"):

@@ -14,11 +14,17 @@ Anything else is ignored with a warning and recompiled (and replaced where the d
 
 File layout: ``MAGIC``, a 4-byte little-endian header length, a JSON header {"key", "sha256",
 "tvm_ffi", "symbol"}, then the object file (``payload``).
+
+Compiling in parallel: inside `recording()` a compile that misses memory and disk is put off (the
+launcher returned stands for it and launches nothing until the recording ends) and listed as a
+`CompileRequest`; `compile_in_workers` then compiles the requests in forked processes, each
+writing its entries here, and the first launch after loads them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import hashlib
@@ -27,11 +33,13 @@ import json
 import os
 import pathlib
 import platform
+import signal
 import stat
 import struct
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from importlib import metadata
 
@@ -257,8 +265,24 @@ class DiskCachedCompile:
         memo_key = (args, tuple(sorted(kwargs.items())))
         compiled = self.memo.get(memo_key)
         if compiled is None:
+            deferred = self._defer(args, kwargs) if _RECORDING is not None else None
+            if deferred is not None:
+                return deferred
             compiled = self.memo[memo_key] = self._compile_or_load(args, kwargs)
         return compiled
+
+    def _defer(self, args, kwargs):
+        """Inside `recording()`: a `DeferredLauncher` for a kernel neither in memory nor on disk
+        (None where the cache is off or the entry exists: then it is compiled or loaded now)."""
+        if not enabled() or directory_unsafe_reason(cache_dir()) is not None:
+            return None
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        key = entry_key(self.fn, bound) + f"|tvm_ffi={self.tvm_ffi_of(bound)}"
+        if _entry_path(cache_dir(), key).exists():
+            return None
+        request = _RECORDING.setdefault(key, CompileRequest(self, args, kwargs))
+        return DeferredLauncher(request)
 
     def _compile(self, args, kwargs):
         self.compiled_here += 1
@@ -321,6 +345,113 @@ class DiskCachedCompile:
                 return None
         self.loaded_from_disk += 1
         return loaded
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileRequest:
+    """A compile `recording()` put off: ``compiler(*args, **kwargs)``."""
+
+    compiler: DiskCachedCompile
+    args: tuple
+    kwargs: dict
+
+    def compile(self):
+        """The launcher: from memory or disk, or compiled (and written) here."""
+        return self.compiler(*self.args, **self.kwargs)
+
+
+class DeferredLauncher:
+    """Stands for the launcher of a `CompileRequest`: launching it inside `recording()` does
+    nothing; after, the first launch gets the launcher (`CompileRequest.compile`: from disk once
+    `compile_in_workers` wrote it) and every launch goes to it."""
+
+    def __init__(self, request: CompileRequest):
+        self.request = request
+        self.launcher = None
+
+    def __call__(self, *args, **kwargs):
+        if self.launcher is None:
+            if _RECORDING is not None:
+                return None
+            self.launcher = self.request.compile()
+        return self.launcher(*args, **kwargs)
+
+
+_RECORDING: dict | None = None  # entry key -> CompileRequest while `recording()` is active
+
+
+@contextlib.contextmanager
+def recording():
+    """Inside, every compile that misses memory and disk is put off and the kernel it stands for
+    is not launched (its outputs are left unwritten; kernels found on disk load and run as
+    usual); yields the list the `CompileRequest`s are added to, each once, when the block ends.
+    Needs the cache (`enabled`, a usable `cache_dir`): where it is off, compiles happen as usual."""
+    global _RECORDING
+    if _RECORDING is not None:
+        raise RuntimeError("te_fused_ops kernel cache: recording() is already active")
+    _RECORDING, requests = {}, []
+    try:
+        yield requests
+    finally:
+        requests.extend(_RECORDING.values())
+        _RECORDING = None
+
+
+def _dsl_arch() -> str:
+    """The architecture CuTe DSL compiles for here (detected once, from the GPU, in this process)."""
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    return CuTeDSL._get_dsl().envar.arch
+
+
+def compile_in_workers(requests: list, workers: int, timeout_s: float = 600.0) -> dict:
+    """Compile ``requests`` (`CompileRequest`) into the cache in ``workers`` forked processes
+    (shares taken round-robin). The architecture is read here first and fixed in the children,
+    which compile and write entries only (no CUDA call: a forked child may not make one). A share
+    whose process fails or runs past ``timeout_s`` (killed) is left to the first launch here.
+    Returns {"workers", "requests", "failed workers", "seconds"}."""
+    started = time.perf_counter()
+    shares = [share for share in (requests[i::max(1, workers)] for i in range(max(1, workers))) if share]
+    arch = _dsl_arch() if shares else None
+    target = _target_arch() if shares else None
+    pids = []
+    for share in shares:
+        pid = os.fork()
+        if pid == 0:  # the child: compile, write, leave without running the parent's exit handlers
+            code = 1
+            try:
+                from cutlass.cutlass_dsl import CuTeDSL
+
+                CuTeDSL._get_dsl().envar.arch = arch
+                os.environ["CUTE_DSL_ARCH"] = target
+                for request in share:
+                    request.compile()
+                code = 0
+            except BaseException:  # noqa: BLE001  (reported; the parent compiles what is missing)
+                traceback.print_exc()
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    failed = 0
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                failed += status != 0
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                failed += 1
+                break
+            time.sleep(0.01)
+    if failed:
+        warnings.warn(f"te_fused_ops kernel cache: {failed} of {len(pids)} compile workers failed; their kernels "
+                      "compile here when first launched", stacklevel=2)
+    return {"workers": len(pids), "requests": len(requests), "failed workers": failed,
+            "seconds": time.perf_counter() - started}
 
 
 def disk_cached(export, load, tvm_ffi_of):

@@ -6,6 +6,9 @@ those steps launch is compiled once and written to the cache (`te_fused_ops.kern
 processes, e.g. the ranks of the job, load them instead of compiling. Kernel choices depend on the
 token count, so pass the counts a rank sees (``--tokens`` takes several).
 
+``--jobs N`` first records the steps' kernels (one run with the missing ones put off) and compiles
+them in N forked processes (`compile_step_kernels`), then runs the steps, which load them.
+
 Example (qwen3-30b-a3b experts, bf16 and FP8)::
 
     python -m te_fused_ops.precompile --experts 128 --hidden 2048 --ffn 768 --tokens 8192 \\
@@ -15,6 +18,7 @@ Example (qwen3-30b-a3b experts, bf16 and FP8)::
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -61,6 +65,30 @@ def run_step(layer: Sequential, args, tokens: int, device) -> dict:
     return {"out": out.detach(), "grad x": x.grad, **grads}
 
 
+def compile_step_kernels(step, workers: int | None = None, timeout_s: float = 600.0) -> dict:
+    """Compile every kernel ``step()`` launches in parallel processes, before its first real run.
+
+    ``step`` runs once inside `kernel_cache.recording()`: a kernel missing from the on-disk cache
+    is neither compiled nor launched there, so what that run computes, and any state it updates
+    (gradients, cached weight casts), is garbage: give it a throwaway layer, as the command line
+    does. The kernels are then compiled in ``workers`` forked processes (default: one per kernel,
+    at most the CPUs less one) into the cache, and the next run of ``step`` loads them. Returns
+    `kernel_cache.compile_in_workers`'s report with "record s"; {"skipped": reason} where the
+    cache is off or unusable (then the kernels compile when first launched, as usual)."""
+    if not kernel_cache.enabled():
+        return {"skipped": "TE_FUSED_OPS_KERNEL_CACHE=0 turns the cache off"}
+    reason = kernel_cache.directory_unsafe_reason(kernel_cache.cache_dir())
+    if reason:
+        return {"skipped": f"cache directory not usable: {reason}"}
+    started = time.perf_counter()
+    with kernel_cache.recording() as requests:
+        step()
+    recorded = time.perf_counter() - started
+    if workers is None:
+        workers = min(len(requests), max(1, (os.cpu_count() or 2) - 1))
+    return {**kernel_cache.compile_in_workers(requests, workers, timeout_s), "record s": recorded}
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m te_fused_ops.precompile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--experts", type=int, required=True, help="experts (groups) on this rank")
@@ -72,6 +100,8 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--moe", action="store_true", help="the routed layer: Permute .. Unpermute around the MLP")
     parser.add_argument("--topk", type=int, default=8, help="slots per token with --moe")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="compile the steps' kernels in this many processes first (forked; 1: one after another)")
     args = parser.parse_args(argv)
     args.dtype = getattr(torch, args.dtype)
     args.recipe = args.recipe or ["bf16"]
@@ -90,6 +120,17 @@ def main(argv=None) -> int:
     if not kernel_cache.enabled():
         raise SystemExit("te_fused_ops.precompile: TE_FUSED_OPS_KERNEL_CACHE=0 turns the cache off")
     started = time.perf_counter()
+    if args.jobs > 1:
+        layers = {recipe: build_layer(args, recipe, device) for recipe in args.recipe}
+
+        def every_step():
+            for recipe, layer in layers.items():
+                for tokens in args.tokens:
+                    run_step(layer, args, tokens, device)
+
+        report = compile_step_kernels(every_step, args.jobs)
+        print(f"{report['requests']} kernels compiled in {report['workers']} processes: {report['seconds']:.1f} s "
+              f"(recording the steps {report['record s']:.1f} s, {report['failed workers']} failed)", flush=True)
     for recipe in args.recipe:
         layer = build_layer(args, recipe, device)
         for tokens in args.tokens:

@@ -314,3 +314,103 @@ def test_cache_off_compiles_in_every_process(cache, monkeypatch):
     cached.cache_clear()
     cached(7)
     assert stand_in.compiles == 2 and not list(cache.glob("*.tfok"))
+
+
+class _Launcher:
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self, offset=0):
+        return self.value + offset
+
+
+class _LaunchingStandIn(_StandIn):
+    """`_StandIn` whose launchers are callables; ``fail_in_child``: compiling fails in any other
+    process than the one that made it."""
+
+    def __init__(self, fail_in_child=False):
+        super().__init__()
+        self.parent, self.fail_in_child = os.getpid(), fail_in_child
+
+    def compile(self, n, scale=1, tvm_ffi=None):
+        if self.fail_in_child and os.getpid() != self.parent:
+            raise RuntimeError("compiler broke in the worker")
+        self.compiles += 1
+        return _Launcher(n * scale)
+
+    def export(self, compiled, path, symbol, tvm_ffi):
+        path.write_bytes(json.dumps([symbol, compiled.value]).encode())
+
+    def load(self, path, symbol, tvm_ffi):
+        self.loads += 1
+        return _Launcher(json.loads(path.read_bytes())[1])
+
+
+def test_recording_defers_missing_kernels_and_workers_write_them(cache):
+    stand_in = _LaunchingStandIn()
+    cached = _cached(stand_in)
+    cached(4)  # already on disk: loaded and launched as usual while recording
+    cached.cache_clear()
+    with kernel_cache.recording() as requests:
+        deferred = cached(3, scale=2)
+        assert isinstance(deferred, kernel_cache.DeferredLauncher)
+        assert deferred() is None  # not launched
+        assert cached(3, 2) is not deferred  # another stand-in for the same request ...
+        assert cached(4)() == 4
+    assert len(requests) == 1 and stand_in.compiles == 1  # ... listed once; nothing compiled here
+    report = kernel_cache.compile_in_workers(requests, workers=4)
+    assert report["workers"] == 1 and report["failed workers"] == 0 and report["requests"] == 1
+    assert len(list(cache.glob("*.tfok"))) == 2  # the worker wrote the entry
+    loads = stand_in.loads
+    assert deferred(offset=1) == 7 and deferred() == 6  # the first launch loads it, later ones reuse it
+    assert stand_in.compiles == 1 and stand_in.loads == loads + 1
+
+
+def test_a_failed_worker_leaves_the_kernel_to_the_first_launch(cache):
+    stand_in = _LaunchingStandIn(fail_in_child=True)
+    cached = _cached(stand_in)
+    with kernel_cache.recording() as requests:
+        deferred = cached(5)
+    with pytest.warns(UserWarning, match="1 of 1 compile workers failed"):
+        report = kernel_cache.compile_in_workers(requests, workers=2)
+    assert report["failed workers"] == 1 and not list(cache.glob("*.tfok"))
+    assert deferred() == 5 and stand_in.compiles == 1  # compiled here, at the first launch
+
+
+def test_recording_with_the_cache_off_compiles_as_usual(cache, monkeypatch):
+    monkeypatch.setenv("TE_FUSED_OPS_KERNEL_CACHE", "0")
+    stand_in = _LaunchingStandIn()
+    cached = _cached(stand_in)
+    with kernel_cache.recording() as requests:
+        assert cached(6)() == 6
+    assert requests == [] and stand_in.compiles == 1
+    with pytest.raises(RuntimeError, match="already active"), kernel_cache.recording(), kernel_cache.recording():
+        pass
+
+
+def test_compile_step_kernels_skips_without_a_cache(monkeypatch):
+    from te_fused_ops import precompile
+
+    monkeypatch.setenv("TE_FUSED_OPS_KERNEL_CACHE", "0")
+    ran = []
+    assert "turns the cache off" in precompile.compile_step_kernels(lambda: ran.append(1))["skipped"] and not ran
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed")
+def test_compile_step_kernels_compiles_in_a_forked_worker(cache, monkeypatch):
+    """A real kernel (sm_90a, cross-compiled): the step's compile is put off, a forked worker
+    compiles and writes it, this process loads it at the next call instead of compiling."""
+    import torch
+
+    from te_fused_ops import precompile
+    from te_fused_ops.backends.sm90.kernels.split_offsets import compile_split_offsets
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    compile_split_offsets.cache_clear()
+    compiled, loaded = compile_split_offsets.compiled_here, compile_split_offsets.loaded_from_disk
+    report = precompile.compile_step_kernels(lambda: compile_split_offsets(torch.int32, tvm_ffi=False), workers=2)
+    assert report["requests"] == 1 and report["workers"] == 1 and report["failed workers"] == 0
+    assert len(list(cache.glob("*.tfok"))) == 1 and compile_split_offsets.compiled_here == compiled
+    assert callable(compile_split_offsets(torch.int32, tvm_ffi=False))
+    assert compile_split_offsets.loaded_from_disk == loaded + 1 and compile_split_offsets.compiled_here == compiled
+    compile_split_offsets.cache_clear()
