@@ -129,6 +129,7 @@ def main(argv=None) -> int:
                     run_step(layer, args, tokens, device)
 
         report = compile_step_kernels(every_step, args.jobs)
+        del layers, every_step  # the recording run's layers hold garbage: built again below
         print(f"{report['requests']} kernels compiled in {report['workers']} processes: {report['seconds']:.1f} s "
               f"(recording the steps {report['record s']:.1f} s, {report['failed workers']} failed)", flush=True)
     for recipe in args.recipe:
