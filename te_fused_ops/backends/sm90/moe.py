@@ -20,11 +20,11 @@ from ...ops.moe import check_tokens
 from ...routing import ExpertParallelRouting, Routing
 from ...routing import scatter_rows as torch_scatter_rows
 from .backend import SM90
-from .kernels.block_quantize import block_quantize_sm90
+from .kernels.block_quantize import block_columns_sm90, block_quantize_sm90
 from .kernels.moe_rows import MAX_SLOTS, VEC, gather_sum, scatter_rows
 
 
-def _supports(ops, info):
+def rows_supported_reason(ops, info):
     if info.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {str(info.dtype).removeprefix('torch.')} not supported (bf16, fp16)"
     if info.input_recipe[0] is not None:
@@ -59,7 +59,7 @@ def _token_sums(sent: torch.Tensor, routing: ExpertParallelRouting, weights=None
     return gather_sum(sent, routing.send_slot_rows, routing.send_kept, weights=weights)
 
 
-@SM90.implement("permute", supports=_supports)
+@SM90.implement("permute", supports=rows_supported_reason)
 def _permute(ops, ctxs, x):
     op, ctx = ops[0], ctxs[0]
     routing = ctx.side["routing"]
@@ -71,7 +71,7 @@ def _permute(ops, ctxs, x):
     return op.forward_rows(ctx, x, permuted_rows)
 
 
-@SM90.implement("permute_backward", supports=_supports)
+@SM90.implement("permute_backward", supports=rows_supported_reason)
 def _permute_backward(ops, ctxs, dy):
     op, ctx = ops[0], ctxs[0]
     routing = ctx.side["routing"]
@@ -84,7 +84,7 @@ def _permute_backward(ops, ctxs, dy):
     return received, [{}]
 
 
-@SM90.implement("unpermute", supports=_supports)
+@SM90.implement("unpermute", supports=rows_supported_reason)
 def _unpermute(ops, ctxs, y):
     op, ctx = ops[0], ctxs[0]
     routing = ctx.side["routing"]
@@ -101,8 +101,27 @@ def _unpermute(ops, ctxs, y):
     return gather_sum(y.contiguous(), routing.slot_rows, routing.num_kept, weights=probs)
 
 
-@SM90.implement("unpermute_backward", supports=_supports)
-def _unpermute_backward(ops, ctxs, dy):
+def combine_backward_cast(ctx, dy, recipe, offsets, columns: bool):
+    """The combine's backward with the next GroupedLinear's 1x128 cast of dy in it: each token's
+    row of dy (T, H) cast once (all its expert rows are copies of it), the E4M3 row and scales
+    moved to the token's kept expert rows, and with ``columns`` the per-group column-wise copy
+    made from them (`block_columns_sm90` on E4M3 rows). ((data (M, H), multipliers
+    (M, ceil(H/128))), `BlockColumns` or None), as `fp8_grad_casts` returns them; None where it
+    does not apply (expert parallel, probabilities applied in the combine, rows the kernels do not
+    take): then the combine's backward runs as usual."""
+    routing = ctx.side["routing"]
+    if (isinstance(routing, ExpertParallelRouting) or ctx.side.get("probs") is not None
+            or not ctx.input_requires_grad or dy.dim() != 2 or dy.shape[1] % 16 or not _kernels_take(dy, routing)):
+        return None
+    data, scales = block_quantize_sm90(dy.contiguous(), 1, recipe.power_2_scales)
+    rows = _moved_as_half(data, routing), _moved_as_half(scales, routing)
+    if not columns:
+        return rows, None
+    return rows, block_columns_sm90(rows[0], offsets, x_scale_inv=rows[1], power_2_scales=recipe.power_2_scales)
+
+
+@SM90.implement("unpermute_backward", supports=rows_supported_reason)
+def unpermute_backward(ops, ctxs, dy):
     op, ctx = ops[0], ctxs[0]
     routing, probs = ctx.side["routing"], ctx.side.get("probs")
     if not _kernels_take(dy, routing):
@@ -143,7 +162,7 @@ def _cast_rows(x: torch.Tensor, recipe):
     return block_quantize_sm90(x.contiguous(), 1, recipe.power_2_scales)
 
 
-@SM90.implement("permute+quantize", supports=_supports)
+@SM90.implement("permute+quantize", supports=rows_supported_reason)
 def _permute_cast(ops, ctxs, x):
     """The FP8 dispatch: each token cast once on the cast kernel, its E4M3 row and scales moved by
     the row kernels (as fp16 words)."""
@@ -154,4 +173,5 @@ def _permute_cast(ops, ctxs, x):
     if not whole_vectors or not _kernels_take(x, routing):
         return op.forward_cast_rows(ctx, x, ctx.output_format)
     return op.forward_cast_rows(ctx, x, ctx.output_format, _moved_as_half, _cast_rows)
+
 
