@@ -49,6 +49,14 @@ def grads(moe, x, probs=None):
                                                                       if p.requires_grad]
 
 
+def float64_layer(w1, w2, x0, indices, probs, dy):
+    """The bf16 layer's output and gradients (x, probs, w1, w2) in float64 (`reference.moe_layer`)."""
+    w1, w2 = (t.detach().double().requires_grad_() for t in (w1, w2))
+    xd, pd = x0.double().requires_grad_(), probs.double().requires_grad_()
+    ref = moe_layer(xd, indices, pd, w1, w2) + 0 * (xd.sum() + pd.sum() + w1.sum() + w2.sum())
+    return [ref, *torch.autograd.grad(ref, (xd, pd, w1, w2), dy.double())]
+
+
 def test_sm90_row_rules_are_planned():
     moe = layer()
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -73,10 +81,7 @@ def test_fused_equals_torch_backend_and_float64(act, tokens, k, drop, monkeypatc
         y = step(moe, x, dy, indices=indices, probs=p)
         results[backend] = [y] + grads(moe, x, p)
         monkeypatch.delenv("TE_FUSED_OPS_BACKEND")
-    w1, w2 = (t.detach().double().requires_grad_() for t in (moe[1].weight, moe[3].weight))
-    xd, pd = x0.double().requires_grad_(), probs.double().requires_grad_()
-    ref = moe_layer(xd, indices, pd, w1, w2) + 0 * (xd.sum() + pd.sum() + w1.sum() + w2.sum())
-    want = [ref, *torch.autograd.grad(ref, (xd, pd, w1, w2), dy.double())]
+    want = float64_layer(moe[1].weight, moe[3].weight, x0, indices, probs, dy)
     for got_fused, got_torch, expected in zip(results["sm90"], results["torch"], want):
         assert torch.isfinite(got_fused).all()
         assert rel_err(got_fused, got_torch) <= 2e-2
@@ -117,10 +122,7 @@ def test_fp8_dispatch_casts_each_token_once(hidden, monkeypatch):
                     in moe.explain(x, indices=indices, probs=p))
         results[backend] = [step(moe, x, dy, indices=indices, probs=p)] + grads(moe, x, p)
         monkeypatch.delenv("TE_FUSED_OPS_BACKEND")
-    w1, w2 = (t.detach().double().requires_grad_() for t in (moe[2].weight, moe[6].weight))
-    xd, pd = x0.double().requires_grad_(), probs.double().requires_grad_()
-    ref = moe_layer(xd, indices, pd, w1, w2) + 0 * (xd.sum() + pd.sum() + w1.sum() + w2.sum())
-    want = [ref, *torch.autograd.grad(ref, (xd, pd, w1, w2), dy.double())]
+    want = float64_layer(moe[2].weight, moe[6].weight, x0, indices, probs, dy)
     # the weight gradients differ by ~3% between the backends (H100): sm90's FP8 weight gradient
     # reads column-wise E4M3 copies (x's made from its E4M3 rows), the torch backend's bf16 one
     # the dequantized rows
