@@ -49,6 +49,8 @@ def _combine_casts_dy(ops, info):
     reason = _feeds_fc1_cast(ops, info)
     if reason:
         return reason
+    if getattr(ops[3], "group", None) is not None:
+        return "expert parallel: the combine's rows come back from the ranks (its backward runs alone)"
     recipe = info.input_format[2].recipe
     if not isinstance(recipe, Float8BlockScaling):
         return f"FC2's input is {recipe.name}: only 1x128 row blocks let a token's gradient be cast once for its slots"
