@@ -559,16 +559,18 @@ def table(device: str, results: list) -> str:
 
 
 def profile_contender(label: str, run: Contender, dy, step_ms: float) -> dict:
-    """Where one step of ``run`` goes: GPU time per kernel (torch.profiler), their sum against the
-    measured step (the rest: the GPU idle between kernels), and the host time to issue a step."""
-    kernels = gpu_us_per_kernel(step_fn(run, dy))
+    """Where one step of ``run`` goes: GPU time and launches per kernel (torch.profiler, one step
+    at the profiler's clock, not the timed one's: their sum against the step is a rough idle
+    estimate), and the host time to issue a step."""
+    launches = {}
+    kernels = gpu_us_per_kernel(step_fn(run, dy), launches)
     kernel_ms = sum(kernels.values()) / 1e3
     host_ms = host_us_per_call(step_fn(run, dy), calls=2, batches=10) / 1e3
     print(f"  profile {label}: kernels {kernel_ms:.3f} ms of the {step_ms:.3f} ms step (idle {step_ms - kernel_ms:.3f}),"
           f" host {host_ms:.3f} ms to issue a step, {len(kernels)} kernels", flush=True)
     for kernel, us in sorted(kernels.items(), key=lambda item: -item[1])[:12]:
-        print(f"    {us:9.1f} us  {kernel[:110]}", flush=True)
-    return {"kernel_ms": kernel_ms, "host_ms": host_ms, "kernels_us": kernels}
+        print(f"    {us:9.1f} us  x{launches[kernel]:<3d} {kernel[:110]}", flush=True)
+    return {"kernel_ms": kernel_ms, "host_ms": host_ms, "kernels_us": kernels, "launches": launches}
 
 
 def run_shape(name: str, shape, rounds: int, window_s: float, recipe: str | None = None, profile=()) -> dict:

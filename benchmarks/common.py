@@ -165,8 +165,9 @@ def sustained_ms(fn, warm_s: float = 0.4, time_s: float = 0.4) -> float:
     return times[len(times) // 2]
 
 
-def gpu_us_per_kernel(fn) -> dict:
-    """GPU microseconds per kernel name in one call of ``fn`` after a warm-up call (torch.profiler)."""
+def gpu_us_per_kernel(fn, launches: dict | None = None) -> dict:
+    """GPU microseconds per kernel name in one call of ``fn`` after a warm-up call (torch.profiler);
+    ``launches``: filled with each name's launch count."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -179,6 +180,8 @@ def gpu_us_per_kernel(fn) -> dict:
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernels[event.name] = kernels.get(event.name, 0.0) + event.device_time_total
+            if launches is not None:
+                launches[event.name] = launches.get(event.name, 0) + 1
     return kernels
 
 
