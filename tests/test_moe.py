@@ -131,6 +131,33 @@ def test_explain_names_the_side_values():
     assert "side values: TopKRouter (op 0) -> indices [ops 1], probs [ops 3, 5]; Permute (op 1)" in text
 
 
+def test_fp8_layer_casts_each_token_once_in_dispatch():
+    """The FP8 layer (a 1x128 Quantize after the permute): the dispatch folds the cast (each token
+    cast once, rule 'permute+quantize' without a group); on the torch path the ops' own passes:
+    bit for bit the unfused layer."""
+    from te_fused_ops import Quantize, Transpose
+
+    def fp8_layer(fuse):
+        torch.manual_seed(0)
+        return Sequential(Permute(E), Quantize("fp8_blockwise"), GroupedLinear(E, 128, 256), ScaledSwiGLU(),
+                          Quantize("fp8_blockwise"), Transpose(), GroupedLinear(E, 128, 128), Unpermute(), fuse=fuse)
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(24, 128, generator=gen).requires_grad_()
+    indices = torch.randint(-1, E, (24, 2), generator=gen)
+    probs = torch.rand(24, 2, generator=gen).requires_grad_()
+    fused, unfused = fp8_layer(True), fp8_layer(False)
+    assert "[0:2] Permute, Quantize -> rule 'permute+quantize'" in fused.explain(x, indices=indices, probs=probs)
+    results = []
+    for moe in (fused, unfused):
+        x.grad = probs.grad = None
+        y = moe(x, indices=indices, probs=probs)
+        y.square().sum().backward()
+        results.append([y.detach(), x.grad.clone(), probs.grad.clone(), moe[2].weight.grad, moe[6].weight.grad])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_bad_input_names_op_and_argument():
     moe = layer()
     x, indices, probs = inputs(8, 2)
