@@ -274,15 +274,21 @@ class DiskCachedCompile:
     def _defer(self, args, kwargs):
         """Inside `recording()`: a `DeferredLauncher` for a kernel neither in memory nor on disk
         (None where the cache is off or the entry exists: then it is compiled or loaded now)."""
-        if not enabled() or directory_unsafe_reason(cache_dir()) is not None:
+        directory = cache_dir()
+        if not enabled() or directory_unsafe_reason(directory) is not None:
             return None
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        key = entry_key(self.fn, bound) + f"|tvm_ffi={self.tvm_ffi_of(bound)}"
-        if _entry_path(cache_dir(), key).exists():
+        key, _ = self._entry_key(args, kwargs)
+        if _entry_path(directory, key).exists():
             return None
         request = _RECORDING.setdefault(key, CompileRequest(self, args, kwargs))
         return DeferredLauncher(request)
+
+    def _entry_key(self, args, kwargs) -> tuple[str, bool]:
+        """(the cache entry's key of this call, whether it asks for the TVM-FFI launcher)."""
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        tvm_ffi = self.tvm_ffi_of(bound)
+        return entry_key(self.fn, bound) + f"|tvm_ffi={tvm_ffi}", tvm_ffi
 
     def _compile(self, args, kwargs):
         self.compiled_here += 1
@@ -300,10 +306,7 @@ class DiskCachedCompile:
         if reason:
             _warn(f"directory not used: {reason}")
             return self._compile(args, kwargs)
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        tvm_ffi = self.tvm_ffi_of(bound)
-        key = entry_key(self.fn, bound) + f"|tvm_ffi={tvm_ffi}"
+        key, tvm_ffi = self._entry_key(args, kwargs)
         path = _entry_path(directory, key)
         symbol = "tfo_" + path.stem[:24]
         with entry_lock(path):
@@ -411,7 +414,8 @@ def compile_in_workers(requests: list, workers: int, timeout_s: float = 600.0) -
     whose process fails or runs past ``timeout_s`` (killed) is left to the first launch here.
     Returns {"workers", "requests", "failed workers", "seconds"}."""
     started = time.perf_counter()
-    shares = [share for share in (requests[i::max(1, workers)] for i in range(max(1, workers))) if share]
+    workers = max(1, workers)
+    shares = [share for share in (requests[i::workers] for i in range(workers)) if share]
     arch = _dsl_arch() if shares else None
     target = _target_arch() if shares else None
     pids = []
