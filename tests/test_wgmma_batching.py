@@ -49,6 +49,9 @@ COMPILE = {  # name: Python that compiles one configuration (torch as torch, bf1
                                                   " c(bf16, 'swiglu', False, False, 2, 128, overlap_promotion=True)",
     "FP8 forward + SwiGLU": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_gemm_fp8 as c;"
                             "c(bf16, 'swiglu', False, False, 2, 128)",
+    "FP8 forward + SwiGLU tile 256, half products": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
+                                                    " compile_grouped_gemm_fp8 as c; c(bf16, 'swiglu', False, False, 2,"
+                                                    " 256)",
     "FP8 dgrad + dSwiGLU, d_pre cast": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
                                        " compile_grouped_dgrad_dact_quant_fp8 as c; c(bf16, 'swiglu', False, 2, False)",
 }
@@ -104,6 +107,14 @@ def machine_code(tmp_path_factory):
         sass[name] = [subprocess.run([nvdisasm, "-c", f], check=True, capture_output=True, text=True).stdout
                       for f in cubins]
     return sass
+
+
+@pytest.mark.parametrize("name", [name for name in COMPILE if name.startswith("FP8")])
+def test_fp8_kernels_keep_registers(name, machine_code):
+    """The FP8 kernels hold the accumulator and the block products (tile 256: a half) without
+    local memory."""
+    for sass in machine_code[name]:
+        assert "LDL" not in sass and "STL" not in sass, f"{name}: local memory"
 
 
 @pytest.mark.parametrize("name", list(COMPILE))
