@@ -123,13 +123,18 @@ def test_fp8_dispatch_casts_each_token_once(hidden, monkeypatch):
         results[backend] = [step(moe, x, dy, indices=indices, probs=p)] + grads(moe, x, p)
         monkeypatch.delenv("TE_FUSED_OPS_BACKEND")
     want = float64_layer(moe[2].weight, moe[6].weight, x0, indices, probs, dy)
-    # the weight gradients differ by ~3% between the backends (H100): sm90's FP8 weight gradient
-    # reads column-wise E4M3 copies (x's made from its E4M3 rows), the torch backend's bf16 one
-    # the dequantized rows
-    for got_fused, got_torch, expected in zip(results["sm90"], results["torch"], want):
+    # Against the bf16 layer in float64 both backends are ~6% off (the FP8 forward). Output, dx and
+    # d_probs agree within 2% across backends; the weight gradients only within ~6% (H100: dW1 3%,
+    # dW2 5.8%), since sm90's are FP8 GEMMs on column-wise E4M3 copies made from the E4M3 rows (a
+    # second rounding) and the torch backend's are bf16 GEMMs: so each fused gradient must be as
+    # close to float64 as the torch backend's (measured: within 8%), not close to it.
+    errors = {name: (rel_err(f, t), rel_err(f, e), rel_err(t, e)) for name, f, t, e
+              in zip(("out", "dx", "dprobs", "dw1", "dw2"), results["sm90"], results["torch"], want)}
+    for got_fused in results["sm90"]:
         assert torch.isfinite(got_fused).all()
-        assert rel_err(got_fused, got_torch) <= 5e-2
-        assert rel_err(got_fused, expected) <= 0.1
+    for name, (vs_torch, vs_float64, torch_vs_float64) in errors.items():
+        assert vs_torch <= (3e-2 if name in ("out", "dx", "dprobs") else 8e-2), (name, errors)
+        assert vs_float64 <= 1.15 * torch_vs_float64, (name, errors)
 
 
 @pytest.mark.parametrize("hidden", [512, 336])
