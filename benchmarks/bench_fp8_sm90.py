@@ -118,6 +118,8 @@ def run_shape(name):
                                x8, w8, offsets, "fp8 t192"),
         "sm90 fp8 t128 overlap": check(grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, out=poisoned.clone(), tile_n=128,
                                                              overlap_promotion=True)[0], x8, w8, offsets, "fp8 overlap"),
+        "sm90 fp8 t256": check(grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, out=poisoned.clone(), tile_n=256)[0],
+                               x8, w8, offsets, "fp8 t256"),
     }
     # FC1 + SwiGLU + E4M3 cast, fused: the same bytes as the plain kernel's act cast afterwards
     _, act = grouped_gemm_sm90(xb, wb, offsets, activation="swiglu", tile_n=256)
@@ -148,6 +150,7 @@ def run_shape(name):
         "sm90 fp8 t128 overlap": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, tile_n=128,
                                                                overlap_promotion=True),
         "sm90 fp8 t192 + swiglu": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu", tile_n=192),
+        "sm90 fp8 t256": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, tile_n=256),
         "sm90 fp8 t128 + swiglu": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu", tile_n=128,
                                                                 overlap_promotion=False),
         "sm90 fp8 t128 overlap + swiglu": lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu",
@@ -163,6 +166,9 @@ def run_shape(name):
             grouped_gemm_sm90(xb, wb, offsets, activation="swiglu", tile_n=256)[1], 1, offsets),
         "sm90 bf16 + swiglu + amax, then current cast": lambda: current_cast_from_epilogue(xb, wb, offsets),
     }
+    if (n // 2) % 128 == 0:  # tile 256 with a GLU: each half of the tile inside one W scale block
+        variants["sm90 fp8 t256 + swiglu"] = lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu",
+                                                                           tile_n=256)
     flops = 2 * int(offsets[-1]) * n * h
     times = rotated_medians(variants, bench_us)
     quantize_us = {  # the forward's casts: x in 1 x 128 blocks, W in 128 x 128 (bf16 inputs)

@@ -102,7 +102,7 @@ def test_act_amax_from_the_epilogue(activation, cluster_m, tile_n):
 
 @pytest.mark.parametrize("activation", [None, "swiglu", "scaled_swiglu", "srelu"])
 @pytest.mark.parametrize("cluster_m", [1, 2])
-@pytest.mark.parametrize("tile_n", [128, 192])
+@pytest.mark.parametrize("tile_n", [128, 192, 256])
 def test_epilogues(activation, cluster_m, tile_n):
     run_case(UNEVEN, 1000, 512, 256, activation, has_bias=activation == "swiglu", cluster_m=cluster_m, tile_n=tile_n)
 
@@ -113,6 +113,18 @@ def test_tile_192_crosses_scale_blocks(activation, n):
     # 128-row block of W, so a tile's columns take the multipliers of two blocks; n 520: a partial
     # last tile in a partial last block
     run_case(UNEVEN, 1000, 384, n, activation, tile_n=192)
+
+
+@pytest.mark.parametrize("activation,n", [(None, 768), (None, 520), ("swiglu", 768), ("swiglu", 1536)])
+def test_tile_256_halves_take_their_scale_blocks(activation, n):
+    """Tile 256 takes each block's product in two 128-column halves, each promoted with its own W
+    block's multipliers (blocks 1x / 4x / 16x apart: a half scaled with its neighbour's is off by
+    4x); several n-tiles, a partial last tile (n 520), and for GLU the up half of each tile from
+    the second half of W; bit for bit the 128-wide tile (the same block sums in the same order)."""
+    wide = run_case(UNEVEN, 1000, 384, n, activation, tile_n=256)
+    narrow = run_case(UNEVEN, 1000, 384, n, activation, tile_n=128, overlap_promotion=False)
+    for a, b in zip(wide, narrow):
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 @pytest.mark.parametrize("k", [16, 208, 384, 1024])  # 1, 2 (partial last), 3 and 8 blocks
@@ -215,8 +227,11 @@ def test_argument_errors():
                               activation="swiglu")
     with pytest.raises(TypeError, match=f"{name}: out_dtype"):
         grouped_gemm_fp8_sm90(xq, xs, wq, ws, off, out_dtype=torch.float32)
-    with pytest.raises(ValueError, match=f"{name}: tile_n must be 128 or 192"):
-        grouped_gemm_fp8_sm90(xq, xs, wq, ws, off, tile_n=256)
+    with pytest.raises(ValueError, match=f"{name}: tile_n must be 128, 192 or 256"):
+        grouped_gemm_fp8_sm90(xq, xs, wq, ws, off, tile_n=64)
+    with pytest.raises(ValueError, match=f"{name}: tile_n 256 with 'swiglu' needs N/2 a multiple of 128"):
+        grouped_gemm_fp8_sm90(xq, xs, wq.new_zeros(2, 384, wq.shape[2]), ws.new_ones(2, 3, ws.shape[2]), off,
+                              activation="swiglu", tile_n=256)
     with pytest.raises(ValueError, match=f"{name}: overlap_promotion needs tile_n 128"):
         grouped_gemm_fp8_sm90(xq, xs, wq, ws, off, tile_n=192, overlap_promotion=True)
     with pytest.raises(TypeError, match=f"{name}: overlap_promotion must be a bool"):

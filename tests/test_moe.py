@@ -131,10 +131,10 @@ def test_explain_names_the_side_values():
     assert "side values: TopKRouter (op 0) -> indices [ops 1], probs [ops 3, 5]; Permute (op 1)" in text
 
 
-def test_fp8_layer_casts_each_token_once_in_dispatch():
-    """The FP8 layer (a 1x128 Quantize after the permute): the dispatch folds the cast (each token
-    cast once, rule 'permute+quantize' without a group); on the torch path the ops' own passes:
-    bit for bit the unfused layer."""
+def test_fp8_layer_casts_in_dispatch_and_combine_backward():
+    """The FP8 layer (a 1x128 Quantize after the permute, FC2's input cast with its column copy):
+    the dispatch folds the cast (each token cast once), the combine's backward folds FC2's cast of
+    dy; on the torch path both are the ops' own passes: bit for bit the unfused layer."""
     from te_fused_ops import Quantize, Transpose
 
     def fp8_layer(fuse):
@@ -147,7 +147,9 @@ def test_fp8_layer_casts_each_token_once_in_dispatch():
     indices = torch.randint(-1, E, (24, 2), generator=gen)
     probs = torch.rand(24, 2, generator=gen).requires_grad_()
     fused, unfused = fp8_layer(True), fp8_layer(False)
-    assert "[0:2] Permute, Quantize -> rule 'permute+quantize'" in fused.explain(x, indices=indices, probs=probs)
+    text = fused.explain(x, indices=indices, probs=probs)
+    assert "[0:2] Permute, Quantize -> rule 'permute+quantize'" in text
+    assert "rule 'grouped_linear+dactivation+grouped_linear+unpermute'" in text
     results = []
     for moe in (fused, unfused):
         x.grad = probs.grad = None
@@ -156,6 +158,9 @@ def test_fp8_layer_casts_each_token_once_in_dispatch():
         results.append([y.detach(), x.grad.clone(), probs.grad.clone(), moe[2].weight.grad, moe[6].weight.grad])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+    x16, indices16, probs16 = inputs(8, 2)
+    plain_text = layer().explain(x16, indices=indices16, probs=probs16)  # no casts: the combine's own backward
+    assert "grouped_linear+dactivation+grouped_linear+unpermute" not in plain_text.split("not fired")[0]
 
 
 def test_bad_input_names_op_and_argument():

@@ -117,16 +117,49 @@ def test_fp8_dispatch_casts_each_token_once(hidden, monkeypatch):
                          GroupedLinear(E, I, hidden, dtype=torch.bfloat16, device="cuda"), Unpermute())
         x = x0.clone().requires_grad_()
         p = probs.clone().requires_grad_()
+        if backend == "sm90":  # the combine's backward casts dy once per token for FC2
+            assert ("rule 'grouped_linear+dactivation+grouped_linear+unpermute' (backend sm90)"
+                    in moe.explain(x, indices=indices, probs=p))
         results[backend] = [step(moe, x, dy, indices=indices, probs=p)] + grads(moe, x, p)
         monkeypatch.delenv("TE_FUSED_OPS_BACKEND")
     want = float64_layer(moe[2].weight, moe[6].weight, x0, indices, probs, dy)
-    # the weight gradients differ by ~3% between the backends (H100): sm90's FP8 weight gradient
-    # reads column-wise E4M3 copies (x's made from its E4M3 rows), the torch backend's bf16 one
-    # the dequantized rows
-    for got_fused, got_torch, expected in zip(results["sm90"], results["torch"], want):
+    # Against the bf16 layer in float64 both backends are ~6% off (the FP8 forward). Output, dx and
+    # d_probs agree within 2% across backends; the weight gradients only within ~6% (H100: dW1 3%,
+    # dW2 5.8%), since sm90's are FP8 GEMMs on column-wise E4M3 copies made from the E4M3 rows (a
+    # second rounding) and the torch backend's are bf16 GEMMs: so each fused gradient must be as
+    # close to float64 as the torch backend's (measured: within 8%), not close to it.
+    errors = {name: (rel_err(f, t), rel_err(f, e), rel_err(t, e)) for name, f, t, e
+              in zip(("out", "dx", "dprobs", "dw1", "dw2"), results["sm90"], results["torch"], want)}
+    for got_fused in results["sm90"]:
         assert torch.isfinite(got_fused).all()
-        assert rel_err(got_fused, got_torch) <= 5e-2
-        assert rel_err(got_fused, expected) <= 0.1
+    for name, (vs_torch, vs_float64, torch_vs_float64) in errors.items():
+        assert vs_torch <= (3e-2 if name in ("out", "dx", "dprobs") else 8e-2), (name, errors)
+        assert vs_float64 <= 1.15 * torch_vs_float64, (name, errors)
+
+
+@pytest.mark.parametrize("hidden", [512, 336])
+def test_combine_backward_casts_each_token_once(hidden):
+    """FC2's copies of dy from the combine's backward: the kept expert rows and their scales
+    bit-equal to the cast of the bf16 expert rows of dy; the column-wise copy made from them."""
+    from types import SimpleNamespace
+
+    from te_fused_ops.backends.sm90.kernels.block_quantize import block_quantize_sm90
+    from te_fused_ops.backends.sm90.moe import combine_backward_cast, permuted_rows
+    from te_fused_ops.quantization import Float8BlockScaling
+    from te_fused_ops.routing import route
+
+    indices, _ = routing(6, drop=0.2)
+    dy = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
+    route_ = route(indices, E)
+    ctx = SimpleNamespace(side={"routing": route_}, input_requires_grad=True)
+    (data, scales), columns = combine_backward_cast(ctx, dy, Float8BlockScaling(), route_.offsets, columns=True)
+    want_data, want_scales = block_quantize_sm90(permuted_rows(dy, route_), 1, False)
+    kept = int((indices >= 0).sum())
+    assert torch.equal(data[:kept].view(torch.uint8), want_data[:kept].view(torch.uint8))
+    assert torch.equal(scales[:kept], want_scales[:kept])
+    assert columns is not None
+    ctx.side["probs"] = torch.ones(T, K, device="cuda")  # the combine weights the slots: no cast there
+    assert combine_backward_cast(ctx, dy, Float8BlockScaling(), route_.offsets, columns=True) is None
 
 
 def test_out_of_range_ids_are_dropped_slots_on_cuda():

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
+from te_fused_ops.backends.sm90.kernels.block_quantize import block_quantize_sm90
 from te_fused_ops.backends.sm90.kernels.moe_rows import (
     gather_sum,
     kernel_available,
+    scatter_cast_rows,
     scatter_rows,
 )
 
@@ -330,3 +332,39 @@ def test_argument_errors_name_the_argument():
         except pytest.fail.Exception as failure:
             missed.append(f"{message!r}: {failure}")
     assert not missed, "\n".join(missed)
+
+
+@pytest.mark.parametrize("tokens,k,hidden", SHAPES + [(40, 3, 64), (24, 8, 4096)])
+@pytest.mark.parametrize("power_2_scales", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scatter_cast_rows_equals_the_cast_of_the_scattered_rows(tokens, k, hidden, power_2_scales, dtype):
+    """Each kept row's E4M3 data and 1x128 multipliers bit for bit the row cast of the bf16/fp16
+    scatter (partial last blocks, rows of varied range, an all-zero token, a token with Inf and
+    NaN); dropped slots' rows zero."""
+    rows, num_kept = routing(tokens, k, 8, 0.2, seed=tokens + k)
+    x = randn((tokens, hidden), dtype, seed=hidden) * torch.logspace(-6, 6, tokens, device="cuda").to(dtype)[:, None]
+    x[0] = 0
+    if tokens > 2:
+        x[1, :3] = torch.tensor([float("inf"), float("nan"), -float("inf")], dtype=dtype)
+    data, scale_inv = scatter_cast_rows(x, rows, num_kept, power_2_scales)
+    m, blocks = tokens * k, -(-hidden // 128)
+    assert data.shape == (m, hidden) and scale_inv.shape == (m, blocks) and data.dtype == torch.float8_e4m3fn
+    want_data, want_scale = block_quantize_sm90(scatter_rows(x, rows, num_kept), 1, power_2_scales)
+    kept = int(num_kept[0])
+    assert torch.equal(data[:kept].view(torch.uint8), want_data[:kept].view(torch.uint8))
+    assert torch.equal(scale_inv[:kept], want_scale[:kept])
+    assert not data[kept:].view(torch.uint8).any() and not scale_inv[kept:].any()
+
+
+def test_scatter_cast_rows_argument_errors():
+    rows, num_kept = routing(16, 2, 4, 0.0, seed=3)
+    x = randn((16, 64), torch.bfloat16, seed=4)
+    scatter_cast_rows(x, rows, num_kept)  # a valid call first: the checks are memoized per signature
+    for error, message, call in [
+        (TypeError, "scatter_cast_rows: x", lambda: scatter_cast_rows(x.float(), rows, num_kept)),
+        (ValueError, "H=12", lambda: scatter_cast_rows(randn((16, 12), torch.bfloat16, 0), rows, num_kept)),
+        (TypeError, "scatter_cast_rows: rows", lambda: scatter_cast_rows(x, rows.long(), num_kept)),
+        (TypeError, "power_2_scales must be a bool", lambda: scatter_cast_rows(x, rows, num_kept, 1)),
+    ]:
+        with pytest.raises(error, match=message):
+            call()

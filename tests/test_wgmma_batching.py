@@ -49,6 +49,9 @@ COMPILE = {  # name: Python that compiles one configuration (torch as torch, bf1
                                                   " c(bf16, 'swiglu', False, False, 2, 128, overlap_promotion=True)",
     "FP8 forward + SwiGLU": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_gemm_fp8 as c;"
                             "c(bf16, 'swiglu', False, False, 2, 128)",
+    "FP8 forward + SwiGLU tile 256, half products": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
+                                                    " compile_grouped_gemm_fp8 as c; c(bf16, 'swiglu', False, False, 2,"
+                                                    " 256)",
     "FP8 dgrad + dSwiGLU, d_pre cast": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
                                        " compile_grouped_dgrad_dact_quant_fp8 as c; c(bf16, 'swiglu', False, 2, False)",
 }
@@ -78,18 +81,22 @@ for index, code in enumerate(json.loads(sys.argv[1])):
         shutil.move(cubin, kept)
 """
 
-ROW_MOVER = "from te_fused_ops.backends.sm90.kernels.moe_rows import compile_scatter_rows as s; s(bf16, True, True, False)"
+ROW_MOVERS = {  # the largest configuration of each row-mover kernel
+    "row mover": "from te_fused_ops.backends.sm90.kernels.moe_rows import compile_scatter_rows as s; s(bf16, True, True, False)",
+    "cast row mover": "from te_fused_ops.backends.sm90.kernels.moe_rows import compile_scatter_cast_rows as s; "
+                      "s(bf16, False, False)",
+}
 
 
 @pytest.fixture(scope="module")
 def machine_code(tmp_path_factory):
-    """name -> the SASS of its kernels: every configuration of `COMPILE` and the largest row mover,
+    """name -> the SASS of its kernels: every configuration of `COMPILE` and `ROW_MOVERS`,
     compiled in one subprocess (one import of the compiler) that keeps the cubins."""
     nvdisasm = _nvdisasm()
     assert nvdisasm, "nvdisasm not found: install the test extra (nvidia-cuda-nvdisasm)"
     dump = tmp_path_factory.mktemp("cubins")
-    names = [*COMPILE, "row mover"]
-    codes = [*COMPILE.values(), ROW_MOVER]
+    names = [*COMPILE, *ROW_MOVERS]
+    codes = [*COMPILE.values(), *ROW_MOVERS.values()]
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(dump),
                CUTE_DSL_DISABLE_FILE_CACHING="1")
     subprocess.run([sys.executable, "-c", _COMPILE_ALL, json.dumps(codes)], env=env, check=True, capture_output=True,
@@ -102,6 +109,14 @@ def machine_code(tmp_path_factory):
     return sass
 
 
+@pytest.mark.parametrize("name", [name for name in COMPILE if name.startswith("FP8")])
+def test_fp8_kernels_keep_registers(name, machine_code):
+    """The FP8 kernels hold the accumulator and the block products (tile 256: a half) without
+    local memory."""
+    for sass in machine_code[name]:
+        assert "LDL" not in sass and "STL" not in sass, f"{name}: local memory"
+
+
 @pytest.mark.parametrize("name", list(COMPILE))
 def test_wgmmas_are_batched(name, machine_code):
     assert machine_code[name], f"{name}: no cubin kept"
@@ -111,10 +126,13 @@ def test_wgmmas_are_batched(name, machine_code):
         f"{name}: every one of its {len(wgmmas)} WGMMAs is its own commit group (serialized by ptxas)")
 
 
-def test_row_mover_keeps_registers(machine_code):
-    """The largest row mover (scatter with scale and dot) uses no local memory (an rmem tensor made
-    per slot inside the unrolled slot loop once spilled: it ran at a third of its speed on an H100).
-    The other configurations compile and run in the GPU tests."""
-    assert len(machine_code["row mover"]) == 1
-    for sass in machine_code["row mover"]:
-        assert "LDL" not in sass and "STL" not in sass, "row mover: local memory"
+@pytest.mark.parametrize("name", list(ROW_MOVERS))
+def test_row_mover_keeps_registers(name, machine_code):
+    """The largest row movers (scatter with scale and dot; the scatter that casts) use no local
+    memory (an rmem tensor made per slot inside the unrolled slot loop once spilled: it ran at a
+    third of its speed on an H100). The other configurations compile and run in the GPU tests."""
+    assert len(machine_code[name]) == 1
+    for sass in machine_code[name]:
+        assert "LDL" not in sass and "STL" not in sass, f"{name}: local memory"
+        if name == "cast row mover":  # 8 E4M3 bytes a lane a store
+            assert "STG.E.64" in sass, f"{name}: no 64-bit stores"

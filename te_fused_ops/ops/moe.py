@@ -222,33 +222,20 @@ class Permute(BasicOp):
     def op_forward(self, ctx: OpContext, x) -> torch.Tensor:
         return self.forward_rows(ctx, x, rows.scatter_rows)
 
-    def forward_cast_rows(self, ctx: OpContext, x, fmt, move=None, cast=None) -> QuantizedTensor:
+    def forward_cast_rows(self, ctx: OpContext, x, fmt, cast_rows=None) -> QuantizedTensor:
         """The permute with a 1x128 row-block cast (``fmt``, the folded Quantize) after it: each
         token is cast once (T rows, not T * k) and its E4M3 row and scales move instead of the
         16-bit row (about half the bytes): to the expert-ordered rows, or with a group to the
         ranks (sent, then grouped as `forward_rows` groups rows). The same values as casting the
-        moved rows (the blocks are row-local). ``move(t, routing)``: per-token rows (T, n) -> the
-        expert-ordered rows (a backend's movers; default the torch ones); ``cast(x, recipe)``:
-        (data (T, H) E4M3, scales (T, ceil(H/128)) float32) (default `quantize`)."""
+        moved rows (the blocks are row-local). ``cast_rows(x, recipe, routing)``: (data (M, H)
+        E4M3, scales (M, ceil(H/128)) float32) of the expert-ordered rows (a backend's kernels;
+        default: `quantize`, then the torch movers)."""
         routing = ctx.side["routing"]
         expert_parallel = isinstance(routing, rows.ExpertParallelRouting)
         check_tokens("Permute", x, routing.tokens if expert_parallel else routing.slot_rows.shape[0], "tokens, hidden")
-        if move is None and expert_parallel:
-            def move(t, routing):
-                sent = torch.cat([t, t.new_zeros(1, t.shape[1])]).index_select(0, routing.send_tokens())
-                return rows.scatter_rows(routing.exchange(sent), routing)
-        elif move is None:
-            move = rows.scatter_rows
-        if cast is None:
-            def cast(x, recipe):
-                made = quantize(x, recipe, rowwise=True)
-                return made.rowwise_data, made.rowwise_scale_inv
-
-        data, scale_inv = cast(x, fmt.recipe)
-        data, scale_inv = move(data.view(torch.uint8), routing), move(scale_inv, routing)
+        data, scale_inv = (cast_rows or _cast_then_move)(x, fmt.recipe, routing)
         return QuantizedTensor((data.shape[0], x.shape[1]), x.dtype, x.device, recipe=fmt.recipe, role="activation",
-                               rowwise_data=data.view(torch.float8_e4m3fn), rowwise_scale_inv=scale_inv,
-                               offsets=fmt.offsets)
+                               rowwise_data=data, rowwise_scale_inv=scale_inv, offsets=fmt.offsets)
 
     def op_backward(self, ctx: OpContext, dy):
         if not ctx.input_requires_grad:
@@ -257,6 +244,19 @@ class Permute(BasicOp):
         if isinstance(routing, rows.ExpertParallelRouting):
             return routing.sum_send_rows(routing.exchange_back(rows.gather_sum(dy, routing))), {}
         return rows.gather_sum(dy, routing), {}
+
+
+def _cast_then_move(x, recipe, routing):
+    """`Permute.forward_cast_rows`'s torch path: each token cast (`quantize`), then its E4M3 row
+    (as bytes) and scales moved to the expert rows (with a group: sent, then grouped)."""
+    made = quantize(x, recipe, rowwise=True)
+
+    def move(t):
+        if isinstance(routing, rows.ExpertParallelRouting):
+            t = routing.exchange(torch.cat([t, t.new_zeros(1, t.shape[1])]).index_select(0, routing.send_tokens()))
+        return rows.scatter_rows(t, routing)
+
+    return move(made.rowwise_data.view(torch.uint8)).view(made.rowwise_data.dtype), move(made.rowwise_scale_inv)
 
 
 class Unpermute(BasicOp):

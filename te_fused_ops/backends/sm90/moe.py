@@ -10,21 +10,20 @@ and sum the rows that come back into the tokens (weighted by the probs in the co
 received rows are grouped by local expert (k = 1) and back.
 
 FP8 dispatch (``permute+quantize``, a 1x128 Quantize after the permute): each token is cast once
-on the cast kernel and its E4M3 row and scales move as fp16 words (half the bytes of the 16-bit
-row), on one GPU and to the ranks alike.
+and its E4M3 row and scales move instead of the 16-bit row (about half the bytes): on one GPU in
+the scatter itself (`scatter_cast_rows`), to the ranks cast first and sent as fp16 words.
 """
 
 import torch
 
 from ...ops.moe import check_tokens
 from ...routing import ExpertParallelRouting, Routing
-from ...routing import scatter_rows as torch_scatter_rows
 from .backend import SM90
-from .kernels.block_quantize import block_quantize_sm90
-from .kernels.moe_rows import MAX_SLOTS, VEC, gather_sum, scatter_rows
+from .kernels.block_quantize import block_columns_sm90, block_quantize_sm90
+from .kernels.moe_rows import MAX_SLOTS, VEC, gather_sum, scatter_cast_rows, scatter_rows
 
 
-def _supports(ops, info):
+def rows_supported_reason(ops, info):
     if info.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {str(info.dtype).removeprefix('torch.')} not supported (bf16, fp16)"
     if info.input_recipe[0] is not None:
@@ -59,7 +58,7 @@ def _token_sums(sent: torch.Tensor, routing: ExpertParallelRouting, weights=None
     return gather_sum(sent, routing.send_slot_rows, routing.send_kept, weights=weights)
 
 
-@SM90.implement("permute", supports=_supports)
+@SM90.implement("permute", supports=rows_supported_reason)
 def _permute(ops, ctxs, x):
     op, ctx = ops[0], ctxs[0]
     routing = ctx.side["routing"]
@@ -71,7 +70,7 @@ def _permute(ops, ctxs, x):
     return op.forward_rows(ctx, x, permuted_rows)
 
 
-@SM90.implement("permute_backward", supports=_supports)
+@SM90.implement("permute_backward", supports=rows_supported_reason)
 def _permute_backward(ops, ctxs, dy):
     op, ctx = ops[0], ctxs[0]
     routing = ctx.side["routing"]
@@ -84,7 +83,7 @@ def _permute_backward(ops, ctxs, dy):
     return received, [{}]
 
 
-@SM90.implement("unpermute", supports=_supports)
+@SM90.implement("unpermute", supports=rows_supported_reason)
 def _unpermute(ops, ctxs, y):
     op, ctx = ops[0], ctxs[0]
     routing = ctx.side["routing"]
@@ -101,8 +100,26 @@ def _unpermute(ops, ctxs, y):
     return gather_sum(y.contiguous(), routing.slot_rows, routing.num_kept, weights=probs)
 
 
-@SM90.implement("unpermute_backward", supports=_supports)
-def _unpermute_backward(ops, ctxs, dy):
+def combine_backward_cast(ctx, dy, recipe, offsets, columns: bool):
+    """The combine's backward with the next GroupedLinear's 1x128 cast of dy in it: each token's
+    row of dy (T, H) cast once (all its expert rows are copies of it) and written with its scales
+    to the token's kept expert rows (`scatter_cast_rows`), and with ``columns`` the per-group
+    column-wise copy made from them (`block_columns_sm90` on E4M3 rows). ((data (M, H), multipliers
+    (M, ceil(H/128))), `BlockColumns` or None), as `fp8_grad_casts` returns them; None where it
+    does not apply (expert parallel, probabilities applied in the combine, rows the kernels do not
+    take): then the combine's backward runs as usual."""
+    routing = ctx.side["routing"]
+    if (isinstance(routing, ExpertParallelRouting) or ctx.side.get("probs") is not None
+            or not ctx.input_requires_grad or dy.dim() != 2 or not _kernels_take(dy, routing)):
+        return None
+    rows = scatter_cast_rows(dy.contiguous(), routing.slot_rows, routing.num_kept, recipe.power_2_scales)
+    if not columns:
+        return rows, None
+    return rows, block_columns_sm90(rows[0], offsets, x_scale_inv=rows[1], power_2_scales=recipe.power_2_scales)
+
+
+@SM90.implement("unpermute_backward", supports=rows_supported_reason)
+def unpermute_backward(ops, ctxs, dy):
     op, ctx = ops[0], ctxs[0]
     routing, probs = ctx.side["routing"], ctx.side.get("probs")
     if not _kernels_take(dy, routing):
@@ -126,32 +143,32 @@ def _unpermute_backward(ops, ctxs, dy):
     return (dy_rows if ctx.input_requires_grad else None), [grads]
 
 
-def _moved_as_half(t: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """Per-token rows of any dtype (T, n), viewed as fp16, to the expert rows (expert parallel:
-    sent, then grouped) on the row kernels; one GPU: in torch where a row is not whole 16-byte
-    vectors (the scales of a hidden size that is not a multiple of 512: a few bytes a row)."""
-    if isinstance(routing, ExpertParallelRouting):
-        half = t.contiguous().view(torch.float16)
-        return permuted_rows(routing.exchange(_send_rows(half, routing)), routing).view(t.dtype)
-    if t.shape[1] * t.element_size() % 16:
-        return torch_scatter_rows(t, routing)
-    return permuted_rows(t.contiguous().view(torch.float16), routing).view(t.dtype)
+def _moved_as_half(t: torch.Tensor, routing: ExpertParallelRouting) -> torch.Tensor:
+    """Per-token rows of any dtype (T, n), whole 16-byte vectors, viewed as fp16, sent and grouped."""
+    half = t.contiguous().view(torch.float16)
+    return permuted_rows(routing.exchange(_send_rows(half, routing)), routing).view(t.dtype)
 
 
-def _cast_rows(x: torch.Tensor, recipe):
-    """Each token's 1 x 128 block cast on the cast kernel: (data (T, H), scales (T, ceil(H/128)))."""
-    return block_quantize_sm90(x.contiguous(), 1, recipe.power_2_scales)
+def _cast_rows(x: torch.Tensor, recipe, routing: Routing):
+    """The expert rows of x cast in 1x128 blocks, each token cast once: on one GPU in the scatter
+    (`scatter_cast_rows`); expert parallel, cast on the cast kernel, then the E4M3 rows and scales
+    sent and grouped as fp16 words."""
+    x = x.contiguous()
+    if not isinstance(routing, ExpertParallelRouting):
+        return scatter_cast_rows(x, routing.slot_rows, routing.num_kept, recipe.power_2_scales)
+    data, scales = block_quantize_sm90(x, 1, recipe.power_2_scales)
+    return _moved_as_half(data, routing), _moved_as_half(scales, routing)
 
 
-@SM90.implement("permute+quantize", supports=_supports)
+@SM90.implement("permute+quantize", supports=rows_supported_reason)
 def _permute_cast(ops, ctxs, x):
-    """The FP8 dispatch: each token cast once on the cast kernel, its E4M3 row and scales moved by
-    the row kernels (as fp16 words)."""
+    """The FP8 dispatch on the row kernels (`_cast_rows`)."""
     op, ctx = ops[0], ctxs[0]
     routing = ctx.side["routing"]
     hidden = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
-    whole_vectors = hidden % 512 == 0 if isinstance(routing, ExpertParallelRouting) else hidden % 16 == 0
-    if not whole_vectors or not _kernels_take(x, routing):
+    whole_vectors = hidden % 512 == 0 if isinstance(routing, ExpertParallelRouting) else hidden > 0
+    if not whole_vectors or not _kernels_take(x, routing):  # the E4M3 rows and scales as 16-byte vectors
         return op.forward_cast_rows(ctx, x, ctx.output_format)
-    return op.forward_cast_rows(ctx, x, ctx.output_format, _moved_as_half, _cast_rows)
+    return op.forward_cast_rows(ctx, x, ctx.output_format, _cast_rows)
+
 

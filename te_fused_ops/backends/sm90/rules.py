@@ -15,6 +15,7 @@ from ...fusion_rules.dactivation_grouped_linear import backward_reference
 from ...fusion_rules.grouped_linear_activation import activation_after_linear
 from ...quantization import Float8BlockScaling, Float8CurrentScaling, is_quantized
 from .backend import SM90, kernel_reason, sm_margin
+from .moe import combine_backward_cast, rows_supported_reason, unpermute_backward
 from .kernels.grouped_gemm import (
     grouped_dgrad_dact_fp8_sm90,
     grouped_dgrad_dact_quant_fp8_sm90,
@@ -224,21 +225,25 @@ def _dact_bf16(ops, ctxs, dy):
     return d_pre, [_act_grads(act_ctx, d_probs), linear_param_grads(linear_ctx, dy, x=out)]
 
 
-def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool = False, d_pre_recipe=None):
+def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool = False, d_pre_recipe=None, dy_casts=None):
     """One kernel: d_pre = act'(pre) * (dy @ W[g]) on FP8 operands (the forward's recipe); then
     the weight gradient (`fp8_grad_casts`: FP8 for fp8_blockwise, else bf16 on the dequantized
-    input). A quantized dy takes the reference. Returns (d_pre, grads, d_pre's amax parts with
-    ``d_pre_amax``, else None); with ``d_pre_recipe`` (a Float8BlockScaling) d_pre is
-    ((row data, row multipliers), `BlockColumns`), cast in the kernel's epilogue."""
+    input). A quantized dy takes the reference. ``dy_casts``: dy's copies made already, as
+    `fp8_grad_casts` makes them (dy None then; the weight gradient must then run in FP8). Returns
+    (d_pre, grads, d_pre's amax parts with ``d_pre_amax``, else None); with ``d_pre_recipe`` (a
+    Float8BlockScaling) d_pre is ((row data, row multipliers), `BlockColumns`), cast in the
+    kernel's epilogue."""
     act, _ = ops
     act_ctx, linear_ctx = ctxs
-    if is_quantized(dy):
-        return (*backward_reference(ops, ctxs, dy), None)
-    dy = dy.contiguous()
+    if dy_casts is None:
+        if is_quantized(dy):
+            return (*backward_reference(ops, ctxs, dy), None)
+        dy = dy.contiguous()
     recipe = linear_ctx.saved.recipe
     x = linear_ctx.load_input() if linear_ctx.needs_grad("weight") else None
-    dy_rows, dy_columns = fp8_grad_casts(linear_ctx, dy, recipe, x, True)
-    operands = (*fp8_dgrad_operands(linear_ctx, dy_rows, recipe), linear_ctx.side["offsets"], act_ctx.load_input())
+    dy_rows, dy_columns = dy_casts or fp8_grad_casts(linear_ctx, dy, recipe, x, True)
+    pre = act_ctx.load_input()
+    operands = (*fp8_dgrad_operands(linear_ctx, dy_rows, recipe), linear_ctx.side["offsets"], pre)
     kwargs = dict(activation=act.kernel_name, sm_margin=sm_margin(), **epilogue_args(act, act_ctx))
     if d_pre_recipe is None:
         outputs = grouped_dgrad_dact_fp8_sm90(*operands, d_pre_amax=d_pre_amax, **kwargs)
@@ -246,7 +251,8 @@ def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool = False, d_pre_recipe=None):
         rows, columns, d_probs = grouped_dgrad_dact_quant_fp8_sm90(
             *operands, power_2_scales=d_pre_recipe.power_2_scales, **kwargs)
         outputs = ((rows, columns), d_probs)
-    grads = [_act_grads(act_ctx, outputs[1]), quantized_input_param_grads(linear_ctx, dy, x, dy_columns)]
+    grads = [_act_grads(act_ctx, outputs[1]),
+             quantized_input_param_grads(linear_ctx, dy, x, dy_columns, out_dtype=pre.dtype)]
     return outputs[0], grads, outputs[2] if d_pre_amax else None
 
 
@@ -278,23 +284,57 @@ def _supports_with_fc1(ops, info):
 
 
 @SM90.implement("grouped_linear+dactivation+grouped_linear", supports=_supports_with_fc1)
-def _grouped_linear_dactivation_grouped_linear(ops, ctxs, dy):
+def _grouped_linear_dactivation_grouped_linear(ops, ctxs, dy, dy_casts=None):
     """fp8_current: `_dact_fp8` with d_pre's amax from its epilogue, then FC1's backward
     (`linear_backward`), whose cast of d_pre takes that amax. fp8_blockwise: d_pre cast in the
     kernel's epilogue, FC1's FP8 data and weight gradients on those copies (the unfused order
-    where FC1's weight gradient does not run in FP8, or dy arrives quantized)."""
+    where FC1's weight gradient does not run in FP8, or dy arrives quantized). ``dy_casts``: FC2's
+    copies of dy made already (`_dact_fp8`); dy then gives only the dtype."""
     fc1, fc1_ctx = ops[0], ctxs[0]
     recipe = fc1_ctx.saved.recipe
+    dtype = dy.dtype
+    fc2_dy = None if dy_casts is not None else dy
     if isinstance(recipe, Float8CurrentScaling):
-        d_pre, grads, amax_parts = _dact_fp8(ops[1:], ctxs[1:], dy, d_pre_amax=True)
+        d_pre, grads, amax_parts = _dact_fp8(ops[1:], ctxs[1:], fc2_dy, d_pre_amax=True, dy_casts=dy_casts)
         dx, fc1_grads = linear_backward(fc1, fc1_ctx, d_pre, amax_parts)
         return dx, [fc1_grads, *grads]
-    x = None if is_quantized(dy) or not fc1_ctx.needs_grad("weight") else fc1_ctx.load_input()
+    quantized_dy = fc2_dy is not None and is_quantized(fc2_dy)
+    x = None if quantized_dy or not fc1_ctx.needs_grad("weight") else fc1_ctx.load_input()
     if not fp8_wgrad_applies(fc1_ctx, recipe, x):  # x loaded once, whichever order runs
-        d_pre, grads, _ = _dact_fp8(ops[1:], ctxs[1:], dy)
+        d_pre, grads, _ = _dact_fp8(ops[1:], ctxs[1:], fc2_dy, dy_casts=dy_casts)
         dx, fc1_grads = linear_backward(fc1, fc1_ctx, d_pre, x=x)
         return dx, [fc1_grads, *grads]
-    (d_pre_rows, d_pre_columns), grads, _ = _dact_fp8(ops[1:], ctxs[1:], dy, d_pre_recipe=recipe)
-    dx = fp8_data_grad(fc1_ctx, d_pre_rows, recipe, dy.dtype)
-    fc1_grads = quantized_input_param_grads(fc1_ctx, None, x, d_pre_columns, out_dtype=dy.dtype)
+    (d_pre_rows, d_pre_columns), grads, _ = _dact_fp8(ops[1:], ctxs[1:], fc2_dy, d_pre_recipe=recipe,
+                                                      dy_casts=dy_casts)
+    dx = fp8_data_grad(fc1_ctx, d_pre_rows, recipe, dtype)
+    fc1_grads = quantized_input_param_grads(fc1_ctx, None, x, d_pre_columns, out_dtype=dtype)
     return dx, [fc1_grads, *grads]
+
+
+def _supports_combine_cast(ops, info):
+    """The three-op rule's kernels, FC2 without a bias (its gradient would sum dy's expert rows,
+    which are not made in 16 bits), the combine's rows on the row kernels."""
+    fc2 = ops[2]
+    return (_supports_with_fc1(ops[:3], info.window(0, 3))
+            or ("FC2 has a bias (its gradient sums dy's expert rows)" if fc2.bias is not None else None)
+            or rows_supported_reason(ops[3:], info.window(3, 4)))
+
+
+@SM90.implement("grouped_linear+dactivation+grouped_linear+unpermute", supports=_supports_combine_cast)
+def _experts_and_combine_backward(ops, ctxs, dy):
+    """The combine's backward with FC2's cast of dy in it (`combine_backward_cast`: each token's
+    row cast once, its E4M3 row and scales moved to its expert rows, the column-wise copy made
+    from them), then the three-op backward on those copies; where that cast does not apply, the
+    combine's backward on the row kernels, then the three-op backward."""
+    fc2_ctx, combine_ctx = ctxs[2], ctxs[3]
+    x = fc2_ctx.load_input() if fc2_ctx.needs_grad("weight") else None
+    recipe = fc2_ctx.saved.recipe
+    dy_casts = None
+    if isinstance(recipe, Float8BlockScaling) and (x is None or fp8_wgrad_applies(fc2_ctx, recipe, x)):
+        dy_casts = combine_backward_cast(combine_ctx, dy, recipe, fc2_ctx.side["offsets"], columns=x is not None)
+    if dy_casts is None:
+        dy_rows, combine_grads = unpermute_backward(ops[3:], ctxs[3:], dy)
+        dx, grads = _grouped_linear_dactivation_grouped_linear(ops[:3], ctxs[:3], dy_rows)
+        return dx, [*grads, *combine_grads]
+    dx, grads = _grouped_linear_dactivation_grouped_linear(ops[:3], ctxs[:3], dy, dy_casts)
+    return dx, [*grads, {}]

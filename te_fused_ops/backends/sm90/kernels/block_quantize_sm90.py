@@ -195,7 +195,7 @@ def _segment(mT: cute.Tensor, g, r, col):
 
 
 @cute.jit
-def _finite_abs(value: Float32) -> Float32:
+def finite_abs(value: Float32) -> Float32:
     magnitude = cutlass.max(value, -value)
     result = Float32(0.0)
     if magnitude < Float32(float("inf")):  # false for NaN and Inf
@@ -216,7 +216,7 @@ def _load_rows(mX: cute.Tensor, g, first_row, row_end, col, cols, tXr: cute.Tens
         for k in cutlass.range_constexpr(segments):
             amax = Float32(0.0)
             for i in cutlass.range_constexpr(VEC):
-                amax = cutlass.max(amax, _finite_abs(Float32(tXr[k, i])))
+                amax = cutlass.max(amax, finite_abs(Float32(tXr[k, i])))
             tAmax[k] = amax
 
 
@@ -500,7 +500,7 @@ def _abs_max(value: Float32, amax: Float32, finite_only: cutlass.Constexpr[bool]
     """max(amax, |value|): NaN ignored (FMNMX); with ``finite_only`` +-Inf ignored too."""
     result = amax
     if const_expr(finite_only):
-        result = cutlass.max(amax, _finite_abs(value))
+        result = cutlass.max(amax, finite_abs(value))
     else:
         result = cute.arch.fmax(amax, cute.math.absf(value))
     return result

@@ -201,12 +201,13 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         self.ab_dtype = dtype if ab_dtype is None else ab_dtype
         # FP8 operands are block-scaled: one k-tile is one 128-deep scale block, promoted into
         # the fp32 accumulator after its WGMMAs (a second accumulator of the same size, so
-        # tile_n is at most 192: 96 + 96 registers per thread)
+        # tile_n 128 or 192: 96 + 96 registers per thread; varlen-M tile_n 256 takes the block's
+        # product in two 128-column halves, 128 + 64 registers, `split_products`)
         self.block_scaled = self.ab_dtype.width == 8
         if self.block_scaled:
-            if tile_n not in ((128,) if self.varlen_k else (128, 192)) or "mn" in (a_major, b_major):
+            if tile_n not in ((128,) if self.varlen_k else (128, 192, 256)) or "mn" in (a_major, b_major):
                 raise ValueError(
-                    f"FP8 operands need tile_n {'128' if self.varlen_k else '128 or 192'} and K-major operands"
+                    f"FP8 operands need tile_n {'128' if self.varlen_k else '128, 192 or 256'} and K-major operands"
                 )
             self.tile_k = 128
         elif tile_n not in (128, 192, 256):
@@ -224,6 +225,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         self.stage_scales = self.varlen_k and self.block_scaled
         self.box_n = tile_n // self.b_boxes
         self.box_may_split = 128 % self.box_n != 0  # FP8: a B box can cross a W scale block
+        self.split_products = self.block_scaled and tile_n == 256  # each half inside one W scale block
         self.num_out = len(self.epi_stores)
         self.num_in = len(self.epi_loads)
         # ping-pong: a warpgroup holds a whole 128-row tile, twice the rows a thread holds of a
@@ -641,6 +643,8 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         mainloop_args = self._mma_fragments(tiled_mma, mma_tidx, smem_tensors, scales)
         acc = mainloop_args[0]
         epi = self._epilogue_fragments(tiled_mma, mma_tidx, acc, smem_tensors)
+        if const_expr(self.split_products):  # the k-loop issues the half-width MMA
+            tiled_mma = self._half_tiled_mma()
         state = self.epi_make_state(epi.tiled_copy_r2s, self.epi_tile, epi_shared)
         # defer_stores: the previous tile's output chunks in dtype, and where they go
         # (valid, seg, start, length, mt, nt, has_rows)

@@ -129,20 +129,46 @@ class Sm90Mainloop:
         tile_pipe.producer_commit(tile_write)
         ab_pipe.producer_tail(state)
 
+    def _half_tiled_mma(self):
+        """`split_products`: the MMA of one 128-column half of the tile (both warpgroups on M)."""
+        import cutlass.utils.hopper_helpers as sm90_utils
+
+        return sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
+            self.acc_dtype, (self.mma_atoms, 1, 1), tiler_mn=(64, self.tile_n // 2),
+        )
+
     def _mma_fragments(self, tiled_mma, mma_tidx, smem_tensors, scales):
         """(acc, tCrA, tCrB, fp8_args) of an MMA thread: the fp32 accumulator, the WGMMA operand
         views of the stages and, FP8, (one scale block's product before its promotion into acc,
-        tCrA, tCrB, the multipliers (global, or staged for varlen-K), acc's coordinates)."""
+        tCrA, tCrB, the multipliers (global, or staged for varlen-K), acc's coordinates).
+        `split_products`: the operand views and the product are those of the half-width MMA, tCrB
+        one view per 128-row half of the B stage; acc's values of half h are its
+        [64 h, 64 h + 64) (the WGMMA accumulator orders a thread's values column group last)."""
         thr_mma = tiled_mma.get_slice(mma_tidx)
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(smem_tensors.sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(smem_tensors.sB))
         acc_shape = thr_mma.partition_shape_C((self.tile_m, self.tile_n))
         acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+        if const_expr(self.split_products):
+            half_mma = self._half_tiled_mma()
+            thr_half = half_mma.get_slice(mma_tidx)
+            half = self.tile_n // 2
+            tCrA = half_mma.make_fragment_A(thr_half.partition_A(smem_tensors.sA))
+            tCrB = tuple(
+                half_mma.make_fragment_B(thr_half.partition_B(
+                    cute.local_tile(smem_tensors.sB, (half, self.tile_k, cute.size(smem_tensors.sB, mode=[2])),
+                                    (h, 0, 0))))
+                for h in range(2)
+            )
+            block_shape = thr_half.partition_shape_C((self.tile_m, half))
+        else:
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(smem_tensors.sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(smem_tensors.sB))
+            block_shape = acc_shape
         fp8_args = None
         if const_expr(self.block_scaled):
             tCcAcc = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
             block_scales = (smem_tensors.sSFA, smem_tensors.sSFB) if const_expr(self.stage_scales) else scales
-            acc_block = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            acc_block = cute.make_rmem_tensor(block_shape, self.acc_dtype)
             if const_expr(self.overlap_promotion):  # two block products, one in flight while the other is promoted
                 acc_block = (acc_block, cute.make_rmem_tensor(acc_shape, self.acc_dtype))
             fp8_args = (acc_block, tCrA, tCrB, block_scales, tCcAcc)
@@ -283,6 +309,9 @@ class Sm90Mainloop:
         and returned; varlen-K: they ride in the stage (`_stage_multipliers`), ``held`` is returned."""
         acc_block, tCrA, tCrB, scales, tCcAcc = fp8_args
         ab_pipe.consumer_wait(read_state)
+        if const_expr(self.split_products):
+            return self._fp8_k_tile_halves(ab_pipe, read_state, tiled_mma, acc, fp8_args, tile, k, held, n_box,
+                                           m_total)
         cute.nvgpu.warpgroup.fence()
         mma_block(tiled_mma, acc_block, tCrA, tCrB, read_state.index)
         cute.nvgpu.warpgroup.commit_group()
@@ -298,6 +327,37 @@ class Sm90Mainloop:
             ab_pipe.consumer_release(read_state)
             self._promote(acc, acc_block, held)
         return ahead
+
+    @cute.jit
+    def _fp8_k_tile_halves(self, ab_pipe, read_state, tiled_mma, acc, fp8_args, tile: Tile, k, held, n_box, m_total):
+        """`_fp8_k_tile` with `split_products` (the stage waited for): the block's product half by
+        half into one 64-register product, each half promoted with its W block's multipliers (GLU:
+        box h's; one 256-row box: its first or second block) before the next half's WGMMAs; the
+        next block's multipliers load under the first half's WGMMAs. Returns them."""
+        acc_block, tCrA, tCrB, scales, tCcAcc = fp8_args
+        ahead = held
+        for h in cutlass.range_constexpr(2):
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+            cute.nvgpu.warpgroup.fence()
+            mma_block(tiled_mma, acc_block, tCrA, tCrB[h], read_state.index)
+            cute.nvgpu.warpgroup.commit_group()
+            if const_expr(h == 0):
+                ahead = self._block_scales(scales, tile, tCcAcc, k + 1, n_box, m_total)
+            cute.nvgpu.warpgroup.wait_group(0)
+            if const_expr(h == 1):
+                ab_pipe.consumer_release(read_state)
+            self._promote_half(acc, acc_block, held, h)
+        return ahead
+
+    @cute.jit
+    def _promote_half(self, acc, acc_block, multipliers, h: cutlass.Constexpr[int]):
+        """acc's values of half h += acc_block scaled per row by that half's W block multiplier."""
+        rows, boxes = multipliers
+        w_block = boxes[h][0] if const_expr(self.b_boxes == 2) else boxes[0][h]
+        scale = [rows[r] * w_block for r in range(2)]
+        half = cute.size(acc_block)
+        for v in cutlass.range_constexpr(half):
+            acc[v + h * half] = acc[v + h * half] + acc_block[v] * scale[v // 2 % 2]
 
     @cute.jit
     def _issue_block(self, ab_pipe, read_state, tiled_mma, product, tCrA, tCrB):

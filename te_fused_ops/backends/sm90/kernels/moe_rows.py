@@ -4,6 +4,10 @@
 expert order, x (T, H) -> out (M, H), M = T * k: the permute's forward, and (x = dy, ``scale`` =
 the router probs, ``y`` = the experts' output, ``dot_out`` = d_probs) the combine's backward.
 
+``scatter_cast_rows(x, rows, num_kept, power_2_scales=False, num_rows=None)``: the same rows cast
+to E4M3 in 1x128 blocks on the way (each token cast once): (data (M, H), scale_inv (M,
+ceil(H/128))), the FP8 dispatch (and the combine's backward feeding an FP8 GEMM).
+
 ``gather_sum(src, rows, num_kept, out=None, weights=None)``: expert order -> token order, src
 (M, H) -> out (T, H), the weighted sum of each token's kept rows: the combine's forward, and
 (no weights) the permute's backward.
@@ -67,6 +71,21 @@ def compile_scatter_rows(dtype, scaled: bool, dot: bool, tvm_ffi=True):
     args = (x, rows, num_kept, expert_rows, slot_floats if scaled else None,
             expert_rows if dot else None, slot_floats if dot else None)
     return compile_launcher(ScatterRowsSm90(scaled, dot), args, tvm_ffi)
+
+
+@cached_kernel
+def compile_scatter_cast_rows(dtype, power_2_scales: bool, tvm_ffi=True):
+    """Compile (once per configuration) and return fn(x, rows, num_kept, data, scale_inv)."""
+    import cutlass
+    from cutlass import cute
+
+    from .moe_rows_sm90 import ScatterCastRowsSm90
+
+    x, rows, num_kept, _, _ = _fake_operands(dtype)
+    m, h, blocks = cute.sym_int(), x.shape[1], cute.sym_int()
+    data = fake_tensor(cutlass.Float8E4M3FN, (m, h), 8)
+    scale_inv = fake_tensor(cutlass.Float32, (m, blocks), 4)
+    return compile_launcher(ScatterCastRowsSm90(power_2_scales), (x, rows, num_kept, data, scale_inv), tvm_ffi)
 
 
 @cached_kernel
@@ -142,6 +161,21 @@ def _scatter_launch(x, rows, num_kept, out, scale, y, dot_out, num_rows=None):
     return fn, shape
 
 
+def _scatter_cast_launch(x, rows, num_kept, power_2_scales, num_rows=None):
+    """Every check of `scatter_cast_rows`; (launcher or None when T == 0, data's shape (M, H),
+    scale_inv's shape (M, ceil(H/128)))."""
+    name = "scatter_cast_rows"
+    dev = check_input(name, x, "x")
+    _check_hidden(name, x, "x")
+    tokens, hidden = x.shape
+    _, k = _check_routing(name, rows, num_kept, dev, tokens)
+    if not isinstance(power_2_scales, bool):
+        raise TypeError(f"{name}: power_2_scales must be a bool, got {type(power_2_scales).__name__}")
+    m = tokens * k if num_rows is None else num_rows
+    fn = compile_scatter_cast_rows(x.dtype, power_2_scales) if tokens else None
+    return fn, (m, hidden), (m, -(-hidden // 128))
+
+
 def _gather_launch(src, rows, num_kept, out, weights):
     """Every check of `gather_sum`; (launcher or None when T == 0, out's shape (T, H))."""
     name = "gather_sum"
@@ -186,6 +220,25 @@ def scatter_rows(x, rows, num_kept, out=None, scale=None, y=None, dot_out=None, 
     out = x.new_empty(shape) if out is None else out
     _run(fn, _scatter_launch, args, (x, rows, num_kept, out, scale, y, dot_out))
     return out
+
+
+def scatter_cast_rows(x, rows, num_kept, power_2_scales=False, num_rows=None):
+    """`scatter_rows` with the rows cast to E4M3 in 1x128 blocks on the way: each token's row of x
+    cast once (bit for bit `block_quantize_sm90(x, 1, power_2_scales)`'s row) and its data and
+    block multipliers written to the row of each kept slot; a dropped slot's row in [0, M) gets
+    zero data and multipliers; rows no slot names are not written.
+
+    x (T, H) bf16/fp16; rows (T, k) int32; num_kept (1,) int32; M = ``num_rows`` (default T * k).
+    Returns (data (M, H) float8_e4m3fn, scale_inv (M, ceil(H/128)) float32), both allocated. Reads
+    each x row once. Checks run once per argument signature; repeats only launch.
+    """
+    key = (call_signature(True, x, rows, num_kept), "scatter_cast_rows", power_2_scales, num_rows)
+    args = (x, rows, num_kept, power_2_scales, num_rows)
+    fn, data_shape, scale_shape = _MEMO.get(key) or _MEMO.put(key, _scatter_cast_launch(*args))
+    data = torch.empty(data_shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale_inv = torch.empty(scale_shape, dtype=torch.float32, device=x.device)
+    _run(fn, _scatter_cast_launch, args, (x, rows, num_kept, data, scale_inv))
+    return data, scale_inv
 
 
 def gather_sum(src, rows, num_kept, out=None, weights=None):

@@ -8,6 +8,9 @@ values (a garbage row is never dereferenced).
     ScatterRowsSm90: out[rows[t, j]] = x[t] (* scale[t, j]) for kept slots, zeros for dropped
                      slots whose row is in [0, M); optionally dot[t, j] = <x[t], y[rows[t, j]]>
                      (0 for dropped slots)
+    ScatterCastRowsSm90: the same rows cast to E4M3 on the way, 1x128 blocks: x[t] cast once
+                     (bit for bit `BlockQuantizeSm90`), its data and block multipliers written
+                     to the rows of its kept slots (zeros at dropped slots' rows)
     GatherSumSm90:   out[t] = sum over kept j of weights[t, j] * src[rows[t, j]] (weights absent:
                      1), in slot order j = 0..k-1, float32, rounded once
 
@@ -25,6 +28,8 @@ L1 no-allocate / non-coherent loads and streaming stores measured no different.
 
 import cutlass
 from cutlass import Float32, Int32, const_expr, cute
+
+from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled, finite_abs
 
 WARP = 32
 WARPS = 4  # tokens per CTA
@@ -195,3 +200,76 @@ class GatherSumSm90:
                     v = chunk + u * WARP + lane
                     if v < vecs:
                         _vector(mOut, t, v).store(tAcc[u, None].load().to(mOut.element_type))
+
+
+class ScatterCastRowsSm90:
+    """mX (T, H) bf16/fp16 -> mData (M, H) E4M3 and mScaleInv (M, ceil(H/128)) float32: each
+    token's row cast once in 1x128 blocks (amax over the block's finite values, multiplier and
+    E4M3 values exactly as `BlockQuantizeSm90` makes them), written to the row of each kept slot;
+    a dropped slot's row in [0, M) gets zero data and multipliers.
+
+    A chunk is ``unroll`` 16-byte vectors a lane (vector u of lane l at l + 32 u, as the other
+    row kernels): the 16 lanes of a half-warp hold one 128-column block, whose amax they reduce
+    by shuffles; each lane stores its 8 E4M3 bytes, the half-warp's first lane the multiplier."""
+
+    unroll = 4  # 1024 columns a chunk
+
+    def __init__(self, power_2_scales: bool):
+        self.power_2_scales = power_2_scales
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mRows: cute.Tensor, mNumKept: cute.Tensor, mData: cute.Tensor,
+                 mScaleInv: cute.Tensor, stream):
+        grid, block = _launch_grid(mX)
+        self.kernel(mX, mRows, mNumKept, mData, mScaleInv).launch(grid=grid, block=block, stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mRows: cute.Tensor, mNumKept: cute.Tensor, mData: cute.Tensor,
+               mScaleInv: cute.Tensor):
+        t, lane = _token_warp()
+        num_slots = cute.size(mRows, mode=[1])
+        num_rows = cute.size(mData, mode=[0])
+        vecs = cute.size(mX, mode=[1]) // VEC
+        if t < cute.size(mX, mode=[0]):
+            lane_row, _ = _lane_slot(mRows, None, t, lane)
+            kept_limit = _kept_limit(mNumKept, num_rows)
+            tX = cute.make_rmem_tensor(cute.make_layout((self.unroll, VEC), stride=(VEC, 1)), mX.element_type)
+            tQ = cute.make_rmem_tensor(cute.make_layout((self.unroll, VEC), stride=(VEC, 1)), cutlass.Float8E4M3FN)
+            tScale = cute.make_rmem_tensor(cute.make_layout(self.unroll), Float32)
+            tZero = cute.make_rmem_tensor(cute.make_layout(VEC), cutlass.Float8E4M3FN)
+            tZero.fill(0.0)
+            values = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+            for chunk in cutlass.range(0, vecs, WARP * self.unroll):
+                for u in cutlass.range_constexpr(self.unroll):
+                    v = chunk + u * WARP + lane
+                    tX[u, None].fill(0.0)
+                    if v < vecs:
+                        tX[u, None].store(_vector(mX, t, v).load())
+                for u in cutlass.range_constexpr(self.unroll):
+                    amax = Float32(0.0)
+                    for i in cutlass.range_constexpr(VEC):
+                        amax = cutlass.max(amax, finite_abs(Float32(tX[u, i])))
+                    for step in cutlass.range_constexpr(4):  # the 16 lanes of this block
+                        amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 8 >> step))
+                    scales = e4m3_scale_inv(amax, self.power_2_scales)
+                    tScale[u] = scales[0]
+                    for i in cutlass.range_constexpr(VEC):
+                        values[i] = e4m3_scaled(Float32(tX[u, i]), *scales, self.power_2_scales)
+                    tQ[u, None].store(values.load().to(cutlass.Float8E4M3FN))
+                for j in cutlass.range_constexpr(MAX_SLOTS):
+                    if j < num_slots:
+                        row = cute.arch.shuffle_sync(lane_row, j)
+                        if row >= 0 and row < kept_limit:
+                            for u in cutlass.range_constexpr(self.unroll):
+                                v = chunk + u * WARP + lane
+                                if v < vecs:
+                                    _vector(mData, row, v).store(tQ[u, None].load())
+                                    if lane % 16 == 0:
+                                        mScaleInv[row, v // 16] = tScale[u]
+                        elif row >= 0 and row < num_rows:
+                            for u in cutlass.range_constexpr(self.unroll):
+                                v = chunk + u * WARP + lane
+                                if v < vecs:
+                                    _vector(mData, row, v).store(tZero.load())
+                                    if lane % 16 == 0:
+                                        mScaleInv[row, v // 16] = Float32(0.0)
