@@ -9,6 +9,7 @@ step (`bench_moe_layer`'s a, c and c-fp8-4mb, checked against a). Prints one ``R
     PYTHONPATH=/path/to/build_b python benchmarks/bench_tree_ab.py b     # then a, b again
     python benchmarks/bench_tree_ab.py a --warm   # compile and check only (fills the kernel caches)
     python benchmarks/bench_tree_ab.py a --parts layer   # the MoE layer only
+    python benchmarks/bench_tree_ab.py a --shapes dsv3-ep8   # other shapes (default: qwen3, gpt-oss)
 """
 
 import argparse
@@ -71,9 +72,10 @@ def main():
     ap.add_argument("tag", help="name of this build in the output")
     ap.add_argument("--warm", action="store_true", help="compile and check only, no timing")
     ap.add_argument("--parts", default="mlp,layer", help="comma-separated: mlp, layer")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of bench_moe_layer.SHAPES")
     args = ap.parse_args()
     result = {"tag": args.tag, "package": te_fused_ops.__file__}
-    for name in SHAPES:
+    for name in args.shapes.split(","):
         for kind, build, base in (("mlp", mlp_steps, "reference"), ("layer", layer_steps, "a")):
             if kind not in args.parts.split(","):
                 continue

@@ -153,11 +153,15 @@ def pingpong_pays(m: int, n: int, num_sms: int, halves: int = 1) -> bool:
 
 
 def fp8_tile_n(n: int, glu: bool) -> int:
-    """The FP8 GEMM's n-tile: 192 where it pads N (a GLU's halves) no more than 128 does, else 128.
-    Measured on the FC1 forward (H100, `bench_fp8_sm90.py --part kernels`, one run, t192 against
-    t128 with SwiGLU): qwen3 and gpt-oss 3.6% and 2.4% faster at 192 (neither pads), dsv3 6%
-    slower (192 pads its 2048-wide halves by 3%), mixtral 1.8% faster (pads 0.4%: kept at 128)."""
-    return 192 if tuning.pads_no_more(n, 192, 128, 2 if glu else 1) else 128
+    """The FP8 GEMM's n-tile: 192 where it pads N (a GLU's halves) no more than 128 does, else 256
+    where N (each half) is whole 128-column W blocks, else 128. Measured on the FC1 forward with
+    SwiGLU (H100, `bench_fp8_sm90.py --part kernels`): t192 against t128 3.6% and 2.4% faster on
+    qwen3 and gpt-oss (neither pads), 6% slower on dsv3 (pads its 2048-wide halves by 3%); on
+    dsv3, t256 1963 us against 2159 us at t128 with the promotion overlapped and 2405 us at t192."""
+    halves = 2 if glu else 1
+    if tuning.pads_no_more(n, 192, 128, halves):
+        return 192
+    return 256 if (n // halves) % 128 == 0 and tuning.pads_no_more(n, 256, 128, halves) else 128
 
 
 def forward_tiles(fn_name, weight_layout, activation) -> dict:
