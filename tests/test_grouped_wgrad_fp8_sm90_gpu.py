@@ -150,6 +150,33 @@ def test_no_host_sync_and_cuda_graph():
     assert rel_err(out, reference(dy_values, x_values, splits)) <= 5e-3
 
 
+@pytest.mark.parametrize("cluster_m", [1, 2])
+@pytest.mark.parametrize("main_grad", [False, True])
+def test_overlapped_promotion_is_bit_equal(cluster_m, main_grad):
+    """Two block products in flight (each block promoted under the next one's WGMMAs): the same
+    sums in the same order as one product at a time, over groups of 1 to 32 scale blocks (odd and
+    even counts: the loop takes blocks in pairs), empty groups, and within the float64 tolerance."""
+    splits = [1, 0, 128, 129, 300, 513, 640, 4096, 17, 0, 1000]
+    m = sum(splits) + 16 - sum(splits) % 16
+    dy, x, offsets = make_inputs(splits, m, 384, 256, 6)
+    dy_cols, dy_values = column_copy(dy, offsets)
+    x_cols, x_values = column_copy(x, offsets)
+    results = []
+    for overlap in (False, True):
+        if main_grad:
+            out = torch.randn(len(splits), 384, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(7))
+            grouped_wgrad_fp8_sm90(dy_cols, x_cols, offsets, main_grad=out, cluster_m=cluster_m,
+                                   overlap_promotion=overlap)
+        else:
+            out = torch.full((len(splits), 384, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
+            grouped_wgrad_fp8_sm90(dy_cols, x_cols, offsets, out=out, cluster_m=cluster_m, overlap_promotion=overlap)
+        results.append(out)
+    assert torch.equal(results[0], results[1])
+    if not main_grad:
+        assert rel_err(results[1], reference(dy_values, x_values, splits)) <= 5e-3
+        assert torch.all(results[1][[1, 9]] == 0)
+
+
 def test_argument_errors():
     offsets = offsets_from_splits([16, 16])
     cols = BlockColumns(torch.zeros(32, 384, dtype=torch.float8_e4m3fn, device="cuda"), torch.ones(3, 32, device="cuda"), 32)
@@ -163,3 +190,5 @@ def test_argument_errors():
         grouped_wgrad_fp8_sm90(cols, cols, offsets_from_splits([0] * 600))
     with pytest.raises(TypeError, match="must be BlockColumns"):
         grouped_wgrad_fp8_sm90(cols.data, cols, offsets)
+    with pytest.raises(TypeError, match="overlap_promotion must be a bool"):
+        grouped_wgrad_fp8_sm90(cols, cols, offsets, overlap_promotion="yes")

@@ -246,10 +246,11 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
                 f"{type(self).__name__}: pingpong needs tile_n 128 or 192, 16-bit operands and outputs, and an "
                 "epilogue of the MMA warpgroups without shared scratch"
             )
-        # FP8 varlen-M: two block products in flight (`_fp8_overlapped_k_tiles`): 3 x 64 fp32 registers a
+        # FP8: two block products in flight (`_fp8_overlapped_k_tiles`): 3 x 64 fp32 registers a
         # thread at tile_n 128
-        if overlap_promotion and (not self.block_scaled or self.varlen_k or tile_n != 128):
-            raise ValueError(f"{type(self).__name__}: overlap_promotion needs FP8 operands, varlen-M and tile_n 128")
+        if overlap_promotion and (not self.block_scaled or tile_n != 128 or defer_stores):
+            raise ValueError(f"{type(self).__name__}: overlap_promotion needs FP8 operands, tile_n 128 and stores "
+                             "that are not deferred")
         self.overlap_promotion = overlap_promotion
         # ping-pong: each MMA warpgroup takes every other tile whole (128 x tile_n, tile_n fp32
         # accumulator registers a thread); their mainloops take turns, and one's epilogue runs
