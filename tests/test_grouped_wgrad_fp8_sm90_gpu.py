@@ -150,26 +150,34 @@ def test_no_host_sync_and_cuda_graph():
     assert rel_err(out, reference(dy_values, x_values, splits)) <= 5e-3
 
 
+VARIANTS = {  # name: keyword arguments of a mainloop bit-equal to the default one
+    "overlapped promotion": dict(overlap_promotion=True),  # two block products in flight
+    "tile 256": dict(tile_n=256),  # each block's product in two 128-column halves
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("cluster_m", [1, 2])
 @pytest.mark.parametrize("main_grad", [False, True])
-def test_overlapped_promotion_is_bit_equal(cluster_m, main_grad):
-    """Two block products in flight (each block promoted under the next one's WGMMAs): the same
-    sums in the same order as one product at a time, over groups of 1 to 32 scale blocks (odd and
-    even counts: the loop takes blocks in pairs), empty groups, and within the float64 tolerance."""
+@pytest.mark.parametrize("n, k", [(384, 256), (272, 208), (128, 112)])
+def test_mainloop_variants_are_bit_equal(variant, cluster_m, main_grad, n, k):
+    """The same sums in the same order as the default mainloop, over groups of 1 to 32 scale
+    blocks (odd and even counts: the overlapped loop takes blocks in pairs), empty groups, K not
+    a multiple of the tile (a 256 tile's second half partly or wholly past K), and within the
+    float64 tolerance."""
     splits = [1, 0, 128, 129, 300, 513, 640, 4096, 17, 0, 1000]
     m = sum(splits) + 16 - sum(splits) % 16
-    dy, x, offsets = make_inputs(splits, m, 384, 256, 6)
+    dy, x, offsets = make_inputs(splits, m, n, k, 6)
     dy_cols, dy_values = column_copy(dy, offsets)
     x_cols, x_values = column_copy(x, offsets)
     results = []
-    for overlap in (False, True):
+    for options in ({}, VARIANTS[variant]):
         if main_grad:
-            out = torch.randn(len(splits), 384, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(7))
-            grouped_wgrad_fp8_sm90(dy_cols, x_cols, offsets, main_grad=out, cluster_m=cluster_m,
-                                   overlap_promotion=overlap)
+            out = torch.randn(len(splits), n, k, device="cuda", generator=torch.Generator("cuda").manual_seed(7))
+            grouped_wgrad_fp8_sm90(dy_cols, x_cols, offsets, main_grad=out, cluster_m=cluster_m, **options)
         else:
-            out = torch.full((len(splits), 384, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
-            grouped_wgrad_fp8_sm90(dy_cols, x_cols, offsets, out=out, cluster_m=cluster_m, overlap_promotion=overlap)
+            out = torch.full((len(splits), n, k), float("nan"), dtype=torch.bfloat16, device="cuda")
+            grouped_wgrad_fp8_sm90(dy_cols, x_cols, offsets, out=out, cluster_m=cluster_m, **options)
         results.append(out)
     assert torch.equal(results[0], results[1])
     if not main_grad:
@@ -192,3 +200,7 @@ def test_argument_errors():
         grouped_wgrad_fp8_sm90(cols.data, cols, offsets)
     with pytest.raises(TypeError, match="overlap_promotion must be a bool"):
         grouped_wgrad_fp8_sm90(cols, cols, offsets, overlap_promotion="yes")
+    with pytest.raises(ValueError, match="tile_n must be 128 or 256, got 192"):
+        grouped_wgrad_fp8_sm90(cols, cols, offsets, tile_n=192)
+    with pytest.raises(ValueError, match="overlap_promotion needs tile_n 128"):
+        grouped_wgrad_fp8_sm90(cols, cols, offsets, tile_n=256, overlap_promotion=True)

@@ -201,13 +201,14 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         self.ab_dtype = dtype if ab_dtype is None else ab_dtype
         # FP8 operands are block-scaled: one k-tile is one 128-deep scale block, promoted into
         # the fp32 accumulator after its WGMMAs (a second accumulator of the same size, so
-        # tile_n 128 or 192: 96 + 96 registers per thread; varlen-M tile_n 256 takes the block's
-        # product in two 128-column halves, 128 + 64 registers, `split_products`)
+        # tile_n 128 or 192: 96 + 96 registers per thread; tile_n 256 takes the block's product
+        # in two 128-column halves, 128 + 64 registers, `split_products`)
         self.block_scaled = self.ab_dtype.width == 8
         if self.block_scaled:
-            if tile_n not in ((128,) if self.varlen_k else (128, 192, 256)) or "mn" in (a_major, b_major):
+            if tile_n not in ((128, 256) if self.varlen_k else (128, 192, 256)) or "mn" in (a_major, b_major):
                 raise ValueError(
-                    f"FP8 operands need tile_n {'128' if self.varlen_k else '128, 192 or 256'} and K-major operands"
+                    f"FP8 operands need tile_n {'128 or 256' if self.varlen_k else '128, 192 or 256'} and K-major "
+                    "operands"
                 )
             self.tile_k = 128
         elif tile_n not in (128, 192, 256):

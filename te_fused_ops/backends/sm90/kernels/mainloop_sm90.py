@@ -331,9 +331,10 @@ class Sm90Mainloop:
     @cute.jit
     def _fp8_k_tile_halves(self, ab_pipe, read_state, tiled_mma, acc, fp8_args, tile: Tile, k, held, n_box, m_total):
         """`_fp8_k_tile` with `split_products` (the stage waited for): the block's product half by
-        half into one 64-register product, each half promoted with its W block's multipliers (GLU:
-        box h's; one 256-row box: its first or second block) before the next half's WGMMAs; the
-        next block's multipliers load under the first half's WGMMAs. Returns them."""
+        half into one 64-register product, each half promoted before the next half's WGMMAs.
+        Varlen-M: with its W block's multipliers (GLU: box h's; one 256-row box: its first or
+        second block), the next block's loaded under the first half's WGMMAs and returned;
+        varlen-K: with the (row, column) multipliers in the stage, ``held`` returned."""
         acc_block, tCrA, tCrB, scales, tCcAcc = fp8_args
         ahead = held
         for h in cutlass.range_constexpr(2):
@@ -341,12 +342,17 @@ class Sm90Mainloop:
             cute.nvgpu.warpgroup.fence()
             mma_block(tiled_mma, acc_block, tCrA, tCrB[h], read_state.index)
             cute.nvgpu.warpgroup.commit_group()
-            if const_expr(h == 0):
+            if const_expr(h == 0 and not self.stage_scales):
                 ahead = self._block_scales(scales, tile, tCcAcc, k + 1, n_box, m_total)
             cute.nvgpu.warpgroup.wait_group(0)
-            if const_expr(h == 1):
-                ab_pipe.consumer_release(read_state)
-            self._promote_half(acc, acc_block, held, h)
+            if const_expr(self.stage_scales):  # varlen-K: the multipliers are read from the stage
+                self._promote_from_stage(acc, acc_block, scales, tCcAcc, read_state.index, h)
+                if const_expr(h == 1):
+                    ab_pipe.consumer_release(read_state)
+            else:
+                if const_expr(h == 1):
+                    ab_pipe.consumer_release(read_state)
+                self._promote_half(acc, acc_block, held, h)
         return ahead
 
     @cute.jit
@@ -433,18 +439,20 @@ class Sm90Mainloop:
         return rows, cols
 
     @cute.jit
-    def _promote_from_stage(self, acc, acc_block, scales, tCcAcc, stage):
+    def _promote_from_stage(self, acc, acc_block, scales, tCcAcc, stage, h: cutlass.Constexpr[int] = 0):
         """Varlen-K: acc += acc_block scaled per (row, column) by the multipliers in ``stage``, each
-        column's read from shared memory where it is used (`_stage_multipliers` would hold all 34
-        beside two block products)."""
+        column's read from shared memory where it is used (`_stage_multipliers` would hold them
+        all beside the block products). `split_products`: acc_block is half ``h`` of the tile,
+        acc's values [64 h, 64 h + 64), its columns 128 h on."""
         sSFA, sSFB = scales
         row0, col0 = tCcAcc[0]
         rows = (sSFA[row0, 0, stage], sSFA[row0 + 8, 0, stage])
-        for c in cutlass.range_constexpr(self.tile_n // 4):
-            col = sSFB[col0 + c % 2 + c // 2 * 8, 0, stage]
+        size = cute.size(acc_block)
+        for c in cutlass.range_constexpr(size // 2):
+            col = sSFB[col0 + h * (self.tile_n // 2) + c % 2 + c // 2 * 8, 0, stage]
             for r in cutlass.range_constexpr(2):
                 v = c // 2 * 4 + r * 2 + c % 2
-                acc[v] = acc[v] + acc_block[v] * (rows[r] * col)
+                acc[v + h * size] = acc[v + h * size] + acc_block[v] * (rows[r] * col)
 
     @cute.jit
     def _promote_columns(self, acc, acc_block, multipliers):
