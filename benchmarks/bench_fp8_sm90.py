@@ -12,6 +12,9 @@ Per shape (uneven seeded routing; FC1: x (M, H) @ W (E, 2I, H) with SwiGLU and w
                x's amax over its grouped rows)
   + cast       the act cast to E4M3 1x128 blocks: after the kernel (block_quantize_sm90) or in its
                epilogue (grouped_gemm_act_quant_sm90; checked byte for byte against the former);
+               FP8 ("sm90 fp8 ..."): rows and the column-wise copy, after the FP8 kernel at its
+               default tile (block_columns_sm90) or in the epilogue of the 256-wide FP8 kernel
+               (grouped_gemm_act_quant_fp8_sm90; checked byte for byte first);
                "p2": power-of-two scales (Float8BlockScaling(power_2_scales=True), TE's default);
                "current": the per-tensor cast after the kernel, its amax from a separate pass or
                ("+ amax") from the kernel's epilogue (act_amax, what the fp8_current MLP runs)
@@ -63,8 +66,18 @@ from common import (
 )
 
 from te_fused_ops import Quantize, Sequential, SwiGLU, Transpose
-from te_fused_ops.backends.sm90.kernels.block_quantize import block_dequantize_sm90, block_quantize_sm90, tensor_quantize_sm90
-from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_fp8_sm90, grouped_gemm_sm90
+from te_fused_ops.backends.sm90.kernels.block_quantize import (
+    block_columns_sm90,
+    block_dequantize_sm90,
+    block_quantize_sm90,
+    tensor_quantize_sm90,
+)
+from te_fused_ops.backends.sm90.kernels.grouped_gemm import (
+    grouped_gemm_act_quant_fp8_sm90,
+    grouped_gemm_act_quant_sm90,
+    grouped_gemm_fp8_sm90,
+    grouped_gemm_sm90,
+)
 from te_fused_ops.quantization import Float8BlockScaling, quantize, quantize_weight, reuse_quantized_weights
 from te_fused_ops.splits import split_offsets
 
@@ -169,6 +182,22 @@ def run_shape(name):
     if (n // 2) % 128 == 0:  # tile 256 with a GLU: each half of the tile inside one W scale block
         variants["sm90 fp8 t256 + swiglu"] = lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu",
                                                                            tile_n=256)
+        # the FP8 FC1's act cast (rows and columns, what the all-FP8 layer's FC2 reads): in the
+        # epilogue at tile 256, or after the kernel at the default tile; the same bytes checked first
+        cast_after = block_columns_sm90(grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu",
+                                                              tile_n=256)[1], offsets, rows=True)
+        fused = grouped_gemm_act_quant_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu", columns=True)
+        used = int(((offsets[1:] - offsets[:-1] + 127) // 128).sum())  # column blocks the groups fill
+        assert (torch.equal(fused[1].view(torch.uint8), cast_after[1].view(torch.uint8))
+                and torch.equal(fused[2], cast_after[2])
+                and torch.equal(fused[3].data[:, :128 * used].view(torch.uint8),
+                                cast_after[0].data[:, :128 * used].view(torch.uint8))
+                and torch.equal(fused[3].scale_inv[:used], cast_after[0].scale_inv[:used])), (
+            f"{name}: the FP8 act cast in the epilogue differs from the cast of the FP8 kernel's act")
+        variants["sm90 fp8 + swiglu, then cast"] = lambda: block_columns_sm90(
+            grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu")[1], offsets, rows=True)
+        variants["sm90 fp8 t256 + swiglu + cast"] = lambda: grouped_gemm_act_quant_fp8_sm90(
+            xq, xs, wq, ws, offsets, activation="swiglu", columns=True)
     flops = 2 * int(offsets[-1]) * n * h
     times = rotated_medians(variants, bench_us)
     quantize_us = {  # the forward's casts: x in 1 x 128 blocks, W in 128 x 128 (bf16 inputs)

@@ -47,6 +47,7 @@ FP8_GLU_N_MULTIPLE = 128  # FP8 GLU: each half's 64-row boxes inside one 128-row
 _FP8 = "grouped_gemm_fp8_sm90"
 _DACT_FP8 = "grouped_dgrad_dact_fp8_sm90"
 _ACT_QUANT = "grouped_gemm_act_quant_sm90"
+_ACT_QUANT_FP8 = "grouped_gemm_act_quant_fp8_sm90"
 _DACT_QUANT_FP8 = "grouped_dgrad_dact_quant_fp8_sm90"
 # the columns an epilogue casts with a column-wise copy (d_pre: each GLU half's) come in multiples of
 # this, so a tile's are one 1x128 block
@@ -406,6 +407,38 @@ def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_
     )
     kernel = GroupedGemmActFp8Sm90(dt, activation, has_bias, cluster_m, tile_n, act_amax=act_amax,
                                    overlap_promotion=overlap_promotion, **kernel_opts)
+    return _compile(kernel, args, tvm_ffi)
+
+
+@cached_kernel
+def compile_grouped_gemm_act_quant_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_m=2, columns=False,
+                                       **kernel_opts):
+    """Compile (once per configuration) and return the launcher of
+    ``grouped_gemm_act_quant_fp8_sm90``: fn(x, x_scale, weight, weight_scale, offsets, pre, data,
+    scale_inv, col_data, col_scale, bias, probs, constants, max_clusters), col_data / col_scale
+    None without ``columns``. ``kernel_opts``: `GroupedGemmActQuantFp8Sm90` options
+    (power_2_scales, ...)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .grouped_act_sm90 import GroupedGemmActQuantFp8Sm90
+
+    dt = _cutlass_dtype(dtype)
+    spec = activation_spec(activation, "compile_grouped_gemm_act_quant_fp8")
+    m, g = cute.sym_int(), cute.sym_int()
+    k, n = cute.sym_int(divisibility=16), cute.sym_int(divisibility=2 * CAST_COLUMNS_MULTIPLE)
+    cols, col_blocks, blocks = cute.sym_int(divisibility=CAST_COLUMNS_MULTIPLE), cute.sym_int(), cute.sym_int()
+    args = (
+        *_fp8_operand_fakes(m, k, g, n),
+        fake_tensor(dt, (m, n)),
+        fake_tensor(cutlass.Float8E4M3FN, (m, cols), 16),
+        fake_tensor(cutlass.Float32, (m, col_blocks), 4),
+        fake_tensor(cutlass.Float8E4M3FN, (cols, cute.sym_int(divisibility=128)), 16) if columns else None,
+        fake_tensor(cutlass.Float32, (blocks, cols), 4) if columns else None,
+        fake_tensor(dt, (g, n)) if has_bias else None,
+        fake_tensor(cutlass.Float32, (m,), 4) if spec.takes_probs else None,
+    )
+    kernel = GroupedGemmActQuantFp8Sm90(dt, activation, has_bias, cluster_m, columns=columns, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -801,6 +834,85 @@ def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, pro
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_gemm_fp8(*key[1:])
     return fn, (m, n), act_shape, clusters, num_parts
+
+
+def grouped_gemm_act_quant_fp8_sm90(
+    x, x_scale_inv, weight, weight_scale_inv, offsets, *, activation, bias=None, probs=None,
+    out_dtype=torch.bfloat16, out=None, power_2_scales=False, columns=False, cluster_m=None, sm_margin=None,
+    **constants,
+):
+    """`grouped_gemm_fp8_sm90` with a GLU ``activation`` whose act is cast to E4M3 in 1 x 128 blocks
+    in the epilogue ("fp8_blockwise"), as `grouped_gemm_act_quant_sm90` casts it: bit for bit
+    `quantization.quantize` of the act `grouped_gemm_fp8_sm90` returns in ``out_dtype``, without
+    writing that act.
+
+    Operands, bias, probs, out (the pre-activation buffer) and constants as for
+    `grouped_gemm_fp8_sm90`; N/2 a multiple of 128 (tile_n 256: each block's product in two
+    halves, a tile's 128 act columns one cast block). Returns (pre (M, N) in ``out_dtype``, data
+    (M, N/2) float8_e4m3fn, scale_inv (M, N/256) float32[, `BlockColumns` with ``columns``: the
+    per-group column-wise copy as `block_columns_sm90` makes it, G <= 512]). Rows >= offsets[G]:
+    pre and data zero, scale_inv 1. No host sync.
+    """
+    tvm_ffi = tvm_ffi_available()
+    key = (
+        call_signature(tvm_ffi, x, x_scale_inv, weight, weight_scale_inv, offsets, bias, probs, out),
+        _ACT_QUANT_FP8, activation, out_dtype, power_2_scales, columns, cluster_m, sm_margin,
+    )
+    args = (x, x_scale_inv, weight, weight_scale_inv, offsets, bias, activation, probs, out_dtype, out, power_2_scales,
+            columns, cluster_m, sm_margin)
+    launch = _MEMO.get(key) or _MEMO.put(key, _act_quant_fp8_launch(*args))
+    fn, pre_shape, data_shape, clusters = launch
+    dev = x.device
+    pre = out if out is not None else torch.empty(pre_shape, dtype=out_dtype, device=dev)
+    (m, c) = data_shape
+    data = torch.empty(data_shape, dtype=torch.float8_e4m3fn, device=dev)
+    scale_inv = torch.empty(m, c // 128, dtype=torch.float32, device=dev)
+    col_data = col_scale = None
+    if columns:
+        blocks = -(-m // 128) + offsets.shape[0] - 1
+        col_data = torch.empty(c, 128 * blocks, dtype=torch.float8_e4m3fn, device=dev)
+        col_scale = torch.empty(blocks, c, dtype=torch.float32, device=dev)
+    _run(fn, tvm_ffi, _act_quant_fp8_launch, args,
+         (x, x_scale_inv, weight, weight_scale_inv, offsets, pre, data, scale_inv, col_data, col_scale, bias, probs),
+         activation_constants(_ACT_QUANT_FP8, constants), clusters)
+    if columns:
+        return pre, data, scale_inv, BlockColumns(col_data, col_scale, m)
+    return pre, data, scale_inv
+
+
+def _act_quant_fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, probs, out_dtype, out,
+                          power_2_scales, columns, cluster_m, sm_margin):
+    """Every check of `grouped_gemm_act_quant_fp8_sm90`; (launcher or None when M == 0, pre shape,
+    cast output shape, persistent grid in clusters)."""
+    name = _ACT_QUANT_FP8
+    if out_dtype not in DTYPES:
+        raise TypeError(f"{name}: out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
+    dev, (m, k), (g, n, _) = _check_fp8_operands(name, ("x", x, x_scale), ("weight", weight, weight_scale), offsets)
+    spec = activation_spec(activation, name)
+    if spec is None or not spec.glu:
+        glus = tuple(key for key, s in ACTIVATIONS.items() if s.glu)
+        raise ValueError(f"{name}: activation must be a GLU activation {glus}, got {activation!r}")
+    if n % (2 * CAST_COLUMNS_MULTIPLE):
+        raise ValueError(f"{name}: N={n} (weight.shape[1]) must be a multiple of {2 * CAST_COLUMNS_MULTIPLE} (each "
+                         "half of a 256-wide tile one W block and one cast block)")
+    if not isinstance(power_2_scales, bool):
+        raise TypeError(f"{name}: power_2_scales must be a bool, got {type(power_2_scales).__name__}")
+    if not isinstance(columns, bool):
+        raise TypeError(f"{name}: columns must be a bool, got {type(columns).__name__}")
+    act_shape = _check_epilogue_tensors(name, spec, out_dtype, bias, probs, out, None, m, n, g, dev)
+    if columns:
+        reason = sm90_act_quant_columns_unsupported_reason(act_shape[1], g)
+        if reason:
+            raise ValueError(f"{name}: {reason.removeprefix('sm90 backend: ')}")
+    _, cluster_m, clusters, _ = _launch_config(name, m, n, g, dev, 256, cluster_m, sm_margin)
+    if m == 0:
+        return None, (m, n), act_shape, clusters
+    key = (_ACT_QUANT_FP8, out_dtype, activation, bias is not None, tvm_ffi_available(), cluster_m, columns,
+           power_2_scales)
+    fn = _LAUNCHERS.get(key)
+    if fn is None:
+        fn = _LAUNCHERS[key] = compile_grouped_gemm_act_quant_fp8(*key[1:-1], power_2_scales=key[-1])
+    return fn, (m, n), act_shape, clusters
 
 
 def _check_fp8_operands(fn_name, a, b, offsets):
