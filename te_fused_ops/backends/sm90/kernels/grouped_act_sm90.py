@@ -221,11 +221,15 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
         max_clusters: Int32,
         stream,
     ):
-        m_total = cute.size(mX, mode=[0])
+        self._launch_cast(mX, mW, mOffsets, mPre, mData, mScale, mColData, mColScale, mBias, mProbs, constants,
+                          max_clusters, stream)
+
+    def _launch_cast(self, mX, mW, mOffsets, mPre, mData, mScale, mColData, mColScale, mBias, mProbs, constants,
+                     max_clusters, stream, scales=None):
         outputs = (mPre,) if const_expr(self.stores_pre) else ()
-        params = ForwardParams(mBias, mProbs, constants, m_total, data=mData, scale=mScale, col_data=mColData,
-                               col_scale=mColScale)
-        self.launch(mX, mW, mOffsets, outputs, (), params, max_clusters, stream)
+        params = ForwardParams(mBias, mProbs, constants, cute.size(mX, mode=[0]), data=mData, scale=mScale,
+                               col_data=mColData, col_scale=mColScale)
+        self.launch(mX, mW, mOffsets, outputs, (), params, max_clusters, stream, scales)
 
     def epi_make_state(self, tiled_copy, epi_tile, shared):
         """(per block and row slot: scale_inv and the two multipliers of `e4m3_scale_inv`; GLU: the
@@ -379,7 +383,5 @@ class GroupedGemmActQuantFp8Sm90(GroupedGemmActQuantSm90):
         max_clusters: Int32,
         stream,
     ):
-        m_total = cute.size(mX, mode=[0])
-        params = ForwardParams(mBias, mProbs, constants, m_total, data=mData, scale=mScale, col_data=mColData,
-                               col_scale=mColScale)
-        self.launch(mX, mW, mOffsets, (mPre,), (), params, max_clusters, stream, scales=(mXScale, mWScale))
+        self._launch_cast(mX, mW, mOffsets, mPre, mData, mScale, mColData, mColScale, mBias, mProbs, constants,
+                          max_clusters, stream, (mXScale, mWScale))

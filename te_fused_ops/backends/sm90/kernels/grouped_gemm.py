@@ -698,20 +698,30 @@ def grouped_gemm_act_quant_sm90(
     pre = None
     if pre_shape is not None:
         pre = out if out is not None else x.new_empty(pre_shape)
-    (m, c), dev = data_shape, x.device
+    cast = _cast_outputs(data_shape, offsets.shape[0] - 1, columns, x.device)
+    _run(fn, tvm_ffi, _act_quant_launch, args, (x, weight, offsets, pre, *cast, bias, probs),
+         activation_constants(_ACT_QUANT, constants), clusters)
+    return _cast_result(pre, cast, data_shape[0], columns)
+
+
+def _cast_outputs(data_shape, groups, columns, dev):
+    """(data (M, C) E4M3, scale_inv (M, ceil(C/128)) float32, with ``columns`` the column-wise
+    copy's data (C, 128 * blocks) E4M3 and scale_inv (blocks, C) float32, else None, None): the
+    buffers a cast epilogue writes."""
+    m, c = data_shape
     data = torch.empty(data_shape, dtype=torch.float8_e4m3fn, device=dev)
     scale_inv = torch.empty(m, -(-c // 128), dtype=torch.float32, device=dev)
-    col_data = col_scale = None
-    if columns:
-        blocks = -(-m // 128) + offsets.shape[0] - 1
-        col_data = torch.empty(c, 128 * blocks, dtype=torch.float8_e4m3fn, device=dev)
-        col_scale = torch.empty(blocks, c, dtype=torch.float32, device=dev)
-    _run(fn, tvm_ffi, _act_quant_launch, args,
-         (x, weight, offsets, pre, data, scale_inv, col_data, col_scale, bias, probs),
-         activation_constants(_ACT_QUANT, constants), clusters)
-    if columns:
-        return pre, data, scale_inv, BlockColumns(col_data, col_scale, m)
-    return pre, data, scale_inv
+    if not columns:
+        return data, scale_inv, None, None
+    blocks = -(-m // 128) + groups
+    return (data, scale_inv, torch.empty(c, 128 * blocks, dtype=torch.float8_e4m3fn, device=dev),
+            torch.empty(blocks, c, dtype=torch.float32, device=dev))
+
+
+def _cast_result(pre, cast, m, columns):
+    """A cast epilogue's outputs: (pre, data, scale_inv[, `BlockColumns` with ``columns``])."""
+    data, scale_inv, col_data, col_scale = cast
+    return (pre, data, scale_inv, BlockColumns(col_data, col_scale, m)) if columns else (pre, data, scale_inv)
 
 
 def sm90_act_quant_columns_unsupported_reason(c, g) -> str | None:
@@ -862,22 +872,12 @@ def grouped_gemm_act_quant_fp8_sm90(
             columns, cluster_m, sm_margin)
     launch = _MEMO.get(key) or _MEMO.put(key, _act_quant_fp8_launch(*args))
     fn, pre_shape, data_shape, clusters = launch
-    dev = x.device
-    pre = out if out is not None else torch.empty(pre_shape, dtype=out_dtype, device=dev)
-    (m, c) = data_shape
-    data = torch.empty(data_shape, dtype=torch.float8_e4m3fn, device=dev)
-    scale_inv = torch.empty(m, c // 128, dtype=torch.float32, device=dev)
-    col_data = col_scale = None
-    if columns:
-        blocks = -(-m // 128) + offsets.shape[0] - 1
-        col_data = torch.empty(c, 128 * blocks, dtype=torch.float8_e4m3fn, device=dev)
-        col_scale = torch.empty(blocks, c, dtype=torch.float32, device=dev)
+    pre = out if out is not None else torch.empty(pre_shape, dtype=out_dtype, device=x.device)
+    cast = _cast_outputs(data_shape, offsets.shape[0] - 1, columns, x.device)
     _run(fn, tvm_ffi, _act_quant_fp8_launch, args,
-         (x, x_scale_inv, weight, weight_scale_inv, offsets, pre, data, scale_inv, col_data, col_scale, bias, probs),
+         (x, x_scale_inv, weight, weight_scale_inv, offsets, pre, *cast, bias, probs),
          activation_constants(_ACT_QUANT_FP8, constants), clusters)
-    if columns:
-        return pre, data, scale_inv, BlockColumns(col_data, col_scale, m)
-    return pre, data, scale_inv
+    return _cast_result(pre, cast, data_shape[0], columns)
 
 
 def _act_quant_fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, probs, out_dtype, out,
