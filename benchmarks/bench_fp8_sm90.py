@@ -61,7 +61,7 @@ import torch
 import triton.testing
 from bench_train_step import ReferenceMLP
 from common import (
-    MODEL_SHAPES, device_tag, gpu_us_per_kernel, mlp_problem, rotated_medians, skewed_splits, sustained_ms,
+    MODEL_SHAPES, device_tag, gpu_us_per_kernel, mlp_problem, model_shape, rotated_medians, skewed_splits, sustained_ms,
     write_results,
 )
 
@@ -112,7 +112,7 @@ def current_cast_from_epilogue(x, w, offsets):
 
 
 def run_shape(name):
-    m, h, i, e = MODEL_SHAPES[name]
+    m, h, i, e = model_shape(name)
     n = 2 * i
     torch.manual_seed(0)
     x = torch.randn(m, h, device="cuda")
@@ -343,7 +343,7 @@ def step_table(steps, device):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default=",".join(MODEL_SHAPES))
+    ap.add_argument("--shapes", default=",".join(MODEL_SHAPES), help="comma-separated names or MxHxIxE sizes")
     ap.add_argument("--out", default=None)
     ap.add_argument("--part", choices=("all", "kernels", "steps"), default="all")
     ap.add_argument("--profile", action="store_true", help="print each step's GPU time per kernel first")

@@ -33,7 +33,7 @@ if __name__ == "__main__":  # before torch, triton and the kernels load: one lin
 
 import torch
 import triton.testing
-from common import MODEL_SHAPES, device_tag, rotated_medians, skewed_splits, write_results
+from common import MODEL_SHAPES, device_tag, model_shape, rotated_medians, skewed_splits, write_results
 
 from te_fused_ops.backends.sm90.kernels.block_quantize import block_columns_sm90, block_dequantize_sm90, block_quantize_sm90
 from te_fused_ops.backends.sm90.kernels.grouped_wgrad import grouped_wgrad_fp8_sm90, grouped_wgrad_sm90
@@ -116,12 +116,12 @@ def table(rows, device):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default=",".join(MODEL_SHAPES))
+    ap.add_argument("--shapes", default=",".join(MODEL_SHAPES), help="comma-separated names or MxHxIxE sizes")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     rows = []
     for name in args.shapes.split(","):
-        m, h, i, e = MODEL_SHAPES[name]
+        m, h, i, e = model_shape(name)
         for part, (n, k) in (("fc1", (2 * i, h)), ("fc2", (h, i))):
             rows.append(run(name, part, m, n, k, e))
             print(rows[-1], flush=True)
