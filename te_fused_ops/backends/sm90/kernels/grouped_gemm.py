@@ -322,7 +322,8 @@ def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_
 
 
 @cached_kernel
-def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2, d_pre_amax=False, **kernel_opts):
+def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2, d_pre_amax=False, tile_n=128,
+                                   **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_dgrad_dact_fp8_sm90``:
     fn(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, d_pre, probs, d_probs_part, d_pre_amax, constants,
     max_clusters)."""
@@ -345,7 +346,7 @@ def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2,
         fake_tensor(cutlass.Float32, (n_tiles, m), 4) if spec.takes_probs else None,
         _amax_parts_fake() if d_pre_amax else None,
     )
-    kernel = GroupedGemmDActFp8Sm90(dt, activation, cluster_m, d_pre_amax=d_pre_amax, **kernel_opts)
+    kernel = GroupedGemmDActFp8Sm90(dt, activation, cluster_m, tile_n, d_pre_amax=d_pre_amax, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -1049,7 +1050,7 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
 
 def grouped_dgrad_dact_fp8_sm90(
     dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, activation, probs=None,
-    cluster_m=None, sm_margin=None, d_pre_amax=False, **constants,
+    tile_n=None, cluster_m=None, sm_margin=None, d_pre_amax=False, **constants,
 ):
     """`grouped_dgrad_dact_sm90` on block-scaled FP8 operands: h = dy_g @ W[g] in FP8, then dActivation.
 
@@ -1059,17 +1060,18 @@ def grouped_dgrad_dact_fp8_sm90(
     (G, ceil(I/128), ceil(H/128)); pre, probs, constants as for `grouped_dgrad_dact_sm90`, pre's
     dtype (bf16/fp16) the output's. Returns (d_pre like pre, d_probs (M,) float32 for
     scaled_swiglu else None); no act output. Rows >= offsets[G] are zero. H a multiple of 16; I of
-    32 (GLU) or 8. ``d_pre_amax``: also return d_pre's amax parts, as ``act_amax`` of
+    32 (GLU) or 8. tile_n (over I): 128 (None) or 256 (each block's product in two 128-column
+    halves). ``d_pre_amax``: also return d_pre's amax parts, as ``act_amax`` of
     `grouped_gemm_sm90` (the fp8_current cast of FC1's data gradient). No host sync; checks run
     once per argument signature.
     """
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, probs),
-        _DACT_FP8, pre.dtype, activation, cluster_m, sm_margin, d_pre_amax,
+        _DACT_FP8, pre.dtype, activation, tile_n, cluster_m, sm_margin, d_pre_amax,
     )
     args = (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation, probs, cluster_m, sm_margin,
-            d_pre_amax)
+            d_pre_amax, None, tile_n)
     launch = _MEMO.get(key) or _MEMO.put(key, _dact_fp8_launch(*args))
     fn, partial_shape, clusters, num_parts = launch
     d_pre = torch.empty_like(pre)
@@ -1083,10 +1085,10 @@ def grouped_dgrad_dact_fp8_sm90(
 
 
 def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activation, probs, cluster_m, sm_margin,
-                     d_pre_amax=False, power_2_scales=None):
+                     d_pre_amax=False, power_2_scales=None, tile_n=None):
     """Every check of `grouped_dgrad_dact_fp8_sm90` (with ``power_2_scales`` a bool: of
-    `grouped_dgrad_dact_quant_fp8_sm90`); (launcher or None when M == 0, d_probs partials shape or
-    None, persistent grid in clusters, d_pre amax parts or 0)."""
+    `grouped_dgrad_dact_quant_fp8_sm90`, tile_n 128); (launcher or None when M == 0, d_probs
+    partials shape or None, persistent grid in clusters, d_pre amax parts or 0)."""
     quantize = power_2_scales is not None
     name = _DACT_QUANT_FP8 if quantize else _DACT_FP8
     dev, (m, h), (g, i, _) = _check_fp8_operands(
@@ -1108,8 +1110,11 @@ def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activ
     check_tensor(name, pre, "pre", pre.dtype, 2, dev)
     _check_shape(name, pre, "pre", (m, 2 * i if spec.glu else i))
     _check_probs(name, spec, probs, m, dev)
-    _, cluster_m, clusters, _ = _launch_config(name, m, i, g, dev, 128, cluster_m, sm_margin)
-    partial_shape = (-(-i // 128), m) if spec.takes_probs else None
+    if tile_n not in (None, 128, 256) or (quantize and tile_n == 256):
+        raise ValueError(f"{name}: tile_n must be {'128' if quantize else '128 or 256'}, got {tile_n!r}")
+    tile_n = tile_n or 128
+    _, cluster_m, clusters, _ = _launch_config(name, m, i, g, dev, tile_n, cluster_m, sm_margin)
+    partial_shape = (-(-i // tile_n), m) if spec.takes_probs else None
     num_parts = _check_amax_request(name, "d_pre_amax", d_pre_amax, True, clusters, cluster_m)
     if m == 0:
         return None, partial_shape, clusters, num_parts
@@ -1117,7 +1122,7 @@ def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activ
         key = (_DACT_QUANT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, power_2_scales)
         compile_fn = compile_grouped_dgrad_dact_quant_fp8
     else:
-        key = (_DACT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, bool(d_pre_amax))
+        key = (_DACT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, bool(d_pre_amax), tile_n)
         compile_fn = compile_grouped_dgrad_dact_fp8
     fn = _LAUNCHERS.get(key)
     if fn is None:
