@@ -2,6 +2,10 @@
 
 Per shape (uneven seeded routing; FC1: x (M, H) @ W (E, 2I, H) with SwiGLU and without):
   gmm bf16     torch._grouped_mm on bf16 operands (no activation)
+  gmm fp8 rowwise  torch._scaled_grouped_mm, the FP8 grouped GEMM torch runs on sm90: E4M3 with one
+               multiplier per row of x and per output column of W[g] (its recipe, not 1x128 blocks;
+               checked against float64 of its own operands; "did not run" with the reason where
+               this torch build does not take it)
   sm90 bf16    grouped_gemm_sm90, bf16 operands
   sm90 fp8     grouped_gemm_fp8_sm90, E4M3 operands with 1x128 / 128x128 multipliers (t128 / t192:
                that tile width instead of the default `fp8_tile_n`; "overlap": two block products in
@@ -91,6 +95,29 @@ def step_us(fn):
     return sustained_ms(fn, 0.25, 0.25) * 1e3
 
 
+def rowwise_grouped_mm(x, w, offsets):
+    """torch._scaled_grouped_mm on sm90 (its FP8 recipe: one multiplier per row of x and per output
+    column of each W[g]): (a callable, float64 x and W of its quantized operands), or (None, the
+    error) where this torch build does not run it."""
+    ends = offsets[1:]
+    x_scale = x.abs().amax(1).clamp(min=1e-12) / 448.0
+    w_scale = w.abs().amax(2).clamp(min=1e-12) / 448.0
+    xq = (x / x_scale[:, None]).to(torch.float8_e4m3fn)
+    wq = (w / w_scale[:, :, None]).to(torch.float8_e4m3fn)
+    x64 = xq.double() * x_scale.double()[:, None]
+    w64 = wq.double() * w_scale.double()[:, :, None]
+
+    def run():
+        return torch._scaled_grouped_mm(xq, wq.transpose(-2, -1), x_scale, w_scale, offs=ends,
+                                        out_dtype=torch.bfloat16)
+
+    try:
+        run()
+    except (RuntimeError, NotImplementedError, AttributeError) as err:
+        return None, str(err).splitlines()[0]
+    return run, (x64, w64)
+
+
 def check(out, x64, w64, offsets, what):
     """Relative error of ``out`` (no activation) against float64, group by group."""
     ref = torch.zeros(out.shape, dtype=torch.float64, device=out.device)
@@ -153,6 +180,14 @@ def run_shape(name):
         assert torch.equal(got[0].view(torch.uint8), want.rowwise_data.view(torch.uint8)), f"{name}: current cast data"
         assert torch.equal(got[1], want.rowwise_scale_inv.expand(got[1].shape)), f"{name}: current cast scale"
     ends = offsets[1:]
+    # groups of multiples of 16 rows for torch's kernel (the same skew, M, N and K)
+    offsets16 = split_offsets(skewed_splits(m, e, 0, align=16).cuda(), m)
+    rowwise, rowwise_operands = rowwise_grouped_mm(x, w, offsets16)
+    if rowwise is not None:
+        out = rowwise()
+        errors["gmm fp8 rowwise"] = check(out, *rowwise_operands, offsets16, "gmm fp8 rowwise")
+    else:
+        errors["gmm fp8 rowwise"] = f"did not run: {rowwise_operands}"
     variants = {
         "gmm bf16": lambda: torch._grouped_mm(xb, wb.transpose(-2, -1), offs=ends),
         "sm90 bf16": lambda: grouped_gemm_sm90(xb, wb, offsets),
@@ -179,6 +214,8 @@ def run_shape(name):
             grouped_gemm_sm90(xb, wb, offsets, activation="swiglu", tile_n=256)[1], 1, offsets),
         "sm90 bf16 + swiglu + amax, then current cast": lambda: current_cast_from_epilogue(xb, wb, offsets),
     }
+    if rowwise is not None:
+        variants["gmm fp8 rowwise"] = rowwise
     if (n // 2) % 128 == 0:  # tile 256 with a GLU: each half of the tile inside one W scale block
         variants["sm90 fp8 t256 + swiglu"] = lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu",
                                                                            tile_n=256)
@@ -293,7 +330,7 @@ def run_step(name, profile=False):
 
 
 def kernel_tables(rows, device):
-    labels = list(rows[0]["us"])
+    labels = list(dict.fromkeys(label for r in rows for label in r["us"]))  # a shape may lack some
     lines = [
         f"FC1 forward, block-scaled FP8 vs bf16, {device}; median us (TFLOPS)",
         "",
@@ -301,7 +338,7 @@ def kernel_tables(rows, device):
         "|---|" + "---|" * (len(labels) + 1),
     ]
     for r in rows:
-        cells = [f"{r['us'][k]:.0f} ({r['tflops'][k]:.0f})" for k in labels]
+        cells = [f"{r['us'][k]:.0f} ({r['tflops'][k]:.0f})" if k in r["us"] else "-" for k in labels]
         lines.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {r['us']['sm90 bf16'] / r['us']['sm90 fp8']:.2f}x |")
     lines += [
         "",
