@@ -264,7 +264,7 @@ def run_step(name, profile=False):
 
 
 def kernel_tables(rows, device):
-    labels = list(rows[0]["us"])
+    labels = list(dict.fromkeys(label for r in rows for label in r["us"]))  # a shape may lack some
     lines = [
         f"FC1 forward, block-scaled FP8 vs bf16, {device}; median us (TFLOPS)",
         "",
@@ -272,7 +272,7 @@ def kernel_tables(rows, device):
         "|---|" + "---|" * (len(labels) + 1),
     ]
     for r in rows:
-        cells = [f"{r['us'][k]:.0f} ({r['tflops'][k]:.0f})" for k in labels]
+        cells = [f"{r['us'][k]:.0f} ({r['tflops'][k]:.0f})" if k in r["us"] else "-" for k in labels]
         lines.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {r['us']['sm90 bf16'] / r['us']['sm90 fp8']:.2f}x |")
     lines += [
         "",
