@@ -9,8 +9,8 @@ the row-wise cast of dy that the FP8 data gradient makes anyway:
   x dequant       block_dequantize_sm90 of x's row-wise E4M3 copy (bf16 path)
   wgrad fp8       grouped_wgrad_fp8_sm90 on block-padded column-wise copies (c1: cluster_m 1;
                   overlap: two block products in flight, each promoted under the next one's WGMMAs;
-                  t256: 256-wide tiles, each block's product in two halves; both checked bit-equal
-                  to "wgrad fp8" first)
+                  t192 / t256: 192- / 256-wide tiles (256: each block's product in two halves);
+                  each checked bit-equal to "wgrad fp8" first)
   dy cols+rows    block_columns_sm90(dy, rows=True): the column-wise copy and the row-wise one
                   from one read (replaces the row cast)
   x cols          block_columns_sm90 from x's row-wise E4M3 copy (replaces the dequantize)
@@ -44,7 +44,7 @@ from te_fused_ops.backends.sm90.kernels.grouped_wgrad import grouped_wgrad_fp8_s
 from te_fused_ops.quantization import group_block_index
 
 COLUMNS = ("wgrad bf16", "dy row cast", "x dequant", "wgrad fp8", "wgrad fp8 c1", "wgrad fp8 overlap",
-           "wgrad fp8 t256", "dy cols+rows", "x cols")
+           "wgrad fp8 t192", "wgrad fp8 t256", "dy cols+rows", "x cols")
 
 
 def bench_us(fn):
@@ -111,7 +111,8 @@ def run(name, part, m, n, k, e):
     out = torch.full((e, n, k), float("nan"), dtype=torch.bfloat16, device="cuda")
     dw = grouped_wgrad_fp8_sm90(dy_cols, x_cols, offsets, out=out)
     check_corner(dw, dy_cols, x_cols, offsets, m)
-    for label, options in (("overlap", dict(overlap_promotion=True)), ("t256", dict(tile_n=256))):
+    for label, options in (("overlap", dict(overlap_promotion=True)), ("t192", dict(tile_n=192)),
+                           ("t256", dict(tile_n=256))):
         variant = grouped_wgrad_fp8_sm90(dy_cols, x_cols, offsets, out=torch.full_like(out, float("nan")), **options)
         if not torch.equal(variant, dw):
             raise SystemExit(f"{name} {part}: wgrad fp8 {label} differs from the default mainloop")
@@ -133,6 +134,7 @@ def run(name, part, m, n, k, e):
         "wgrad fp8": lambda: grouped_wgrad_fp8_sm90(dy_cols, x_cols, offsets),
         "wgrad fp8 c1": lambda: grouped_wgrad_fp8_sm90(dy_cols, x_cols, offsets, cluster_m=1),
         "wgrad fp8 overlap": lambda: grouped_wgrad_fp8_sm90(dy_cols, x_cols, offsets, overlap_promotion=True),
+        "wgrad fp8 t192": lambda: grouped_wgrad_fp8_sm90(dy_cols, x_cols, offsets, tile_n=192),
         "wgrad fp8 t256": lambda: grouped_wgrad_fp8_sm90(dy_cols, x_cols, offsets, tile_n=256),
         "dy cols+rows": lambda: block_columns_sm90(dy, offsets, rows=True),
         "x cols": lambda: block_columns_sm90(x_data, offsets, x_scale_inv=x_scale),

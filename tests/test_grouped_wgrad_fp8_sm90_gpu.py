@@ -152,6 +152,7 @@ def test_no_host_sync_and_cuda_graph():
 
 VARIANTS = {  # name: keyword arguments of a mainloop bit-equal to the default one
     "overlapped promotion": dict(overlap_promotion=True),  # two block products in flight
+    "tile 192": dict(tile_n=192),  # one 96-register block product, the column multipliers read as used
     "tile 256": dict(tile_n=256),  # each block's product in two 128-column halves
 }
 
@@ -200,7 +201,7 @@ def test_argument_errors():
         grouped_wgrad_fp8_sm90(cols.data, cols, offsets)
     with pytest.raises(TypeError, match="overlap_promotion must be a bool"):
         grouped_wgrad_fp8_sm90(cols, cols, offsets, overlap_promotion="yes")
-    with pytest.raises(ValueError, match="tile_n must be 128 or 256, got 192"):
-        grouped_wgrad_fp8_sm90(cols, cols, offsets, tile_n=192)
+    with pytest.raises(ValueError, match="tile_n must be 128, 192 or 256, got 64"):
+        grouped_wgrad_fp8_sm90(cols, cols, offsets, tile_n=64)
     with pytest.raises(ValueError, match="overlap_promotion needs tile_n 128"):
         grouped_wgrad_fp8_sm90(cols, cols, offsets, tile_n=256, overlap_promotion=True)

@@ -47,6 +47,8 @@ COMPILE = {  # name: Python that compiles one configuration (torch as torch, bf1
     "FP8 wgrad dW pair, overlapped promotion": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import"
                                                " compile_grouped_wgrad as c;"
                                                " c(bf16, 128, False, 2, False, True, overlap_promotion=True)",
+    "FP8 wgrad dW pair tile 192": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import compile_grouped_wgrad as c;"
+                                  " c(bf16, 192, False, 2, False, True)",
     "FP8 wgrad dW pair tile 256, half products": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import"
                                                   " compile_grouped_wgrad as c; c(bf16, 256, False, 2, False, True)",
     "FP8 forward + SwiGLU, overlapped promotion": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"

@@ -205,11 +205,8 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         # in two 128-column halves, 128 + 64 registers, `split_products`)
         self.block_scaled = self.ab_dtype.width == 8
         if self.block_scaled:
-            if tile_n not in ((128, 256) if self.varlen_k else (128, 192, 256)) or "mn" in (a_major, b_major):
-                raise ValueError(
-                    f"FP8 operands need tile_n {'128 or 256' if self.varlen_k else '128, 192 or 256'} and K-major "
-                    "operands"
-                )
+            if tile_n not in (128, 192, 256) or "mn" in (a_major, b_major):
+                raise ValueError("FP8 operands need tile_n 128, 192 or 256 and K-major operands")
             self.tile_k = 128
         elif tile_n not in (128, 192, 256):
             raise ValueError("tile_n must be 128, 192 or 256")

@@ -221,10 +221,11 @@ def grouped_wgrad_fp8_sm90(dy_columns, x_columns, offsets, *, out_dtype=torch.bf
     were made with. N and K multiples of 16. Returns dW (G, N, K) in ``out_dtype`` (bf16/fp16;
     into ``out`` if given), or with ``main_grad`` (fp32) main_grad += dW. Each 128-token block's
     product is added in float32, scaled by its two multipliers. sm_margin and cluster_m as for
-    `grouped_wgrad_sm90`; tile_n (along K) 128 (None) or 256 (each block's product taken in two
-    128-column halves). ``overlap_promotion`` (tile_n 128): two block products in flight, each
-    block promoted under the next one's WGMMAs. Both bit-equal to the default; with either, a
-    tile's stores wait for its mainloop instead of running under the next tile's. No host sync.
+    `grouped_wgrad_sm90`; tile_n (along K) 128 (None), 192, or 256 (each block's product taken in
+    two 128-column halves). ``overlap_promotion`` (tile_n 128): two block products in flight, each
+    block promoted under the next one's WGMMAs. All bit-equal to the default; with tile 256 or the
+    overlap, a tile's stores wait for its mainloop instead of running under the next tile's. No
+    host sync.
     """
     tvm_ffi = tvm_ffi_available()
     try:
@@ -295,12 +296,12 @@ def _fp8_launch(dy_t, dy_scales, x_t, x_scales, m, x_m, offsets, out_dtype, out,
     margin = resolve_sm_margin(sm_margin, name)
     if cluster_m not in (None, 1, 2):
         raise ValueError(f"{name}: cluster_m must be 1 or 2, got {cluster_m!r}")
-    if tile_n not in (None, 128, 256):
-        raise ValueError(f"{name}: tile_n must be 128 or 256, got {tile_n!r}")
+    if tile_n not in (None, 128, 192, 256):
+        raise ValueError(f"{name}: tile_n must be 128, 192 or 256, got {tile_n!r}")
     if not isinstance(overlap_promotion, bool):
         raise TypeError(f"{name}: overlap_promotion must be a bool, got {type(overlap_promotion).__name__}")
-    if overlap_promotion and tile_n == 256:
-        raise ValueError(f"{name}: overlap_promotion needs tile_n 128, got 256")
+    if overlap_promotion and tile_n not in (None, 128):
+        raise ValueError(f"{name}: overlap_promotion needs tile_n 128, got {tile_n}")
     if g * n * k == 0 or m == 0:
         return None, (g, n, k), 0
     max_ctas = max(1, num_sms(dev) - margin)
