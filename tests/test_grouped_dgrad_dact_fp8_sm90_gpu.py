@@ -61,6 +61,18 @@ def run(splits, m, h, i, activation, dtype=torch.bfloat16, seed=0, **cfg):
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "scaled_swiglu", "srelu"])
+@pytest.mark.parametrize("cluster_m", [1, 2])
+def test_pingpong(activation, cluster_m):
+    """Each MMA warpgroup on tiles of its own (block products in 64-column halves over both
+    64-row slabs): d_pre and d_probs bit for bit the cooperative kernel's (d_probs' products are
+    never contracted, so chunk widths do not change its bits); a partial last tile (I = 320)."""
+    pingpong = run(UNEVEN, 500, 400, 320, activation, cluster_m=cluster_m, pingpong=True)
+    cooperative = run(UNEVEN, 500, 400, 320, activation, cluster_m=cluster_m)
+    assert torch.equal(pingpong[0].view(torch.int16), cooperative[0].view(torch.int16))
+    assert (pingpong[1] is None and cooperative[1] is None) or torch.equal(pingpong[1], cooperative[1])
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "scaled_swiglu", "srelu"])
 @pytest.mark.parametrize("i", [320, 512])  # a partial last tile (its second half partly past I); two whole tiles
 def test_tile_256_halves(activation, i):
     """Tile 256 over I: each block's product in two 128-column halves, each with its own W block's
@@ -138,6 +150,9 @@ def test_argument_errors():
                                     activation="swiglu")
     with pytest.raises(ValueError, match=f"{name}: activation is required"):
         grouped_dgrad_dact_fp8_sm90(dy, dy_scale, w_t, w_t_scale, offsets, pre, activation=None)
+    with pytest.raises(ValueError, match=f"{name}: pingpong needs tile_n 128, got 256"):
+        grouped_dgrad_dact_fp8_sm90(dy, dy_scale, w_t, w_t_scale, offsets, pre, activation="swiglu", tile_n=256,
+                                    pingpong=True)
     with pytest.raises(ValueError, match=f"{name}: tile_n must be 128 or 256, got 192"):
         grouped_dgrad_dact_fp8_sm90(dy, dy_scale, w_t, w_t_scale, offsets, pre, activation="swiglu", tile_n=192)
     with pytest.raises(ValueError, match=f"{name}: weight_t has K=256"):
