@@ -104,19 +104,24 @@ ROW_MOVERS = {  # the largest configuration of each row-mover kernel
 @pytest.fixture(scope="module")
 def machine_code(tmp_path_factory):
     """name -> the SASS of its kernels: every configuration of `COMPILE` and `ROW_MOVERS`,
-    compiled in one subprocess (one import of the compiler) that keeps the cubins."""
+    compiled in two subprocesses at once (one import of the compiler each, every other
+    configuration) that keep the cubins."""
     nvdisasm = _nvdisasm()
     assert nvdisasm, "nvdisasm not found: install the test extra (nvidia-cuda-nvdisasm)"
-    dump = tmp_path_factory.mktemp("cubins")
     names = [*COMPILE, *ROW_MOVERS]
     codes = [*COMPILE.values(), *ROW_MOVERS.values()]
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(dump),
-               CUTE_DSL_DISABLE_FILE_CACHING="1")
-    subprocess.run([sys.executable, "-c", _COMPILE_ALL, json.dumps(codes)], env=env, check=True, capture_output=True,
-                   timeout=1200)
+    dumps = [tmp_path_factory.mktemp("cubins") for _ in range(2)]
+    runs = [subprocess.Popen([sys.executable, "-c", _COMPILE_ALL, json.dumps(codes[part::2])],
+                             env=dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin",
+                                      CUTE_DSL_DUMP_DIR=str(dump), CUTE_DSL_DISABLE_FILE_CACHING="1"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            for part, dump in enumerate(dumps)]
+    for run in runs:
+        _, err = run.communicate(timeout=1200)
+        assert run.returncode == 0, err.decode()[-2000:]
     sass = {}
     for index, name in enumerate(names):
-        cubins = sorted(glob.glob(str(dump / str(index) / "*.cubin")))
+        cubins = sorted(glob.glob(str(dumps[index % 2] / str(index // 2) / "*.cubin")))
         sass[name] = [subprocess.run([nvdisasm, "-c", f], check=True, capture_output=True, text=True).stdout
                       for f in cubins]
     return sass
