@@ -11,6 +11,7 @@ from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
 from te_fused_ops.activations import ACTIVATIONS
 from te_fused_ops.backends.sm90.kernels.block_quantize import block_quantize_sm90
 from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_dgrad_dact_fp8_sm90
+from te_fused_ops.backends.sm90.kernels.tuning import fp8_dact_tile_n
 from test_grouped_dgrad_sm90_gpu import (
     ALPHA, LIMIT, TOL, UNEVEN, dact_reference, offsets_from_splits, poison_allocator, rel_err,
 )
@@ -44,7 +45,8 @@ def operands(splits, m, h, i, activation, dtype, seed):
 def run(splits, m, h, i, activation, dtype=torch.bfloat16, seed=0, **cfg):
     fp8, dy_values, w_values, pre, probs = operands(splits, m, h, i, activation, dtype, seed)
     offsets = offsets_from_splits(splits)
-    poison_allocator((tuple(pre.shape), dtype), ((-(-i // (cfg.get("tile_n") or 128)), m), torch.float32))
+    tile_n = cfg.get("tile_n") or (128 if cfg.get("pingpong") else fp8_dact_tile_n(i))
+    poison_allocator((tuple(pre.shape), dtype), ((-(-i // tile_n), m), torch.float32))
     d_pre, d_probs = grouped_dgrad_dact_fp8_sm90(
         *fp8, offsets, pre, activation=activation, probs=probs, limit=LIMIT, alpha=ALPHA, **cfg
     )
@@ -67,7 +69,7 @@ def test_pingpong(activation, cluster_m):
     64-row slabs): d_pre and d_probs bit for bit the cooperative kernel's (d_probs' products are
     never contracted, so chunk widths do not change its bits); a partial last tile (I = 320)."""
     pingpong = run(UNEVEN, 500, 400, 320, activation, cluster_m=cluster_m, pingpong=True)
-    cooperative = run(UNEVEN, 500, 400, 320, activation, cluster_m=cluster_m)
+    cooperative = run(UNEVEN, 500, 400, 320, activation, cluster_m=cluster_m, tile_n=128)
     assert torch.equal(pingpong[0].view(torch.int16), cooperative[0].view(torch.int16))
     assert (pingpong[1] is None and cooperative[1] is None) or torch.equal(pingpong[1], cooperative[1])
 
@@ -83,17 +85,18 @@ def test_tile_256_halves(activation, i):
     assert torch.equal(wide[0].view(torch.int16), narrow[0].view(torch.int16))
 
 
-@pytest.mark.parametrize("activation,cluster_m", [("swiglu", 2), ("scaled_swiglu", 1), ("srelu", 2),
-                                                ("clamped_swiglu", 1)])
-def test_d_pre_amax_from_the_epilogue(activation, cluster_m):
+@pytest.mark.parametrize("activation,cluster_m,i", [("swiglu", 2, 320), ("scaled_swiglu", 1, 320), ("srelu", 2, 320),
+                                                  ("clamped_swiglu", 1, 320), ("scaled_swiglu", 2, 512)])
+def test_d_pre_amax_from_the_epilogue(activation, cluster_m, i):
     """fp8_current's amax of d_pre from the epilogue (gate and up halves, grouped rows only, as
-    stored): the same d_pre and d_probs bits, parts whose max is torch's amax, all written."""
+    stored): the same d_pre and d_probs bits, parts whose max is torch's amax, all written; at
+    I = 512 on the default 256-wide tiles."""
     from test_grouped_gemm_sm90_gpu import act_amax_reference
 
     from te_fused_ops.backends.sm90.kernels.grouped_gemm import max_clusters
     from te_fused_ops.backends.sm90.kernels.launch import num_sms
 
-    splits, m, h, i = UNEVEN, 500, 400, 320
+    splits, m, h = UNEVEN, 500, 400
     fp8, _, _, pre, probs = operands(splits, m, h, i, activation, torch.bfloat16, seed=3)
     pre[sum(splits):] = 1e4  # padding rows: d_pre is zero there whatever pre holds
     offsets = offsets_from_splits(splits)

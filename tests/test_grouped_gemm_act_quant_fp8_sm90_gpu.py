@@ -132,7 +132,7 @@ def test_argument_errors():
     with pytest.raises(TypeError, match=f"{name}: x has dtype"):
         grouped_gemm_act_quant_fp8_sm90(xq.bfloat16(), xs, wq, ws, off, activation="swiglu")
     with pytest.raises(ValueError, match=f"{name}: weight_scale_inv must have shape"):
-        grouped_gemm_act_quant_fp8_sm90(xq, xs, wq, ws[:, :1], off, activation="swiglu")
+        grouped_gemm_act_quant_fp8_sm90(xq, xs, wq, ws[:, :1].contiguous(), off, activation="swiglu")
     with pytest.raises(TypeError, match=f"{name}: out_dtype"):
         grouped_gemm_act_quant_fp8_sm90(xq, xs, wq, ws, off, activation="swiglu", out_dtype=torch.float32)
     with pytest.raises(TypeError, match=f"{name}: power_2_scales must be a bool"):

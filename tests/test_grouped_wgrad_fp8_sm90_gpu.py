@@ -150,7 +150,8 @@ def test_no_host_sync_and_cuda_graph():
     assert rel_err(out, reference(dy_values, x_values, splits)) <= 5e-3
 
 
-VARIANTS = {  # name: keyword arguments of a mainloop bit-equal to the default one
+VARIANTS = {  # name: keyword arguments of a mainloop bit-equal to the 128-wide tile's
+    "default": {},  # `tuning.fp8_tile_n` of K
     "overlapped promotion": dict(overlap_promotion=True),  # two block products in flight
     "tile 192": dict(tile_n=192),  # one 96-register block product, the column multipliers read as used
     "tile 256": dict(tile_n=256),  # each block's product in two 128-column halves
@@ -162,7 +163,7 @@ VARIANTS = {  # name: keyword arguments of a mainloop bit-equal to the default o
 @pytest.mark.parametrize("main_grad", [False, True])
 @pytest.mark.parametrize("n, k", [(384, 256), (272, 208), (128, 112)])
 def test_mainloop_variants_are_bit_equal(variant, cluster_m, main_grad, n, k):
-    """The same sums in the same order as the default mainloop, over groups of 1 to 32 scale
+    """The same sums in the same order as the 128-wide tile's mainloop, over groups of 1 to 32 scale
     blocks (odd and even counts: the overlapped loop takes blocks in pairs), empty groups, K not
     a multiple of the tile (a 256 tile's second half partly or wholly past K), and within the
     float64 tolerance."""
@@ -172,7 +173,7 @@ def test_mainloop_variants_are_bit_equal(variant, cluster_m, main_grad, n, k):
     dy_cols, dy_values = column_copy(dy, offsets)
     x_cols, x_values = column_copy(x, offsets)
     results = []
-    for options in ({}, VARIANTS[variant]):
+    for options in (dict(tile_n=128), VARIANTS[variant]):
         if main_grad:
             out = torch.randn(len(splits), n, k, device="cuda", generator=torch.Generator("cuda").manual_seed(7))
             grouped_wgrad_fp8_sm90(dy_cols, x_cols, offsets, main_grad=out, cluster_m=cluster_m, **options)

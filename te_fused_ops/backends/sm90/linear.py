@@ -14,6 +14,7 @@ from ...quantization import (
     reuse_or_make,
 )
 from .backend import kernel_reason, sm_margin
+from .kernels import tuning
 from .kernels.block_quantize import (
     BlockColumns,
     block_columns_sm90,
@@ -22,7 +23,6 @@ from .kernels.block_quantize import (
     tensor_quantize_sm90,
 )
 from .kernels.grouped_gemm import (
-    fp8_tile_n,
     grouped_gemm_act_quant_fp8_sm90,
     grouped_gemm_act_quant_sm90,
     grouped_gemm_fp8_sm90,
@@ -108,7 +108,7 @@ def fp8_act_cast_reason(act: Activation | None, cols: int) -> str | None:
     one cast block of each row)."""
     if act is None or not ACTIVATIONS[act.kernel_name].glu:
         return "quantized input: the FP8 kernel casts only a GLU act in its epilogue (cast after it, rule 'quantize')"
-    if fp8_tile_n(2 * cols, glu=True) != 256:
+    if tuning.fp8_tile_n(2 * cols, glu=True) != 256:
         return (f"quantized input: the FP8 act cast needs 256-wide tiles, not this shape's (I={cols}; "
                 "cast after the kernel, rule 'quantize')")
     return None

@@ -153,18 +153,6 @@ def pingpong_pays(m: int, n: int, num_sms: int, halves: int = 1) -> bool:
     return -(-m // 128) * -(-n // 192) >= num_sms and tuning.pads_no_more(n, 192, 256, halves)
 
 
-def fp8_tile_n(n: int, glu: bool) -> int:
-    """The FP8 GEMM's n-tile: 192 where it pads N (a GLU's halves) no more than 128 does, else 256
-    where N (each half) is whole 128-column W blocks, else 128. Measured on the FC1 forward with
-    SwiGLU (H100, `bench_fp8_sm90.py --part kernels`): t192 against t128 3.6% and 2.4% faster on
-    qwen3 and gpt-oss (neither pads), 6% slower on dsv3 (pads its 2048-wide halves by 3%); on
-    dsv3, t256 1963 us against 2159 us at t128 with the promotion overlapped and 2405 us at t192."""
-    halves = 2 if glu else 1
-    if tuning.pads_no_more(n, 192, 128, halves):
-        return 192
-    return 256 if (n // halves) % 128 == 0 and tuning.pads_no_more(n, 256, 128, halves) else 128
-
-
 def forward_tiles(fn_name, weight_layout, activation) -> dict:
     """`choose_config`'s tile options of a forward: 192-wide tiles for the bf16 forward on "nk"
     weights (measured: FC1 + SwiGLU and FC2 8.6% / 5.1% faster at N = 2880; FC1's "kn" data
@@ -785,7 +773,7 @@ def grouped_gemm_fp8_sm90(
     bias (G, N), out (M, N), act_out in ``out_dtype`` (bf16/fp16); probs, constants as for
     `grouped_gemm_sm90`. Returns (pre, act). Each 128-deep block's product is accumulated in fp32
     and scaled on the CUDA cores. tile_n: 128, 192 or 256 (256: the block's product taken in two
-    128-column halves; GLU: N/2 a multiple of 128) (None: `fp8_tile_n`); cluster_m (1, 2)
+    128-column halves; GLU: N/2 a multiple of 128) (None: `tuning.fp8_tile_n`); cluster_m (1, 2)
     overrides the heuristic. ``act_amax``: also return the act's amax parts, as `grouped_gemm_sm90`.
     ``overlap_promotion`` (tile_n 128): two block products in flight, one promoted while the next
     one's WGMMAs run (the same sums, bit for bit; FC1 + SwiGLU 1.8% / 2.6% faster on dsv3 / mixtral,
@@ -844,7 +832,7 @@ def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, pro
     num_parts = _check_amax_request(_FP8, "act_amax", act_amax, act_shape is not None, clusters, cluster_m)
     if m == 0:
         return None, (m, n), act_shape, clusters, num_parts
-    tile_n = 128 if overlap_promotion or pingpong else tile_n or fp8_tile_n(n, glu)
+    tile_n = 128 if overlap_promotion or pingpong else tile_n or tuning.fp8_tile_n(n, glu)
     overlap_promotion = tile_n == 128 and not pingpong if overlap_promotion is None else overlap_promotion
     key = (_FP8, out_dtype, activation, bias is not None, tvm_ffi_available(), cluster_m, tile_n, bool(act_amax),
            overlap_promotion, bool(pingpong))
@@ -1067,8 +1055,8 @@ def grouped_dgrad_dact_fp8_sm90(
     (G, ceil(I/128), ceil(H/128)); pre, probs, constants as for `grouped_dgrad_dact_sm90`, pre's
     dtype (bf16/fp16) the output's. Returns (d_pre like pre, d_probs (M,) float32 for
     scaled_swiglu else None); no act output. Rows >= offsets[G] are zero. H a multiple of 16; I of
-    32 (GLU) or 8. tile_n (over I): 128 (None) or 256 (each block's product in two 128-column
-    halves). ``pingpong`` (tile_n 128): each MMA warpgroup on tiles of its own, one's epilogue
+    32 (GLU) or 8. tile_n (over I): 128 or 256 (each block's product in two 128-column halves);
+    None: `tuning.fp8_dact_tile_n`. ``pingpong`` (tile_n 128): each MMA warpgroup on tiles of its own, one's epilogue
     under the other's mainloop. ``d_pre_amax``: also return d_pre's amax parts, as ``act_amax`` of
     `grouped_gemm_sm90` (the fp8_current cast of FC1's data gradient). No host sync; checks run
     once per argument signature.
@@ -1123,7 +1111,7 @@ def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activ
     tuning.check_pingpong(name, pingpong)
     if pingpong and tile_n == 256:
         raise ValueError(f"{name}: pingpong needs tile_n 128, got 256")
-    tile_n = tile_n or 128
+    tile_n = 128 if quantize or pingpong else tile_n or tuning.fp8_dact_tile_n(i)
     _, cluster_m, clusters, _ = _launch_config(name, m, i, g, dev, tile_n, cluster_m, sm_margin)
     partial_shape = (-(-i // tile_n), m) if spec.takes_probs else None
     num_parts = _check_amax_request(name, "d_pre_amax", d_pre_amax, True, clusters, cluster_m)

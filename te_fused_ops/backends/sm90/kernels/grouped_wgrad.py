@@ -221,8 +221,8 @@ def grouped_wgrad_fp8_sm90(dy_columns, x_columns, offsets, *, out_dtype=torch.bf
     were made with. N and K multiples of 16. Returns dW (G, N, K) in ``out_dtype`` (bf16/fp16;
     into ``out`` if given), or with ``main_grad`` (fp32) main_grad += dW. Each 128-token block's
     product is added in float32, scaled by its two multipliers. sm_margin and cluster_m as for
-    `grouped_wgrad_sm90`; tile_n (along K) 128 (None), 192, or 256 (each block's product taken in
-    two 128-column halves). ``overlap_promotion`` (tile_n 128): two block products in flight, each
+    `grouped_wgrad_sm90`; tile_n (along K) 128, 192, or 256 (each block's product taken in two
+    128-column halves); None: `tuning.fp8_tile_n` of K. ``overlap_promotion`` (tile_n 128): two block products in flight, each
     block promoted under the next one's WGMMAs. All bit-equal to the default; with tile 256 or the
     overlap, a tile's stores wait for its mainloop instead of running under the next tile's. No
     host sync.
@@ -307,7 +307,8 @@ def _fp8_launch(dy_t, dy_scales, x_t, x_scales, m, x_m, offsets, out_dtype, out,
     max_ctas = max(1, num_sms(dev) - margin)
     cluster_m = cluster_m or choose_config(n, k, max_ctas)[1]
     max_ctas = max(max_ctas, cluster_m)
-    key = (out_dtype, tile_n or 128, main_grad is not None, cluster_m, tvm_ffi_available(), True, False,
+    tile_n = 128 if overlap_promotion else tile_n or tuning.fp8_tile_n(k, glu=False)
+    key = (out_dtype, tile_n, main_grad is not None, cluster_m, tvm_ffi_available(), True, False,
            overlap_promotion)
     fn = _LAUNCHERS.get(key)
     if fn is None:
