@@ -268,12 +268,11 @@ def _sm90_info(ops, dtype=torch.bfloat16, capability=(9, 0), input_recipe=None):
 
 def test_planner_prefers_a_shorter_sm90_rule_over_a_longer_torch_one(monkeypatch):
     """fp8_blockwise chain on an input quantized upstream: GroupGemm + activation with the
-    Quantize + Transpose folded as its output runs only in torch there (I = 384: the FP8 kernel
-    casts its act only on 256-wide tiles, and runs 192-wide ones here); GroupGemm + activation on
-    the FP8 kernel wins, the casts join the next GroupedLinear as its input format; a priority
-    still overrides."""
+    Quantize + Transpose folded as its output runs only in torch there (the FP8 kernel has no
+    act-cast epilogue); GroupGemm + activation on the FP8 kernel wins, the casts join the next
+    GroupedLinear as its input format; a priority still overrides."""
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")  # compile-only mode: CuTe DSL counts as available
-    ops = [GroupedLinear(4, 64, 768), SwiGLU(), Quantize("fp8_blockwise"), Transpose(), GroupedLinear(4, 384, 64)]
+    ops = [GroupedLinear(4, 64, 256), SwiGLU(), Quantize("fp8_blockwise"), Transpose(), GroupedLinear(4, 128, 64)]
     recipe = get_recipe("fp8_blockwise")
     info = tfo.PlanInfo("cuda", (9, 0), torch.bfloat16, (True,) * 5, (True,) * 5, (recipe, recipe, None, recipe, recipe))
     plan = tfo.fusion.make_plan(ops, info)

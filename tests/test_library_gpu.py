@@ -207,18 +207,22 @@ def test_sm90_fp8_chain_runs_on_the_kernels(quantize_x, recipe, monkeypatch):
         assert f"[{first}] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)" in text, text
         assert (f"[{first + 1}:{first + 5}] SwiGLU, Quantize, Transpose, GroupedLinear -> rule "
                 "'dactivation+grouped_linear' (backend sm90)") in text, text
-    # fp8_current: the act's amax from FC1's epilogue; fp8_blockwise: the act and its column-wise
-    # copy cast in FC1's epilogue, on the bf16 kernel or (FP8 x, I = 128: 256-wide tiles) the
-    # FP8 one
+    # fp8_current: the act's amax from FC1's epilogue; fp8_blockwise after a bf16 FC1: the act
+    # and its column-wise copy cast in its epilogue; after an FP8 FC1: the act cast after it, as
+    # FC2's input format (rows and columns from one read)
     if recipe == "fp8_current":
         assert (f"[0:{first + 3}] {x_in}GroupedLinear, SwiGLU, Quantize -> rule "
                 "'grouped_linear+activation' (backend sm90)") in text, text
         assert (f"[{first + 3}:{first + 5}] Transpose, GroupedLinear -> rule 'grouped_linear' "
                 "(backend sm90)") in text, text
-    else:
-        assert (f"[0:{first + 4}] {x_in}GroupedLinear, SwiGLU, Quantize, Transpose -> rule "
+    elif not quantize_x:
+        assert ("[0:4] GroupedLinear, SwiGLU, Quantize, Transpose -> rule "
                 "'grouped_linear+activation' (backend sm90)") in text, text
-        assert f"[{first + 4}] GroupedLinear -> rule 'grouped_linear' (backend sm90)" in text, text
+        assert "[4] GroupedLinear -> rule 'grouped_linear' (backend sm90)" in text, text
+    else:  # x cast with its column copy as FC1's input format
+        assert ("[0:3] Quantize, GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' "
+                "(backend sm90)") in text, text
+        assert "[3:6] Quantize, Transpose, GroupedLinear -> rule 'grouped_linear' (backend sm90)" in text, text
 
 
 def test_sm90_fp8_weight_copies_are_made_once_per_reuse_scope(monkeypatch):

@@ -152,20 +152,6 @@ def gemm_act_cast(x, weight, offsets, *, activation, power_2_scales=False, colum
     pre, act = gemm(x, weight, offsets, activation=activation, **epilogue)
     if activation is None:
         pre, act = None, pre
-    return cast_in_epilogue(pre, act, offsets, power_2_scales, columns)
-
-
-def fp8_gemm_act_cast(x, x_scale_inv, weight, weight_scale_inv, offsets, *, activation, power_2_scales=False,
-                      columns=False, **epilogue):
-    """`grouped_gemm_act_quant_fp8_sm90`'s contract: `fp8_gemm`'s pre, and its act cast as
-    `gemm_act_cast` casts it."""
-    ACT_CASTS.append((power_2_scales, columns))
-    pre, act = fp8_gemm(x, x_scale_inv, weight, weight_scale_inv, offsets, activation=activation, **epilogue)
-    return cast_in_epilogue(pre, act, offsets, power_2_scales, columns)
-
-
-def cast_in_epilogue(pre, act, offsets, power_2_scales, columns):
-    """(pre, act's E4M3 rows, their multipliers[, its `BlockColumns`]) as a cast epilogue makes them."""
     if columns:
         made, data, scale_inv = column_cast(act, offsets, rows=True, power_2_scales=power_2_scales)
         COLUMN_CASTS.pop()  # made in the epilogue, not by a cast kernel
@@ -282,7 +268,6 @@ def sm90_stand_ins(monkeypatch):
     monkeypatch.setattr(sm90, "grouped_column_sums_sm90", lambda dy, offsets, **_: grouped_row_sum(dy, offsets))
     monkeypatch.setattr(sm90, "grouped_gemm_sm90", gemm)
     monkeypatch.setattr(sm90, "grouped_gemm_act_quant_sm90", gemm_act_cast)
-    monkeypatch.setattr(sm90, "grouped_gemm_act_quant_fp8_sm90", fp8_gemm_act_cast)
     monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_sm90", dgrad_dact)
     monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_fp8_sm90", dgrad_dact_fp8)
     monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_quant_fp8_sm90", dgrad_dact_quant_fp8)
@@ -346,20 +331,25 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
     text = seq.explain(x, split_sizes=SPLITS)
     first = int(quantize_x)  # index of FC1
     # fp8_current: the act's amax from FC1's epilogue; fp8_blockwise: the act cast in FC1's
-    # epilogue with its column-wise copy (the Transpose), on the bf16 kernel (bf16 x) or the FP8
-    # one (FP8 x: 256-wide tiles at this I)
-    epilogue_cast = not current
+    # epilogue (bf16 x) with its column-wise copy (the Transpose), or after FC1 (FP8 x: the FP8
+    # kernel has no act-cast epilogue) as FC2's input format, rows and columns from one read
+    epilogue_cast = not current and not quantize_x
     x_in = "Quantize, " if quantize_x else ""  # x's cast: FC1's input format
     if epilogue_cast:
-        fc1_forward = [f"[0:{first + 4}] {x_in}GroupedLinear, SwiGLU, Quantize, Transpose -> rule "
-                       "'grouped_linear+activation' (backend sm90)"]
-        fc2 = f"[{first + 4}] GroupedLinear -> rule 'grouped_linear' (backend sm90)"
-    else:
+        fc1_forward = ["[0:4] GroupedLinear, SwiGLU, Quantize, Transpose -> rule 'grouped_linear+activation' "
+                       "(backend sm90)"]
+        fc2 = "[4] GroupedLinear -> rule 'grouped_linear' (backend sm90)"
+    elif current:
         fc1_forward = [f"[0:{first + 3}] {x_in}GroupedLinear, SwiGLU, Quantize -> rule 'grouped_linear+activation' "
                        "(backend sm90)",
                        f"not fired: rule 'grouped_linear+activation' on [0:{first + 4}]: ran on [0:{first + 3}] "
                        "instead; sm90 backend: fp8_current: the epilogue writes no column-wise copy"]
         fc2 = f"[{first + 3}:{first + 5}] Transpose, GroupedLinear -> rule 'grouped_linear' (backend sm90)"
+    else:  # x cast with its column-wise copy (FC1's FP8 weight gradient reads it), FC1 + SwiGLU as their rule
+        fc1_forward = ["[0:3] Quantize, GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend sm90)",
+                       "not fired: rule 'grouped_linear+activation' on [0:5]: ran on [0:3] instead; sm90 backend: "
+                       "quantized input: the FP8 kernel has no cast epilogue"]
+        fc2 = "[3:6] Quantize, Transpose, GroupedLinear -> rule 'grouped_linear' (backend sm90)"
     # all FP8: FC1's backward fed from the dAct epilogue in the same rule (fp8_current: d_pre's
     # amax; fp8_blockwise: d_pre's row- and column-wise copies)
     backward = ([f"[{first}:{first + 5}] GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear -> rule "
@@ -370,6 +360,7 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
                  f"[{first}] GroupedLinear -> rule 'grouped_linear_backward' (backend sm90)"])
     expected = [*fc1_forward, fc2, *backward]
     x_columns = quantize_x and not current  # x's column copy from its cast in the forward
+    act_columns = quantize_x and not current  # the act's column copy from its cast, FC2's input format
     for step_text in expected:
         assert step_text in text, text
     for calls in (CASTS, CAST_POWER_2, ACT_CASTS, UNCASTS, DACT_FP8_CALLS, AMAX_PARTS, COLUMN_CASTS, WGRAD_FP8_CALLS,
@@ -383,7 +374,7 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
     assert ACT_CASTS == [(power_2, True)] * epilogue_cast, ACT_CASTS
     fp8_linears = 1 + quantize_x  # FC2, and FC1 after a Quantize of x
     # row-wise: the activation (unless cast in FC1's epilogue) and x; each weight once
-    row_casts = [1] * (1 + quantize_x - epilogue_cast - x_columns) + [128] * fp8_linears
+    row_casts = [1] * (1 + quantize_x - epilogue_cast - x_columns - act_columns) + [128] * fp8_linears
     # each FP8 weight cast once, writing its transposed copy (its data gradient's operand) too
     assert sorted(TRANSPOSED_CASTS) == sorted([(G, H, I)] + [(G, 2 * I, H)] * quantize_x), TRANSPOSED_CASTS
     if current:  # fp8_current: each dy cast row-wise, the bf16 weight gradients on the inputs dequantized
@@ -391,11 +382,11 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
         assert COLUMN_CASTS == [] and WGRAD_FP8_CALLS == [], (COLUMN_CASTS, WGRAD_FP8_CALLS)
         assert sorted(UNCASTS) == [(ROWS, I)] + [(ROWS, H)] * quantize_x, UNCASTS
     else:  # fp8_blockwise: each dy's row- and column-wise copies from one cast, each input's columns
-        # from its rows (the act's from FC1's epilogue, x's with its rows), the FP8 weight
-        # gradients on those; nothing dequantized
+        # from its rows (the act's from FC1's epilogue where it casts the act, else with its rows
+        # as FC2's input format; x's with its rows), the FP8 weight gradients on those; nothing dequantized
         assert sorted(CASTS) == row_casts, CASTS
-        from_rows = fp8_linears - epilogue_cast - x_columns
-        with_rows = fp8_linears + x_columns
+        from_rows = fp8_linears - epilogue_cast - x_columns - act_columns
+        with_rows = fp8_linears + x_columns + act_columns
         assert sorted(COLUMN_CASTS) == [(False, True)] * from_rows + [(True, False)] * with_rows, COLUMN_CASTS
         assert WGRAD_FP8_CALLS == [(G, H, I)] + [(G, 2 * I, H)] * quantize_x, WGRAD_FP8_CALLS
         assert UNCASTS == [], UNCASTS
@@ -590,8 +581,7 @@ def test_column_copies_in_the_forward_only_where_they_are_read(case, sm90_stand_
     """x's column copy comes with its cast only when FC1's weight gradient runs in FP8 (a frozen
     FC1 needs none: the rows only, as FC1's input format); the act's comes from FC1's epilogue only
     when I is a multiple of 128 (I = 96: the act cast in the epilogue, its columns made in FC2's
-    backward from the rows; the frozen case's FP8 FC1 casts it with its columns in its own
-    epilogue). The steps still match the emulation."""
+    backward from the rows). The steps still match the emulation."""
     torch.manual_seed(0)
     i = 96 if case == "partial_block" else I
     fc1 = GroupedLinear(G, H, 2 * i, dtype=torch.bfloat16)
@@ -603,9 +593,8 @@ def test_column_copies_in_the_forward_only_where_they_are_read(case, sm90_stand_
     dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
     text = seq.explain(x, split_sizes=SPLITS)
     if case == "frozen_fc1":  # x cast rows only (no weight gradient reads its columns)
-        expected = ["[0:5] Quantize, GroupedLinear, SwiGLU, Quantize, Transpose -> rule 'grouped_linear+activation' "
-                    "(backend sm90)",
-                    "[5] GroupedLinear -> rule 'grouped_linear' (backend sm90)"]
+        expected = ["[0:3] Quantize, GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend sm90)",
+                    "[3:6] Quantize, Transpose, GroupedLinear -> rule 'grouped_linear' (backend sm90)"]
     else:
         expected = ["[0:3] GroupedLinear, SwiGLU, Quantize -> rule 'grouped_linear+activation' (backend sm90)",
                     "[3:5] Transpose, GroupedLinear -> rule 'grouped_linear' (backend sm90)",
@@ -616,46 +605,16 @@ def test_column_copies_in_the_forward_only_where_they_are_read(case, sm90_stand_
     COLUMN_CASTS.clear()
     got = step(seq, x, dy)
     # FC2's dy, rows and columns from one cast; the act's columns from its rows in the backward
-    # (partial block) or from FC1's epilogue (frozen case); no copy of x at all (frozen FC1: no
-    # weight gradient)
-    act_columns = [] if case == "frozen_fc1" else [(False, True)]
-    assert sorted(COLUMN_CASTS) == sorted([*act_columns, (True, False)]), COLUMN_CASTS
+    # (partial block), or with its rows as FC2's input format (after the FP8 FC1 of the frozen
+    # case the act is cast after FC1); no copy of x at all (frozen FC1: no weight gradient)
+    act_columns = (True, False) if case == "frozen_fc1" else (False, True)
+    assert sorted(COLUMN_CASTS) == sorted([act_columns, (True, False)]), COLUMN_CASTS
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
     want = step(seq, x, dy)
     for name, a, b in zip(("y", "dx", "dW1", "dW2"), got, want):
         assert (a is None) == (b is None), name
         if a is not None:
             assert ref.rel_err(a, b) <= 5e-2, name
-
-
-@pytest.mark.parametrize("i", [128, 192])
-def test_fp8_act_cast_in_the_epilogue_where_the_fp8_tile_is_256(i, sm90_stand_ins, monkeypatch):
-    """An FP8 FC1 casts its GLU act (rows and columns) in its epilogue where its n-tile is 256
-    anyway (I = 128: a tile's act columns are one cast block); at I = 192 (192-wide tiles) the act
-    is cast after the kernel as FC2's input format. Both steps match the torch backend."""
-    torch.manual_seed(0)
-    seq = Sequential(Quantize("fp8_blockwise"), GroupedLinear(G, H, 2 * i, dtype=torch.bfloat16), SwiGLU(),
-                     Quantize("fp8_blockwise"), Transpose(), GroupedLinear(G, i, H, dtype=torch.bfloat16))
-    x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
-    text = seq.explain(x, split_sizes=SPLITS)
-    if i == 128:
-        expected = ["[0:5] Quantize, GroupedLinear, SwiGLU, Quantize, Transpose -> rule 'grouped_linear+activation' "
-                    "(backend sm90)"]
-    else:
-        expected = ["[0:3] Quantize, GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend sm90)",
-                    "[3:6] Quantize, Transpose, GroupedLinear -> rule 'grouped_linear' (backend sm90)",
-                    "quantized input: the FP8 act cast needs 256-wide tiles, not this shape's (I=192; cast after the "
-                    "kernel, rule 'quantize')"]
-    for line in expected:
-        assert line in text, text
-    ACT_CASTS.clear()
-    got = step(seq, x, dy)
-    assert ACT_CASTS == ([(False, True)] if i == 128 else []), ACT_CASTS
-    monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
-    want = step(seq, x, dy)
-    for name, a, b in zip(("y", "dx", "dW1", "dW2"), got, want):
-        assert ref.rel_err(a, b) <= 5e-2, name
 
 
 def test_sm_margin_reaches_every_kernel_from_the_environment(sm90_stand_ins, monkeypatch):

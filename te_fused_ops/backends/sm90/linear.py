@@ -14,7 +14,6 @@ from ...quantization import (
     reuse_or_make,
 )
 from .backend import kernel_reason, sm_margin
-from .kernels import tuning
 from .kernels.block_quantize import (
     BlockColumns,
     block_columns_sm90,
@@ -23,7 +22,6 @@ from .kernels.block_quantize import (
     tensor_quantize_sm90,
 )
 from .kernels.grouped_gemm import (
-    grouped_gemm_act_quant_fp8_sm90,
     grouped_gemm_act_quant_sm90,
     grouped_gemm_fp8_sm90,
     grouped_gemm_sm90,
@@ -101,19 +99,6 @@ def columns_unsupported_reason(recipe, cols: int, groups: int):
     return kernel_reason(sm90_act_quant_columns_unsupported_reason(cols, groups))
 
 
-def fp8_act_cast_reason(act: Activation | None, cols: int) -> str | None:
-    """Why the FP8 GEMM (a quantized input) cannot cast its ``act`` of ``cols`` columns to E4M3
-    1 x 128 blocks in its epilogue (`grouped_gemm_act_quant_fp8_sm90`), or None: a GLU act only,
-    where the FP8 forward's n-tile is 256 anyway (`fp8_tile_n`: a tile's act columns are then
-    one cast block of each row)."""
-    if act is None or not ACTIVATIONS[act.kernel_name].glu:
-        return "quantized input: the FP8 kernel casts only a GLU act in its epilogue (cast after it, rule 'quantize')"
-    if tuning.fp8_tile_n(2 * cols, glu=True) != 256:
-        return (f"quantized input: the FP8 act cast needs 256-wide tiles, not this shape's (I={cols}; "
-                "cast after the kernel, rule 'quantize')")
-    return None
-
-
 def epilogue_args(act: Activation, ctx) -> dict:
     """Keyword arguments of the activation's kernel epilogue: the constants its registry entry
     names, read from the op, and the router probabilities of an activation that takes them."""
@@ -131,15 +116,14 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
     A quantized ``x`` (FP8_KERNEL_RECIPES) runs the block-scaled FP8 kernel on the weight cast
     with the same recipe on this call. Returns (pre, act), or with ``act_amax=True`` in
     ``epilogue`` (pre, act, amax parts), as `grouped_gemm_sm90`; with ``act_cast`` (a
-    Float8BlockScaling recipe; a GLU activation, or none for bf16/fp16 x; `fp8_act_cast_reason`
-    for a quantized x) the act, or without an activation the output, is cast to E4M3 in the
-    epilogue and not written: (pre or None, data, multipliers[, `BlockColumns` with
-    ``columns``]), as `grouped_gemm_act_quant_sm90`.
+    Float8BlockScaling recipe; bf16/fp16 x, a GLU activation or none) the act, or without an
+    activation the output, is cast to E4M3 in the epilogue and not written: (pre or None, data,
+    multipliers[, `BlockColumns` with ``columns``]), as `grouped_gemm_act_quant_sm90`.
     """
     weight, bias = ctx.params["weight"], ctx.params.get("bias")
     linear.check_input(x, weight)
     bias = None if bias is None else bias.detach()
-    if act_cast is not None and not is_quantized(x):
+    if act_cast is not None:
         outputs = grouped_gemm_act_quant_sm90(
             x, weight.detach(), ctx.side["offsets"], activation=activation, bias=bias,
             power_2_scales=act_cast.power_2_scales, columns=columns, sm_margin=sm_margin(), **epilogue,
@@ -152,15 +136,10 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
             weight.detach(), x.recipe, ctx.reuse_scope, transposed=ctx.input_requires_grad
         )
         x_scale_inv = block_multipliers(x.rowwise_scale_inv, x.shape)
-        operands = (x.rowwise_data, x_scale_inv, w_data, w_scale_inv, ctx.side["offsets"])
-        if act_cast is None:
-            outputs = grouped_gemm_fp8_sm90(*operands, bias=bias, activation=activation, out_dtype=x.dtype,
-                                            sm_margin=sm_margin(), **epilogue)
-        else:
-            outputs = grouped_gemm_act_quant_fp8_sm90(
-                *operands, activation=activation, bias=bias, out_dtype=x.dtype,
-                power_2_scales=act_cast.power_2_scales, columns=columns, sm_margin=sm_margin(), **epilogue,
-            )
+        outputs = grouped_gemm_fp8_sm90(
+            x.rowwise_data, x_scale_inv, w_data, w_scale_inv, ctx.side["offsets"],
+            bias=bias, activation=activation, out_dtype=x.dtype, sm_margin=sm_margin(), **epilogue,
+        )
         linear.keep_for_backward(ctx, _kept_for_weight_gradient(ctx, x), x.recipe)
         if w_transposed:
             ctx.saved.weight_fp8_t = tuple(w_transposed)

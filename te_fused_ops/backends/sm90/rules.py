@@ -31,7 +31,6 @@ from .linear import (
     columns_unsupported_reason,
     emulated_recipe_reason,
     epilogue_args,
-    fp8_act_cast_reason,
     fp8_data_grad,
     fp8_dgrad_operands,
     fp8_grad_casts,
@@ -126,10 +125,8 @@ def output_cast_reason(fmt, info, cols: int, groups: int, act=None):
     if not isinstance(fmt.recipe, Float8BlockScaling):
         return f"{fmt.recipe.name}: no cast epilogue for this recipe (the output is cast after the kernel, rule 'quantize')"
     if info.input_recipe[0] is not None:
-        reason = fp8_act_cast_reason(act, cols)
-        if reason:
-            return reason
-    elif act is not None and not ACTIVATIONS[act.kernel_name].glu:
+        return "quantized input: the FP8 kernel has no cast epilogue (the output is cast after it, rule 'quantize')"
+    if act is not None and not ACTIVATIONS[act.kernel_name].glu:
         return f"{act.op_name}: the act-cast epilogue takes GLU activations (the act is cast after the kernel)"
     return columns_unsupported_reason(fmt.recipe, cols, groups) if fmt.columns else None
 
