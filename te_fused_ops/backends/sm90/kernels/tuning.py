@@ -71,18 +71,18 @@ def pads_no_more(n: int, tile_n: int, other: int, halves: int = 1, margin: float
 
 
 def fp8_tile_n(n: int, glu: bool) -> int:
-    """The FP8 GEMMs' n-tile (the forward's over N, the weight gradient's over K): 192 where it
-    pads N (a GLU's halves) no more than 128 does, else 256 where N (each half) is whole
-    128-column blocks, else 128. Measured on H100 (`bench_fp8_sm90.py --part kernels`,
-    `bench_wgrad_fp8_sm90.py`): FC1 + SwiGLU forward t192 against t128 3.6% and 2.4% faster on
-    qwen3 and gpt-oss (neither pads), 6% slower on dsv3 (pads its 2048-wide halves by 3%); dsv3
-    t256 1963 us against 2159 at t128 with the promotion overlapped and 2405 at t192. Weight
-    gradient against t128: qwen3 FC1 (K 2048) t256 658 us against 722, FC2 (K 768) t192 336
-    against 361, dsv3 FC1 (K 7168) t256 2550 against 2733 (t192 2519)."""
+    """The FP8 GEMMs' n-tile (the forward's over N, the weight gradient's over K): 256 where N
+    (each GLU half) is whole 128-column blocks and 256 pads it no more than 128 does, else 192
+    where that pads no more than 128, else 128. Measured on H100 (`bench_fp8_sm90.py --part
+    kernels`, `bench_wgrad_fp8_sm90.py`), FC1 + SwiGLU forward: qwen3 532 us at t256 against 590
+    at t192 and 575 at t128; dsv3 1963 at t256 against 2159 at t128 (promotion overlapped) and
+    2405 at t192; gpt-oss (halves not whole blocks) t192 2.4% faster than t128. Weight gradient:
+    qwen3 FC1 (K 2048) 658 us at t256 against 722 at t128, FC2 (K 768) 334 against 361, dsv3 FC1
+    (K 7168) 2550 against 2733 (t192 2519)."""
     halves = 2 if glu else 1
-    if pads_no_more(n, 192, 128, halves):
-        return 192
-    return 256 if (n // halves) % 128 == 0 and pads_no_more(n, 256, 128, halves) else 128
+    if (n // halves) % 128 == 0 and pads_no_more(n, 256, 128, halves):
+        return 256
+    return 192 if pads_no_more(n, 192, 128, halves) else 128
 
 
 def fp8_dact_tile_n(i: int) -> int:
