@@ -4,7 +4,6 @@ Quantize + Transpose) against the kernel followed by the cast kernel, per kernel
 Kernels (uneven seeded routing; dy (M, H) and W^T (E, I, H) cast as the FP8 step casts them):
   dact            grouped_dgrad_dact_fp8_sm90: d_pre (M, 2I) in bf16
   dact t256       the same at tile_n 256 (each block's product in two halves; d_pre checked bit-equal)
-  dact pingpong   the same with each MMA warpgroup on tiles of its own (d_pre checked bit-equal)
   dact + cast     the same, then block_columns_sm90(d_pre, rows=True): the row-wise and per-group
                   column-wise 1x128 copies FC1's data and weight gradients read (the unfused step)
   dact quant      grouped_dgrad_dact_quant_fp8_sm90: both copies from the epilogue, no bf16 d_pre
@@ -75,19 +74,15 @@ def kernels(name):
     def dact_wide():
         return grouped_dgrad_dact_fp8_sm90(*fp8, offsets, pre, activation="swiglu", tile_n=256)[0]
 
-    def dact_pingpong():
-        return grouped_dgrad_dact_fp8_sm90(*fp8, offsets, pre, activation="swiglu", pingpong=True)[0]
-
-    for label, variant in (("t256", dact_wide), ("pingpong", dact_pingpong)):
-        assert torch.equal(variant().view(torch.int16), dact().view(torch.int16)), f"{name}: dact {label} differs"
+    assert torch.equal(dact_wide().view(torch.int16), dact().view(torch.int16)), f"{name}: dact t256 differs"
     columns, rows, row_scale = dact_cast()
     (q_rows, q_row_scale), q_columns, _ = dact_quant()
     used = int(((splits + 127) // 128).sum())
     assert torch.equal(q_rows.view(torch.uint8), rows.view(torch.uint8)) and torch.equal(q_row_scale, row_scale)
     assert torch.equal(q_columns.data.view(torch.uint8)[:, : 128 * used], columns.data.view(torch.uint8)[:, : 128 * used])
     assert torch.equal(q_columns.scale_inv[:used], columns.scale_inv[:used])
-    us = rotated_medians({"dact": dact, "dact t256": dact_wide, "dact pingpong": dact_pingpong, "dact + cast": dact_cast,
-                          "dact quant": dact_quant}, time_us)
+    us = rotated_medians({"dact": dact, "dact t256": dact_wide, "dact + cast": dact_cast, "dact quant": dact_quant},
+                         time_us)
     return {"shape": name, "us": us, "dact_tflops": 2 * m * h * i / us["dact"] / 1e6,
             "dact_t256_tflops": 2 * m * h * i / us["dact t256"] / 1e6}
 
@@ -132,13 +127,12 @@ def main():
         step_rows.append(step(name))
         print(kernel_rows[-1], step_rows[-1], flush=True)
     lines = [f"FC2 FP8 dgrad + dSwiGLU, d_pre cast to its row- and column-wise E4M3 copies, {device}; median us",
-             "", "| shape | dact (TFLOPS) | dact t256 (TFLOPS) | dact pingpong | dact + cast | dact quant | "
-             "quant vs dact + cast | quant over dact |", "|---|---|---|---|---|---|---|---|"]
+             "", "| shape | dact (TFLOPS) | dact t256 (TFLOPS) | dact + cast | dact quant | quant vs dact + cast | "
+             "quant over dact |", "|---|---|---|---|---|---|---|"]
     for r in kernel_rows:
         us = r["us"]
         lines.append(f"| {r['shape']} | {us['dact']:.0f} ({r['dact_tflops']:.0f}) | "
-                     f"{us['dact t256']:.0f} ({r['dact_t256_tflops']:.0f}) | {us['dact pingpong']:.0f} | "
-                     f"{us['dact + cast']:.0f} | "
+                     f"{us['dact t256']:.0f} ({r['dact_t256_tflops']:.0f}) | {us['dact + cast']:.0f} | "
                      f"{us['dact quant']:.0f} | {us['dact + cast'] / us['dact quant']:.2f}x | "
                      f"{us['dact quant'] / us['dact'] - 1:+.0%} |")
     lines += ["", "All-fp8_blockwise step (outputs and gradients bit-equal); median us, extra peak MiB of one step",

@@ -45,7 +45,7 @@ def operands(splits, m, h, i, activation, dtype, seed):
 def run(splits, m, h, i, activation, dtype=torch.bfloat16, seed=0, **cfg):
     fp8, dy_values, w_values, pre, probs = operands(splits, m, h, i, activation, dtype, seed)
     offsets = offsets_from_splits(splits)
-    tile_n = cfg.get("tile_n") or (128 if cfg.get("pingpong") else fp8_dact_tile_n(i))
+    tile_n = cfg.get("tile_n") or fp8_dact_tile_n(i)
     poison_allocator((tuple(pre.shape), dtype), ((-(-i // tile_n), m), torch.float32))
     d_pre, d_probs = grouped_dgrad_dact_fp8_sm90(
         *fp8, offsets, pre, activation=activation, probs=probs, limit=LIMIT, alpha=ALPHA, **cfg
@@ -60,18 +60,6 @@ def run(splits, m, h, i, activation, dtype=torch.bfloat16, seed=0, **cfg):
     else:
         assert d_probs is None
     return d_pre, d_probs
-
-
-@pytest.mark.parametrize("activation", ["swiglu", "scaled_swiglu", "srelu"])
-@pytest.mark.parametrize("cluster_m", [1, 2])
-def test_pingpong(activation, cluster_m):
-    """Each MMA warpgroup on tiles of its own (block products in 64-column halves over both
-    64-row slabs): d_pre and d_probs bit for bit the cooperative kernel's (d_probs' products are
-    never contracted, so chunk widths do not change its bits); a partial last tile (I = 320)."""
-    pingpong = run(UNEVEN, 500, 400, 320, activation, cluster_m=cluster_m, pingpong=True)
-    cooperative = run(UNEVEN, 500, 400, 320, activation, cluster_m=cluster_m, tile_n=128)
-    assert torch.equal(pingpong[0].view(torch.int16), cooperative[0].view(torch.int16))
-    assert (pingpong[1] is None and cooperative[1] is None) or torch.equal(pingpong[1], cooperative[1])
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "scaled_swiglu", "srelu"])
@@ -153,9 +141,6 @@ def test_argument_errors():
                                     activation="swiglu")
     with pytest.raises(ValueError, match=f"{name}: activation is required"):
         grouped_dgrad_dact_fp8_sm90(dy, dy_scale, w_t, w_t_scale, offsets, pre, activation=None)
-    with pytest.raises(ValueError, match=f"{name}: pingpong needs tile_n 128, got 256"):
-        grouped_dgrad_dact_fp8_sm90(dy, dy_scale, w_t, w_t_scale, offsets, pre, activation="swiglu", tile_n=256,
-                                    pingpong=True)
     with pytest.raises(ValueError, match=f"{name}: tile_n must be 128 or 256, got 192"):
         grouped_dgrad_dact_fp8_sm90(dy, dy_scale, w_t, w_t_scale, offsets, pre, activation="swiglu", tile_n=192)
     with pytest.raises(ValueError, match=f"{name}: weight_t has K=256"):

@@ -141,20 +141,6 @@ def test_overlapped_promotion(activation, k):
             assert (a is None and b is None) or torch.equal(a, b)
 
 
-@pytest.mark.parametrize("k", [16, 208, 384, 1024])  # 1, 2 (partial last), 3 and 8 blocks
-@pytest.mark.parametrize("activation,n", [(None, 320), ("swiglu", 256), ("scaled_swiglu", 512)])
-@pytest.mark.parametrize("cluster_m", [1, 2])
-def test_pingpong(activation, n, k, cluster_m):
-    """Each MMA warpgroup on tiles of its own (block products in 64-column halves over both
-    64-row slabs of its tile): against float64, and bit for bit the cooperative kernel at tile
-    128 (the same block sums in the same order); a partial last n-tile (n 320), empty groups."""
-    pingpong = run_case(UNEVEN, 1000, k, n, activation, seed=8, cluster_m=cluster_m, pingpong=True)
-    cooperative = run_case(UNEVEN, 1000, k, n, activation, seed=8, cluster_m=cluster_m, tile_n=128,
-                           overlap_promotion=False)
-    for a, b in zip(pingpong, cooperative):
-        assert (a is None and b is None) or torch.equal(a, b)
-
-
 @pytest.mark.parametrize("k", [16, 208, 1024])  # one partial block, a partial last block, 8 blocks
 def test_k_tails(k):
     run_case([100, 0, 400], 600, k, 128, None)
@@ -250,9 +236,3 @@ def test_argument_errors():
         grouped_gemm_fp8_sm90(xq, xs, wq, ws, off, tile_n=192, overlap_promotion=True)
     with pytest.raises(TypeError, match=f"{name}: overlap_promotion must be a bool"):
         grouped_gemm_fp8_sm90(xq, xs, wq, ws, off, overlap_promotion=1)
-    with pytest.raises(ValueError, match=f"{name}: pingpong needs tile_n 128 and no overlap_promotion"):
-        grouped_gemm_fp8_sm90(xq, xs, wq, ws, off, tile_n=256, pingpong=True)
-    with pytest.raises(ValueError, match=f"{name}: pingpong needs tile_n 128 and no overlap_promotion"):
-        grouped_gemm_fp8_sm90(xq, xs, wq, ws, off, overlap_promotion=True, pingpong=True)
-    with pytest.raises(TypeError, match=f"{name}: pingpong must be a bool"):
-        grouped_gemm_fp8_sm90(xq, xs, wq, ws, off, pingpong=1)

@@ -54,9 +54,6 @@ COMPILE = {  # name: Python that compiles one configuration (torch as torch, bf1
     "FP8 forward + SwiGLU, overlapped promotion": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
                                                   " compile_grouped_gemm_fp8 as c;"
                                                   " c(bf16, 'swiglu', False, False, 2, 128, overlap_promotion=True)",
-    "FP8 forward + ScaledSwiGLU ping-pong": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
-                                            " compile_grouped_gemm_fp8 as c;"
-                                            " c(bf16, 'scaled_swiglu', False, False, 2, 128, pingpong=True)",
     "FP8 forward + SwiGLU": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_gemm_fp8 as c;"
                             "c(bf16, 'swiglu', False, False, 2, 128)",
     "FP8 forward + SwiGLU tile 256, half products": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"

@@ -311,7 +311,7 @@ def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_
 
 @cached_kernel
 def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2, d_pre_amax=False, tile_n=128,
-                                   pingpong=False, **kernel_opts):
+                                   **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_dgrad_dact_fp8_sm90``:
     fn(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, d_pre, probs, d_probs_part, d_pre_amax, constants,
     max_clusters)."""
@@ -334,8 +334,7 @@ def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2,
         fake_tensor(cutlass.Float32, (n_tiles, m), 4) if spec.takes_probs else None,
         _amax_parts_fake() if d_pre_amax else None,
     )
-    kernel = GroupedGemmDActFp8Sm90(dt, activation, cluster_m, tile_n, d_pre_amax=d_pre_amax, pingpong=pingpong,
-                                    **kernel_opts)
+    kernel = GroupedGemmDActFp8Sm90(dt, activation, cluster_m, tile_n, d_pre_amax=d_pre_amax, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -373,7 +372,7 @@ def compile_grouped_dgrad_dact_quant_fp8(dtype, activation, tvm_ffi=None, cluste
 
 @cached_kernel
 def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_m=2, tile_n=128, act_amax=False,
-                             overlap_promotion=False, pingpong=False, **kernel_opts):
+                             overlap_promotion=False, **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_gemm_fp8_sm90``:
     fn(x, x_scale, weight, weight_scale, offsets, pre, act, bias, probs, act_amax, constants, max_clusters)."""
     import cutlass
@@ -396,7 +395,7 @@ def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_
         _amax_parts_fake() if act_amax else None,
     )
     kernel = GroupedGemmActFp8Sm90(dt, activation, has_bias, cluster_m, tile_n, act_amax=act_amax,
-                                   overlap_promotion=overlap_promotion, pingpong=pingpong, **kernel_opts)
+                                   overlap_promotion=overlap_promotion, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -762,7 +761,7 @@ def _act_quant_launch(x, weight, offsets, bias, activation, probs, out, weight_l
 def grouped_gemm_fp8_sm90(
     x, x_scale_inv, weight, weight_scale_inv, offsets, *, bias=None, activation=None, probs=None,
     out_dtype=torch.bfloat16, out=None, act_out=None, tile_n=None, cluster_m=None, sm_margin=None,
-    act_amax=False, overlap_promotion=None, pingpong=False, **constants,
+    act_amax=False, overlap_promotion=None, **constants,
 ):
     """`grouped_gemm_sm90` ("nk" layout) on block-scaled FP8 operands, outputs in ``out_dtype``.
 
@@ -777,18 +776,15 @@ def grouped_gemm_fp8_sm90(
     overrides the heuristic. ``act_amax``: also return the act's amax parts, as `grouped_gemm_sm90`.
     ``overlap_promotion`` (tile_n 128): two block products in flight, one promoted while the next
     one's WGMMAs run (the same sums, bit for bit; FC1 + SwiGLU 1.8% / 2.6% faster on dsv3 / mixtral,
-    H100); None: on wherever the n-tile is 128. ``pingpong`` (tile_n 128, no overlap_promotion):
-    each MMA warpgroup on tiles of its own, block products in 64-column halves, one warpgroup's
-    epilogue under the other's mainloop (bit for bit the same). No host sync; checks run once per
-    argument signature.
+    H100); None: on wherever the n-tile is 128. No host sync; checks run once per argument signature.
     """
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, x, x_scale_inv, weight, weight_scale_inv, offsets, bias, probs, out, act_out),
-        _FP8, activation, out_dtype, tile_n, cluster_m, sm_margin, act_amax, overlap_promotion, pingpong,
+        _FP8, activation, out_dtype, tile_n, cluster_m, sm_margin, act_amax, overlap_promotion,
     )
     args = (x, x_scale_inv, weight, weight_scale_inv, offsets, bias, activation, probs, out_dtype, out,
-            act_out, tile_n, cluster_m, sm_margin, act_amax, overlap_promotion, pingpong)
+            act_out, tile_n, cluster_m, sm_margin, act_amax, overlap_promotion)
     launch = _MEMO.get(key) or _MEMO.put(key, _fp8_launch(*args))
     fn, pre_shape, act_shape, clusters, num_parts = launch
     pre = out if out is not None else torch.empty(pre_shape, dtype=out_dtype, device=x.device)
@@ -803,7 +799,7 @@ def grouped_gemm_fp8_sm90(
 
 
 def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, probs, out_dtype, out, act_out,
-                tile_n, cluster_m, sm_margin, act_amax=False, overlap_promotion=None, pingpong=False):
+                tile_n, cluster_m, sm_margin, act_amax=False, overlap_promotion=None):
     """Every check of `grouped_gemm_fp8_sm90`; (launcher or None when M == 0, pre shape, act shape
     or None, persistent grid in clusters, act-amax parts or 0)."""
     if out_dtype not in DTYPES:
@@ -825,17 +821,14 @@ def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, pro
         raise TypeError(f"{_FP8}: overlap_promotion must be a bool or None, got {type(overlap_promotion).__name__}")
     if overlap_promotion and tile_n not in (None, 128):
         raise ValueError(f"{_FP8}: overlap_promotion needs tile_n 128, got {tile_n}")
-    tuning.check_pingpong(_FP8, pingpong)
-    if pingpong and (tile_n not in (None, 128) or overlap_promotion):
-        raise ValueError(f"{_FP8}: pingpong needs tile_n 128 and no overlap_promotion")
     _, cluster_m, clusters, _ = _launch_config(_FP8, m, n, g, dev, 128, cluster_m, sm_margin)
     num_parts = _check_amax_request(_FP8, "act_amax", act_amax, act_shape is not None, clusters, cluster_m)
     if m == 0:
         return None, (m, n), act_shape, clusters, num_parts
-    tile_n = 128 if overlap_promotion or pingpong else tile_n or tuning.fp8_tile_n(n, glu)
-    overlap_promotion = tile_n == 128 and not pingpong if overlap_promotion is None else overlap_promotion
+    tile_n = 128 if overlap_promotion else tile_n or tuning.fp8_tile_n(n, glu)
+    overlap_promotion = tile_n == 128 if overlap_promotion is None else overlap_promotion
     key = (_FP8, out_dtype, activation, bias is not None, tvm_ffi_available(), cluster_m, tile_n, bool(act_amax),
-           overlap_promotion, bool(pingpong))
+           overlap_promotion)
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_gemm_fp8(*key[1:])
@@ -1045,7 +1038,7 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
 
 def grouped_dgrad_dact_fp8_sm90(
     dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, activation, probs=None,
-    tile_n=None, cluster_m=None, sm_margin=None, d_pre_amax=False, pingpong=False, **constants,
+    tile_n=None, cluster_m=None, sm_margin=None, d_pre_amax=False, **constants,
 ):
     """`grouped_dgrad_dact_sm90` on block-scaled FP8 operands: h = dy_g @ W[g] in FP8, then dActivation.
 
@@ -1056,18 +1049,17 @@ def grouped_dgrad_dact_fp8_sm90(
     dtype (bf16/fp16) the output's. Returns (d_pre like pre, d_probs (M,) float32 for
     scaled_swiglu else None); no act output. Rows >= offsets[G] are zero. H a multiple of 16; I of
     32 (GLU) or 8. tile_n (over I): 128 or 256 (each block's product in two 128-column halves);
-    None: `tuning.fp8_dact_tile_n`. ``pingpong`` (tile_n 128): each MMA warpgroup on tiles of its own, one's epilogue
-    under the other's mainloop. ``d_pre_amax``: also return d_pre's amax parts, as ``act_amax`` of
+    None: `tuning.fp8_dact_tile_n`. ``d_pre_amax``: also return d_pre's amax parts, as ``act_amax`` of
     `grouped_gemm_sm90` (the fp8_current cast of FC1's data gradient). No host sync; checks run
     once per argument signature.
     """
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, probs),
-        _DACT_FP8, pre.dtype, activation, tile_n, cluster_m, sm_margin, d_pre_amax, pingpong,
+        _DACT_FP8, pre.dtype, activation, tile_n, cluster_m, sm_margin, d_pre_amax,
     )
     args = (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation, probs, cluster_m, sm_margin,
-            d_pre_amax, None, tile_n, pingpong)
+            d_pre_amax, None, tile_n)
     launch = _MEMO.get(key) or _MEMO.put(key, _dact_fp8_launch(*args))
     fn, partial_shape, clusters, num_parts = launch
     d_pre = torch.empty_like(pre)
@@ -1081,7 +1073,7 @@ def grouped_dgrad_dact_fp8_sm90(
 
 
 def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activation, probs, cluster_m, sm_margin,
-                     d_pre_amax=False, power_2_scales=None, tile_n=None, pingpong=False):
+                     d_pre_amax=False, power_2_scales=None, tile_n=None):
     """Every check of `grouped_dgrad_dact_fp8_sm90` (with ``power_2_scales`` a bool: of
     `grouped_dgrad_dact_quant_fp8_sm90`, tile_n 128); (launcher or None when M == 0, d_probs
     partials shape or None, persistent grid in clusters, d_pre amax parts or 0)."""
@@ -1108,10 +1100,7 @@ def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activ
     _check_probs(name, spec, probs, m, dev)
     if tile_n not in (None, 128, 256) or (quantize and tile_n == 256):
         raise ValueError(f"{name}: tile_n must be {'128' if quantize else '128 or 256'}, got {tile_n!r}")
-    tuning.check_pingpong(name, pingpong)
-    if pingpong and tile_n == 256:
-        raise ValueError(f"{name}: pingpong needs tile_n 128, got 256")
-    tile_n = 128 if quantize or pingpong else tile_n or tuning.fp8_dact_tile_n(i)
+    tile_n = 128 if quantize else tile_n or tuning.fp8_dact_tile_n(i)
     _, cluster_m, clusters, _ = _launch_config(name, m, i, g, dev, tile_n, cluster_m, sm_margin)
     partial_shape = (-(-i // tile_n), m) if spec.takes_probs else None
     num_parts = _check_amax_request(name, "d_pre_amax", d_pre_amax, True, clusters, cluster_m)
@@ -1121,8 +1110,7 @@ def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activ
         key = (_DACT_QUANT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, power_2_scales)
         compile_fn = compile_grouped_dgrad_dact_quant_fp8
     else:
-        key = (_DACT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, bool(d_pre_amax), tile_n,
-               bool(pingpong))
+        key = (_DACT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, bool(d_pre_amax), tile_n)
         compile_fn = compile_grouped_dgrad_dact_fp8
     fn = _LAUNCHERS.get(key)
     if fn is None:

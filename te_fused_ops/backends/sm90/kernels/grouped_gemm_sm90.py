@@ -223,9 +223,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         self.stage_scales = self.varlen_k and self.block_scaled
         self.box_n = tile_n // self.b_boxes
         self.box_may_split = 128 % self.box_n != 0  # FP8: a B box can cross a W scale block
-        # FP8 block products in two halves: at tile 256 (each half inside one W scale block), and
-        # with ping-pong at 128 (a warpgroup's whole-tile accumulator is 128 registers a thread)
-        self.split_products = self.block_scaled and (tile_n == 256 or pingpong)
+        self.split_products = self.block_scaled and tile_n == 256  # each half inside one W scale block
         self.num_out = len(self.epi_stores)
         self.num_in = len(self.epi_loads)
         # ping-pong: a warpgroup holds a whole 128-row tile, twice the rows a thread holds of a
@@ -240,12 +238,11 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             raise ValueError(f"{type(self).__name__}: epilogue_warps needs 16-bit operands and stored outputs")
         if defer_stores and (self.num_out != 1 or self.num_in or self.b_boxes != 1 or epilogue_warps):
             raise ValueError(f"{type(self).__name__}: defer_stores needs one output and no loaded inputs")
-        if pingpong and (tile_n not in ((128,) if self.block_scaled else (128, 192)) or dtype.width != 16
-                         or (self.block_scaled and (self.varlen_k or overlap_promotion)) or epilogue_warps
+        if pingpong and (tile_n not in (128, 192) or self.block_scaled or dtype.width != 16 or epilogue_warps
                          or defer_stores or self.group_blocks or self.epi_scratch):
             raise ValueError(
-                f"{type(self).__name__}: pingpong needs tile_n 128 or 192 (FP8: varlen-M, tile_n 128, no "
-                "overlap_promotion), 16-bit outputs, and an epilogue of the MMA warpgroups without shared scratch"
+                f"{type(self).__name__}: pingpong needs tile_n 128 or 192, 16-bit operands and outputs, and an "
+                "epilogue of the MMA warpgroups without shared scratch"
             )
         # FP8: two block products in flight (`_fp8_overlapped_k_tiles`): 3 x 64 fp32 registers a
         # thread at tile_n 128
