@@ -3,6 +3,7 @@ Quantize + Transpose) against the kernel followed by the cast kernel, per kernel
 
 Kernels (uneven seeded routing; dy (M, H) and W^T (E, I, H) cast as the FP8 step casts them):
   dact            grouped_dgrad_dact_fp8_sm90: d_pre (M, 2I) in bf16
+  dact t256       the same at tile_n 256 (each block's product in two halves; d_pre checked bit-equal)
   dact + cast     the same, then block_columns_sm90(d_pre, rows=True): the row-wise and per-group
                   column-wise 1x128 copies FC1's data and weight gradients read (the unfused step)
   dact quant      grouped_dgrad_dact_quant_fp8_sm90: both copies from the epilogue, no bf16 d_pre
@@ -29,10 +30,10 @@ if __name__ == "__main__":  # before torch, triton and the kernels load: one lin
 
 import torch
 from common import (
-    MODEL_SHAPES,
     device_tag,
     extra_peak_mib,
     mlp_problem,
+    model_shape,
     rotated_medians,
     skewed_splits,
     sustained_ms,
@@ -52,7 +53,7 @@ def time_us(fn):
 
 
 def kernels(name):
-    m, h, i, e = MODEL_SHAPES[name]
+    m, h, i, e = model_shape(name)
     torch.manual_seed(0)
     splits = skewed_splits(m, e, 0, align=8)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), splits.cumsum(0)]).to(torch.int32).cuda()
@@ -70,14 +71,20 @@ def kernels(name):
     def dact_quant():
         return grouped_dgrad_dact_quant_fp8_sm90(*fp8, offsets, pre, activation="swiglu")
 
+    def dact_wide():
+        return grouped_dgrad_dact_fp8_sm90(*fp8, offsets, pre, activation="swiglu", tile_n=256)[0]
+
+    assert torch.equal(dact_wide().view(torch.int16), dact().view(torch.int16)), f"{name}: dact t256 differs"
     columns, rows, row_scale = dact_cast()
     (q_rows, q_row_scale), q_columns, _ = dact_quant()
     used = int(((splits + 127) // 128).sum())
     assert torch.equal(q_rows.view(torch.uint8), rows.view(torch.uint8)) and torch.equal(q_row_scale, row_scale)
     assert torch.equal(q_columns.data.view(torch.uint8)[:, : 128 * used], columns.data.view(torch.uint8)[:, : 128 * used])
     assert torch.equal(q_columns.scale_inv[:used], columns.scale_inv[:used])
-    us = rotated_medians({"dact": dact, "dact + cast": dact_cast, "dact quant": dact_quant}, time_us)
-    return {"shape": name, "us": us, "dact_tflops": 2 * m * h * i / us["dact"] / 1e6}
+    us = rotated_medians({"dact": dact, "dact t256": dact_wide, "dact + cast": dact_cast, "dact quant": dact_quant},
+                         time_us)
+    return {"shape": name, "us": us, "dact_tflops": 2 * m * h * i / us["dact"] / 1e6,
+            "dact_t256_tflops": 2 * m * h * i / us["dact t256"] / 1e6}
 
 
 def step(name):
@@ -120,11 +127,12 @@ def main():
         step_rows.append(step(name))
         print(kernel_rows[-1], step_rows[-1], flush=True)
     lines = [f"FC2 FP8 dgrad + dSwiGLU, d_pre cast to its row- and column-wise E4M3 copies, {device}; median us",
-             "", "| shape | dact (TFLOPS) | dact + cast | dact quant | quant vs dact + cast | quant over dact |",
-             "|---|---|---|---|---|---|"]
+             "", "| shape | dact (TFLOPS) | dact t256 (TFLOPS) | dact + cast | dact quant | quant vs dact + cast | "
+             "quant over dact |", "|---|---|---|---|---|---|---|"]
     for r in kernel_rows:
         us = r["us"]
-        lines.append(f"| {r['shape']} | {us['dact']:.0f} ({r['dact_tflops']:.0f}) | {us['dact + cast']:.0f} | "
+        lines.append(f"| {r['shape']} | {us['dact']:.0f} ({r['dact_tflops']:.0f}) | "
+                     f"{us['dact t256']:.0f} ({r['dact_t256_tflops']:.0f}) | {us['dact + cast']:.0f} | "
                      f"{us['dact quant']:.0f} | {us['dact + cast'] / us['dact quant']:.2f}x | "
                      f"{us['dact quant'] / us['dact'] - 1:+.0%} |")
     lines += ["", "All-fp8_blockwise step (outputs and gradients bit-equal); median us, extra peak MiB of one step",

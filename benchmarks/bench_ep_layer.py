@@ -1,6 +1,7 @@
 """The expert-parallel MoE layer's training step on W GPUs: dispatch, experts, combine, forward + backward.
 
     torchrun --nproc-per-node 2 benchmarks/bench_ep_layer.py [--shapes qwen3-30b-a3b,dsv3] [--out DIR]
+        [--precompile-jobs 8]     # kernels compiled in forked processes first (a cold cache: minutes less)
     python benchmarks/bench_ep_layer.py --device cpu --smoke      # 2 gloo processes, tiny shape
 
 Per rank: T tokens (H wide) routed top-k over E experts (`bench_moe_layer.skewed_topk`, seed =
@@ -254,6 +255,14 @@ def run_shape(name, shape, device, group, args) -> dict:
             layers[f"{label} graph"] = graphed
             graphed.graphed = True
             pair_rows[f"{label} graph"] = pair_rows[label]
+    if args.precompile_jobs:  # the sync-free contenders' kernels compiled in forked workers first
+        from te_fused_ops import precompile
+
+        for label in [label for label in layers if label.startswith(("lib static", "lib x", "fp8"))
+                      and not label.endswith("graph")]:
+            report = precompile.compile_step_kernels(step(layers[label]), workers=args.precompile_jobs)
+            if rank == 0:
+                print(f"  {label:11s} precompiled: {report}", flush=True)
     want = results(layers["torch"])
     rows = {}
     for label, forward in layers.items():
@@ -368,6 +377,10 @@ def parse_args(argv=None):
                         help="leave out the CUDA-graph contenders (the sync-free ones captured as one graph per step)")
     parser.add_argument("--profile", default="", help="contenders to profile (comma-separated labels)")
     parser.add_argument("--contenders", default="", help="only these (comma-separated labels; torch always runs)")
+    parser.add_argument("--precompile-jobs", type=int, default=0,
+                        help="compile the static-capacity contenders' kernels in this many forked processes per rank "
+                             "before the first step (`precompile.compile_step_kernels`; 0: each kernel compiles at "
+                             "its first launch)")
     args = parser.parse_args(argv)
     args.chunks = [int(n) for n in args.chunks.split(",") if n]
     args.profile = [label for label in args.profile.split(",") if label]

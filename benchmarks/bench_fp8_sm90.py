@@ -2,6 +2,10 @@
 
 Per shape (uneven seeded routing; FC1: x (M, H) @ W (E, 2I, H) with SwiGLU and without):
   gmm bf16     torch._grouped_mm on bf16 operands (no activation)
+  gmm fp8 rowwise  torch._scaled_grouped_mm, the FP8 grouped GEMM torch runs on sm90: E4M3 with one
+               multiplier per row of x and per output column of W[g] (its recipe, not 1x128 blocks;
+               checked against float64 of its own operands; "did not run" with the reason where
+               this torch build does not take it)
   sm90 bf16    grouped_gemm_sm90, bf16 operands
   sm90 fp8     grouped_gemm_fp8_sm90, E4M3 operands with 1x128 / 128x128 multipliers (t128 / t192:
                that tile width instead of the default `fp8_tile_n`; "overlap": two block products in
@@ -12,6 +16,9 @@ Per shape (uneven seeded routing; FC1: x (M, H) @ W (E, 2I, H) with SwiGLU and w
                x's amax over its grouped rows)
   + cast       the act cast to E4M3 1x128 blocks: after the kernel (block_quantize_sm90) or in its
                epilogue (grouped_gemm_act_quant_sm90; checked byte for byte against the former);
+               FP8 ("sm90 fp8 ..."): rows and the column-wise copy, after the FP8 kernel at its
+               default tile (block_columns_sm90) or in the epilogue of the 256-wide FP8 kernel
+               (grouped_gemm_act_quant_fp8_sm90; checked byte for byte first);
                "p2": power-of-two scales (Float8BlockScaling(power_2_scales=True), TE's default);
                "current": the per-tensor cast after the kernel, its amax from a separate pass or
                ("+ amax") from the kernel's epilogue (act_amax, what the fp8_current MLP runs)
@@ -58,13 +65,23 @@ import torch
 import triton.testing
 from bench_train_step import ReferenceMLP
 from common import (
-    MODEL_SHAPES, device_tag, gpu_us_per_kernel, mlp_problem, rotated_medians, skewed_splits, sustained_ms,
+    MODEL_SHAPES, device_tag, gpu_us_per_kernel, mlp_problem, model_shape, rotated_medians, skewed_splits, sustained_ms,
     write_results,
 )
 
 from te_fused_ops import Quantize, Sequential, SwiGLU, Transpose
-from te_fused_ops.backends.sm90.kernels.block_quantize import block_dequantize_sm90, block_quantize_sm90, tensor_quantize_sm90
-from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_gemm_act_quant_sm90, grouped_gemm_fp8_sm90, grouped_gemm_sm90
+from te_fused_ops.backends.sm90.kernels.block_quantize import (
+    block_columns_sm90,
+    block_dequantize_sm90,
+    block_quantize_sm90,
+    tensor_quantize_sm90,
+)
+from te_fused_ops.backends.sm90.kernels.grouped_gemm import (
+    grouped_gemm_act_quant_fp8_sm90,
+    grouped_gemm_act_quant_sm90,
+    grouped_gemm_fp8_sm90,
+    grouped_gemm_sm90,
+)
 from te_fused_ops.quantization import Float8BlockScaling, quantize, quantize_weight, reuse_quantized_weights
 from te_fused_ops.splits import split_offsets
 
@@ -76,6 +93,29 @@ def bench_us(fn):
 def step_us(fn):
     """A step's time at the clock a long run settles at (`common.sustained_ms`)."""
     return sustained_ms(fn, 0.25, 0.25) * 1e3
+
+
+def rowwise_grouped_mm(x, w, offsets):
+    """torch._scaled_grouped_mm on sm90 (its FP8 recipe: one multiplier per row of x and per output
+    column of each W[g]): (a callable, float64 x and W of its quantized operands), or (None, the
+    error) where this torch build does not run it."""
+    ends = offsets[1:]
+    x_scale = x.abs().amax(1).clamp(min=1e-12) / 448.0
+    w_scale = w.abs().amax(2).clamp(min=1e-12) / 448.0
+    xq = (x / x_scale[:, None]).to(torch.float8_e4m3fn)
+    wq = (w / w_scale[:, :, None]).to(torch.float8_e4m3fn)
+    x64 = xq.double() * x_scale.double()[:, None]
+    w64 = wq.double() * w_scale.double()[:, :, None]
+
+    def run():
+        return torch._scaled_grouped_mm(xq, wq.transpose(-2, -1), x_scale, w_scale, offs=ends,
+                                        out_dtype=torch.bfloat16)
+
+    try:
+        run()
+    except (RuntimeError, NotImplementedError, AttributeError) as err:
+        return None, str(err).splitlines()[0]
+    return run, (x64, w64)
 
 
 def check(out, x64, w64, offsets, what):
@@ -99,7 +139,7 @@ def current_cast_from_epilogue(x, w, offsets):
 
 
 def run_shape(name):
-    m, h, i, e = MODEL_SHAPES[name]
+    m, h, i, e = model_shape(name)
     n = 2 * i
     torch.manual_seed(0)
     x = torch.randn(m, h, device="cuda")
@@ -140,6 +180,14 @@ def run_shape(name):
         assert torch.equal(got[0].view(torch.uint8), want.rowwise_data.view(torch.uint8)), f"{name}: current cast data"
         assert torch.equal(got[1], want.rowwise_scale_inv.expand(got[1].shape)), f"{name}: current cast scale"
     ends = offsets[1:]
+    # groups of multiples of 16 rows for torch's kernel (the same skew, M, N and K)
+    offsets16 = split_offsets(skewed_splits(m, e, 0, align=16).cuda(), m)
+    rowwise, rowwise_operands = rowwise_grouped_mm(x, w, offsets16)
+    if rowwise is not None:
+        out = rowwise()
+        errors["gmm fp8 rowwise"] = check(out, *rowwise_operands, offsets16, "gmm fp8 rowwise")
+    else:
+        errors["gmm fp8 rowwise"] = f"did not run: {rowwise_operands}"
     variants = {
         "gmm bf16": lambda: torch._grouped_mm(xb, wb.transpose(-2, -1), offs=ends),
         "sm90 bf16": lambda: grouped_gemm_sm90(xb, wb, offsets),
@@ -166,9 +214,27 @@ def run_shape(name):
             grouped_gemm_sm90(xb, wb, offsets, activation="swiglu", tile_n=256)[1], 1, offsets),
         "sm90 bf16 + swiglu + amax, then current cast": lambda: current_cast_from_epilogue(xb, wb, offsets),
     }
+    if rowwise is not None:
+        variants["gmm fp8 rowwise"] = rowwise
     if (n // 2) % 128 == 0:  # tile 256 with a GLU: each half of the tile inside one W scale block
         variants["sm90 fp8 t256 + swiglu"] = lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu",
                                                                            tile_n=256)
+        # the FP8 FC1's act cast (rows and columns, what the all-FP8 layer's FC2 reads): in the
+        # epilogue at tile 256, or after the kernel at the default tile; the same bytes checked first
+        cast_after = block_columns_sm90(grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu",
+                                                              tile_n=256)[1], offsets, rows=True)
+        fused = grouped_gemm_act_quant_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu", columns=True)
+        used = int(((offsets[1:] - offsets[:-1] + 127) // 128).sum())  # column blocks the groups fill
+        assert (torch.equal(fused[1].view(torch.uint8), cast_after[1].view(torch.uint8))
+                and torch.equal(fused[2], cast_after[2])
+                and torch.equal(fused[3].data[:, :128 * used].view(torch.uint8),
+                                cast_after[0].data[:, :128 * used].view(torch.uint8))
+                and torch.equal(fused[3].scale_inv[:used], cast_after[0].scale_inv[:used])), (
+            f"{name}: the FP8 act cast in the epilogue differs from the cast of the FP8 kernel's act")
+        variants["sm90 fp8 + swiglu, then cast"] = lambda: block_columns_sm90(
+            grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu")[1], offsets, rows=True)
+        variants["sm90 fp8 t256 + swiglu + cast"] = lambda: grouped_gemm_act_quant_fp8_sm90(
+            xq, xs, wq, ws, offsets, activation="swiglu", columns=True)
     flops = 2 * int(offsets[-1]) * n * h
     times = rotated_medians(variants, bench_us)
     quantize_us = {  # the forward's casts: x in 1 x 128 blocks, W in 128 x 128 (bf16 inputs)
@@ -314,7 +380,7 @@ def step_table(steps, device):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default=",".join(MODEL_SHAPES))
+    ap.add_argument("--shapes", default=",".join(MODEL_SHAPES), help="comma-separated names or MxHxIxE sizes")
     ap.add_argument("--out", default=None)
     ap.add_argument("--part", choices=("all", "kernels", "steps"), default="all")
     ap.add_argument("--profile", action="store_true", help="print each step's GPU time per kernel first")

@@ -35,8 +35,8 @@ if __name__ == "__main__":  # before torch, triton and the kernels load: one lin
 import quack
 import quack.gemm_interface as qg
 import torch
-from bench_train_step import SHAPES, ReferenceMLP, dswiglu, problem, rel_err, shape_of, step_rows, swiglu
-from common import device_tag, rotated_medians, sustained_ms, write_results
+from bench_train_step import SHAPES, ReferenceMLP, dswiglu, problem, rel_err, step_rows, swiglu
+from common import device_tag, model_shape, rotated_medians, sustained_ms, write_results
 
 
 def interleave(w1):
@@ -193,7 +193,7 @@ def main():
           flush=True)
     results = []
     for name in args.shapes.split(","):
-        m, h, i, e = shape_of(name)
+        m, h, i, e = model_shape(name)
         print(f"[{name}] M={m} H={h} I={i} E={e} ...", flush=True)
         mlp, _, offsets, x, dy = problem(name)
         runs = variants(mlp, offsets, x, tune=not args.no_tune)

@@ -29,8 +29,8 @@ if __name__ == "__main__":  # before torch, triton and the kernels load: one lin
 
 import torch
 from common import (
-    MODEL_SHAPES, compile_per_shape, device_tag, gpu_us_per_kernel, rotated_medians, skewed_splits, sustained_ms,
-    write_results,
+    MODEL_SHAPES, compile_per_shape, device_tag, gpu_us_per_kernel, model_shape, rotated_medians, skewed_splits,
+    sustained_ms, write_results,
 )
 
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU
@@ -78,19 +78,8 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def shape_of(name):
-    """(M, H, I, E) of a named shape or of ``MxHxIxE`` (any sizes, e.g. ``32768x2880x1408x16``)."""
-    if name in SHAPES:
-        return SHAPES[name]
-    try:
-        m, h, i, e = (int(v) for v in name.lower().split("x"))
-    except ValueError:
-        raise SystemExit(f"--shapes: {name!r} is neither one of {', '.join(SHAPES)} nor MxHxIxE") from None
-    return m, h, i, e
-
-
 def problem(name):
-    m, h, i, e = shape_of(name)
+    m, h, i, e = model_shape(name)
     torch.manual_seed(0)
     splits = skewed_splits(m, e, align=8).cuda()
     offsets = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
@@ -284,7 +273,7 @@ def main():
     device = torch.cuda.get_device_name()
     results = []
     for name in args.shapes.split(","):
-        m, h, i, e = shape_of(name)
+        m, h, i, e = model_shape(name)
         print(f"[{name}] M={m} H={h} I={i} E={e} ...", flush=True)
         mlp, splits, offsets, x, dy = problem(name)
         if args.ncu:

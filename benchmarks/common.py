@@ -44,13 +44,24 @@ def _sm90_usable() -> bool:
             and torch.cuda.get_device_capability(index) == (9, 0))
 
 
+def model_shape(name: str):
+    """(M, H, I, E) of a `MODEL_SHAPES` name or of ``MxHxIxE`` (any sizes, e.g. ``32768x2880x1408x16``)."""
+    if name in MODEL_SHAPES:
+        return MODEL_SHAPES[name]
+    try:
+        m, h, i, e = (int(v) for v in name.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--shapes: {name!r} is neither one of {', '.join(MODEL_SHAPES)} nor MxHxIxE") from None
+    return m, h, i, e
+
+
 def mlp_problem(name: str):
     """A model shape's MLP step inputs on the GPU, seed 0: (splits (E,) int64 skewed, multiples of 8;
     fc1 (E, H -> 2I) and fc2 (E, I -> H) bf16 GroupedLinears; x (M, H) requiring grad; dy (M, H))."""
     import torch
     from te_fused_ops import GroupedLinear
 
-    m, h, i, e = MODEL_SHAPES[name]
+    m, h, i, e = model_shape(name)
     torch.manual_seed(0)
     splits = skewed_splits(m, e, 0, align=8).cuda()
     fc1 = GroupedLinear(e, h, 2 * i, dtype=torch.bfloat16, device="cuda")

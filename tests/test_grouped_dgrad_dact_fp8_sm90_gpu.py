@@ -11,6 +11,7 @@ from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
 from te_fused_ops.activations import ACTIVATIONS
 from te_fused_ops.backends.sm90.kernels.block_quantize import block_quantize_sm90
 from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_dgrad_dact_fp8_sm90
+from te_fused_ops.backends.sm90.kernels.tuning import fp8_dact_tile_n
 from test_grouped_dgrad_sm90_gpu import (
     ALPHA, LIMIT, TOL, UNEVEN, dact_reference, offsets_from_splits, poison_allocator, rel_err,
 )
@@ -44,7 +45,8 @@ def operands(splits, m, h, i, activation, dtype, seed):
 def run(splits, m, h, i, activation, dtype=torch.bfloat16, seed=0, **cfg):
     fp8, dy_values, w_values, pre, probs = operands(splits, m, h, i, activation, dtype, seed)
     offsets = offsets_from_splits(splits)
-    poison_allocator((tuple(pre.shape), dtype), ((-(-i // 128), m), torch.float32))
+    tile_n = cfg.get("tile_n") or fp8_dact_tile_n(i)
+    poison_allocator((tuple(pre.shape), dtype), ((-(-i // tile_n), m), torch.float32))
     d_pre, d_probs = grouped_dgrad_dact_fp8_sm90(
         *fp8, offsets, pre, activation=activation, probs=probs, limit=LIMIT, alpha=ALPHA, **cfg
     )
@@ -57,19 +59,32 @@ def run(splits, m, h, i, activation, dtype=torch.bfloat16, seed=0, **cfg):
         assert d_probs.shape == (m,) and rel_err(d_probs, exp_d_probs) <= TOL
     else:
         assert d_probs is None
+    return d_pre, d_probs
 
 
-@pytest.mark.parametrize("activation,cluster_m", [("swiglu", 2), ("scaled_swiglu", 1), ("srelu", 2),
-                                                ("clamped_swiglu", 1)])
-def test_d_pre_amax_from_the_epilogue(activation, cluster_m):
+@pytest.mark.parametrize("activation", ["swiglu", "scaled_swiglu", "srelu"])
+@pytest.mark.parametrize("i", [320, 512])  # a partial last tile (its second half partly past I); two whole tiles
+def test_tile_256_halves(activation, i):
+    """Tile 256 over I: each block's product in two 128-column halves, each with its own W block's
+    multipliers; d_pre bit for bit the 128-wide tile's (the same block sums in the same order),
+    d_probs within the float64 tolerance (its per-tile partials are summed over fewer, wider tiles)."""
+    wide = run(UNEVEN, 500, 400, i, activation, tile_n=256)
+    narrow = run(UNEVEN, 500, 400, i, activation, tile_n=128)
+    assert torch.equal(wide[0].view(torch.int16), narrow[0].view(torch.int16))
+
+
+@pytest.mark.parametrize("activation,cluster_m,i", [("swiglu", 2, 320), ("scaled_swiglu", 1, 320), ("srelu", 2, 320),
+                                                  ("clamped_swiglu", 1, 320), ("scaled_swiglu", 2, 512)])
+def test_d_pre_amax_from_the_epilogue(activation, cluster_m, i):
     """fp8_current's amax of d_pre from the epilogue (gate and up halves, grouped rows only, as
-    stored): the same d_pre and d_probs bits, parts whose max is torch's amax, all written."""
+    stored): the same d_pre and d_probs bits, parts whose max is torch's amax, all written; at
+    I = 512 on the default 256-wide tiles."""
     from test_grouped_gemm_sm90_gpu import act_amax_reference
 
     from te_fused_ops.backends.sm90.kernels.grouped_gemm import max_clusters
     from te_fused_ops.backends.sm90.kernels.launch import num_sms
 
-    splits, m, h, i = UNEVEN, 500, 400, 320
+    splits, m, h = UNEVEN, 500, 400
     fp8, _, _, pre, probs = operands(splits, m, h, i, activation, torch.bfloat16, seed=3)
     pre[sum(splits):] = 1e4  # padding rows: d_pre is zero there whatever pre holds
     offsets = offsets_from_splits(splits)
@@ -126,6 +141,8 @@ def test_argument_errors():
                                     activation="swiglu")
     with pytest.raises(ValueError, match=f"{name}: activation is required"):
         grouped_dgrad_dact_fp8_sm90(dy, dy_scale, w_t, w_t_scale, offsets, pre, activation=None)
+    with pytest.raises(ValueError, match=f"{name}: tile_n must be 128 or 256, got 192"):
+        grouped_dgrad_dact_fp8_sm90(dy, dy_scale, w_t, w_t_scale, offsets, pre, activation="swiglu", tile_n=192)
     with pytest.raises(ValueError, match=f"{name}: weight_t has K=256"):
         grouped_dgrad_dact_fp8_sm90(dy[:, :128].contiguous(), dy_scale[:, :1].contiguous(), w_t, w_t_scale,
                                     offsets, pre, activation="swiglu")

@@ -150,6 +150,43 @@ def test_no_host_sync_and_cuda_graph():
     assert rel_err(out, reference(dy_values, x_values, splits)) <= 5e-3
 
 
+VARIANTS = {  # name: keyword arguments of a mainloop bit-equal to the 128-wide tile's
+    "default": {},  # `tuning.fp8_tile_n` of K
+    "overlapped promotion": dict(overlap_promotion=True),  # two block products in flight
+    "tile 192": dict(tile_n=192),  # one 96-register block product, the column multipliers read as used
+    "tile 256": dict(tile_n=256),  # each block's product in two 128-column halves
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("cluster_m", [1, 2])
+@pytest.mark.parametrize("main_grad", [False, True])
+@pytest.mark.parametrize("n, k", [(384, 256), (272, 208), (128, 112)])
+def test_mainloop_variants_are_bit_equal(variant, cluster_m, main_grad, n, k):
+    """The same sums in the same order as the 128-wide tile's mainloop, over groups of 1 to 32 scale
+    blocks (odd and even counts: the overlapped loop takes blocks in pairs), empty groups, K not
+    a multiple of the tile (a 256 tile's second half partly or wholly past K), and within the
+    float64 tolerance."""
+    splits = [1, 0, 128, 129, 300, 513, 640, 4096, 17, 0, 1000]
+    m = sum(splits) + 16 - sum(splits) % 16
+    dy, x, offsets = make_inputs(splits, m, n, k, 6)
+    dy_cols, dy_values = column_copy(dy, offsets)
+    x_cols, x_values = column_copy(x, offsets)
+    results = []
+    for options in (dict(tile_n=128), VARIANTS[variant]):
+        if main_grad:
+            out = torch.randn(len(splits), n, k, device="cuda", generator=torch.Generator("cuda").manual_seed(7))
+            grouped_wgrad_fp8_sm90(dy_cols, x_cols, offsets, main_grad=out, cluster_m=cluster_m, **options)
+        else:
+            out = torch.full((len(splits), n, k), float("nan"), dtype=torch.bfloat16, device="cuda")
+            grouped_wgrad_fp8_sm90(dy_cols, x_cols, offsets, out=out, cluster_m=cluster_m, **options)
+        results.append(out)
+    assert torch.equal(results[0], results[1])
+    if not main_grad:
+        assert rel_err(results[1], reference(dy_values, x_values, splits)) <= 5e-3
+        assert torch.all(results[1][[1, 9]] == 0)
+
+
 def test_argument_errors():
     offsets = offsets_from_splits([16, 16])
     cols = BlockColumns(torch.zeros(32, 384, dtype=torch.float8_e4m3fn, device="cuda"), torch.ones(3, 32, device="cuda"), 32)
@@ -163,3 +200,9 @@ def test_argument_errors():
         grouped_wgrad_fp8_sm90(cols, cols, offsets_from_splits([0] * 600))
     with pytest.raises(TypeError, match="must be BlockColumns"):
         grouped_wgrad_fp8_sm90(cols.data, cols, offsets)
+    with pytest.raises(TypeError, match="overlap_promotion must be a bool"):
+        grouped_wgrad_fp8_sm90(cols, cols, offsets, overlap_promotion="yes")
+    with pytest.raises(ValueError, match="tile_n must be 128, 192 or 256, got 64"):
+        grouped_wgrad_fp8_sm90(cols, cols, offsets, tile_n=64)
+    with pytest.raises(ValueError, match="overlap_promotion needs tile_n 128"):
+        grouped_wgrad_fp8_sm90(cols, cols, offsets, tile_n=256, overlap_promotion=True)

@@ -228,16 +228,20 @@ def test_choose_config_pairs_when_n_has_two_tiles():
     assert choose_config(32768, 128, 8, 132) == (256, 2)  # one n-tile, large groups
 
 
-def test_fp8_tile_is_192_where_it_pads_n_no_more_than_128_else_256_on_whole_blocks():
-    from te_fused_ops.backends.sm90.kernels.grouped_gemm import fp8_tile_n
+def test_fp8_tile_is_256_on_whole_blocks_else_192_where_it_pads_n_no_more_than_128():
+    from te_fused_ops.backends.sm90.kernels.tuning import fp8_dact_tile_n, fp8_tile_n
 
-    assert fp8_tile_n(1536, glu=True) == fp8_tile_n(5760, glu=True) == 192  # qwen3, gpt-oss FC1: no padding either way
+    assert fp8_tile_n(1536, glu=True) == 256  # qwen3 FC1: 768-wide halves, six W blocks each
+    assert fp8_tile_n(5760, glu=True) == 192  # gpt-oss FC1: 2880-wide halves are not whole W blocks, 30 of 96
     assert fp8_tile_n(4096, glu=True) == 256  # dsv3 FC1: 2048-wide halves are 21.3 tiles of 96, 8 of 128
     assert fp8_tile_n(28672, glu=True) == 256  # mixtral FC1: 0.4% padding at 192
     assert fp8_tile_n(2880, glu=False) == 192 and fp8_tile_n(2048, glu=False) == 256
     assert fp8_tile_n(2 * 1408, glu=True) == 256 and fp8_tile_n(1408, glu=False) == 128  # a GLU tile holds 128 of each half
     assert fp8_tile_n(2 * 200, glu=True) == 128  # halves of 1.6 W blocks: a 256 tile would straddle two halves
     assert fp8_tile_n(1000, glu=False) == 128  # 256 pads more than 128
+    assert fp8_tile_n(7168, glu=False) == fp8_tile_n(768, glu=False) == 256  # weight gradients' K
+    assert fp8_dact_tile_n(2048) == fp8_dact_tile_n(768) == 256  # dsv3, qwen3: whole 256-wide tiles
+    assert fp8_dact_tile_n(2880) == fp8_dact_tile_n(1408) == 128  # 256 pads more; I 2880 is not whole blocks
 
 
 def test_forward_takes_192_wide_tiles_where_they_pad_n_less():

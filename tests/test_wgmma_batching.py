@@ -44,6 +44,13 @@ COMPILE = {  # name: Python that compiles one configuration (torch as torch, bf1
                                                " c(bf16, 192, 'scaled_swiglu', False, 2, False, pingpong=True)",
     "FP8 wgrad dW pair": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import compile_grouped_wgrad as c;"
                          "c(bf16, 128, False, 2, False, True)",
+    "FP8 wgrad dW pair, overlapped promotion": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import"
+                                               " compile_grouped_wgrad as c;"
+                                               " c(bf16, 128, False, 2, False, True, overlap_promotion=True)",
+    "FP8 wgrad dW pair tile 192": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import compile_grouped_wgrad as c;"
+                                  " c(bf16, 192, False, 2, False, True)",
+    "FP8 wgrad dW pair tile 256, half products": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import"
+                                                  " compile_grouped_wgrad as c; c(bf16, 256, False, 2, False, True)",
     "FP8 forward + SwiGLU, overlapped promotion": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
                                                   " compile_grouped_gemm_fp8 as c;"
                                                   " c(bf16, 'swiglu', False, False, 2, 128, overlap_promotion=True)",
@@ -52,6 +59,12 @@ COMPILE = {  # name: Python that compiles one configuration (torch as torch, bf1
     "FP8 forward + SwiGLU tile 256, half products": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
                                                     " compile_grouped_gemm_fp8 as c; c(bf16, 'swiglu', False, False, 2,"
                                                     " 256)",
+    "FP8 forward + ScaledSwiGLU + act cast with columns": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
+                                                          " compile_grouped_gemm_act_quant_fp8 as c;"
+                                                          " c(bf16, 'scaled_swiglu', False, False, 2, True)",
+    "FP8 dgrad + dScaledSwiGLU tile 256, half products": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
+                                                         " compile_grouped_dgrad_dact_fp8 as c;"
+                                                         " c(bf16, 'scaled_swiglu', False, 2, False, 256)",
     "FP8 dgrad + dSwiGLU, d_pre cast": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
                                        " compile_grouped_dgrad_dact_quant_fp8 as c; c(bf16, 'swiglu', False, 2, False)",
 }

@@ -221,11 +221,15 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
         max_clusters: Int32,
         stream,
     ):
-        m_total = cute.size(mX, mode=[0])
+        self._launch_cast(mX, mW, mOffsets, mPre, mData, mScale, mColData, mColScale, mBias, mProbs, constants,
+                          max_clusters, stream)
+
+    def _launch_cast(self, mX, mW, mOffsets, mPre, mData, mScale, mColData, mColScale, mBias, mProbs, constants,
+                     max_clusters, stream, scales=None):
         outputs = (mPre,) if const_expr(self.stores_pre) else ()
-        params = ForwardParams(mBias, mProbs, constants, m_total, data=mData, scale=mScale, col_data=mColData,
-                               col_scale=mColScale)
-        self.launch(mX, mW, mOffsets, outputs, (), params, max_clusters, stream)
+        params = ForwardParams(mBias, mProbs, constants, cute.size(mX, mode=[0]), data=mData, scale=mScale,
+                               col_data=mColData, col_scale=mColScale)
+        self.launch(mX, mW, mOffsets, outputs, (), params, max_clusters, stream, scales)
 
     def epi_make_state(self, tiled_copy, epi_tile, shared):
         """(per block and row slot: scale_inv and the two multipliers of `e4m3_scale_inv`; GLU: the
@@ -347,3 +351,37 @@ class GroupedGemmActFp8Sm90(GroupedGemmActSm90):
         self._launch_forward(mX, mW, mOffsets, mPre, mAct, mBias, mProbs, mActAmax, constants, max_clusters,
                              stream, (mXScale, mWScale))
 
+
+class GroupedGemmActQuantFp8Sm90(GroupedGemmActQuantSm90):
+    """`GroupedGemmActQuantSm90` on block-scaled FP8 operands (x, W and their multipliers as
+    `GroupedGemmActFp8Sm90` takes them): the FP8 FC1 whose GLU act leaves only as E4M3 1 x 128
+    blocks (and, with ``columns``, their column-wise copy), bit for bit the cast of the act
+    `GroupedGemmActFp8Sm90` writes. tile_n 256: each block's product in two 128-column halves, a
+    tile's 128 act columns one cast block of each row; N/2 a multiple of 128.
+    """
+
+    def __init__(self, dtype, activation, has_bias, cluster_m=2, power_2_scales=False, columns=False, **opts):
+        super().__init__(dtype, activation, has_bias, "k", cluster_m, power_2_scales, 256, columns,
+                         ab_dtype=cutlass.Float8E4M3FN, **opts)
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # (M, K) E4M3
+        mXScale: cute.Tensor,  # (M, ceil(K/128)) float32
+        mW: cute.Tensor,  # (G, N, K) E4M3
+        mWScale: cute.Tensor,  # (G, N/128, ceil(K/128)) float32
+        mOffsets: cute.Tensor,  # (G + 1,) int32
+        mPre: cute.Tensor,  # (M, N)
+        mData: cute.Tensor,  # (M, N/2) float8_e4m3fn
+        mScale: cute.Tensor,  # (M, N/256) float32
+        mColData: cute.Tensor,  # (N/2, 128 * blocks) float8_e4m3fn with columns, else None
+        mColScale: cute.Tensor,  # (blocks, N/2) float32 with columns, else None
+        mBias: cute.Tensor,  # (G, N) or None
+        mProbs: cute.Tensor,  # (M,) float32 or None
+        constants: ActivationConstants,
+        max_clusters: Int32,
+        stream,
+    ):
+        self._launch_cast(mX, mW, mOffsets, mPre, mData, mScale, mColData, mColScale, mBias, mProbs, constants,
+                          max_clusters, stream, (mXScale, mWScale))

@@ -185,8 +185,8 @@ class GroupedGemmDActFp8Sm90(GroupedGemmDActSm90):
     ``d_pre_amax``, else None.
     """
 
-    def __init__(self, dtype, activation, cluster_m=2, **opts):
-        super().__init__(dtype, 128, activation, cluster_m, b_major="k", emit_act=False,
+    def __init__(self, dtype, activation, cluster_m=2, tile_n=128, **opts):
+        super().__init__(dtype, tile_n, activation, cluster_m, b_major="k", emit_act=False,
                          ab_dtype=cutlass.Float8E4M3FN, **opts)
 
     @cute.jit

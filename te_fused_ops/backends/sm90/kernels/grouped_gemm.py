@@ -47,6 +47,7 @@ FP8_GLU_N_MULTIPLE = 128  # FP8 GLU: each half's 64-row boxes inside one 128-row
 _FP8 = "grouped_gemm_fp8_sm90"
 _DACT_FP8 = "grouped_dgrad_dact_fp8_sm90"
 _ACT_QUANT = "grouped_gemm_act_quant_sm90"
+_ACT_QUANT_FP8 = "grouped_gemm_act_quant_fp8_sm90"
 _DACT_QUANT_FP8 = "grouped_dgrad_dact_quant_fp8_sm90"
 # the columns an epilogue casts with a column-wise copy (d_pre: each GLU half's) come in multiples of
 # this, so a tile's are one 1x128 block
@@ -150,18 +151,6 @@ def pingpong_pays(m: int, n: int, num_sms: int, halves: int = 1) -> bool:
     configuration where that holds (qwen3, gpt-oss, H 2880 with I 1408); where 192-wide tiles pad N
     more (dsv3, mixtral, I 512) the cooperative 256-wide tiles are faster, by up to 1.7x."""
     return -(-m // 128) * -(-n // 192) >= num_sms and tuning.pads_no_more(n, 192, 256, halves)
-
-
-def fp8_tile_n(n: int, glu: bool) -> int:
-    """The FP8 GEMM's n-tile: 192 where it pads N (a GLU's halves) no more than 128 does, else 256
-    where N (each half) is whole 128-column W blocks, else 128. Measured on the FC1 forward with
-    SwiGLU (H100, `bench_fp8_sm90.py --part kernels`): t192 against t128 3.6% and 2.4% faster on
-    qwen3 and gpt-oss (neither pads), 6% slower on dsv3 (pads its 2048-wide halves by 3%); on
-    dsv3, t256 1963 us against 2159 us at t128 with the promotion overlapped and 2405 us at t192."""
-    halves = 2 if glu else 1
-    if tuning.pads_no_more(n, 192, 128, halves):
-        return 192
-    return 256 if (n // halves) % 128 == 0 and tuning.pads_no_more(n, 256, 128, halves) else 128
 
 
 def forward_tiles(fn_name, weight_layout, activation) -> dict:
@@ -321,7 +310,8 @@ def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_
 
 
 @cached_kernel
-def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2, d_pre_amax=False, **kernel_opts):
+def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2, d_pre_amax=False, tile_n=128,
+                                   **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_dgrad_dact_fp8_sm90``:
     fn(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, d_pre, probs, d_probs_part, d_pre_amax, constants,
     max_clusters)."""
@@ -344,7 +334,7 @@ def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2,
         fake_tensor(cutlass.Float32, (n_tiles, m), 4) if spec.takes_probs else None,
         _amax_parts_fake() if d_pre_amax else None,
     )
-    kernel = GroupedGemmDActFp8Sm90(dt, activation, cluster_m, d_pre_amax=d_pre_amax, **kernel_opts)
+    kernel = GroupedGemmDActFp8Sm90(dt, activation, cluster_m, tile_n, d_pre_amax=d_pre_amax, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -406,6 +396,38 @@ def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_
     )
     kernel = GroupedGemmActFp8Sm90(dt, activation, has_bias, cluster_m, tile_n, act_amax=act_amax,
                                    overlap_promotion=overlap_promotion, **kernel_opts)
+    return _compile(kernel, args, tvm_ffi)
+
+
+@cached_kernel
+def compile_grouped_gemm_act_quant_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_m=2, columns=False,
+                                       **kernel_opts):
+    """Compile (once per configuration) and return the launcher of
+    ``grouped_gemm_act_quant_fp8_sm90``: fn(x, x_scale, weight, weight_scale, offsets, pre, data,
+    scale_inv, col_data, col_scale, bias, probs, constants, max_clusters), col_data / col_scale
+    None without ``columns``. ``kernel_opts``: `GroupedGemmActQuantFp8Sm90` options
+    (power_2_scales, ...)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .grouped_act_sm90 import GroupedGemmActQuantFp8Sm90
+
+    dt = _cutlass_dtype(dtype)
+    spec = activation_spec(activation, "compile_grouped_gemm_act_quant_fp8")
+    m, g = cute.sym_int(), cute.sym_int()
+    k, n = cute.sym_int(divisibility=16), cute.sym_int(divisibility=2 * CAST_COLUMNS_MULTIPLE)
+    cols, col_blocks, blocks = cute.sym_int(divisibility=CAST_COLUMNS_MULTIPLE), cute.sym_int(), cute.sym_int()
+    args = (
+        *_fp8_operand_fakes(m, k, g, n),
+        fake_tensor(dt, (m, n)),
+        fake_tensor(cutlass.Float8E4M3FN, (m, cols), 16),
+        fake_tensor(cutlass.Float32, (m, col_blocks), 4),
+        fake_tensor(cutlass.Float8E4M3FN, (cols, cute.sym_int(divisibility=128)), 16) if columns else None,
+        fake_tensor(cutlass.Float32, (blocks, cols), 4) if columns else None,
+        fake_tensor(dt, (g, n)) if has_bias else None,
+        fake_tensor(cutlass.Float32, (m,), 4) if spec.takes_probs else None,
+    )
+    kernel = GroupedGemmActQuantFp8Sm90(dt, activation, has_bias, cluster_m, columns=columns, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -665,20 +687,30 @@ def grouped_gemm_act_quant_sm90(
     pre = None
     if pre_shape is not None:
         pre = out if out is not None else x.new_empty(pre_shape)
-    (m, c), dev = data_shape, x.device
+    cast = _cast_outputs(data_shape, offsets.shape[0] - 1, columns, x.device)
+    _run(fn, tvm_ffi, _act_quant_launch, args, (x, weight, offsets, pre, *cast, bias, probs),
+         activation_constants(_ACT_QUANT, constants), clusters)
+    return _cast_result(pre, cast, data_shape[0], columns)
+
+
+def _cast_outputs(data_shape, groups, columns, dev):
+    """(data (M, C) E4M3, scale_inv (M, ceil(C/128)) float32, with ``columns`` the column-wise
+    copy's data (C, 128 * blocks) E4M3 and scale_inv (blocks, C) float32, else None, None): the
+    buffers a cast epilogue writes."""
+    m, c = data_shape
     data = torch.empty(data_shape, dtype=torch.float8_e4m3fn, device=dev)
     scale_inv = torch.empty(m, -(-c // 128), dtype=torch.float32, device=dev)
-    col_data = col_scale = None
-    if columns:
-        blocks = -(-m // 128) + offsets.shape[0] - 1
-        col_data = torch.empty(c, 128 * blocks, dtype=torch.float8_e4m3fn, device=dev)
-        col_scale = torch.empty(blocks, c, dtype=torch.float32, device=dev)
-    _run(fn, tvm_ffi, _act_quant_launch, args,
-         (x, weight, offsets, pre, data, scale_inv, col_data, col_scale, bias, probs),
-         activation_constants(_ACT_QUANT, constants), clusters)
-    if columns:
-        return pre, data, scale_inv, BlockColumns(col_data, col_scale, m)
-    return pre, data, scale_inv
+    if not columns:
+        return data, scale_inv, None, None
+    blocks = -(-m // 128) + groups
+    return (data, scale_inv, torch.empty(c, 128 * blocks, dtype=torch.float8_e4m3fn, device=dev),
+            torch.empty(blocks, c, dtype=torch.float32, device=dev))
+
+
+def _cast_result(pre, cast, m, columns):
+    """A cast epilogue's outputs: (pre, data, scale_inv[, `BlockColumns` with ``columns``])."""
+    data, scale_inv, col_data, col_scale = cast
+    return (pre, data, scale_inv, BlockColumns(col_data, col_scale, m)) if columns else (pre, data, scale_inv)
 
 
 def sm90_act_quant_columns_unsupported_reason(c, g) -> str | None:
@@ -740,7 +772,7 @@ def grouped_gemm_fp8_sm90(
     bias (G, N), out (M, N), act_out in ``out_dtype`` (bf16/fp16); probs, constants as for
     `grouped_gemm_sm90`. Returns (pre, act). Each 128-deep block's product is accumulated in fp32
     and scaled on the CUDA cores. tile_n: 128, 192 or 256 (256: the block's product taken in two
-    128-column halves; GLU: N/2 a multiple of 128) (None: `fp8_tile_n`); cluster_m (1, 2)
+    128-column halves; GLU: N/2 a multiple of 128) (None: `tuning.fp8_tile_n`); cluster_m (1, 2)
     overrides the heuristic. ``act_amax``: also return the act's amax parts, as `grouped_gemm_sm90`.
     ``overlap_promotion`` (tile_n 128): two block products in flight, one promoted while the next
     one's WGMMAs run (the same sums, bit for bit; FC1 + SwiGLU 1.8% / 2.6% faster on dsv3 / mixtral,
@@ -793,7 +825,7 @@ def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, pro
     num_parts = _check_amax_request(_FP8, "act_amax", act_amax, act_shape is not None, clusters, cluster_m)
     if m == 0:
         return None, (m, n), act_shape, clusters, num_parts
-    tile_n = 128 if overlap_promotion else tile_n or fp8_tile_n(n, glu)
+    tile_n = 128 if overlap_promotion else tile_n or tuning.fp8_tile_n(n, glu)
     overlap_promotion = tile_n == 128 if overlap_promotion is None else overlap_promotion
     key = (_FP8, out_dtype, activation, bias is not None, tvm_ffi_available(), cluster_m, tile_n, bool(act_amax),
            overlap_promotion)
@@ -801,6 +833,75 @@ def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, pro
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_gemm_fp8(*key[1:])
     return fn, (m, n), act_shape, clusters, num_parts
+
+
+def grouped_gemm_act_quant_fp8_sm90(
+    x, x_scale_inv, weight, weight_scale_inv, offsets, *, activation, bias=None, probs=None,
+    out_dtype=torch.bfloat16, out=None, power_2_scales=False, columns=False, cluster_m=None, sm_margin=None,
+    **constants,
+):
+    """`grouped_gemm_fp8_sm90` with a GLU ``activation`` whose act is cast to E4M3 in 1 x 128 blocks
+    in the epilogue ("fp8_blockwise"), as `grouped_gemm_act_quant_sm90` casts it: bit for bit
+    `quantization.quantize` of the act `grouped_gemm_fp8_sm90` returns in ``out_dtype``, without
+    writing that act.
+
+    Operands, bias, probs, out (the pre-activation buffer) and constants as for
+    `grouped_gemm_fp8_sm90`; N/2 a multiple of 128 (tile_n 256: each block's product in two
+    halves, a tile's 128 act columns one cast block). Returns (pre (M, N) in ``out_dtype``, data
+    (M, N/2) float8_e4m3fn, scale_inv (M, N/256) float32[, `BlockColumns` with ``columns``: the
+    per-group column-wise copy as `block_columns_sm90` makes it, G <= 512]). Rows >= offsets[G]:
+    pre and data zero, scale_inv 1. No host sync.
+    """
+    tvm_ffi = tvm_ffi_available()
+    key = (
+        call_signature(tvm_ffi, x, x_scale_inv, weight, weight_scale_inv, offsets, bias, probs, out),
+        _ACT_QUANT_FP8, activation, out_dtype, power_2_scales, columns, cluster_m, sm_margin,
+    )
+    args = (x, x_scale_inv, weight, weight_scale_inv, offsets, bias, activation, probs, out_dtype, out, power_2_scales,
+            columns, cluster_m, sm_margin)
+    launch = _MEMO.get(key) or _MEMO.put(key, _act_quant_fp8_launch(*args))
+    fn, pre_shape, data_shape, clusters = launch
+    pre = out if out is not None else torch.empty(pre_shape, dtype=out_dtype, device=x.device)
+    cast = _cast_outputs(data_shape, offsets.shape[0] - 1, columns, x.device)
+    _run(fn, tvm_ffi, _act_quant_fp8_launch, args,
+         (x, x_scale_inv, weight, weight_scale_inv, offsets, pre, *cast, bias, probs),
+         activation_constants(_ACT_QUANT_FP8, constants), clusters)
+    return _cast_result(pre, cast, data_shape[0], columns)
+
+
+def _act_quant_fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, probs, out_dtype, out,
+                          power_2_scales, columns, cluster_m, sm_margin):
+    """Every check of `grouped_gemm_act_quant_fp8_sm90`; (launcher or None when M == 0, pre shape,
+    cast output shape, persistent grid in clusters)."""
+    name = _ACT_QUANT_FP8
+    if out_dtype not in DTYPES:
+        raise TypeError(f"{name}: out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
+    dev, (m, k), (g, n, _) = _check_fp8_operands(name, ("x", x, x_scale), ("weight", weight, weight_scale), offsets)
+    spec = activation_spec(activation, name)
+    if spec is None or not spec.glu:
+        glus = tuple(key for key, s in ACTIVATIONS.items() if s.glu)
+        raise ValueError(f"{name}: activation must be a GLU activation {glus}, got {activation!r}")
+    if n % (2 * CAST_COLUMNS_MULTIPLE):
+        raise ValueError(f"{name}: N={n} (weight.shape[1]) must be a multiple of {2 * CAST_COLUMNS_MULTIPLE} (each "
+                         "half of a 256-wide tile one W block and one cast block)")
+    if not isinstance(power_2_scales, bool):
+        raise TypeError(f"{name}: power_2_scales must be a bool, got {type(power_2_scales).__name__}")
+    if not isinstance(columns, bool):
+        raise TypeError(f"{name}: columns must be a bool, got {type(columns).__name__}")
+    act_shape = _check_epilogue_tensors(name, spec, out_dtype, bias, probs, out, None, m, n, g, dev)
+    if columns:
+        reason = sm90_act_quant_columns_unsupported_reason(act_shape[1], g)
+        if reason:
+            raise ValueError(f"{name}: {reason.removeprefix('sm90 backend: ')}")
+    _, cluster_m, clusters, _ = _launch_config(name, m, n, g, dev, 256, cluster_m, sm_margin)
+    if m == 0:
+        return None, (m, n), act_shape, clusters
+    key = (_ACT_QUANT_FP8, out_dtype, activation, bias is not None, tvm_ffi_available(), cluster_m, columns,
+           power_2_scales)
+    fn = _LAUNCHERS.get(key)
+    if fn is None:
+        fn = _LAUNCHERS[key] = compile_grouped_gemm_act_quant_fp8(*key[1:-1], power_2_scales=key[-1])
+    return fn, (m, n), act_shape, clusters
 
 
 def _check_fp8_operands(fn_name, a, b, offsets):
@@ -937,7 +1038,7 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
 
 def grouped_dgrad_dact_fp8_sm90(
     dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, activation, probs=None,
-    cluster_m=None, sm_margin=None, d_pre_amax=False, **constants,
+    tile_n=None, cluster_m=None, sm_margin=None, d_pre_amax=False, **constants,
 ):
     """`grouped_dgrad_dact_sm90` on block-scaled FP8 operands: h = dy_g @ W[g] in FP8, then dActivation.
 
@@ -947,17 +1048,18 @@ def grouped_dgrad_dact_fp8_sm90(
     (G, ceil(I/128), ceil(H/128)); pre, probs, constants as for `grouped_dgrad_dact_sm90`, pre's
     dtype (bf16/fp16) the output's. Returns (d_pre like pre, d_probs (M,) float32 for
     scaled_swiglu else None); no act output. Rows >= offsets[G] are zero. H a multiple of 16; I of
-    32 (GLU) or 8. ``d_pre_amax``: also return d_pre's amax parts, as ``act_amax`` of
+    32 (GLU) or 8. tile_n (over I): 128 or 256 (each block's product in two 128-column halves);
+    None: `tuning.fp8_dact_tile_n`. ``d_pre_amax``: also return d_pre's amax parts, as ``act_amax`` of
     `grouped_gemm_sm90` (the fp8_current cast of FC1's data gradient). No host sync; checks run
     once per argument signature.
     """
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, probs),
-        _DACT_FP8, pre.dtype, activation, cluster_m, sm_margin, d_pre_amax,
+        _DACT_FP8, pre.dtype, activation, tile_n, cluster_m, sm_margin, d_pre_amax,
     )
     args = (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation, probs, cluster_m, sm_margin,
-            d_pre_amax)
+            d_pre_amax, None, tile_n)
     launch = _MEMO.get(key) or _MEMO.put(key, _dact_fp8_launch(*args))
     fn, partial_shape, clusters, num_parts = launch
     d_pre = torch.empty_like(pre)
@@ -971,10 +1073,10 @@ def grouped_dgrad_dact_fp8_sm90(
 
 
 def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activation, probs, cluster_m, sm_margin,
-                     d_pre_amax=False, power_2_scales=None):
+                     d_pre_amax=False, power_2_scales=None, tile_n=None):
     """Every check of `grouped_dgrad_dact_fp8_sm90` (with ``power_2_scales`` a bool: of
-    `grouped_dgrad_dact_quant_fp8_sm90`); (launcher or None when M == 0, d_probs partials shape or
-    None, persistent grid in clusters, d_pre amax parts or 0)."""
+    `grouped_dgrad_dact_quant_fp8_sm90`, tile_n 128); (launcher or None when M == 0, d_probs
+    partials shape or None, persistent grid in clusters, d_pre amax parts or 0)."""
     quantize = power_2_scales is not None
     name = _DACT_QUANT_FP8 if quantize else _DACT_FP8
     dev, (m, h), (g, i, _) = _check_fp8_operands(
@@ -996,8 +1098,11 @@ def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activ
     check_tensor(name, pre, "pre", pre.dtype, 2, dev)
     _check_shape(name, pre, "pre", (m, 2 * i if spec.glu else i))
     _check_probs(name, spec, probs, m, dev)
-    _, cluster_m, clusters, _ = _launch_config(name, m, i, g, dev, 128, cluster_m, sm_margin)
-    partial_shape = (-(-i // 128), m) if spec.takes_probs else None
+    if tile_n not in (None, 128, 256) or (quantize and tile_n == 256):
+        raise ValueError(f"{name}: tile_n must be {'128' if quantize else '128 or 256'}, got {tile_n!r}")
+    tile_n = 128 if quantize else tile_n or tuning.fp8_dact_tile_n(i)
+    _, cluster_m, clusters, _ = _launch_config(name, m, i, g, dev, tile_n, cluster_m, sm_margin)
+    partial_shape = (-(-i // tile_n), m) if spec.takes_probs else None
     num_parts = _check_amax_request(name, "d_pre_amax", d_pre_amax, True, clusters, cluster_m)
     if m == 0:
         return None, partial_shape, clusters, num_parts
@@ -1005,7 +1110,7 @@ def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activ
         key = (_DACT_QUANT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, power_2_scales)
         compile_fn = compile_grouped_dgrad_dact_quant_fp8
     else:
-        key = (_DACT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, bool(d_pre_amax))
+        key = (_DACT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, bool(d_pre_amax), tile_n)
         compile_fn = compile_grouped_dgrad_dact_fp8
     fn = _LAUNCHERS.get(key)
     if fn is None:

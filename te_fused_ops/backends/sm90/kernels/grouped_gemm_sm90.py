@@ -201,14 +201,12 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         self.ab_dtype = dtype if ab_dtype is None else ab_dtype
         # FP8 operands are block-scaled: one k-tile is one 128-deep scale block, promoted into
         # the fp32 accumulator after its WGMMAs (a second accumulator of the same size, so
-        # tile_n 128 or 192: 96 + 96 registers per thread; varlen-M tile_n 256 takes the block's
-        # product in two 128-column halves, 128 + 64 registers, `split_products`)
+        # tile_n 128 or 192: 96 + 96 registers per thread; tile_n 256 takes the block's product
+        # in two 128-column halves, 128 + 64 registers, `split_products`)
         self.block_scaled = self.ab_dtype.width == 8
         if self.block_scaled:
-            if tile_n not in ((128,) if self.varlen_k else (128, 192, 256)) or "mn" in (a_major, b_major):
-                raise ValueError(
-                    f"FP8 operands need tile_n {'128' if self.varlen_k else '128, 192 or 256'} and K-major operands"
-                )
+            if tile_n not in (128, 192, 256) or "mn" in (a_major, b_major):
+                raise ValueError("FP8 operands need tile_n 128, 192 or 256 and K-major operands")
             self.tile_k = 128
         elif tile_n not in (128, 192, 256):
             raise ValueError("tile_n must be 128, 192 or 256")
@@ -246,10 +244,11 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
                 f"{type(self).__name__}: pingpong needs tile_n 128 or 192, 16-bit operands and outputs, and an "
                 "epilogue of the MMA warpgroups without shared scratch"
             )
-        # FP8 varlen-M: two block products in flight (`_fp8_overlapped_k_tiles`): 3 x 64 fp32 registers a
+        # FP8: two block products in flight (`_fp8_overlapped_k_tiles`): 3 x 64 fp32 registers a
         # thread at tile_n 128
-        if overlap_promotion and (not self.block_scaled or self.varlen_k or tile_n != 128):
-            raise ValueError(f"{type(self).__name__}: overlap_promotion needs FP8 operands, varlen-M and tile_n 128")
+        if overlap_promotion and (not self.block_scaled or tile_n != 128 or defer_stores):
+            raise ValueError(f"{type(self).__name__}: overlap_promotion needs FP8 operands, tile_n 128 and stores "
+                             "that are not deferred")
         self.overlap_promotion = overlap_promotion
         # ping-pong: each MMA warpgroup takes every other tile whole (128 x tile_n, tile_n fp32
         # accumulator registers a thread); their mainloops take turns, and one's epilogue runs

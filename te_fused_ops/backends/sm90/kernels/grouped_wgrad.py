@@ -212,7 +212,7 @@ def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m, pingpo
 
 
 def grouped_wgrad_fp8_sm90(dy_columns, x_columns, offsets, *, out_dtype=torch.bfloat16, out=None, main_grad=None,
-                           sm_margin=None, cluster_m=None):
+                           sm_margin=None, cluster_m=None, tile_n=None, overlap_promotion=False):
     """dW[g] = dy_g^T @ x_g from block-padded column-wise FP8 copies of dy (M, N) and x (M, K).
 
     dy_columns, x_columns: `block_quantize.BlockColumns` of dy and x with the same M and blocks
@@ -221,7 +221,11 @@ def grouped_wgrad_fp8_sm90(dy_columns, x_columns, offsets, *, out_dtype=torch.bf
     were made with. N and K multiples of 16. Returns dW (G, N, K) in ``out_dtype`` (bf16/fp16;
     into ``out`` if given), or with ``main_grad`` (fp32) main_grad += dW. Each 128-token block's
     product is added in float32, scaled by its two multipliers. sm_margin and cluster_m as for
-    `grouped_wgrad_sm90` (tile_n is 128). No host sync.
+    `grouped_wgrad_sm90`; tile_n (along K) 128, 192, or 256 (each block's product taken in two
+    128-column halves); None: `tuning.fp8_tile_n` of K. ``overlap_promotion`` (tile_n 128): two block products in flight, each
+    block promoted under the next one's WGMMAs. All bit-equal to the default; with tile 256 or the
+    overlap, a tile's stores wait for its mainloop instead of running under the next tile's. No
+    host sync.
     """
     tvm_ffi = tvm_ffi_available()
     try:
@@ -231,9 +235,10 @@ def grouped_wgrad_fp8_sm90(dy_columns, x_columns, offsets, *, out_dtype=torch.bf
         raise TypeError(f"{_FP8_NAME}: dy_columns and x_columns must be BlockColumns (data, scale_inv, num_tokens)")
     key = (
         call_signature(tvm_ffi, dy_t, x_t, offsets, out, main_grad, dy_scales, x_scales),
-        m, x_m, out_dtype, cluster_m, sm_margin,
+        m, x_m, out_dtype, cluster_m, sm_margin, tile_n, overlap_promotion,
     )
-    args = (dy_t, dy_scales, x_t, x_scales, m, x_m, offsets, out_dtype, out, main_grad, sm_margin, cluster_m)
+    args = (dy_t, dy_scales, x_t, x_scales, m, x_m, offsets, out_dtype, out, main_grad, sm_margin, cluster_m,
+            tile_n, overlap_promotion)
     launch = _MEMO.get(key) or _MEMO.put(key, _fp8_launch(*args))
     fn, shape, max_ctas = launch
     result = main_grad if main_grad is not None else out if out is not None else dy_t.new_empty(shape, dtype=out_dtype)
@@ -252,7 +257,8 @@ def grouped_wgrad_fp8_sm90(dy_columns, x_columns, offsets, *, out_dtype=torch.bf
     return result
 
 
-def _fp8_launch(dy_t, dy_scales, x_t, x_scales, m, x_m, offsets, out_dtype, out, main_grad, sm_margin, cluster_m):
+def _fp8_launch(dy_t, dy_scales, x_t, x_scales, m, x_m, offsets, out_dtype, out, main_grad, sm_margin, cluster_m,
+                tile_n, overlap_promotion):
     """Every check of `grouped_wgrad_fp8_sm90`; (launcher or None, dW shape, grid in CTAs)."""
     name = _FP8_NAME
     if not isinstance(dy_t, torch.Tensor):
@@ -290,15 +296,23 @@ def _fp8_launch(dy_t, dy_scales, x_t, x_scales, m, x_m, offsets, out_dtype, out,
     margin = resolve_sm_margin(sm_margin, name)
     if cluster_m not in (None, 1, 2):
         raise ValueError(f"{name}: cluster_m must be 1 or 2, got {cluster_m!r}")
+    if tile_n not in (None, 128, 192, 256):
+        raise ValueError(f"{name}: tile_n must be 128, 192 or 256, got {tile_n!r}")
+    if not isinstance(overlap_promotion, bool):
+        raise TypeError(f"{name}: overlap_promotion must be a bool, got {type(overlap_promotion).__name__}")
+    if overlap_promotion and tile_n not in (None, 128):
+        raise ValueError(f"{name}: overlap_promotion needs tile_n 128, got {tile_n}")
     if g * n * k == 0 or m == 0:
         return None, (g, n, k), 0
     max_ctas = max(1, num_sms(dev) - margin)
     cluster_m = cluster_m or choose_config(n, k, max_ctas)[1]
     max_ctas = max(max_ctas, cluster_m)
-    key = (out_dtype, 128, main_grad is not None, cluster_m, tvm_ffi_available(), True)
+    tile_n = 128 if overlap_promotion else tile_n or tuning.fp8_tile_n(k, glu=False)
+    key = (out_dtype, tile_n, main_grad is not None, cluster_m, tvm_ffi_available(), True, False,
+           overlap_promotion)
     fn = _LAUNCHERS.get(key)
     if fn is None:
-        fn = _LAUNCHERS[key] = compile_grouped_wgrad(*key)
+        fn = _LAUNCHERS[key] = compile_grouped_wgrad(*key[:7], overlap_promotion=overlap_promotion)
     return fn, (g, n, k), max_ctas
 
 

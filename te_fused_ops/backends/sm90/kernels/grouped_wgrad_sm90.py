@@ -45,12 +45,13 @@ class GroupedWgradSm90(GroupedGemmSm90):
     Compile-time configuration: ``dtype`` of dy and x (cutlass.BFloat16 / Float16), ``tile_n``
     (128 or 256, along K of dW; tile_m = 128 along N, tile_k = 64 tokens), ``ab_dtype`` (None:
     ``dtype``; cutlass.Float8E4M3FN: block-scaled FP8 operands, module docstring, dW in ``dtype``;
-    tile_n 128, tile_k 128), ``accumulate`` (fp32 main_grad += dW instead of writing dW in
-    ``dtype``), ``cluster_m`` (1, or 2: CTA pairs multicast the x tile), ``sort_groups`` (visit
+    tile_n 128, 192 or 256 (256: the block's product in two halves), tile_k 128), ``accumulate`` (fp32
+    main_grad += dW instead of writing dW in ``dtype``), ``cluster_m`` (1, or 2: CTA pairs multicast the x tile), ``sort_groups`` (visit
     groups largest first), ``ab_stages`` / ``epi_slots`` (None: fill shared memory), ``c_stages``
     (accumulate: main_grad chunks loaded ahead), ``raster_band`` (`banded_tile`), ``pingpong``
-    (each MMA warpgroup on tiles of its own, dW in ``dtype``; the core's docstring). The persistent
-    grid size is a launch argument.
+    (each MMA warpgroup on tiles of its own, dW in ``dtype``; the core's docstring),
+    ``overlap_promotion`` (FP8: two block products in flight, each block promoted under the next
+    one's WGMMAs; the stores are not deferred then, nor past FP8 tile 128). The persistent grid size is a launch argument.
     """
 
     varlen_k = True
@@ -58,7 +59,7 @@ class GroupedWgradSm90(GroupedGemmSm90):
 
     def __init__(
         self, dtype, tile_n, accumulate, cluster_m=1, sort_groups=True, ab_stages=None,
-        epi_slots=None, raster_band=RASTER_BAND, ab_dtype=None, c_stages=2, pingpong=False,
+        epi_slots=None, raster_band=RASTER_BAND, ab_dtype=None, c_stages=2, pingpong=False, overlap_promotion=False,
     ):
         self.accumulate = accumulate
         self.sort_groups = sort_groups
@@ -68,7 +69,10 @@ class GroupedWgradSm90(GroupedGemmSm90):
             Float32 if accumulate else dtype, tile_n, b_major="k" if fp8 else "mn", cluster_m=cluster_m,
             ab_stages=ab_stages, epi_slots=epi_slots, ab_dtype=dtype if ab_dtype is None else ab_dtype,
             c_stages=c_stages, raster_band=raster_band, a_major="k" if fp8 else "mn",
-            defer_stores=not accumulate and not pingpong, pingpong=pingpong,
+            # FP8 past tile 128 or overlapped: no registers for the previous tile's outputs
+            defer_stores=not (accumulate or pingpong or overlap_promotion or (fp8 and tile_n != 128)),
+            pingpong=pingpong,
+            overlap_promotion=overlap_promotion,
         )
 
     @cute.jit

@@ -331,9 +331,10 @@ class Sm90Mainloop:
     @cute.jit
     def _fp8_k_tile_halves(self, ab_pipe, read_state, tiled_mma, acc, fp8_args, tile: Tile, k, held, n_box, m_total):
         """`_fp8_k_tile` with `split_products` (the stage waited for): the block's product half by
-        half into one 64-register product, each half promoted with its W block's multipliers (GLU:
-        box h's; one 256-row box: its first or second block) before the next half's WGMMAs; the
-        next block's multipliers load under the first half's WGMMAs. Returns them."""
+        half into one 64-register product, each half promoted before the next half's WGMMAs.
+        Varlen-M: with its W block's multipliers (GLU: box h's; one 256-row box: its first or
+        second block), the next block's loaded under the first half's WGMMAs and returned;
+        varlen-K: with the (row, column) multipliers in the stage, ``held`` returned."""
         acc_block, tCrA, tCrB, scales, tCcAcc = fp8_args
         ahead = held
         for h in cutlass.range_constexpr(2):
@@ -341,12 +342,17 @@ class Sm90Mainloop:
             cute.nvgpu.warpgroup.fence()
             mma_block(tiled_mma, acc_block, tCrA, tCrB[h], read_state.index)
             cute.nvgpu.warpgroup.commit_group()
-            if const_expr(h == 0):
+            if const_expr(h == 0 and not self.stage_scales):
                 ahead = self._block_scales(scales, tile, tCcAcc, k + 1, n_box, m_total)
             cute.nvgpu.warpgroup.wait_group(0)
-            if const_expr(h == 1):
-                ab_pipe.consumer_release(read_state)
-            self._promote_half(acc, acc_block, held, h)
+            if const_expr(self.stage_scales):  # varlen-K: the multipliers are read from the stage
+                self._promote_from_stage(acc, acc_block, scales, tCcAcc, read_state.index, h)
+                if const_expr(h == 1):
+                    ab_pipe.consumer_release(read_state)
+            else:
+                if const_expr(h == 1):
+                    ab_pipe.consumer_release(read_state)
+                self._promote_half(acc, acc_block, held, h)
         return ahead
 
     @cute.jit
@@ -372,41 +378,54 @@ class Sm90Mainloop:
         return tiled_mma, read_state
 
     @cute.jit
-    def _retire_block(self, ab_pipe, release_state, acc, product, multipliers, in_flight: cutlass.Constexpr[int]):
-        """Once all but ``in_flight`` commit groups are done: release the oldest block's stage and
-        promote its ``product`` into acc; returns release_state past it."""
+    def _retire_block(self, ab_pipe, release_state, acc, product, multipliers, in_flight: cutlass.Constexpr[int],
+                      fp8_args):
+        """Once all but ``in_flight`` commit groups are done: promote the oldest block's ``product``
+        into acc and release its stage; returns release_state past it. Varlen-M: ``multipliers``
+        are the block's (`_block_scales`), the stage is released first; varlen-K: they are read
+        from the stage while promoting (`_promote_from_stage`), which is released after."""
         cute.nvgpu.warpgroup.wait_group(in_flight)
-        ab_pipe.consumer_release(release_state)
+        if const_expr(self.stage_scales):
+            self._promote_from_stage(acc, product, fp8_args[3], fp8_args[4], release_state.index)
+            ab_pipe.consumer_release(release_state)
+        else:
+            ab_pipe.consumer_release(release_state)
+            self._promote(acc, product, multipliers)
         release_state.advance()
-        self._promote(acc, product, multipliers)
         return release_state
 
     @cute.jit
     def _fp8_overlapped_k_tiles(self, ab_pipe, read_state, release_state, tiled_mma, acc, fp8_args, tile: Tile,
                                 tile_k_tiles, held, n_box, m_total):
-        """FP8 varlen-M with ``overlap_promotion``: block k's WGMMAs go into one of two block
-        products before block k - 1's promotion from the other (wait_group(1)), so the CUDA cores
-        promote while the tensor cores run. Block 0 and then every even block use the first
-        product, odd blocks the second: the loop takes blocks in pairs (odd, even) and a last odd
-        block follows it, so on every path a product is rewritten only once its WGMMAs are done
-        (ptxas serializes every WGMMA otherwise, C7514). ``held``: block 0's multipliers. Returns
-        (tiled_mma, read_state, release_state), the states past the tile's k-tiles."""
+        """FP8 with ``overlap_promotion``: block k's WGMMAs go into one of two block products
+        before block k - 1's promotion from the other (wait_group(1)), so the CUDA cores promote
+        while the tensor cores run. Block 0 and then every even block use the first product, odd
+        blocks the second: the loop takes blocks in pairs (odd, even) and a last odd block follows
+        it, so on every path a product is rewritten only once its WGMMAs are done (ptxas
+        serializes every WGMMA otherwise, C7514). Varlen-M: ``held`` is block 0's multipliers and
+        each block's are loaded under its WGMMAs; varlen-K: they ride in the stages (``held``
+        unused). Returns (tiled_mma, read_state, release_state), the states past the tile's
+        k-tiles."""
         (even, odd), tCrA, tCrB, scales, tCcAcc = fp8_args
         tiled_mma, read_state = self._issue_block(ab_pipe, read_state, tiled_mma, even, tCrA, tCrB)
         for pair in range((tile_k_tiles - 1) // 2):
             for product, done in ((odd, even), (even, odd)):  # block 2 pair + 1, then 2 pair + 2
                 tiled_mma, read_state = self._issue_block(ab_pipe, read_state, tiled_mma, product, tCrA, tCrB)
-                block = 2 * pair + (1 if product is odd else 2)
-                ahead = self._block_scales(scales, tile, tCcAcc, block, n_box, m_total)  # under its WGMMAs
-                release_state = self._retire_block(ab_pipe, release_state, acc, done, held, 1)
+                ahead = held
+                if const_expr(not self.stage_scales):  # under its WGMMAs
+                    block = 2 * pair + (1 if product is odd else 2)
+                    ahead = self._block_scales(scales, tile, tCcAcc, block, n_box, m_total)
+                release_state = self._retire_block(ab_pipe, release_state, acc, done, held, 1, fp8_args)
                 held = ahead
         if (tile_k_tiles - 1) % 2 == 1:  # a last, odd block
             tiled_mma, read_state = self._issue_block(ab_pipe, read_state, tiled_mma, odd, tCrA, tCrB)
-            ahead = self._block_scales(scales, tile, tCcAcc, tile_k_tiles - 1, n_box, m_total)
-            release_state = self._retire_block(ab_pipe, release_state, acc, even, held, 1)
-            release_state = self._retire_block(ab_pipe, release_state, acc, odd, ahead, 0)
+            ahead = held
+            if const_expr(not self.stage_scales):
+                ahead = self._block_scales(scales, tile, tCcAcc, tile_k_tiles - 1, n_box, m_total)
+            release_state = self._retire_block(ab_pipe, release_state, acc, even, held, 1, fp8_args)
+            release_state = self._retire_block(ab_pipe, release_state, acc, odd, ahead, 0, fp8_args)
         else:
-            release_state = self._retire_block(ab_pipe, release_state, acc, even, held, 0)
+            release_state = self._retire_block(ab_pipe, release_state, acc, even, held, 0, fp8_args)
         return tiled_mma, read_state, release_state
 
     @cute.jit
@@ -418,6 +437,22 @@ class Sm90Mainloop:
         rows = (sSFA[row0, 0, stage], sSFA[row0 + 8, 0, stage])
         cols = [sSFB[col0 + v % 2 + v // 2 * 8, 0, stage] for v in range(self.tile_n // 4)]
         return rows, cols
+
+    @cute.jit
+    def _promote_from_stage(self, acc, acc_block, scales, tCcAcc, stage, h: cutlass.Constexpr[int] = 0):
+        """Varlen-K: acc += acc_block scaled per (row, column) by the multipliers in ``stage``, each
+        column's read from shared memory where it is used (`_stage_multipliers` would hold them
+        all beside the block products). `split_products`: acc_block is half ``h`` of the tile,
+        acc's values [64 h, 64 h + 64), its columns 128 h on."""
+        sSFA, sSFB = scales
+        row0, col0 = tCcAcc[0]
+        rows = (sSFA[row0, 0, stage], sSFA[row0 + 8, 0, stage])
+        size = cute.size(acc_block)
+        for c in cutlass.range_constexpr(size // 2):
+            col = sSFB[col0 + h * (self.tile_n // 2) + c % 2 + c // 2 * 8, 0, stage]
+            for r in cutlass.range_constexpr(2):
+                v = c // 2 * 4 + r * 2 + c % 2
+                acc[v + h * size] = acc[v + h * size] + acc_block[v] * (rows[r] * col)
 
     @cute.jit
     def _promote_columns(self, acc, acc_block, multipliers):

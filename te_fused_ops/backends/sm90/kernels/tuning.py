@@ -70,6 +70,28 @@ def pads_no_more(n: int, tile_n: int, other: int, halves: int = 1, margin: float
     return padded_share(n, tile_n, halves) + margin <= padded_share(n, other, halves)
 
 
+def fp8_tile_n(n: int, glu: bool) -> int:
+    """The FP8 GEMMs' n-tile (the forward's over N, the weight gradient's over K): 256 where N
+    (each GLU half) is whole 128-column blocks and 256 pads it no more than 128 does, else 192
+    where that pads no more than 128, else 128. Measured on H100 (`bench_fp8_sm90.py --part
+    kernels`, `bench_wgrad_fp8_sm90.py`), FC1 + SwiGLU forward: qwen3 532 us at t256 against 590
+    at t192 and 575 at t128; dsv3 1963 at t256 against 2159 at t128 (promotion overlapped) and
+    2405 at t192; gpt-oss (halves not whole blocks) t192 2.4% faster than t128. Weight gradient:
+    qwen3 FC1 (K 2048) 658 us at t256 against 722 at t128, FC2 (K 768) 334 against 361, dsv3 FC1
+    (K 7168) 2550 against 2733 (t192 2519)."""
+    halves = 2 if glu else 1
+    if (n // halves) % 128 == 0 and pads_no_more(n, 256, 128, halves):
+        return 256
+    return 192 if pads_no_more(n, 192, 128, halves) else 128
+
+
+def fp8_dact_tile_n(i: int) -> int:
+    """FC2's FP8 data gradient + dActivation n-tile (over I; 128 or 256): 256 where it pads I no
+    more than 128 does. Measured on H100 (`bench_dact_quant_sm90.py`): dsv3 (I 2048) 1111 us
+    against 1207 at t128, qwen3 (I 768) 344 against 350."""
+    return 256 if i % 128 == 0 and pads_no_more(i, 256, 128) else 128
+
+
 def wide_tile(n: int, halves: int = 1, tile_ns=TILE_NS) -> int:
     """The wide tile for N: 192 where 256-wide tiles pad N by WASTE_MARGIN more (N = 2880: 12
     tiles of 256 hold 6.7% padding, 15 of 192 none), else 256."""
