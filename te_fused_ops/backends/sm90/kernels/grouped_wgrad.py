@@ -222,10 +222,10 @@ def grouped_wgrad_fp8_sm90(dy_columns, x_columns, offsets, *, out_dtype=torch.bf
     into ``out`` if given), or with ``main_grad`` (fp32) main_grad += dW. Each 128-token block's
     product is added in float32, scaled by its two multipliers. sm_margin and cluster_m as for
     `grouped_wgrad_sm90`; tile_n (along K) 128, 192, or 256 (each block's product taken in two
-    128-column halves); None: `tuning.fp8_tile_n` of K. ``overlap_promotion`` (tile_n 128): two block products in flight, each
-    block promoted under the next one's WGMMAs. All bit-equal to the default; with tile 256 or the
-    overlap, a tile's stores wait for its mainloop instead of running under the next tile's. No
-    host sync.
+    128-column halves); None: `tuning.fp8_tile_n` of K. ``overlap_promotion`` (tile_n 128): two
+    block products in flight, each block promoted under the next one's WGMMAs. All bit-equal to
+    tile 128; past tile 128 or with the overlap, a tile's stores wait for its mainloop instead of
+    running under the next tile's. No host sync.
     """
     tvm_ffi = tvm_ffi_available()
     try:

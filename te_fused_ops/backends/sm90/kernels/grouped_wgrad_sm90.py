@@ -45,13 +45,15 @@ class GroupedWgradSm90(GroupedGemmSm90):
     Compile-time configuration: ``dtype`` of dy and x (cutlass.BFloat16 / Float16), ``tile_n``
     (128 or 256, along K of dW; tile_m = 128 along N, tile_k = 64 tokens), ``ab_dtype`` (None:
     ``dtype``; cutlass.Float8E4M3FN: block-scaled FP8 operands, module docstring, dW in ``dtype``;
-    tile_n 128, 192 or 256 (256: the block's product in two halves), tile_k 128), ``accumulate`` (fp32
-    main_grad += dW instead of writing dW in ``dtype``), ``cluster_m`` (1, or 2: CTA pairs multicast the x tile), ``sort_groups`` (visit
+    tile_n 128, 192 or 256 (256: the block's product in two halves), tile_k 128), ``accumulate``
+    (fp32 main_grad += dW instead of writing dW in ``dtype``), ``cluster_m`` (1, or 2: CTA pairs
+    multicast the x tile), ``sort_groups`` (visit
     groups largest first), ``ab_stages`` / ``epi_slots`` (None: fill shared memory), ``c_stages``
     (accumulate: main_grad chunks loaded ahead), ``raster_band`` (`banded_tile`), ``pingpong``
     (each MMA warpgroup on tiles of its own, dW in ``dtype``; the core's docstring),
     ``overlap_promotion`` (FP8: two block products in flight, each block promoted under the next
-    one's WGMMAs; the stores are not deferred then, nor past FP8 tile 128). The persistent grid size is a launch argument.
+    one's WGMMAs; the stores are not deferred then, nor past FP8 tile 128). The persistent grid
+    size is a launch argument.
     """
 
     varlen_k = True

@@ -86,10 +86,10 @@ def fp8_tile_n(n: int, glu: bool) -> int:
 
 
 def fp8_dact_tile_n(i: int) -> int:
-    """FC2's FP8 data gradient + dActivation n-tile (over I; 128 or 256): 256 where it pads I no
-    more than 128 does. Measured on H100 (`bench_dact_quant_sm90.py`): dsv3 (I 2048) 1111 us
+    """FC2's FP8 data gradient + dActivation n-tile (over I; 128 or 256): 256 where `fp8_tile_n`
+    takes it, else 128. Measured on H100 (`bench_dact_quant_sm90.py`): dsv3 (I 2048) 1111 us
     against 1207 at t128, qwen3 (I 768) 344 against 350."""
-    return 256 if i % 128 == 0 and pads_no_more(i, 256, 128) else 128
+    return 256 if fp8_tile_n(i, glu=False) == 256 else 128
 
 
 def wide_tile(n: int, halves: int = 1, tile_ns=TILE_NS) -> int:
