@@ -523,6 +523,15 @@ def _compile_in_background(shares: list, arch: str, target: str, deadline: float
         threading.Thread(target=_reap, args=(pid, share, deadline), daemon=True, name="te_fused_ops compile").start()
 
 
+def wait_for_background(timeout_s: float = 600.0) -> bool:
+    """Wait until the background compiles of `compile_in_workers` have ended (written their
+    kernels or failed), at most ``timeout_s``; whether none is left running."""
+    deadline = time.monotonic() + timeout_s
+    while _BACKGROUND_PIDS and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not _BACKGROUND_PIDS
+
+
 def _kill_background() -> None:
     for pid in list(_BACKGROUND_PIDS):
         with contextlib.suppress(OSError):

@@ -140,6 +140,8 @@ def main(argv=None) -> int:
             step_start = time.perf_counter()
             run_step(layer, args, tokens, device)
             print(f"{recipe:14s} tokens {tokens:6d}: {time.perf_counter() - step_start:6.1f} s", flush=True)
+    if not kernel_cache.wait_for_background():  # the ping-pong kernels the steps ran stand-ins for
+        print("background compiles still running after 600 s: stopped, their kernels not written", flush=True)
     stats = kernel_cache.stats()
     print(f"kernel cache {directory}: {stats['compiled']} compiled and written, {stats['loaded']} already there; "
           f"{time.perf_counter() - started:.1f} s (compiling {stats['compile s']:.1f}, writing {stats['write s']:.1f}, "

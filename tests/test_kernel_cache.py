@@ -442,8 +442,10 @@ def test_a_kernel_with_a_stand_in_runs_the_stand_in_while_it_compiles_in_the_bac
         (kernel,) = [request for request in requests if request.stand_in is not None]
         assert kernel.compiling_elsewhere and len(list(cache.glob("*.tfok"))) == 1  # the stand-in only
         assert deferred() == (3, "cooperative") and deferred() == (3, "cooperative")
+        assert not kernel_cache.wait_for_background(timeout_s=0.05)  # held at the gate
     finally:
         gate.touch()  # the worker goes on
+    assert kernel_cache.wait_for_background(timeout_s=60)
     _wait_until_compiled(kernel)
     assert deferred() == (3, "pingpong") and deferred() == (3, "pingpong")
     assert stand_in.compiles == 0 and len(list(cache.glob("*.tfok"))) == 2  # both from the workers
