@@ -529,3 +529,25 @@ def test_compile_step_kernels_compiles_in_a_forked_worker(cache, monkeypatch):
     assert callable(compile_split_offsets(torch.int32, tvm_ffi=False))
     assert compile_split_offsets.loaded_from_disk == loaded + 1 and compile_split_offsets.compiled_here == compiled
     compile_split_offsets.cache_clear()
+
+
+def test_sm90_stand_ins_are_the_cooperative_and_narrow_twins():
+    """A ping-pong kernel's stand-in is the cooperative one; a 16-bit weight gradient's is the
+    cooperative 128-wide tile (FP8: only the ping-pong twin); a kernel already cooperative and
+    narrow has none."""
+    import torch
+
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_dgrad_dact, compile_grouped_gemm
+    from te_fused_ops.backends.sm90.kernels.grouped_wgrad import compile_grouped_wgrad
+
+    def twin(compiler, *args, **kwargs):
+        return compiler.stand_in_of(compiler.signature.bind(*args, **kwargs))
+
+    bf16 = torch.bfloat16
+    assert twin(compile_grouped_gemm, bf16, 192, "swiglu", False, cluster_m=2, pingpong=True) == {"pingpong": False}
+    assert twin(compile_grouped_gemm, bf16, 256, "swiglu", False, cluster_m=2) is None
+    assert twin(compile_grouped_dgrad_dact, bf16, 192, "swiglu", pingpong=True) == {"pingpong": False}
+    assert twin(compile_grouped_wgrad, bf16, 256, False, 2) == {"tile_n": 128}
+    assert twin(compile_grouped_wgrad, bf16, 192, True, 2, pingpong=True) == {"pingpong": False, "tile_n": 128}
+    assert twin(compile_grouped_wgrad, bf16, 128, False, 2) is None
+    assert twin(compile_grouped_wgrad, bf16, 256, False, 2, fp8=True) is None
