@@ -18,11 +18,16 @@ File layout: ``MAGIC``, a 4-byte little-endian header length, a JSON header {"ke
 Compiling in parallel: inside `recording()` a compile that misses memory and disk is put off (the
 launcher returned stands for it and launches nothing until the recording ends) and listed as a
 `CompileRequest`; `compile_in_workers` then compiles the requests in forked processes, each
-writing its entries here, and the first launch after loads them.
+writing its entries here, and the first launch after loads them. A kernel with a stand-in (a
+configuration that computes the same bits and compiles faster, ``stand_in_of``: the cooperative
+twin of a ping-pong kernel) is not waited for: its stand-in is compiled with the rest, launched
+in its place while a background process compiles it, and replaced at the first launch after that
+process ends.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import fcntl
@@ -38,6 +43,7 @@ import stat
 import struct
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -246,11 +252,14 @@ def stats() -> dict:
 class DiskCachedCompile:
     """A kernel-compiling function memoized in memory and on disk. ``export(compiled, path,
     symbol, tvm_ffi)`` writes the object file of a compiled function, ``load(path, symbol, tvm_ffi)`` loads
-    one; ``tvm_ffi_of(bound)`` says which launcher form the arguments ask for."""
+    one; ``tvm_ffi_of(bound)`` says which launcher form the arguments ask for; ``stand_in_of(bound)``
+    (optional) gives the argument overrides of a kernel with the same launcher and the same output
+    bits that compiles faster, or None."""
 
-    def __init__(self, fn, export, load, tvm_ffi_of):
+    def __init__(self, fn, export, load, tvm_ffi_of, stand_in_of=None):
         functools.update_wrapper(self, fn)
         self.fn, self.export, self.load, self.tvm_ffi_of = fn, export, load, tvm_ffi_of
+        self.stand_in_of = stand_in_of
         self.signature = inspect.signature(fn)
         self.memo: dict = {}
         self.loaded_from_disk = 0  # entries this process loaded instead of compiling
@@ -280,8 +289,24 @@ class DiskCachedCompile:
         key, _ = self._entry_key(args, kwargs)
         if _entry_path(directory, key).exists():
             return None
-        request = _RECORDING.setdefault(key, CompileRequest(self, args, kwargs))
+        request = _RECORDING.get(key)
+        if request is None:
+            request = _RECORDING[key] = CompileRequest(self, args, kwargs, self._stand_in(args, kwargs, directory))
         return DeferredLauncher(request)
+
+    def _stand_in(self, args, kwargs, directory):
+        """The `CompileRequest` of this call's stand-in (`stand_in_of`), listed for compiling
+        unless its entry is on disk; None where it has none."""
+        if self.stand_in_of is None:
+            return None
+        bound = self.signature.bind(*args, **kwargs)
+        overrides = self.stand_in_of(bound)
+        if not overrides:
+            return None
+        bound.arguments.update(overrides)
+        request = CompileRequest(self, bound.args, bound.kwargs)
+        key, _ = self._entry_key(bound.args, bound.kwargs)
+        return request if _entry_path(directory, key).exists() else _RECORDING.setdefault(key, request)
 
     def _entry_key(self, args, kwargs) -> tuple[str, bool]:
         """(the cache entry's key of this call, whether it asks for the TVM-FFI launcher)."""
@@ -350,13 +375,17 @@ class DiskCachedCompile:
         return loaded
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class CompileRequest:
-    """A compile `recording()` put off: ``compiler(*args, **kwargs)``."""
+    """A compile `recording()` put off: ``compiler(*args, **kwargs)``; ``stand_in``: the request
+    of its stand-in kernel, or None; ``compiling_elsewhere``: a background process of
+    `compile_in_workers` is compiling it now."""
 
     compiler: DiskCachedCompile
     args: tuple
     kwargs: dict
+    stand_in: CompileRequest | None = None
+    compiling_elsewhere: bool = False
 
     def compile(self):
         """The launcher: from memory or disk, or compiled (and written) here."""
@@ -366,18 +395,35 @@ class CompileRequest:
 class DeferredLauncher:
     """Stands for the launcher of a `CompileRequest`: launching it inside `recording()` does
     nothing; after, the first launch gets the launcher (`CompileRequest.compile`: from disk once
-    `compile_in_workers` wrote it) and every launch goes to it."""
+    `compile_in_workers` wrote it) and every launch goes to it. While the request compiles in a
+    background process its stand-in's launcher runs instead; the first launch after that process
+    ended (not during a CUDA graph capture) takes the request's own."""
 
     def __init__(self, request: CompileRequest):
         self.request = request
         self.launcher = None
+        self.on_stand_in = False
 
     def __call__(self, *args, **kwargs):
-        if self.launcher is None:
+        if self.launcher is None or (self.on_stand_in and not self.request.compiling_elsewhere):
             if _RECORDING is not None:
                 return None
-            self.launcher = self.request.compile()
+            self._resolve()
         return self.launcher(*args, **kwargs)
+
+    def _resolve(self) -> None:
+        request = self.request
+        if self.launcher is not None and _capturing():  # a graph keeps the stand-in it captured
+            return
+        self.on_stand_in = request.stand_in is not None and request.compiling_elsewhere
+        self.launcher = (request.stand_in if self.on_stand_in else request).compile()
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (no kernel is loaded then)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 _RECORDING: dict | None = None  # entry key -> CompileRequest while `recording()` is active
@@ -409,55 +455,113 @@ def _dsl_arch() -> str:
 
 def compile_in_workers(requests: list, workers: int, timeout_s: float = 600.0) -> dict:
     """Compile ``requests`` (`CompileRequest`) into the cache in ``workers`` forked processes
-    (shares taken round-robin). The architecture is read here first and fixed in the children,
-    which compile and write entries only (no CUDA call: a forked child may not make one). A share
-    whose process fails or runs past ``timeout_s`` (killed) is left to the first launch here.
-    Returns {"workers", "requests", "failed workers", "seconds"}."""
+    (shares taken round-robin) and wait for them; a request with a stand-in compiles in a
+    background process of its own instead, not waited for (its stand-in runs until it ends). The
+    architecture is read here first and fixed in the children, which compile and write entries
+    only (no CUDA call: a forked child may not make one). A share whose process fails or runs past
+    ``timeout_s`` (killed) is left to the first launch here. Returns {"workers", "requests",
+    "background", "failed workers", "seconds"}."""
     started = time.perf_counter()
     workers = max(1, workers)
-    shares = [share for share in (requests[i::workers] for i in range(workers)) if share]
-    arch = _dsl_arch() if shares else None
-    target = _target_arch() if shares else None
-    pids = []
-    for share in shares:
-        pid = os.fork()
-        if pid == 0:  # the child: compile, write, leave without running the parent's exit handlers
-            code = 1
-            try:
-                from cutlass.cutlass_dsl import CuTeDSL
-
-                CuTeDSL._get_dsl().envar.arch = arch
-                os.environ["CUTE_DSL_ARCH"] = target
-                for request in share:
-                    request.compile()
-                code = 0
-            except BaseException:  # noqa: BLE001  (reported; the parent compiles what is missing)
-                traceback.print_exc()
-            finally:
-                sys.stderr.flush()
-                os._exit(code)
-        pids.append(pid)
-    failed = 0
+    now = [request for request in requests if request.stand_in is None]
+    shares = [share for share in (now[i::workers] for i in range(workers)) if share]
+    background = [[request] for request in requests if request.stand_in is not None]
+    arch = _dsl_arch() if shares or background else None
+    target = _target_arch() if shares or background else None
+    for share in background:
+        share[0].compiling_elsewhere = True
+    # the background processes start at once where the CPUs hold every process, else after the rest
+    at_once = len(shares) + len(background) <= (os.cpu_count() or 1)
+    pids = [_fork_compiler(share, arch, target) for share in shares]
     deadline = time.monotonic() + timeout_s
+    if at_once:
+        _compile_in_background(background, arch, target, deadline)
+    failed = 0
     for pid in pids:
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                failed += status != 0
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                failed += 1
-                break
-            time.sleep(0.01)
+        failed += not _reap(pid, (), deadline)
+    if not at_once:
+        _compile_in_background(background, arch, target, time.monotonic() + timeout_s)
     if failed:
         warnings.warn(f"te_fused_ops kernel cache: {failed} of {len(pids)} compile workers failed; their kernels "
                       "compile here when first launched", stacklevel=2)
-    return {"workers": len(pids), "requests": len(requests), "failed workers": failed,
+    return {"workers": len(pids), "requests": len(requests), "background": len(background), "failed workers": failed,
             "seconds": time.perf_counter() - started}
 
 
-def disk_cached(export, load, tvm_ffi_of):
+def _fork_compiler(share: list, arch: str, target: str) -> int:
+    """A forked process that compiles ``share`` into the cache for ``arch``; its pid."""
+    pid = os.fork()
+    if pid == 0:  # the child: compile, write, leave without running the parent's exit handlers
+        code = 1
+        try:
+            from cutlass.cutlass_dsl import CuTeDSL
+
+            CuTeDSL._get_dsl().envar.arch = arch
+            os.environ["CUTE_DSL_ARCH"] = target
+            for request in share:
+                request.compile()
+            code = 0
+        except BaseException:  # noqa: BLE001  (reported; the parent compiles what is missing)
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    return pid
+
+
+_BACKGROUND_PIDS: set = set()  # background compile processes still running
+
+
+def _compile_in_background(shares: list, arch: str, target: str, deadline: float) -> None:
+    """Fork a compile process per share, each reaped by a thread that marks its share done;
+    those still running when this process exits are killed (their kernels are not written)."""
+    if shares and not _BACKGROUND_PIDS:
+        atexit.register(_kill_background)
+    pids = [_fork_compiler(share, arch, target) for share in shares]  # all forked before a thread starts
+    _BACKGROUND_PIDS.update(pids)
+    for pid, share in zip(pids, shares):
+        threading.Thread(target=_reap, args=(pid, share, deadline), daemon=True, name="te_fused_ops compile").start()
+
+
+def wait_for_background(timeout_s: float = 600.0) -> bool:
+    """Wait until the background compiles of `compile_in_workers` have ended (written their
+    kernels or failed), at most ``timeout_s``; whether none is left running."""
+    deadline = time.monotonic() + timeout_s
+    while _BACKGROUND_PIDS and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not _BACKGROUND_PIDS
+
+
+def _kill_background() -> None:
+    for pid in list(_BACKGROUND_PIDS):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    atexit.unregister(_kill_background)
+
+
+def _reap(pid: int, share: list, deadline: float) -> bool:
+    """Wait for compile process ``pid`` (killed past ``deadline``), then mark its ``share`` as
+    compiled elsewhere no more; whether it succeeded."""
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            ok = status == 0
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            ok = False
+            break
+        time.sleep(0.01)
+    _BACKGROUND_PIDS.discard(pid)
+    if share and not ok:
+        warnings.warn("te_fused_ops kernel cache: a background compile failed; its kernel compiles here when next "
+                      "launched", stacklevel=1)
+    for request in share:
+        request.compiling_elsewhere = False
+    return ok
+
+
+def disk_cached(export, load, tvm_ffi_of, stand_in_of=None):
     """Decorator form of `DiskCachedCompile`."""
-    return lambda fn: DiskCachedCompile(fn, export, load, tvm_ffi_of)
+    return lambda fn: DiskCachedCompile(fn, export, load, tvm_ffi_of, stand_in_of)

@@ -84,6 +84,16 @@ def test_uneven_unaligned_splits(dtype, tile_n, cluster_m):
 
 
 @pytest.mark.parametrize("cluster_m", [1, 2])
+def test_tile_widths_are_bit_equal(cluster_m):
+    """Each dW element is the same sum over the tokens in the same order at every tile width:
+    192- and 256-wide tiles bit for bit the 128-wide ones (what would let a narrower tile, faster
+    to compile, stand in for a wider one while it compiles)."""
+    dws = [run_case(UNEVEN, sum(UNEVEN) + 40, 320, 640, seed=2, tile_n=tile_n, cluster_m=cluster_m)[3]
+           for tile_n in (128, 192, 256)]
+    assert torch.equal(dws[0], dws[1]) and torch.equal(dws[0], dws[2])
+
+
+@pytest.mark.parametrize("cluster_m", [1, 2])
 @pytest.mark.parametrize("tile_n", [128, 192])
 def test_pingpong(tile_n, cluster_m):
     """Each MMA warpgroup on every other tile (empty groups' zero tiles included), on one cluster

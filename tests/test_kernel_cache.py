@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import os
 import pathlib
+import time
 import warnings
 
 import pytest
@@ -377,6 +378,120 @@ def test_a_failed_worker_leaves_the_kernel_to_the_first_launch(cache):
     assert deferred() == 5 and stand_in.compiles == 1  # compiled here, at the first launch
 
 
+class _VariantLauncher(_Launcher):
+    def __call__(self):
+        return self.value
+
+
+class _VariantStandIn(_LaunchingStandIn):
+    """Compiles (n, scale, pingpong): launchers that return (n * scale, which variant ran); in a
+    worker the ping-pong compile waits for the file ``gate``, then fails with ``fail_pingpong``."""
+
+    def __init__(self, gate, fail_pingpong=False):
+        super().__init__()
+        self.gate, self.fail_pingpong = gate, fail_pingpong
+
+    def compile(self, n, scale=1, tvm_ffi=None, pingpong=False):
+        if pingpong and os.getpid() != self.parent:
+            while not self.gate.exists():
+                time.sleep(0.01)
+            if self.fail_pingpong:
+                raise RuntimeError("ping-pong compile broke in the worker")
+        self.compiles += 1
+        return _VariantLauncher((n * scale, "pingpong" if pingpong else "cooperative"))
+
+    def export(self, compiled, path, symbol, tvm_ffi):
+        path.write_bytes(json.dumps([symbol, list(compiled.value)]).encode())
+
+    def load(self, path, symbol, tvm_ffi):
+        self.loads += 1
+        return _VariantLauncher(tuple(json.loads(path.read_bytes())[1]))
+
+
+def _with_stand_in(stand_in):
+    compile_fn = stand_in.compile
+
+    def variant_compile(n, scale=1, tvm_ffi=None, pingpong=False):
+        return compile_fn(n, scale, tvm_ffi, pingpong)
+
+    return kernel_cache.DiskCachedCompile(variant_compile, stand_in.export, stand_in.load, lambda bound: False,
+                                          lambda bound: {"pingpong": False} if bound.arguments.get("pingpong") else None)
+
+
+def _wait_until_compiled(request):
+    deadline = time.monotonic() + 60
+    while request.compiling_elsewhere and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not request.compiling_elsewhere
+
+
+def test_a_kernel_with_a_stand_in_runs_the_stand_in_while_it_compiles_in_the_background(cache, tmp_path):
+    """The ping-pong kernel and its cooperative stand-in are both listed; the stand-in is
+    compiled and waited for, the ping-pong kernel is not (its worker is held at a gate): the
+    launches run the stand-in, then the kernel once its worker has written it, loaded from disk."""
+    gate = tmp_path / "gate"
+    stand_in = _VariantStandIn(gate)
+    cached = _with_stand_in(stand_in)
+    with kernel_cache.recording() as requests:
+        deferred = cached(3, pingpong=True)
+        assert deferred() is None
+    assert len(requests) == 2 and stand_in.compiles == 0
+    try:
+        report = kernel_cache.compile_in_workers(requests, workers=2)
+        assert report["workers"] == 1 and report["background"] == 1 and report["failed workers"] == 0
+        (kernel,) = [request for request in requests if request.stand_in is not None]
+        assert kernel.compiling_elsewhere and len(list(cache.glob("*.tfok"))) == 1  # the stand-in only
+        assert deferred() == (3, "cooperative") and deferred() == (3, "cooperative")
+        assert not kernel_cache.wait_for_background(timeout_s=0.05)  # held at the gate
+    finally:
+        gate.touch()  # the worker goes on
+    assert kernel_cache.wait_for_background(timeout_s=60)
+    _wait_until_compiled(kernel)
+    assert deferred() == (3, "pingpong") and deferred() == (3, "pingpong")
+    assert stand_in.compiles == 0 and len(list(cache.glob("*.tfok"))) == 2  # both from the workers
+
+
+@pytest.mark.filterwarnings("ignore:te_fused_ops kernel cache. a background compile failed")
+def test_a_failed_background_compile_leaves_the_kernel_to_the_next_launch(cache, tmp_path):
+    gate = tmp_path / "gate"
+    gate.touch()
+    stand_in = _VariantStandIn(gate, fail_pingpong=True)
+    cached = _with_stand_in(stand_in)
+    with kernel_cache.recording() as requests:
+        deferred = cached(5, pingpong=True)
+    kernel_cache.compile_in_workers(requests, workers=2)
+    (kernel,) = [request for request in requests if request.stand_in is not None]
+    _wait_until_compiled(kernel)
+    assert deferred() == (5, "pingpong") and stand_in.compiles == 1  # compiled here
+
+
+@pytest.mark.filterwarnings("ignore:te_fused_ops kernel cache. a background compile failed")
+def test_background_compiles_do_not_outlive_the_process(cache, tmp_path):
+    """At exit (`atexit`) a background compile still running is killed: its kernel is not
+    written, its launcher compiles it when next launched."""
+    stand_in = _VariantStandIn(tmp_path / "gate")  # the gate stays shut: the worker would wait forever
+    cached = _with_stand_in(stand_in)
+    with kernel_cache.recording() as requests:
+        deferred = cached(9, pingpong=True)
+    kernel_cache.compile_in_workers(requests, workers=1)
+    (kernel,) = [request for request in requests if request.stand_in is not None]
+    assert kernel.compiling_elsewhere and kernel_cache._BACKGROUND_PIDS
+    kernel_cache._kill_background()
+    _wait_until_compiled(kernel)
+    assert not kernel_cache._BACKGROUND_PIDS and len(list(cache.glob("*.tfok"))) == 1
+    assert deferred() == (9, "pingpong") and stand_in.compiles == 1
+
+
+def test_a_stand_in_already_on_disk_is_loaded_not_listed(cache, tmp_path):
+    stand_in = _VariantStandIn(tmp_path / "gate")
+    cached = _with_stand_in(stand_in)
+    cached(7)  # the cooperative kernel, written
+    cached.cache_clear()
+    with kernel_cache.recording() as requests:
+        cached(7, pingpong=True)
+    assert len(requests) == 1 and requests[0].stand_in is not None
+
+
 def test_recording_with_the_cache_off_compiles_as_usual(cache, monkeypatch):
     monkeypatch.setenv("TE_FUSED_OPS_KERNEL_CACHE", "0")
     stand_in = _LaunchingStandIn()
@@ -414,3 +529,25 @@ def test_compile_step_kernels_compiles_in_a_forked_worker(cache, monkeypatch):
     assert callable(compile_split_offsets(torch.int32, tvm_ffi=False))
     assert compile_split_offsets.loaded_from_disk == loaded + 1 and compile_split_offsets.compiled_here == compiled
     compile_split_offsets.cache_clear()
+
+
+def test_sm90_stand_ins_are_the_cooperative_and_narrow_twins():
+    """A ping-pong kernel's stand-in is the cooperative one; a 16-bit weight gradient's is the
+    cooperative 128-wide tile (FP8: only the ping-pong twin); a kernel already cooperative and
+    narrow has none."""
+    import torch
+
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_dgrad_dact, compile_grouped_gemm
+    from te_fused_ops.backends.sm90.kernels.grouped_wgrad import compile_grouped_wgrad
+
+    def twin(compiler, *args, **kwargs):
+        return compiler.stand_in_of(compiler.signature.bind(*args, **kwargs))
+
+    bf16 = torch.bfloat16
+    assert twin(compile_grouped_gemm, bf16, 192, "swiglu", False, cluster_m=2, pingpong=True) == {"pingpong": False}
+    assert twin(compile_grouped_gemm, bf16, 256, "swiglu", False, cluster_m=2) is None
+    assert twin(compile_grouped_dgrad_dact, bf16, 192, "swiglu", pingpong=True) == {"pingpong": False}
+    assert twin(compile_grouped_wgrad, bf16, 256, False, 2) == {"tile_n": 128}
+    assert twin(compile_grouped_wgrad, bf16, 192, True, 2, pingpong=True) == {"pingpong": False, "tile_n": 128}
+    assert twin(compile_grouped_wgrad, bf16, 128, False, 2) is None
+    assert twin(compile_grouped_wgrad, bf16, 256, False, 2, fp8=True) is None
