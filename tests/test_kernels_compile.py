@@ -207,6 +207,22 @@ def test_banded_tile_order(m_tiles, n_tiles):
     assert len({m for m, _ in wave}) <= RASTER_BAND or m_tiles * n_tiles <= 66
 
 
+@pytest.mark.parametrize("clusters,tiles", [(1, 5), (2, 7), (5, 23), (66, 66), (66, 3072), (66, 3100)])
+def test_reversed_waves_cover_every_tile_once(clusters, tiles):
+    """The varlen-K schedule: each cluster's ids grow (the walk ends at the first id past the
+    last tile), every tile is visited by exactly one cluster, and odd waves run in reverse."""
+    from te_fused_ops.backends.sm90.kernels.group_tile_scheduler import reversed_wave_tile
+
+    seen = []
+    for cluster in range(clusters):
+        ids = [reversed_wave_tile(wave, cluster, clusters) for wave in range(-(-tiles // clusters) + 1)]
+        assert ids == sorted(ids) and ids[0] == cluster
+        seen += [t for t in ids if t < tiles]
+    assert sorted(seen) == list(range(tiles))
+    if tiles >= 2 * clusters:
+        assert [reversed_wave_tile(1, c, clusters) for c in range(clusters)] == list(range(2 * clusters - 1, clusters - 1, -1))
+
+
 def test_segment_tiles_split_tail():
     from te_fused_ops.backends.sm90.kernels.group_tile_scheduler import segment_tiles
 

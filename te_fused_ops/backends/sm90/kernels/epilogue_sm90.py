@@ -159,7 +159,7 @@ class Sm90Epilogue:
             if is_group and has_rows:
                 acc_pipe.consumer_release(acc_read)
                 acc_read.advance()
-            tile_id = tile_id + num_clusters
+            tile_id = self._next_tile_id(tile_id, first_tile, num_clusters)
             found, seg, seg_first, c_start, c_base = self._locate(tile_id, c_start, c_base, sched)
         self.epi_end_kernel(epi_params, warp, state)
 

@@ -4,7 +4,7 @@ Segments 0..G-1 are the groups (rows offsets[g]..offsets[g+1], clamped to [0, M]
 the padding rows offsets[G]..M, whose tiles the kernel fills with zeros. A segment holds
 `segment_tiles` cluster tiles (`cluster_tile` maps one to each CTA's m- and n-tile), numbered in
 bands of m-tiles (`banded_tile`). A persistent cluster visits the linear tile ids
-clusterIdx, clusterIdx + clusters, ... ; each warp maps its id to a segment with
+clusterIdx, clusterIdx + clusters, ... (varlen-K: every other wave reversed, `_next_tile_id`); each warp maps its id to a segment with
 a warp-wide prefix sum over 32 segments at a time. Ids only grow, so the search resumes where the
 previous one stopped (state: first segment of the current 32-chunk and the tiles before it).
 No host sync, no global scratch; every warp computes the same answer independently.
@@ -64,6 +64,13 @@ def banded_tile(local: Int32, m_tiles: Int32, n_tiles: Int32, band: cutlass.Cons
     rest = local - first * n_tiles
     height = cutlass.min(m_tiles - first, band)
     return first + rest % height, rest // height
+
+
+def reversed_wave_tile(wave: Int32, cluster: Int32, clusters: Int32):
+    """Linear tile of ``cluster`` in wave ``wave`` when every odd wave of ``clusters`` tiles is
+    dealt in reverse: wave * clusters + cluster, or + clusters - 1 - cluster. Straight-line
+    arithmetic, callable on Python ints."""
+    return wave * clusters + cluster + wave % 2 * (clusters - 1 - 2 * cluster)
 
 
 def _cluster_rows(rows: Int32, tile_m: int, cluster_m: int, split_tail: bool):
@@ -245,6 +252,18 @@ class GroupTileScheduler:
             if const_expr(self.sort_groups):
                 self._rank_groups(sched, tidx)
         return sched
+
+    @cute.jit
+    def _next_tile_id(self, tile_id, first_tile, num_clusters):
+        """The linear cluster tile after ``tile_id`` for the cluster whose first is ``first_tile``.
+        Varlen-M: ``tile_id + num_clusters``. Varlen-K, whose groups run largest first so a tile
+        costs no more than any before it: every other wave of ``num_clusters`` tiles is taken in
+        reverse (cluster c takes tile c, then 2 C - 1 - c, then 2 C + c, ...), so no cluster gets
+        the dearest tile of every wave. Ids still grow per cluster."""
+        result = tile_id + num_clusters
+        if const_expr(self.varlen_k):
+            result = reversed_wave_tile(tile_id // num_clusters + 1, first_tile, num_clusters)
+        return result
 
     @cute.jit
     def _locate(self, tile_id, c_start, c_base, sched):

@@ -10,9 +10,10 @@ dy (M, N) and x (M, K) row-major, read in place (groups may start at any row); d
 swizzled shared-memory layouts through "ragged" token views that end at the group's last row
 (the TMA unit zero-fills the rest of the last k-tile). Every group owns the same
 ceil(N/128) * ceil(K/tile_n) output tiles, visited largest group first (ranked by k-tile count in
-shared memory at start, for G <= SORT_MAX_G, else in index order), so the round-robin tiles of a
-wave cost about the same and the last waves are the cheap ones; an empty group's tiles store
-zeros. With cluster_m=2 a pair of CTAs takes vertically adjacent m-tiles of one group and n-tile
+shared memory at start, for G <= SORT_MAX_G, else in index order), so the tiles of a wave cost
+about the same and the last waves are the cheap ones; every other wave is dealt to the clusters in
+reverse (`_next_tile_id`), so no cluster takes the dearest tile of each wave; an empty group's
+tiles store zeros. With cluster_m=2 a pair of CTAs takes vertically adjacent m-tiles of one group and n-tile
 (hence the same k-loop) and multicasts the shared x tile.
 
 dW in ``dtype``: the core's ``defer_stores`` (a tile's output is stored under the next tile's

@@ -121,7 +121,7 @@ class Sm90Mainloop:
                         cute.copy(atom, tSFg[(None, block0 + k)], tSFs[(None, state.index)], tma_bar_ptr=bar)
                     ab_pipe.producer_commit(state)
                     state.advance()
-            tile_id = tile_id + num_clusters
+            tile_id = self._next_tile_id(tile_id, first_tile, num_clusters)
             found, seg, seg_first, c_start, c_base = self._locate(tile_id, c_start, c_base, sched)
         tile_pipe.producer_acquire(tile_write)
         if cute.arch.lane_idx() == 0:
