@@ -72,8 +72,9 @@ def compile_step_kernels(step, workers: int | None = None, timeout_s: float = 60
     is neither compiled nor launched there, so what that run computes, and any state it updates
     (gradients, cached weight casts), is garbage: give it a throwaway layer, as the command line
     does. The kernels are then compiled in ``workers`` forked processes (default: one per kernel,
-    at most the CPUs less one) into the cache, and the next run of ``step`` loads them (a ping-pong
-    kernel's cooperative stand-in runs while it still compiles in the background). Returns
+    at most the CPUs less one) into the cache, and the next run of ``step`` loads them (a
+    slow-to-compile kernel's stand-in, the same bits, runs while it still compiles in the
+    background). Returns
     `kernel_cache.compile_in_workers`'s report with "record s"; {"skipped": reason} where the
     cache is off or unusable (then the kernels compile when first launched, as usual)."""
     if not kernel_cache.enabled():
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
             step_start = time.perf_counter()
             run_step(layer, args, tokens, device)
             print(f"{recipe:14s} tokens {tokens:6d}: {time.perf_counter() - step_start:6.1f} s", flush=True)
-    if not kernel_cache.wait_for_background():  # the ping-pong kernels the steps ran stand-ins for
+    if not kernel_cache.wait_for_background():  # the kernels the steps ran stand-ins for
         print("background compiles still running after 600 s: stopped, their kernels not written", flush=True)
     stats = kernel_cache.stats()
     print(f"kernel cache {directory}: {stats['compiled']} compiled and written, {stats['loaded']} already there; "

@@ -5,8 +5,9 @@ the padding rows offsets[G]..M, whose tiles the kernel fills with zeros. A segme
 `segment_tiles` cluster tiles (`cluster_tile` maps one to each CTA's m- and n-tile), numbered in
 bands of m-tiles (`banded_tile`). A persistent cluster visits the linear tile ids
 clusterIdx, clusterIdx + clusters, ... (varlen-K: every other wave reversed, `_next_tile_id`);
-each warp maps its id to a segment with a warp-wide prefix sum over 32 segments at a time. Ids only grow, so the search resumes where the
-previous one stopped (state: first segment of the current 32-chunk and the tiles before it).
+each warp maps its id to a segment with a warp-wide prefix sum over 32 segments at a time. Ids
+only grow, so the search resumes where the previous one stopped (state: first segment of the
+current 32-chunk and the tiles before it).
 No host sync, no global scratch; every warp computes the same answer independently.
 
 `GroupTileScheduler` (a mixin of the kernel core) holds both schedules of the core: varlen-M

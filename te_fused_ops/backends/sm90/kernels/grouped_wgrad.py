@@ -24,7 +24,6 @@ from .launch import (
     check_tensor,
     cached_kernel,
     compile_launcher,
-    cooperative_twin,
     fake_tensor,
     num_sms,
     resolve_sm_margin,
@@ -63,9 +62,9 @@ def narrow_twin(bound) -> dict | None:
     """A 16-bit weight gradient's stand-in while it compiles: the cooperative 128-wide tile. Each
     dW element is the same sum over the tokens in the same order at every tile width and schedule
     (`test_tile_widths_are_bit_equal`, `test_pingpong` on the GPU); on the CPU machine tile 256
-    compiles in 4.8-8.1 s, 192 in 2.7-4.6 s, 128 in 1.4-2.5 s. FP8: only the ping-pong twin."""
+    compiles in 4.8-8.1 s, 192 in 2.7-4.6 s, 128 in 1.4-2.5 s. FP8 (cooperative only): none."""
     if bound.arguments.get("fp8"):
-        return cooperative_twin(bound)
+        return None
     overrides = {"pingpong": False} if bound.arguments.get("pingpong") else {}
     if bound.arguments["tile_n"] != 128:
         overrides["tile_n"] = 128

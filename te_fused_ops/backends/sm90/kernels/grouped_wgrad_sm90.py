@@ -13,8 +13,8 @@ ceil(N/128) * ceil(K/tile_n) output tiles, visited largest group first (ranked b
 shared memory at start, for G <= SORT_MAX_G, else in index order), so the tiles of a wave cost
 about the same and the last waves are the cheap ones; every other wave is dealt to the clusters in
 reverse (`_next_tile_id`), so no cluster takes the dearest tile of each wave; an empty group's
-tiles store zeros. With cluster_m=2 a pair of CTAs takes vertically adjacent m-tiles of one group and n-tile
-(hence the same k-loop) and multicasts the shared x tile.
+tiles store zeros. With cluster_m=2 a pair of CTAs takes vertically adjacent m-tiles of one group
+and n-tile (hence the same k-loop) and multicasts the shared x tile.
 
 dW in ``dtype``: the core's ``defer_stores`` (a tile's output is stored under the next tile's
 first WGMMAs). ``accumulate``: an fp32 epilogue with one C-tile load, main_grad + acc, stored back.
@@ -44,7 +44,7 @@ class GroupedWgradSm90(GroupedGemmSm90):
     """Grouped dW = dy_g^T @ x_g for sm_90a (see the module docstring).
 
     Compile-time configuration: ``dtype`` of dy and x (cutlass.BFloat16 / Float16), ``tile_n``
-    (128 or 256, along K of dW; tile_m = 128 along N, tile_k = 64 tokens), ``ab_dtype`` (None:
+    (128, 192 or 256, along K of dW; tile_m = 128 along N, tile_k = 64 tokens), ``ab_dtype`` (None:
     ``dtype``; cutlass.Float8E4M3FN: block-scaled FP8 operands, module docstring, dW in ``dtype``;
     tile_n 128, 192 or 256 (256: the block's product in two halves), tile_k 128), ``accumulate``
     (fp32 main_grad += dW instead of writing dW in ``dtype``), ``cluster_m`` (1, or 2: CTA pairs
