@@ -127,3 +127,58 @@ def test_autotuned_kernels_equal_the_default(cache, monkeypatch):
     monkeypatch.setattr(grouped_gemm, "_MEMO", grouped_gemm.LaunchMemo())
     monkeypatch.setattr(grouped_wgrad, "_MEMO", grouped_wgrad.LaunchMemo())
     assert all(torch.equal(a, b) for a, b in zip(default, step()))
+
+
+@pytest.mark.gpu
+def test_autotuned_fp8_kernels_equal_the_default(cache, monkeypatch):
+    """The FP8 forward, dgrad + dAct and weight gradient tuned on the spot: results (the act amax
+    too) bit-equal to the heuristic's, one table entry per class, no second tuning."""
+    from te_fused_ops.backends.sm90.kernels import grouped_gemm, grouped_wgrad
+    from te_fused_ops.backends.sm90.kernels.block_quantize import block_columns_sm90, block_quantize_sm90
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm90 kernels need a Hopper GPU")
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    g, h, i, m = 8, 512, 256, 3000
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    dy = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w1 = torch.randn(g, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=gen) / h**0.5
+    w2 = torch.randn(g, h, i, device="cuda", dtype=torch.bfloat16, generator=gen) / i**0.5
+    offsets = torch.tensor([0, 100, 100, 900, 1300, 2000, 2100, 2900, 2950], device="cuda", dtype=torch.int32)
+    x_fp8, dy_fp8 = block_quantize_sm90(x, 1), block_quantize_sm90(dy, 1)
+    w1_fp8 = block_quantize_sm90(w1, 128)
+    w2_t_fp8 = block_quantize_sm90(w2, 128, transposed=True)[2:]
+
+    def step():
+        pre, act, parts = grouped_gemm.grouped_gemm_fp8_sm90(*x_fp8, *w1_fp8, offsets, activation="swiglu",
+                                                             act_amax=True)
+        d_pre, _ = grouped_gemm.grouped_dgrad_dact_fp8_sm90(*dy_fp8, *w2_t_fp8, offsets, pre, activation="swiglu")
+        dw = grouped_wgrad.grouped_wgrad_fp8_sm90(block_columns_sm90(dy, offsets), block_columns_sm90(act, offsets),
+                                                  offsets)
+        return [pre, act, parts.amax(), d_pre, dw]
+
+    default = step()
+    monkeypatch.setenv("TE_FUSED_OPS_AUTOTUNE", "1")
+    def fresh_memos():
+        monkeypatch.setattr(grouped_gemm, "_MEMO", grouped_gemm.LaunchMemo())
+        monkeypatch.setattr(grouped_wgrad, "_MEMO", grouped_wgrad.LaunchMemo())
+
+    fresh_memos()
+    tuned = step()
+    assert all(torch.equal(a, b) for a, b in zip(default, tuned))
+    stored = json.loads((cache / tuning.TABLE_NAME).read_text())
+    assert {k.split("|")[0] for k in stored} == {
+        "grouped_gemm_fp8_sm90", "grouped_dgrad_dact_fp8_sm90", "grouped_wgrad_fp8_sm90"} and len(stored) == 3
+    monkeypatch.setattr(tuning, "tune", lambda *a: pytest.fail("tuned twice"))
+    monkeypatch.setattr(tuning, "_table", None)
+    fresh_memos()
+    assert all(torch.equal(a, b) for a, b in zip(default, step()))
+
+
+def test_fp8_candidates():
+    assert tuning.fp8_candidates(768, glu=True) == tuple(
+        tuning.LaunchConfig(t, c) for t in (128, 192, 256) for c in (1, 2))
+    assert tuning.fp8_candidates(2 * 1440, glu=True) == tuple(
+        tuning.LaunchConfig(t, c) for t in (128, 192) for c in (1, 2))  # 256 needs whole-block halves
+    assert tuning.fp8_candidates(2880, tile_ns=(128, 256)) == tuple(
+        tuning.LaunchConfig(t, c) for t in (128, 256) for c in (1, 2))

@@ -785,7 +785,25 @@ def grouped_gemm_fp8_sm90(
     )
     args = (x, x_scale_inv, weight, weight_scale_inv, offsets, bias, activation, probs, out_dtype, out,
             act_out, tile_n, cluster_m, sm_margin, act_amax, overlap_promotion)
-    launch = _MEMO.get(key) or _MEMO.put(key, _fp8_launch(*args))
+    launch = _MEMO.get(key)
+    if launch is None:
+        launch = _fp8_launch(*args)
+        if tile_n is None and cluster_m is None and overlap_promotion is None and launch[0] is not None:
+            (m, k), (g, n, _) = x.shape, weight.shape
+            spec = activation_spec(activation, _FP8)
+            glu = spec is not None and spec.glu
+            config = tuning.tuned_config(
+                _FP8, (out_dtype, g, n, k, tuning.rows_bucket(m), activation, bias is not None, bool(act_amax)),
+                lambda t, c, _: _amax_folded(grouped_gemm_fp8_sm90(
+                    x, x_scale_inv, weight, weight_scale_inv, offsets, bias=bias, activation=activation, probs=probs,
+                    out_dtype=out_dtype, tile_n=t, cluster_m=c, sm_margin=sm_margin, act_amax=act_amax, **constants),
+                    act_amax),
+                (tuning.fp8_tile_n(n, glu), _fp8_cluster_m(m, n, g, x.get_device(), sm_margin)),
+                tuning.fp8_candidates(n, glu))
+            if config is not None:
+                args = (*args[:11], config.tile_n, config.cluster_m, *args[13:])
+                launch = _fp8_launch(*args)
+        _MEMO.put(key, launch)
     fn, pre_shape, act_shape, clusters, num_parts = launch
     pre = out if out is not None else torch.empty(pre_shape, dtype=out_dtype, device=x.device)
     act = act_out
@@ -796,6 +814,17 @@ def grouped_gemm_fp8_sm90(
          (x, x_scale_inv, weight, weight_scale_inv, offsets, pre, act, bias, probs, parts),
          activation_constants(_FP8, constants), clusters)
     return (pre, act) if parts is None else (pre, act, parts)
+
+
+def _amax_folded(result: tuple, amax: bool) -> tuple:
+    """An FP8 wrapper's result with its amax parts (last, when ``amax``) reduced to their max: the
+    parts' count and order follow the launch configuration, their max does not."""
+    return (*result[:-1], result[-1].amax()) if amax else result
+
+
+def _fp8_cluster_m(m, n, g, dev, sm_margin) -> int:
+    """The FP8 kernels' heuristic cluster_m (as `_launch_config` chooses it for them)."""
+    return _launch_config(_FP8, m, n, g, dev, 128, None, sm_margin)[1]
 
 
 def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, probs, out_dtype, out, act_out,
@@ -1060,7 +1089,22 @@ def grouped_dgrad_dact_fp8_sm90(
     )
     args = (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation, probs, cluster_m, sm_margin,
             d_pre_amax, None, tile_n)
-    launch = _MEMO.get(key) or _MEMO.put(key, _dact_fp8_launch(*args))
+    launch = _MEMO.get(key)
+    if launch is None:
+        launch = _dact_fp8_launch(*args)
+        if tile_n is None and cluster_m is None and launch[0] is not None:
+            m, (g, i, h) = dy.shape[0], weight_t.shape
+            config = tuning.tuned_config(
+                _DACT_FP8, (pre.dtype, g, i, h, tuning.rows_bucket(m), activation, bool(d_pre_amax)),
+                lambda t, c, _: _amax_folded(grouped_dgrad_dact_fp8_sm90(
+                    dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation=activation, probs=probs,
+                    tile_n=t, cluster_m=c, sm_margin=sm_margin, d_pre_amax=d_pre_amax, **constants), d_pre_amax),
+                (tuning.fp8_dact_tile_n(i), _fp8_cluster_m(m, i, g, dy.get_device(), sm_margin)),
+                tuning.fp8_candidates(i, tile_ns=(128, 256)))
+            if config is not None:
+                args = (*args[:8], config.cluster_m, *args[9:12], config.tile_n)
+                launch = _dact_fp8_launch(*args)
+        _MEMO.put(key, launch)
     fn, partial_shape, clusters, num_parts = launch
     d_pre = torch.empty_like(pre)
     d_probs_part = None if partial_shape is None else pre.new_empty(partial_shape, dtype=torch.float32)

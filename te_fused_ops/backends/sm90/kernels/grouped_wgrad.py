@@ -253,7 +253,22 @@ def grouped_wgrad_fp8_sm90(dy_columns, x_columns, offsets, *, out_dtype=torch.bf
     )
     args = (dy_t, dy_scales, x_t, x_scales, m, x_m, offsets, out_dtype, out, main_grad, sm_margin, cluster_m,
             tile_n, overlap_promotion)
-    launch = _MEMO.get(key) or _MEMO.put(key, _fp8_launch(*args))
+    launch = _MEMO.get(key)
+    if launch is None:
+        launch = _fp8_launch(*args)
+        if tile_n is None and cluster_m is None and not overlap_promotion and launch[0] is not None:
+            g, n, k = launch[1]
+            config = tuning.tuned_config(
+                _FP8_NAME, (out_dtype, g, n, k, tuning.rows_bucket(m), main_grad is not None),
+                lambda t, c, _: grouped_wgrad_fp8_sm90(
+                    dy_columns, x_columns, offsets, out_dtype=out_dtype, sm_margin=sm_margin, cluster_m=c, tile_n=t,
+                    main_grad=None if main_grad is None else main_grad.clone()),
+                (tuning.fp8_tile_n(k, glu=False), choose_config(n, k, launch[2])[1]),
+                tuning.fp8_candidates(k))
+            if config is not None:
+                args = (*args[:11], config.cluster_m, config.tile_n, overlap_promotion)
+                launch = _fp8_launch(*args)
+        _MEMO.put(key, launch)
     fn, shape, max_ctas = launch
     result = main_grad if main_grad is not None else out if out is not None else dy_t.new_empty(shape, dtype=out_dtype)
     if fn is None:

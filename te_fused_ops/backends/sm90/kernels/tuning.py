@@ -92,6 +92,14 @@ def fp8_dact_tile_n(i: int) -> int:
     return 256 if fp8_tile_n(i, glu=False) == 256 else 128
 
 
+def fp8_candidates(n: int, glu: bool = False, tile_ns=TILE_NS) -> tuple:
+    """The FP8 autotuner's candidates (cooperative; the FP8 kernels have no ping-pong): each of
+    ``tile_ns`` that N takes (256 with a GLU only where each half is whole 128-column blocks),
+    alone and in CTA pairs."""
+    tiles = [t for t in tile_ns if not (t == 256 and glu and (n // 2) % 128)]
+    return tuple(LaunchConfig(t, c) for t in tiles for c in (1, 2))
+
+
 def wide_tile(n: int, halves: int = 1, tile_ns=TILE_NS) -> int:
     """The wide tile for N: 192 where 256-wide tiles pad N by WASTE_MARGIN more (N = 2880: 12
     tiles of 256 hold 6.7% padding, 15 of 192 none), else 256."""
