@@ -446,6 +446,11 @@ def recording():
         _RECORDING = None
 
 
+def is_recording() -> bool:
+    """Whether a `recording()` block is active (kernels missing from the cache are not launched)."""
+    return _RECORDING is not None
+
+
 def _dsl_arch() -> str:
     """The architecture CuTe DSL compiles for here (detected once, from the GPU, in this process)."""
     from cutlass.cutlass_dsl import CuTeDSL

@@ -66,6 +66,25 @@ def test_stored_choice_is_used_and_survives_the_process(cache, monkeypatch):
     assert tuning.tuned_config("fwd", other, fake_run(), (256, 2)) is None
 
 
+def test_recording_records_every_candidate_and_stores_nothing(cache, monkeypatch):
+    """Inside `kernel_cache.recording()` (precompile --jobs) nothing launches: every candidate runs
+    once so its kernel is recorded for the workers, nothing is tuned or stored, and no launch is
+    memoized, so the first real call tunes."""
+    from te_fused_ops import kernel_cache
+    from te_fused_ops.backends.sm90.kernels.launch import LaunchMemo
+
+    monkeypatch.setenv("TE_FUSED_OPS_AUTOTUNE", "1")
+    monkeypatch.setattr(tuning, "tune", lambda *a: pytest.fail("tuned while recording"))
+    calls, memo = [], LaunchMemo()
+    with kernel_cache.recording():
+        config = tuning.tuned_config("fwd", (torch.bfloat16, 8, 512, 256, 4096), fake_run(calls=calls), (256, 2))
+        memo.put(("signature",), "launch")
+    assert config is None and calls == list(tuning.CANDIDATES)
+    assert not (cache / tuning.TABLE_NAME).exists() and tuning.table() == {} and not memo
+    memo.put(("signature",), "launch")
+    assert memo == {("signature",): "launch"}
+
+
 def test_untrusted_or_bad_table_is_ignored(cache, monkeypatch):
     dims = (torch.bfloat16, 8, 512, 256, 4096, None)
     key = tuning.problem_key("fwd", *dims)

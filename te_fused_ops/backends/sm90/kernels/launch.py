@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from ....kernel_cache import disk_cached
+from ....kernel_cache import disk_cached, is_recording
 
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -171,7 +171,9 @@ def call_signature(tvm_ffi: bool, t0, t1, t2, t3=None, t4=None, t5=None, t6=None
 
 
 class LaunchMemo(dict):
-    """key -> validated launch; bounded (cleared when it grows past ``limit`` entries)."""
+    """key -> validated launch; bounded (cleared when it grows past ``limit`` entries). Nothing is
+    kept inside `kernel_cache.recording()`: a launch chosen there (e.g. without the autotuner, which
+    only records its candidates there) is chosen again by the first call after it."""
 
     def __init__(self, limit: int = 1024):
         super().__init__()
@@ -180,6 +182,6 @@ class LaunchMemo(dict):
     def put(self, key, launch):
         if len(self) >= self.limit:
             self.clear()
-        if key is not None and key[0] is not None:
+        if key is not None and key[0] is not None and not is_recording():
             self[key] = launch
         return launch

@@ -6,7 +6,9 @@ stored `LaunchConfig` for the problem class, or None (the wrapper's heuristic th
 ``TE_FUSED_OPS_AUTOTUNE=1`` an unknown class is tuned on the spot: ``run(tile_n, cluster_m,
 pingpong)`` launches every candidate on the caller's operands into fresh outputs; a candidate
 whose outputs differ from the heuristic's by a single bit is discarded; the fastest remaining one
-is stored (a host sync, once per class; skipped while a CUDA graph is being captured).
+is stored (a host sync, once per class; skipped while a CUDA graph is being captured). Inside
+`kernel_cache.recording()` (``precompile --jobs``) the candidates' kernels are only recorded, so
+the workers compile them all and the first real run tunes without compiling.
 
 The table lives beside the compiled kernels (`kernel_cache.cache_dir()`, the same trust checks)
 in ``tuned_configs.json``: {problem key: [tile_n, cluster_m, pingpong]}. Keys name the GPU and a
@@ -213,6 +215,10 @@ def tuned_config(family: str, dims: tuple, run, default: LaunchConfig, candidate
     if config is not None or not env.read("TE_FUSED_OPS_AUTOTUNE", family):
         return config
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return None
+    if kernel_cache.is_recording():  # nothing runs: record every candidate's kernel, tune on a real run
+        for candidate in candidates:
+            run(*candidate)
         return None
     config = tune(run, LaunchConfig(*default), candidates)
     _store(key, config)
