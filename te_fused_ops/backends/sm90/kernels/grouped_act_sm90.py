@@ -3,7 +3,8 @@
     pre = A_g @ W[g] (+ bias[g]),  act = activation(pre) (* probs)
 
 `GroupedGemmActSm90` (16-bit operands; also the plain GEMM, e.g. the data gradient
-dx = dy_g @ W[g]), `GroupedGemmActQuantSm90` (the act or plain output cast to 1 x 128 E4M3 blocks
+dx = dy_g @ W[g]), `GroupedGemmGatheredSm90` (the same with A's rows read by index),
+`GroupedGemmActQuantSm90` (the act or plain output cast to 1 x 128 E4M3 blocks
 in the epilogue, optionally with its per-group column-wise copy) and `GroupedGemmActFp8Sm90`
 (block-scaled FP8 operands).
 """
@@ -159,6 +160,34 @@ class GroupedGemmActSm90(GroupedGemmSm90):
             if const_expr(self.stores_act):
                 rOut[self.num_out - 1][v] = value
         return value
+
+
+class GroupedGemmGatheredSm90(GroupedGemmActSm90):
+    """`GroupedGemmActSm90` on "k" weights whose A rows are read by index (``gather_a``): pre[r] =
+    x[index[r]] @ W[g].T (+ bias[g]), act = activation(pre): a permute folded into FC1's loads.
+    x (T, K), K a multiple of 64; index (M,) int32, ids outside [0, T) clamped."""
+
+    def __init__(self, dtype, tile_n, activation, has_bias, cluster_m=2, **opts):
+        super().__init__(dtype, tile_n, activation, has_bias, "k", cluster_m, gather_a=True, **opts)
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # (T, K)
+        mIndex: cute.Tensor,  # (M,) int32
+        mW: cute.Tensor,  # (G, N, K)
+        mOffsets: cute.Tensor,  # (G + 1,) int32
+        mPre: cute.Tensor,  # (M, N)
+        mAct: cute.Tensor,  # (M, N/2) GLU, (M, N) srelu, None
+        mBias: cute.Tensor,  # (G, N) or None
+        mProbs: cute.Tensor,  # (M,) float32 or None
+        constants: ActivationConstants,
+        max_clusters: Int32,
+        stream,
+    ):
+        outputs = (mPre,) if const_expr(self.spec is None) else (mPre, mAct)
+        params = ForwardParams(mBias, mProbs, constants, cute.size(mIndex, mode=[0]))
+        self.launch(mX, mW, mOffsets, outputs, (), params, max_clusters, stream, a_index=mIndex)
 
 
 class GroupedGemmActQuantSm90(GroupedGemmActSm90):

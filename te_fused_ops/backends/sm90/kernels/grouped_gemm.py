@@ -3,6 +3,7 @@
 ``grouped_gemm_sm90``: y = x_g @ W[g].T ("nk", W (G, N, K)) or x_g @ W[g] ("kn", W (G, K, N),
 e.g. the data gradient dx = dy @ W[g] of a GroupedLinear, W read in place), + bias / activation.
 ``grouped_dgrad_dact_sm90``: the backward of FC2 fused with the activation's backward.
+``grouped_gemm_gathered_sm90``: the forward reading x's rows by index (a permute inside FC1's loads).
 ``grouped_gemm_fp8_sm90``: the forward on block-scaled FP8 operands (x 1x128, W 128x128 blocks).
 ``grouped_gemm_act_quant_sm90``: the forward + GLU activation with the activation (or, without an
 activation, the output) cast to E4M3 in 1x128 blocks in the epilogue (no bf16 round trip).
@@ -47,6 +48,8 @@ FP8_GLU_N_MULTIPLE = 128  # FP8 GLU: each half's 64-row boxes inside one 128-row
 _FP8 = "grouped_gemm_fp8_sm90"
 _DACT_FP8 = "grouped_dgrad_dact_fp8_sm90"
 _ACT_QUANT = "grouped_gemm_act_quant_sm90"
+_GATHERED = "grouped_gemm_gathered_sm90"
+GATHER_K_MULTIPLE = 64  # gathered A rows: whole 64-column k-tiles of 16-byte loads
 _ACT_QUANT_FP8 = "grouped_gemm_act_quant_fp8_sm90"
 _DACT_QUANT_FP8 = "grouped_dgrad_dact_quant_fp8_sm90"
 # the columns an epilogue casts with a column-wise copy (d_pre: each GLU half's) come in multiples of
@@ -241,6 +244,35 @@ def compile_grouped_gemm(
     b_major = {"nk": "k", "kn": "mn"}[weight_layout]
     kernel = GroupedGemmActSm90(dt, tile_n, activation, has_bias, b_major, cluster_m, act_amax=act_amax,
                                 pingpong=pingpong, **kernel_opts)
+    return _compile(kernel, args, tvm_ffi)
+
+
+@cached_kernel
+def compile_grouped_gemm_gathered(dtype, tile_n, activation, has_bias, tvm_ffi=None, cluster_m=2, **kernel_opts):
+    """Compile (once per configuration) and return the launcher of ``grouped_gemm_gathered_sm90``:
+    fn(x, x_index, weight, offsets, pre, act, bias, probs, constants, max_clusters[, stream])."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .grouped_act_sm90 import GroupedGemmGatheredSm90
+
+    dt = _cutlass_dtype(dtype)
+    spec = activation_spec(activation, "compile_grouped_gemm_gathered")
+    glu = spec is not None and spec.glu
+    t, m, g, g1 = (cute.sym_int() for _ in range(4))
+    k = cute.sym_int(divisibility=GATHER_K_MULTIPLE)
+    n, n_act = cute.sym_int(divisibility=GLU_N_MULTIPLE if glu else 8), cute.sym_int(divisibility=8)
+    args = (
+        fake_tensor(dt, (t, k)),
+        fake_tensor(cutlass.Int32, (m,), 4),
+        fake_tensor(dt, (g, n, k)),
+        fake_tensor(cutlass.Int32, (g1,), 4),
+        fake_tensor(dt, (m, n)),
+        fake_tensor(dt, (m, n_act if glu else n)) if spec is not None else None,
+        fake_tensor(dt, (g, n)) if has_bias else None,
+        fake_tensor(cutlass.Float32, (m,), 4) if spec is not None and spec.takes_probs else None,
+    )
+    kernel = GroupedGemmGatheredSm90(dt, tile_n, activation, has_bias, cluster_m, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -579,6 +611,68 @@ def grouped_gemm_sm90(
     _run(fn, tvm_ffi, _forward_launch, args, (x, weight, offsets, pre, act, bias, probs, parts),
          activation_constants(_FWD, constants), clusters)
     return (pre, act) if parts is None else (pre, act, parts)
+
+
+def grouped_gemm_gathered_sm90(
+    x, x_index, weight, offsets, *, bias=None, activation=None, probs=None, tile_n=None, cluster_m=None,
+    sm_margin=None, **constants,
+):
+    """`grouped_gemm_sm90` ("nk" weights) on the rows x[x_index]: pre[r] = x[x_index[r]] @ W[g].T
+    (+ b[g]) for offsets[g] <= r < offsets[g+1], act = activation(pre), without writing the gathered
+    rows (the producer warps load them by index with cp.async; sm90 has no TMA gather).
+
+    x (T, K) bf16/fp16, K a multiple of 64; x_index (M,) int32, the token of each grouped row
+    (ids outside [0, T) are clamped: no out-of-bounds read); weight (G, N, K); offsets, bias,
+    probs (M,), constants as for `grouped_gemm_sm90`. Returns (pre (M, N), act or None); rows >=
+    offsets[G] are zero. Cooperative tiles only: tile_n (128, 192, 256) and cluster_m (1, 2)
+    override `choose_config`. No host sync; checks run once per argument signature.
+    """
+    tvm_ffi = tvm_ffi_available()
+    key = (call_signature(tvm_ffi, x, x_index, weight, offsets, bias, probs), _GATHERED, activation, tile_n,
+           cluster_m, sm_margin)
+    args = (x, x_index, weight, offsets, bias, activation, probs, tile_n, cluster_m, sm_margin)
+    launch = _MEMO.get(key) or _MEMO.put(key, _gathered_launch(*args))
+    fn, pre_shape, act_shape, clusters = launch
+    pre = x.new_empty(pre_shape)
+    act = None if act_shape is None else x.new_empty(act_shape)
+    _run(fn, tvm_ffi, _gathered_launch, args, (x, x_index, weight, offsets, pre, act, bias, probs),
+         activation_constants(_GATHERED, constants), clusters)
+    return pre, act
+
+
+def _gathered_launch(x, x_index, weight, offsets, bias, activation, probs, tile_n, cluster_m, sm_margin):
+    """Every check of `grouped_gemm_gathered_sm90`; (launcher or None when M == 0, pre shape, act
+    shape or None, persistent grid in clusters)."""
+    name = _GATHERED
+    dev = check_input(name, x, "x")
+    check_tensor(name, x_index, "x_index", torch.int32, 1, dev)
+    check_tensor(name, weight, "weight", x.dtype, 3, dev)
+    check_tensor(name, offsets, "offsets", torch.int32, 1, dev)
+    spec = activation_spec(activation, name)
+    (t, k), (g, n, kw), m = x.shape, weight.shape, x_index.shape[0]
+    if t == 0 and m:
+        raise ValueError(f"{name}: x has no rows to gather, x_index has {m}")
+    if kw != k:
+        raise ValueError(f"{name}: weight has K={kw} (its last dim), x has K={k}")
+    if k % GATHER_K_MULTIPLE:
+        raise ValueError(f"{name}: K={k} (x.shape[1]) must be a multiple of {GATHER_K_MULTIPLE}")
+    if g < 1:
+        raise ValueError(f"{name}: weight must hold at least one group")
+    _check_shape(name, offsets, "offsets", (g + 1,))
+    glu = spec is not None and spec.glu
+    if n % (GLU_N_MULTIPLE if glu else 8):
+        raise ValueError(f"{name}: N={n} (weight.shape[1]) must be a multiple of {GLU_N_MULTIPLE if glu else 8}"
+                         + (f" for activation {activation!r}" if glu else ""))
+    act_shape = _check_epilogue_tensors(name, spec, x.dtype, bias, probs, None, None, m, n, g, dev)
+    tile_n, cluster_m, clusters, _ = _launch_config(name, m, n, g, dev, tile_n, cluster_m, sm_margin,
+                                                    forward_tiles(_FWD, "nk", activation))
+    if m == 0:
+        return None, (m, n), act_shape, clusters
+    key = (_GATHERED, x.dtype, tile_n, activation, bias is not None, tvm_ffi_available(), cluster_m)
+    fn = _LAUNCHERS.get(key)
+    if fn is None:
+        fn = _LAUNCHERS[key] = compile_grouped_gemm_gathered(*key[1:])
+    return fn, (m, n), act_shape, clusters
 
 
 def _amax_parts(fn, num_parts, device):

@@ -40,6 +40,12 @@ as on two warpgroups) runs under the other's mainloop, the turns kept by named b
 (`named_barriers_sm90`). It pays where the epilogue is a large share of a tile (short K, several
 outputs, loaded inputs).
 
+With ``gather_a`` (16-bit varlen-M, cooperative MMA warpgroups) A's rows are read by index, A[r]
+= x[a_index[r]] (sm90 has no TMA gather): the producer warpgroup's 128 threads each load 16 bytes
+of 8 rows a k-tile with cp.async into the swizzled stage TMA would fill, and signal the stage's
+full barrier with `cp.async.mbarrier.arrive.noinc` beside warp 0's B transaction (129 arrivals);
+warp 0 alone publishes the tiles and loads B. Registers: producer 56, MMA warpgroups 224.
+
 With ``b_boxes`` = 2 (forward GLU), n-tile nt covers B rows [nt * tile_n/2, (nt+1) * tile_n/2) and
 the same rows of the second half: each B stage is filled by two TMA boxes of tile_n/2 (gate, then
 up) from a view of W with a separate half mode, (N/2, K, 2, G), so each half is clipped at its
@@ -191,7 +197,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
     def __init__(
         self, dtype, tile_n, b_major="k", cluster_m=2, ab_stages=None, epi_slots=None, ab_dtype=None, c_stages=2,
         raster_band=RASTER_BAND, split_tail=True, epilogue_warps=False, a_major="k", defer_stores=False,
-        pingpong=False, overlap_promotion=False,
+        pingpong=False, overlap_promotion=False, gather_a=False,
     ):
         if b_major not in ("k", "mn") or a_major not in ("k", "mn"):
             raise ValueError("a_major and b_major must be 'k' or 'mn'")
@@ -250,13 +256,19 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             raise ValueError(f"{type(self).__name__}: overlap_promotion needs FP8 operands, tile_n 128 and stores "
                              "that are not deferred")
         self.overlap_promotion = overlap_promotion
+        # gather_a: the producer warpgroup reads A's rows by index (module docstring)
+        if gather_a and (self.block_scaled or self.varlen_k or a_major != "k" or epilogue_warps or pingpong):
+            raise ValueError(f"{type(self).__name__}: gather_a needs 16-bit K-major varlen-M operands, the MMA "
+                             "warpgroups sharing tiles and their own epilogue")
+        self.gather_a = gather_a
         # ping-pong: each MMA warpgroup takes every other tile whole (128 x tile_n, tile_n fp32
         # accumulator registers a thread); their mainloops take turns, and one's epilogue runs
         # under the other's mainloop
         self.mma_atoms = 1 if pingpong else self.num_mma_wg  # MMA warpgroups on one tile
         # registers a thread after setmaxnreg (at most 512 over the three warpgroups): ping-pong's
         # whole-tile accumulators take what the producer warp can spare
-        self.producer_registers, self.mma_registers = (24, 240) if pingpong else (40, 232)
+        # the gathering producer warpgroup holds its rows' source addresses
+        self.producer_registers, self.mma_registers = (24, 240) if pingpong else (56, 224) if gather_a else (40, 232)
         # epilogue_warps: warps 1-3 of the producer warpgroup run the epilogue; every warpgroup keeps the
         # launch's 168 registers (no setmaxnreg)
         self.epilogue_warps = epilogue_warps
@@ -295,7 +307,8 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         self.epi_barrier = pipeline.NamedBarrier(barrier_id=EPI_BARRIER, num_threads=128 * self.mma_atoms)
 
     # ------------------------------------------------------------------ host side (traced)
-    def launch(self, mA, mW, mOffsets, outputs, inputs, epi_params, max_clusters, stream, scales=None, m_total=None):
+    def launch(self, mA, mW, mOffsets, outputs, inputs, epi_params, max_clusters, stream, scales=None, m_total=None,
+               a_index=None):
         """Build the TMA atoms and launch; called from a subclass's ``@cute.jit __call__``.
 
         Varlen-M: mA (M, K); mW (G, N, K) or (G, K, N) per ``b_major``; outputs / inputs: tuples
@@ -307,13 +320,14 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         and (blocks, K_out) multipliers, m_total the rows the offsets index.
         epi_params: what the epilogue hooks read, a kernel argument (a NamedTuple of the subclass,
         e.g. `grouped_act_sm90.ForwardParams`, or ()); max_clusters: Int32, the persistent grid in
-        clusters.
+        clusters. ``gather_a``: mA is x (T, K), K a multiple of 64, and a_index (M,) int32 the
+        token of each grouped row (row r of A is x[a_index[r]], ids clamped to [0, T)).
         """
         dt = self.ab_dtype
         if const_expr(self.varlen_k):
             mB = mW
         else:
-            m_total = cute.size(mA, mode=[0])
+            m_total = cute.size(a_index if const_expr(self.gather_a) else mA, mode=[0])
             n_mode, k_mode = (1, 2) if const_expr(self.b_major == "k") else (2, 1)
             n_box = cute.size(mW, mode=[n_mode]) // self.b_boxes
             # B as (N / b_boxes, K, b_boxes, G): forward GLU (N/2, K, 2, G), box h = 0 gate, 1 up
@@ -378,9 +392,9 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
                 cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, t, cute.slice_(sC_layout, (None, None, 0)), self.epi_tile)
                 for t in inputs
             )
-        self.ab_bytes = cute.size_in_bytes(dt, cute.slice_(sA_layout, (None, None, 0))) + (
-            cute.size_in_bytes(dt, cute.slice_(sB_layout, (None, None, 0)))
-        )
+        self.ab_bytes = cute.size_in_bytes(dt, cute.slice_(sB_layout, (None, None, 0)))
+        if const_expr(not self.gather_a):  # gathered A rows arrive by cp.async, outside the transaction count
+            self.ab_bytes += cute.size_in_bytes(dt, cute.slice_(sA_layout, (None, None, 0)))
         sSFA_layout, sSFB_layout = self._stage_scale_layouts()
         if const_expr(self.stage_scales):  # (tile, 1) boxes of each operand's multipliers, into the stage
             self.ab_bytes += (self.tile_m + self.tile_n) * 4
@@ -420,6 +434,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             sD_layout,
             sC_layout,
             sAcc_layout,
+            (mA, a_index) if const_expr(self.gather_a) else None,
         ).launch(
             grid=[grid_x, 1, 1],
             block=[self.threads, 1, 1],
@@ -491,6 +506,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         sD_layout: cute.ComposedLayout,
         sC_layout: cute.ComposedLayout,
         sAcc_layout: cute.ComposedLayout,
+        gather: tuple,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -539,7 +555,10 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             # ---------------------------------------------------------- TMA producer
             if const_expr(not self.epilogue_warps):
                 cute.arch.setmaxregister_decrease(self.producer_registers)
-            if warp_idx == 0:
+            if const_expr(self.gather_a):  # the whole warpgroup loads A
+                self._produce(pipes, sTiles, smem_tensors, tma_a, mA, tma_b, mB, scales, sched, first_tile,
+                              num_clusters, rank, k_tiles, gather, warp_idx)
+            elif warp_idx == 0:
                 self._produce(pipes, sTiles, smem_tensors, tma_a, mA, tma_b, mB, scales, sched, first_tile,
                               num_clusters, rank, k_tiles)
             elif const_expr(self.epilogue_warps):
@@ -561,7 +580,8 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_full_empty.data_ptr(),
             num_stages=self.ab_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # gather_a: B's transaction and each producer thread's cp.async arrival
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 129 if self.gather_a else 1),
             consumer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, self.mma_atoms * 4 * self.cluster_m
             ),

@@ -38,9 +38,11 @@ class Sm90Mainloop:
 
     @cute.jit
     def _produce(self, pipes, sTiles, smem_tensors, tma_a, mA, tma_b, mB, scales, sched, first_tile, num_clusters,
-                 rank, k_tiles):
+                 rank, k_tiles, gather=None, warp_idx=0):
         """Producer warp: locate each tile of the CTA, publish it in the tile ring, load its k-tiles
-        (A, the B boxes and, varlen-K FP8, the multipliers) into the A/B stages."""
+        (A, the B boxes and, varlen-K FP8, the multipliers) into the A/B stages. ``gather_a``: every
+        warp of the producer warpgroup (``warp_idx``) runs it and loads A's rows of ``gather`` (x,
+        a_index) with cp.async; warp 0 alone publishes the tiles and loads B."""
         ab_pipe, tile_pipe = pipes.ab, pipes.tile
         sA, sB_boxes, sSFA, sSFB = smem_tensors.sA, smem_tensors.sB_boxes, smem_tensors.sSFA, smem_tensors.sSFB
         b_mcast_mask = cutlass.Int16((1 << self.cluster_m) - 1)
@@ -49,11 +51,17 @@ class Sm90Mainloop:
         )
         tile_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_SLOTS)
         tile_id = first_tile
+        gather_copy = self._gather_copy(sA) if const_expr(self.gather_a) else None
         found, seg, seg_first, c_start, c_base = self._locate(tile_id, Int32(0), Int32(0), sched)
         while found:
             tile, has_rows, split, block0 = self._tile(tile_id, seg, seg_first, rank, sched)
-            self._publish_tile(tile_pipe, tile_write, sTiles, Int32(1), tile, has_rows)
-            tile_write.advance()
+            if const_expr(self.gather_a):
+                if warp_idx == 0:
+                    self._publish_tile(tile_pipe, tile_write, sTiles, Int32(1), tile, has_rows)
+                    tile_write.advance()
+            else:
+                self._publish_tile(tile_pipe, tile_write, sTiles, Int32(1), tile, has_rows)
+                tile_write.advance()
             if tile.is_group:
                 # slice r of the B box is what CTA r of a pair loads for both; a split
                 # tile's CTA loads every slice of its own box, for itself only
@@ -97,25 +105,24 @@ class Sm90Mainloop:
                         for (atom, mSF), sSF, t in zip(scales, (sSFA, sSFB), (mt, nt))
                     )
                 own_mask = cutlass.Int16(1) << rank
+                sources = self._gather_sources(gather, tile, sched[2]) if const_expr(self.gather_a) else None
                 for k in range(tile_k_tiles):
-                    ab_pipe.producer_acquire(state)
-                    bar = ab_pipe.producer_get_barrier(state)
-                    cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                    for h in cutlass.range_constexpr(self.b_boxes):
-                        if split:
-                            for sB_r, gB_r in slices:
-                                cute.copy(
-                                    tma_b, gB_r[(None, k, h)], sB_r[(None, h, 0, state.index)],
-                                    tma_bar_ptr=bar, mcast_mask=own_mask,
-                                )
+                    if const_expr(self.gather_a):
+                        # every thread waits for the stage; warp 0 also expects B's bytes
+                        if warp_idx == 0:
+                            ab_pipe.producer_acquire(state)
                         else:
-                            cute.copy(
-                                tma_b,
-                                tBgB[(None, k) if const_expr(self.varlen_k) else (None, k, h)],
-                                tBsB[(None, h, 0, state.index)],
-                                tma_bar_ptr=bar,
-                                mcast_mask=b_mcast_mask if const_expr(self.cluster_m > 1) else 0,
-                            )
+                            ab_pipe.sync_object_empty.wait(state.index, state.phase)
+                        bar = ab_pipe.producer_get_barrier(state)
+                        self._gather_k_tile(gather_copy, gather[0], sources, k, state.index, bar)
+                        if warp_idx == 0:
+                            self._load_b(tma_b, tBgB, tBsB, slices, split, own_mask, b_mcast_mask, k, state.index,
+                                         bar)
+                    else:
+                        ab_pipe.producer_acquire(state)
+                        bar = ab_pipe.producer_get_barrier(state)
+                        cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                        self._load_b(tma_b, tBgB, tBsB, slices, split, own_mask, b_mcast_mask, k, state.index, bar)
                     for (atom, _), (tSFs, tSFg) in zip(scales if const_expr(self.stage_scales) else (),
                                                         scale_parts):
                         cute.copy(atom, tSFg[(None, block0 + k)], tSFs[(None, state.index)], tma_bar_ptr=bar)
@@ -123,11 +130,79 @@ class Sm90Mainloop:
                     state.advance()
             tile_id = self._next_tile_id(tile_id, first_tile, num_clusters)
             found, seg, seg_first, c_start, c_base = self._locate(tile_id, c_start, c_base, sched)
+        if const_expr(self.gather_a):
+            if warp_idx == 0:
+                self._end_schedule(ab_pipe, tile_pipe, tile_write, sTiles, state)
+            else:
+                cute.arch.cp_async_wait_group(0)
+        else:
+            self._end_schedule(ab_pipe, tile_pipe, tile_write, sTiles, state)
+
+    @cute.jit
+    def _load_b(self, tma_b, tBgB, tBsB, slices, split, own_mask, b_mcast_mask, k, stage, bar):
+        """Producer warp: k-tile k of the B boxes into stage ``stage`` (a split tile's CTA loads every
+        slice of its own box, for itself only)."""
+        for h in cutlass.range_constexpr(self.b_boxes):
+            if split:
+                for sB_r, gB_r in slices:
+                    cute.copy(tma_b, gB_r[(None, k, h)], sB_r[(None, h, 0, stage)], tma_bar_ptr=bar,
+                              mcast_mask=own_mask)
+            else:
+                cute.copy(
+                    tma_b,
+                    tBgB[(None, k) if const_expr(self.varlen_k) else (None, k, h)],
+                    tBsB[(None, h, 0, stage)],
+                    tma_bar_ptr=bar,
+                    mcast_mask=b_mcast_mask if const_expr(self.cluster_m > 1) else 0,
+                )
+
+    @cute.jit
+    def _end_schedule(self, ab_pipe, tile_pipe, tile_write, sTiles, state):
+        """Producer warp: the tile ring's end-of-schedule entry, then wait until every A/B stage is
+        released."""
         tile_pipe.producer_acquire(tile_write)
         if cute.arch.lane_idx() == 0:
             sTiles[0, tile_write.index] = Int32(0)  # the end of the schedule
         tile_pipe.producer_commit(tile_write)
         ab_pipe.producer_tail(state)
+
+    def _gather_copy(self, sA):
+        """gather_a: (the cp.async tiled copy of a 128 x 64 A k-tile, 16 rows x 8 threads of 16
+        bytes, and this thread's view of the A stages: (16-byte vector, 8 rows, 1, stages))."""
+        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+                                   self.ab_dtype, num_bits_per_copy=128)  # L2 only: each row is read once here
+        tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((16, 8), stride=(8, 1)), cute.make_layout((1, 8)))
+        tidx, _, _ = cute.arch.thread_idx()
+        return atom, tiled.get_slice(tidx % 128).partition_D(sA)
+
+    @cute.jit
+    def _gather_sources(self, gather, tile: Tile, m_total):
+        """gather_a: the element offsets into x of this thread's 16 bytes of its 8 rows of the tile,
+        rows tile.row0 + tidx / 8 + 16 i (past the last grouped row: the last one) at column 8 *
+        (tidx % 8); token ids clamped to [0, T)."""
+        mX, mIndex = gather
+        tidx, _, _ = cute.arch.thread_idx()
+        row = tile.row0 + (tidx % 128) // 8
+        tokens, k = cute.size(mX, mode=[0]), cute.size(mX, mode=[1])
+        sources = []
+        for i in cutlass.range_constexpr(8):
+            token = mIndex[cutlass.min(row + 16 * i, m_total - 1)]
+            token = cutlass.min(cutlass.max(token, Int32(0)), tokens - 1)
+            sources.append(cutlass.Int64(token) * cutlass.Int64(k) + cutlass.Int64((tidx % 8) * 8))
+        return sources
+
+    @cute.jit
+    def _gather_k_tile(self, gather_copy, mX, sources, k, stage, bar):
+        """gather_a: this thread's 8 x 16 bytes of A's k-tile k into stage ``stage`` by cp.async, and
+        its arrival on the stage's full barrier once they have landed."""
+        atom, tAsA = gather_copy
+        base = mX.iterator.toint() + cutlass.Int64(k * self.tile_k * (self.ab_dtype.width // 8))
+        for i in cutlass.range_constexpr(8):
+            dst = tAsA[(None, i, 0, stage)]
+            src_ptr = cute.make_ptr(self.ab_dtype, base + sources[i] * (self.ab_dtype.width // 8),
+                                    cute.AddressSpace.gmem, assumed_align=16)
+            cute.copy(atom, cute.make_tensor(src_ptr, cute.make_layout(dst.shape)), dst)
+        cute.arch.cp_async_mbarrier_arrive_noinc(bar)
 
     def _half_tiled_mma(self):
         """`split_products`: the MMA of one 128-column half of the tile (both warpgroups on M)."""

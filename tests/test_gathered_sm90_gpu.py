@@ -1,0 +1,96 @@
+"""GPU tests of `grouped_gemm_gathered_sm90` (FC1 reading x's rows by index inside the GEMM): bit for
+bit the forward kernel on the gathered copy x[index] with the same tile, a float64 reference,
+NaN-poisoned outputs, clamped ids, rows past the groups zero, no host sync, argument errors."""
+
+import pytest
+import torch
+from test_grouped_gemm_sm90_gpu import offsets_from_splits, poisoned_empty, reference, rel_err
+
+from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
+from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_gemm_gathered_sm90, grouped_gemm_sm90
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        torch.cuda.is_available() and sm90_unavailable_reason() is not None,
+        reason=str(sm90_unavailable_reason()) if torch.cuda.is_available() else "",
+    ),
+]
+
+UNEVEN = [0, 300, 1, 0, 517, 129, 0]  # empty first and last groups, partial tiles; 947 rows
+
+
+def operands(splits, tokens, k, n, activation, has_bias, seed, extra_rows=5):
+    """x (T, K), the index (M,) of each grouped row (M = sum(splits) + extra rows past the groups),
+    W (G, N, K), offsets, bias, probs."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    g, m = len(splits), sum(splits) + extra_rows
+    x = torch.randn(tokens, k, device="cuda", generator=gen).bfloat16()
+    index = torch.randint(0, tokens, (m,), device="cuda", generator=gen, dtype=torch.int32)
+    w = (torch.randn(g, n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
+    bias = torch.randn(g, n, device="cuda", generator=gen).bfloat16() if has_bias else None
+    probs = torch.rand(m, device="cuda", generator=gen) if activation == "scaled_swiglu" else None
+    return x, index, w, offsets_from_splits(splits), bias, probs
+
+
+@pytest.mark.parametrize("activation,has_bias", [("swiglu", False), (None, True), ("scaled_swiglu", False)])
+@pytest.mark.parametrize("tile_n,cluster_m", [(128, 1), (128, 2), (192, 2), (256, 1), (256, 2)])
+def test_equals_the_kernel_on_the_gathered_copy(activation, has_bias, tile_n, cluster_m):
+    x, index, w, offsets, bias, probs = operands(UNEVEN, 700, 256, 512, activation, has_bias, seed=tile_n + cluster_m)
+    kw = dict(bias=bias, activation=activation, probs=probs, tile_n=tile_n, cluster_m=cluster_m)
+    m, end = index.shape[0], int(offsets[-1])
+    poisoned_empty((m, 512), torch.bfloat16)
+    pre, act = grouped_gemm_gathered_sm90(x, index, w, offsets, **kw)
+    exp_pre, exp_act = grouped_gemm_sm90(x[index.long()], w, offsets, pingpong=False, **kw)
+    assert torch.equal(pre, exp_pre)
+    assert (act is None) == (exp_act is None) and (act is None or torch.equal(act, exp_act))
+    ref_pre, ref_act = reference(x[index.long()], w, offsets, bias, activation, probs)
+    assert rel_err(pre, ref_pre) < 1e-2 and torch.all(pre[end:] == 0)
+    if act is not None:
+        assert rel_err(act, ref_act) < 1e-2
+
+
+def test_larger_k_and_many_groups():
+    splits = [(37 * i) % 300 for i in range(40)]
+    x, index, w, offsets, _, _ = operands(splits, 3000, 1024, 768, "swiglu", False, seed=3)
+    pre, act = grouped_gemm_gathered_sm90(x, index, w, offsets, activation="swiglu")
+    exp = grouped_gemm_sm90(x[index.long()], w, offsets, activation="swiglu", pingpong=False)
+    assert torch.equal(pre, exp[0]) and torch.equal(act, exp[1])
+
+
+def test_ids_out_of_range_are_clamped():
+    x, index, w, offsets, _, _ = operands([40, 90], 64, 128, 256, None, False, seed=4)
+    index[::7] = -3
+    index[3::7] = 64 + 5
+    pre, _ = grouped_gemm_gathered_sm90(x, index, w, offsets)
+    exp, _ = grouped_gemm_sm90(x[index.long().clamp(0, 63)], w, offsets, pingpong=False)
+    assert torch.equal(pre, exp)
+
+
+def test_no_rows_and_no_host_sync():
+    x, index, w, offsets, _, _ = operands([0, 0], 16, 64, 128, "swiglu", False, seed=5, extra_rows=0)
+    pre, act = grouped_gemm_gathered_sm90(x, index, w, offsets, activation="swiglu")
+    assert pre.shape == (0, 128) and act.shape == (0, 64)
+    x, index, w, offsets, _, _ = operands(UNEVEN, 500, 128, 256, "swiglu", False, seed=6)
+    grouped_gemm_gathered_sm90(x, index, w, offsets, activation="swiglu")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grouped_gemm_gathered_sm90(x, index, w, offsets, activation="swiglu")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_argument_errors():
+    x, index, w, offsets, _, _ = operands([10, 20], 32, 128, 256, None, False, seed=7)
+    name = "grouped_gemm_gathered_sm90"
+    with pytest.raises(ValueError, match=f"{name}: K=96 .* multiple of 64"):
+        grouped_gemm_gathered_sm90(x[:, :96].contiguous(), index, w[:, :, :96].contiguous(), offsets)
+    with pytest.raises(TypeError, match=f"{name}: x_index has dtype torch.int64"):
+        grouped_gemm_gathered_sm90(x, index.long(), w, offsets)
+    with pytest.raises(ValueError, match=f"{name}: weight has K=64"):
+        grouped_gemm_gathered_sm90(x, index, w[:, :, :64].contiguous(), offsets)
+    with pytest.raises(ValueError, match=f"{name}: x has no rows to gather, x_index has 30"):
+        grouped_gemm_gathered_sm90(x[:0], index[:30], w, offsets)
+    with pytest.raises(ValueError, match=f"{name}: x_index must be 1-D"):
+        grouped_gemm_gathered_sm90(x, index[:, None], w, offsets)
