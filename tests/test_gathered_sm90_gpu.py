@@ -1,6 +1,7 @@
-"""GPU tests of `grouped_gemm_gathered_sm90` (FC1 reading x's rows by index inside the GEMM): bit for
-bit the forward kernel on the gathered copy x[index] with the same tile, a float64 reference,
-NaN-poisoned outputs, clamped ids, rows past the groups zero, no host sync, argument errors."""
+"""GPU tests of the kernels reading x's rows by index inside the GEMM: `grouped_gemm_gathered_sm90`
+(FC1's forward) and `grouped_wgrad_gathered_sm90` (FC1's weight gradient). Each bit for bit the
+kernel on the gathered copy x[index] with the same tile, a float64 reference, NaN-poisoned
+outputs, clamped ids, rows past the groups zero or ignored, no host sync, argument errors."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from test_grouped_gemm_sm90_gpu import offsets_from_splits, poisoned_empty, refe
 
 from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
 from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_gemm_gathered_sm90, grouped_gemm_sm90
+from te_fused_ops.backends.sm90.kernels.grouped_wgrad import grouped_wgrad_gathered_sm90, grouped_wgrad_sm90
 
 pytestmark = [
     pytest.mark.gpu,
@@ -94,3 +96,56 @@ def test_argument_errors():
         grouped_gemm_gathered_sm90(x[:0], index[:30], w, offsets)
     with pytest.raises(ValueError, match=f"{name}: x_index must be 1-D"):
         grouped_gemm_gathered_sm90(x, index[:, None], w, offsets)
+
+
+def wgrad_reference(dy, rows, offsets):
+    """float64 dW[g] = dy_g^T @ rows_g."""
+    off = offsets.tolist()
+    out = torch.zeros(len(off) - 1, dy.shape[1], rows.shape[1], dtype=torch.float64, device=dy.device)
+    for g in range(len(off) - 1):
+        out[g] = dy[off[g]:off[g + 1]].double().T @ rows[off[g]:off[g + 1]].double()
+    return out
+
+
+@pytest.mark.parametrize("tile_n", [128, 256])
+@pytest.mark.parametrize("n,k", [(384, 256), (256, 200), (128, 520)])
+def test_wgrad_equals_the_kernel_on_the_gathered_copy(tile_n, n, k):
+    x, index, _, offsets, _, _ = operands(UNEVEN, 600, k, 8, None, False, seed=tile_n + k)
+    dy = torch.randn(index.shape[0], n, device="cuda").bfloat16()
+    poisoned_empty((len(UNEVEN), n, k), torch.bfloat16)
+    dw = grouped_wgrad_gathered_sm90(dy, x, index, offsets, tile_n=tile_n)
+    rows = x[index.long()]
+    assert torch.equal(dw, grouped_wgrad_sm90(dy, rows, offsets, tile_n=tile_n, cluster_m=1, pingpong=False))
+    assert rel_err(dw, wgrad_reference(dy, rows, offsets)) < 1e-2
+    assert torch.all(dw[0] == 0) and torch.all(dw[3] == 0)  # empty groups
+
+
+def test_wgrad_clamps_ids_and_runs_without_host_sync():
+    x, index, _, offsets, _, _ = operands([70, 0, 190], 50, 256, 8, None, False, seed=9)
+    index[::5] = -1
+    index[2::5] = 50
+    dy = torch.randn(index.shape[0], 256, device="cuda").bfloat16()
+    dw = grouped_wgrad_gathered_sm90(dy, x, index, offsets)
+    assert torch.equal(dw, grouped_wgrad_sm90(dy, x[index.long().clamp(0, 49)], offsets, tile_n=256, cluster_m=1,
+                                              pingpong=False))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grouped_wgrad_gathered_sm90(dy, x, index, offsets)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_wgrad_argument_errors():
+    x, index, _, offsets, _, _ = operands([10, 20], 32, 128, 8, None, False, seed=10)
+    dy = torch.randn(index.shape[0], 64, device="cuda").bfloat16()
+    name = "grouped_wgrad_gathered_sm90"
+    with pytest.raises(ValueError, match=f"{name}: x_index has 30 rows, dy has 35"):
+        grouped_wgrad_gathered_sm90(dy, x, index[:30], offsets)
+    with pytest.raises(ValueError, match=f"{name}: tile_n must be 128 or 256"):
+        grouped_wgrad_gathered_sm90(dy, x, index, offsets, tile_n=192)
+    with pytest.raises(TypeError, match=f"{name}: x has dtype torch.float16"):
+        grouped_wgrad_gathered_sm90(dy, x.half(), index, offsets)
+    with pytest.raises(ValueError, match=f"{name}: x has no rows to gather, x_index has 35"):
+        grouped_wgrad_gathered_sm90(dy, x[:0], index, offsets)
+

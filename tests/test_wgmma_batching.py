@@ -47,6 +47,8 @@ COMPILE = {  # name: Python that compiles one configuration (torch as torch, bf1
                                                     " c(bf16, 256, 'swiglu', False, False, 2)",
     "forward gathered rows tile 128 + bias": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
                                              " compile_grouped_gemm_gathered as c; c(bf16, 128, None, True, False, 1)",
+    "wgrad dW gathered rows tile 256": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import"
+                                       " compile_grouped_wgrad_gathered as c; c(bf16, 256, False)",
     "FP8 wgrad dW pair": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import compile_grouped_wgrad as c;"
                          "c(bf16, 128, False, 2, False, True)",
     "FP8 wgrad dW pair, overlapped promotion": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import"
@@ -142,8 +144,8 @@ def test_fp8_kernels_keep_registers(name, machine_code):
 
 @pytest.mark.parametrize("name", [name for name in COMPILE if "gathered" in name])
 def test_gathered_rows_load_by_cp_async(name, machine_code):
-    """The gathering producer warps load A with 16-byte cp.async that bypass L1 and arrive on the
-    stage's barrier when they land, and nothing spills."""
+    """The gathering producer warps load their operand with 16-byte cp.async that bypass L1 and
+    arrive on the stage's barrier when they land, and nothing spills."""
     for sass in machine_code[name]:
         assert "LDGSTS.E.BYPASS.128" in sass, f"{name}: no 16-byte cp.async"
         assert "ARRIVES.LDGSTSBAR" in sass, f"{name}: no cp.async arrival on an mbarrier"

@@ -187,7 +187,7 @@ class GroupedGemmGatheredSm90(GroupedGemmActSm90):
     ):
         outputs = (mPre,) if const_expr(self.spec is None) else (mPre, mAct)
         params = ForwardParams(mBias, mProbs, constants, cute.size(mIndex, mode=[0]))
-        self.launch(mX, mW, mOffsets, outputs, (), params, max_clusters, stream, a_index=mIndex)
+        self.launch(mX, mW, mOffsets, outputs, (), params, max_clusters, stream, gather=(mX, mIndex))
 
 
 class GroupedGemmActQuantSm90(GroupedGemmActSm90):

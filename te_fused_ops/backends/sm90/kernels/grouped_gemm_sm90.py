@@ -44,7 +44,12 @@ With ``gather_a`` (16-bit varlen-M, cooperative MMA warpgroups) A's rows are rea
 = x[a_index[r]] (sm90 has no TMA gather): the producer warpgroup's 128 threads each load 16 bytes
 of 8 rows a k-tile with cp.async into the swizzled stage TMA would fill, and signal the stage's
 full barrier with `cp.async.mbarrier.arrive.noinc` beside warp 0's B transaction (129 arrivals);
-warp 0 alone publishes the tiles and loads B. Registers: producer 56, MMA warpgroups 224.
+warp 0 alone publishes the tiles and loads B. Registers: producer 56, MMA warpgroups 224. With
+``gather_b`` (varlen-K, one CTA per cluster, tile_n 128 or 256) the same loads fill B's MN-major
+stage with x[index[token]]'s tile_n columns, a token per 16-byte column group of threads; tokens
+past the group's end read its last row and columns past K_out the last 8 (A's ragged token view
+zero-fills those tokens, and the stores clip those columns), so every read is in bounds and
+nothing is zero-filled by hand.
 
 With ``b_boxes`` = 2 (forward GLU), n-tile nt covers B rows [nt * tile_n/2, (nt+1) * tile_n/2) and
 the same rows of the second half: each B stage is filled by two TMA boxes of tile_n/2 (gate, then
@@ -197,7 +202,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
     def __init__(
         self, dtype, tile_n, b_major="k", cluster_m=2, ab_stages=None, epi_slots=None, ab_dtype=None, c_stages=2,
         raster_band=RASTER_BAND, split_tail=True, epilogue_warps=False, a_major="k", defer_stores=False,
-        pingpong=False, overlap_promotion=False, gather_a=False,
+        pingpong=False, overlap_promotion=False, gather_a=False, gather_b=False,
     ):
         if b_major not in ("k", "mn") or a_major not in ("k", "mn"):
             raise ValueError("a_major and b_major must be 'k' or 'mn'")
@@ -256,11 +261,16 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             raise ValueError(f"{type(self).__name__}: overlap_promotion needs FP8 operands, tile_n 128 and stores "
                              "that are not deferred")
         self.overlap_promotion = overlap_promotion
-        # gather_a: the producer warpgroup reads A's rows by index (module docstring)
+        # gather_a / gather_b: the producer warpgroup reads A's rows / B's tokens by index (module docstring)
         if gather_a and (self.block_scaled or self.varlen_k or a_major != "k" or epilogue_warps or pingpong):
             raise ValueError(f"{type(self).__name__}: gather_a needs 16-bit K-major varlen-M operands, the MMA "
                              "warpgroups sharing tiles and their own epilogue")
-        self.gather_a = gather_a
+        if gather_b and (self.block_scaled or not self.varlen_k or b_major != "mn" or cluster_m != 1 or pingpong
+                         or tile_n not in (128, 256)):
+            raise ValueError(f"{type(self).__name__}: gather_b needs 16-bit varlen-K operands, tile_n 128 or 256, "
+                             "one CTA per cluster and the MMA warpgroups sharing tiles")
+        self.gather_a, self.gather_b = gather_a, gather_b
+        self.gathers = gather_a or gather_b
         # ping-pong: each MMA warpgroup takes every other tile whole (128 x tile_n, tile_n fp32
         # accumulator registers a thread); their mainloops take turns, and one's epilogue runs
         # under the other's mainloop
@@ -268,7 +278,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         # registers a thread after setmaxnreg (at most 512 over the three warpgroups): ping-pong's
         # whole-tile accumulators take what the producer warp can spare
         # the gathering producer warpgroup holds its rows' source addresses
-        self.producer_registers, self.mma_registers = (24, 240) if pingpong else (56, 224) if gather_a else (40, 232)
+        self.producer_registers, self.mma_registers = (24, 240) if pingpong else (56, 224) if self.gathers else (40, 232)
         # epilogue_warps: warps 1-3 of the producer warpgroup run the epilogue; every warpgroup keeps the
         # launch's 168 registers (no setmaxnreg)
         self.epilogue_warps = epilogue_warps
@@ -308,7 +318,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
 
     # ------------------------------------------------------------------ host side (traced)
     def launch(self, mA, mW, mOffsets, outputs, inputs, epi_params, max_clusters, stream, scales=None, m_total=None,
-               a_index=None):
+               gather=None):
         """Build the TMA atoms and launch; called from a subclass's ``@cute.jit __call__``.
 
         Varlen-M: mA (M, K); mW (G, N, K) or (G, K, N) per ``b_major``; outputs / inputs: tuples
@@ -320,14 +330,15 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         and (blocks, K_out) multipliers, m_total the rows the offsets index.
         epi_params: what the epilogue hooks read, a kernel argument (a NamedTuple of the subclass,
         e.g. `grouped_act_sm90.ForwardParams`, or ()); max_clusters: Int32, the persistent grid in
-        clusters. ``gather_a``: mA is x (T, K), K a multiple of 64, and a_index (M,) int32 the
-        token of each grouped row (row r of A is x[a_index[r]], ids clamped to [0, T)).
+        clusters. ``gather`` (gather_a / gather_b): (x (T, C), index (M,) int32), the rows read by
+        index, ids clamped to [0, T): gather_a, A's row r is x[index[r]] (mA is x itself, K = C a
+        multiple of 64); gather_b, B's token r is x[index[r]] (mW is x's token view, K_out = C).
         """
         dt = self.ab_dtype
         if const_expr(self.varlen_k):
             mB = mW
         else:
-            m_total = cute.size(a_index if const_expr(self.gather_a) else mA, mode=[0])
+            m_total = cute.size(gather[1] if const_expr(self.gather_a) else mA, mode=[0])
             n_mode, k_mode = (1, 2) if const_expr(self.b_major == "k") else (2, 1)
             n_box = cute.size(mW, mode=[n_mode]) // self.b_boxes
             # B as (N / b_boxes, K, b_boxes, G): forward GLU (N/2, K, 2, G), box h = 0 gate, 1 up
@@ -392,8 +403,9 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
                 cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, t, cute.slice_(sC_layout, (None, None, 0)), self.epi_tile)
                 for t in inputs
             )
-        self.ab_bytes = cute.size_in_bytes(dt, cute.slice_(sB_layout, (None, None, 0)))
-        if const_expr(not self.gather_a):  # gathered A rows arrive by cp.async, outside the transaction count
+        # gathered rows arrive by cp.async, outside the transaction count
+        self.ab_bytes = 0 if const_expr(self.gather_b) else cute.size_in_bytes(dt, cute.slice_(sB_layout, (None, None, 0)))
+        if const_expr(not self.gather_a):
             self.ab_bytes += cute.size_in_bytes(dt, cute.slice_(sA_layout, (None, None, 0)))
         sSFA_layout, sSFB_layout = self._stage_scale_layouts()
         if const_expr(self.stage_scales):  # (tile, 1) boxes of each operand's multipliers, into the stage
@@ -434,7 +446,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             sD_layout,
             sC_layout,
             sAcc_layout,
-            (mA, a_index) if const_expr(self.gather_a) else None,
+            gather if const_expr(self.gathers) else None,
         ).launch(
             grid=[grid_x, 1, 1],
             block=[self.threads, 1, 1],
@@ -555,7 +567,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             # ---------------------------------------------------------- TMA producer
             if const_expr(not self.epilogue_warps):
                 cute.arch.setmaxregister_decrease(self.producer_registers)
-            if const_expr(self.gather_a):  # the whole warpgroup loads A
+            if const_expr(self.gathers):  # the whole warpgroup loads the gathered operand
                 self._produce(pipes, sTiles, smem_tensors, tma_a, mA, tma_b, mB, scales, sched, first_tile,
                               num_clusters, rank, k_tiles, gather, warp_idx)
             elif warp_idx == 0:
@@ -580,8 +592,8 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_full_empty.data_ptr(),
             num_stages=self.ab_stages,
-            # gather_a: B's transaction and each producer thread's cp.async arrival
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 129 if self.gather_a else 1),
+            # gather_a / gather_b: warp 0's transaction and each producer thread's cp.async arrival
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 129 if self.gathers else 1),
             consumer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, self.mma_atoms * 4 * self.cluster_m
             ),

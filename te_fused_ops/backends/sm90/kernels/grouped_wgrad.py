@@ -2,8 +2,9 @@
 
     dW[g] = dy[s:e].T @ x[s:e]      s, e = offsets[g], offsets[g+1], clamped to [0, M] on the device
 
-`grouped_wgrad_sm90` reads bf16/fp16 dy and x in place; `grouped_wgrad_fp8_sm90` reads their
-per-group column-wise E4M3 copies (block-scaled FP8, 1 x 128 token blocks).
+`grouped_wgrad_sm90` reads bf16/fp16 dy and x in place; `grouped_wgrad_gathered_sm90` reads x's
+rows by index (x[index] never written); `grouped_wgrad_fp8_sm90` reads their per-group
+column-wise E4M3 copies (block-scaled FP8, 1 x 128 token blocks).
 
 Importable without cutlass. Kernels are compiled once per (dtype, tile_n, main_grad, cluster_m, FP8,
 TVM-FFI) with M, N, K and G symbolic; the persistent grid size (SM count minus the SM margin) is a
@@ -33,6 +34,7 @@ from .launch import (
 
 _NAME = "grouped_wgrad_sm90"
 _FP8_NAME = "grouped_wgrad_fp8_sm90"
+_GATHERED_NAME = "grouped_wgrad_gathered_sm90"
 _MAX_ROWS = 2**30  # the ragged token view's mode extent
 FP8_MAX_GROUPS = 512  # FP8 wgrad and the d_pre cast scan the groups into shared memory: group_tile_scheduler.SORT_MAX_G
 
@@ -225,6 +227,87 @@ def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m, pingpo
     return fn, (g, n, k), max_ctas
 
 
+@cached_kernel
+def compile_grouped_wgrad_gathered(dtype, tile_n, tvm_ffi=None, **kernel_opts):
+    """Compile (once per configuration) and return the launcher fn(dy (M, N), x (T, K), x_index
+    (M,), offsets, dW (G, N, K), max_ctas) of `grouped_wgrad_gathered_sm90`; shapes symbolic."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .grouped_wgrad_sm90 import GroupedWgradGatheredSm90
+
+    dt = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+    m, t, g, g1 = (cute.sym_int() for _ in range(4))
+    n, k = cute.sym_int(divisibility=8), cute.sym_int(divisibility=8)
+    args = (fake_tensor(dt, (m, n)), fake_tensor(dt, (t, k)), fake_tensor(cutlass.Int32, (m,), 4),
+            fake_tensor(cutlass.Int32, (g1,), 4), fake_tensor(dt, (g, n, k)), cutlass.Int32(1))
+    return compile_launcher(GroupedWgradGatheredSm90(dt, tile_n, **kernel_opts), args, tvm_ffi)
+
+
+def grouped_wgrad_gathered_sm90(dy, x, x_index, offsets, *, out=None, sm_margin=None, tile_n=None):
+    """dW[g] = dy_g^T @ x[x_index]_g over the rows offsets[g]:offsets[g+1], reading x's rows by
+    index inside the GEMM (FC1's weight gradient without the permuted copy of its input).
+
+    dy (M, N) bf16/fp16; x (T, K) like dy, K a multiple of 8; x_index (M,) int32, the token of
+    each row (ids outside [0, T) clamped); offsets (G+1,) int32. Returns dW (G, N, K) in dy's dtype
+    (into ``out`` if given; empty groups give 0), bit for bit `grouped_wgrad_sm90` on x[x_index]
+    with the same tile. tile_n (128 or 256, along K; None: 128 where K fits, else 256), one CTA
+    per cluster; sm_margin as for `grouped_wgrad_sm90`. No host sync.
+    """
+    tvm_ffi = tvm_ffi_available()
+    key = (call_signature(tvm_ffi, dy, x, x_index, offsets, out), _GATHERED_NAME, sm_margin, tile_n)
+    args = (dy, x, x_index, offsets, out, sm_margin, tile_n)
+    fn, shape, max_ctas = _MEMO.get(key) or _MEMO.put(key, _gathered_launch(*args))
+    result = out if out is not None else dy.new_empty(shape)
+    if fn is None:
+        if result.numel():
+            result.zero_()
+        return result
+    try:
+        if tvm_ffi:
+            fn(dy, x, x_index, offsets, result, max_ctas)
+        else:
+            _call_classic(fn, (dy, x, x_index, offsets, result), max_ctas)
+    except Exception:
+        _gathered_launch(*args)
+        raise
+    return result
+
+
+def _gathered_launch(dy, x, x_index, offsets, out, sm_margin, tile_n):
+    """Every check of `grouped_wgrad_gathered_sm90`; (launcher or None, dW shape, grid in CTAs)."""
+    name = _GATHERED_NAME
+    dev = check_input(name, dy, "dy")
+    check_tensor(name, x, "x", dy.dtype, 2, dev)
+    check_tensor(name, x_index, "x_index", torch.int32, 1, dev)
+    check_tensor(name, offsets, "offsets", torch.int32, 1, dev)
+    (m, n), (t, k) = dy.shape, x.shape
+    if x_index.shape[0] != m:
+        raise ValueError(f"{name}: x_index has {x_index.shape[0]} rows, dy has {m}")
+    if m > _MAX_ROWS:
+        raise ValueError(f"{name}: M={m} rows exceed {_MAX_ROWS}")
+    for arg, value in (("N (dy.shape[1])", n), ("K (x.shape[1])", k)):
+        if value % 8:
+            raise ValueError(f"{name}: {arg}={value} must be a multiple of 8")
+    if offsets.shape[0] < 1:
+        raise ValueError(f"{name}: offsets must have G+1 >= 1 entries, got shape (0,)")
+    if t == 0 and m:
+        raise ValueError(f"{name}: x has no rows to gather, x_index has {m}")
+    if tile_n not in (None, 128, 256):
+        raise ValueError(f"{name}: tile_n must be 128 or 256, got {tile_n!r}")
+    g = offsets.shape[0] - 1
+    _check_destination(name, out, None, dy.dtype, (g, n, k), dev)
+    max_ctas = max(1, num_sms(dev) - resolve_sm_margin(sm_margin, name))
+    if g * n * k == 0 or m == 0:
+        return None, (g, n, k), 0
+    tile_n = tile_n or (128 if k <= 128 else 256)
+    key = (_GATHERED_NAME, dy.dtype, tile_n, tvm_ffi_available())
+    fn = _LAUNCHERS.get(key)
+    if fn is None:
+        fn = _LAUNCHERS[key] = compile_grouped_wgrad_gathered(*key[1:])
+    return fn, (g, n, k), max_ctas
+
+
 def grouped_wgrad_fp8_sm90(dy_columns, x_columns, offsets, *, out_dtype=torch.bfloat16, out=None, main_grad=None,
                            sm_margin=None, cluster_m=None, tile_n=None, overlap_promotion=False):
     """dW[g] = dy_g^T @ x_g from block-padded column-wise FP8 copies of dy (M, N) and x (M, K).
@@ -345,7 +428,9 @@ def _fp8_launch(dy_t, dy_scales, x_t, x_scales, m, x_m, offsets, out_dtype, out,
     return fn, (g, n, k), max_ctas
 
 
-def _call_classic(fn, tensors, tokens, max_ctas):
+def _call_classic(fn, tensors, *scalars):
+    """The classic call path: ``tensors`` as CuTe tensors, then ``scalars`` (ints as Int32, None
+    kept) and the current stream."""
     import cuda.bindings.driver as cuda
     import cutlass
     from cutlass.cute.runtime import from_dlpack
@@ -357,5 +442,4 @@ def _call_classic(fn, tensors, tokens, max_ctas):
         return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
     stream = cuda.CUstream(torch.cuda.current_stream(tensors[0].device).cuda_stream)
-    tokens = None if tokens is None else cutlass.Int32(tokens)
-    fn(*(cv(t) for t in tensors), tokens, cutlass.Int32(max_ctas), stream)
+    fn(*(cv(t) for t in tensors), *(None if v is None else cutlass.Int32(v) for v in scalars), stream)

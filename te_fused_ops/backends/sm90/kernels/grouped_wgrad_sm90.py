@@ -40,6 +40,17 @@ from .grouped_gemm_sm90 import GroupedGemmSm90
 from .varlen_sm90 import ragged_tokens
 
 
+def output_by_group(mOut: cute.Tensor) -> cute.Tensor:
+    """The (N, K, G) view of dW / main_grad (G, N, K) that the core's varlen-K stores tile."""
+    return cute.make_tensor(
+        mOut.iterator,
+        cute.make_layout(
+            (cute.size(mOut, mode=[1]), cute.size(mOut, mode=[2]), cute.size(mOut, mode=[0])),
+            stride=(mOut.stride[1], 1, mOut.stride[0]),
+        ),
+    )
+
+
 class GroupedWgradSm90(GroupedGemmSm90):
     """Grouped dW = dy_g^T @ x_g for sm_90a (see the module docstring).
 
@@ -63,6 +74,7 @@ class GroupedWgradSm90(GroupedGemmSm90):
     def __init__(
         self, dtype, tile_n, accumulate, cluster_m=1, sort_groups=True, ab_stages=None,
         epi_slots=None, raster_band=RASTER_BAND, ab_dtype=None, c_stages=2, pingpong=False, overlap_promotion=False,
+        gather_b=False,
     ):
         self.accumulate = accumulate
         self.sort_groups = sort_groups
@@ -76,6 +88,7 @@ class GroupedWgradSm90(GroupedGemmSm90):
             defer_stores=not (accumulate or pingpong or overlap_promotion or (fp8 and tile_n != 128)),
             pingpong=pingpong,
             overlap_promotion=overlap_promotion,
+            gather_b=gather_b,
         )
 
     @cute.jit
@@ -96,13 +109,7 @@ class GroupedWgradSm90(GroupedGemmSm90):
         if const_expr(not self.block_scaled):
             m_total = cute.size(mDy, mode=[0])
             mA, mB, scales = ragged_tokens(mDy), ragged_tokens(mX), None
-        mD = cute.make_tensor(  # (N, K, G)
-            mOut.iterator,
-            cute.make_layout(
-                (cute.size(mOut, mode=[1]), cute.size(mOut, mode=[2]), cute.size(mOut, mode=[0])),
-                stride=(mOut.stride[1], 1, mOut.stride[0]),
-            ),
-        )
+        mD = output_by_group(mOut)
         self.launch(mA, mB, mOffsets, (mD,), (mD,) if const_expr(self.accumulate) else (), (),
                     max_ctas // self.cluster_m, stream, scales, m_total)
 
@@ -113,3 +120,29 @@ class GroupedWgradSm90(GroupedGemmSm90):
             rOut[0].store(rAcc[0].load() + rIn[0].load())
         else:
             rOut[0].store(rAcc[0].load())
+
+
+class GroupedWgradGatheredSm90(GroupedWgradSm90):
+    """`GroupedWgradSm90` whose x rows are read by index (the core's ``gather_b``): dW[g] =
+    dy[s:e].T @ x[index[s:e]], the permute of FC1's input folded into its weight gradient's loads.
+    dy (M, N); x (T, K), K a multiple of 8; index (M,) int32, ids outside [0, T) clamped; dW in
+    ``dtype``; tile_n 128 or 256; one CTA per cluster (no x multicast: each CTA gathers its own)."""
+
+    def __init__(self, dtype, tile_n, **opts):
+        super().__init__(dtype, tile_n, False, cluster_m=1, gather_b=True, **opts)
+
+    @cute.jit
+    def __call__(
+        self,
+        mDy: cute.Tensor,  # (M, N)
+        mX: cute.Tensor,  # (T, K)
+        mIndex: cute.Tensor,  # (M,) int32
+        mOffsets: cute.Tensor,  # (G + 1,) int32
+        mOut: cute.Tensor,  # (G, N, K)
+        max_ctas: Int32,
+        stream,
+    ):
+        mD = output_by_group(mOut)
+        self.launch(ragged_tokens(mDy), ragged_tokens(mX), mOffsets, (mD,), (), (), max_ctas, stream, None,
+                    cute.size(mDy, mode=[0]), gather=(mX, mIndex))
+
