@@ -222,11 +222,8 @@ class Sm90Mainloop:
         for j in cutlass.range_constexpr(self.tile_k // per_pass):
             token = mIndex[cutlass.min(first + j * per_pass, tile.end - 1)]
             token = cutlass.min(cutlass.max(token, Int32(0)), tokens - 1)
-            dst = tBsB[(None, 0, j, stage)]
-            offset = cutlass.Int64(token) * cutlass.Int64(width) + cutlass.Int64(col)
-            src_ptr = cute.make_ptr(self.ab_dtype, base + offset * (self.ab_dtype.width // 8), cute.AddressSpace.gmem,
-                                    assumed_align=16)
-            cute.copy(atom, cute.make_tensor(src_ptr, cute.make_layout(dst.shape)), dst)
+            self._copy_vector(atom, base, cutlass.Int64(token) * cutlass.Int64(width) + cutlass.Int64(col),
+                              tBsB[(None, 0, j, stage)])
         cute.arch.cp_async_mbarrier_arrive_noinc(bar)
 
     @cute.jit
@@ -236,11 +233,16 @@ class Sm90Mainloop:
         atom, tAsA = gather_copy
         base = mX.iterator.toint() + cutlass.Int64(k * self.tile_k * (self.ab_dtype.width // 8))
         for i in cutlass.range_constexpr(8):
-            dst = tAsA[(None, i, 0, stage)]
-            src_ptr = cute.make_ptr(self.ab_dtype, base + sources[i] * (self.ab_dtype.width // 8),
-                                    cute.AddressSpace.gmem, assumed_align=16)
-            cute.copy(atom, cute.make_tensor(src_ptr, cute.make_layout(dst.shape)), dst)
+            self._copy_vector(atom, base, sources[i], tAsA[(None, i, 0, stage)])
         cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+
+    @cute.jit
+    def _copy_vector(self, atom, base, offset, dst):
+        """cp.async of the 16 bytes at element ``offset`` past global address ``base`` (16-byte
+        aligned: whole vectors of rows whose length is a multiple of 8) into ``dst``."""
+        src = cute.make_ptr(self.ab_dtype, base + offset * (self.ab_dtype.width // 8), cute.AddressSpace.gmem,
+                            assumed_align=16)
+        cute.copy(atom, cute.make_tensor(src, cute.make_layout(dst.shape)), dst)
 
     def _half_tiled_mma(self):
         """`split_products`: the MMA of one 128-column half of the tile (both warpgroups on M)."""
