@@ -111,6 +111,40 @@ def test_rows_bucket():
     assert [tuning.rows_bucket(m) for m in (1, 2, 3, 1000, 1024, 1025)] == [1, 2, 4, 1024, 1024, 2048]
 
 
+def _mlp_operands(seed: int, i: int):
+    """x, dy (3000, 512), W1 (8, 2i, 512), W2 (8, 512, i) bf16 and uneven offsets (an empty group)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    g, h, m = 8, 512, 3000
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    dy = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w1 = torch.randn(g, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=gen) / h**0.5
+    w2 = torch.randn(g, h, i, device="cuda", dtype=torch.bfloat16, generator=gen) / i**0.5
+    offsets = torch.tensor([0, 100, 100, 900, 1300, 2000, 2100, 2900, 2950], device="cuda", dtype=torch.int32)
+    return x, dy, w1, w2, offsets
+
+
+def _check_tuned_on_the_spot(step, families, cache, monkeypatch):
+    """``step()``'s outputs with every class tuned on the spot equal the heuristic's bit for bit,
+    the table holds one entry per kernel family of ``families``, and a new process's lookup uses
+    it without tuning again."""
+    from te_fused_ops.backends.sm90.kernels import grouped_gemm, grouped_wgrad
+
+    def fresh_memos():
+        monkeypatch.setattr(grouped_gemm, "_MEMO", grouped_gemm.LaunchMemo())
+        monkeypatch.setattr(grouped_wgrad, "_MEMO", grouped_wgrad.LaunchMemo())
+
+    default = step()
+    monkeypatch.setenv("TE_FUSED_OPS_AUTOTUNE", "1")
+    fresh_memos()
+    assert all(torch.equal(a, b) for a, b in zip(default, step()))
+    stored = json.loads((cache / tuning.TABLE_NAME).read_text())
+    assert len(stored) == len(families) and {k.split("|")[0] for k in stored} == set(families)
+    monkeypatch.setattr(tuning, "tune", lambda *a: pytest.fail("tuned twice"))
+    monkeypatch.setattr(tuning, "_table", None)
+    fresh_memos()
+    assert all(torch.equal(a, b) for a, b in zip(default, step()))
+
+
 @pytest.mark.gpu
 def test_autotuned_kernels_equal_the_default(cache, monkeypatch):
     """Forward, dgrad + dAct and wgrad tuned on the spot: results bit-equal to the heuristic's, one
@@ -119,33 +153,15 @@ def test_autotuned_kernels_equal_the_default(cache, monkeypatch):
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm90 kernels need a Hopper GPU")
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    g, h, i, m = 8, 512, 384, 3000
-    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, generator=gen)
-    dy = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, generator=gen)
-    w1 = torch.randn(g, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=gen) / h**0.5
-    w2 = torch.randn(g, h, i, device="cuda", dtype=torch.bfloat16, generator=gen) / i**0.5
-    offsets = torch.tensor([0, 100, 100, 900, 1300, 2000, 2100, 2900, 2950], device="cuda", dtype=torch.int32)
+    x, dy, w1, w2, offsets = _mlp_operands(5, 384)
 
     def step():
         pre, act = grouped_gemm.grouped_gemm_sm90(x, w1, offsets, activation="swiglu")
         d_pre, act2, _ = grouped_gemm.grouped_dgrad_dact_sm90(dy, w2, offsets, pre, activation="swiglu")
         return [pre, act, d_pre, act2, grouped_wgrad.grouped_wgrad_sm90(dy, act2, offsets)]
 
-    default = step()
-    monkeypatch.setenv("TE_FUSED_OPS_AUTOTUNE", "1")
-    monkeypatch.setattr(grouped_gemm, "_MEMO", grouped_gemm.LaunchMemo())
-    monkeypatch.setattr(grouped_wgrad, "_MEMO", grouped_wgrad.LaunchMemo())
-    tuned = step()
-    assert all(torch.equal(a, b) for a, b in zip(default, tuned))
-    stored = json.loads((cache / tuning.TABLE_NAME).read_text())
-    assert len(stored) == 3 and {k.split("|")[0] for k in stored} == {
-        "grouped_gemm_sm90", "grouped_dgrad_dact_sm90", "grouped_wgrad_sm90"}
-    monkeypatch.setattr(tuning, "tune", lambda *a: pytest.fail("tuned twice"))
-    monkeypatch.setattr(tuning, "_table", None)
-    monkeypatch.setattr(grouped_gemm, "_MEMO", grouped_gemm.LaunchMemo())
-    monkeypatch.setattr(grouped_wgrad, "_MEMO", grouped_wgrad.LaunchMemo())
-    assert all(torch.equal(a, b) for a, b in zip(default, step()))
+    _check_tuned_on_the_spot(step, ("grouped_gemm_sm90", "grouped_dgrad_dact_sm90", "grouped_wgrad_sm90"), cache,
+                             monkeypatch)
 
 
 @pytest.mark.gpu
@@ -157,13 +173,7 @@ def test_autotuned_fp8_kernels_equal_the_default(cache, monkeypatch):
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm90 kernels need a Hopper GPU")
-    gen = torch.Generator(device="cuda").manual_seed(6)
-    g, h, i, m = 8, 512, 256, 3000
-    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, generator=gen)
-    dy = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, generator=gen)
-    w1 = torch.randn(g, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=gen) / h**0.5
-    w2 = torch.randn(g, h, i, device="cuda", dtype=torch.bfloat16, generator=gen) / i**0.5
-    offsets = torch.tensor([0, 100, 100, 900, 1300, 2000, 2100, 2900, 2950], device="cuda", dtype=torch.int32)
+    x, dy, w1, w2, offsets = _mlp_operands(6, 256)
     x_fp8, dy_fp8 = block_quantize_sm90(x, 1), block_quantize_sm90(dy, 1)
     w1_fp8 = block_quantize_sm90(w1, 128)
     w2_t_fp8 = block_quantize_sm90(w2, 128, transposed=True)[2:]
@@ -176,22 +186,8 @@ def test_autotuned_fp8_kernels_equal_the_default(cache, monkeypatch):
                                                   offsets)
         return [pre, act, parts.amax(), d_pre, dw]
 
-    default = step()
-    monkeypatch.setenv("TE_FUSED_OPS_AUTOTUNE", "1")
-    def fresh_memos():
-        monkeypatch.setattr(grouped_gemm, "_MEMO", grouped_gemm.LaunchMemo())
-        monkeypatch.setattr(grouped_wgrad, "_MEMO", grouped_wgrad.LaunchMemo())
-
-    fresh_memos()
-    tuned = step()
-    assert all(torch.equal(a, b) for a, b in zip(default, tuned))
-    stored = json.loads((cache / tuning.TABLE_NAME).read_text())
-    assert {k.split("|")[0] for k in stored} == {
-        "grouped_gemm_fp8_sm90", "grouped_dgrad_dact_fp8_sm90", "grouped_wgrad_fp8_sm90"} and len(stored) == 3
-    monkeypatch.setattr(tuning, "tune", lambda *a: pytest.fail("tuned twice"))
-    monkeypatch.setattr(tuning, "_table", None)
-    fresh_memos()
-    assert all(torch.equal(a, b) for a, b in zip(default, step()))
+    _check_tuned_on_the_spot(step, ("grouped_gemm_fp8_sm90", "grouped_dgrad_dact_fp8_sm90", "grouped_wgrad_fp8_sm90"),
+                             cache, monkeypatch)
 
 
 def test_fp8_candidates():
