@@ -100,6 +100,13 @@ SWITCHES = {
             "once per class); stored choices are used without it",
         ),
         Switch(
+            "TE_FUSED_OPS_GATHER_ROWS", _flag, lambda: _FLAG_VALUES, False, "0",
+            "1 lets the weight gradient of a GroupedLinear right after a single-GPU `Permute` read "
+            "the token rows by index inside the sm90 GEMM (`grouped_wgrad_gathered_sm90`) instead of "
+            "permuting them again in the backward (16-bit, without main_grad); experimental, off by "
+            "default",
+        ),
+        Switch(
             "TE_FUSED_OPS_KERNEL_CACHE_DIR", _path, lambda: "a directory path", None,
             "`$XDG_CACHE_HOME/te_fused_ops/kernels`, else `~/.cache/te_fused_ops/kernels`",
             "where compiled kernels are kept; it must be owned by you and not writable by group or "

@@ -647,3 +647,81 @@ def test_sm_margin_reaches_every_kernel_from_the_environment(sm90_stand_ins, mon
         assert {name for name, _ in seen} == {"grouped_gemm_sm90", "grouped_wgrad_sm90", "grouped_column_sums_sm90",
                                               "grouped_dgrad_dact_sm90"}, seen
         assert all(m == margin for _, m in seen), seen
+
+
+SCATTERS = []  # x's shape of each stood-in row scatter
+GATHERED_WGRADS = []  # (x's shape, rows) of each stood-in gathered weight gradient
+
+
+def scatter_rows_stand_in(x, rows, num_kept, out=None, scale=None, y=None, dot_out=None, num_rows=None):
+    """`moe_rows.scatter_rows`' contract: kept slot (t, j) writes x[t] (times scale) to row
+    rows[t, j], a dropped slot's row is zero; with ``y`` the slots' dots <x[t], y[row]>."""
+    SCATTERS.append(tuple(x.shape))
+    tokens, k = rows.shape
+    flat, kept = rows.reshape(-1).long(), rows.reshape(-1) < num_kept
+    values = x.float().repeat_interleave(k, 0)
+    if scale is not None:
+        values = values * scale.reshape(-1, 1).float()
+    result = torch.zeros(num_rows or tokens * k, x.shape[1], dtype=x.dtype) if out is None else out.zero_()
+    result[flat] = torch.where(kept[:, None], values, 0).to(x.dtype)
+    if dot_out is not None:
+        dots = (x.float().repeat_interleave(k, 0) * y[flat].float()).sum(1)
+        dot_out.copy_(torch.where(kept, dots, 0).view(tokens, k))
+    return result
+
+
+def gather_sum_stand_in(src, rows, num_kept, out=None, weights=None):
+    """`moe_rows.gather_sum`'s contract: each token's kept rows summed in float32 (weighted)."""
+    picked = src.float()[rows.long()]
+    factor = (rows < num_kept).float() * (1.0 if weights is None else weights.float())
+    return (picked * factor[..., None]).sum(1).to(src.dtype)
+
+
+def gathered_wgrad_stand_in(dy, x, x_index, offsets, *, out=None, sm_margin=None):
+    """`grouped_wgrad_gathered_sm90`'s contract: `grouped_wgrad` of dy and x[x_index]."""
+    GATHERED_WGRADS.append((tuple(x.shape), x_index.shape[0]))
+    return grouped_wgrad(dy, x[x_index.long().clamp(0, x.shape[0] - 1)], offsets)
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_fc1_weight_gradient_reads_the_permuted_rows_by_index(gather, sm90_stand_ins, monkeypatch):
+    """TE_FUSED_OPS_GATHER_ROWS=1: FC1's weight gradient in the routed layer reads x's rows by
+    index (no scatter in the backward but the combine's); the layer's outputs and gradients are
+    those of the default plan, and of the torch backend."""
+    import te_fused_ops.backends.sm90.linear as sm90
+    import te_fused_ops.backends.sm90.moe as sm90_moe
+    from te_fused_ops import Permute, Unpermute
+
+    monkeypatch.setattr(sm90_moe, "scatter_rows", scatter_rows_stand_in)
+    monkeypatch.setattr(sm90_moe, "gather_sum", gather_sum_stand_in)
+    monkeypatch.setattr(sm90, "grouped_wgrad_gathered_sm90", gathered_wgrad_stand_in)
+    torch.manual_seed(0)
+    tokens, k = 90, 3
+    seq = Sequential(Permute(G), GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), SwiGLU(),
+                     GroupedLinear(G, I, H, dtype=torch.bfloat16), Unpermute())
+    x = torch.randn(tokens, H, dtype=torch.bfloat16, requires_grad=True)
+    indices = torch.randint(0, G, (tokens, k))
+    indices[::7, 1] = -1  # dropped slots: padding rows past the groups
+    probs = torch.rand(tokens, k, requires_grad=True)
+    dy = torch.randn(tokens, H, dtype=torch.bfloat16)
+
+    def run():
+        leaves = (x, probs, *seq.parameters())
+        for t in leaves:
+            t.grad = None
+        SCATTERS.clear()
+        GATHERED_WGRADS.clear()
+        seq(x, indices=indices, probs=probs).backward(dy)
+        return [t.grad.clone() for t in leaves]
+
+    default = run()
+    assert len(SCATTERS) == 3 and not GATHERED_WGRADS  # permute, combine's backward, FC1's input again
+    monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", "1" if gather else "0")
+    got = run()
+    if gather:
+        assert len(SCATTERS) == 2 and GATHERED_WGRADS == [((tokens, H), tokens * k)]
+    for a, b in zip(got, default):
+        assert torch.equal(a, b)
+    monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
+    for a, b in zip(got, run()):
+        assert ref.rel_err(a, b) <= 1e-2

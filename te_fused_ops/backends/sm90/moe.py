@@ -16,6 +16,7 @@ the scatter itself (`scatter_cast_rows`), to the ranks cast first and sent as fp
 
 import torch
 
+from ...context import Recompute
 from ...ops.moe import check_tokens
 from ...routing import ExpertParallelRouting, Routing
 from .backend import SM90
@@ -44,6 +45,18 @@ def _weights(probs):
 def permuted_rows(x: torch.Tensor, routing: Routing) -> torch.Tensor:
     """(T, H) -> (M, H) expert-ordered rows (also what the backward recomputes)."""
     return scatter_rows(x.contiguous(), routing.slot_rows, routing.num_kept)
+
+
+def gathered_rows(saved) -> tuple | None:
+    """(x (T, H), (M,) int32 token of each expert row) where ``saved`` (an op's saved input) is a
+    single-GPU Permute's recompute of its rows (`permuted_rows`), for a kernel that reads the rows
+    by index instead; else None."""
+    if not isinstance(saved, Recompute) or saved.fn is not permuted_rows:
+        return None
+    x, routing = saved.args
+    if isinstance(routing, ExpertParallelRouting) or x.shape[0] == 0:
+        return None
+    return x.contiguous(), (routing.row_slots // routing.top_k).to(torch.int32)
 
 
 def _send_rows(x: torch.Tensor, routing: ExpertParallelRouting, scale=None, y=None, dot_out=None) -> torch.Tensor:
