@@ -1,9 +1,12 @@
 """Permute and Unpermute alone, forward and backward: the MoE layer's row movement as rules, so a
-backend can run it on its kernels (the references are the ops' own passes)."""
+backend can run it on its kernels (the references are the ops' own passes); the permute with a
+cast after it; and the permute with FC1 + activation after it (rows read by index in the GEMM)."""
 
 from te_fused_ops.fusion import FusionRule, register_rule
-from te_fused_ops.ops import Permute, Unpermute
+from te_fused_ops.ops import Activation, GroupedLinear, Permute, Unpermute
 from te_fused_ops.quantization import Float8BlockScaling
+
+from .grouped_linear_activation import activation_after_linear
 
 
 def _forward_reference(ops, ctxs, x):
@@ -45,3 +48,23 @@ def _cast_before_moving(ops, ctxs, x):
 permute_quantize = register_rule(FusionRule(
     "permute+quantize", pattern=(Permute,), passes="forward", supports=_cast_before_moving_reason,
     reference=_cast_before_moving, formats=(1,)))
+
+
+def _single_gpu_reason(ops, info):
+    return "expert parallel (group=): the rows come from other ranks" if ops[0].group is not None else None
+
+
+def _permute_linear_activation(ops, ctxs, x):
+    """The permute, then FC1 + activation on its rows (`grouped_linear+activation`'s reference)."""
+    rows = ops[0].op_forward(ctxs[0], x)
+    ctxs[1].input_recompute = ctxs[0].recompute_output
+    pre = ops[1].op_forward(ctxs[1], rows)
+    ops[2].check_input(pre)
+    return activation_after_linear(ops[2], ctxs[1:], pre, ops[2].compute(ctxs[2].side, pre))
+
+
+# FC1 + activation reading the permuted rows by index inside the GEMM: the permuted copy of x is
+# never written (a backend may take it, e.g. the sm90 one under TE_FUSED_OPS_GATHER_ROWS=1)
+permute_grouped_linear_activation = register_rule(FusionRule(
+    "permute+grouped_linear+activation", pattern=(Permute, GroupedLinear, Activation), passes="forward",
+    supports=_single_gpu_reason, reference=_permute_linear_activation))

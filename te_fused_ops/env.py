@@ -101,10 +101,10 @@ SWITCHES = {
         ),
         Switch(
             "TE_FUSED_OPS_GATHER_ROWS", _flag, lambda: _FLAG_VALUES, False, "0",
-            "1 lets the weight gradient of a GroupedLinear right after a single-GPU `Permute` read "
-            "the token rows by index inside the sm90 GEMM (`grouped_wgrad_gathered_sm90`) instead of "
-            "permuting them again in the backward (16-bit, without main_grad); experimental, off by "
-            "default",
+            "1 lets FC1 + activation right after a single-GPU `Permute` read the token rows by index "
+            "inside the sm90 GEMM (rule `permute+grouped_linear+activation`, hidden size a multiple of "
+            "64) and its weight gradient too (16-bit, without main_grad), instead of writing the "
+            "permuted rows and permuting them again in the backward; experimental, off by default",
         ),
         Switch(
             "TE_FUSED_OPS_KERNEL_CACHE_DIR", _path, lambda: "a directory path", None,
@@ -121,6 +121,14 @@ SWITCHES = {
         ),
     )
 }
+
+
+PLAN_SWITCHES = ("TE_FUSED_OPS_GATHER_ROWS",)  # switches a backend's rule checks read: part of a plan's key
+
+
+def plan_settings() -> tuple:
+    """The current values of `PLAN_SWITCHES` (a cached plan is made again when they change)."""
+    return tuple(read(name) for name in PLAN_SWITCHES)
 
 
 def read(name: str, where: str = "te_fused_ops"):

@@ -10,6 +10,7 @@ import functools
 
 import torch
 
+from . import env
 from .backends import backends_version
 from .context import OpContext
 from .overlap import ChunkedSegment
@@ -79,6 +80,7 @@ def get_plan(ops, info: PlanInfo, cache: dict, fuse: bool):
         fuse,
         fusion_enabled_by_env(),
         forced_backend(),
+        env.plan_settings(),
         info,
         tuple(op.plan_signature() for op in ops),
     )

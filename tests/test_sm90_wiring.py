@@ -677,6 +677,15 @@ def gather_sum_stand_in(src, rows, num_kept, out=None, weights=None):
     return (picked * factor[..., None]).sum(1).to(src.dtype)
 
 
+GATHERED_GEMMS = []  # activation of each stood-in gathered forward
+
+
+def gathered_gemm_stand_in(x, x_index, weight, offsets, *, activation=None, **epilogue):
+    """`grouped_gemm_gathered_sm90`'s contract: `grouped_gemm_sm90` on x[x_index]."""
+    GATHERED_GEMMS.append(activation)
+    return gemm(x[x_index.long().clamp(0, x.shape[0] - 1)], weight, offsets, activation=activation, **epilogue)
+
+
 def gathered_wgrad_stand_in(dy, x, x_index, offsets, *, out=None, sm_margin=None):
     """`grouped_wgrad_gathered_sm90`'s contract: `grouped_wgrad` of dy and x[x_index]."""
     GATHERED_WGRADS.append((tuple(x.shape), x_index.shape[0]))
@@ -684,17 +693,20 @@ def gathered_wgrad_stand_in(dy, x, x_index, offsets, *, out=None, sm_margin=None
 
 
 @pytest.mark.parametrize("gather", [False, True])
-def test_fc1_weight_gradient_reads_the_permuted_rows_by_index(gather, sm90_stand_ins, monkeypatch):
-    """TE_FUSED_OPS_GATHER_ROWS=1: FC1's weight gradient in the routed layer reads x's rows by
-    index (no scatter in the backward but the combine's); the layer's outputs and gradients are
-    those of the default plan, and of the torch backend."""
+def test_fc1_reads_the_permuted_rows_by_index(gather, sm90_stand_ins, monkeypatch):
+    """TE_FUSED_OPS_GATHER_ROWS=1: FC1 + activation in the routed layer and FC1's weight gradient
+    read x's rows by index (rule 'permute+grouped_linear+activation'; the only scatter left is the
+    combine's backward); the layer's output and gradients equal the default plan's bit for bit, and
+    the torch backend's."""
     import te_fused_ops.backends.sm90.linear as sm90
     import te_fused_ops.backends.sm90.moe as sm90_moe
+    import te_fused_ops.backends.sm90.rules as sm90_rules
     from te_fused_ops import Permute, Unpermute
 
     monkeypatch.setattr(sm90_moe, "scatter_rows", scatter_rows_stand_in)
     monkeypatch.setattr(sm90_moe, "gather_sum", gather_sum_stand_in)
     monkeypatch.setattr(sm90, "grouped_wgrad_gathered_sm90", gathered_wgrad_stand_in)
+    monkeypatch.setattr(sm90_rules, "grouped_gemm_gathered_sm90", gathered_gemm_stand_in)
     torch.manual_seed(0)
     tokens, k = 90, 3
     seq = Sequential(Permute(G), GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), SwiGLU(),
@@ -709,17 +721,22 @@ def test_fc1_weight_gradient_reads_the_permuted_rows_by_index(gather, sm90_stand
         leaves = (x, probs, *seq.parameters())
         for t in leaves:
             t.grad = None
-        SCATTERS.clear()
-        GATHERED_WGRADS.clear()
-        seq(x, indices=indices, probs=probs).backward(dy)
-        return [t.grad.clone() for t in leaves]
+        for calls in (SCATTERS, GATHERED_WGRADS, GATHERED_GEMMS):
+            calls.clear()
+        y = seq(x, indices=indices, probs=probs)
+        y.backward(dy)
+        return [y.detach(), *(t.grad.clone() for t in leaves)]
 
     default = run()
     assert len(SCATTERS) == 3 and not GATHERED_WGRADS  # permute, combine's backward, FC1's input again
     monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", "1" if gather else "0")
+    text = seq.explain(x, indices=indices, probs=probs)
+    assert ("[0:3] Permute, GroupedLinear, SwiGLU -> rule 'permute+grouped_linear+activation' (backend sm90)"
+            in text) == gather, text
     got = run()
     if gather:
-        assert len(SCATTERS) == 2 and GATHERED_WGRADS == [((tokens, H), tokens * k)]
+        assert len(SCATTERS) == 1 and GATHERED_GEMMS == ["swiglu"]
+        assert GATHERED_WGRADS == [((tokens, H), tokens * k)]
     for a, b in zip(got, default):
         assert torch.equal(a, b)
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")

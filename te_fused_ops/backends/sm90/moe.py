@@ -59,6 +59,20 @@ def gathered_rows(saved) -> tuple | None:
     return x.contiguous(), (routing.row_slots // routing.top_k).to(torch.int32)
 
 
+def gather_tokens(ctx, x) -> tuple | None:
+    """The permute's forward without its rows, for a kernel that reads them by index: (x (T, H),
+    (M,) int32 token of each expert row) as `gathered_rows` gives them, the permute's recompute of
+    its rows left in ``ctx``; None (nothing done) where the row kernels would not move these rows
+    or they go to other ranks."""
+    routing = ctx.side["routing"]
+    if (isinstance(routing, ExpertParallelRouting) or not isinstance(x, torch.Tensor) or x.dim() != 2
+            or not _kernels_take(x, routing)):
+        return None
+    check_tokens("Permute", x, routing.slot_rows.shape[0], "tokens, hidden")
+    ctx.recompute_output = Recompute(permuted_rows, x, routing)
+    return gathered_rows(ctx.recompute_output)
+
+
 def _send_rows(x: torch.Tensor, routing: ExpertParallelRouting, scale=None, y=None, dot_out=None) -> torch.Tensor:
     """Tokens (T, H) -> this rank's send rows (N, H) (times the slot's ``scale``; with ``y``
     and ``dot_out`` also the slots' dots with the rows ``y`` came back in)."""
@@ -72,7 +86,7 @@ def _token_sums(sent: torch.Tensor, routing: ExpertParallelRouting, weights=None
 
 
 @SM90.implement("permute", supports=rows_supported_reason)
-def _permute(ops, ctxs, x):
+def permute_on_kernels(ops, ctxs, x):
     op, ctx = ops[0], ctxs[0]
     routing = ctx.side["routing"]
     if not (isinstance(x, torch.Tensor) and x.dim() == 2 and _kernels_take(x, routing)):

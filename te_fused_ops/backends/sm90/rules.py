@@ -10,13 +10,16 @@ remaining ops run as their own steps.
 
 import torch
 
+from ... import env
 from ...activations import ACTIVATIONS
 from ...fusion_rules.dactivation_grouped_linear import backward_reference
 from ...fusion_rules.grouped_linear_activation import activation_after_linear
 from ...quantization import Float8BlockScaling, Float8CurrentScaling, is_quantized
 from .backend import SM90, kernel_reason, sm_margin
-from .moe import combine_backward_cast, rows_supported_reason, unpermute_backward
+from .moe import combine_backward_cast, gather_tokens, permute_on_kernels, rows_supported_reason, unpermute_backward
 from .kernels.grouped_gemm import (
+    GATHER_K_MULTIPLE,
+    grouped_gemm_gathered_sm90,
     grouped_dgrad_dact_fp8_sm90,
     grouped_dgrad_dact_quant_fp8_sm90,
     grouped_dgrad_dact_sm90,
@@ -26,6 +29,7 @@ from .kernels.grouped_gemm import (
 )
 from .linear import (
     FP8_KERNEL_RECIPES,
+    linear_output_sm90,
     backward_unsupported_reason,
     casts_on_kernel,
     columns_unsupported_reason,
@@ -173,6 +177,40 @@ def _grouped_linear_activation(ops, ctxs, x):
     pre, y, amax_parts = run_grouped_gemm(linear, ctxs[0], x, act.kernel_name, act_amax=True, **epilogue)
     activation_after_linear(act, ctxs, pre)
     return quantize_rows(y, out.recipe, out.offsets, amax_parts)
+
+
+def _supports_gathered_fc1(ops, info):
+    """``TE_FUSED_OPS_GATHER_ROWS=1``, the permute on the row kernels' terms, FC1 + activation on
+    the 16-bit kernel with no cast before or after it, hidden size a multiple of 64."""
+    if not env.read("TE_FUSED_OPS_GATHER_ROWS", "sm90 backend"):
+        return "TE_FUSED_OPS_GATHER_ROWS is off (FC1 reads the permuted copy)"
+    linear = ops[1]
+    if linear.in_features % GATHER_K_MULTIPLE:
+        return f"hidden size {linear.in_features} not a multiple of {GATHER_K_MULTIPLE} (gathered rows)"
+    return rows_supported_reason(ops[:1], info.window(0, 1)) or _supports_grouped_linear_activation(
+        ops[1:], info.window(1, 3))
+
+
+@SM90.implement("permute+grouped_linear+activation", supports=_supports_gathered_fc1)
+def _permute_gathered_grouped_linear_activation(ops, ctxs, x):
+    """FC1 + activation reading x's rows by index (`grouped_gemm_gathered_sm90`): the permuted
+    copy is never written; the backward gets it as the permute's recompute (or reads it by index
+    too). Rows the kernels do not take: the permute, then `grouped_linear+activation`."""
+    _, linear, act = ops
+    tokens = gather_tokens(ctxs[0], x)
+    if tokens is None:
+        rows = permute_on_kernels(ops[:1], ctxs[:1], x)
+        ctxs[1].input_recompute = ctxs[0].recompute_output
+        return _grouped_linear_activation(ops[1:], ctxs[1:], rows)
+    x, index = tokens
+    ctxs[1].input_recompute = ctxs[0].recompute_output
+    weight, bias = ctxs[1].params["weight"], ctxs[1].params.get("bias")
+    linear.check_input(x, weight)
+    pre, y = grouped_gemm_gathered_sm90(
+        x, index, weight.detach(), ctxs[1].side["offsets"], bias=None if bias is None else bias.detach(),
+        activation=act.kernel_name, sm_margin=sm_margin(), **epilogue_args(act, ctxs[2]))
+    linear.keep_for_backward(ctxs[1], ctxs[0].recompute_output, None, linear_output_sm90)
+    return activation_after_linear(act, ctxs[1:], pre, y)
 
 
 # ---------------------------------------------------------------------------------------------
