@@ -161,7 +161,7 @@ def forward_tiles(fn_name, weight_layout, activation) -> dict:
     weights (measured: FC1 + SwiGLU and FC2 8.6% / 5.1% faster at N = 2880; FC1's "kn" data
     gradient is not), whole 1 x 128 blocks for the cast epilogue."""
     spec = activation_spec(activation, fn_name)
-    if fn_name != _FWD or weight_layout != "nk":
+    if fn_name not in (_FWD, _GATHERED) or weight_layout != "nk":
         return {}
     return {"tile_ns": tuning.TILE_NS, "halves": 2 if spec is not None and spec.glu else 1}
 
@@ -644,28 +644,14 @@ def _gathered_launch(x, x_index, weight, offsets, bias, activation, probs, tile_
     """Every check of `grouped_gemm_gathered_sm90`; (launcher or None when M == 0, pre shape, act
     shape or None, persistent grid in clusters)."""
     name = _GATHERED
-    dev = check_input(name, x, "x")
-    check_tensor(name, x_index, "x_index", torch.int32, 1, dev)
-    check_tensor(name, weight, "weight", x.dtype, 3, dev)
-    check_tensor(name, offsets, "offsets", torch.int32, 1, dev)
-    spec = activation_spec(activation, name)
-    (t, k), (g, n, kw), m = x.shape, weight.shape, x_index.shape[0]
+    check_tensor(name, x_index, "x_index", torch.int32, 1, check_input(name, x, "x"))
+    (t, k), m = x.shape, x_index.shape[0]
     if t == 0 and m:
         raise ValueError(f"{name}: x has no rows to gather, x_index has {m}")
-    if kw != k:
-        raise ValueError(f"{name}: weight has K={kw} (its last dim), x has K={k}")
     if k % GATHER_K_MULTIPLE:
         raise ValueError(f"{name}: K={k} (x.shape[1]) must be a multiple of {GATHER_K_MULTIPLE}")
-    if g < 1:
-        raise ValueError(f"{name}: weight must hold at least one group")
-    _check_shape(name, offsets, "offsets", (g + 1,))
-    glu = spec is not None and spec.glu
-    if n % (GLU_N_MULTIPLE if glu else 8):
-        raise ValueError(f"{name}: N={n} (weight.shape[1]) must be a multiple of {GLU_N_MULTIPLE if glu else 8}"
-                         + (f" for activation {activation!r}" if glu else ""))
-    act_shape = _check_epilogue_tensors(name, spec, x.dtype, bias, probs, None, None, m, n, g, dev)
-    tile_n, cluster_m, clusters, _ = _launch_config(name, m, n, g, dev, tile_n, cluster_m, sm_margin,
-                                                    forward_tiles(_FWD, "nk", activation))
+    m, n, act_shape, tile_n, cluster_m, clusters, _ = _forward_checks(
+        name, x, weight, offsets, bias, activation, probs, None, None, "nk", tile_n, cluster_m, sm_margin, rows=m)
     if m == 0:
         return None, (m, n), act_shape, clusters
     key = (_GATHERED, x.dtype, tile_n, activation, bias is not None, tvm_ffi_available(), cluster_m)
@@ -718,10 +704,11 @@ def _check_amax_request(fn_name, arg, asked, has_output, clusters, cluster_m) ->
 
 def _forward_checks(
     fn_name, x, weight, offsets, bias, activation, probs, out, act_out, weight_layout, tile_n, cluster_m, sm_margin,
-    pingpong=False, conflict=None,
+    pingpong=False, conflict=None, rows=None,
 ):
     """The checks of a bf16/fp16 forward; (M, N, act shape or None, tile_n, cluster_m, grid,
-    pingpong) (``pingpong``, ``conflict``: as for `_launch_config`)."""
+    pingpong) (``pingpong``, ``conflict``: as for `_launch_config`; ``rows``: M where the grouped
+    rows are gathered from x, else x's rows)."""
     dev = check_input(fn_name, x, "x")
     check_tensor(fn_name, weight, "weight", x.dtype, 3, dev)
     check_tensor(fn_name, offsets, "offsets", torch.int32, 1, dev)
@@ -729,6 +716,7 @@ def _forward_checks(
     if weight_layout not in ("nk", "kn"):
         raise ValueError(f"{fn_name}: weight_layout must be 'nk' or 'kn', got {weight_layout!r}")
     m, k = x.shape
+    m = m if rows is None else rows
     if weight_layout == "nk":
         g, n, kw = weight.shape
     else:
