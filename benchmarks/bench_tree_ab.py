@@ -10,9 +10,11 @@ step (`bench_moe_layer`'s a, c and c-fp8-4mb, checked against a). Prints one ``R
     python benchmarks/bench_tree_ab.py a --warm   # compile and check only (fills the kernel caches)
     python benchmarks/bench_tree_ab.py a --parts layer   # the MoE layer only
     python benchmarks/bench_tree_ab.py a --shapes dsv3-ep8   # other shapes (default: qwen3, gpt-oss)
+    python benchmarks/bench_tree_ab.py a --parts layer --contenders c   # a and c only
 """
 
 import argparse
+import functools
 import json
 
 from common import require_sm90
@@ -28,7 +30,7 @@ from common import rotated_medians, sustained_ms
 import te_fused_ops
 
 SHAPES = ("qwen3-30b-a3b", "gptoss-120b-ep4")
-LAYER_CONTENDERS = ("a", "c", "c-fp8-4mb")
+LAYER_CONTENDERS = ("c", "c-fp8-4mb")
 
 
 def mlp_steps(name):
@@ -53,11 +55,11 @@ def mlp_steps(name):
     return steps
 
 
-def layer_steps(name):
-    """label -> step fn of the MoE layer contenders `LAYER_CONTENDERS`, checked against a."""
+def layer_steps(name, contenders=LAYER_CONTENDERS):
+    """label -> step fn of the MoE layer's ``contenders`` (a among them), checked against a."""
     problem = bench_moe_layer.make_problem(name, bench_moe_layer.SHAPES[name])
     runs = bench_moe_layer.build_contenders(problem, compiled=True, recipe="fp8_blockwise")
-    runs = {label: runs[label] for label in LAYER_CONTENDERS}
+    runs = {label: runs[label] for label in ("a", *contenders)}
     checks = bench_moe_layer.check_contenders(runs, problem.dy, "a")
     if any(check["status"] != "ok" for check in checks.values()):
         raise SystemExit(f"{name}: a layer contender does not match a: {checks}")
@@ -73,10 +75,13 @@ def main():
     ap.add_argument("--warm", action="store_true", help="compile and check only, no timing")
     ap.add_argument("--parts", default="mlp,layer", help="comma-separated: mlp, layer")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of bench_moe_layer.SHAPES")
+    ap.add_argument("--contenders", default=",".join(LAYER_CONTENDERS),
+                    help="comma-separated layer contenders besides a (default: c, c-fp8-4mb)")
     args = ap.parse_args()
+    layer = functools.partial(layer_steps, contenders=tuple(args.contenders.split(",")))
     result = {"tag": args.tag, "package": te_fused_ops.__file__}
     for name in args.shapes.split(","):
-        for kind, build, base in (("mlp", mlp_steps, "reference"), ("layer", layer_steps, "a")):
+        for kind, build, base in (("mlp", mlp_steps, "reference"), ("layer", layer, "a")):
             if kind not in args.parts.split(","):
                 continue
             steps = build(name)
