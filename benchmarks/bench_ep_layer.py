@@ -238,6 +238,14 @@ def run_shape(name, shape, device, group, args) -> dict:
         step(forward)()
         return [forward().detach()] + [t.grad.clone() for t in leaves]
 
+    if args.precompile_jobs:  # the sync-free contenders' kernels compiled in forked workers first (before
+        # a CUDA graph's warm-up runs would compile them one by one)
+        from te_fused_ops import precompile
+
+        for label in [label for label in layers if label.startswith(("lib static", "lib x", "fp8"))]:
+            report = precompile.compile_step_kernels(step(layers[label]), workers=args.precompile_jobs)
+            if rank == 0:
+                print(f"  {label:11s} precompiled: {report}", flush=True)
     if device.type == "cuda" and args.graphs:  # the sync-free contenders as one CUDA graph per step
         from te_fused_ops import CudaGraphStep
 
@@ -255,14 +263,6 @@ def run_shape(name, shape, device, group, args) -> dict:
             layers[f"{label} graph"] = graphed
             graphed.graphed = True
             pair_rows[f"{label} graph"] = pair_rows[label]
-    if args.precompile_jobs:  # the sync-free contenders' kernels compiled in forked workers first
-        from te_fused_ops import precompile
-
-        for label in [label for label in layers if label.startswith(("lib static", "lib x", "fp8"))
-                      and not label.endswith("graph")]:
-            report = precompile.compile_step_kernels(step(layers[label]), workers=args.precompile_jobs)
-            if rank == 0:
-                print(f"  {label:11s} precompiled: {report}", flush=True)
     want = results(layers["torch"])
     rows = {}
     for label, forward in layers.items():
