@@ -23,6 +23,10 @@ def _flag(raw: str) -> bool:
     return value in _TRUE
 
 
+def _flag_or_auto(raw: str) -> bool | None:
+    return None if raw.lower() == "auto" else _flag(raw)
+
+
 def _backend_names() -> tuple:
     return backend_names()
 
@@ -100,11 +104,11 @@ SWITCHES = {
             "once per class); stored choices are used without it",
         ),
         Switch(
-            "TE_FUSED_OPS_GATHER_ROWS", _flag, lambda: _FLAG_VALUES, False, "0",
-            "1 lets FC1 + activation right after a single-GPU `Permute` read the token rows by index "
-            "inside the sm90 GEMM (rule `permute+grouped_linear+activation`, hidden size a multiple of "
-            "64) and its weight gradient too (16-bit, without main_grad), instead of writing the "
-            "permuted rows and permuting them again in the backward; experimental, off by default",
+            "TE_FUSED_OPS_GATHER_ROWS", _flag_or_auto, lambda: f"auto, or {_FLAG_VALUES}", None, "auto",
+            "whether FC1 + activation right after a single-GPU `Permute` reads the token rows by index "
+            "inside the sm90 GEMM (rule `permute+grouped_linear+activation`, 16-bit, hidden size a "
+            "multiple of 64) instead of reading the permuted copy: 1 always, 0 never, auto where FC1's "
+            "output width is at most 4096 (where it measured faster)",
         ),
         Switch(
             "TE_FUSED_OPS_KERNEL_CACHE_DIR", _path, lambda: "a directory path", None,

@@ -57,18 +57,26 @@ def float64_layer(w1, w2, x0, indices, probs, dy):
     return [ref, *torch.autograd.grad(ref, (xd, pd, w1, w2), dy.double())]
 
 
-def test_sm90_row_rules_are_planned():
+@pytest.mark.parametrize("gather", ["0", "auto"])
+def test_sm90_row_rules_are_planned(gather, monkeypatch):
+    """The row kernels move the rows; with TE_FUSED_OPS_GATHER_ROWS=auto this narrow FC1 reads
+    x's rows by index instead of the forward's permuted copy."""
+    monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", gather)
     moe = layer()
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     indices, probs = routing(0)
     text = moe.explain(x, indices=indices, probs=probs)
-    for rule in ("permute", "unpermute", "permute_backward", "unpermute_backward"):
+    forward = "permute+grouped_linear+activation" if gather == "auto" else "permute"
+    for rule in (forward, "unpermute", "permute_backward", "unpermute_backward"):
         assert f"rule '{rule}' (backend sm90)" in text, text
 
 
+@pytest.mark.parametrize("gather", ["0", "1"])
 @pytest.mark.parametrize("act", ["scaled", "combine"])
 @pytest.mark.parametrize("tokens,k,drop", [(T, K, 0.1), (0, 2, 0.0), (37, 1, 0.0), (64, 8, 1.0), (100, 3, 0.5)])
-def test_fused_equals_torch_backend_and_float64(act, tokens, k, drop, monkeypatch):
+def test_fused_equals_torch_backend_and_float64(act, tokens, k, drop, gather, monkeypatch):
+    """FC1 on the permuted copy (TE_FUSED_OPS_GATHER_ROWS=0) and reading x's rows by index (1)."""
+    monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", gather)
     indices, probs = routing(tokens + k, tokens, k, drop)
     x0 = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)

@@ -650,7 +650,6 @@ def test_sm_margin_reaches_every_kernel_from_the_environment(sm90_stand_ins, mon
 
 
 SCATTERS = []  # x's shape of each stood-in row scatter
-GATHERED_WGRADS = []  # (x's shape, rows) of each stood-in gathered weight gradient
 
 
 def scatter_rows_stand_in(x, rows, num_kept, out=None, scale=None, y=None, dot_out=None, num_rows=None):
@@ -686,26 +685,18 @@ def gathered_gemm_stand_in(x, x_index, weight, offsets, *, activation=None, **ep
     return gemm(x[x_index.long().clamp(0, x.shape[0] - 1)], weight, offsets, activation=activation, **epilogue)
 
 
-def gathered_wgrad_stand_in(dy, x, x_index, offsets, *, out=None, sm_margin=None):
-    """`grouped_wgrad_gathered_sm90`'s contract: `grouped_wgrad` of dy and x[x_index]."""
-    GATHERED_WGRADS.append((tuple(x.shape), x_index.shape[0]))
-    return grouped_wgrad(dy, x[x_index.long().clamp(0, x.shape[0] - 1)], offsets)
-
-
-@pytest.mark.parametrize("gather", [False, True])
-def test_fc1_reads_the_permuted_rows_by_index(gather, sm90_stand_ins, monkeypatch):
-    """TE_FUSED_OPS_GATHER_ROWS=1: FC1 + activation in the routed layer and FC1's weight gradient
-    read x's rows by index (rule 'permute+grouped_linear+activation'; the only scatter left is the
-    combine's backward); the layer's output and gradients equal the default plan's bit for bit, and
-    the torch backend's."""
-    import te_fused_ops.backends.sm90.linear as sm90
+@pytest.mark.parametrize("setting", ["0", "1", "auto"])
+def test_fc1_reads_the_permuted_rows_by_index(setting, sm90_stand_ins, monkeypatch):
+    """TE_FUSED_OPS_GATHER_ROWS (auto: FC1 this narrow gathers): FC1 + activation in the routed
+    layer reads x's rows by index (rule 'permute+grouped_linear+activation'; the forward writes no
+    permuted copy); the layer's output and gradients equal those of the plan without it bit for
+    bit, and the torch backend's."""
     import te_fused_ops.backends.sm90.moe as sm90_moe
     import te_fused_ops.backends.sm90.rules as sm90_rules
     from te_fused_ops import Permute, Unpermute
 
     monkeypatch.setattr(sm90_moe, "scatter_rows", scatter_rows_stand_in)
     monkeypatch.setattr(sm90_moe, "gather_sum", gather_sum_stand_in)
-    monkeypatch.setattr(sm90, "grouped_wgrad_gathered_sm90", gathered_wgrad_stand_in)
     monkeypatch.setattr(sm90_rules, "grouped_gemm_gathered_sm90", gathered_gemm_stand_in)
     torch.manual_seed(0)
     tokens, k = 90, 3
@@ -721,24 +712,43 @@ def test_fc1_reads_the_permuted_rows_by_index(gather, sm90_stand_ins, monkeypatc
         leaves = (x, probs, *seq.parameters())
         for t in leaves:
             t.grad = None
-        for calls in (SCATTERS, GATHERED_WGRADS, GATHERED_GEMMS):
+        for calls in (SCATTERS, GATHERED_GEMMS):
             calls.clear()
         y = seq(x, indices=indices, probs=probs)
         y.backward(dy)
         return [y.detach(), *(t.grad.clone() for t in leaves)]
 
+    monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", "0")
     default = run()
-    assert len(SCATTERS) == 3 and not GATHERED_WGRADS  # permute, combine's backward, FC1's input again
-    monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", "1" if gather else "0")
+    assert len(SCATTERS) == 3 and not GATHERED_GEMMS  # permute, combine's backward, FC1's input again
+    monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", setting)
+    gather = setting != "0"
     text = seq.explain(x, indices=indices, probs=probs)
     assert ("[0:3] Permute, GroupedLinear, SwiGLU -> rule 'permute+grouped_linear+activation' (backend sm90)"
             in text) == gather, text
     got = run()
     if gather:
-        assert len(SCATTERS) == 1 and GATHERED_GEMMS == ["swiglu"]
-        assert GATHERED_WGRADS == [((tokens, H), tokens * k)]
+        assert len(SCATTERS) == 2 and GATHERED_GEMMS == ["swiglu"]  # the backward's two
     for a, b in zip(got, default):
         assert torch.equal(a, b)
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
     for a, b in zip(got, run()):
         assert ref.rel_err(a, b) <= 1e-2
+
+
+def test_wide_fc1_reads_the_permuted_copy_unless_asked(sm90_stand_ins, monkeypatch):
+    """TE_FUSED_OPS_GATHER_ROWS=auto leaves an FC1 wider than `GATHER_MAX_WIDTH` on the permuted
+    copy (and says why in explain()); 1 gathers it anyway."""
+    from te_fused_ops import Permute, Unpermute
+    from te_fused_ops.backends.sm90.rules import GATHER_MAX_WIDTH
+
+    seq = Sequential(Permute(G), GroupedLinear(G, H, GATHER_MAX_WIDTH + 128, dtype=torch.bfloat16), SwiGLU(),
+                     GroupedLinear(G, (GATHER_MAX_WIDTH + 128) // 2, H, dtype=torch.bfloat16), Unpermute())
+    x = torch.randn(16, H, dtype=torch.bfloat16, requires_grad=True)
+    indices, probs = torch.randint(0, G, (16, 2)), torch.rand(16, 2)
+    rule = "-> rule 'permute+grouped_linear+activation'"
+    monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", "auto")
+    text = seq.explain(x, indices=indices, probs=probs)
+    assert rule not in text and f"FC1 width {GATHER_MAX_WIDTH + 128} > {GATHER_MAX_WIDTH}" in text, text
+    monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", "1")
+    assert rule in seq.explain(x, indices=indices, probs=probs)

@@ -13,7 +13,6 @@ from ...quantization import (
     is_quantized,
     reuse_or_make,
 )
-from ... import env
 from .backend import kernel_reason, sm_margin
 from .kernels.block_quantize import (
     BlockColumns,
@@ -34,11 +33,9 @@ from .kernels.grouped_wgrad import (
     FP8_MAX_GROUPS,
     grouped_column_sums_sm90,
     grouped_wgrad_fp8_sm90,
-    grouped_wgrad_gathered_sm90,
     grouped_wgrad_sm90,
     sm90_wgrad_unsupported_reason,
 )
-from .moe import gathered_rows
 
 FP8_KERNEL_RECIPES = (Float8BlockScaling, Float8CurrentScaling)  # what the FP8 GEMM computes in
 
@@ -256,19 +253,14 @@ def linear_param_grads(ctx, dy: torch.Tensor, x=None, dy_columns=None, out_dtype
     """GroupedLinear's weight gradient (varlen-K kernel, dy and x read in place; accumulated into
     ``weight.main_grad`` when the op asks for it) and bias gradient (from dy).
 
-    ``x``: the op's input (default: what its forward saved; a single-GPU Permute's rows are read
-    by index in the GEMM under ``TE_FUSED_OPS_GATHER_ROWS=1``). With ``dy_columns`` (`BlockColumns`
+    ``x``: the op's input (default: what its forward saved). With ``dy_columns`` (`BlockColumns`
     of dy) x is x's `BlockColumns` too and the weight gradient runs on the FP8 kernel, into
     ``out_dtype`` (default dy's; dy may then be None when no bias gradient is needed)."""
     offsets, grads = ctx.side["offsets"], {}
     if ctx.needs_grad("weight"):
         main_grad = ctx.main_grads.get("weight")  # accumulated in place by the kernel's epilogue
         out = ctx.grad_buffers.get("weight") if main_grad is None else None  # a chunk's slice of the gradient
-        gathered = (gathered_rows(ctx.saved.input) if x is None and dy_columns is None and main_grad is None
-                    and env.read("TE_FUSED_OPS_GATHER_ROWS", "GroupedLinear") else None)
-        if gathered is not None:  # a Permute's rows, read by index instead of permuted again
-            dw = grouped_wgrad_gathered_sm90(dy, *gathered, offsets, out=out, sm_margin=sm_margin())
-        elif dy_columns is None:
+        if dy_columns is None:
             dw = grouped_wgrad_sm90(dy, ctx.load_input() if x is None else x, offsets, main_grad=main_grad,
                                     out=out, sm_margin=sm_margin())
         else:

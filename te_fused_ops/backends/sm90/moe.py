@@ -47,30 +47,17 @@ def permuted_rows(x: torch.Tensor, routing: Routing) -> torch.Tensor:
     return scatter_rows(x.contiguous(), routing.slot_rows, routing.num_kept)
 
 
-def gathered_rows(saved) -> tuple | None:
-    """(x (T, H), (M,) int32 token of each expert row) where ``saved`` (an op's saved input) is a
-    single-GPU Permute's recompute of its rows (`permuted_rows`), for a kernel that reads the rows
-    by index instead; else None."""
-    if not isinstance(saved, Recompute) or saved.fn is not permuted_rows:
-        return None
-    x, routing = saved.args
-    if isinstance(routing, ExpertParallelRouting) or x.shape[0] == 0:
-        return None
-    return x.contiguous(), (routing.row_slots // routing.top_k).to(torch.int32)
-
-
 def gather_tokens(ctx, x) -> tuple | None:
     """The permute's forward without its rows, for a kernel that reads them by index: (x (T, H),
-    (M,) int32 token of each expert row) as `gathered_rows` gives them, the permute's recompute of
-    its rows left in ``ctx``; None (nothing done) where the row kernels would not move these rows
+    (M,) int32 token of each expert row), the permute's recompute of its rows left in ``ctx``; None (nothing done) where the row kernels would not move these rows
     or they go to other ranks."""
     routing = ctx.side["routing"]
     if (isinstance(routing, ExpertParallelRouting) or not isinstance(x, torch.Tensor) or x.dim() != 2
-            or not _kernels_take(x, routing)):
+            or x.shape[0] == 0 or not _kernels_take(x, routing)):
         return None
     check_tokens("Permute", x, routing.slot_rows.shape[0], "tokens, hidden")
     ctx.recompute_output = Recompute(permuted_rows, x, routing)
-    return gathered_rows(ctx.recompute_output)
+    return x.contiguous(), (routing.row_slots // routing.top_k).to(torch.int32)
 
 
 def _send_rows(x: torch.Tensor, routing: ExpertParallelRouting, scale=None, y=None, dot_out=None) -> torch.Tensor:
