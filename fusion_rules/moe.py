@@ -64,7 +64,7 @@ def _permute_linear_activation(ops, ctxs, x):
 
 
 # FC1 + activation reading the permuted rows by index inside the GEMM: the permuted copy of x is
-# never written (a backend may take it, e.g. the sm90 one under TE_FUSED_OPS_GATHER_ROWS=1)
+# never written (a backend may take it, e.g. the sm90 one where TE_FUSED_OPS_GATHER_ROWS allows)
 permute_grouped_linear_activation = register_rule(FusionRule(
     "permute+grouped_linear+activation", pattern=(Permute, GroupedLinear, Activation), passes="forward",
     supports=_single_gpu_reason, reference=_permute_linear_activation))

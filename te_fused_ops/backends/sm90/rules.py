@@ -201,8 +201,8 @@ def _supports_gathered_fc1(ops, info):
 @SM90.implement("permute+grouped_linear+activation", supports=_supports_gathered_fc1)
 def _permute_gathered_grouped_linear_activation(ops, ctxs, x):
     """FC1 + activation reading x's rows by index (`grouped_gemm_gathered_sm90`): the permuted
-    copy is never written; the backward gets it as the permute's recompute (or reads it by index
-    too). Rows the kernels do not take: the permute, then `grouped_linear+activation`."""
+    copy is never written; FC1's weight gradient gets it as the permute's recompute. Rows the
+    kernels do not take: the permute, then `grouped_linear+activation`."""
     _, linear, act = ops
     tokens = gather_tokens(ctxs[0], x)
     if tokens is None:
