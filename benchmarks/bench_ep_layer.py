@@ -23,6 +23,9 @@ rank, rotated order, the same weights (each rank its own experts):
               another's experts (overlap)
   fp8 / fp8 xN  static, a Quantize("fp8_blockwise") after the Permute (E4M3 rows + 1x128 scales
               travel), SwiGLU, Quantize + Transpose, GroupedLinear (the all-FP8 expert step)
+  fp8 4mb     fp8 on its own copy of the experts under `cast_weights_once_per_step` (the weight
+              copies dropped every fourth step, as the optimizer step of 4 micro-batches does): the
+              average micro-batch of the gradient-accumulation regime (fp8 casts every step)
   ... graph   the sync-free contenders (static capacity) captured as one CUDA graph per step
               (`CudaGraphStep`) and replayed: no host time (the plain torch layer reads its
               all-to-all sizes on the host, so it cannot be captured)
@@ -36,6 +39,7 @@ hidden by the overlap: (lib static - lib xN) / comm. Writes benchmarks/results/e
 """
 
 import argparse
+import copy
 import math
 import os
 import statistics
@@ -56,7 +60,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_moe_layer import ExpertMLP, GatherCombine, GatherPermute, layer_math, skewed_topk  # noqa: E402
 from common import device_tag, write_results  # noqa: E402
 
-from te_fused_ops import GroupedLinear, Permute, Quantize, Sequential, SwiGLU, Transpose, Unpermute  # noqa: E402
+from te_fused_ops import (  # noqa: E402
+    GroupedLinear,
+    Permute,
+    Quantize,
+    Sequential,
+    SwiGLU,
+    Transpose,
+    Unpermute,
+    cast_weights_once_per_step,
+)
 
 SHAPES = {  # tokens per rank, k, experts (all ranks), hidden, intermediate
     "qwen3-30b-a3b": (8192, 8, 128, 2048, 768),
@@ -123,6 +136,26 @@ def library_layer(fc1, fc2, experts: int, group, capacity_factor, chunks: int = 
         return Sequential(dispatch, fc1, SwiGLU(), fc2, Unpermute(group=group))
     return Sequential(dispatch, Quantize("fp8_blockwise"), fc1, SwiGLU(), Quantize("fp8_blockwise"), Transpose(), fc2,
                       Unpermute(group=group))
+
+
+def micro_batch_layer(fc1, fc2, experts: int, group, capacity_factor, x, indices, probs):
+    """The static FP8 layer on copies of fc1 and fc2 whose weight casts last 4 calls (the copies
+    are not shared: `cast_weights_once_per_step` holds a model's modules), as a contender; its
+    ``weights`` attribute names the copies' weights for the gradient check. Not for recording runs
+    (`compile_step_kernels` would leave unwritten casts behind): its kernels are fp8's."""
+    own1, own2 = copy.deepcopy(fc1), copy.deepcopy(fc2)
+    layer = library_layer(own1, own2, experts, group, capacity_factor, fp8=True)
+    casts = cast_weights_once_per_step(torch.optim.SGD(layer.parameters(), lr=0.0), layer)
+    calls = [0]
+
+    def one_of_the_micro_batches():
+        calls[0] += 1
+        if calls[0] % 4 == 0:
+            casts.drop()  # what the optimizer step does after the last micro-batch
+        return layer(x, indices=indices, probs=probs)
+
+    one_of_the_micro_batches.weights = (own1.weight, own2.weight)
+    return one_of_the_micro_batches
 
 
 def exchange_bytes(label: str, indices, experts: int, group, rows_per_rank: int, hidden: int) -> int:
@@ -226,15 +259,19 @@ def run_shape(name, shape, device, group, args) -> dict:
         pair_rows[label] = chunks * math.ceil(chunk_cf * tokens * k / (world * chunks))
         layer = library_layer(fc1, fc2, experts, group, chunk_cf, chunks, fp8)
         layers[label] = lambda layer=layer: layer(x, indices=indices, probs=probs)
+        if label == "fp8":
+            layers["fp8 4mb"], pair_rows["fp8 4mb"] = micro_batch_layer(fc1, fc2, experts, group, chunk_cf, x, indices,
+                                                                        probs), pair_rows[label]
     if args.contenders:
         layers = {label: f for label, f in layers.items() if label == "torch" or label in args.contenders}
-    leaves = [x, probs, fc1.weight, fc2.weight]
+    def leaves(forward):  # a contender on its own expert copies names their weights
+        return [x, probs, *getattr(forward, "weights", (fc1.weight, fc2.weight))]
 
     def step(forward):
         if getattr(forward, "graphed", False):
             return forward
         def run():
-            for t in leaves:
+            for t in leaves(forward):
                 t.grad = None
             forward().backward(dy)
         return run
@@ -243,13 +280,13 @@ def run_shape(name, shape, device, group, args) -> dict:
         if getattr(forward, "graphed", False):  # a replay leaves the output and gradients in static tensors
             return [t.clone() for t in forward()]
         step(forward)()
-        return [forward().detach()] + [t.grad.clone() for t in leaves]
+        return [forward().detach()] + [t.grad.clone() for t in leaves(forward)]
 
     if args.precompile_jobs:  # the sync-free contenders' kernels compiled in forked workers first (before
         # a CUDA graph's warm-up runs would compile them one by one)
         from te_fused_ops import precompile
 
-        for label in [label for label in layers if label.startswith(("lib static", "lib x", "fp8"))]:
+        for label in [label for label in layers if label.startswith(("lib static", "lib x", "fp8")) and label != "fp8 4mb"]:
             report = precompile.compile_step_kernels(step(layers[label]), workers=args.precompile_jobs)
             if rank == 0:
                 print(f"  {label:11s} precompiled: {report}", flush=True)
@@ -258,14 +295,14 @@ def run_shape(name, shape, device, group, args) -> dict:
 
         def graph_step(forward):
             def run():
-                for t in leaves:
+                for t in leaves(forward):
                     t.grad = None
                 out = forward()
                 out.backward(dy)
-                return [out.detach()] + [t.grad for t in leaves]  # this graph's static output and gradients
+                return [out.detach()] + [t.grad for t in leaves(forward)]  # this graph's static output and gradients
             return run
 
-        for label in [label for label in layers if label.startswith(("lib static", "lib x", "fp8"))]:
+        for label in [label for label in layers if label.startswith(("lib static", "lib x", "fp8")) and label != "fp8 4mb"]:
             graphed = CudaGraphStep(graph_step(layers[label]))
             layers[f"{label} graph"] = graphed
             graphed.graphed = True

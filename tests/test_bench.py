@@ -214,12 +214,13 @@ def test_moe_layer_fp8_contenders_match_and_cast_weights_once_per_four_steps(mon
 
 def test_ep_layer_benchmark_smoke_on_two_gloo_processes(tmp_path):
     """bench_ep_layer.py --smoke: every contender (plain torch EP layer, the library dropless,
-    static, chunked, FP8) checked against plain torch on 2 gloo processes, the table written."""
+    static, chunked, FP8 with weights cast every step and once per 4 micro-batches) checked against
+    plain torch on 2 gloo processes, the table written."""
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_ep_layer.py"), "--device", "cpu",
                              "--smoke", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     payload = json.loads((tmp_path / "runs" / "ep_layer_cpux2_smoke.json").read_text())
     rows = payload["results"][0]["contenders"]
-    assert {"torch", "lib", "lib static", "lib x2", "lib x4", "fp8", "fp8 x2"} <= set(rows), sorted(rows)
+    assert {"torch", "lib", "lib static", "lib x2", "lib x4", "fp8", "fp8 4mb", "fp8 x2"} <= set(rows), sorted(rows)
     assert all(row["status"] == "ok" and "ms" in row for row in rows.values()), rows
 
