@@ -231,6 +231,35 @@ def test_cuda_graph_replays_with_three_routings():
             assert torch.equal(a, b)
 
 
+def test_compiled_layer_compiles_once_and_equals_eager():
+    """torch.compile of the sm90 layer (FC1 reading x's rows by index): one frame for three
+    routings, outputs and gradients bit-equal to eager."""
+    moe = layer()
+    indices, probs = routing(0)
+    text = moe.explain(torch.randn(T, H, device="cuda", dtype=torch.bfloat16), indices=indices, probs=probs)
+    assert "rule 'permute+grouped_linear+activation' (backend sm90)" in text, text
+    frames = []
+
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        return gm
+
+    compiled = torch.compile(moe, backend=backend, dynamic=False)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    for seed in (8, 9, 10):
+        indices, probs = routing(seed)
+        x0 = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        runs = []
+        for fn in (compiled, moe):
+            for t in moe.parameters():
+                t.grad = None
+            x, p = x0.clone().requires_grad_(), probs.clone().requires_grad_()
+            runs.append([step(fn, x, dy, indices=indices, probs=p).detach()] + [g.clone() for g in grads(moe, x, p)])
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)
+    assert len(frames) == 1
+
+
 def test_two_runs_are_bit_equal():
     moe = layer()
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
