@@ -49,8 +49,9 @@ def permuted_rows(x: torch.Tensor, routing: Routing) -> torch.Tensor:
 
 def gather_tokens(ctx, x) -> tuple | None:
     """The permute's forward without its rows, for a kernel that reads them by index: (x (T, H),
-    (M,) int32 token of each expert row), the permute's recompute of its rows left in ``ctx``; None (nothing done) where the row kernels would not move these rows
-    or they go to other ranks."""
+    (M,) int32 token of each expert row), the permute's recompute of its rows left in ``ctx``;
+    None (nothing done) where the row kernels would not move these rows or they go to other
+    ranks."""
     routing = ctx.side["routing"]
     if (isinstance(routing, ExpertParallelRouting) or not isinstance(x, torch.Tensor) or x.dim() != 2
             or x.shape[0] == 0 or not _kernels_take(x, routing)):
