@@ -36,14 +36,16 @@ def operands(splits, tokens, k, n, activation, has_bias, seed, extra_rows=5):
 
 
 @pytest.mark.parametrize("activation,has_bias", [("swiglu", False), (None, True), ("scaled_swiglu", False)])
-@pytest.mark.parametrize("tile_n,cluster_m", [(128, 1), (128, 2), (192, 2), (256, 1), (256, 2)])
-def test_equals_the_kernel_on_the_gathered_copy(activation, has_bias, tile_n, cluster_m):
+@pytest.mark.parametrize("tile_n,cluster_m,pingpong", [(128, 1, False), (128, 2, False), (192, 2, False),
+                                                      (256, 1, False), (256, 2, False), (128, 2, True),
+                                                      (192, 2, True), (192, 1, True)])
+def test_equals_the_kernel_on_the_gathered_copy(activation, has_bias, tile_n, cluster_m, pingpong):
     x, index, w, offsets, bias, probs = operands(UNEVEN, 700, 256, 512, activation, has_bias, seed=tile_n + cluster_m)
-    kw = dict(bias=bias, activation=activation, probs=probs, tile_n=tile_n, cluster_m=cluster_m)
+    kw = dict(bias=bias, activation=activation, probs=probs, tile_n=tile_n, cluster_m=cluster_m, pingpong=pingpong)
     m, end = index.shape[0], int(offsets[-1])
     poisoned_empty((m, 512), torch.bfloat16)
     pre, act = grouped_gemm_gathered_sm90(x, index, w, offsets, **kw)
-    exp_pre, exp_act = grouped_gemm_sm90(x[index.long()], w, offsets, pingpong=False, **kw)
+    exp_pre, exp_act = grouped_gemm_sm90(x[index.long()], w, offsets, **kw)
     assert torch.equal(pre, exp_pre)
     assert (act is None) == (exp_act is None) and (act is None or torch.equal(act, exp_act))
     ref_pre, ref_act = reference(x[index.long()], w, offsets, bias, activation, probs)
@@ -96,6 +98,8 @@ def test_argument_errors():
         grouped_gemm_gathered_sm90(x[:0], index[:30], w, offsets)
     with pytest.raises(ValueError, match=f"{name}: x_index must be 1-D"):
         grouped_gemm_gathered_sm90(x, index[:, None], w, offsets)
+    with pytest.raises(ValueError, match=f"{name}: pingpong needs tile_n in"):
+        grouped_gemm_gathered_sm90(x, index, w, offsets, tile_n=256, pingpong=True)
 
 
 def wgrad_reference(dy, rows, offsets):

@@ -45,6 +45,10 @@ COMPILE = {  # name: Python that compiles one configuration (torch as torch, bf1
     "forward + SwiGLU gathered rows tile 256 pair": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
                                                     " compile_grouped_gemm_gathered as c;"
                                                     " c(bf16, 256, 'swiglu', False, False, 2)",
+    "forward + ScaledSwiGLU gathered rows tile 192 ping-pong": "from te_fused_ops.backends.sm90.kernels.grouped_gemm"
+                                                               " import compile_grouped_gemm_gathered as c;"
+                                                               " c(bf16, 192, 'scaled_swiglu', False, False, 2,"
+                                                               " pingpong=True)",
     "forward gathered rows tile 128 + bias": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
                                              " compile_grouped_gemm_gathered as c; c(bf16, 128, None, True, False, 1)",
     "wgrad dW gathered rows tile 256": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import"

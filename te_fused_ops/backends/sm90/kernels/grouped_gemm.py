@@ -248,7 +248,8 @@ def compile_grouped_gemm(
 
 
 @cached_kernel
-def compile_grouped_gemm_gathered(dtype, tile_n, activation, has_bias, tvm_ffi=None, cluster_m=2, **kernel_opts):
+def compile_grouped_gemm_gathered(dtype, tile_n, activation, has_bias, tvm_ffi=None, cluster_m=2, pingpong=False,
+                                  **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_gemm_gathered_sm90``:
     fn(x, x_index, weight, offsets, pre, act, bias, probs, constants, max_clusters[, stream])."""
     import cutlass
@@ -272,7 +273,7 @@ def compile_grouped_gemm_gathered(dtype, tile_n, activation, has_bias, tvm_ffi=N
         fake_tensor(dt, (g, n)) if has_bias else None,
         fake_tensor(cutlass.Float32, (m,), 4) if spec is not None and spec.takes_probs else None,
     )
-    kernel = GroupedGemmGatheredSm90(dt, tile_n, activation, has_bias, cluster_m, **kernel_opts)
+    kernel = GroupedGemmGatheredSm90(dt, tile_n, activation, has_bias, cluster_m, pingpong=pingpong, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -615,7 +616,7 @@ def grouped_gemm_sm90(
 
 def grouped_gemm_gathered_sm90(
     x, x_index, weight, offsets, *, bias=None, activation=None, probs=None, tile_n=None, cluster_m=None,
-    sm_margin=None, **constants,
+    sm_margin=None, pingpong=False, **constants,
 ):
     """`grouped_gemm_sm90` ("nk" weights) on the rows x[x_index]: pre[r] = x[x_index[r]] @ W[g].T
     (+ b[g]) for offsets[g] <= r < offsets[g+1], act = activation(pre), without writing the gathered
@@ -624,13 +625,15 @@ def grouped_gemm_gathered_sm90(
     x (T, K) bf16/fp16, K a multiple of 64; x_index (M,) int32, the token of each grouped row
     (ids outside [0, T) are clamped: no out-of-bounds read); weight (G, N, K); offsets, bias,
     probs (M,), constants as for `grouped_gemm_sm90`. Returns (pre (M, N), act or None); rows >=
-    offsets[G] are zero. Cooperative tiles only: tile_n (128, 192, 256) and cluster_m (1, 2)
-    override `choose_config`. No host sync; checks run once per argument signature.
+    offsets[G] are zero. tile_n (128, 192, 256) and cluster_m (1, 2) override `choose_config`;
+    ``pingpong=True`` (tile_n 128 or 192) runs each MMA warpgroup on tiles of its own, as
+    `grouped_gemm_sm90`'s does (None: `grouped_gemm_sm90`'s heuristic). No host sync; checks run
+    once per argument signature.
     """
     tvm_ffi = tvm_ffi_available()
     key = (call_signature(tvm_ffi, x, x_index, weight, offsets, bias, probs), _GATHERED, activation, tile_n,
-           cluster_m, sm_margin)
-    args = (x, x_index, weight, offsets, bias, activation, probs, tile_n, cluster_m, sm_margin)
+           cluster_m, sm_margin, pingpong)
+    args = (x, x_index, weight, offsets, bias, activation, probs, tile_n, cluster_m, sm_margin, pingpong)
     launch = _MEMO.get(key) or _MEMO.put(key, _gathered_launch(*args))
     fn, pre_shape, act_shape, clusters = launch
     pre = x.new_empty(pre_shape)
@@ -640,7 +643,8 @@ def grouped_gemm_gathered_sm90(
     return pre, act
 
 
-def _gathered_launch(x, x_index, weight, offsets, bias, activation, probs, tile_n, cluster_m, sm_margin):
+def _gathered_launch(x, x_index, weight, offsets, bias, activation, probs, tile_n, cluster_m, sm_margin,
+                     pingpong=False):
     """Every check of `grouped_gemm_gathered_sm90`; (launcher or None when M == 0, pre shape, act
     shape or None, persistent grid in clusters)."""
     name = _GATHERED
@@ -650,11 +654,12 @@ def _gathered_launch(x, x_index, weight, offsets, bias, activation, probs, tile_
         raise ValueError(f"{name}: x has no rows to gather, x_index has {m}")
     if k % GATHER_K_MULTIPLE:
         raise ValueError(f"{name}: K={k} (x.shape[1]) must be a multiple of {GATHER_K_MULTIPLE}")
-    m, n, act_shape, tile_n, cluster_m, clusters, _ = _forward_checks(
-        name, x, weight, offsets, bias, activation, probs, None, None, "nk", tile_n, cluster_m, sm_margin, rows=m)
+    m, n, act_shape, tile_n, cluster_m, clusters, pingpong = _forward_checks(
+        name, x, weight, offsets, bias, activation, probs, None, None, "nk", tile_n, cluster_m, sm_margin, pingpong,
+        rows=m)
     if m == 0:
         return None, (m, n), act_shape, clusters
-    key = (_GATHERED, x.dtype, tile_n, activation, bias is not None, tvm_ffi_available(), cluster_m)
+    key = (_GATHERED, x.dtype, tile_n, activation, bias is not None, tvm_ffi_available(), cluster_m, pingpong)
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_gemm_gathered(*key[1:])

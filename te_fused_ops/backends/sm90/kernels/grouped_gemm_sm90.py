@@ -40,11 +40,12 @@ as on two warpgroups) runs under the other's mainloop, the turns kept by named b
 (`named_barriers_sm90`). It pays where the epilogue is a large share of a tile (short K, several
 outputs, loaded inputs).
 
-With ``gather_a`` (16-bit varlen-M, cooperative MMA warpgroups) A's rows are read by index, A[r]
+With ``gather_a`` (16-bit varlen-M, cooperative or ping-pong) A's rows are read by index, A[r]
 = x[a_index[r]] (sm90 has no TMA gather): the producer warpgroup's 128 threads each load 16 bytes
 of 8 rows a k-tile with cp.async into the swizzled stage TMA would fill, and signal the stage's
 full barrier with `cp.async.mbarrier.arrive.noinc` beside warp 0's B transaction (129 arrivals);
-warp 0 alone publishes the tiles and loads B. Registers: producer 56, MMA warpgroups 224. With
+warp 0 alone publishes the tiles and loads B. Registers: producer 56, MMA warpgroups 224 (ping-pong
+too: forward + SwiGLU at tile_n 192 then spills in its epilogue). With
 ``gather_b`` (varlen-K, one CTA per cluster, tile_n 128 or 256) the same loads fill B's MN-major
 stage with x[index[token]]'s tile_n columns, a token per 16-byte column group of threads; tokens
 past the group's end read its last row and columns past K_out the last 8 (A's ragged token view
@@ -262,9 +263,9 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
                              "that are not deferred")
         self.overlap_promotion = overlap_promotion
         # gather_a / gather_b: the producer warpgroup reads A's rows / B's tokens by index (module docstring)
-        if gather_a and (self.block_scaled or self.varlen_k or a_major != "k" or epilogue_warps or pingpong):
-            raise ValueError(f"{type(self).__name__}: gather_a needs 16-bit K-major varlen-M operands, the MMA "
-                             "warpgroups sharing tiles and their own epilogue")
+        if gather_a and (self.block_scaled or self.varlen_k or a_major != "k" or epilogue_warps):
+            raise ValueError(f"{type(self).__name__}: gather_a needs 16-bit K-major varlen-M operands and the MMA "
+                             "warpgroups' own epilogue")
         if gather_b and (self.block_scaled or not self.varlen_k or b_major != "mn" or cluster_m != 1 or pingpong
                          or tile_n not in (128, 256)):
             raise ValueError(f"{type(self).__name__}: gather_b needs 16-bit varlen-K operands, tile_n 128 or 256, "
@@ -275,10 +276,10 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         # accumulator registers a thread); their mainloops take turns, and one's epilogue runs
         # under the other's mainloop
         self.mma_atoms = 1 if pingpong else self.num_mma_wg  # MMA warpgroups on one tile
-        # registers a thread after setmaxnreg (at most 512 over the three warpgroups): ping-pong's
-        # whole-tile accumulators take what the producer warp can spare
-        # the gathering producer warpgroup holds its rows' source addresses
-        self.producer_registers, self.mma_registers = (24, 240) if pingpong else (56, 224) if self.gathers else (40, 232)
+        # registers a thread after setmaxnreg (at most 512 over the three warpgroups): the gathering
+        # producer warpgroup holds its rows' source addresses; else ping-pong's whole-tile
+        # accumulators take what the producer warp can spare
+        self.producer_registers, self.mma_registers = (56, 224) if self.gathers else (24, 240) if pingpong else (40, 232)
         # epilogue_warps: warps 1-3 of the producer warpgroup run the epilogue; every warpgroup keeps the
         # launch's 168 registers (no setmaxnreg)
         self.epilogue_warps = epilogue_warps
