@@ -45,23 +45,34 @@ class Backend:
     ``preference``: lower wins where several backends can run a rule; ``runs_reference``: it runs
     each rule's reference implementation (rules need no implementation registered for it);
     ``split_offsets(split_sizes, num_rows)``: the backend's offsets kernel, returning None where
-    it does not apply (the torch ops run then).
+    it does not apply (the torch ops run then); ``prepare_input(value)``: what the implementations
+    registered with `implement` receive in place of a step's input (x forward, dy backward), e.g.
+    a contiguous copy where the kernels need one (None: the input as it is).
     """
 
     def __init__(self, name: str, unavailable_reason: Callable, preference: int, runs_reference: bool = False,
-                 split_offsets: Optional[Callable] = None):
+                 split_offsets: Optional[Callable] = None, prepare_input: Optional[Callable] = None):
         self.name = name
         self.unavailable_reason = unavailable_reason
         self.preference = preference
         self.runs_reference = runs_reference
         self.split_offsets = split_offsets
+        self.prepare_input = prepare_input
         self.implementations: dict = {}
 
     def implement(self, rule_name: str, supports: Optional[Callable] = None):
-        """Decorator registering ``fn`` as this backend's implementation of rule ``rule_name``."""
+        """Decorator registering ``fn`` as this backend's implementation of rule ``rule_name`` (run
+        on the step's input through ``prepare_input``)."""
 
         def decorate(fn):
-            self.implementations[rule_name] = Implementation(fn, supports)
+            run = fn
+            if self.prepare_input is not None:
+                prepare = self.prepare_input
+
+                def run(ops, ctxs, value, fn=fn):
+                    return fn(ops, ctxs, prepare(value))
+
+            self.implementations[rule_name] = Implementation(run, supports)
             _version[0] += 1
             return fn
 

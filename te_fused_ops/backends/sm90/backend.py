@@ -32,7 +32,17 @@ def _split_offsets(split_sizes, num_rows: int):
     return None
 
 
-SM90 = register_backend(Backend("sm90", _unavailable_reason, preference=10, split_offsets=_split_offsets))
+def _kernel_input(value):
+    """A step's input as the kernels read it: a tensor that is not contiguous or not 16-byte
+    aligned (a slice of a wider tensor, an odd offset into a buffer) becomes a contiguous copy;
+    anything else as it is."""
+    if type(value) is torch.Tensor and (not value.is_contiguous() or value.data_ptr() % 16):
+        return value.clone(memory_format=torch.contiguous_format)
+    return value
+
+
+SM90 = register_backend(Backend("sm90", _unavailable_reason, preference=10, split_offsets=_split_offsets,
+                                prepare_input=_kernel_input))
 
 
 # CPython keeps os.environ's encoded entries in `_data`: one lookup there costs ~30 ns against
