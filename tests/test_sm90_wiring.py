@@ -250,6 +250,17 @@ def wgrad(dy, x, offsets, main_grad=None, **_):
     return dw
 
 
+def kernel_contract(fn):
+    """``fn`` (a kernel's stand-in) that first checks what the kernel wrappers check of every
+    tensor argument: contiguous and 16-byte aligned."""
+    def checked(*args, **kwargs):
+        for i, t in enumerate((*args, *kwargs.values())):
+            if isinstance(t, torch.Tensor) and t.numel():
+                assert t.is_contiguous() and t.data_ptr() % 16 == 0, (fn.__name__, i, t.shape, t.stride())
+        return fn(*args, **kwargs)
+    return checked
+
+
 @pytest.fixture
 def sm90_stand_ins(monkeypatch):
     import te_fused_ops.backends.sm90.linear as sm90
@@ -258,19 +269,22 @@ def sm90_stand_ins(monkeypatch):
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")  # compile-only mode: the kernels count as available
     monkeypatch.setattr(SM90, "unavailable_reason", lambda info: None)  # any device
-    monkeypatch.setattr(sm90, "grouped_gemm_fp8_sm90", fp8_gemm)
-    monkeypatch.setattr(sm90, "block_quantize_sm90", block_cast)
-    monkeypatch.setattr(sm90, "tensor_quantize_sm90", tensor_cast)
-    monkeypatch.setattr(sm90, "block_dequantize_sm90", block_uncast)
-    monkeypatch.setattr(sm90, "grouped_wgrad_sm90", wgrad)
-    monkeypatch.setattr(sm90, "block_columns_sm90", column_cast)
-    monkeypatch.setattr(sm90, "grouped_wgrad_fp8_sm90", wgrad_fp8)
-    monkeypatch.setattr(sm90, "grouped_column_sums_sm90", lambda dy, offsets, **_: grouped_row_sum(dy, offsets))
-    monkeypatch.setattr(sm90, "grouped_gemm_sm90", gemm)
-    monkeypatch.setattr(sm90, "grouped_gemm_act_quant_sm90", gemm_act_cast)
-    monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_sm90", dgrad_dact)
-    monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_fp8_sm90", dgrad_dact_fp8)
-    monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_quant_fp8_sm90", dgrad_dact_quant_fp8)
+    for module, name, stand_in in (
+        (sm90, "grouped_gemm_fp8_sm90", fp8_gemm),
+        (sm90, "block_quantize_sm90", block_cast),
+        (sm90, "tensor_quantize_sm90", tensor_cast),
+        (sm90, "block_dequantize_sm90", block_uncast),
+        (sm90, "grouped_wgrad_sm90", wgrad),
+        (sm90, "block_columns_sm90", column_cast),
+        (sm90, "grouped_wgrad_fp8_sm90", wgrad_fp8),
+        (sm90, "grouped_column_sums_sm90", lambda dy, offsets, **_: grouped_row_sum(dy, offsets)),
+        (sm90, "grouped_gemm_sm90", gemm),
+        (sm90, "grouped_gemm_act_quant_sm90", gemm_act_cast),
+        (dact_rule, "grouped_dgrad_dact_sm90", dgrad_dact),
+        (dact_rule, "grouped_dgrad_dact_fp8_sm90", dgrad_dact_fp8),
+        (dact_rule, "grouped_dgrad_dact_quant_fp8_sm90", dgrad_dact_quant_fp8),
+    ):
+        monkeypatch.setattr(module, name, kernel_contract(stand_in))
 
 
 def fp8_mlp(recipe, quantize_x=True):
@@ -754,21 +768,10 @@ def test_wide_fc1_reads_the_permuted_copy_unless_asked(sm90_stand_ins, monkeypat
     assert rule in seq.explain(x, indices=indices, probs=probs)
 
 
-def test_strided_and_misaligned_inputs_reach_the_kernels_as_contiguous_copies(sm90_stand_ins, monkeypatch):
+def test_strided_and_misaligned_inputs_reach_the_kernels_as_contiguous_copies(sm90_stand_ins):
     """A slice of a wider x, an x at an odd offset into a buffer and a strided dy run on the sm90
     plan as on a plain x and dy (the kernels read contiguous, 16-byte aligned rows: the backend
-    copies such inputs first), bit for bit."""
-    import te_fused_ops.backends.sm90.linear as sm90
-    import te_fused_ops.backends.sm90.rules as sm90_rules
-
-    def kernel_ready(fn, name):
-        def checked(first, *args, **kwargs):
-            assert first.is_contiguous() and first.data_ptr() % 16 == 0, f"{name}: {first.stride()}"
-            return fn(first, *args, **kwargs)
-        return checked
-
-    monkeypatch.setattr(sm90, "grouped_gemm_sm90", kernel_ready(gemm, "gemm"))
-    monkeypatch.setattr(sm90_rules, "grouped_dgrad_dact_sm90", kernel_ready(dgrad_dact, "dgrad_dact"))
+    copies such inputs first; the stand-ins check it, `kernel_contract`), bit for bit."""
     torch.manual_seed(0)
     seq = Sequential(GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), SwiGLU(),
                      GroupedLinear(G, I, H, dtype=torch.bfloat16))
