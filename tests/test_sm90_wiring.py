@@ -709,9 +709,9 @@ def test_fc1_reads_the_permuted_rows_by_index(setting, sm90_stand_ins, monkeypat
     import te_fused_ops.backends.sm90.rules as sm90_rules
     from te_fused_ops import Permute, Unpermute
 
-    monkeypatch.setattr(sm90_moe, "scatter_rows", scatter_rows_stand_in)
-    monkeypatch.setattr(sm90_moe, "gather_sum", gather_sum_stand_in)
-    monkeypatch.setattr(sm90_rules, "grouped_gemm_gathered_sm90", gathered_gemm_stand_in)
+    monkeypatch.setattr(sm90_moe, "scatter_rows", kernel_contract(scatter_rows_stand_in))
+    monkeypatch.setattr(sm90_moe, "gather_sum", kernel_contract(gather_sum_stand_in))
+    monkeypatch.setattr(sm90_rules, "grouped_gemm_gathered_sm90", kernel_contract(gathered_gemm_stand_in))
     torch.manual_seed(0)
     tokens, k = 90, 3
     seq = Sequential(Permute(G), GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), SwiGLU(),
