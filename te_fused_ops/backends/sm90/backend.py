@@ -1,8 +1,6 @@
 """The sm90 `Backend` object: availability and the split-offsets kernel (its rule
 implementations register on it from `rules`), and the settings its kernels receive."""
 
-import os
-
 import torch
 
 from ... import env
@@ -45,19 +43,11 @@ SM90 = register_backend(Backend("sm90", _unavailable_reason, preference=10, spli
                                 prepare_input=_kernel_input))
 
 
-# CPython keeps os.environ's encoded entries in `_data`: one lookup there costs ~30 ns against
-# ~600 ns for os.environ.get, and sees every change made through os.environ.
-_ENVIRON_STORE = getattr(os.environ, "_data", None)
-_SM_MARGIN = "TE_FUSED_OPS_SM_MARGIN"
-_SM_MARGIN_KEY = os.environ.encodekey(_SM_MARGIN) if _ENVIRON_STORE is not None else None
-_sm_margin_read = [None, 0]  # [raw value, parsed setting] of the latest read
+_SM_MARGIN = env.hot_switch("TE_FUSED_OPS_SM_MARGIN", "sm90 backend")
 
 
 def sm_margin() -> int:
     """SMs the sm90 GEMMs leave free for kernels beside them: env TE_FUSED_OPS_SM_MARGIN (read at
     every call; parsed again only when the raw value changed), or more while a chunked segment's
     exchanges run beside them (`overlap.reserved_sms`)."""
-    raw = _ENVIRON_STORE.get(_SM_MARGIN_KEY) if _ENVIRON_STORE is not None else os.environ.get(_SM_MARGIN)
-    if raw != _sm_margin_read[0]:
-        _sm_margin_read[:] = [raw, env.read(_SM_MARGIN, "sm90 backend")]
-    return max(_sm_margin_read[1], reserved_sms())
+    return max(_SM_MARGIN(), reserved_sms())
