@@ -188,20 +188,8 @@ def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m, pingpo
     dev = check_input(_NAME, dy, "dy")
     check_tensor(_NAME, x, "x", dy.dtype, 2, dev)
     check_tensor(_NAME, offsets, "offsets", torch.int32, 1, dev)
-    m, n = dy.shape
-    k = x.shape[1]
-    if x.shape[0] != m:
-        raise ValueError(f"{_NAME}: x has {x.shape[0]} rows, dy has {m}")
-    if m > _MAX_ROWS:
-        raise ValueError(f"{_NAME}: M={m} rows exceed {_MAX_ROWS}")
-    if n % 8:
-        raise ValueError(f"{_NAME}: N={n} (dy.shape[1]) must be a multiple of 8")
-    if k % 8:
-        raise ValueError(f"{_NAME}: K={k} (x.shape[1]) must be a multiple of 8")
-    if offsets.shape[0] < 1:
-        raise ValueError(f"{_NAME}: offsets must have G+1 >= 1 entries, got shape (0,)")
-    g = offsets.shape[0] - 1
-    _check_destination(_NAME, out, main_grad, dy.dtype, (g, n, k), dev)
+    g = _check_sizes(_NAME, dy, x, ("x", x.shape[0]), offsets, out, main_grad, dev)
+    (m, n), k = dy.shape, x.shape[1]
     margin = resolve_sm_margin(sm_margin, _NAME)
     if tile_n not in (None, *tuning.TILE_NS):
         raise ValueError(f"{_NAME}: tile_n must be one of {tuning.TILE_NS}, got {tile_n!r}")
@@ -225,6 +213,27 @@ def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m, pingpo
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_wgrad(*key)
     return fn, (g, n, k), max_ctas
+
+
+def _check_sizes(name, dy, x, paired, offsets, out, main_grad, dev) -> int:
+    """The size checks of both 16-bit weight gradients: ``paired`` (argument, rows) holds dy's M
+    rows, M fits the ragged token view, N (dy's) and K (x's) are multiples of 8, offsets has G + 1
+    >= 1 entries, and the destination fits (G, N, K); returns G."""
+    (m, n), k = dy.shape, x.shape[1]
+    arg, rows = paired
+    if rows != m:
+        raise ValueError(f"{name}: {arg} has {rows} rows, dy has {m}")
+    if m > _MAX_ROWS:
+        raise ValueError(f"{name}: M={m} rows exceed {_MAX_ROWS}")
+    if n % 8:
+        raise ValueError(f"{name}: N={n} (dy.shape[1]) must be a multiple of 8")
+    if k % 8:
+        raise ValueError(f"{name}: K={k} (x.shape[1]) must be a multiple of 8")
+    if offsets.shape[0] < 1:
+        raise ValueError(f"{name}: offsets must have G+1 >= 1 entries, got shape (0,)")
+    g = offsets.shape[0] - 1
+    _check_destination(name, out, main_grad, dy.dtype, (g, n, k), dev)
+    return g
 
 
 @cached_kernel
@@ -281,22 +290,12 @@ def _gathered_launch(dy, x, x_index, offsets, out, sm_margin, tile_n):
     check_tensor(name, x, "x", dy.dtype, 2, dev)
     check_tensor(name, x_index, "x_index", torch.int32, 1, dev)
     check_tensor(name, offsets, "offsets", torch.int32, 1, dev)
+    g = _check_sizes(name, dy, x, ("x_index", x_index.shape[0]), offsets, out, None, dev)
     (m, n), (t, k) = dy.shape, x.shape
-    if x_index.shape[0] != m:
-        raise ValueError(f"{name}: x_index has {x_index.shape[0]} rows, dy has {m}")
-    if m > _MAX_ROWS:
-        raise ValueError(f"{name}: M={m} rows exceed {_MAX_ROWS}")
-    for arg, value in (("N (dy.shape[1])", n), ("K (x.shape[1])", k)):
-        if value % 8:
-            raise ValueError(f"{name}: {arg}={value} must be a multiple of 8")
-    if offsets.shape[0] < 1:
-        raise ValueError(f"{name}: offsets must have G+1 >= 1 entries, got shape (0,)")
     if t == 0 and m:
         raise ValueError(f"{name}: x has no rows to gather, x_index has {m}")
     if tile_n not in (None, 128, 256):
         raise ValueError(f"{name}: tile_n must be 128 or 256, got {tile_n!r}")
-    g = offsets.shape[0] - 1
-    _check_destination(name, out, None, dy.dtype, (g, n, k), dev)
     max_ctas = max(1, num_sms(dev) - resolve_sm_margin(sm_margin, name))
     if g * n * k == 0 or m == 0:
         return None, (g, n, k), 0
