@@ -58,7 +58,7 @@ def gather_tokens(ctx, x) -> tuple | None:
         return None
     check_tokens("Permute", x, routing.slot_rows.shape[0], "tokens, hidden")
     ctx.recompute_output = Recompute(permuted_rows, x, routing)
-    return x.contiguous(), (routing.row_slots // routing.top_k).to(torch.int32)
+    return x, (routing.row_slots // routing.top_k).to(torch.int32)  # x: the backend's prepared input
 
 
 def _send_rows(x: torch.Tensor, routing: ExpertParallelRouting, scale=None, y=None, dot_out=None) -> torch.Tensor:
