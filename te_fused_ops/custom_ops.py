@@ -24,7 +24,7 @@ from .context import OpContext, registered_owner
 from .fusion import FusionRuleError
 from .quantization import is_quantized
 from .runner import Run, get_plan, plan_info, side_input_names
-from .saved import slot_indices
+from .saved import slot_indices, without_recompute_fns
 from .splits import validation
 
 _templates: "weakref.WeakValueDictionary[int, RunTemplate]" = weakref.WeakValueDictionary()
@@ -88,6 +88,7 @@ class RunTemplate:
             for i, op in enumerate(ops)
         ]
         self.ctxs = self.skeleton = self.saved_positions = self.outputs_meta = self.num_tensors = None
+        self.ctxs_from_fake = False
 
     def run(self, params: list, side: dict):
         """A `Run` with fresh contexts holding ``params``, on the side inputs ``side``."""
@@ -105,7 +106,7 @@ class RunTemplate:
         if not fake:
             run = self.run(params, dict(zip(self.side_names, side_values)))
             outputs = _unaliased([t.contiguous() for t in self._run_and_pack(run, inputs, None)], inputs)
-            self._record(run, outputs, len(inputs))
+            self._record(run, outputs, len(inputs), fake=False)
             return outputs
         with unset_fake_temporarily(), validation(False):  # real meta tensors: reading their values fails loudly
             meta: dict = {}
@@ -119,7 +120,7 @@ class RunTemplate:
                     "what the forward saves: it may not read tensor values (.tolist(), .item())]"
                 ) from error
         outputs = [torch.empty(t.shape, dtype=t.dtype, device=x.device) for t in outputs]
-        self._record(run, outputs, len(inputs))
+        self._record(run, outputs, len(inputs), fake=True)
         return outputs
 
     def _run_and_pack(self, run, inputs: list, steps) -> list:
@@ -144,21 +145,26 @@ class RunTemplate:
         return [dataclasses.replace(step, implementation=step.rule.reference) if step.rule is not None else step
                 for step in self.plan.forward]
 
-    def _record(self, run, outputs, num_inputs: int) -> None:
-        """Keep the first forward's packed contexts; later forwards must save the same structure."""
+    def _record(self, run, outputs, num_inputs: int, fake: bool) -> None:
+        """Keep the first forward's packed contexts; later forwards must save the same structure.
+        The first real forward's contexts replace a fake run's: the backward then recomputes
+        values with the backend's functions, not the rules' references the fake run used."""
         outputs_meta = [(t.dtype, t.dim()) for t in outputs]
         skeleton = [(c.saved, c.side) for c in run.contexts()]
         if self.ctxs is None:
             self.ctxs, self.outputs_meta, self.skeleton = run.ctxs, outputs_meta, skeleton
             self.saved_positions = sorted(slot_indices(skeleton))
             self.num_tensors = num_inputs + len(outputs)
-        elif outputs_meta != self.outputs_meta or skeleton != self.skeleton:
+            self.ctxs_from_fake = fake
+        elif outputs_meta != self.outputs_meta or without_recompute_fns(skeleton) != without_recompute_fns(self.skeleton):
             rules = ", ".join(f"'{s.rule.name}' ({s.backend})" for s in self.plan.forward if s.rule is not None)
             raise RuntimeError(
                 f"te_fused_ops under torch.compile: this call saved other values for the backward than "
                 f"the first (fake) run of the same plan (forward rules: {rules or 'none'}); each rule's "
                 "backends must save the same structure, dtypes and ranks"
             )
+        elif self.ctxs_from_fake and not fake:
+            self.ctxs, self.skeleton, self.ctxs_from_fake = run.ctxs, skeleton, False
 
     def backward(self, dy, saved: list, grad_shapes: list) -> list:
         """Gradients for ``grad_positions`` (zeros where the ops returned none)."""

@@ -86,13 +86,12 @@ def dgrad_dact(dy, weight, offsets, pre, *, activation, probs=None, limit=7.0, a
     for g, rows in enumerate(grouped_rows(offsets)):
         h[rows] = dy[rows].float() @ weight[g].float()
     scaled = activation == "scaled_swiglu"
-    with torch.enable_grad():
-        pre32 = pre.float().requires_grad_(True)
-        unscaled = activation_math("swiglu" if scaled else activation, pre32, None, limit, alpha)
-        act = unscaled * probs[:, None] if scaled else unscaled
-        (d_pre,) = torch.autograd.grad(act, pre32, h)
-    d_probs = (h * unscaled.detach()).sum(1) if scaled else None
-    return d_pre.to(dy.dtype), act.detach().to(dy.dtype), d_probs
+    unscaled, vjp = torch.func.vjp(  # not autograd: a compiled backward runs below the autograd key
+        lambda p: activation_math("swiglu" if scaled else activation, p, None, limit, alpha), pre.float())
+    (d_pre,) = vjp(h * probs[:, None] if scaled else h)
+    act = unscaled * probs[:, None] if scaled else unscaled
+    d_probs = (h * unscaled).sum(1) if scaled else None
+    return d_pre.to(dy.dtype), act.to(dy.dtype), d_probs
 
 
 def _expand(scale_inv, sizes):
@@ -766,6 +765,43 @@ def test_wide_fc1_reads_the_permuted_copy_unless_asked(sm90_stand_ins, monkeypat
     assert rule not in text and f"FC1 width {GATHER_MAX_WIDTH + 128} > {GATHER_MAX_WIDTH}" in text, text
     monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", "1")
     assert rule in seq.explain(x, indices=indices, probs=probs)
+
+
+def test_compiled_gathered_layer_recomputes_with_the_kernels(sm90_stand_ins, monkeypatch):
+    """torch.compile of the routed layer with FC1 gathering x's rows: the fake run saves what the
+    rule's reference saves (FC1's input as the permute's torch recompute), the real run what the
+    sm90 kernels save (the same tensors, recomputed by the row kernels); the compiled step equals
+    eager bit for bit and its backward recomputes FC1's input with the kernels."""
+    import te_fused_ops.backends.sm90.moe as sm90_moe
+    import te_fused_ops.backends.sm90.rules as sm90_rules
+    from te_fused_ops import Permute, Unpermute
+
+    monkeypatch.setattr(sm90_moe, "scatter_rows", kernel_contract(scatter_rows_stand_in))
+    monkeypatch.setattr(sm90_moe, "gather_sum", kernel_contract(gather_sum_stand_in))
+    monkeypatch.setattr(sm90_rules, "grouped_gemm_gathered_sm90", kernel_contract(gathered_gemm_stand_in))
+    monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", "1")
+    torch.manual_seed(0)
+    tokens, k = 96, 2
+    seq = Sequential(Permute(G), GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), SwiGLU(),
+                     GroupedLinear(G, I, H, dtype=torch.bfloat16), Unpermute())
+    compiled = torch.compile(seq, backend="eager", dynamic=False)
+    dy = torch.randn(tokens, H, dtype=torch.bfloat16)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        x0 = torch.randn(tokens, H, dtype=torch.bfloat16)
+        indices, probs0 = torch.randint(0, G, (tokens, k)), torch.rand(tokens, k)
+        runs = []
+        for fn in (compiled, seq):
+            for t in seq.parameters():
+                t.grad = None
+            SCATTERS.clear()
+            x, probs = x0.clone().requires_grad_(), probs0.clone().requires_grad_()
+            y = fn(x, indices=indices, probs=probs)
+            y.backward(dy)
+            assert len(SCATTERS) == 2  # the backward's: the combine's and FC1's input again
+            runs.append([y.detach(), x.grad, probs.grad, *(t.grad.clone() for t in seq.parameters())])
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)
 
 
 def test_strided_and_misaligned_inputs_reach_the_kernels_as_contiguous_copies(sm90_stand_ins):
