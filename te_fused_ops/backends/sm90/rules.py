@@ -215,7 +215,7 @@ def _permute_gathered_grouped_linear_activation(ops, ctxs, x):
     linear.check_input(x, weight)
     pre, y = grouped_gemm_gathered_sm90(
         x, index, weight.detach(), ctxs[1].side["offsets"], bias=None if bias is None else bias.detach(),
-        activation=act.kernel_name, sm_margin=sm_margin(), **epilogue_args(act, ctxs[2]))
+        activation=act.kernel_name, sm_margin=sm_margin(), pingpong=None, **epilogue_args(act, ctxs[2]))
     linear.keep_for_backward(ctxs[1], ctxs[0].recompute_output, None, linear_output_sm90)
     return activation_after_linear(act, ctxs[1:], pre, y)
 
