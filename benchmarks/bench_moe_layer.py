@@ -605,9 +605,19 @@ def run_shape(name: str, shape, rounds: int, window_s: float, recipe: str | None
     return result
 
 
+def layer_shape(name: str, ap) -> tuple:
+    """(T, k, E, H, I) of a ``TxkxExHxI`` name."""
+    try:
+        t, k, e, h, i = (int(v) for v in name.lower().split("x"))
+    except ValueError:
+        ap.error(f"--shapes: {name!r} is neither one of {', '.join(SHAPES)} nor TxkxExHxI")
+    return t, k, e, h, i
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default=None, help=f"comma-separated, of {','.join(SHAPES)} (default: all)")
+    ap.add_argument("--shapes", default=None, help=f"comma-separated, of {','.join(SHAPES)} or TxkxExHxI (any "
+                    "sizes, e.g. 4096x6x64x2048x1408; default: the four named)")
     ap.add_argument("--rounds", type=int, default=1, help="passes of rotated rounds; the median pass is kept")
     ap.add_argument("--smoke", action="store_true", help="tiny shape (T 64, k 2, E 4, H 64, I 64), short windows")
     ap.add_argument("--recipe", default=None, help="also the FP8 layer with this recipe (e.g. fp8_blockwise), "
@@ -617,11 +627,11 @@ def main():
     ap.add_argument("--profile", default="", help="contenders (e.g. a,c) whose step is also broken down: GPU time "
                     "per kernel, idle GPU time, host time to issue a step")
     args = ap.parse_args()
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    shapes = dict(SMOKE_SHAPES if args.smoke else SHAPES)
     names = args.shapes.split(",") if args.shapes else list(shapes)
-    unknown = [n for n in names if n not in shapes]
-    if unknown:
-        ap.error(f"unknown shapes {unknown}; known: {list(shapes)}")
+    for name in names:
+        if name not in shapes:
+            shapes[name] = layer_shape(name, ap)
     window_s = 0.02 if args.smoke else 0.4
     device = torch.cuda.get_device_name()
     profile = [label for label in args.profile.split(",") if label]
