@@ -48,11 +48,11 @@ def auto_config(name, m, h, i, e):
     if "wgrad" in name:
         n, k = (h, i) if name.startswith("FC2") else (2 * i, h)
         return tuning.LaunchConfig(*grouped_wgrad.choose_config(n, k, sms))
-    n = {"FC1 fwd + SwiGLU": 2 * i, "FC2 fwd": h, "FC2 dgrad + dSwiGLU": i, "FC1 dgrad": h}[name]
+    n, k = {"FC1 fwd + SwiGLU": (2 * i, h), "FC2 fwd": (h, i), "FC2 dgrad + dSwiGLU": (i, h), "FC1 dgrad": (h, 2 * i)}[name]
     tiles = {}
     if "fwd" in name:
         tiles = grouped_gemm.forward_tiles(grouped_gemm._FWD, "nk", "swiglu" if "SwiGLU" in name else None)
-    return grouped_gemm.heuristic_config(m, n, e, sms, tiles)
+    return grouped_gemm.heuristic_config(m, n, k, e, sms, tiles)
 
 
 def time_configs(fns: dict) -> dict:

@@ -280,18 +280,24 @@ def test_pingpong_where_192_wide_tiles_fill_the_grid_and_pad_n_no_more(monkeypat
     resolves it: only with no tile_n / cluster_m given, never beside a conflicting option."""
     from te_fused_ops.backends.sm90.kernels import grouped_gemm as gg
 
-    pays = lambda m, n, halves=1: gg.pingpong_pays(m, n, 132, halves)  # noqa: E731
-    assert pays(65536, 1536, 2) and pays(65536, 768)  # qwen3 FC1 forward + SwiGLU, dgrad + dSwiGLU
-    assert pays(32768, 5760, 2) and pays(32768, 2880)  # gpt-oss: 192 pads N less than 256
-    assert not pays(65536, 2048)  # qwen3 FC2 forward: 11 tiles of 192 pad, 8 of 256 do not
-    assert not pays(32768, 4096, 2) and not pays(32768, 7168)  # dsv3
-    assert not pays(32768, 28672, 2) and not pays(32768, 14336)  # mixtral
-    assert not pays(256, 1536, 2)  # 2 x 8 tiles of 192 leave most of the grid idle
+    pays = lambda m, n, k, halves=1: gg.pingpong_pays(m, n, k, 132, halves)  # noqa: E731
+    assert pays(65536, 1536, 2048, 2) and pays(65536, 768, 2048)  # qwen3 FC1 forward + SwiGLU, dgrad + dSwiGLU
+    assert pays(32768, 5760, 2880, 2) and pays(32768, 2880, 2880)  # gpt-oss: 192 pads N less than 256
+    assert not pays(65536, 2048, 768)  # qwen3 FC2 forward: 11 tiles of 192 pad, 8 of 256 do not
+    assert not pays(32768, 4096, 7168, 2) and not pays(32768, 7168, 2048)  # dsv3
+    assert not pays(32768, 28672, 4096, 2) and not pays(32768, 14336, 4096)  # mixtral
+    assert not pays(256, 1536, 2048, 2)  # 2 x 8 tiles of 192 leave most of the grid idle
+    # H 6144, I 10752, 16 experts: no padding either way, but K 6144-21504 (FC1 forward, FC2
+    # forward, dgrad + dSwiGLU, FC1's data gradient): the cooperative 256-wide tiles win
+    assert not pays(32768, 21504, 6144, 2) and not pays(32768, 6144, 10752)
+    assert not pays(32768, 10752, 6144) and not pays(32768, 6144, 21504)
     monkeypatch.setattr(gg, "num_sms", lambda dev: 132)
-    auto = gg._launch_config("f", 65536, 768, 128, 0, None, None, None, pingpong=None)
+    auto = gg._launch_config("f", 65536, 768, 128, 0, None, None, None, pingpong=None, k=2048)
     assert auto[0:2] == (192, 2) and auto[3] is True
-    assert gg._launch_config("f", 65536, 768, 128, 0, 256, None, None, pingpong=None)[3] is False
-    assert gg._launch_config("f", 65536, 768, 128, 0, None, None, None, pingpong=None, conflict="x")[3] is False
+    assert gg._launch_config("f", 65536, 768, 128, 0, None, None, None, pingpong=None, k=6144)[3] is False
+    assert gg._launch_config("f", 65536, 768, 128, 0, 256, None, None, pingpong=None, k=2048)[3] is False
+    assert gg._launch_config("f", 65536, 768, 128, 0, None, None, None, pingpong=None, conflict="x",
+                             k=2048)[3] is False
     assert gg._launch_config("f", 65536, 2048, 128, 0, None, None, None, pingpong=True)[0] == 192
     with pytest.raises(ValueError, match="f: pingpong needs tile_n"):
         gg._launch_config("f", 65536, 2048, 128, 0, 256, None, None, pingpong=True)

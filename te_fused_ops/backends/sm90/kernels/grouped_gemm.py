@@ -146,14 +146,20 @@ def choose_config(m: int, n: int, g: int, num_sms: int, tile_ns=(128, 256), halv
     return tile_n, 2 if n > tile_n or m >= 1024 * g else 1
 
 
-def pingpong_pays(m: int, n: int, num_sms: int, halves: int = 1) -> bool:
+PINGPONG_MAX_K = 4096  # reduction length up to which ping-pong can pay (`pingpong_pays`)
+
+
+def pingpong_pays(m: int, n: int, k: int, num_sms: int, halves: int = 1) -> bool:
     """Whether the ping-pong schedule on 192-wide tiles with CTA pairs is the choice for a 16-bit
-    forward, "kn" data gradient or dgrad + dActivation: 192-wide tiles fill the persistent grid and
-    pad N (a GLU's halves: ``halves`` 2) no more than 256-wide ones. Measured (H100,
-    `sweep_configs.py --pingpong`, six shape classes): 1.02-1.12x the best cooperative
-    configuration where that holds (qwen3, gpt-oss, H 2880 with I 1408); where 192-wide tiles pad N
-    more (dsv3, mixtral, I 512) the cooperative 256-wide tiles are faster, by up to 1.7x."""
-    return -(-m // 128) * -(-n // 192) >= num_sms and tuning.pads_no_more(n, 192, 256, halves)
+    forward, "kn" data gradient or dgrad + dActivation: K at most `PINGPONG_MAX_K` (the epilogue it
+    hides is a share of a tile worth hiding), 192-wide tiles fill the persistent grid and pad N (a
+    GLU's halves: ``halves`` 2) no more than 256-wide ones. Measured (H100, `sweep_configs.py
+    --pingpong` and `bench_train_step.py --sweep`): 1.02-1.12x the best cooperative configuration
+    where that holds (qwen3, gpt-oss, H 2880 with I 1408: K 768-2880); where 192-wide tiles pad N
+    more (dsv3, mixtral, I 512) the cooperative 256-wide tiles are faster, by up to 1.7x, and so
+    they are at K 6144-21504 without padding (H 6144, I 10752, 16 experts: 1.06-1.70x)."""
+    return (k <= PINGPONG_MAX_K and -(-m // 128) * -(-n // 192) >= num_sms
+            and tuning.pads_no_more(n, 192, 256, halves))
 
 
 def forward_tiles(fn_name, weight_layout, activation) -> dict:
@@ -499,11 +505,12 @@ def _check_epilogue_tensors(fn_name, spec, dtype, bias, probs, out, act_out, m, 
     return act_shape
 
 
-def heuristic_config(m, n, g, sms, tiles=None, conflict=None) -> tuning.LaunchConfig:
-    """The configuration chosen from shapes alone: ping-pong on 192-wide tiles in CTA pairs where it
-    pays (`pingpong_pays`) and no option in ``conflict`` rules it out, else `choose_config`'s."""
+def heuristic_config(m, n, k, g, sms, tiles=None, conflict=None) -> tuning.LaunchConfig:
+    """The configuration chosen from shapes alone (an (M, K) x (G, K, N) problem): ping-pong on
+    192-wide tiles in CTA pairs where it pays (`pingpong_pays`) and no option in ``conflict``
+    rules it out, else `choose_config`'s."""
     tiles = tiles or {}
-    if conflict is None and pingpong_pays(m, n, sms, tiles.get("halves", 1)):
+    if conflict is None and pingpong_pays(m, n, k, sms, tiles.get("halves", 1)):
         return tuning.LaunchConfig(192, 2, True)
     return tuning.LaunchConfig(*choose_config(m, n, g, sms, **tiles))
 
@@ -526,17 +533,17 @@ def _candidates(conflict) -> tuple:
 
 
 def _launch_config(fn_name, m, n, g, dev, tile_n, cluster_m, sm_margin, tiles=None, pingpong=False,
-                   conflict=None):
+                   conflict=None, k=None):
     """(tile_n, cluster_m, max_clusters, pingpong) from shapes, overrides (``tiles``:
     `forward_tiles`) and the SM margin. ``pingpong``: True / False, or None for the heuristic
-    (`heuristic_config`) when tile_n and cluster_m are not given either; ``conflict`` names an
-    option that is on and rules ping-pong out (None: none)."""
+    (`heuristic_config`, which needs the reduction length ``k``) when tile_n and cluster_m are not
+    given either; ``conflict`` names an option that is on and rules ping-pong out (None: none)."""
     margin = resolve_sm_margin(sm_margin, fn_name)
     sms = num_sms(dev)
     tuning.check_pingpong(fn_name, pingpong)
     cooperative = choose_config(m, n, g, sms, **(tiles or {}))
     if pingpong is None:
-        auto = heuristic_config(m, n, g, sms, tiles, conflict)
+        auto = heuristic_config(m, n, k, g, sms, tiles, conflict)
         pingpong = tile_n is None and cluster_m is None and auto.pingpong
         if pingpong:
             tile_n, cluster_m = auto.tile_n, auto.cluster_m
@@ -598,7 +605,7 @@ def grouped_gemm_sm90(
                 lambda t, c, p: grouped_gemm_sm90(x, weight, offsets, bias=bias, activation=activation, probs=probs,
                                                   weight_layout=weight_layout, tile_n=t, cluster_m=c,
                                                   sm_margin=sm_margin, act_amax=act_amax, pingpong=p, **constants),
-                heuristic_config(x.shape[0], n, weight.shape[0], num_sms(x.get_device()),
+                heuristic_config(x.shape[0], n, x.shape[1], weight.shape[0], num_sms(x.get_device()),
                                  forward_tiles(_FWD, weight_layout, activation), conflict),
                 _candidates(conflict))
             if config is not None:
@@ -742,7 +749,7 @@ def _forward_checks(
     act_shape = _check_epilogue_tensors(fn_name, spec, x.dtype, bias, probs, out, act_out, m, n, g, dev)
     tile_n, cluster_m, clusters, pingpong = _launch_config(
         fn_name, m, n, g, dev, tile_n, cluster_m, sm_margin, forward_tiles(fn_name, weight_layout, activation),
-        pingpong, conflict,
+        pingpong, conflict, k,
     )
     return m, n, act_shape, tile_n, cluster_m, clusters, pingpong
 
@@ -1087,7 +1094,8 @@ def grouped_dgrad_dact_sm90(
                 lambda t, c, p: grouped_dgrad_dact_sm90(dy, weight, offsets, pre, activation=activation, probs=probs,
                                                         sm_margin=sm_margin, tile_n=t, cluster_m=c,
                                                         epilogue_warps=epilogue_warps, pingpong=p, **constants),
-                heuristic_config(dy.shape[0], i, weight.shape[0], num_sms(dy.get_device()), conflict=conflict),
+                heuristic_config(dy.shape[0], i, dy.shape[1], weight.shape[0], num_sms(dy.get_device()),
+                                 conflict=conflict),
                 _candidates(conflict))
             if config is not None:
                 args = (*args[:8], config.tile_n, config.cluster_m, *args[10:12], config.pingpong)
@@ -1141,7 +1149,8 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
         raise TypeError(f"{_DACT}: epilogue_warps must be a bool or None, got {type(epilogue_warps).__name__}")
     tile_n, cluster_m, clusters, pingpong = _launch_config(_DACT, m, i, g, dev, tile_n, cluster_m, sm_margin,
                                                            pingpong=pingpong,
-                                                           conflict="epilogue_warps" if epilogue_warps else None)
+                                                           conflict="epilogue_warps" if epilogue_warps else None,
+                                                           k=dy.shape[1])
     partial_shape = (-(-i // tile_n), m) if spec.takes_probs else None
     if m == 0:
         return None, (m, i), partial_shape, clusters
