@@ -33,7 +33,8 @@ Every contender's output and gradients (x, probs, both experts' weights) are com
 before timing (relative Frobenius error, max over ranks; bf16 tolerance 2e-2, FP8 1e-1). Times:
 CUDA events around each step (fixed counts, so every rank runs the same collectives), median per
 round, median over rounds, max over the ranks. Also per contender: the bytes this rank's
-all-to-alls send to other ranks per step, peak memory of a step above what was allocated before
+all-to-alls send to other ranks per step (all four exchanges, and the forward dispatch alone: the
+one that travels in FP8 under the FP8 recipe), peak memory of a step above what was allocated before
 it; and per shape the time of the library's four exchanges alone (``comm``), from which the share
 hidden by the overlap: (lib static - lib xN) / comm. Writes benchmarks/results/ep_layer_<device>x<W>.json/.md.
 """
@@ -158,18 +159,20 @@ def micro_batch_layer(fc1, fc2, experts: int, group, capacity_factor, x, indices
     return one_of_the_micro_batches
 
 
-def exchange_bytes(label: str, indices, experts: int, group, rows_per_rank: int, hidden: int) -> int:
-    """Bytes this rank's all-to-alls send to other ranks in one step (forward + backward);
-    ``rows_per_rank``: the library's rows per rank pair (all chunks)."""
+def exchange_bytes(label: str, indices, experts: int, group, rows_per_rank: int, hidden: int) -> tuple:
+    """(forward dispatch, all four exchanges): bytes this rank's all-to-alls send to other ranks in
+    one step (forward + backward); ``rows_per_rank``: the library's rows per rank pair (all
+    chunks). The FP8 dispatch sends E4M3 rows and their 1x128 float32 scales."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if label in ("torch", "lib"):  # exact sizes (the library's dropless layer too)
         to_rank = torch.bincount(indices.reshape(-1) // (experts // world), minlength=world)
         received = torch.empty_like(to_rank)
         dist.all_to_all_single(received, to_rank, group=group)
-        return 2 * 2 * hidden * int(to_rank.sum() - to_rank[rank] + received.sum() - received[rank])
+        sent, returned = int(to_rank.sum() - to_rank[rank]), int(received.sum() - received[rank])
+        return 2 * hidden * sent, 2 * 2 * hidden * (sent + returned)
     rows = (world - 1) * rows_per_rank
     dispatch = rows * (hidden + hidden // 128 * 4) if label.startswith("fp8") else rows * 2 * hidden
-    return dispatch + 3 * rows * 2 * hidden
+    return dispatch, dispatch + 3 * rows * 2 * hidden
 
 
 def step_time(fn, device, warm: int, iters: int) -> float:
@@ -319,7 +322,8 @@ def run_shape(name, shape, device, group, args) -> dict:
         tol = 1e-1 if label.startswith("fp8") else 2e-2
         ok = bool((errs <= tol).all())
         rows[label] = {"max_rel_err": errs.max().item(), "status": "ok" if ok else "mismatch",
-                       "bytes": exchange_bytes(label, indices, experts, group, pair_rows[label], hidden)}
+                       **dict(zip(("dispatch_bytes", "bytes"),
+                                  exchange_bytes(label, indices, experts, group, pair_rows[label], hidden)))}
         del got
         if rank == 0:
             print(f"  {label:11s} max rel err {errs.max().item():.2e} ({'ok' if ok else 'MISMATCH'})", flush=True)
@@ -367,16 +371,18 @@ def run_shape(name, shape, device, group, args) -> dict:
 
 def table(device_name: str, world: int, results: list) -> str:
     lines = [f"{world} x {device_name}, bf16 (fp8: fp8_blockwise), per rank; ms per step (max over ranks)", "",
-             "| shape | contender | step ms | vs torch | exchange MB sent | hidden share | peak MiB | max rel err |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| shape | contender | step ms | vs torch | exchange MB sent | dispatch MB sent | hidden share | peak MiB | "
+             "max rel err |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         for label, row in res["contenders"].items():
             def cell(key, spec):
                 return format(row[key], spec) if key in row else "-"
             lines.append(f"| {res['shape']} | {label} | {cell('ms', '.2f')} | {cell('vs_torch', '.2f')} | "
-                         f"{row['bytes'] / 1e6:.0f} | {cell('hidden_share', '.0%')} | {cell('peak_mib', '.0f')} | "
+                         f"{row['bytes'] / 1e6:.0f} | {row['dispatch_bytes'] / 1e6:.0f} | {cell('hidden_share', '.0%')} | "
+                         f"{cell('peak_mib', '.0f')} | "
                          f"{row['max_rel_err']:.1e} |")
-        lines.append(f"| {res['shape']} | four exchanges alone (comm) | {res['comm_ms']:.2f} | | | | | |")
+        lines.append(f"| {res['shape']} | four exchanges alone (comm) | {res['comm_ms']:.2f} | | | | | | |")
     return "\n".join(lines)
 
 
