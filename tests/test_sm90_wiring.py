@@ -804,6 +804,35 @@ def test_compiled_gathered_layer_recomputes_with_the_kernels(sm90_stand_ins, mon
             assert torch.equal(a, b)
 
 
+def test_compiled_rule_saving_other_tensors_than_its_reference_raises(sm90_stand_ins):
+    """Under torch.compile a backend's implementation may recompute a saved value with other
+    functions than the rule's reference (above), but must save the same tensors: one that keeps
+    a tensor more raises, naming the rule and backend."""
+    import te_fused_ops as tfo
+
+    def reference(ops, ctxs, x):
+        return ops[1].op_forward(ctxs[1], ops[0].op_forward(ctxs[0], x))
+
+    def saves_more(ops, ctxs, x):
+        y = reference(ops, ctxs, x)
+        ctxs[1].saved.extra = x * 2  # nothing reads it; the reference keeps no such tensor
+        return y
+
+    rule = tfo.fusion_rule(name="saves_more", pattern=(GroupedLinear, SReLU), passes="forward", priority=100)(
+        reference)
+    rule.implementation("sm90")(saves_more)
+    try:
+        seq = Sequential(GroupedLinear(G, H, H, dtype=torch.bfloat16), SReLU())
+        x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
+        assert "rule 'saves_more' (backend sm90)" in seq.explain(x, split_sizes=SPLITS)
+        compiled = torch.compile(seq, backend="eager", dynamic=False)
+        with pytest.raises(RuntimeError, match=r"saved other values for the backward than the first \(fake\) "
+                                               r"run .*'saves_more' \(sm90\)"):
+            compiled(x, split_sizes=SPLITS)
+    finally:
+        tfo.unregister_rule("saves_more")
+
+
 def test_strided_and_misaligned_inputs_reach_the_kernels_as_contiguous_copies(sm90_stand_ins):
     """A slice of a wider x, an x at an odd offset into a buffer and a strided dy run on the sm90
     plan as on a plain x and dy (the kernels read contiguous, 16-byte aligned rows: the backend
