@@ -151,10 +151,14 @@ def sustained_ms(fn, warm_s: float = 0.4, time_s: float = 0.4) -> float:
     for ``warm_s`` first, then ~``time_s`` of calls are each timed by CUDA events (L2 flushed
     before each), with no host sync between them. An H100 at its 700 W cap leaves its 1980 MHz
     boost within ~0.1 s of a GEMM load and settles at 1300-1700 MHz depending on the kernels, so a
-    ~100 ms do_bench window measures a mix of the two that depends on what ran just before."""
+    ~100 ms do_bench window measures a mix of the two that depends on what ran just before. A first
+    call runs before the warm-up window: it may compile the kernel (seconds of an idle GPU, which
+    would otherwise fill the window and leave a handful of calls timed straight after it)."""
     import torch
 
     flush = _l2_flush_buffer()
+    fn()
+    torch.cuda.synchronize()
     calls, start = 0, time.perf_counter()
     while True:
         for _ in range(4):
