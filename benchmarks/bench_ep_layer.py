@@ -288,11 +288,13 @@ def run_shape(name, shape, device, group, args) -> dict:
             t.grad = None
         return got
 
+    # the static-capacity contenders on the layer's own weights: precompiled, and graphed
+    sync_free = [label for label in layers if label.startswith(("lib static", "lib x", "fp8")) and label != "fp8 4mb"]
     if args.precompile_jobs:  # the sync-free contenders' kernels compiled in forked workers first (before
         # a CUDA graph's warm-up runs would compile them one by one)
         from te_fused_ops import precompile
 
-        for label in [label for label in layers if label.startswith(("lib static", "lib x", "fp8")) and label != "fp8 4mb"]:
+        for label in sync_free:
             report = precompile.compile_step_kernels(step(layers[label]), workers=args.precompile_jobs)
             if rank == 0:
                 print(f"  {label:11s} precompiled: {report}", flush=True)
@@ -308,7 +310,7 @@ def run_shape(name, shape, device, group, args) -> dict:
                 return [out.detach()] + [t.grad for t in leaves(forward)]  # this graph's static output and gradients
             return run
 
-        for label in [label for label in layers if label.startswith(("lib static", "lib x", "fp8")) and label != "fp8 4mb"]:
+        for label in sync_free:
             graphed = CudaGraphStep(graph_step(layers[label]))
             layers[f"{label} graph"] = graphed
             graphed.graphed = True

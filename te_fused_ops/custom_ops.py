@@ -24,7 +24,7 @@ from .context import OpContext, registered_owner
 from .fusion import FusionRuleError
 from .quantization import is_quantized
 from .runner import Run, get_plan, plan_info, side_input_names
-from .saved import slot_indices, without_recompute_fns
+from .saved import slot_indices
 from .splits import validation
 
 _templates: "weakref.WeakValueDictionary[int, RunTemplate]" = weakref.WeakValueDictionary()
@@ -146,9 +146,10 @@ class RunTemplate:
                 for step in self.plan.forward]
 
     def _record(self, run, outputs, num_inputs: int, fake: bool) -> None:
-        """Keep the first forward's packed contexts; later forwards must save the same structure.
-        The first real forward's contexts replace a fake run's: the backward then recomputes
-        values with the backend's functions, not the rules' references the fake run used."""
+        """Keep the first forward's packed contexts; later forwards must save the same structure
+        (the functions of `Recompute`s aside). The first real forward's contexts replace a fake
+        run's: the backward then recomputes values with the backend's functions, not the rules'
+        references the fake run used."""
         outputs_meta = [(t.dtype, t.dim()) for t in outputs]
         skeleton = [(c.saved, c.side) for c in run.contexts()]
         if self.ctxs is None:
@@ -156,7 +157,7 @@ class RunTemplate:
             self.saved_positions = sorted(slot_indices(skeleton))
             self.num_tensors = num_inputs + len(outputs)
             self.ctxs_from_fake = fake
-        elif outputs_meta != self.outputs_meta or without_recompute_fns(skeleton) != without_recompute_fns(self.skeleton):
+        elif outputs_meta != self.outputs_meta or skeleton != self.skeleton:
             rules = ", ".join(f"'{s.rule.name}' ({s.backend})" for s in self.plan.forward if s.rule is not None)
             raise RuntimeError(
                 f"te_fused_ops under torch.compile: this call saved other values for the backward than "
@@ -164,7 +165,7 @@ class RunTemplate:
                 "backends must save the same structure, dtypes and ranks"
             )
         elif self.ctxs_from_fake and not fake:
-            self.ctxs, self.skeleton, self.ctxs_from_fake = run.ctxs, skeleton, False
+            self.ctxs, self.ctxs_from_fake = run.ctxs, False
 
     def backward(self, dy, saved: list, grad_shapes: list) -> list:
         """Gradients for ``grad_positions`` (zeros where the ops returned none)."""

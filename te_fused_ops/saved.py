@@ -57,7 +57,9 @@ class _Quantized:
 
 @dataclass(frozen=True)
 class _Recomputed:
-    fn: object
+    # not part of a skeleton's identity: under torch.compile the fake run recomputes with a rule's
+    # reference and the real run with the backend's kernels, from the same saved tensors
+    fn: object = dataclasses.field(compare=False)
     args: tuple
 
 
@@ -161,21 +163,3 @@ def slot_indices(skeleton) -> set:
     items = skeleton.values() if isinstance(skeleton, dict) else skeleton if isinstance(skeleton, (list, tuple)) else ()
     return set().union(*(slot_indices(item) for item in items))
 
-
-def without_recompute_fns(skeleton):
-    """``skeleton`` with each `Recompute`'s function left out: what the saved tensors are and how
-    the backward finds them, whichever backend's function recomputes a value from them (the fake
-    run under torch.compile recomputes with a rule's reference, the real run with the backend's
-    kernels)."""
-    if isinstance(skeleton, _Recomputed):
-        return _Recomputed(None, without_recompute_fns(skeleton.args))
-    if isinstance(skeleton, Saved):
-        return Saved(**without_recompute_fns(vars(skeleton)))
-    if isinstance(skeleton, Routing):
-        return dataclasses.replace(skeleton, **{f.name: without_recompute_fns(getattr(skeleton, f.name))
-                                                for f in dataclasses.fields(skeleton)})
-    if isinstance(skeleton, dict):
-        return {key: without_recompute_fns(item) for key, item in skeleton.items()}
-    if isinstance(skeleton, (list, tuple)):
-        return type(skeleton)(without_recompute_fns(item) for item in skeleton)
-    return skeleton
