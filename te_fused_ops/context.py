@@ -9,6 +9,7 @@ import itertools
 import weakref
 from types import SimpleNamespace
 
+import torch
 from torch import nn
 
 from .quantization import current_reuse_scope, step_scope_of
@@ -27,6 +28,13 @@ def register_owner(module: nn.Module) -> int:
 def registered_owner(uid: int) -> nn.Module:
     """The module registered as ``uid``."""
     return _owners[uid]
+
+
+def backward_keeps_graph() -> bool:
+    """Whether the running backward keeps the graph for another one (``retain_graph``); True
+    outside a backward and where torch does not say."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep_graph is None else bool(keep_graph())
 
 
 class Recompute:
@@ -108,6 +116,9 @@ class OpContext:
     produced_grads:       gradients of the produced values, for the backward (from the ops that used them)
     saved:                `Saved` values for the backward, by field; tensors reach the backward
                           through ``ctx.save_for_backward`` of the Sequential's autograd.Function
+    input_private:        the saved input (or what its recompute returns) is an intermediate of
+                          this call that only this op's backward reads: a backward that does not
+                          keep the graph may write over it (`input_overwritable`)
     recompute_output:     set by a fused forward that did not keep this op's output alive: a
                           `Recompute` giving the output again (the consumer saves it lazily)
     input_format:         the `Format` folded before this op in the running step, else None
@@ -138,6 +149,7 @@ class OpContext:
         self.saved = Saved()
         self.recompute_output = None
         self.input_recompute = None
+        self.input_private = False
         self.input_format = None
         self.output_format = None
         self.main_grads: dict = {}
@@ -149,6 +161,11 @@ class OpContext:
     def save_input(self, x) -> None:
         """Keep the op's input for the backward, lazily when its producer can recompute it."""
         self.saved.input = self.input_recompute if self.input_recompute is not None else x
+
+    def input_overwritable(self) -> bool:
+        """Whether this op's backward may write its gradient over the saved input: an intermediate
+        (`input_private`) and a backward that frees the graph after it (not ``retain_graph``)."""
+        return self.input_private and not backward_keeps_graph()
 
     def load_input(self):
         value = self.saved.input

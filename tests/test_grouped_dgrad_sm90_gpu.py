@@ -270,6 +270,31 @@ def test_kn_pingpong(tile_n):
     assert torch.equal(pingpong, cooperative)
 
 
+@pytest.mark.parametrize("cfg", [
+    dict(tile_n=128, cluster_m=2, epilogue_warps=True), dict(tile_n=128, cluster_m=2, epilogue_warps=False),
+    dict(tile_n=192, cluster_m=2, pingpong=True), dict(tile_n=256, cluster_m=1),
+])
+@pytest.mark.parametrize("activation", ["scaled_swiglu", "srelu"])
+def test_dact_writes_d_pre_over_pre(activation, cfg):
+    """``out=pre`` (the layer's backward writes d_pre over the saved pre-activation): each tile reads
+    its pre before storing its d_pre there, groups ending inside tiles included, so the outputs are
+    bit for bit those into a buffer of their own."""
+    splits = [130, 0, 67, 301, 2]
+    separate = run_dact(splits, 520, 192, 320, activation, seed=21, **cfg)
+    torch.manual_seed(21)
+    spec = ACTIVATIONS[activation]
+    g, h, i, m = len(splits), 192, 320, 520
+    dy = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
+    w = (torch.randn(g, h, i, device="cuda") / math.sqrt(h)).to(torch.bfloat16)
+    pre = (2 * torch.randn(m, 2 * i if spec.glu else i, device="cuda")).to(torch.bfloat16)
+    probs = torch.rand(m, device="cuda") if spec.takes_probs else None
+    in_place = grouped_dgrad_dact_sm90(dy, w, offsets_from_splits(splits), pre, activation=activation, probs=probs,
+                                       limit=LIMIT, alpha=ALPHA, out=pre, **cfg)
+    assert in_place[0].data_ptr() == pre.data_ptr()
+    for a, b in zip(separate, in_place):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 def test_dact_epilogue_warps_round_h_only():
     """The epilogue warps see h rounded to dy's dtype: act is bitwise the MMA-warpgroup epilogue's,
     d_pre within that rounding."""

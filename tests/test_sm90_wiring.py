@@ -80,8 +80,9 @@ def gemm(x, weight, offsets, *, bias=None, activation=None, probs=None, limit=7.
     return with_act_amax(tuple(results), offsets, act_amax)
 
 
-def dgrad_dact(dy, weight, offsets, pre, *, activation, probs=None, limit=7.0, alpha=1.702, **_):
-    """`grouped_dgrad_dact_sm90`'s contract: (d_pre, act(pre) (times probs), d_probs or None)."""
+def dgrad_dact(dy, weight, offsets, pre, *, activation, probs=None, limit=7.0, alpha=1.702, out=None, **_):
+    """`grouped_dgrad_dact_sm90`'s contract: (d_pre (into ``out``, which may be pre itself), act(pre)
+    (times probs), d_probs or None)."""
     h = dy.new_zeros(dy.shape[0], weight.shape[2], dtype=torch.float32)
     for g, rows in enumerate(grouped_rows(offsets)):
         h[rows] = dy[rows].float() @ weight[g].float()
@@ -91,7 +92,8 @@ def dgrad_dact(dy, weight, offsets, pre, *, activation, probs=None, limit=7.0, a
     (d_pre,) = vjp(h * probs[:, None] if scaled else h)
     act = unscaled * probs[:, None] if scaled else unscaled
     d_probs = (h * unscaled).sum(1) if scaled else None
-    return d_pre.to(dy.dtype), act.to(dy.dtype), d_probs
+    d_pre = d_pre.to(dy.dtype) if out is None else out.copy_(d_pre)
+    return d_pre, act.to(dy.dtype), d_probs
 
 
 def _expand(scale_inv, sizes):
@@ -329,6 +331,43 @@ def test_bf16_plan_glue_matches_the_torch_backend(act, sm90_stand_ins, monkeypat
     for i, (a, b) in enumerate(zip(got, want)):
         assert ref.rel_err(a, b) <= 1e-2, i
     assert torch.all(got[0][SPLITS.sum():] == 0)
+
+
+def test_d_pre_is_written_over_pre_unless_the_graph_is_kept(sm90_stand_ins, monkeypatch):
+    """The dActivation kernel writes d_pre over the saved pre-activation (FC1's output, private to
+    the call) when the backward frees the graph; with retain_graph it gets a buffer of its own, so a
+    second backward reads pre intact. An activation fed the caller's tensor never writes over it."""
+    import te_fused_ops.backends.sm90.rules as dact_rule
+
+    outs = []
+    dgrad = dact_rule.grouped_dgrad_dact_sm90
+
+    def recording(dy, weight, offsets, pre, **kwargs):
+        outs.append(kwargs.get("out") is not None and kwargs["out"].data_ptr() == pre.data_ptr())
+        return dgrad(dy, weight, offsets, pre, **kwargs)
+
+    monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_sm90", recording)
+    torch.manual_seed(0)
+    seq = Sequential(GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), SwiGLU(),
+                     GroupedLinear(G, I, H, dtype=torch.bfloat16))
+    x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
+    once = step(seq, x, dy)
+    assert outs == [True]
+    for t in (x, *seq.parameters()):
+        t.grad = None
+    y = seq(x, split_sizes=SPLITS)
+    y.backward(dy, retain_graph=True)
+    y.backward(dy)
+    assert outs == [True, False, True]
+    for a, b in zip(once[1:], [x.grad, *(p.grad for p in seq.parameters())]):
+        torch.testing.assert_close(b, 2 * a, rtol=1e-2, atol=1e-2)
+
+    tail = Sequential(SwiGLU(), GroupedLinear(G, I, H, dtype=torch.bfloat16))
+    pre = torch.randn(ROWS, 2 * I, dtype=torch.bfloat16, requires_grad=True)
+    kept = pre.detach().clone()
+    tail(pre, split_sizes=SPLITS).backward(dy)
+    assert outs[-1] is False and torch.equal(pre.detach(), kept)
 
 
 @pytest.mark.parametrize("quantize_x", [True, False])  # False: the recipe's MLP, FC1 in bf16

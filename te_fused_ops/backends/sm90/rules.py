@@ -257,15 +257,19 @@ def _act_grads(act_ctx, d_probs) -> dict:
 
 def _dact_bf16(ops, ctxs, dy):
     """One kernel: d_pre = act'(pre) * (dy @ W[g]) and act(pre) (the weight gradient's operand);
-    then the varlen-K weight gradient."""
+    then the varlen-K weight gradient. d_pre is written over pre where the forward made pre for
+    this backward alone (`OpContext.input_overwritable`): each tile reads its pre before it stores
+    its d_pre there, so the two never occupy memory together."""
     act, linear = ops
     act_ctx, linear_ctx = ctxs
     if linear_ctx.saved.recipe is not None or is_quantized(dy):
         return backward_reference(ops, ctxs, dy)
     dy = dy.contiguous()
+    pre = act_ctx.load_input()
     d_pre, out, d_probs = grouped_dgrad_dact_sm90(
-        dy, linear_ctx.saved.weight.detach(), linear_ctx.side["offsets"], act_ctx.load_input(),
-        activation=act.kernel_name, sm_margin=sm_margin(), **epilogue_args(act, act_ctx),
+        dy, linear_ctx.saved.weight.detach(), linear_ctx.side["offsets"], pre,
+        activation=act.kernel_name, out=pre if act_ctx.input_overwritable() else None, sm_margin=sm_margin(),
+        **epilogue_args(act, act_ctx),
     )
     return d_pre, [_act_grads(act_ctx, d_probs), linear_param_grads(linear_ctx, dy, x=out)]
 
