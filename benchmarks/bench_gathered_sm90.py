@@ -13,7 +13,9 @@ routing, seed 0), bf16. Part ``fc1``, FC1 + SwiGLU (W1 (E, 2I, H)):
 Part ``wgrad``, FC1's weight gradient dW1 = d_pre^T @ x[rows] (d_pre (M, 2I) random): the same
 four with `grouped_wgrad_sm90` (the layer's backward permutes x again for it) and
 `grouped_wgrad_gathered_sm90` (one CTA per cluster; "coop": the kernel on the permuted copy at
-the gathered kernel's tile, one CTA per cluster).
+the gathered kernel's tile, one CTA per cluster), and "gathered transposed" (the product dW^T with
+x's rows as A, tile 256 along 2I, CTA pairs sharing d_pre's tile: what the layer runs where FC1 is
+at most `linear.GATHER_WGRAD_MAX_WIDTH` wide), which gives the default kernel's bits.
 Each gathered kernel is checked bit for bit against the kernel on the permuted rows with the
 same configuration ("permute + kernel coop"; "gathered heuristic" against "permute + kernel") on
 NaN-filled buffers before anything is timed. Times: `common.sustained_ms` medians (L2 flushed
@@ -39,8 +41,10 @@ from te_fused_ops.backends.sm90.kernels import moe_rows
 from te_fused_ops.backends.sm90.kernels.launch import num_sms
 from te_fused_ops.routing import route
 
-VARIANTS = ("permute + kernel", "permute + kernel coop", "gathered", "gathered heuristic", "kernel alone")
-CHECKED = {"gathered": "permute + kernel coop", "gathered heuristic": "permute + kernel"}  # same configurations
+VARIANTS = ("permute + kernel", "permute + kernel coop", "gathered", "gathered heuristic", "gathered transposed",
+            "kernel alone")
+CHECKED = {"gathered": "permute + kernel coop", "gathered heuristic": "permute + kernel",  # same configurations
+           "gathered transposed": "permute + kernel"}
 
 
 def problem(name: str):
@@ -92,6 +96,7 @@ def wgrad_variants(x, routing, tokens, w1, offsets) -> tuple:
         "permute + kernel": lambda: permuted_wgrad(),
         "permute + kernel coop": lambda: permuted_wgrad(tile_n=tile_n, cluster_m=1, pingpong=False),
         "gathered": lambda: gw.grouped_wgrad_gathered_sm90(d_pre, x, tokens, offsets, tile_n=tile_n),
+        "gathered transposed": lambda: gw.grouped_wgrad_gathered_sm90(d_pre, x, tokens, offsets, transposed=True),
         "kernel alone": lambda: gw.grouped_wgrad_sm90(d_pre, permuted, offsets),
     }, (tile_n, 1)
 

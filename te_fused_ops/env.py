@@ -108,7 +108,9 @@ SWITCHES = {
             "whether FC1 + activation right after a single-GPU `Permute` reads the token rows by index "
             "inside the sm90 GEMM (rule `permute+grouped_linear+activation`, 16-bit, hidden size a "
             "multiple of 64) instead of reading the permuted copy: 1 always, 0 never, auto where FC1's "
-            "output width is at most 4096 (where it measured faster)",
+            "output width is at most 4096 (where it measured faster); and whether FC1's weight gradient "
+            "reads them by index instead of permuting x again: 1 always, 0 never, auto where FC1's "
+            "output width is at most 2048",
         ),
         Switch(
             "TE_FUSED_OPS_KERNEL_CACHE_DIR", _path, lambda: "a directory path", None,

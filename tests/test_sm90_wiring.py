@@ -251,6 +251,15 @@ def wgrad(dy, x, offsets, main_grad=None, **_):
     return dw
 
 
+GATHERED_WGRADS = []  # x's shape of each stood-in gathered weight gradient
+
+
+def gathered_wgrad(dy, x, x_index, offsets, transposed=False, **kwargs):
+    """`grouped_wgrad_gathered_sm90`'s contract: `grouped_wgrad_sm90` on x[x_index]."""
+    GATHERED_WGRADS.append(tuple(x.shape))
+    return wgrad(dy, x[x_index.long().clamp(0, x.shape[0] - 1)], offsets, **kwargs)
+
+
 def kernel_contract(fn):
     """``fn`` (a kernel's stand-in) that first checks what the kernel wrappers check of every
     tensor argument: contiguous and 16-byte aligned."""
@@ -276,6 +285,7 @@ def sm90_stand_ins(monkeypatch):
         (sm90, "tensor_quantize_sm90", tensor_cast),
         (sm90, "block_dequantize_sm90", block_uncast),
         (sm90, "grouped_wgrad_sm90", wgrad),
+        (sm90, "grouped_wgrad_gathered_sm90", gathered_wgrad),
         (sm90, "block_columns_sm90", column_cast),
         (sm90, "grouped_wgrad_fp8_sm90", wgrad_fp8),
         (sm90, "grouped_column_sums_sm90", lambda dy, offsets, **_: grouped_row_sum(dy, offsets)),
@@ -741,8 +751,9 @@ def gathered_gemm_stand_in(x, x_index, weight, offsets, *, activation=None, **ep
 def test_fc1_reads_the_permuted_rows_by_index(setting, sm90_stand_ins, monkeypatch):
     """TE_FUSED_OPS_GATHER_ROWS (auto: FC1 this narrow gathers): FC1 + activation in the routed
     layer reads x's rows by index (rule 'permute+grouped_linear+activation'; the forward writes no
-    permuted copy); the layer's output and gradients equal those of the plan without it bit for
-    bit, and the torch backend's."""
+    permuted copy), and so does FC1's weight gradient (no permuted copy in the backward either);
+    the layer's output and gradients equal those of the plan without it bit for bit, and the
+    torch backend's."""
     import te_fused_ops.backends.sm90.moe as sm90_moe
     import te_fused_ops.backends.sm90.rules as sm90_rules
     from te_fused_ops import Permute, Unpermute
@@ -764,7 +775,7 @@ def test_fc1_reads_the_permuted_rows_by_index(setting, sm90_stand_ins, monkeypat
         leaves = (x, probs, *seq.parameters())
         for t in leaves:
             t.grad = None
-        for calls in (SCATTERS, GATHERED_GEMMS):
+        for calls in (SCATTERS, GATHERED_GEMMS, GATHERED_WGRADS):
             calls.clear()
         y = seq(x, indices=indices, probs=probs)
         y.backward(dy)
@@ -772,20 +783,32 @@ def test_fc1_reads_the_permuted_rows_by_index(setting, sm90_stand_ins, monkeypat
 
     monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", "0")
     default = run()
-    assert len(SCATTERS) == 3 and not GATHERED_GEMMS  # permute, combine's backward, FC1's input again
+    assert len(SCATTERS) == 3 and not GATHERED_GEMMS + GATHERED_WGRADS  # permute, combine's backward, FC1's input
     monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", setting)
     gather = setting != "0"
     text = seq.explain(x, indices=indices, probs=probs)
     assert ("[0:3] Permute, GroupedLinear, SwiGLU -> rule 'permute+grouped_linear+activation' (backend sm90)"
             in text) == gather, text
     got = run()
-    if gather:
-        assert len(SCATTERS) == 2 and GATHERED_GEMMS == ["swiglu"]  # the backward's two
+    if gather:  # the combine's backward alone; FC1's weight gradient reads x's rows by index too
+        assert len(SCATTERS) == 1 and GATHERED_GEMMS == ["swiglu"] and GATHERED_WGRADS == [(tokens, H)]
     for a, b in zip(got, default):
         assert torch.equal(a, b)
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
     for a, b in zip(got, run()):
         assert ref.rel_err(a, b) <= 1e-2
+
+
+@pytest.mark.parametrize("setting,width,gathers", [("auto", 2048, True), ("auto", 2056, False), ("1", 8192, True),
+                                                   ("0", 1024, False)])
+def test_weight_gradient_reads_rows_by_index_where_fc1_is_narrow(setting, width, gathers, monkeypatch):
+    """TE_FUSED_OPS_GATHER_ROWS for FC1's weight gradient: auto gathers up to
+    `GATHER_WGRAD_MAX_WIDTH` output columns (where it measured faster than permuting x again)."""
+    from te_fused_ops.backends.sm90.linear import GATHER_WGRAD_MAX_WIDTH, gather_wgrad
+
+    assert GATHER_WGRAD_MAX_WIDTH == 2048
+    monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", setting)
+    assert gather_wgrad(torch.empty(4, width)) is gathers
 
 
 def test_wide_fc1_reads_the_permuted_copy_unless_asked(sm90_stand_ins, monkeypatch):
@@ -834,10 +857,12 @@ def test_compiled_gathered_layer_recomputes_with_the_kernels(sm90_stand_ins, mon
             for t in seq.parameters():
                 t.grad = None
             SCATTERS.clear()
+            GATHERED_WGRADS.clear()
             x, probs = x0.clone().requires_grad_(), probs0.clone().requires_grad_()
             y = fn(x, indices=indices, probs=probs)
             y.backward(dy)
-            assert len(SCATTERS) == 2  # the backward's: the combine's and FC1's input again
+            # the backward's: the combine's scatter; FC1's weight gradient reads the kernels' rows by index
+            assert len(SCATTERS) == 1 and GATHERED_WGRADS == [(tokens, H)]
             runs.append([y.detach(), x.grad, probs.grad, *(t.grad.clone() for t in seq.parameters())])
         for a, b in zip(*runs):
             assert torch.equal(a, b)

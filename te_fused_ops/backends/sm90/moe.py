@@ -61,6 +61,16 @@ def gather_tokens(ctx, x) -> tuple | None:
     return x, (routing.row_slots // routing.top_k).to(torch.int32)  # x: the backend's prepared input
 
 
+def rows_by_index(saved) -> tuple | None:
+    """(x (T, H), token of each expert row (M,) int32) where ``saved`` (an op's saved input) is the
+    one-GPU permute's recompute of its rows on the row kernels, for a kernel that reads the rows
+    by index instead; else None."""
+    if not (isinstance(saved, Recompute) and saved.fn is permuted_rows):
+        return None
+    x, routing = saved.args
+    return x, (routing.row_slots // routing.top_k).to(torch.int32)
+
+
 def _send_rows(x: torch.Tensor, routing: ExpertParallelRouting, scale=None, y=None, dot_out=None) -> torch.Tensor:
     """Tokens (T, H) -> this rank's send rows (N, H) (times the slot's ``scale``; with ``y``
     and ``dot_out`` also the slots' dots with the rows ``y`` came back in)."""

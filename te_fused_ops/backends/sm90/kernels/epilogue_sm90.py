@@ -243,13 +243,13 @@ class Sm90Epilogue:
         accumulator, the chunk registers, and the C-tile smem -> register copies (ldmatrix: 16-bit)."""
         copy_atom_c = cute.make_tiled_copy_C_atom(
             cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4),
+                cute.nvgpu.warp.StMatrix8x8x16bOp(self.d_layout == LayoutEnum.COL_MAJOR, 4),
                 self.dtype if const_expr(self.dtype.width == 16) else cutlass.Float16,
             ),
             tiled_mma,
         )
         tiled_copy_r2s = cute.make_tiled_copy_S(
-            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, self.acc_dtype),
+            sm90_utils.get_smem_store_op(self.d_layout, self.dtype, self.acc_dtype),
             copy_atom_c,
         )
         thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)

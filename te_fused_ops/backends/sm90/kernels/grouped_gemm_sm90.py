@@ -50,7 +50,10 @@ too: forward + SwiGLU at tile_n 192 then spills in its epilogue). With
 stage with x[index[token]]'s tile_n columns, a token per 16-byte column group of threads; tokens
 past the group's end read its last row and columns past K_out the last 8 (A's ragged token view
 zero-fills those tokens, and the stores clip those columns), so every read is in bounds and
-nothing is zero-filled by hand.
+nothing is zero-filled by hand. ``gather_a`` on varlen-K fills A's MN-major stage the same way
+(128 columns of x a token), B's ragged view zero-filling the tokens past the group's end and
+multicast over a CTA pair as usual; with ``d_major`` "m" the tile is stored transposed, so a
+weight gradient dW (N, K_out) comes out of the product dW^T = x_g^T dy_g with the gathered x as A.
 
 With ``b_boxes`` = 2 (forward GLU), n-tile nt covers B rows [nt * tile_n/2, (nt+1) * tile_n/2) and
 the same rows of the second half: each B stage is filled by two TMA boxes of tile_n/2 (gate, then
@@ -203,7 +206,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
     def __init__(
         self, dtype, tile_n, b_major="k", cluster_m=2, ab_stages=None, epi_slots=None, ab_dtype=None, c_stages=2,
         raster_band=RASTER_BAND, split_tail=True, epilogue_warps=False, a_major="k", defer_stores=False,
-        pingpong=False, overlap_promotion=False, gather_a=False, gather_b=False,
+        pingpong=False, overlap_promotion=False, gather_a=False, gather_b=False, d_major="n",
     ):
         if b_major not in ("k", "mn") or a_major not in ("k", "mn"):
             raise ValueError("a_major and b_major must be 'k' or 'mn'")
@@ -263,15 +266,23 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
                              "that are not deferred")
         self.overlap_promotion = overlap_promotion
         # gather_a / gather_b: the producer warpgroup reads A's rows / B's tokens by index (module docstring)
-        if gather_a and (self.block_scaled or self.varlen_k or a_major != "k" or epilogue_warps):
-            raise ValueError(f"{type(self).__name__}: gather_a needs 16-bit K-major varlen-M operands and the MMA "
-                             "warpgroups' own epilogue")
+        if gather_a and (self.block_scaled or a_major != ("mn" if self.varlen_k else "k") or epilogue_warps
+                         or (self.varlen_k and pingpong)):
+            raise ValueError(f"{type(self).__name__}: gather_a needs 16-bit operands, K-major rows (varlen-M) or "
+                             "MN-major tokens (varlen-K, the MMA warpgroups sharing tiles) and the MMA warpgroups' "
+                             "own epilogue")
         if gather_b and (self.block_scaled or not self.varlen_k or b_major != "mn" or cluster_m != 1 or pingpong
                          or tile_n not in (128, 256)):
             raise ValueError(f"{type(self).__name__}: gather_b needs 16-bit varlen-K operands, tile_n 128 or 256, "
                              "one CTA per cluster and the MMA warpgroups sharing tiles")
         self.gather_a, self.gather_b = gather_a, gather_b
         self.gathers = gather_a or gather_b
+        # d_major "m": the outputs stored M-contiguous (a varlen-K product whose output is the
+        # transpose of the (M, N) tile: stmatrix transposed into M-major store slots)
+        if d_major not in ("n", "m") or (d_major == "m" and (dtype.width != 16 or self.num_in or epilogue_warps)):
+            raise ValueError(f"{type(self).__name__}: d_major must be 'n', or 'm' for 16-bit outputs without loaded "
+                             "inputs or epilogue warps")
+        self.d_layout = LayoutEnum.ROW_MAJOR if d_major == "n" else LayoutEnum.COL_MAJOR
         # ping-pong: each MMA warpgroup takes every other tile whole (128 x tile_n, tile_n fp32
         # accumulator registers a thread); their mainloops take turns, and one's epilogue runs
         # under the other's mainloop
@@ -333,7 +344,8 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         e.g. `grouped_act_sm90.ForwardParams`, or ()); max_clusters: Int32, the persistent grid in
         clusters. ``gather`` (gather_a / gather_b): (x (T, C), index (M,) int32), the rows read by
         index, ids clamped to [0, T): gather_a, A's row r is x[index[r]] (mA is x itself, K = C a
-        multiple of 64); gather_b, B's token r is x[index[r]] (mW is x's token view, K_out = C).
+        multiple of 64; varlen-K: A's token r, mA x's token view, N = C); gather_b, B's token r is
+        x[index[r]] (mW is x's token view, K_out = C).
         """
         dt = self.ab_dtype
         if const_expr(self.varlen_k):
@@ -364,7 +376,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         sA_layout = sm90_utils.make_smem_layout_a(self.a_layout, tile_mnk, dt, self.ab_stages)
         sB_layout = sm90_utils.make_smem_layout_b(self.b_layout, tile_mnk, dt, self.ab_stages)
         sD_layout = sm90_utils.make_smem_layout_epi(
-            self.dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, max(self.num_out, 1) * self.epi_slots
+            self.dtype, self.d_layout, self.epi_tile, max(self.num_out, 1) * self.epi_slots
         )
         sC_layout = sm90_utils.make_smem_layout_epi(
             self.dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, max(self.num_in, 1) * self.c_stages

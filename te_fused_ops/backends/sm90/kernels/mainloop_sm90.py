@@ -106,7 +106,8 @@ class Sm90Mainloop:
                         for (atom, mSF), sSF, t in zip(scales, (sSFA, sSFB), (mt, nt))
                     )
                 own_mask = cutlass.Int16(1) << rank
-                sources = self._gather_sources(gather, tile, sched[2]) if const_expr(self.gather_a) else None
+                gathers_rows = self.gather_a and not self.varlen_k
+                sources = self._gather_sources(gather, tile, sched[2]) if const_expr(gathers_rows) else None
                 for k in range(tile_k_tiles):
                     if const_expr(self.gathers):
                         # every thread waits for the stage; warp 0 also expects the other operand's bytes
@@ -116,12 +117,17 @@ class Sm90Mainloop:
                             ab_pipe.sync_object_empty.wait(state.index, state.phase)
                         bar = ab_pipe.producer_get_barrier(state)
                         if const_expr(self.gather_a):
-                            self._gather_k_tile(gather_copy, gather[0], sources, k, state.index, bar)
+                            if const_expr(self.varlen_k):
+                                self._gather_token_k_tile(gather_copy, gather, tile, tile.mt, self.tile_m, k,
+                                                          state.index, bar)
+                            else:
+                                self._gather_k_tile(gather_copy, gather[0], sources, k, state.index, bar)
                             if warp_idx == 0:
                                 self._load_b(tma_b, tBgB, tBsB, slices, split, own_mask, b_mcast_mask, k,
                                              state.index, bar)
                         else:
-                            self._gather_token_k_tile(gather_copy, gather, tile, k, state.index, bar)
+                            self._gather_token_k_tile(gather_copy, gather, tile, tile.nt, self.tile_n, k, state.index,
+                                                      bar)
                             if warp_idx == 0:
                                 cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
                     else:
@@ -173,20 +179,21 @@ class Sm90Mainloop:
         ab_pipe.producer_tail(state)
 
     def _gather_copy(self, sA, sB):
-        """(the 16-byte cp.async atom, this thread's view of the gathered stages). gather_a: a 128
-        x 64 A k-tile as 16 rows x 8 threads, (vector, 8 rows, 1, stages); gather_b: a tile_n x 64
-        MN-major B k-tile as tile_n / 8 threads along N x 128 / (tile_n / 8) tokens, (vector, 1,
-        token passes, stages)."""
+        """(the 16-byte cp.async atom, this thread's view of the gathered stages). gather_a, varlen-M:
+        a 128 x 64 A k-tile as 16 rows x 8 threads, (vector, 8 rows, 1, stages); gather_b: a tile_n
+        x 64 MN-major B k-tile as tile_n / 8 threads along N x 128 / (tile_n / 8) tokens, (vector, 1,
+        token passes, stages); gather_a, varlen-K: A's 128 x 64 MN-major k-tile the same way."""
         atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
                                    self.ab_dtype, num_bits_per_copy=128)  # L2 only: each row is read once here
         tidx, _, _ = cute.arch.thread_idx()
-        if const_expr(self.gather_a):
+        if const_expr(self.gather_a and not self.varlen_k):
             tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((16, 8), stride=(8, 1)), cute.make_layout((1, 8)))
             return atom, tiled.get_slice(tidx % 128).partition_D(sA)
-        along_n = self.tile_n // 8
-        tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((along_n, 128 // along_n), stride=(1, along_n)),
+        size, stages = (self.tile_m, sA) if const_expr(self.gather_a) else (self.tile_n, sB)
+        along = size // 8
+        tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((along, 128 // along), stride=(1, along)),
                                         cute.make_layout((8, 1)))
-        return atom, tiled.get_slice(tidx % 128).partition_D(sB)
+        return atom, tiled.get_slice(tidx % 128).partition_D(stages)
 
     @cute.jit
     def _gather_sources(self, gather, tile: Tile, m_total):
@@ -205,18 +212,19 @@ class Sm90Mainloop:
         return sources
 
     @cute.jit
-    def _gather_token_k_tile(self, gather_copy, gather, tile: Tile, k, stage, bar):
-        """gather_b: this thread's 16 bytes of x[index[token]] for each of its tokens of k-tile k of
-        the tile's group (past the group's end: its last row) at column nt * tile_n + 8 * (tidx %
-        (tile_n / 8)) (past K_out: the last 8), into stage ``stage`` by cp.async, and its arrival
-        on the stage's full barrier once they have landed."""
+    def _gather_token_k_tile(self, gather_copy, gather, tile: Tile, block, size: cutlass.Constexpr, k, stage, bar):
+        """Varlen-K gather (gather_b: B's ``size`` = tile_n columns of n-tile ``block``; gather_a:
+        A's tile_m of m-tile ``block``): this thread's 16 bytes of x[index[token]] for each of its
+        tokens of k-tile k of the tile's group (past the group's end: its last row) at column
+        block * size + 8 * (tidx % (size / 8)) (past x's width: the last 8), into stage ``stage`` by
+        cp.async, and its arrival on the stage's full barrier once they have landed."""
         atom, tBsB = gather_copy
         mX, mIndex = gather
         tidx, _, _ = cute.arch.thread_idx()
-        along_n = self.tile_n // 8
+        along_n = size // 8
         per_pass = 128 // along_n
         tokens, width = cute.size(mX, mode=[0]), cute.size(mX, mode=[1])
-        col = cutlass.min(tile.nt * self.tile_n + (tidx % along_n) * 8, width - 8)
+        col = cutlass.min(block * size + (tidx % along_n) * 8, width - 8)
         first = tile.start + k * self.tile_k + (tidx % 128) // along_n
         base = mX.iterator.toint()
         for j in cutlass.range_constexpr(self.tile_k // per_pass):
