@@ -30,6 +30,19 @@ def registered_owner(uid: int) -> nn.Module:
     return _owners[uid]
 
 
+class DeferredGrad:
+    """A parameter gradient a backward step hands back uncomputed: ``fn()`` runs after every step
+    of the backward (`runner.Run.backward`), once the tensors the steps after it make and free
+    (e.g. a permute's data gradient in expert order) are gone, so the gradient's buffer never
+    meets them at the peak."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self):
+        return self.fn()
+
+
 def backward_keeps_graph() -> bool:
     """Whether the running backward keeps the graph for another one (``retain_graph``); True
     outside a backward and where torch does not say."""

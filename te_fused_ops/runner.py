@@ -12,7 +12,7 @@ import torch
 
 from . import env
 from .backends import backends_version
-from .context import OpContext
+from .context import DeferredGrad, OpContext
 from .overlap import ChunkedSegment
 from .fusion import (
     PlanInfo,
@@ -267,6 +267,10 @@ class Run:
                         del op_grad[name]
                         earlier = ctxs[producer].produced_grads.get(name)
                         ctxs[producer].produced_grads[name] = grad if earlier is None else earlier + grad
+        for grads in op_grads:  # the deferred ones, after every step
+            for name, grad in (grads or {}).items():
+                if isinstance(grad, DeferredGrad):
+                    grads[name] = grad()
         side_grads = {name: None for name in self.grad_side_names}
         param_grads = [None] * self.num_params
         for i, grads in enumerate(op_grads):

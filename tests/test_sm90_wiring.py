@@ -948,3 +948,37 @@ def test_strided_layer_input_reaches_the_row_kernels_contiguous(sm90_stand_ins, 
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
     for a, b in zip(got, grads()):
         assert ref.rel_err(a, b) <= 1e-2
+
+
+def test_gathered_weight_gradient_runs_after_the_permute_backward(sm90_stand_ins, monkeypatch):
+    """FC1's weight gradient reading x's rows by index is deferred to the end of the backward: the
+    permute's backward has summed (and freed) the expert-ordered data gradient before dW exists."""
+    import te_fused_ops.backends.sm90.linear as sm90_linear
+    import te_fused_ops.backends.sm90.moe as sm90_moe
+    import te_fused_ops.backends.sm90.rules as sm90_rules
+    from te_fused_ops import Permute, Unpermute
+
+    events = []
+
+    def logged(name, fn):
+        def call(*args, **kwargs):
+            events.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(sm90_moe, "scatter_rows", kernel_contract(scatter_rows_stand_in))
+    monkeypatch.setattr(sm90_moe, "gather_sum", logged("gather_sum", kernel_contract(gather_sum_stand_in)))
+    monkeypatch.setattr(sm90_rules, "grouped_gemm_gathered_sm90", kernel_contract(gathered_gemm_stand_in))
+    monkeypatch.setattr(sm90_linear, "grouped_wgrad_gathered_sm90", logged("wgrad", sm90_linear.grouped_wgrad_gathered_sm90))
+    monkeypatch.setattr(sm90_linear, "grouped_gemm_sm90", logged("dgrad", sm90_linear.grouped_gemm_sm90))
+    monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", "auto")
+    torch.manual_seed(0)
+    seq = Sequential(Permute(G), GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), SwiGLU(),
+                     GroupedLinear(G, I, H, dtype=torch.bfloat16), Unpermute())
+    x = torch.randn(48, H, dtype=torch.bfloat16, requires_grad=True)
+    indices, probs = torch.randint(0, G, (48, 2)), torch.rand(48, 2)
+    y = seq(x, indices=indices, probs=probs)
+    events.clear()
+    y.backward(torch.randn_like(y))
+    assert events == ["dgrad", "gather_sum", "wgrad"], events  # FC1's data gradient, the slot sum, then dW1
+    assert seq[1].weight.grad is not None and seq[1].weight.grad.shape == seq[1].weight.shape

@@ -2,10 +2,13 @@
 rules share (forward GEMM with its epilogues, backward, FP8 casts of activations, gradients and
 weights)."""
 
+import functools
+
 import torch
 
 from ... import env
 from ...activations import ACTIVATIONS
+from ...context import DeferredGrad
 from ...ops import Activation, GroupedLinear
 from ...quantization import (
     Float8BlockScaling,
@@ -268,7 +271,9 @@ def linear_param_grads(ctx, dy: torch.Tensor, x=None, dy_columns=None, out_dtype
     """GroupedLinear's weight gradient (varlen-K kernel, dy and x read in place; accumulated into
     ``weight.main_grad`` when the op asks for it) and bias gradient (from dy). An input saved as
     the permute's recompute of x's rows is read by index instead where `gather_wgrad` says
-    (`grouped_wgrad_gathered_sm90`, transposed): the permuted copy is not made again.
+    (`grouped_wgrad_gathered_sm90`, transposed): the permuted copy is not made again, and the
+    gradient is a `DeferredGrad`, computed once the permute's backward has freed the expert-ordered
+    data gradient.
 
     ``x``: the op's input (default: what its forward saved). With ``dy_columns`` (`BlockColumns`
     of dy) x is x's `BlockColumns` too and the weight gradient runs on the FP8 kernel, into
@@ -279,7 +284,10 @@ def linear_param_grads(ctx, dy: torch.Tensor, x=None, dy_columns=None, out_dtype
         out = ctx.grad_buffers.get("weight") if main_grad is None else None  # a chunk's slice of the gradient
         gathered = rows_by_index(ctx.saved.input) if x is None and main_grad is None and gather_wgrad(dy) else None
         if dy_columns is None and gathered is not None and gathered[0].dtype == dy.dtype:
-            dw = grouped_wgrad_gathered_sm90(dy, *gathered, offsets, out=out, sm_margin=sm_margin(), transposed=True)
+            # after the permute's backward: its expert-ordered data gradient is freed before dW exists
+            margin = sm_margin()
+            dw = DeferredGrad(functools.partial(grouped_wgrad_gathered_sm90, dy, *gathered, offsets, out=out,
+                                                sm_margin=margin, transposed=True))
         elif dy_columns is None:
             dw = grouped_wgrad_sm90(dy, ctx.load_input() if x is None else x, offsets, main_grad=main_grad,
                                     out=out, sm_margin=sm_margin())
