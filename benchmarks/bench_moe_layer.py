@@ -69,6 +69,7 @@ tests/test_bench.py checks (a), (b) and, where its ops import, (c) there on the 
     python benchmarks/bench_moe_layer.py --smoke      # T 64, k 2, E 4, H 64, I 64: seconds
     python benchmarks/bench_moe_layer.py --recipe fp8_blockwise   # + the FP8 layer, two regimes
     python benchmarks/bench_moe_layer.py --profile a,c   # + where each one's step goes (kernels, host)
+    python benchmarks/bench_moe_layer.py --memory-trace c   # + what is live at the step's peak
 """
 
 import argparse
@@ -88,6 +89,7 @@ from common import (
     extra_peak_mib,
     gpu_us_per_kernel,
     host_us_per_call,
+    live_at_peak,
     rotated_medians,
     sustained_ms,
     write_results,
@@ -573,7 +575,21 @@ def profile_contender(label: str, run: Contender, dy, step_ms: float) -> dict:
     return {"kernel_ms": kernel_ms, "host_ms": host_ms, "kernels_us": kernels, "launches": launches}
 
 
-def run_shape(name: str, shape, rounds: int, window_s: float, recipe: str | None = None, profile=()) -> dict:
+def memory_trace(label: str, run: Contender, dy) -> dict:
+    """What is live at the peak of one step of ``run`` (`common.live_at_peak`), printed and returned."""
+    step = step_fn(run, dy)
+    step()
+    clear(run.leaves.values())
+    peak_mib, rows = live_at_peak(step)
+    clear(run.leaves.values())
+    print(f"  memory {label}: {peak_mib:.0f} MiB above the step's start at its peak, live then:", flush=True)
+    for n, mib, where in rows[:12]:
+        print(f"    {n} x {mib:9.1f} MiB  {where}", flush=True)
+    return {"peak_mib": peak_mib, "live": [{"count": n, "mib": mib, "where": where} for n, mib, where in rows]}
+
+
+def run_shape(name: str, shape, rounds: int, window_s: float, recipe: str | None = None, profile=(),
+              memory=()) -> dict:
     t, k, e, h, i = shape
     print(f"[{name}] T={t} k={k} E={e} H={h} I={i} ...", flush=True)
     p = make_problem(name, shape)
@@ -586,6 +602,9 @@ def run_shape(name: str, shape, rounds: int, window_s: float, recipe: str | None
         if label in runs and "step_ms" in result["layer"].get(label, {}):
             result["layer"][label]["profile"] = profile_contender(label, runs[label], p.dy,
                                                                   result["layer"][label]["step_ms"])
+    for label in memory:
+        if label in runs and "step_ms" in result["layer"].get(label, {}):
+            result["layer"][label]["memory_trace"] = memory_trace(label, runs[label], p.dy)
     result["router"] = {}
     if recipe is None:
         runs = build_router_contenders(p)
@@ -626,6 +645,8 @@ def main():
                     "--smoke its git-ignored runs/ folder)")
     ap.add_argument("--profile", default="", help="contenders (e.g. a,c) whose step is also broken down: GPU time "
                     "per kernel, idle GPU time, host time to issue a step")
+    ap.add_argument("--memory-trace", default="", help="contenders (e.g. c) whose step's peak is broken down: the "
+                    "blocks live then, by the library frames that allocated them")
     args = ap.parse_args()
     shapes = dict(SMOKE_SHAPES if args.smoke else SHAPES)
     names = args.shapes.split(",") if args.shapes else list(shapes)
@@ -635,7 +656,8 @@ def main():
     window_s = 0.02 if args.smoke else 0.4
     device = torch.cuda.get_device_name()
     profile = [label for label in args.profile.split(",") if label]
-    results = [run_shape(name, shapes[name], args.rounds, window_s, args.recipe, profile) for name in names]
+    memory = [label for label in args.memory_trace.split(",") if label]
+    results = [run_shape(name, shapes[name], args.rounds, window_s, args.recipe, profile, memory) for name in names]
     text = table(device, results)
     stem = f"moe_layer{'_' + args.recipe if args.recipe else ''}{'_smoke' if args.smoke else ''}_{device_tag(device)}"
     payload = {"device": device, "routing": ROUTING, "tolerance": TOL, "recipe": args.recipe,

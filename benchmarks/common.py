@@ -83,6 +83,42 @@ def extra_peak_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def live_at_peak(fn, where=("te_fused_ops", "fusion_rules")) -> tuple:
+    """What one call of ``fn`` has allocated at its peak: (MiB above the start, [(count, MiB each,
+    the innermost frames of files whose path contains one of ``where``)], largest first), from the
+    allocator's history over the call (blocks allocated before it are not in it)."""
+    import collections
+    import os
+
+    import torch
+
+    def frames_of(block):
+        kept = [f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}" for f in block.get("frames", [])
+                if any(part in f.get("filename", "") for part in where)]
+        return " < ".join(kept[:3]) or "?"
+
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=200000)
+    try:
+        fn()
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    live, current, peak, at_peak = {}, 0, 0, {}
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            current += event["size"]
+            if current > peak:
+                peak, at_peak = current, dict(live)
+        elif event["action"] == "free_requested" and event["addr"] in live:
+            current -= live.pop(event["addr"])["size"]
+    groups = collections.Counter((frames_of(b), b["size"]) for b in at_peak.values())
+    rows = sorted(((n, size / 2**20, where) for (where, size), n in groups.items()), key=lambda r: -r[0] * r[1])
+    return peak / 2**20, rows
+
+
 def skewed_splits(m: int, e: int, seed: int = 0, align: int = 1) -> torch.Tensor:
     """Skewed routing on the CPU: expert shares ~ U(0,1)^2, counts multiples of ``align``
     (the largest absorbs the rest), summing to m. int64 (e,)."""
