@@ -10,15 +10,14 @@ routing, seed 0), bf16. Part ``fc1``, FC1 + SwiGLU (W1 (E, 2I, H)):
   gathered heuristic     the same with the heuristic's configuration of "permute + kernel"
                          (ping-pong where it pays: the gathered kernel's ping-pong schedule)
   kernel alone           `grouped_gemm_sm90` on rows permuted beforehand (what the permute costs)
-Part ``wgrad``, FC1's weight gradient dW1 = d_pre^T @ x[rows] (d_pre (M, 2I) random): the same
-four with `grouped_wgrad_sm90` (the layer's backward permutes x again for it) and
-`grouped_wgrad_gathered_sm90` (one CTA per cluster; "coop": the kernel on the permuted copy at
-the gathered kernel's tile, one CTA per cluster), and "gathered transposed" (the product dW^T with
-x's rows as A, tile 256 along 2I, CTA pairs sharing d_pre's tile: what the layer runs where FC1 is
-at most `linear.GATHER_WGRAD_MAX_WIDTH` wide), which gives the default kernel's bits.
-Each gathered kernel is checked bit for bit against the kernel on the permuted rows with the
-same configuration ("permute + kernel coop"; "gathered heuristic" against "permute + kernel") on
-NaN-filled buffers before anything is timed. Times: `common.sustained_ms` medians (L2 flushed
+Part ``wgrad``, FC1's weight gradient dW1 = d_pre^T @ x[rows] (d_pre (M, 2I) random): "permute +
+kernel" (the permute, then `grouped_wgrad_sm90`), "gathered transposed"
+(`grouped_wgrad_gathered_sm90`: the product dW^T with x's rows as A, tile 256 along 2I, CTA pairs
+sharing d_pre's tile; what the layer runs where FC1 is at most `linear.GATHER_WGRAD_MAX_WIDTH`
+wide), "kernel alone".
+Each gathered kernel is checked bit for bit against the kernel on the permuted rows ("gathered"
+against "permute + kernel coop", the same configuration; "gathered heuristic" and "gathered
+transposed" against "permute + kernel") on NaN-filled buffers before anything is timed. Times: `common.sustained_ms` medians (L2 flushed
 before each call), variants in rotated order.
 
     python benchmarks/bench_gathered_sm90.py [--shapes qwen3-30b-a3b,...] [--parts fc1,wgrad] [--out DIR]
@@ -85,7 +84,7 @@ def fc1_variants(x, routing, tokens, w1, offsets) -> tuple:
 def wgrad_variants(x, routing, tokens, w1, offsets) -> tuple:
     """label -> FC1 weight-gradient call, and the gathered kernel's (tile_n, cluster_m)."""
     d_pre = torch.randn(tokens.shape[0], w1.shape[1], device="cuda", dtype=torch.bfloat16)
-    tile_n = 128 if x.shape[1] <= 128 else 256
+    tile_n = 128 if w1.shape[1] <= 128 else 256
     permuted = moe_rows.scatter_rows(x, routing.slot_rows, routing.num_kept)
 
     def permuted_wgrad(**cfg):
@@ -94,11 +93,9 @@ def wgrad_variants(x, routing, tokens, w1, offsets) -> tuple:
 
     return {
         "permute + kernel": lambda: permuted_wgrad(),
-        "permute + kernel coop": lambda: permuted_wgrad(tile_n=tile_n, cluster_m=1, pingpong=False),
-        "gathered": lambda: gw.grouped_wgrad_gathered_sm90(d_pre, x, tokens, offsets, tile_n=tile_n),
-        "gathered transposed": lambda: gw.grouped_wgrad_gathered_sm90(d_pre, x, tokens, offsets, transposed=True),
+        "gathered transposed": lambda: gw.grouped_wgrad_gathered_sm90(d_pre, x, tokens, offsets),
         "kernel alone": lambda: gw.grouped_wgrad_sm90(d_pre, permuted, offsets),
-    }, (tile_n, 1)
+    }, (tile_n, 2)
 
 
 PARTS = {"fc1": fc1_variants, "wgrad": wgrad_variants}

@@ -254,7 +254,7 @@ def wgrad(dy, x, offsets, main_grad=None, **_):
 GATHERED_WGRADS = []  # x's shape of each stood-in gathered weight gradient
 
 
-def gathered_wgrad(dy, x, x_index, offsets, transposed=False, **kwargs):
+def gathered_wgrad(dy, x, x_index, offsets, **kwargs):
     """`grouped_wgrad_gathered_sm90`'s contract: `grouped_wgrad_sm90` on x[x_index]."""
     GATHERED_WGRADS.append(tuple(x.shape))
     return wgrad(dy, x[x_index.long().clamp(0, x.shape[0] - 1)], offsets, **kwargs)

@@ -51,14 +51,10 @@ COMPILE = {  # name: Python that compiles one configuration (torch as torch, bf1
                                                                " pingpong=True)",
     "forward gathered rows tile 128 + bias": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
                                              " compile_grouped_gemm_gathered as c; c(bf16, 128, None, True, False, 1)",
-    "wgrad dW gathered rows tile 256": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import"
-                                       " compile_grouped_wgrad_gathered as c; c(bf16, 256, False)",
-    "wgrad dW gathered rows transposed tile 256 pair": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import"
-                                                       " compile_grouped_wgrad_gathered as c;"
-                                                       " c(bf16, 256, False, transposed=True, cluster_m=2)",
-    "wgrad dW gathered rows transposed tile 192 pair": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import"
-                                                       " compile_grouped_wgrad_gathered as c;"
-                                                       " c(bf16, 192, False, transposed=True, cluster_m=2)",
+    "wgrad dW gathered rows tile 256 pair": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import"
+                                            " compile_grouped_wgrad_gathered as c; c(bf16, 256, False)",
+    "wgrad dW gathered rows tile 192 pair": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import"
+                                            " compile_grouped_wgrad_gathered as c; c(bf16, 192, False)",
     "FP8 wgrad dW pair": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import compile_grouped_wgrad as c;"
                          "c(bf16, 128, False, 2, False, True)",
     "FP8 wgrad dW pair, overlapped promotion": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import"

@@ -271,7 +271,7 @@ def linear_param_grads(ctx, dy: torch.Tensor, x=None, dy_columns=None, out_dtype
     """GroupedLinear's weight gradient (varlen-K kernel, dy and x read in place; accumulated into
     ``weight.main_grad`` when the op asks for it) and bias gradient (from dy). An input saved as
     the permute's recompute of x's rows is read by index instead where `gather_wgrad` says
-    (`grouped_wgrad_gathered_sm90`, transposed): the permuted copy is not made again, and the
+    (`grouped_wgrad_gathered_sm90`): the permuted copy is not made again, and the
     gradient is a `DeferredGrad`, computed once the permute's backward has freed the expert-ordered
     data gradient.
 
@@ -287,7 +287,7 @@ def linear_param_grads(ctx, dy: torch.Tensor, x=None, dy_columns=None, out_dtype
             # after the permute's backward: its expert-ordered data gradient is freed before dW exists
             margin = sm_margin()
             dw = DeferredGrad(functools.partial(grouped_wgrad_gathered_sm90, dy, *gathered, offsets, out=out,
-                                                sm_margin=margin, transposed=True))
+                                                sm_margin=margin))
         elif dy_columns is None:
             dw = grouped_wgrad_sm90(dy, ctx.load_input() if x is None else x, offsets, main_grad=main_grad,
                                     out=out, sm_margin=sm_margin())

@@ -45,15 +45,13 @@ With ``gather_a`` (16-bit varlen-M, cooperative or ping-pong) A's rows are read 
 of 8 rows a k-tile with cp.async into the swizzled stage TMA would fill, and signal the stage's
 full barrier with `cp.async.mbarrier.arrive.noinc` beside warp 0's B transaction (129 arrivals);
 warp 0 alone publishes the tiles and loads B. Registers: producer 56, MMA warpgroups 224 (ping-pong
-too: forward + SwiGLU at tile_n 192 then spills in its epilogue). With
-``gather_b`` (varlen-K, one CTA per cluster, tile_n 128 or 256) the same loads fill B's MN-major
-stage with x[index[token]]'s tile_n columns, a token per 16-byte column group of threads; tokens
-past the group's end read its last row and columns past K_out the last 8 (A's ragged token view
-zero-fills those tokens, and the stores clip those columns), so every read is in bounds and
-nothing is zero-filled by hand. ``gather_a`` on varlen-K fills A's MN-major stage the same way
-(128 columns of x a token), B's ragged view zero-filling the tokens past the group's end and
-multicast over a CTA pair as usual; with ``d_major`` "m" the tile is stored transposed, so a
-weight gradient dW (N, K_out) comes out of the product dW^T = x_g^T dy_g with the gathered x as A.
+too: forward + SwiGLU at tile_n 192 then spills in its epilogue). On varlen-K, ``gather_a`` fills
+A's MN-major stage with x[index[token]]'s 128 columns, a token per 16 threads (16 bytes each);
+tokens past the group's end read its last row and columns past x's width the last 8 (B's ragged
+token view zero-fills those tokens, and the stores clip those rows), so every read is in bounds
+and nothing is zero-filled by hand; B is multicast over a CTA pair as usual. With ``d_major``
+"m" the tile is stored transposed: a weight gradient dW (N, K_out) comes out of the product
+dW^T = x_g^T dy_g with the gathered x as A.
 
 With ``b_boxes`` = 2 (forward GLU), n-tile nt covers B rows [nt * tile_n/2, (nt+1) * tile_n/2) and
 the same rows of the second half: each B stage is filled by two TMA boxes of tile_n/2 (gate, then
@@ -206,7 +204,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
     def __init__(
         self, dtype, tile_n, b_major="k", cluster_m=2, ab_stages=None, epi_slots=None, ab_dtype=None, c_stages=2,
         raster_band=RASTER_BAND, split_tail=True, epilogue_warps=False, a_major="k", defer_stores=False,
-        pingpong=False, overlap_promotion=False, gather_a=False, gather_b=False, d_major="n",
+        pingpong=False, overlap_promotion=False, gather_a=False, d_major="n",
     ):
         if b_major not in ("k", "mn") or a_major not in ("k", "mn"):
             raise ValueError("a_major and b_major must be 'k' or 'mn'")
@@ -265,18 +263,13 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             raise ValueError(f"{type(self).__name__}: overlap_promotion needs FP8 operands, tile_n 128 and stores "
                              "that are not deferred")
         self.overlap_promotion = overlap_promotion
-        # gather_a / gather_b: the producer warpgroup reads A's rows / B's tokens by index (module docstring)
+        # gather_a: the producer warpgroup reads A's rows (varlen-M) / tokens (varlen-K) by index (module docstring)
         if gather_a and (self.block_scaled or a_major != ("mn" if self.varlen_k else "k") or epilogue_warps
                          or (self.varlen_k and pingpong)):
             raise ValueError(f"{type(self).__name__}: gather_a needs 16-bit operands, K-major rows (varlen-M) or "
                              "MN-major tokens (varlen-K, the MMA warpgroups sharing tiles) and the MMA warpgroups' "
                              "own epilogue")
-        if gather_b and (self.block_scaled or not self.varlen_k or b_major != "mn" or cluster_m != 1 or pingpong
-                         or tile_n not in (128, 256)):
-            raise ValueError(f"{type(self).__name__}: gather_b needs 16-bit varlen-K operands, tile_n 128 or 256, "
-                             "one CTA per cluster and the MMA warpgroups sharing tiles")
-        self.gather_a, self.gather_b = gather_a, gather_b
-        self.gathers = gather_a or gather_b
+        self.gather_a = gather_a
         # d_major "m": the outputs stored M-contiguous (a varlen-K product whose output is the
         # transpose of the (M, N) tile: stmatrix transposed into M-major store slots)
         if d_major not in ("n", "m") or (d_major == "m" and (dtype.width != 16 or self.num_in or epilogue_warps)):
@@ -290,7 +283,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         # registers a thread after setmaxnreg (at most 512 over the three warpgroups): the gathering
         # producer warpgroup holds its rows' source addresses; else ping-pong's whole-tile
         # accumulators take what the producer warp can spare
-        self.producer_registers, self.mma_registers = (56, 224) if self.gathers else (24, 240) if pingpong else (40, 232)
+        self.producer_registers, self.mma_registers = (56, 224) if gather_a else (24, 240) if pingpong else (40, 232)
         # epilogue_warps: warps 1-3 of the producer warpgroup run the epilogue; every warpgroup keeps the
         # launch's 168 registers (no setmaxnreg)
         self.epilogue_warps = epilogue_warps
@@ -342,10 +335,9 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         and (blocks, K_out) multipliers, m_total the rows the offsets index.
         epi_params: what the epilogue hooks read, a kernel argument (a NamedTuple of the subclass,
         e.g. `grouped_act_sm90.ForwardParams`, or ()); max_clusters: Int32, the persistent grid in
-        clusters. ``gather`` (gather_a / gather_b): (x (T, C), index (M,) int32), the rows read by
-        index, ids clamped to [0, T): gather_a, A's row r is x[index[r]] (mA is x itself, K = C a
-        multiple of 64; varlen-K: A's token r, mA x's token view, N = C); gather_b, B's token r is
-        x[index[r]] (mW is x's token view, K_out = C).
+        clusters. ``gather`` (gather_a): (x (T, C), index (M,) int32), the rows read by index, ids
+        clamped to [0, T): A's row r is x[index[r]] (mA is x itself, K = C a multiple of 64;
+        varlen-K: A's token r, mA x's token view, N = C).
         """
         dt = self.ab_dtype
         if const_expr(self.varlen_k):
@@ -417,7 +409,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
                 for t in inputs
             )
         # gathered rows arrive by cp.async, outside the transaction count
-        self.ab_bytes = 0 if const_expr(self.gather_b) else cute.size_in_bytes(dt, cute.slice_(sB_layout, (None, None, 0)))
+        self.ab_bytes = cute.size_in_bytes(dt, cute.slice_(sB_layout, (None, None, 0)))
         if const_expr(not self.gather_a):
             self.ab_bytes += cute.size_in_bytes(dt, cute.slice_(sA_layout, (None, None, 0)))
         sSFA_layout, sSFB_layout = self._stage_scale_layouts()
@@ -459,7 +451,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             sD_layout,
             sC_layout,
             sAcc_layout,
-            gather if const_expr(self.gathers) else None,
+            gather if const_expr(self.gather_a) else None,
         ).launch(
             grid=[grid_x, 1, 1],
             block=[self.threads, 1, 1],
@@ -580,7 +572,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             # ---------------------------------------------------------- TMA producer
             if const_expr(not self.epilogue_warps):
                 cute.arch.setmaxregister_decrease(self.producer_registers)
-            if const_expr(self.gathers):  # the whole warpgroup loads the gathered operand
+            if const_expr(self.gather_a):  # the whole warpgroup loads the gathered operand
                 self._produce(pipes, sTiles, smem_tensors, tma_a, mA, tma_b, mB, scales, sched, first_tile,
                               num_clusters, rank, k_tiles, gather, warp_idx)
             elif warp_idx == 0:
@@ -605,8 +597,8 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_full_empty.data_ptr(),
             num_stages=self.ab_stages,
-            # gather_a / gather_b: warp 0's transaction and each producer thread's cp.async arrival
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 129 if self.gathers else 1),
+            # gather_a: warp 0's transaction and each producer thread's cp.async arrival
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 129 if self.gather_a else 1),
             consumer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, self.mma_atoms * 4 * self.cluster_m
             ),

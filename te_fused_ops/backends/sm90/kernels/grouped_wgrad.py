@@ -253,24 +253,22 @@ def compile_grouped_wgrad_gathered(dtype, tile_n, tvm_ffi=None, **kernel_opts):
     return compile_launcher(GroupedWgradGatheredSm90(dt, tile_n, **kernel_opts), args, tvm_ffi)
 
 
-def grouped_wgrad_gathered_sm90(dy, x, x_index, offsets, *, out=None, sm_margin=None, tile_n=None, transposed=False,
-                                cluster_m=None):
+def grouped_wgrad_gathered_sm90(dy, x, x_index, offsets, *, out=None, sm_margin=None, tile_n=None, cluster_m=None):
     """dW[g] = dy_g^T @ x[x_index]_g over the rows offsets[g]:offsets[g+1], reading x's rows by
     index inside the GEMM (FC1's weight gradient without the permuted copy of its input).
 
     dy (M, N) bf16/fp16; x (T, K) like dy, K a multiple of 8; x_index (M,) int32, the token of
     each row (ids outside [0, T) clamped); offsets (G+1,) int32. Returns dW (G, N, K) in dy's dtype
-    (into ``out`` if given; empty groups give 0). ``transposed`` False: bit for bit
-    `grouped_wgrad_sm90` on x[x_index] with the same tile; tile_n (128 or 256, along K; None: 128
-    where K fits, else 256), one CTA per cluster. True: the product dW^T = x_g^T dy_g with x's
-    gathered rows as A (128 columns of K a tile) and dy as B; tile_n (128, 192 or 256 along N;
-    None: 256, 128 where N fits) and cluster_m (1 or 2, None: 2: CTA pairs on adjacent K blocks
-    share dy's tile). sm_margin as for `grouped_wgrad_sm90`. No host sync.
+    (into ``out`` if given; empty groups give 0), as the product dW^T = x_g^T dy_g with x's
+    gathered rows as A (128 columns of K a tile) and dy as B, each tile stored transposed: bit for
+    bit `grouped_wgrad_sm90` on x[x_index] at its default configuration on the layer shapes
+    measured. tile_n (128, 192 or 256 along N; None: 256, 128 where N fits) and cluster_m (1 or 2,
+    None: 2: CTA pairs on adjacent K blocks share dy's tile). sm_margin as for
+    `grouped_wgrad_sm90`. No host sync.
     """
     tvm_ffi = tvm_ffi_available()
-    key = (call_signature(tvm_ffi, dy, x, x_index, offsets, out), _GATHERED_NAME, sm_margin, tile_n, transposed,
-           cluster_m)
-    args = (dy, x, x_index, offsets, out, sm_margin, tile_n, transposed, cluster_m)
+    key = (call_signature(tvm_ffi, dy, x, x_index, offsets, out), _GATHERED_NAME, sm_margin, tile_n, cluster_m)
+    args = (dy, x, x_index, offsets, out, sm_margin, tile_n, cluster_m)
     fn, shape, max_ctas = _MEMO.get(key) or _MEMO.put(key, _gathered_launch(*args))
     result = out if out is not None else dy.new_empty(shape)
     if fn is None:
@@ -288,7 +286,7 @@ def grouped_wgrad_gathered_sm90(dy, x, x_index, offsets, *, out=None, sm_margin=
     return result
 
 
-def _gathered_launch(dy, x, x_index, offsets, out, sm_margin, tile_n, transposed=False, cluster_m=None):
+def _gathered_launch(dy, x, x_index, offsets, out, sm_margin, tile_n, cluster_m):
     """Every check of `grouped_wgrad_gathered_sm90`; (launcher or None, dW shape, grid in CTAs)."""
     name = _GATHERED_NAME
     dev = check_input(name, dy, "dy")
@@ -299,21 +297,18 @@ def _gathered_launch(dy, x, x_index, offsets, out, sm_margin, tile_n, transposed
     (m, n), (t, k) = dy.shape, x.shape
     if t == 0 and m:
         raise ValueError(f"{name}: x has no rows to gather, x_index has {m}")
-    if tile_n not in ((None, 128, 192, 256) if transposed else (None, 128, 256)):
-        raise ValueError(f"{name}: tile_n must be {'128, 192' if transposed else '128'} or 256, got {tile_n!r}")
-    if cluster_m not in ((None, 1, 2) if transposed else (None, 1)):
-        raise ValueError(f"{name}: cluster_m must be {'1 or 2' if transposed else '1 (transposed=False)'}, got "
-                         f"{cluster_m!r}")
+    if tile_n not in (None, 128, 192, 256):
+        raise ValueError(f"{name}: tile_n must be 128, 192 or 256, got {tile_n!r}")
+    if cluster_m not in (None, 1, 2):
+        raise ValueError(f"{name}: cluster_m must be 1 or 2, got {cluster_m!r}")
     max_ctas = max(1, num_sms(dev) - resolve_sm_margin(sm_margin, name))
     if g * n * k == 0 or m == 0:
         return None, (g, n, k), 0
-    width = n if transposed else k
-    tile_n = tile_n or (128 if width <= 128 else 256)
-    opts = dict(transposed=True, cluster_m=cluster_m or 2) if transposed else {}
-    key = (_GATHERED_NAME, dy.dtype, tile_n, tvm_ffi_available(), tuple(sorted(opts.items())))
+    tile_n = tile_n or (128 if n <= 128 else 256)
+    key = (_GATHERED_NAME, dy.dtype, tile_n, tvm_ffi_available(), cluster_m or 2)
     fn = _LAUNCHERS.get(key)
     if fn is None:
-        fn = _LAUNCHERS[key] = compile_grouped_wgrad_gathered(dy.dtype, tile_n, key[3], **opts)
+        fn = _LAUNCHERS[key] = compile_grouped_wgrad_gathered(dy.dtype, tile_n, key[3], cluster_m=key[4])
     return fn, (g, n, k), max_ctas
 
 

@@ -86,7 +86,7 @@ class GroupedWgradSm90(GroupedGemmSm90):
     def __init__(
         self, dtype, tile_n, accumulate, cluster_m=1, sort_groups=True, ab_stages=None,
         epi_slots=None, raster_band=RASTER_BAND, ab_dtype=None, c_stages=2, pingpong=False, overlap_promotion=False,
-        gather_a=False, gather_b=False, d_major="n",
+        gather_a=False, d_major="n",
     ):
         self.accumulate = accumulate
         self.sort_groups = sort_groups
@@ -101,7 +101,6 @@ class GroupedWgradSm90(GroupedGemmSm90):
             pingpong=pingpong,
             overlap_promotion=overlap_promotion,
             gather_a=gather_a,
-            gather_b=gather_b,
             d_major=d_major,
         )
 
@@ -138,20 +137,15 @@ class GroupedWgradSm90(GroupedGemmSm90):
 
 class GroupedWgradGatheredSm90(GroupedWgradSm90):
     """`GroupedWgradSm90` whose x rows are read by index: dW[g] = dy[s:e].T @ x[index[s:e]], the
-    permute of FC1's input folded into its weight gradient's loads. dy (M, N); x (T, K), K a
-    multiple of 8; index (M,) int32, ids outside [0, T) clamped; dW in ``dtype``.
-    ``transposed`` False: x's tokens gathered as B (the core's ``gather_b``; tile_n 128 or 256
-    along K, one CTA per cluster: no x multicast, each CTA gathers its own). True: the product
-    dW^T = x_g^T dy_g, x's tokens gathered as A (``gather_a``, 128 columns of K a tile), dy's by TMA
+    permute of FC1's input folded into its weight gradient's loads, as the product dW^T = x_g^T
+    dy_g: x's tokens gathered as A (the core's ``gather_a``, 128 columns of K a tile), dy's by TMA
     as B (tile_n 128, 192 or 256 along N), multicast over a CTA pair with ``cluster_m`` 2 (the two
-    CTAs gather adjacent column blocks of x); each tile stored transposed (``d_major`` "m")."""
+    CTAs gather adjacent column blocks of x), each tile stored transposed (``d_major`` "m"). dy
+    (M, N); x (T, K), K a multiple of 8; index (M,) int32, ids outside [0, T) clamped; dW in
+    ``dtype``."""
 
-    def __init__(self, dtype, tile_n, transposed=False, cluster_m=1, **opts):
-        self.transposed = transposed
-        if transposed:
-            super().__init__(dtype, tile_n, False, cluster_m=cluster_m, gather_a=True, d_major="m", **opts)
-        else:
-            super().__init__(dtype, tile_n, False, cluster_m=1, gather_b=True, **opts)
+    def __init__(self, dtype, tile_n, cluster_m=2, **opts):
+        super().__init__(dtype, tile_n, False, cluster_m=cluster_m, gather_a=True, d_major="m", **opts)
 
     @cute.jit
     def __call__(
@@ -164,10 +158,6 @@ class GroupedWgradGatheredSm90(GroupedWgradSm90):
         max_ctas: Int32,
         stream,
     ):
-        if const_expr(self.transposed):
-            self.launch(ragged_tokens(mX), ragged_tokens(mDy), mOffsets, (transposed_output_by_group(mOut),), (), (),
-                        max_ctas // self.cluster_m, stream, None, cute.size(mDy, mode=[0]), gather=(mX, mIndex))
-        else:
-            self.launch(ragged_tokens(mDy), ragged_tokens(mX), mOffsets, (output_by_group(mOut),), (), (), max_ctas,
-                        stream, None, cute.size(mDy, mode=[0]), gather=(mX, mIndex))
+        self.launch(ragged_tokens(mX), ragged_tokens(mDy), mOffsets, (transposed_output_by_group(mOut),), (), (),
+                    max_ctas // self.cluster_m, stream, None, cute.size(mDy, mode=[0]), gather=(mX, mIndex))
 

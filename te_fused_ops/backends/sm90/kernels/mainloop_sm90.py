@@ -40,10 +40,9 @@ class Sm90Mainloop:
     def _produce(self, pipes, sTiles, smem_tensors, tma_a, mA, tma_b, mB, scales, sched, first_tile, num_clusters,
                  rank, k_tiles, gather=None, warp_idx=0):
         """Producer warp: locate each tile of the CTA, publish it in the tile ring, load its k-tiles
-        (A, the B boxes and, varlen-K FP8, the multipliers) into the A/B stages. ``gather_a`` /
-        ``gather_b``: every warp of the producer warpgroup (``warp_idx``) runs it and loads A's rows
-        / B's tokens of ``gather`` (x, index) with cp.async; warp 0 alone publishes the tiles and
-        loads the other operand."""
+        (A, the B boxes and, varlen-K FP8, the multipliers) into the A/B stages. ``gather_a``: every
+        warp of the producer warpgroup (``warp_idx``) runs it and loads A's rows (varlen-K: tokens) of
+        ``gather`` (x, index) with cp.async; warp 0 alone publishes the tiles and loads B."""
         ab_pipe, tile_pipe = pipes.ab, pipes.tile
         sA, sB_boxes, sSFA, sSFB = smem_tensors.sA, smem_tensors.sB_boxes, smem_tensors.sSFA, smem_tensors.sSFB
         b_mcast_mask = cutlass.Int16((1 << self.cluster_m) - 1)
@@ -52,11 +51,11 @@ class Sm90Mainloop:
         )
         tile_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_SLOTS)
         tile_id = first_tile
-        gather_copy = self._gather_copy(sA, smem_tensors.sB) if const_expr(self.gathers) else None
+        gather_copy = self._gather_copy(sA) if const_expr(self.gather_a) else None
         found, seg, seg_first, c_start, c_base = self._locate(tile_id, Int32(0), Int32(0), sched)
         while found:
             tile, has_rows, split, block0 = self._tile(tile_id, seg, seg_first, rank, sched)
-            if const_expr(self.gathers):
+            if const_expr(self.gather_a):
                 if warp_idx == 0:
                     self._publish_tile(tile_pipe, tile_write, sTiles, Int32(1), tile, has_rows)
                     tile_write.advance()
@@ -109,27 +108,20 @@ class Sm90Mainloop:
                 gathers_rows = self.gather_a and not self.varlen_k
                 sources = self._gather_sources(gather, tile, sched[2]) if const_expr(gathers_rows) else None
                 for k in range(tile_k_tiles):
-                    if const_expr(self.gathers):
-                        # every thread waits for the stage; warp 0 also expects the other operand's bytes
+                    if const_expr(self.gather_a):
+                        # every thread waits for the stage; warp 0 also expects B's bytes
                         if warp_idx == 0:
                             ab_pipe.producer_acquire(state)
                         else:
                             ab_pipe.sync_object_empty.wait(state.index, state.phase)
                         bar = ab_pipe.producer_get_barrier(state)
-                        if const_expr(self.gather_a):
-                            if const_expr(self.varlen_k):
-                                self._gather_token_k_tile(gather_copy, gather, tile, tile.mt, self.tile_m, k,
-                                                          state.index, bar)
-                            else:
-                                self._gather_k_tile(gather_copy, gather[0], sources, k, state.index, bar)
-                            if warp_idx == 0:
-                                self._load_b(tma_b, tBgB, tBsB, slices, split, own_mask, b_mcast_mask, k,
-                                             state.index, bar)
+                        if const_expr(self.varlen_k):
+                            self._gather_token_k_tile(gather_copy, gather, tile, k, state.index, bar)
                         else:
-                            self._gather_token_k_tile(gather_copy, gather, tile, tile.nt, self.tile_n, k, state.index,
-                                                      bar)
-                            if warp_idx == 0:
-                                cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                            self._gather_k_tile(gather_copy, gather[0], sources, k, state.index, bar)
+                        if warp_idx == 0:
+                            self._load_b(tma_b, tBgB, tBsB, slices, split, own_mask, b_mcast_mask, k, state.index,
+                                         bar)
                     else:
                         ab_pipe.producer_acquire(state)
                         bar = ab_pipe.producer_get_barrier(state)
@@ -142,7 +134,7 @@ class Sm90Mainloop:
                     state.advance()
             tile_id = self._next_tile_id(tile_id, first_tile, num_clusters)
             found, seg, seg_first, c_start, c_base = self._locate(tile_id, c_start, c_base, sched)
-        if const_expr(self.gathers):
+        if const_expr(self.gather_a):
             if warp_idx == 0:
                 self._end_schedule(ab_pipe, tile_pipe, tile_write, sTiles, state)
             else:
@@ -178,22 +170,20 @@ class Sm90Mainloop:
         tile_pipe.producer_commit(tile_write)
         ab_pipe.producer_tail(state)
 
-    def _gather_copy(self, sA, sB):
-        """(the 16-byte cp.async atom, this thread's view of the gathered stages). gather_a, varlen-M:
-        a 128 x 64 A k-tile as 16 rows x 8 threads, (vector, 8 rows, 1, stages); gather_b: a tile_n
-        x 64 MN-major B k-tile as tile_n / 8 threads along N x 128 / (tile_n / 8) tokens, (vector, 1,
-        token passes, stages); gather_a, varlen-K: A's 128 x 64 MN-major k-tile the same way."""
+    def _gather_copy(self, sA):
+        """(the 16-byte cp.async atom, this thread's view of A's gathered stages). Varlen-M: a 128 x
+        64 K-major k-tile as 16 rows x 8 threads, (vector, 8 rows, 1, stages); varlen-K: a 128 x 64
+        MN-major k-tile as 16 threads along M x 8 tokens, (vector, 1, token passes, stages)."""
         atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
                                    self.ab_dtype, num_bits_per_copy=128)  # L2 only: each row is read once here
         tidx, _, _ = cute.arch.thread_idx()
-        if const_expr(self.gather_a and not self.varlen_k):
+        if const_expr(self.varlen_k):
+            along = self.tile_m // 8
+            tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((along, 128 // along), stride=(1, along)),
+                                            cute.make_layout((8, 1)))
+        else:
             tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((16, 8), stride=(8, 1)), cute.make_layout((1, 8)))
-            return atom, tiled.get_slice(tidx % 128).partition_D(sA)
-        size, stages = (self.tile_m, sA) if const_expr(self.gather_a) else (self.tile_n, sB)
-        along = size // 8
-        tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((along, 128 // along), stride=(1, along)),
-                                        cute.make_layout((8, 1)))
-        return atom, tiled.get_slice(tidx % 128).partition_D(stages)
+        return atom, tiled.get_slice(tidx % 128).partition_D(sA)
 
     @cute.jit
     def _gather_sources(self, gather, tile: Tile, m_total):
@@ -212,26 +202,25 @@ class Sm90Mainloop:
         return sources
 
     @cute.jit
-    def _gather_token_k_tile(self, gather_copy, gather, tile: Tile, block, size: cutlass.Constexpr, k, stage, bar):
-        """Varlen-K gather (gather_b: B's ``size`` = tile_n columns of n-tile ``block``; gather_a:
-        A's tile_m of m-tile ``block``): this thread's 16 bytes of x[index[token]] for each of its
-        tokens of k-tile k of the tile's group (past the group's end: its last row) at column
-        block * size + 8 * (tidx % (size / 8)) (past x's width: the last 8), into stage ``stage`` by
-        cp.async, and its arrival on the stage's full barrier once they have landed."""
-        atom, tBsB = gather_copy
+    def _gather_token_k_tile(self, gather_copy, gather, tile: Tile, k, stage, bar):
+        """Varlen-K gather_a: this thread's 16 bytes of x[index[token]] for each of its tokens of
+        k-tile k of the tile's group (past the group's end: its last row) at column mt * tile_m + 8 *
+        (tidx % (tile_m / 8)) (past x's width: the last 8), into A's stage ``stage`` by cp.async,
+        and its arrival on the stage's full barrier once they have landed."""
+        atom, tAsA = gather_copy
         mX, mIndex = gather
         tidx, _, _ = cute.arch.thread_idx()
-        along_n = size // 8
-        per_pass = 128 // along_n
+        along_m = self.tile_m // 8
+        per_pass = 128 // along_m
         tokens, width = cute.size(mX, mode=[0]), cute.size(mX, mode=[1])
-        col = cutlass.min(block * size + (tidx % along_n) * 8, width - 8)
-        first = tile.start + k * self.tile_k + (tidx % 128) // along_n
+        col = cutlass.min(tile.mt * self.tile_m + (tidx % along_m) * 8, width - 8)
+        first = tile.start + k * self.tile_k + (tidx % 128) // along_m
         base = mX.iterator.toint()
         for j in cutlass.range_constexpr(self.tile_k // per_pass):
             token = mIndex[cutlass.min(first + j * per_pass, tile.end - 1)]
             token = cutlass.min(cutlass.max(token, Int32(0)), tokens - 1)
             self._copy_vector(atom, base, cutlass.Int64(token) * cutlass.Int64(width) + cutlass.Int64(col),
-                              tBsB[(None, 0, j, stage)])
+                              tAsA[(None, 0, j, stage)])
         cute.arch.cp_async_mbarrier_arrive_noinc(bar)
 
     @cute.jit
