@@ -5,6 +5,7 @@ Depends on nothing in the package but `quantization`, so the ops, the runner, th
 the backends can all import it.
 """
 
+import functools
 import itertools
 import weakref
 from types import SimpleNamespace
@@ -30,17 +31,11 @@ def registered_owner(uid: int) -> nn.Module:
     return _owners[uid]
 
 
-class DeferredGrad:
-    """A parameter gradient a backward step hands back uncomputed: ``fn()`` runs after every step
-    of the backward (`runner.Run.backward`), once the tensors the steps after it make and free
-    (e.g. a permute's data gradient in expert order) are gone, so the gradient's buffer never
-    meets them at the peak."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self):
-        return self.fn()
+class DeferredGrad(functools.partial):
+    """A parameter gradient a backward step hands back uncomputed (a `functools.partial`): called
+    after every step of the backward (`runner.Run.backward`), once the tensors the steps after it
+    make and free (e.g. a permute's data gradient in expert order) are gone, so the gradient's
+    buffer never meets them at the peak."""
 
 
 def backward_keeps_graph() -> bool:

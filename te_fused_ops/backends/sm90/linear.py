@@ -2,8 +2,6 @@
 rules share (forward GEMM with its epilogues, backward, FP8 casts of activations, gradients and
 weights)."""
 
-import functools
-
 import torch
 
 from ... import env
@@ -282,12 +280,12 @@ def linear_param_grads(ctx, dy: torch.Tensor, x=None, dy_columns=None, out_dtype
     if ctx.needs_grad("weight"):
         main_grad = ctx.main_grads.get("weight")  # accumulated in place by the kernel's epilogue
         out = ctx.grad_buffers.get("weight") if main_grad is None else None  # a chunk's slice of the gradient
-        gathered = rows_by_index(ctx.saved.input) if x is None and main_grad is None and gather_wgrad(dy) else None
-        if dy_columns is None and gathered is not None and gathered[0].dtype == dy.dtype:
+        gathered = None
+        if dy_columns is None and x is None and main_grad is None and gather_wgrad(dy):
+            gathered = rows_by_index(ctx.saved.input)
+        if gathered is not None and gathered[0].dtype == dy.dtype:
             # after the permute's backward: its expert-ordered data gradient is freed before dW exists
-            margin = sm_margin()
-            dw = DeferredGrad(functools.partial(grouped_wgrad_gathered_sm90, dy, *gathered, offsets, out=out,
-                                                sm_margin=margin))
+            dw = DeferredGrad(grouped_wgrad_gathered_sm90, dy, *gathered, offsets, out=out, sm_margin=sm_margin())
         elif dy_columns is None:
             dw = grouped_wgrad_sm90(dy, ctx.load_input() if x is None else x, offsets, main_grad=main_grad,
                                     out=out, sm_margin=sm_margin())

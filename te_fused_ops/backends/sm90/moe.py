@@ -58,7 +58,7 @@ def gather_tokens(ctx, x) -> tuple | None:
         return None
     check_tokens("Permute", x, routing.slot_rows.shape[0], "tokens, hidden")
     ctx.recompute_output = Recompute(permuted_rows, x, routing)
-    return x, (routing.row_slots // routing.top_k).to(torch.int32)  # x: the backend's prepared input
+    return x, _row_tokens(routing)  # x: the backend's prepared input
 
 
 def rows_by_index(saved) -> tuple | None:
@@ -68,7 +68,12 @@ def rows_by_index(saved) -> tuple | None:
     if not (isinstance(saved, Recompute) and saved.fn is permuted_rows):
         return None
     x, routing = saved.args
-    return x, (routing.row_slots // routing.top_k).to(torch.int32)
+    return x, _row_tokens(routing)
+
+
+def _row_tokens(routing: Routing) -> torch.Tensor:
+    """(M,) int32: the token each expert-ordered row comes from."""
+    return (routing.row_slots // routing.top_k).to(torch.int32)
 
 
 def _send_rows(x: torch.Tensor, routing: ExpertParallelRouting, scale=None, y=None, dot_out=None) -> torch.Tensor:
