@@ -320,6 +320,18 @@ def test_dact_routings(splits, m, h, i, activation):
     run_dact(splits, m, h, i, activation, seed=2, tile_n=128, cluster_m=2)
 
 
+# last tiles of 64 rows or fewer (the cooperative schedule's second MMA warpgroup skips its
+# WGMMAs) and of 65 (it must not)
+HALF_TAILS = [64, 65, 192, 193, 63, 0, 1, 129]
+
+
+@pytest.mark.parametrize("tile_n,cluster_m", [(128, 1), (256, 2)])
+def test_last_tile_half_full_or_less(tile_n, cluster_m):
+    m = sum(HALF_TAILS) + 3
+    run_dact(HALF_TAILS, m, 256, 192, "swiglu", seed=8, tile_n=tile_n, cluster_m=cluster_m, pingpong=False)
+    run_kn(HALF_TAILS, m, 384, 256, seed=8, tile_n=tile_n, cluster_m=cluster_m, pingpong=False)
+
+
 def test_dact_many_groups():
     gen = torch.Generator().manual_seed(3)
     splits = torch.randint(0, 40, (256,), generator=gen)

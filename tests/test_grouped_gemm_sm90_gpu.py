@@ -160,6 +160,17 @@ def test_routings(splits, m, activation):
     run_case(splits, m, 128, 256, activation, torch.bfloat16, False, seed=2)
 
 
+# groups whose last 128-row tile holds 64 rows or fewer (the second MMA warpgroup of the
+# cooperative schedule then skips its WGMMAs) and 65 (it must not): around the boundary
+HALF_TAILS = [64, 65, 192, 193, 63, 0, 1, 129]
+
+
+@pytest.mark.parametrize("tile_n,cluster_m", [(128, 1), (256, 2), (192, 2)])
+def test_last_tile_half_full_or_less(tile_n, cluster_m):
+    run_case(HALF_TAILS, sum(HALF_TAILS) + 3, 256, 384, "swiglu", torch.bfloat16, False, tile_n, 8, cluster_m,
+             pingpong=False)
+
+
 def test_many_groups():
     gen = torch.Generator().manual_seed(3)
     splits = torch.randint(0, 40, (256,), generator=gen)

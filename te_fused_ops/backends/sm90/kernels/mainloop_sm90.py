@@ -295,8 +295,10 @@ class Sm90Mainloop:
         chunk store of the previous tile (`_store_chunk`); else one (16-bit: it starts the WGMMA
         chain) or none (FP8: every block is alike). The accumulate flag changes inside the loops
         and stays loop-carried. Ping-pong: the k-loop waits for MMA warpgroup ``mma_wg``'s turn and
-        passes it on once its last WGMMAs are issued. Returns (tiled_mma, read_state, release_state,
-        epi_count)."""
+        passes it on once its last WGMMAs are issued. Cooperative 16-bit varlen-M: a warpgroup whose
+        rows of the tile all lie past the group's end issues no WGMMAs (its acc stays zero, the
+        stores clip those rows) but waits for and releases every stage. Returns (tiled_mma,
+        read_state, release_state, epi_count)."""
         acc, tCrA, tCrB, fp8_args = mainloop_args
         if const_expr(self.pingpong):
             cute.arch.barrier(barrier_id=MMA_TURN + mma_wg, number_of_threads=256)
@@ -308,6 +310,12 @@ class Sm90Mainloop:
         # varlen-M: one branch around the whole mainloop (k-tiles or none); defer_stores: the
         # previous tile's stores run whatever this tile's k-tile count
         runs = Boolean(True) if const_expr(self.defer_stores) else tile_k_tiles > 0
+        # cooperative varlen-M, 16-bit: a warpgroup whose 64 rows lie past the group's end (a
+        # group's last tile, half full or less) waits for and releases the stages without its
+        # WGMMAs, so the other warpgroup has the tensor cores to itself
+        computes = Boolean(True)
+        if const_expr(self.mma_atoms > 1 and not self.varlen_k and not self.block_scaled):
+            computes = tile.end - tile.row0 > mma_wg * (self.tile_m // self.mma_atoms)
         if const_expr(self.overlap_promotion):
             if runs:
                 tiled_mma, read_state, release_state = self._fp8_overlapped_k_tiles(
@@ -327,8 +335,9 @@ class Sm90Mainloop:
                             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                             cute.nvgpu.warpgroup.fence()
                         ab_pipe.consumer_wait(read_state)
-                        mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
-                        cute.nvgpu.warpgroup.commit_group()
+                        if computes:
+                            mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
+                            cute.nvgpu.warpgroup.commit_group()
                         read_state.advance()
                         if const_expr(step > 0):
                             cute.nvgpu.warpgroup.wait_group(1)
@@ -346,8 +355,9 @@ class Sm90Mainloop:
                     read_state.advance()
                 else:
                     ab_pipe.consumer_wait(read_state)
-                    mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
-                    cute.nvgpu.warpgroup.commit_group()
+                    if computes:
+                        mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
+                        cute.nvgpu.warpgroup.commit_group()
                     cute.nvgpu.warpgroup.wait_group(1)
                     ab_pipe.consumer_release(release_state)
                     release_state.advance()
