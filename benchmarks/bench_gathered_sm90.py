@@ -14,7 +14,8 @@ Part ``wgrad``, FC1's weight gradient dW1 = d_pre^T @ x[rows] (d_pre (M, 2I) ran
 kernel" (the permute, then `grouped_wgrad_sm90`), "gathered transposed"
 (`grouped_wgrad_gathered_sm90`: the product dW^T with x's rows as A, tile 256 along 2I, CTA pairs
 sharing d_pre's tile; what the layer runs where FC1 is at most `linear.GATHER_WGRAD_MAX_WIDTH`
-wide), "kernel alone".
+wide), "transposed on the copy" (the same kernel class and product with x's rows read by TMA from
+the permuted copy instead of gathered: what the gather itself costs), "kernel alone".
 Each gathered kernel is checked bit for bit against the kernel on the permuted rows ("gathered"
 against "permute + kernel coop", the same configuration; "gathered heuristic" and "gathered
 transposed" against "permute + kernel") on NaN-filled buffers before anything is timed. Times: `common.sustained_ms` medians (L2 flushed
@@ -41,9 +42,9 @@ from te_fused_ops.backends.sm90.kernels.launch import num_sms
 from te_fused_ops.routing import route
 
 VARIANTS = ("permute + kernel", "permute + kernel coop", "gathered", "gathered heuristic", "gathered transposed",
-            "kernel alone")
+            "transposed on the copy", "kernel alone")
 CHECKED = {"gathered": "permute + kernel coop", "gathered heuristic": "permute + kernel",  # same configurations
-           "gathered transposed": "permute + kernel"}
+           "gathered transposed": "permute + kernel", "transposed on the copy": "permute + kernel"}
 
 
 def problem(name: str):
@@ -81,6 +82,38 @@ def fc1_variants(x, routing, tokens, w1, offsets) -> tuple:
     }, (tile_n, cluster_m)
 
 
+def transposed_on_the_copy():
+    """fn(d_pre (M, N), x_perm (M, K), offsets, dW (G, N, K), max_ctas): the gathered weight
+    gradient's kernel class and product (dW^T = x_g^T d_pre_g, tile 256 along N, CTA pairs sharing
+    d_pre's tile, each tile stored transposed) with x's rows read by TMA from the permuted copy."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from te_fused_ops.backends.sm90.kernels.grouped_wgrad_sm90 import GroupedWgradSm90, transposed_output_by_group
+    from te_fused_ops.backends.sm90.kernels.launch import compile_launcher, fake_tensor
+    from te_fused_ops.backends.sm90.kernels.varlen_sm90 import ragged_tokens
+
+    class TransposedOnTheCopy(GroupedWgradSm90):
+        def __init__(self):
+            super().__init__(cutlass.BFloat16, 256, False, cluster_m=2, d_major="m")
+
+        @cute.jit
+        def __call__(self, mDy: cute.Tensor, mX: cute.Tensor, mOffsets: cute.Tensor, mOut: cute.Tensor,
+                     max_ctas: cutlass.Int32, stream):
+            self.launch(ragged_tokens(mX), ragged_tokens(mDy), mOffsets, (transposed_output_by_group(mOut),), (),
+                        (), max_ctas // self.cluster_m, stream, None, cute.size(mDy, mode=[0]))
+
+    dt = cutlass.BFloat16
+    m, g, g1 = (cute.sym_int() for _ in range(3))
+    n, k = cute.sym_int(divisibility=8), cute.sym_int(divisibility=8)
+    fake = (fake_tensor(dt, (m, n)), fake_tensor(dt, (m, k)), fake_tensor(cutlass.Int32, (g1,), 4),
+            fake_tensor(dt, (g, n, k)), cutlass.Int32(1))
+    tvm_ffi = gw.tvm_ffi_available()
+    fn = compile_launcher(TransposedOnTheCopy(), fake, tvm_ffi)
+    return fn if tvm_ffi else lambda *tensors_and_ctas: gw._call_classic(fn, tensors_and_ctas[:-1],
+                                                                          tensors_and_ctas[-1])
+
+
 def wgrad_variants(x, routing, tokens, w1, offsets) -> tuple:
     """label -> FC1 weight-gradient call, and the gathered kernel's (tile_n, cluster_m)."""
     d_pre = torch.randn(tokens.shape[0], w1.shape[1], device="cuda", dtype=torch.bfloat16)
@@ -91,9 +124,17 @@ def wgrad_variants(x, routing, tokens, w1, offsets) -> tuple:
         rows = moe_rows.scatter_rows(x, routing.slot_rows, routing.num_kept)
         return gw.grouped_wgrad_sm90(d_pre, rows, offsets, **cfg)
 
+    on_the_copy = transposed_on_the_copy()
+
+    def transposed_wgrad():
+        dw = torch.empty(w1.shape, device="cuda", dtype=torch.bfloat16)
+        on_the_copy(d_pre, permuted, offsets, dw, num_sms(x.get_device()))
+        return dw
+
     return {
         "permute + kernel": lambda: permuted_wgrad(),
         "gathered transposed": lambda: gw.grouped_wgrad_gathered_sm90(d_pre, x, tokens, offsets),
+        "transposed on the copy": transposed_wgrad,
         "kernel alone": lambda: gw.grouped_wgrad_sm90(d_pre, permuted, offsets),
     }, (tile_n, 2)
 

@@ -3,7 +3,9 @@ PYTHONPATH; compare each build's ratio against the plain-torch contender timed i
 
 Per shape (qwen3-30b-a3b, gptoss-120b-ep4): the bf16 grouped-MLP training step (`bench_train_step`'s
 fused Sequential and plain-torch reference, gradients checked against each other) and the MoE layer
-step (`bench_moe_layer`'s a, c and c-fp8-4mb, checked against a). Prints one ``RESULT {json}`` line.
+step (`bench_moe_layer`'s a, c and c-fp8-4mb, checked against a); part ``kernels``: the layer's four
+varlen-M GEMMs alone at their cooperative configuration (no plain-torch contender: compare the two
+builds' times, run alternately on one machine). Prints one ``RESULT {json}`` line.
 
     PYTHONPATH=/path/to/build_a python benchmarks/bench_tree_ab.py a
     PYTHONPATH=/path/to/build_b python benchmarks/bench_tree_ab.py b     # then a, b again
@@ -11,6 +13,7 @@ step (`bench_moe_layer`'s a, c and c-fp8-4mb, checked against a). Prints one ``R
     python benchmarks/bench_tree_ab.py a --parts layer   # the MoE layer only
     python benchmarks/bench_tree_ab.py a --shapes dsv3-ep8   # other shapes (default: qwen3, gpt-oss)
     python benchmarks/bench_tree_ab.py a --parts layer --contenders c   # a and c only
+    python benchmarks/bench_tree_ab.py a --parts kernels --shapes qwen3-30b-a3b,dsv3-ep8
 """
 
 import argparse
@@ -69,11 +72,38 @@ def layer_steps(name, contenders=LAYER_CONTENDERS):
     return steps
 
 
+def kernel_steps(name):
+    """label -> one call of the layer's varlen-M GEMMs on skewed top-k routing, bf16, each at the
+    heuristic's tile and cluster with the cooperative schedule: FC1 + SwiGLU, FC2, FC2's dgrad +
+    dSwiGLU, FC1's dgrad (W1 read "kn")."""
+    from te_fused_ops.backends.sm90.kernels import grouped_gemm as gg
+    from te_fused_ops.routing import route
+
+    t, k, e, h, i = bench_moe_layer.SHAPES[name]
+    indices, _ = bench_moe_layer.skewed_topk(t, k, e)
+    offsets = route(indices.cuda(), e).offsets
+    torch.manual_seed(0)
+
+    def rows(width):
+        return torch.randn(t * k, width, device="cuda", dtype=torch.bfloat16)
+
+    x, act, dy, pre, d_pre = rows(h), rows(i), rows(h), rows(2 * i), rows(2 * i)
+    w1 = (torch.randn(e, 2 * i, h, device="cuda") / h**0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, device="cuda") / i**0.5).bfloat16()
+    return {
+        "fc1 + swiglu": lambda: gg.grouped_gemm_sm90(x, w1, offsets, activation="swiglu", pingpong=False),
+        "fc2": lambda: gg.grouped_gemm_sm90(act, w2, offsets, pingpong=False),
+        "fc2 dgrad + dswiglu": lambda: gg.grouped_dgrad_dact_sm90(dy, w2, offsets, pre, activation="swiglu",
+                                                                  pingpong=False),
+        "fc1 dgrad": lambda: gg.grouped_gemm_sm90(d_pre, w1, offsets, weight_layout="kn", pingpong=False),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("tag", help="name of this build in the output")
     ap.add_argument("--warm", action="store_true", help="compile and check only, no timing")
-    ap.add_argument("--parts", default="mlp,layer", help="comma-separated: mlp, layer")
+    ap.add_argument("--parts", default="mlp,layer", help="comma-separated: mlp, layer, kernels")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of bench_moe_layer.SHAPES")
     ap.add_argument("--contenders", default=",".join(LAYER_CONTENDERS),
                     help="comma-separated layer contenders besides a (default: c, c-fp8-4mb)")
@@ -81,14 +111,15 @@ def main():
     layer = functools.partial(layer_steps, contenders=tuple(args.contenders.split(",")))
     result = {"tag": args.tag, "package": te_fused_ops.__file__}
     for name in args.shapes.split(","):
-        for kind, build, base in (("mlp", mlp_steps, "reference"), ("layer", layer, "a")):
+        for kind, build, base in (("mlp", mlp_steps, "reference"), ("layer", layer, "a"),
+                                  ("kernels", kernel_steps, None)):
             if kind not in args.parts.split(","):
                 continue
             steps = build(name)
             if not args.warm:
                 ms = rotated_medians(steps, sustained_ms)
                 result[f"{kind} {name}"] = {**ms, **{f"{label} vs {base}": ms[base] / ms[label]
-                                                     for label in ms if label != base}}
+                                                     for label in ms if base is not None and label != base}}
                 print(args.tag, kind, name, result[f"{kind} {name}"], flush=True)
             del steps
             torch.cuda.empty_cache()
