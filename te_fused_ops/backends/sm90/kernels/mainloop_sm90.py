@@ -310,9 +310,7 @@ class Sm90Mainloop:
         # varlen-M: one branch around the whole mainloop (k-tiles or none); defer_stores: the
         # previous tile's stores run whatever this tile's k-tile count
         runs = Boolean(True) if const_expr(self.defer_stores) else tile_k_tiles > 0
-        # cooperative varlen-M, 16-bit: a warpgroup whose 64 rows lie past the group's end (a
-        # group's last tile, half full or less) waits for and releases the stages without its
-        # WGMMAs, so the other warpgroup has the tensor cores to itself
+        # a group's last tile, half full or less: the other warpgroup has the tensor cores alone
         computes = Boolean(True)
         if const_expr(self.mma_atoms > 1 and not self.varlen_k and not self.block_scaled):
             computes = tile.end - tile.row0 > mma_wg * (self.tile_m // self.mma_atoms)
