@@ -18,13 +18,14 @@ wide), "transposed on the copy" (the same kernel class and product with x's rows
 the permuted copy instead of gathered: what the gather itself costs), "kernel alone".
 Each gathered kernel is checked bit for bit against the kernel on the permuted rows ("gathered"
 against "permute + kernel coop", the same configuration; "gathered heuristic" and "gathered
-transposed" against "permute + kernel") on NaN-filled buffers before anything is timed. Times: `common.sustained_ms` medians (L2 flushed
+transposed" and "transposed on the copy" against "permute + kernel") on NaN-filled buffers before anything is timed. Times: `common.sustained_ms` medians (L2 flushed
 before each call), variants in rotated order.
 
     python benchmarks/bench_gathered_sm90.py [--shapes qwen3-30b-a3b,...] [--parts fc1,wgrad] [--out DIR]
 """
 
 import argparse
+import functools
 
 from common import require_sm90
 
@@ -82,6 +83,7 @@ def fc1_variants(x, routing, tokens, w1, offsets) -> tuple:
     }, (tile_n, cluster_m)
 
 
+@functools.cache
 def transposed_on_the_copy():
     """fn(d_pre (M, N), x_perm (M, K), offsets, dW (G, N, K), max_ctas): the gathered weight
     gradient's kernel class and product (dW^T = x_g^T d_pre_g, tile 256 along N, CTA pairs sharing
