@@ -172,15 +172,14 @@ class Sm90Mainloop:
 
     def _gather_copy(self, sA):
         """(the 16-byte cp.async atom, this thread's view of A's gathered stages). Varlen-M: a 128 x
-        64 K-major k-tile as 16 rows x 8 threads, (vector, 8 rows, 1, stages); varlen-K: a 128 x 64
-        MN-major k-tile as 16 threads along M x 8 tokens, (vector, 1, token passes, stages)."""
+        64 K-major k-tile as 16 rows x 8 threads, (vector, 8 rows, 1, stages); varlen-K: a tile_m x
+        64 MN-major k-tile as 8 threads along each 64-column block x 16 tokens, (vector, column
+        blocks, token passes, stages)."""
         atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
                                    self.ab_dtype, num_bits_per_copy=128)  # L2 only: each row is read once here
         tidx, _, _ = cute.arch.thread_idx()
         if const_expr(self.varlen_k):
-            along = self.tile_m // 8
-            tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((along, 128 // along), stride=(1, along)),
-                                            cute.make_layout((8, 1)))
+            tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((8, 16), stride=(1, 8)), cute.make_layout((8, 1)))
         else:
             tiled = cute.make_tiled_copy_tv(atom, cute.make_layout((16, 8), stride=(8, 1)), cute.make_layout((1, 8)))
         return atom, tiled.get_slice(tidx % 128).partition_D(sA)
@@ -203,24 +202,28 @@ class Sm90Mainloop:
 
     @cute.jit
     def _gather_token_k_tile(self, gather_copy, gather, tile: Tile, k, stage, bar):
-        """Varlen-K gather_a: this thread's 16 bytes of x[index[token]] for each of its tokens of
-        k-tile k of the tile's group (past the group's end: its last row) at column mt * tile_m + 8 *
-        (tidx % (tile_m / 8)) (past x's width: the last 8), into A's stage ``stage`` by cp.async,
-        and its arrival on the stage's full barrier once they have landed."""
+        """Varlen-K gather_a: this thread's 16 bytes of x[index[token]] at columns mt * tile_m + 64 b
+        + 8 * (tidx % 8) of each 64-column block b, for its tokens (tidx % 128) / 8 + 16 j of k-tile
+        k of the tile's group (past the group's end: its last row), into A's stage ``stage`` by
+        cp.async, and its arrival on the stage's full barrier once they have landed. A thread's
+        token id is read once for all its blocks and its blocks are one row address apart by
+        constants; vectors past x's width are not loaded (their A rows only reach output rows
+        the stores clip)."""
         atom, tAsA = gather_copy
         mX, mIndex = gather
         tidx, _, _ = cute.arch.thread_idx()
-        along_m = self.tile_m // 8
-        per_pass = 128 // along_m
         tokens, width = cute.size(mX, mode=[0]), cute.size(mX, mode=[1])
-        col = cutlass.min(tile.mt * self.tile_m + (tidx % along_m) * 8, width - 8)
-        first = tile.start + k * self.tile_k + (tidx % 128) // along_m
-        base = mX.iterator.toint()
-        for j in cutlass.range_constexpr(self.tile_k // per_pass):
-            token = mIndex[cutlass.min(first + j * per_pass, tile.end - 1)]
+        item = self.ab_dtype.width // 8
+        col = tile.mt * self.tile_m + (tidx % 8) * 8
+        lane_base = mX.iterator.toint() + cutlass.Int64(col * item)
+        first = tile.start + k * self.tile_k + (tidx % 128) // 8
+        for j in cutlass.range_constexpr(self.tile_k // 16):
+            token = mIndex[cutlass.min(first + 16 * j, tile.end - 1)]
             token = cutlass.min(cutlass.max(token, Int32(0)), tokens - 1)
-            self._copy_vector(atom, base, cutlass.Int64(token) * cutlass.Int64(width) + cutlass.Int64(col),
-                              tAsA[(None, 0, j, stage)])
+            row = lane_base + cutlass.Int64(token) * cutlass.Int64(width * item)
+            for b in cutlass.range_constexpr(self.tile_m // 64):
+                if col + 64 * b < width:
+                    self._copy_vector(atom, row + 64 * b * item, tAsA[(None, b, j, stage)])
         cute.arch.cp_async_mbarrier_arrive_noinc(bar)
 
     @cute.jit
@@ -228,17 +231,17 @@ class Sm90Mainloop:
         """gather_a: this thread's 8 x 16 bytes of A's k-tile k into stage ``stage`` by cp.async, and
         its arrival on the stage's full barrier once they have landed."""
         atom, tAsA = gather_copy
-        base = mX.iterator.toint() + cutlass.Int64(k * self.tile_k * (self.ab_dtype.width // 8))
+        item = self.ab_dtype.width // 8
+        base = mX.iterator.toint() + cutlass.Int64(k * self.tile_k * item)
         for i in cutlass.range_constexpr(8):
-            self._copy_vector(atom, base, sources[i], tAsA[(None, i, 0, stage)])
+            self._copy_vector(atom, base + sources[i] * item, tAsA[(None, i, 0, stage)])
         cute.arch.cp_async_mbarrier_arrive_noinc(bar)
 
     @cute.jit
-    def _copy_vector(self, atom, base, offset, dst):
-        """cp.async of the 16 bytes at element ``offset`` past global address ``base`` (16-byte
-        aligned: whole vectors of rows whose length is a multiple of 8) into ``dst``."""
-        src = cute.make_ptr(self.ab_dtype, base + offset * (self.ab_dtype.width // 8), cute.AddressSpace.gmem,
-                            assumed_align=16)
+    def _copy_vector(self, atom, address, dst):
+        """cp.async of the 16 bytes at global byte address ``address`` (16-byte aligned: whole
+        vectors of rows whose length is a multiple of 8) into ``dst``."""
+        src = cute.make_ptr(self.ab_dtype, address, cute.AddressSpace.gmem, assumed_align=16)
         cute.copy(atom, cute.make_tensor(src, cute.make_layout(dst.shape)), dst)
 
     def _half_tiled_mma(self):
