@@ -321,15 +321,16 @@ def test_dact_routings(splits, m, h, i, activation):
 
 
 # last tiles of 64 rows or fewer (the cooperative schedule's second MMA warpgroup skips its
-# WGMMAs) and of 65 (it must not)
+# WGMMAs; a ping-pong warpgroup computes the first 64 rows only) and of 65 (they must not)
 HALF_TAILS = [64, 65, 192, 193, 63, 0, 1, 129]
 
 
-@pytest.mark.parametrize("tile_n,cluster_m", [(128, 1), (256, 2)])
-def test_last_tile_half_full_or_less(tile_n, cluster_m):
+@pytest.mark.parametrize("tile_n,cluster_m,pingpong", [(128, 1, False), (256, 2, False), (128, 2, True),
+                                                       (192, 2, True)])
+def test_last_tile_half_full_or_less(tile_n, cluster_m, pingpong):
     m = sum(HALF_TAILS) + 3
-    run_dact(HALF_TAILS, m, 256, 192, "swiglu", seed=8, tile_n=tile_n, cluster_m=cluster_m, pingpong=False)
-    run_kn(HALF_TAILS, m, 384, 256, seed=8, tile_n=tile_n, cluster_m=cluster_m, pingpong=False)
+    run_dact(HALF_TAILS, m, 256, 192, "swiglu", seed=8, tile_n=tile_n, cluster_m=cluster_m, pingpong=pingpong)
+    run_kn(HALF_TAILS, m, 384, 256, seed=8, tile_n=tile_n, cluster_m=cluster_m, pingpong=pingpong)
 
 
 def test_dact_many_groups():

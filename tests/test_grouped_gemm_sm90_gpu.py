@@ -161,14 +161,16 @@ def test_routings(splits, m, activation):
 
 
 # groups whose last 128-row tile holds 64 rows or fewer (the second MMA warpgroup of the
-# cooperative schedule then skips its WGMMAs) and 65 (it must not): around the boundary
+# cooperative schedule then skips its WGMMAs; a ping-pong warpgroup computes the first 64 rows
+# only) and 65 (they must not): around the boundary
 HALF_TAILS = [64, 65, 192, 193, 63, 0, 1, 129]
 
 
-@pytest.mark.parametrize("tile_n,cluster_m", [(128, 1), (256, 2), (192, 2)])
-def test_last_tile_half_full_or_less(tile_n, cluster_m):
+@pytest.mark.parametrize("tile_n,cluster_m,pingpong", [(128, 1, False), (256, 2, False), (192, 2, False),
+                                                       (128, 2, True), (192, 1, True)])
+def test_last_tile_half_full_or_less(tile_n, cluster_m, pingpong):
     run_case(HALF_TAILS, sum(HALF_TAILS) + 3, 256, 384, "swiglu", torch.bfloat16, False, tile_n, 8, cluster_m,
-             pingpong=False)
+             pingpong=pingpong)
 
 
 def test_many_groups():

@@ -23,6 +23,23 @@ def mma_stage(tiled_mma, acc, tCrA, tCrB, stage):
         cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc)
 
 
+def first_rows(t):
+    """The first MMA atom along M (mode 1) of a WGMMA fragment or accumulator, its modes kept."""
+    shape, stride = list(t.shape), list(t.stride)
+    shape[1] = 1
+    return cute.make_tensor(t.iterator, cute.make_layout(tuple(shape), stride=tuple(stride)))
+
+
+@cute.jit
+def mma_stage_first_rows(tiled_mma, acc, tCrA, tCrB, stage):
+    """acc's first 64 rows += their product of the k-tile in stage ``stage`` (one warpgroup's
+    whole-tile MMA, rows 64-127 left as they are)."""
+    acc_rows = first_rows(acc)
+    for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+        cute.gemm(tiled_mma, acc_rows, first_rows(tCrA[(None, None, kb, stage)]), tCrB[(None, None, kb, stage)],
+                  acc_rows)
+
+
 @cute.jit
 def mma_block(tiled_mma, acc_block, tCrA, tCrB, stage):
     """acc_block = the product of the k-tile (one FP8 scale block) in stage ``stage``; the
@@ -298,14 +315,15 @@ class Sm90Mainloop:
         chunk store of the previous tile (`_store_chunk`); else one (16-bit: it starts the WGMMA
         chain) or none (FP8: every block is alike). The accumulate flag changes inside the loops
         and stays loop-carried. Ping-pong: the k-loop waits for MMA warpgroup ``mma_wg``'s turn and
-        passes it on once its last WGMMAs are issued. Cooperative 16-bit varlen-M: a warpgroup whose
-        rows of the tile all lie past the group's end issues no WGMMAs (its acc stays zero, the
-        stores clip those rows) but waits for and releases every stage. Returns (tiled_mma,
-        read_state, release_state, epi_count)."""
+        passes it on once its last WGMMAs are issued. 16-bit varlen-M, a group's last tile half full
+        or less: a cooperative warpgroup whose rows all lie past the group's end issues no WGMMAs
+        but waits for and releases every stage; a ping-pong warpgroup issues its first 64 rows'
+        only, in a k-loop of their own (one loop whose k-tiles branch between the two made ptxas
+        serialize every WGMMA). The rows left out keep acc's zeros and the stores clip them.
+        Returns (tiled_mma, read_state, release_state, epi_count)."""
         acc, tCrA, tCrB, fp8_args = mainloop_args
         if const_expr(self.pingpong):
             cute.arch.barrier(barrier_id=MMA_TURN + mma_wg, number_of_threads=256)
-        peeled = self.num_steps if const_expr(self.defer_stores) else 0 if const_expr(self.block_scaled) else 1
         acc.fill(0.0)
         multipliers = Float32(0.0)
         if const_expr(self.block_scaled and not self.stage_scales):
@@ -324,56 +342,90 @@ class Sm90Mainloop:
                     n_box, m_total,
                 )
         elif runs:
-            for step in cutlass.range_constexpr(peeled):
-                if step < tile_k_tiles:
-                    if const_expr(self.block_scaled):
-                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                        multipliers = self._fp8_k_tile(ab_pipe, read_state, tiled_mma, acc, fp8_args, tile,
-                                                       step, multipliers, n_box, m_total)
-                        read_state.advance()
-                    else:
-                        if const_expr(step == 0):
-                            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                            cute.nvgpu.warpgroup.fence()
-                        ab_pipe.consumer_wait(read_state)
-                        if computes:
-                            mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
-                            cute.nvgpu.warpgroup.commit_group()
-                        read_state.advance()
-                        if const_expr(step > 0):
-                            cute.nvgpu.warpgroup.wait_group(1)
-                            ab_pipe.consumer_release(release_state)
-                            release_state.advance()
-                if const_expr(self.defer_stores):
-                    if pending_tile[0] != 0:
-                        self._store_chunk(store_args, pending[step], pending_tile, step, epi_count)
-                        epi_count = epi_count + 1
-            for k in range(peeled, tile_k_tiles):
-                if const_expr(self.block_scaled):
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                    multipliers = self._fp8_k_tile(ab_pipe, read_state, tiled_mma, acc, fp8_args, tile, k,
-                                                   multipliers, n_box, m_total)
-                    read_state.advance()
+            loop = dict(ab_pipe=ab_pipe, tiled_mma=tiled_mma, mainloop_args=mainloop_args, tile=tile,
+                        tile_k_tiles=tile_k_tiles, multipliers=multipliers, n_box=n_box, m_total=m_total,
+                        store_args=store_args, pending=pending, pending_tile=pending_tile, mma_wg=mma_wg,
+                        computes=computes)
+            if const_expr(self.mma_atoms == 1 and self.tile_m == 128 and not self.varlen_k and not self.block_scaled):
+                # a group's last tile, half full or less: the warpgroup computes its first 64 rows
+                if tile.end - tile.row0 <= 64:
+                    tiled_mma, read_state, release_state, epi_count = self._k_tiles(
+                        read_state, release_state, epi_count, first_rows=True, **loop)
                 else:
-                    ab_pipe.consumer_wait(read_state)
-                    if computes:
-                        mma_stage(tiled_mma, acc, tCrA, tCrB, read_state.index)
-                        cute.nvgpu.warpgroup.commit_group()
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    ab_pipe.consumer_release(release_state)
-                    release_state.advance()
-                    read_state.advance()
-            if const_expr(not self.block_scaled):
-                if const_expr(self.pingpong):
-                    cute.arch.barrier_arrive(barrier_id=MMA_TURN + 1 - mma_wg, number_of_threads=256)
-                cute.nvgpu.warpgroup.wait_group(0)  # unconditional: ptxas sees every path waited
-                if tile_k_tiles > 0:
-                    ab_pipe.consumer_release(release_state)
-                    release_state.advance()
+                    tiled_mma, read_state, release_state, epi_count = self._k_tiles(
+                        read_state, release_state, epi_count, first_rows=False, **loop)
+            else:
+                tiled_mma, read_state, release_state, epi_count = self._k_tiles(
+                    read_state, release_state, epi_count, first_rows=False, **loop)
         if const_expr(self.pingpong):
             if not runs:  # a tile without k-tiles passes the turn on at once
                 cute.arch.barrier_arrive(barrier_id=MMA_TURN + 1 - mma_wg, number_of_threads=256)
         return tiled_mma, read_state, release_state, epi_count
+
+    @cute.jit
+    def _k_tiles(self, read_state, release_state, epi_count, *, ab_pipe, tiled_mma, mainloop_args, tile,
+                 tile_k_tiles, multipliers, n_box, m_total, store_args, pending, pending_tile, mma_wg, computes,
+                 first_rows):
+        """The k-loop of `_mainloop_tile` over a tile with k-tiles; ``first_rows`` (16-bit ping-pong):
+        the WGMMAs of the tile's first 64 rows only. Returns (tiled_mma, read_state, release_state,
+        epi_count)."""
+        acc, tCrA, tCrB, fp8_args = mainloop_args
+        peeled = self.num_steps if const_expr(self.defer_stores) else 0 if const_expr(self.block_scaled) else 1
+        for step in cutlass.range_constexpr(peeled):
+            if step < tile_k_tiles:
+                if const_expr(self.block_scaled):
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                    multipliers = self._fp8_k_tile(ab_pipe, read_state, tiled_mma, acc, fp8_args, tile,
+                                                   step, multipliers, n_box, m_total)
+                    read_state.advance()
+                else:
+                    if const_expr(step == 0):
+                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                        cute.nvgpu.warpgroup.fence()
+                    ab_pipe.consumer_wait(read_state)
+                    self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, computes, first_rows)
+                    read_state.advance()
+                    if const_expr(step > 0):
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        ab_pipe.consumer_release(release_state)
+                        release_state.advance()
+            if const_expr(self.defer_stores):
+                if pending_tile[0] != 0:
+                    self._store_chunk(store_args, pending[step], pending_tile, step, epi_count)
+                    epi_count = epi_count + 1
+        for k in range(peeled, tile_k_tiles):
+            if const_expr(self.block_scaled):
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                multipliers = self._fp8_k_tile(ab_pipe, read_state, tiled_mma, acc, fp8_args, tile, k,
+                                               multipliers, n_box, m_total)
+                read_state.advance()
+            else:
+                ab_pipe.consumer_wait(read_state)
+                self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, computes, first_rows)
+                cute.nvgpu.warpgroup.wait_group(1)
+                ab_pipe.consumer_release(release_state)
+                release_state.advance()
+                read_state.advance()
+        if const_expr(not self.block_scaled):
+            if const_expr(self.pingpong):
+                cute.arch.barrier_arrive(barrier_id=MMA_TURN + 1 - mma_wg, number_of_threads=256)
+            cute.nvgpu.warpgroup.wait_group(0)  # unconditional: ptxas sees every path waited
+            if tile_k_tiles > 0:
+                ab_pipe.consumer_release(release_state)
+                release_state.advance()
+        return tiled_mma, read_state, release_state, epi_count
+
+    @cute.jit
+    def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, computes, first_rows):
+        """16-bit: the k-tile's WGMMAs (``first_rows``: of the tile's first 64 rows) and their
+        commit group, inside the branch on ``computes``: outside it, ptxas gives the branch
+        without WGMMAs an empty commit group a k-tile."""
+        if computes:
+            if const_expr(first_rows):
+                mma_stage_first_rows(tiled_mma, acc, tCrA, tCrB, stage)
+            else:
+                mma_stage(tiled_mma, acc, tCrA, tCrB, stage)
+            cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
     def _block_scales(self, scales, tile: Tile, tCcAcc, k, n_box, m_total):
