@@ -39,6 +39,8 @@ With ``--recipe fp8_blockwise`` (or another recipe name) two more, and no router
   c-fp8-4mb  the same on its own copy of the weights under `cast_weights_once_per_step` (their
              copies dropped every fourth step, as the optimizer step of 4 micro-batches does): the
              average micro-batch of the gradient-accumulation regime
+  c-fp8w16, c-fp8w16-4mb  (fp8_blockwise) the same two with Float8BlockScaling(
+             high_precision_wgrad=True): FP8 forward and data gradients, 16-bit weight gradients
   and a "vs c" column (the bf16 fused layer's ms / this ms). The FP8 contenders are checked
   against (a) with TOL_FP8 (their relative error against bf16 is the printed check).
 (c) runs where te_fused_ops has Permute, Unpermute and TopKRouter; else a printed line skips it.
@@ -99,6 +101,7 @@ import copy
 
 import te_fused_ops
 from te_fused_ops import GroupedLinear, Quantize, ScaledSwiGLU, Sequential, SwiGLU, Transpose
+from te_fused_ops.quantization import Float8BlockScaling, get_recipe
 
 SHAPES = {  # name: (T tokens, k experts per token, E experts, H hidden, I expert width)
     "qwen3-30b-a3b": (8192, 8, 128, 2048, 768),
@@ -336,7 +339,20 @@ def fused_ops():
 def fp8_contenders(p: Problem, permute, unpermute, recipe: str, leaves: dict, inputs: tuple) -> dict:
     """c-fp8 and c-fp8-4mb (module docstring): the layer with both GEMMs in FP8 (``recipe``), its
     weights cast every step, and on its own weight copies cast once per optimizer step of
-    MICRO_BATCHES forwards."""
+    MICRO_BATCHES forwards; for fp8_blockwise also c-fp8w16 and c-fp8w16-4mb, the same with
+    `Float8BlockScaling(high_precision_wgrad=True)` (16-bit weight gradients)."""
+    recipes = {"c-fp8": recipe}
+    if get_recipe(recipe) == Float8BlockScaling():
+        recipes["c-fp8w16"] = Float8BlockScaling(high_precision_wgrad=True)
+    runs = {}
+    for label, made in recipes.items():
+        runs.update(fp8_regimes(p, permute, unpermute, made, label, leaves, inputs))
+    return runs
+
+
+def fp8_regimes(p: Problem, permute, unpermute, recipe, label: str, leaves: dict, inputs: tuple) -> dict:
+    """``label`` (weights cast every step) and ``label``-4mb (cast once per MICRO_BATCHES) for the
+    FP8 layer with ``recipe``."""
     def layer(fc1, fc2):
         return Sequential(permute(p.e), Quantize(recipe), fc1, ScaledSwiGLU(), Quantize(recipe), Transpose(), fc2,
                           unpermute())
@@ -354,8 +370,9 @@ def fp8_contenders(p: Problem, permute, unpermute, recipe: str, leaves: dict, in
         return once(p.x, indices=p.indices, probs=p.probs)
 
     return {
-        "c-fp8": Contender(lambda: every_step(p.x, indices=p.indices, probs=p.probs), leaves, inputs),
-        "c-fp8-4mb": Contender(one_of_the_micro_batches, dict(leaves, w1=fc1_own.weight, w2=fc2_own.weight), inputs),
+        label: Contender(lambda: every_step(p.x, indices=p.indices, probs=p.probs), leaves, inputs),
+        f"{label}-4mb": Contender(one_of_the_micro_batches, dict(leaves, w1=fc1_own.weight, w2=fc2_own.weight),
+                                  inputs),
     }
 
 

@@ -85,6 +85,8 @@ __all__ = [
     "add_columnwise",
     "fake_quantize",
     "group_block_index",
+    "high_precision_wgrad",
+    "wgrad_source",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -146,12 +148,17 @@ class Float8BlockScaling(Recipe):
     """FP8 E4M3, 1x128 blocks (activations, gradients), 128x128 blocks (weights).
 
     ``power_2_scales``: round each ``scale_inv`` up to a power of two (exact rescaling).
+    ``high_precision_wgrad``: the weight gradients run in the 16-bit dtype on the unquantized
+    input and output gradient (TE's ``override_linear_precision`` for wgrad); the forward and
+    data-gradient GEMMs stay FP8. No column-wise copies are made then: cheaper where the FP8
+    weight gradient saves less than its operands' column casts cost (fine-grained experts).
     """
 
     name: ClassVar[str] = "fp8_blockwise"
     block_size: ClassVar[int] = 128
     weight_blocks_2d: ClassVar[bool] = True
     power_2_scales: bool = False
+    high_precision_wgrad: bool = False
 
     def scale_inv_from_amax(self, amax):
         scale_inv = _amax_over_e4m3_max(amax)
@@ -205,6 +212,17 @@ def _get_recipe(recipe, op: str) -> Recipe:
 def get_recipe(recipe) -> Recipe:
     """A Recipe, or one built with defaults from its name: "fp8_blockwise", "fp8_current", "mxfp8"."""
     return _get_recipe(recipe, "Quantize")
+
+
+def high_precision_wgrad(recipe) -> bool:
+    """Whether ``recipe`` (or None) runs the weight gradients in 16 bits (`Float8BlockScaling`)."""
+    return bool(getattr(recipe, "high_precision_wgrad", False))
+
+
+def wgrad_source(x):
+    """What a 16-bit weight gradient reads for the quantized input ``x``: its ``source`` (a tensor
+    or a `Recompute`), else its dequantized values."""
+    return x.source if x.source is not None else x.dequantize()
 
 
 def group_block_index(offsets, num_rows: int, block_size: int, *, device=None):
@@ -328,8 +346,10 @@ class QuantizedTensor(torch.Tensor):
     after it carries, instead of the columnwise copy, ``block_columns_data`` (K, 128 * blocks) +
     ``block_columns_scale_inv`` (blocks, K): the same blocks, each group's padded to whole
     128-token blocks (``kernels.block_quantize.BlockColumns``), read by the sm90 FP8 weight
-    gradient only. Any torch op other than detach/alias (which keep the quantized data, shared)
-    runs on the dequantized values; in-place ops on a QuantizedTensor raise.
+    gradient only. ``source``: the unquantized tensor (or a `Recompute` giving it) that a 16-bit
+    weight gradient reads (`high_precision_wgrad`), else None. Any torch op other than
+    detach/alias (which keep the quantized data, shared) runs on the dequantized values; in-place
+    ops on a QuantizedTensor raise.
     """
 
     @staticmethod
@@ -348,6 +368,7 @@ class QuantizedTensor(torch.Tensor):
         offsets=None,
         block_columns_data=None,
         block_columns_scale_inv=None,
+        source=None,
         requires_grad=False,
     ):
         self = torch.Tensor._make_wrapper_subclass(
@@ -362,6 +383,7 @@ class QuantizedTensor(torch.Tensor):
         self.offsets = offsets
         self.block_columns_data = block_columns_data
         self.block_columns_scale_inv = block_columns_scale_inv
+        self.source = source
         return self
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -388,6 +410,7 @@ class QuantizedTensor(torch.Tensor):
             offsets=self.offsets,
             block_columns_data=self.block_columns_data,
             block_columns_scale_inv=self.block_columns_scale_inv,
+            source=self.source,
         )
 
     def _out_dtype(self, dtype, op):

@@ -163,6 +163,45 @@ def test_fp8_layer_casts_in_dispatch_and_combine_backward():
     assert "grouped_linear+dactivation+grouped_linear+unpermute" not in plain_text.split("not fired")[0]
 
 
+def test_fp8_layer_with_16_bit_weight_gradients():
+    """Float8BlockScaling(high_precision_wgrad=True): the forward and data gradients are the FP8
+    layer's bit for bit, the weight gradients 16-bit GEMMs on the unquantized expert rows of x and
+    act and on the unquantized dy (closer to the unquantized layer's than the FP8 ones); fused and
+    unfused plans agree bit for bit."""
+    from te_fused_ops import Quantize, Transpose
+    from te_fused_ops.quantization import Float8BlockScaling
+
+    def fp8_layer(recipe, fuse=True, quantize=True):
+        torch.manual_seed(0)
+        casts = (lambda: [Quantize(recipe)]) if quantize else list
+        return Sequential(Permute(E), *casts(), GroupedLinear(E, 128, 256), ScaledSwiGLU(), *casts(),
+                          *([Transpose()] if quantize else []), GroupedLinear(E, 128, 128), Unpermute(), fuse=fuse)
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(24, 128, generator=gen).requires_grad_()
+    indices = torch.randint(-1, E, (24, 2), generator=gen)
+    probs = torch.rand(24, 2, generator=gen).requires_grad_()
+    dy = torch.randn(24, 128, generator=gen)
+    hp = Float8BlockScaling(high_precision_wgrad=True)
+    assert hp != Float8BlockScaling() and hp.name == "fp8_blockwise"
+
+    def run(moe):
+        x.grad = probs.grad = None
+        fc1, fc2 = (op for op in moe if isinstance(op, GroupedLinear))
+        y = moe(x, indices=indices, probs=probs)
+        y.backward(dy)
+        return [y.detach(), x.grad.clone(), probs.grad.clone(), fc1.weight.grad, fc2.weight.grad]
+
+    hp_fused, hp_unfused = run(fp8_layer(hp)), run(fp8_layer(hp, fuse=False))
+    fp8, plain = run(fp8_layer("fp8_blockwise")), run(fp8_layer(None, quantize=False))
+    for a, b in zip(hp_fused, hp_unfused):
+        assert torch.equal(a, b)
+    for a, b in zip(hp_fused[:3], fp8[:3]):  # output, dx, d_probs
+        assert torch.equal(a, b)
+    for got, fp8_grad, want in zip(hp_fused[3:], fp8[3:], plain[3:]):
+        assert rel_err(got, want) < rel_err(fp8_grad, want)
+
+
 def test_bad_input_names_op_and_argument():
     moe = layer()
     x, indices, probs = inputs(8, 2)

@@ -146,6 +146,41 @@ def test_fp8_dispatch_casts_each_token_once(hidden, monkeypatch):
 
 
 @pytest.mark.parametrize("hidden", [512, 336])
+def test_fp8_layer_with_16_bit_weight_gradients(hidden, monkeypatch):
+    """Float8BlockScaling(high_precision_wgrad=True) in the FP8 layer on sm90: output and dx bit
+    for bit the FP8 layer's (the same FP8 forward and data gradients), d_probs to float32 rounding;
+    the weight gradients 16-bit GEMMs on x's rows (read by index), the act recomputed and dy's
+    rows: within 2% of the torch backend's, and closer to the bf16 layer's float64 ones than the
+    FP8 weight gradients are."""
+    hp = tfo.quantization.Float8BlockScaling(high_precision_wgrad=True)
+    indices, probs = routing(6, drop=0.2)
+    x0 = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
+
+    def run(recipe, backend="sm90"):
+        monkeypatch.setenv("TE_FUSED_OPS_BACKEND", backend)
+        torch.manual_seed(0)
+        moe = Sequential(Permute(E), tfo.Quantize(recipe),
+                         GroupedLinear(E, hidden, 2 * I, dtype=torch.bfloat16, device="cuda"), ScaledSwiGLU(),
+                         tfo.Quantize(recipe), tfo.Transpose(),
+                         GroupedLinear(E, I, hidden, dtype=torch.bfloat16, device="cuda"), Unpermute())
+        x = x0.clone().requires_grad_()
+        p = probs.clone().requires_grad_()
+        out = [step(moe, x, dy, indices=indices, probs=p)] + grads(moe, x, p)
+        monkeypatch.delenv("TE_FUSED_OPS_BACKEND")
+        return out, moe
+
+    (got, moe), (fp8, _), (torch_got, _) = run(hp), run("fp8_blockwise"), run(hp, "torch")
+    assert torch.equal(got[0], fp8[0]) and torch.equal(got[1], fp8[1])
+    assert rel_err(got[2], fp8[2]) <= 1e-5
+    want = float64_layer(moe[2].weight, moe[6].weight, x0, indices, probs, dy)
+    for name, g, f, t, w in zip(("dw1", "dw2"), got[3:], fp8[3:], torch_got[3:], want[3:]):
+        assert torch.isfinite(g).all()
+        assert rel_err(g, t) <= 2e-2, name
+        assert rel_err(g, w) < rel_err(f, w), name
+
+
+@pytest.mark.parametrize("hidden", [512, 336])
 def test_combine_backward_casts_each_token_once(hidden):
     """FC2's copies of dy from the combine's backward: the kept expert rows and their scales
     bit-equal to the cast of the bf16 expert rows of dy; the column-wise copy made from them."""
@@ -192,6 +227,28 @@ def test_layer_step_is_sync_free(with_router):
     dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     indices, probs = routing(2)
     side = {} if with_router else {"indices": indices, "probs": probs.requires_grad_()}
+    step(moe, x, dy, **side)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(moe, x, dy, **side)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("wgrad16", [False, True])
+@pytest.mark.parametrize("hidden", [512, 336])
+def test_fp8_layer_step_is_sync_free(wgrad16, hidden):
+    """The FP8 layer's step (fp8_blockwise, 16-bit weight gradients or FP8 ones) makes no host sync."""
+    recipe = tfo.quantization.Float8BlockScaling(high_precision_wgrad=wgrad16)
+    moe = Sequential(Permute(E), tfo.Quantize(recipe),
+                     GroupedLinear(E, hidden, 2 * I, dtype=torch.bfloat16, device="cuda"), ScaledSwiGLU(),
+                     tfo.Quantize(recipe), tfo.Transpose(),
+                     GroupedLinear(E, I, hidden, dtype=torch.bfloat16, device="cuda"), Unpermute())
+    x = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
+    indices, probs = routing(2)
+    side = {"indices": indices, "probs": probs.requires_grad_()}
     step(moe, x, dy, **side)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -165,3 +165,32 @@ def test_quantize_op_straight_through_and_grad_quantization():
     x.grad = None
     Quantize("fp8_blockwise", quantize_grad=True)(x).backward(dy)
     assert torch.equal(x.grad, fake_quantize(dy, "fp8_blockwise")) and not torch.equal(x.grad, dy)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_high_precision_wgrad_reads_the_unquantized_operands(dtype):
+    """Quantize(Float8BlockScaling(high_precision_wgrad=True)), Transpose, GroupedLinear: the
+    output and dx are the FP8 chain's bit for bit; dW is the 16-bit weight gradient of the
+    unquantized x and dy exactly; the Transpose makes no column-wise copy."""
+    from te_fused_ops import Quantize, Sequential, Transpose
+    from te_fused_ops.grouped_mm import grouped_wgrad
+    from te_fused_ops.quantization import Float8BlockScaling
+
+    torch.manual_seed(0)
+    splits = torch.tensor([40, 0, 88])
+    x = torch.randn(136, 256, dtype=dtype, requires_grad=True)
+    dy = torch.randn(136, 128, dtype=dtype)
+    results = []
+    for recipe in (Float8BlockScaling(high_precision_wgrad=True), Float8BlockScaling()):
+        torch.manual_seed(1)
+        seq = Sequential(Quantize(recipe), Transpose(), GroupedLinear(3, 256, 128, dtype=dtype))
+        x.grad = None
+        y = seq(x, split_sizes=splits)
+        y.backward(dy)
+        results.append((y.detach(), x.grad.clone(), seq[2].weight.grad))
+    (y, dx, dw), (y8, dx8, dw8) = results
+    assert torch.equal(y, y8) and torch.equal(dx, dx8) and not torch.equal(dw, dw8)
+    offsets = torch.tensor([0, 40, 40, 128], dtype=torch.int32)
+    assert torch.equal(dw, grouped_wgrad(dy, x.detach(), offsets))
+    made = Transpose()(Quantize(Float8BlockScaling(high_precision_wgrad=True))(x.detach()), split_sizes=splits)
+    assert made.columnwise_data is None and torch.equal(made.source, x.detach())

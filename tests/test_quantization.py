@@ -480,7 +480,7 @@ def test_quantized_tensor_behaves_like_its_values():
     assert torch.allclose(q, x, rtol=2**-4, atol=0) and torch.equal(q @ q.t(), deq @ deq.t())
     detached = q.detach()
     assert isinstance(detached, QuantizedTensor) and detached.rowwise_data is q.rowwise_data
-    assert repr(q).startswith("QuantizedTensor(recipe=Float8BlockScaling(power_2_scales=False)")
+    assert repr(q).startswith("QuantizedTensor(recipe=Float8BlockScaling(power_2_scales=False, high_precision_wgrad=False)")
     with pytest.raises(RuntimeError, match="read-only"):
         q.add_(1)
 

@@ -459,6 +459,37 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
     assert torch.all(got[0][SPLITS.sum():] == 0)
 
 
+@pytest.mark.parametrize("quantize_x", [False, True])
+def test_fp8_plan_with_16_bit_weight_gradients(quantize_x, sm90_stand_ins, monkeypatch):
+    """Float8BlockScaling(high_precision_wgrad=True): the FP8 forward and data gradients, the
+    weight gradients on the 16-bit kernel over the unquantized inputs (FC2's act recomputed from
+    pre where FC1's epilogue cast it) and dy: no column-wise copy, no FP8 weight gradient, nothing
+    dequantized; within the tolerance the FP8 plan keeps to the torch backend's."""
+    recipe = Float8BlockScaling(high_precision_wgrad=True)
+    seq = fp8_mlp(recipe, quantize_x)
+    x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
+    first = int(quantize_x)
+    backward = (f"[{first}:{first + 5}] GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear -> rule "
+                "'grouped_linear+dactivation+grouped_linear' (backend sm90)" if quantize_x else
+                f"[{first + 1}:{first + 5}] SwiGLU, Quantize, Transpose, GroupedLinear -> rule "
+                "'dactivation+grouped_linear' (backend sm90)")
+    assert backward in seq.explain(x, split_sizes=SPLITS)
+    for calls in (CASTS, ACT_CASTS, UNCASTS, DACT_FP8_CALLS, COLUMN_CASTS, WGRAD_FP8_CALLS):
+        calls.clear()
+    got = step(seq, x, dy)
+    assert DACT_FP8_CALLS == [(G, I, H)], DACT_FP8_CALLS
+    assert COLUMN_CASTS == [] and WGRAD_FP8_CALLS == [] and UNCASTS == [], (COLUMN_CASTS, WGRAD_FP8_CALLS, UNCASTS)
+    assert ACT_CASTS == [(False, False)] * (not quantize_x), ACT_CASTS  # FC1's epilogue: rows only
+    # row-wise: dy, and with an FP8 FC1 x, the act and d_pre; each weight once
+    assert sorted(CASTS) == [1] * (1 + 3 * quantize_x) + [128] * (1 + quantize_x), CASTS
+    monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
+    want = step(seq, x, dy)
+    for name, a, b in zip(("y", "dx", "dW1", "dW2"), got, want):
+        assert ref.rel_err(a, b) <= 5e-2, name
+    assert torch.all(got[0][SPLITS.sum():] == 0)
+
+
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_blockwise_pow2", "fp8_current"])
 def test_output_cast_in_the_epilogue(recipe, sm90_stand_ins, monkeypatch):
     """GroupedLinear, Quantize, GroupedLinear: fp8_blockwise casts FC1's output in its epilogue

@@ -7,7 +7,7 @@ from torch import nn
 
 from ..errors import OpTypeError, OpValueError
 from ..grouped_mm import grouped_mm_nn, grouped_mm_nt, grouped_row_sum, grouped_wgrad
-from ..quantization import quantize, quantized_weight_values
+from ..quantization import high_precision_wgrad, quantize, quantized_weight_values, wgrad_source
 from ..splits import bind_offsets, row_group_ids
 from .base import BasicOp, OpContext, Recompute, is_quantized
 
@@ -139,9 +139,10 @@ class GroupedLinear(BasicOp):
         calls this so the backward can be planned independently. With ``recompute_output`` the
         consumer of this call's output gets it again as ``output_fn(x, weight, bias, offsets)``
         (this backend's GEMM, default `output_torch`; the weight and bias as this call read
-        them) instead of keeping it; a quantized x raises."""
+        them) instead of keeping it; a quantized x raises. With a recipe's 16-bit weight gradient
+        (`high_precision_wgrad`) a quantized x is kept as its ``source`` (`wgrad_source`)."""
         if ctx.needs_grad("weight"):
-            ctx.save_input(x)
+            ctx.save_input(wgrad_source(x) if is_quantized(x) and high_precision_wgrad(recipe) else x)
             if ctx.op.accumulate_main_grad:
                 ctx.main_grads["weight"] = _main_grad(ctx.params["weight"])
         if ctx.input_requires_grad:
@@ -168,16 +169,17 @@ class GroupedLinear(BasicOp):
         """(dy for the data gradient, dy for the weight gradient), both (M, N) plain tensors.
 
         With a quantized input the gradient is quantized with the same recipe, row-wise for the
-        data gradient and per-group column-wise for the weight gradient (unless ``dy`` already is).
+        data gradient and per-group column-wise for the weight gradient (unless ``dy`` already is;
+        the weight gradient takes dy unquantized with the recipe's `high_precision_wgrad`).
         """
+        hp_wgrad = high_precision_wgrad(ctx.saved.recipe)
         if is_quantized(dy):
-            return dy.dequantize(), columnwise_view(dy)
+            return dy.dequantize(), (wgrad_source(dy) if hp_wgrad else columnwise_view(dy))
         if ctx.saved.recipe is None:
             return dy, dy
-        dyq = quantize(
-            dy, ctx.saved.recipe, rowwise=True, columnwise=ctx.needs_grad("weight"), offsets=ctx.side["offsets"]
-        )
-        return dyq.dequantize(), columnwise_view(dyq)
+        columnwise = ctx.needs_grad("weight") and not hp_wgrad
+        dyq = quantize(dy, ctx.saved.recipe, rowwise=True, columnwise=columnwise, offsets=ctx.side["offsets"])
+        return dyq.dequantize(), (dy if hp_wgrad else columnwise_view(dyq))
 
     def op_backward(self, ctx: OpContext, dy):
         offsets = ctx.side["offsets"]

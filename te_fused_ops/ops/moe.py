@@ -15,7 +15,7 @@ from torch import nn
 
 from .. import routing as rows
 from ..errors import OpTypeError, OpValueError
-from ..quantization import QuantizedTensor, quantize
+from ..quantization import QuantizedTensor, high_precision_wgrad, quantize
 from ..splits import remember_offsets, validation_enabled
 from .base import BasicOp, OpContext, Recompute, is_quantized
 
@@ -222,20 +222,32 @@ class Permute(BasicOp):
     def op_forward(self, ctx: OpContext, x) -> torch.Tensor:
         return self.forward_rows(ctx, x, rows.scatter_rows)
 
-    def forward_cast_rows(self, ctx: OpContext, x, fmt, cast_rows=None) -> QuantizedTensor:
+    def forward_cast_rows(self, ctx: OpContext, x, fmt, cast_rows=None, scatter=rows.scatter_rows) -> QuantizedTensor:
         """The permute with a 1x128 row-block cast (``fmt``, the folded Quantize) after it: each
         token is cast once (T rows, not T * k) and its E4M3 row and scales move instead of the
         16-bit row (about half the bytes): to the expert-ordered rows, or with a group to the
         ranks (sent, then grouped as `forward_rows` groups rows). The same values as casting the
         moved rows (the blocks are row-local). ``cast_rows(x, recipe, routing)``: (data (M, H)
         E4M3, scales (M, ceil(H/128)) float32) of the expert-ordered rows (a backend's kernels;
-        default: `quantize`, then the torch movers)."""
+        default: `quantize`, then the torch movers). With the recipe's `high_precision_wgrad` the
+        16-bit rows are the output's ``source``: on one GPU the permute's recompute (``scatter``,
+        as `forward_rows` takes it; never written in the forward), with a group the 16-bit rows
+        sent, then cast."""
         routing = ctx.side["routing"]
         expert_parallel = isinstance(routing, rows.ExpertParallelRouting)
+        hp_wgrad = high_precision_wgrad(fmt.recipe)
+        if hp_wgrad and expert_parallel:
+            sent = self.forward_rows(ctx, x, scatter)
+            made = quantize(sent, fmt.recipe, rowwise=True, offsets=fmt.offsets)
+            made.source = sent
+            return made
         check_tokens("Permute", x, routing.tokens if expert_parallel else routing.slot_rows.shape[0], "tokens, hidden")
         data, scale_inv = (cast_rows or _cast_then_move)(x, fmt.recipe, routing)
+        source = None
+        if hp_wgrad:
+            source = ctx.recompute_output = Recompute(scatter, x, routing)
         return QuantizedTensor((data.shape[0], x.shape[1]), x.dtype, x.device, recipe=fmt.recipe, role="activation",
-                               rowwise_data=data, rowwise_scale_inv=scale_inv, offsets=fmt.offsets)
+                               rowwise_data=data, rowwise_scale_inv=scale_inv, offsets=fmt.offsets, source=source)
 
     def op_backward(self, ctx: OpContext, dy):
         if not ctx.input_requires_grad:

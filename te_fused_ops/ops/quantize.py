@@ -3,7 +3,7 @@
 import torch
 
 from ..errors import OpTypeError
-from ..quantization import QuantizedTensor, fake_quantize, get_recipe, quantize
+from ..quantization import QuantizedTensor, fake_quantize, get_recipe, high_precision_wgrad, quantize
 from ..splits import bind_offsets
 from .base import BasicOp, OpContext
 
@@ -12,6 +12,8 @@ class Quantize(BasicOp):
     """Cast the input to ``recipe`` (a `te_fused_ops.quantization.Recipe` or its name).
 
     Output: a `QuantizedTensor` with row-wise data and scales (dequantize() gives the values).
+    With ``recipe.high_precision_wgrad`` the output keeps the input as its ``source`` for the
+    16-bit weight gradient of the GroupedLinear after it.
     Backward: straight-through; with ``quantize_grad=True`` the gradient is quantized with the
     same recipe and dequantized (what an FP8 backward GEMM would see).
     Optional side input ``split_sizes`` (G,): rows past their sum are padding and never affect
@@ -47,7 +49,10 @@ class Quantize(BasicOp):
             x = x.dequantize()
         if not isinstance(x, torch.Tensor):
             raise OpTypeError(f"Quantize: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
-        return quantize(x, self.recipe, rowwise=True, offsets=ctx.side["offsets"])
+        made = quantize(x, self.recipe, rowwise=True, offsets=ctx.side["offsets"])
+        if high_precision_wgrad(self.recipe):
+            made.source = x.detach()
+        return made
 
     def grad(self, dy, offsets=None):
         """The straight-through gradient, quantized if ``quantize_grad`` (padding rows past

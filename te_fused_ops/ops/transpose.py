@@ -3,17 +3,18 @@
 import torch
 
 from ..errors import OpTypeError, OpValueError
-from ..quantization import QuantizedTensor, add_columnwise
+from ..quantization import QuantizedTensor, add_columnwise, high_precision_wgrad
 from ..splits import bind_offsets
 from .base import BasicOp, OpContext
 
 
 def with_columnwise(x: torch.Tensor, offsets: torch.Tensor):
     """``x`` (M, K) with its per-group column-wise copy: column-wise quantized for a quantized
-    input; for a plain tensor ``x.T`` contiguous (K, M) as attribute ``te_columnwise`` (group g
-    owns columns offsets[g]:offsets[g+1])."""
+    input (none where its recipe runs the weight gradient in 16 bits: that reads ``x.source``);
+    for a plain tensor ``x.T`` contiguous (K, M) as attribute ``te_columnwise`` (group g owns
+    columns offsets[g]:offsets[g+1])."""
     if isinstance(x, QuantizedTensor):
-        return add_columnwise(x, offsets)
+        return x if high_precision_wgrad(x.recipe) else add_columnwise(x, offsets)
     y = x.view_as(x)
     y.te_columnwise = x.t().contiguous()
     return y

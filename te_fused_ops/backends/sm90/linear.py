@@ -12,6 +12,7 @@ from ...quantization import (
     Float8BlockScaling,
     Float8CurrentScaling,
     QuantizedTensor,
+    high_precision_wgrad,
     is_quantized,
     reuse_or_make,
 )
@@ -324,8 +325,8 @@ def linear_backward(linear: GroupedLinear, ctx, dy, dy_amax_parts=None, x=None):
         if ctx.input_requires_grad:
             dx = grouped_gemm_sm90(dy, ctx.saved.weight.detach(), offsets, weight_layout="kn", sm_margin=sm_margin())[0]
         return dx, grads
-    if x is None and ctx.needs_grad("weight"):
-        x = ctx.load_input()
+    if x is None and ctx.needs_grad("weight") and not high_precision_wgrad(recipe):
+        x = ctx.load_input()  # with a 16-bit weight gradient the kernel may read it by index instead
     dy_rows, dy_columns = fp8_grad_casts(ctx, dy, recipe, x, ctx.input_requires_grad, dy_amax_parts)
     if ctx.input_requires_grad:
         dx = fp8_data_grad(ctx, dy_rows, recipe, dy.dtype)
@@ -345,11 +346,12 @@ def fp8_wgrad_applies(ctx, recipe, x) -> bool:
     """Whether a GroupedLinear's weight gradient after an FP8 forward, on its saved input ``x``
     (None: no weight gradient), runs on the FP8 kernel: fp8_blockwise (1 x 128 blocks along each
     group's tokens, the torch backend's column-wise copies), x 2-D with a row-wise or block-padded
-    column-wise copy, the shape `fp8_wgrad_shape_reason` takes. Otherwise (fp8_current too) it is
-    bf16, on dy as it came and x dequantized."""
+    column-wise copy, the shape `fp8_wgrad_shape_reason` takes, and not `high_precision_wgrad`.
+    Otherwise it is 16-bit, on dy as it came and x's ``source`` (`high_precision_wgrad`) or x
+    dequantized (fp8_current)."""
     return (
         x is not None
-        and isinstance(recipe, Float8BlockScaling)
+        and isinstance(recipe, Float8BlockScaling) and not recipe.high_precision_wgrad
         and is_quantized(x) and (x.has_rowwise or x.block_columns_data is not None) and x.dim() == 2
         and fp8_wgrad_shape_reason(ctx.op) is None
     )
@@ -389,9 +391,10 @@ def quantized_input_param_grads(ctx, dy, x, dy_columns=None, out_dtype=None) -> 
     when no weight gradient is needed): with ``dy_columns`` the FP8 weight gradient on the
     column-wise copies of dy and of x (the block-padded copy x carries, else made from its
     row-wise copy, as `add_columnwise` does; ``out_dtype`` as there), else the bf16 one on x
-    dequantized."""
-    if x is None:
-        return linear_param_grads(ctx, dy)
+    dequantized; x None (not loaded yet) or a 16-bit tensor (a `high_precision_wgrad` source):
+    the 16-bit weight gradient on it."""
+    if x is None or not is_quantized(x):
+        return linear_param_grads(ctx, dy, x)
     if dy_columns is None:
         return linear_param_grads(ctx, dy, dequantize_rows(x))
     if x.block_columns_data is not None:

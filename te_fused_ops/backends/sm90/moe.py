@@ -199,6 +199,6 @@ def _permute_cast(ops, ctxs, x):
     whole_vectors = hidden % 512 == 0 if isinstance(routing, ExpertParallelRouting) else hidden > 0
     if not whole_vectors or not _kernels_take(x, routing):  # the E4M3 rows and scales as 16-byte vectors
         return op.forward_cast_rows(ctx, x, ctx.output_format)
-    return op.forward_cast_rows(ctx, x, ctx.output_format, _cast_rows)
+    return op.forward_cast_rows(ctx, x, ctx.output_format, _cast_rows, permuted_rows)
 
 

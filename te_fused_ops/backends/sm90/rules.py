@@ -14,7 +14,8 @@ from ... import env
 from ...activations import ACTIVATIONS
 from ...fusion_rules.dactivation_grouped_linear import backward_reference
 from ...fusion_rules.grouped_linear_activation import activation_after_linear
-from ...quantization import Float8BlockScaling, Float8CurrentScaling, is_quantized
+from ...context import Recompute
+from ...quantization import Float8BlockScaling, Float8CurrentScaling, high_precision_wgrad, is_quantized
 from .backend import SM90, kernel_reason, sm_margin
 from .moe import combine_backward_cast, gather_tokens, permute_on_kernels, rows_supported_reason, unpermute_backward
 from .kernels.grouped_gemm import (
@@ -75,11 +76,14 @@ def input_cast_reason(fmt, info):
 
 def cast_rows(quantize, ctx, x):
     """The Quantize op's row-wise cast of ``x`` on the cast kernels (in torch where the kernel's
-    16-byte accesses do not fit the rows: the same bytes)."""
+    16-byte accesses do not fit the rows: the same bytes); x its ``source`` as the op keeps it."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if rows.shape[-1] % 8 or rows.data_ptr() % 16:
         return quantize.op_forward(ctx, x)
-    return quantize_rows(rows.view(x.shape), quantize.recipe, ctx.side["offsets"])
+    made = quantize_rows(rows.view(x.shape), quantize.recipe, ctx.side["offsets"])
+    if high_precision_wgrad(quantize.recipe):
+        made.source = x.detach()
+    return made
 
 
 def cast_input(linear, ctx, x):
@@ -99,8 +103,8 @@ def cast_input(linear, ctx, x):
 def input_columns_wanted(linear, ctx, fmt) -> bool:
     """Whether the cast of ``linear``'s input also writes the block-padded column-wise copy: where
     its FP8 weight gradient reads it (fp8_blockwise, a weight gradient, a shape it takes)."""
-    return (isinstance(fmt.recipe, Float8BlockScaling) and ctx.params_require_grad
-            and fp8_wgrad_shape_reason(linear) is None)
+    return (isinstance(fmt.recipe, Float8BlockScaling) and not fmt.recipe.high_precision_wgrad
+            and ctx.params_require_grad and fp8_wgrad_shape_reason(linear) is None)
 
 
 def _supports_quantize(ops, info):
@@ -173,10 +177,14 @@ def _grouped_linear_activation(ops, ctxs, x):
         pre, y = run_grouped_gemm(linear, ctxs[0], x, act.kernel_name, **epilogue)
         return activation_after_linear(act, ctxs, pre, y)
     if isinstance(out.recipe, Float8BlockScaling):
+        hp_wgrad = out.recipe.high_precision_wgrad
         pre, data, scale_inv, *made = run_grouped_gemm(linear, ctxs[0], x, act.kernel_name, act_cast=out.recipe,
-                                                       columns=out.columns, **epilogue)
+                                                       columns=out.columns and not hp_wgrad, **epilogue)
         activation_after_linear(act, ctxs, pre)
-        return rows_quantized(data, scale_inv, data.shape, pre.dtype, out.recipe, out.offsets, *made)
+        act_rows = rows_quantized(data, scale_inv, data.shape, pre.dtype, out.recipe, out.offsets, *made)
+        if hp_wgrad:  # the act is not written in 16 bits: the weight gradient recomputes it from pre
+            act_rows.source = Recompute(act.compute, ctxs[1].side, ctxs[1].saved.input)
+        return act_rows
     pre, y, amax_parts = run_grouped_gemm(linear, ctxs[0], x, act.kernel_name, act_amax=True, **epilogue)
     activation_after_linear(act, ctxs, pre)
     return quantize_rows(y, out.recipe, out.offsets, amax_parts)
@@ -338,17 +346,20 @@ def _grouped_linear_dactivation_grouped_linear(ops, ctxs, dy, dy_casts=None):
     (`linear_backward`), whose cast of d_pre takes that amax. fp8_blockwise: d_pre cast in the
     kernel's epilogue, FC1's FP8 data and weight gradients on those copies (the unfused order
     where FC1's weight gradient does not run in FP8, or dy arrives quantized). ``dy_casts``: FC2's
-    copies of dy made already (`_dact_fp8`); dy then gives only the dtype."""
+    copies of dy made already (`_dact_fp8`); dy then gives only the dtype, or with FC2's
+    `high_precision_wgrad` the 16-bit expert rows its weight gradient reads."""
     fc1, fc1_ctx = ops[0], ctxs[0]
     recipe = fc1_ctx.saved.recipe
     dtype = dy.dtype
-    fc2_dy = None if dy_casts is not None else dy
+    fc2_dy = dy if dy_casts is None or high_precision_wgrad(ctxs[2].saved.recipe) else None
     if isinstance(recipe, Float8CurrentScaling):
         d_pre, grads, amax_parts = _dact_fp8(ops[1:], ctxs[1:], fc2_dy, d_pre_amax=True, dy_casts=dy_casts)
         dx, fc1_grads = linear_backward(fc1, fc1_ctx, d_pre, amax_parts)
         return dx, [fc1_grads, *grads]
     quantized_dy = fc2_dy is not None and is_quantized(fc2_dy)
-    x = None if quantized_dy or not fc1_ctx.needs_grad("weight") else fc1_ctx.load_input()
+    x = None  # with a 16-bit weight gradient FC1's input is read where that runs (perhaps by index)
+    if not (quantized_dy or not fc1_ctx.needs_grad("weight") or recipe.high_precision_wgrad):
+        x = fc1_ctx.load_input()
     if not fp8_wgrad_applies(fc1_ctx, recipe, x):  # x loaded once, whichever order runs
         d_pre, grads, _ = _dact_fp8(ops[1:], ctxs[1:], fc2_dy, dy_casts=dy_casts)
         dx, fc1_grads = linear_backward(fc1, fc1_ctx, d_pre, x=x)
@@ -376,10 +387,18 @@ def _experts_and_combine_backward(ops, ctxs, dy):
     from them), then the three-op backward on those copies; where that cast does not apply, the
     combine's backward on the row kernels, then the three-op backward."""
     fc2_ctx, combine_ctx = ctxs[2], ctxs[3]
-    x = fc2_ctx.load_input() if fc2_ctx.needs_grad("weight") else None
     recipe = fc2_ctx.saved.recipe
+    hp_wgrad = isinstance(recipe, Float8BlockScaling) and recipe.high_precision_wgrad
+    x = fc2_ctx.load_input() if fc2_ctx.needs_grad("weight") and not hp_wgrad else None
     dy_casts = None
-    if isinstance(recipe, Float8BlockScaling) and (x is None or fp8_wgrad_applies(fc2_ctx, recipe, x)):
+    if hp_wgrad and fc2_ctx.needs_grad("weight"):
+        # the E4M3 rows for FC2's data gradient cast in the scatter, the 16-bit ones for its weight gradient
+        dy_casts = combine_backward_cast(combine_ctx, dy, recipe, fc2_ctx.side["offsets"], columns=False)
+        if dy_casts is not None:
+            dy_rows, combine_grads = unpermute_backward(ops[3:], ctxs[3:], dy)
+            dx, grads = _grouped_linear_dactivation_grouped_linear(ops[:3], ctxs[:3], dy_rows, dy_casts)
+            return dx, [*grads, *combine_grads]
+    elif isinstance(recipe, Float8BlockScaling) and (x is None or fp8_wgrad_applies(fc2_ctx, recipe, x)):
         dy_casts = combine_backward_cast(combine_ctx, dy, recipe, fc2_ctx.side["offsets"], columns=x is not None)
     if dy_casts is None:
         dy_rows, combine_grads = unpermute_backward(ops[3:], ctxs[3:], dy)
