@@ -29,6 +29,14 @@ def layer(act="scaled", router=None, seed=0):
     return Sequential(*([router] if router is not None else []), *ops)
 
 
+def fp8_layer(recipe, hidden):
+    """The FP8 layer: a Quantize after the permute, FC2's input cast with its column copy."""
+    return Sequential(Permute(E), tfo.Quantize(recipe),
+                      GroupedLinear(E, hidden, 2 * I, dtype=torch.bfloat16, device="cuda"), ScaledSwiGLU(),
+                      tfo.Quantize(recipe), tfo.Transpose(),
+                      GroupedLinear(E, I, hidden, dtype=torch.bfloat16, device="cuda"), Unpermute())
+
+
 def routing(seed, tokens=T, k=K, drop=0.1):
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(tokens, E, generator=gen) + torch.linspace(0, 3, E)  # skewed
@@ -42,6 +50,17 @@ def step(moe, x, dy, **side):
     y = moe(x, **side)
     y.backward(dy)
     return y
+
+
+def assert_step_sync_free(moe, x, dy, **side):
+    """A second step of ``moe`` under ``set_sync_debug_mode("error")`` (the first compiles)."""
+    step(moe, x, dy, **side)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(moe, x, dy, **side)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def grads(moe, x, probs=None):
@@ -119,10 +138,7 @@ def test_fp8_dispatch_casts_each_token_once(hidden, monkeypatch):
     for backend in ("sm90", "torch"):
         monkeypatch.setenv("TE_FUSED_OPS_BACKEND", backend)
         torch.manual_seed(0)
-        moe = Sequential(Permute(E), tfo.Quantize("fp8_blockwise"),
-                         GroupedLinear(E, hidden, 2 * I, dtype=torch.bfloat16, device="cuda"), ScaledSwiGLU(),
-                         tfo.Quantize("fp8_blockwise"), tfo.Transpose(),
-                         GroupedLinear(E, I, hidden, dtype=torch.bfloat16, device="cuda"), Unpermute())
+        moe = fp8_layer("fp8_blockwise", hidden)
         x = x0.clone().requires_grad_()
         p = probs.clone().requires_grad_()
         if backend == "sm90":  # the combine's backward casts dy once per token for FC2
@@ -160,10 +176,7 @@ def test_fp8_layer_with_16_bit_weight_gradients(hidden, monkeypatch):
     def run(recipe, backend="sm90"):
         monkeypatch.setenv("TE_FUSED_OPS_BACKEND", backend)
         torch.manual_seed(0)
-        moe = Sequential(Permute(E), tfo.Quantize(recipe),
-                         GroupedLinear(E, hidden, 2 * I, dtype=torch.bfloat16, device="cuda"), ScaledSwiGLU(),
-                         tfo.Quantize(recipe), tfo.Transpose(),
-                         GroupedLinear(E, I, hidden, dtype=torch.bfloat16, device="cuda"), Unpermute())
+        moe = fp8_layer(recipe, hidden)
         x = x0.clone().requires_grad_()
         p = probs.clone().requires_grad_()
         out = [step(moe, x, dy, indices=indices, probs=p)] + grads(moe, x, p)
@@ -227,13 +240,7 @@ def test_layer_step_is_sync_free(with_router):
     dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     indices, probs = routing(2)
     side = {} if with_router else {"indices": indices, "probs": probs.requires_grad_()}
-    step(moe, x, dy, **side)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step(moe, x, dy, **side)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    assert_step_sync_free(moe, x, dy, **side)
 
 
 @pytest.mark.parametrize("wgrad16", [False, True])
@@ -241,21 +248,12 @@ def test_layer_step_is_sync_free(with_router):
 def test_fp8_layer_step_is_sync_free(wgrad16, hidden):
     """The FP8 layer's step (fp8_blockwise, 16-bit weight gradients or FP8 ones) makes no host sync."""
     recipe = tfo.quantization.Float8BlockScaling(high_precision_wgrad=wgrad16)
-    moe = Sequential(Permute(E), tfo.Quantize(recipe),
-                     GroupedLinear(E, hidden, 2 * I, dtype=torch.bfloat16, device="cuda"), ScaledSwiGLU(),
-                     tfo.Quantize(recipe), tfo.Transpose(),
-                     GroupedLinear(E, I, hidden, dtype=torch.bfloat16, device="cuda"), Unpermute())
+    moe = fp8_layer(recipe, hidden)
     x = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
     indices, probs = routing(2)
     side = {"indices": indices, "probs": probs.requires_grad_()}
-    step(moe, x, dy, **side)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step(moe, x, dy, **side)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    assert_step_sync_free(moe, x, dy, **side)
 
 
 def test_cuda_graph_replays_with_three_routings():

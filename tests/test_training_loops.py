@@ -18,11 +18,13 @@ from torch.nn.utils import parametrize
 import reference as ref
 import te_fused_ops as tfo
 from te_fused_ops import GroupedLinear, Quantize, ScaledSwiGLU, Sequential, SwiGLU
+from te_fused_ops.quantization import Float8BlockScaling
 from te_fused_ops.runner import saved_tensor_bytes
 from te_fused_ops.splits import split_offsets, validation_enabled
 
 G, H, I, ROWS = 4, 32, 16, 40
 SPLITS = torch.tensor([9, 0, 14, 11])  # 6 padding rows
+WGRAD16 = Float8BlockScaling(high_precision_wgrad=True)  # FP8 GEMMs, 16-bit weight gradients
 
 
 def mlp(recipe="fp8_blockwise", bias=False, seed=0):
@@ -45,9 +47,10 @@ def batch(seed):
     return torch.randn(ROWS, H, generator=gen)
 
 
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", WGRAD16])
 @pytest.mark.parametrize("fused", [True, False])
-def test_adamw_training_matches_a_fresh_model_every_step(fused):
-    seq = mlp()
+def test_adamw_training_matches_a_fresh_model_every_step(fused, recipe):
+    seq = mlp(recipe)
     opt = torch.optim.AdamW(seq.parameters(), lr=1e-2, fused=fused, foreach=None if fused else False)
     for step in range(4):
         x = batch(step)
@@ -151,7 +154,7 @@ def _packed_bytes(fn):
     return out, sum(storages.values())
 
 
-@pytest.mark.parametrize("recipe", [None, "fp8_blockwise"])
+@pytest.mark.parametrize("recipe", [None, "fp8_blockwise", WGRAD16])
 def test_saved_tensor_hooks_see_every_saved_tensor(recipe):
     seq = mlp(recipe)
     x = batch(5).requires_grad_(True)
@@ -179,8 +182,9 @@ def test_saved_tensor_hooks_see_every_saved_tensor(recipe):
         assert torch.equal(p.grad, p2.grad)
 
 
-def test_activation_checkpointing_drops_saved_tensors():
-    seq = mlp(recipe=None, bias=True)
+@pytest.mark.parametrize("recipe", [None, WGRAD16])
+def test_activation_checkpointing_drops_saved_tensors(recipe):
+    seq = mlp(recipe=recipe, bias=True)
     x = batch(6).requires_grad_(True)
     y, plain = _packed_bytes(lambda: seq(x, split_sizes=SPLITS))
     x2 = x.detach().clone().requires_grad_(True)
@@ -197,8 +201,9 @@ def test_activation_checkpointing_drops_saved_tensors():
         assert torch.equal(p.grad, p2.grad)
 
 
-def test_retain_graph_twice_gives_twice_the_gradient():
-    seq = mlp()
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", WGRAD16])
+def test_retain_graph_twice_gives_twice_the_gradient(recipe):
+    seq = mlp(recipe)
     x = batch(7).requires_grad_(True)
     y = seq(x, split_sizes=SPLITS)
     y.sum().backward(retain_graph=True)
