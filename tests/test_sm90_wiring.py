@@ -669,6 +669,32 @@ def test_blockwise_d_pre_cast_needs_no_fc1_bias_and_whole_blocks(bias, i, sm90_s
         assert ref.rel_err(a, b) <= 5e-2, name
 
 
+@pytest.mark.parametrize("bias,i", [(True, 128), (False, 96)])
+def test_16_bit_weight_gradients_lift_the_d_pre_cast_limits(bias, i, sm90_stand_ins, monkeypatch):
+    """With `high_precision_wgrad` d_pre is made in 16 bits, so the three-op backward runs with an
+    FC1 bias and with I not a multiple of 128 (its cast after the kernel); FC1's act cast stays in
+    its epilogue at I 96 (no column copy to block it); the step matches the torch backend."""
+    torch.manual_seed(0)
+    recipe = Float8BlockScaling(high_precision_wgrad=True)
+    fc1 = GroupedLinear(G, H, 2 * i, bias=bias, dtype=torch.bfloat16)
+    fc2 = GroupedLinear(G, i, H, bias=bias, dtype=torch.bfloat16)
+    seq = Sequential(Quantize(recipe), fc1, SwiGLU(), Quantize(recipe), Transpose(), fc2)
+    x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
+    text = seq.explain(x, split_sizes=SPLITS)
+    assert ("[1:6] GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear -> rule "
+            "'grouped_linear+dactivation+grouped_linear' (backend sm90)") in text, text
+    got = step(seq, x, dy)
+    monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
+    want = step(seq, x, dy)
+    for name, a, b in zip(("y", "dx", "dW1", "db1", "dW2", "db2") if bias else ("y", "dx", "dW1", "dW2"), got, want):
+        assert ref.rel_err(a, b) <= 5e-2, name
+    monkeypatch.delenv("TE_FUSED_OPS_BACKEND")
+    bf16_fc1 = Sequential(fc1, SwiGLU(), Quantize(recipe), Transpose(), fc2)
+    assert ("[0:4] GroupedLinear, SwiGLU, Quantize, Transpose -> rule 'grouped_linear+activation' (backend sm90)"
+            in bf16_fc1.explain(x, split_sizes=SPLITS)), bf16_fc1.explain(x, split_sizes=SPLITS)
+
+
 @pytest.mark.parametrize("case", ["frozen_fc1", "partial_block"])
 def test_column_copies_in_the_forward_only_where_they_are_read(case, sm90_stand_ins, monkeypatch):
     """x's column copy comes with its cast only when FC1's weight gradient runs in FP8 (a frozen

@@ -139,7 +139,9 @@ def output_cast_reason(fmt, info, cols: int, groups: int, act=None):
         return "quantized input: the FP8 kernel has no cast epilogue (the output is cast after it, rule 'quantize')"
     if act is not None and not ACTIVATIONS[act.kernel_name].glu:
         return f"{act.op_name}: the act-cast epilogue takes GLU activations (the act is cast after the kernel)"
-    return columns_unsupported_reason(fmt.recipe, cols, groups) if fmt.columns else None
+    if not fmt.columns or high_precision_wgrad(fmt.recipe):  # no column copy with 16-bit weight gradients
+        return None
+    return columns_unsupported_reason(fmt.recipe, cols, groups)
 
 
 def _supports_grouped_linear(ops, info):
@@ -323,15 +325,16 @@ def _dactivation_grouped_linear(ops, ctxs, dy):
 
 def _supports_with_fc1(ops, info):
     """FC1's input fp8_current or fp8_blockwise (FC2's is quantized: the rule's own check), FC1's
-    input needing its gradient, both backwards on the kernels; fp8_blockwise: d_pre's cast in the kernel's epilogue and no FC1 bias (its
-    gradient would sum d_pre in bf16)."""
+    input needing its gradient, both backwards on the kernels; fp8_blockwise with FP8 weight
+    gradients: d_pre's cast in the kernel's epilogue and no FC1 bias (its gradient would sum d_pre
+    in bf16); with `high_precision_wgrad` d_pre is made in 16 bits and cast after the kernel."""
     recipe = info.input_recipe[0]
     if not isinstance(recipe, (Float8CurrentScaling, Float8BlockScaling)):
         return "FC1's input is neither fp8_current nor fp8_blockwise (no cast of d_pre to feed)"
     if not info.input_requires_grad[0]:
         return "FC1's input needs no gradient (no cast of d_pre)"
     reason = _supports_dactivation(ops[1:], info.window(1, 3)) or backward_unsupported_reason(ops[0], info, 0)
-    if reason or isinstance(recipe, Float8CurrentScaling):
+    if reason or isinstance(recipe, Float8CurrentScaling) or recipe.high_precision_wgrad:
         return reason
     fc1, act, fc2 = ops
     if fc1.bias is not None:
@@ -373,10 +376,13 @@ def _grouped_linear_dactivation_grouped_linear(ops, ctxs, dy, dy_casts=None):
 
 def _supports_combine_cast(ops, info):
     """The three-op rule's kernels, FC2 without a bias (its gradient would sum dy's expert rows,
-    which are not made in 16 bits), the combine's rows on the row kernels."""
+    which are made in 16 bits only with FC2's `high_precision_wgrad`), the combine's rows on the
+    row kernels."""
     fc2 = ops[2]
-    return (_supports_with_fc1(ops[:3], info.window(0, 3))
-            or ("FC2 has a bias (its gradient sums dy's expert rows)" if fc2.bias is not None else None)
+    bias_reason = None
+    if fc2.bias is not None and not high_precision_wgrad(info.input_recipe[2]):
+        bias_reason = "FC2 has a bias (its gradient sums dy's expert rows)"
+    return (_supports_with_fc1(ops[:3], info.window(0, 3)) or bias_reason
             or rows_supported_reason(ops[3:], info.window(3, 4)))
 
 
