@@ -192,5 +192,8 @@ def test_high_precision_wgrad_reads_the_unquantized_operands(dtype):
     assert torch.equal(y, y8) and torch.equal(dx, dx8) and not torch.equal(dw, dw8)
     offsets = torch.tensor([0, 40, 40, 128], dtype=torch.int32)
     assert torch.equal(dw, grouped_wgrad(dy, x.detach(), offsets))
-    made = Transpose()(Quantize(Float8BlockScaling(high_precision_wgrad=True))(x.detach()), split_sizes=splits)
+    quantize = Quantize(Float8BlockScaling(high_precision_wgrad=True))
+    made = Transpose()(quantize(x.detach()), split_sizes=splits)
     assert made.columnwise_data is None and torch.equal(made.source, x.detach())
+    assert repr(quantize) == "Quantize(recipe=fp8_blockwise(high_precision_wgrad=True), quantize_grad=False)"
+    assert repr(Quantize("fp8_blockwise")) == "Quantize(recipe=fp8_blockwise, quantize_grad=False)"

@@ -1,5 +1,7 @@
 """Quantize: cast to a low-precision recipe; straight-through backward."""
 
+import dataclasses
+
 import torch
 
 from ..errors import OpTypeError
@@ -31,7 +33,10 @@ class Quantize(BasicOp):
         self.quantize_grad = bool(quantize_grad)
 
     def extra_repr(self) -> str:
-        return f"recipe={self.recipe.name}, quantize_grad={self.quantize_grad}"
+        changed = [f"{field.name}={getattr(self.recipe, field.name)!r}" for field in dataclasses.fields(self.recipe)
+                   if getattr(self.recipe, field.name) != field.default] if dataclasses.is_dataclass(self.recipe) else []
+        options = f"({', '.join(changed)})" if changed else ""
+        return f"recipe={self.recipe.name}{options}, quantize_grad={self.quantize_grad}"
 
     def plan_signature(self) -> tuple:
         return (Quantize, self.recipe, self.quantize_grad)
