@@ -107,7 +107,6 @@ def _expand(scale_inv, sizes):
 def fp8_gemm(x, x_scale_inv, weight, weight_scale_inv, offsets, *, bias=None, activation=None, probs=None,
              limit=7.0, alpha=1.702, out_dtype=torch.bfloat16, act_amax=False, **_):
     """`grouped_gemm_fp8_sm90`'s contract in float32: dequantized operands, act from fp32 pre."""
-    assert probs is None and activation in (None, *ACTIVATIONS)
     x32 = x.float() * _expand(x_scale_inv, x.shape[-1:])
     w32 = weight.float() * _expand(weight_scale_inv, weight.shape[-2:])
     pre = x32.new_zeros(x.shape[0], weight.shape[1])
@@ -115,7 +114,7 @@ def fp8_gemm(x, x_scale_inv, weight, weight_scale_inv, offsets, *, bias=None, ac
     for g in range(weight.shape[0]):
         rows = slice(bounds[g], bounds[g + 1])
         pre[rows] = x32[rows] @ w32[g].t() + (0 if bias is None else bias[g].float())
-    act = None if activation is None else ACTIVATIONS[activation](pre).to(out_dtype)
+    act = None if activation is None else activation_math(activation, pre, probs, limit, alpha).to(out_dtype)
     return with_act_amax((pre.to(out_dtype), act), offsets, act_amax)
 
 
@@ -1039,3 +1038,61 @@ def test_gathered_weight_gradient_runs_after_the_permute_backward(sm90_stand_ins
     y.backward(torch.randn_like(y))
     assert events == ["dgrad", "gather_sum", "wgrad"], events  # FC1's data gradient, the slot sum, then dW1
     assert seq[1].weight.grad is not None and seq[1].weight.grad.shape == seq[1].weight.shape
+
+
+def scatter_cast_rows_stand_in(x, rows, num_kept, power_2_scales=False):
+    """`moe_rows.scatter_cast_rows`' contract: each token's 1x128 cast (the torch quantizer)
+    written to its kept slots' rows, zeros (multiplier 1) at the others."""
+    q = quantize(x, Float8BlockScaling(power_2_scales=power_2_scales))
+    data = torch.zeros(rows.numel(), x.shape[1], dtype=torch.float8_e4m3fn)
+    scales = torch.ones(rows.numel(), q.rowwise_scale_inv.shape[1])
+    flat, kept = rows.reshape(-1).long(), (rows < num_kept).reshape(-1)
+    tokens = torch.arange(x.shape[0]).repeat_interleave(rows.shape[1])
+    data.view(torch.uint8)[flat[kept]] = q.rowwise_data.view(torch.uint8)[tokens[kept]]
+    scales[flat[kept]] = q.rowwise_scale_inv[tokens[kept]]
+    return data, scales
+
+
+@pytest.mark.parametrize("frozen_fc2_weight", [False, True])
+def test_fp8_layer_with_16_bit_weight_gradients_on_the_row_kernels(frozen_fc2_weight, sm90_stand_ins, monkeypatch):
+    """The FP8 MoE layer with `high_precision_wgrad` on the sm90 rules: each token cast once in the
+    dispatch and in the combine's backward, FC1's weight gradient reading x's rows by index, FC2's
+    on dy's 16-bit expert rows (its bias too; none made when neither reads them), no FP8 weight
+    gradient and no column copy; within the torch backend's tolerance."""
+    import te_fused_ops.backends.sm90.moe as sm90_moe
+    from te_fused_ops import Permute, Unpermute
+
+    monkeypatch.setattr(sm90_moe, "scatter_rows", kernel_contract(scatter_rows_stand_in))
+    monkeypatch.setattr(sm90_moe, "gather_sum", kernel_contract(gather_sum_stand_in))
+    monkeypatch.setattr(sm90_moe, "scatter_cast_rows", kernel_contract(scatter_cast_rows_stand_in))
+    torch.manual_seed(0)
+    recipe = Float8BlockScaling(high_precision_wgrad=True)
+    fc2 = GroupedLinear(G, I, H, bias=True, dtype=torch.bfloat16)
+    fc2.weight.requires_grad_(not frozen_fc2_weight)
+    seq = Sequential(Permute(G), Quantize(recipe), GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), ScaledSwiGLU(),
+                     Quantize(recipe), Transpose(), fc2, Unpermute())
+    tokens, k = 90, 3
+    x = torch.randn(tokens, H, dtype=torch.bfloat16, requires_grad=True)
+    indices = torch.randint(0, G, (tokens, k))
+    indices[::7, 1] = -1
+    probs = torch.rand(tokens, k, requires_grad=True)
+    dy = torch.randn(tokens, H, dtype=torch.bfloat16)
+    text = seq.explain(x, indices=indices, probs=probs)
+    assert "[0:2] Permute, Quantize -> rule 'permute+quantize' (backend sm90)" in text, text
+    assert "rule 'grouped_linear+dactivation+grouped_linear+unpermute' (backend sm90)" in text, text
+
+    def run():
+        leaves = (x, probs, *(p for p in seq.parameters() if p.requires_grad))
+        for t in leaves:
+            t.grad = None
+        for calls in (SCATTERS, GATHERED_WGRADS, COLUMN_CASTS, WGRAD_FP8_CALLS):
+            calls.clear()
+        seq(x, indices=indices, probs=probs).backward(dy)
+        return [t.grad.clone() for t in leaves]
+
+    got = run()
+    assert GATHERED_WGRADS == [(tokens, H)] and COLUMN_CASTS == [] and WGRAD_FP8_CALLS == []
+    assert SCATTERS == [(tokens, H)]  # dy's 16-bit rows for FC2's weight and bias gradients
+    monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
+    for name, a, b in zip(("dx", "dprobs", "dW1", "dW2 or db2", "db2"), got, run()):
+        assert ref.rel_err(a, b) <= 5e-2, name

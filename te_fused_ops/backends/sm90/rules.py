@@ -344,17 +344,17 @@ def _supports_with_fc1(ops, info):
 
 
 @SM90.implement("grouped_linear+dactivation+grouped_linear", supports=_supports_with_fc1)
-def _grouped_linear_dactivation_grouped_linear(ops, ctxs, dy, dy_casts=None):
+def _grouped_linear_dactivation_grouped_linear(ops, ctxs, dy, dy_casts=None, dy_rows16=None):
     """fp8_current: `_dact_fp8` with d_pre's amax from its epilogue, then FC1's backward
     (`linear_backward`), whose cast of d_pre takes that amax. fp8_blockwise: d_pre cast in the
     kernel's epilogue, FC1's FP8 data and weight gradients on those copies (the unfused order
     where FC1's weight gradient does not run in FP8, or dy arrives quantized). ``dy_casts``: FC2's
-    copies of dy made already (`_dact_fp8`); dy then gives only the dtype, or with FC2's
-    `high_precision_wgrad` the 16-bit expert rows its weight gradient reads."""
+    copies of dy made already (`_dact_fp8`); dy then gives only the dtype, and ``dy_rows16`` the
+    16-bit expert rows FC2's `high_precision_wgrad` weight and bias gradients read (None: none)."""
     fc1, fc1_ctx = ops[0], ctxs[0]
     recipe = fc1_ctx.saved.recipe
     dtype = dy.dtype
-    fc2_dy = dy if dy_casts is None or high_precision_wgrad(ctxs[2].saved.recipe) else None
+    fc2_dy = dy if dy_casts is None else dy_rows16
     if isinstance(recipe, Float8CurrentScaling):
         d_pre, grads, amax_parts = _dact_fp8(ops[1:], ctxs[1:], fc2_dy, d_pre_amax=True, dy_casts=dy_casts)
         dx, fc1_grads = linear_backward(fc1, fc1_ctx, d_pre, amax_parts)
@@ -397,13 +397,16 @@ def _experts_and_combine_backward(ops, ctxs, dy):
     hp_wgrad = isinstance(recipe, Float8BlockScaling) and recipe.high_precision_wgrad
     x = fc2_ctx.load_input() if fc2_ctx.needs_grad("weight") and not hp_wgrad else None
     dy_casts = None
-    if hp_wgrad and fc2_ctx.needs_grad("weight"):
-        # the E4M3 rows for FC2's data gradient cast in the scatter, the 16-bit ones for its weight gradient
+    if hp_wgrad:
+        # the E4M3 rows for FC2's data gradient cast in the scatter, the 16-bit ones (where its
+        # weight or bias gradient reads them) moved beside
         dy_casts = combine_backward_cast(combine_ctx, dy, recipe, fc2_ctx.side["offsets"], columns=False)
         if dy_casts is not None:
-            dy_rows, combine_grads = unpermute_backward(ops[3:], ctxs[3:], dy)
-            dx, grads = _grouped_linear_dactivation_grouped_linear(ops[:3], ctxs[:3], dy_rows, dy_casts)
-            return dx, [*grads, *combine_grads]
+            rows16 = None
+            if fc2_ctx.needs_grad("weight") or fc2_ctx.needs_grad("bias"):
+                rows16 = unpermute_backward(ops[3:], ctxs[3:], dy)[0]
+            dx, grads = _grouped_linear_dactivation_grouped_linear(ops[:3], ctxs[:3], dy, dy_casts, rows16)
+            return dx, [*grads, {}]
     elif isinstance(recipe, Float8BlockScaling) and (x is None or fp8_wgrad_applies(fc2_ctx, recipe, x)):
         dy_casts = combine_backward_cast(combine_ctx, dy, recipe, fc2_ctx.side["offsets"], columns=x is not None)
     if dy_casts is None:
