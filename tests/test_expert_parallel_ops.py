@@ -231,13 +231,18 @@ def test_expert_parallel_layer_under_compile_checkpointing_and_a_router(chunks, 
     spawn(_compile_worker, (str(tmp_path / "init"), chunks), WORLD)
 
 
-def _fp8_worker(rank, init_file, chunks):
+def _fp8_worker(rank, init_file, chunks, wgrad16=False):
     """The FP8 payload: each token cast once and sent as E4M3 rows + scales; the layer equals the
-    single-process layer that casts after permuting (the 1x128 blocks are row-local)."""
+    single-process layer that casts after permuting (the 1x128 blocks are row-local). With 16-bit
+    weight gradients (``wgrad16``) the 16-bit rows travel instead and are cast on arrival (the
+    weight gradient reads them)."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         from te_fused_ops import GroupedLinear, Permute, Quantize, Sequential, SwiGLU, Unpermute
         from te_fused_ops import routing as rows
+        from te_fused_ops.quantization import Float8BlockScaling
+
+        recipe = Float8BlockScaling(high_precision_wgrad=wgrad16)
 
         local, group = E // WORLD, dist.group.WORLD
         fc1, fc2 = GroupedLinear(local, H * 8, 2 * I), GroupedLinear(local, I, H * 8)
@@ -249,7 +254,7 @@ def _fp8_worker(rank, init_file, chunks):
             ref1.weight.copy_(w1), ref2.weight.copy_(w2)
             fc1.weight.copy_(w1[rank * local:(rank + 1) * local]), fc2.weight.copy_(w2[rank * local:(rank + 1) * local])
         layer = Sequential(Permute(E, group=group, capacity_factor=float(WORLD * chunks), chunks=chunks),
-                           Quantize("fp8_blockwise"), fc1, SwiGLU(), fc2, Unpermute(group=group))
+                           Quantize(recipe), fc1, SwiGLU(), fc2, Unpermute(group=group))
         inputs = []
         for r in range(WORLD):
             g = torch.Generator().manual_seed(300 + r)
@@ -266,13 +271,15 @@ def _fp8_worker(rank, init_file, chunks):
         finally:
             rows.all_to_all = real
         # the counts, then per chunk the E4M3 rows and their scales (no 16/32-bit rows), and the combine's rows
-        if chunks == 1:
+        if wgrad16:
+            assert torch.uint8 not in sent and sent[0] == torch.int64, sent
+        elif chunks == 1:
             assert sent == [torch.int64, torch.uint8, torch.float32, torch.float32], sent
         else:
             assert sent[0] == torch.int64 and sent.count(torch.uint8) == chunks and len(sent) == 1 + 3 * chunks, sent
         y.square().sum().backward()
 
-        reference = Sequential(Permute(E), Quantize("fp8_blockwise"), ref1, SwiGLU(), ref2, Unpermute())
+        reference = Sequential(Permute(E), Quantize(recipe), ref1, SwiGLU(), ref2, Unpermute())
         xs = torch.cat([i[0] for i in inputs]).requires_grad_(True)
         ry = reference(xs, indices=torch.cat([i[1] for i in inputs]), probs=torch.cat([i[2] for i in inputs]))
         ry.square().sum().backward()
@@ -285,9 +292,9 @@ def _fp8_worker(rank, init_file, chunks):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("chunks", [1, 3])
-def test_expert_parallel_fp8_payload_equals_casting_after_the_exchange(chunks, tmp_path):
-    spawn(_fp8_worker, (str(tmp_path / "init"), chunks), WORLD)
+@pytest.mark.parametrize("chunks,wgrad16", [(1, False), (3, False), (1, True), (3, True)])
+def test_expert_parallel_fp8_payload_equals_casting_after_the_exchange(chunks, wgrad16, tmp_path):
+    spawn(_fp8_worker, (str(tmp_path / "init"), chunks, wgrad16), WORLD)
 
 
 def train_router_beside_experts(rank, device, sizes, chunks=1):
