@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from spawn import spawn
 
+from te_fused_ops.quantization import Float8BlockScaling
+
 WORLD, STEPS, G, H, I, ROWS = 2, 20, 4, 16, 16, 24
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
@@ -56,7 +58,7 @@ def _worker(rank, init_file, recipe, reshard_after_forward):
         fully_shard(sharded, mesh=init_device_mesh("cpu", (WORLD,)), reshard_after_forward=reshard_after_forward)
         opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
         opt_ref = torch.optim.AdamW(unsharded.parameters(), lr=1e-2)
-        if recipe == "fp8_blockwise" and not reshard_after_forward:  # the weight copies kept per step
+        if recipe not in (None, "moe") and not reshard_after_forward:  # the weight copies kept per step
             import te_fused_ops as tfo
 
             tfo.cast_weights_once_per_step(opt, sharded)
@@ -87,6 +89,7 @@ def _worker(rank, init_file, recipe, reshard_after_forward):
 
 @pytest.mark.parametrize("recipe,reshard_after_forward", [
     (None, True), (None, False), ("fp8_blockwise", True), ("fp8_blockwise", False),
+    (Float8BlockScaling(high_precision_wgrad=True), False),
 ])
 def test_fully_shard_trains_like_unsharded_model(recipe, reshard_after_forward, tmp_path):
     # without resharding, the unsharded parameters keep their address and version across steps:
