@@ -394,7 +394,7 @@ def _experts_and_combine_backward(ops, ctxs, dy):
     combine's backward on the row kernels, then the three-op backward."""
     fc2_ctx, combine_ctx = ctxs[2], ctxs[3]
     recipe = fc2_ctx.saved.recipe
-    hp_wgrad = isinstance(recipe, Float8BlockScaling) and recipe.high_precision_wgrad
+    hp_wgrad = high_precision_wgrad(recipe)
     x = fc2_ctx.load_input() if fc2_ctx.needs_grad("weight") and not hp_wgrad else None
     dy_casts = None
     if hp_wgrad:
