@@ -148,6 +148,33 @@ def test_argument_errors():
                                     offsets, pre, activation="swiglu")
 
 
+@pytest.mark.parametrize("activation,tile_n,cluster_m", [("scaled_swiglu", 128, 2), ("scaled_swiglu", 256, 1),
+                                                        ("srelu", 256, 2)])
+def test_d_pre_written_over_pre(activation, tile_n, cluster_m):
+    """``out=pre`` (the FP8 layer's backward writes d_pre over the saved pre-activation): each tile
+    reads its pre before storing its d_pre there, groups ending inside tiles included, so d_pre and
+    d_probs are bit for bit those into a buffer of their own."""
+    splits = [130, 0, 67, 301, 2]
+    fp8, _, _, pre, probs = operands(splits, 500, 256, 320, activation, torch.bfloat16, 9)
+    offsets = offsets_from_splits(splits)
+    kw = dict(activation=activation, probs=probs, limit=LIMIT, alpha=ALPHA, tile_n=tile_n, cluster_m=cluster_m)
+    separate = grouped_dgrad_dact_fp8_sm90(*fp8, offsets, pre, **kw)
+    in_place = grouped_dgrad_dact_fp8_sm90(*fp8, offsets, pre, out=pre, **kw)
+    assert in_place[0].data_ptr() == pre.data_ptr()
+    for a, b in zip(separate, in_place):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_out_argument_errors():
+    name = "grouped_dgrad_dact_fp8_sm90"
+    fp8, _, _, pre, _ = operands([64, 64], 128, 256, 128, "swiglu", torch.bfloat16, 4)
+    offsets = offsets_from_splits([64, 64])
+    with pytest.raises(ValueError, match=f"{name}: out must have shape"):
+        grouped_dgrad_dact_fp8_sm90(*fp8, offsets, pre, activation="swiglu", out=pre[:, :128].contiguous())
+    with pytest.raises(TypeError, match=f"{name}: out has dtype"):
+        grouped_dgrad_dact_fp8_sm90(*fp8, offsets, pre, activation="swiglu", out=pre.half())
+
+
 def test_output_dtype_follows_pre_between_calls():
     """The memoized launch is keyed by pre's dtype (the output's): an fp16 call, then a bf16 call of
     the same shapes, each gets its own kernel (the bf16 one was once handed the fp16 kernel)."""

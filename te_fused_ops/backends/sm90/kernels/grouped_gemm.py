@@ -1162,7 +1162,7 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
 
 
 def grouped_dgrad_dact_fp8_sm90(
-    dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, activation, probs=None,
+    dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, activation, probs=None, out=None,
     tile_n=None, cluster_m=None, sm_margin=None, d_pre_amax=False, **constants,
 ):
     """`grouped_dgrad_dact_sm90` on block-scaled FP8 operands: h = dy_g @ W[g] in FP8, then dActivation.
@@ -1171,7 +1171,8 @@ def grouped_dgrad_dact_fp8_sm90(
     (G, I, H) float8_e4m3fn, FC2's weight (G, H, I) cast in 128x128 blocks and transposed per
     group (`block_quantize_sm90(..., transposed=True)`), with weight_t_scale_inv
     (G, ceil(I/128), ceil(H/128)); pre, probs, constants as for `grouped_dgrad_dact_sm90`, pre's
-    dtype (bf16/fp16) the output's. Returns (d_pre like pre, d_probs (M,) float32 for
+    dtype (bf16/fp16) the output's; ``out``: d_pre's buffer (pre itself allowed: each tile reads
+    its pre before it stores its d_pre there). Returns (d_pre like pre, d_probs (M,) float32 for
     scaled_swiglu else None); no act output. Rows >= offsets[G] are zero. H a multiple of 16; I of
     32 (GLU) or 8. tile_n (over I): 128 or 256 (each block's product in two 128-column halves);
     None: `tuning.fp8_dact_tile_n`. ``d_pre_amax``: also return d_pre's amax parts, as ``act_amax`` of
@@ -1180,7 +1181,7 @@ def grouped_dgrad_dact_fp8_sm90(
     """
     tvm_ffi = tvm_ffi_available()
     key = (
-        call_signature(tvm_ffi, dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, probs),
+        call_signature(tvm_ffi, dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, probs, out),
         _DACT_FP8, pre.dtype, activation, tile_n, cluster_m, sm_margin, d_pre_amax,
     )
     args = (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation, probs, cluster_m, sm_margin,
@@ -1188,6 +1189,7 @@ def grouped_dgrad_dact_fp8_sm90(
     launch = _MEMO.get(key)
     if launch is None:
         launch = _dact_fp8_launch(*args)
+        _check_d_pre_out(_DACT_FP8, out, pre)
         if tile_n is None and cluster_m is None and launch[0] is not None:
             m, (g, i, h) = dy.shape[0], weight_t.shape
             config = tuning.tuned_config(
@@ -1202,7 +1204,7 @@ def grouped_dgrad_dact_fp8_sm90(
                 launch = _dact_fp8_launch(*args)
         _MEMO.put(key, launch)
     fn, partial_shape, clusters, num_parts = launch
-    d_pre = torch.empty_like(pre)
+    d_pre = torch.empty_like(pre) if out is None else out
     d_probs_part = None if partial_shape is None else pre.new_empty(partial_shape, dtype=torch.float32)
     parts = _amax_parts(fn, num_parts, pre.device)
     _run(fn, tvm_ffi, _dact_fp8_launch, args,
@@ -1210,6 +1212,13 @@ def grouped_dgrad_dact_fp8_sm90(
          activation_constants(_DACT_FP8, constants), clusters)
     d_probs = None if d_probs_part is None else d_probs_part.sum(0)
     return (d_pre, d_probs) if parts is None else (d_pre, d_probs, parts)
+
+
+def _check_d_pre_out(name, out, pre):
+    """``out`` (None, or d_pre's buffer: pre's dtype, shape and device, contiguous rows)."""
+    if out is not None:
+        check_tensor(name, out, "out", pre.dtype, 2, pre.get_device())
+        _check_shape(name, out, "out", tuple(pre.shape))
 
 
 def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activation, probs, cluster_m, sm_margin,
