@@ -1096,3 +1096,102 @@ def test_fp8_layer_with_16_bit_weight_gradients_on_the_row_kernels(frozen_fc2_we
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
     for name, a, b in zip(("dx", "dprobs", "dW1", "dW2 or db2", "db2"), got, run()):
         assert ref.rel_err(a, b) <= 5e-2, name
+
+
+def _tensors(value):
+    """The tensors in a kernel's output (nested tuples, named tuples)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple):
+        return [t for part in value for t in _tensors(part)]
+    return []
+
+
+@pytest.mark.parametrize("gather", ["auto", "0"])  # FC1's weight gradient reading x by index, or recomputed rows
+@pytest.mark.parametrize("wgrad16", [True, False])
+def test_fp8_layer_frees_dy_copies_before_fc1_backward(wgrad16, gather, sm90_stand_ins, monkeypatch):
+    """FC2's copies of dy made in the combine's backward (the E4M3 rows and scales, the column
+    copy of FP8 weight gradients, the 16-bit rows of `high_precision_wgrad`) die with FC2's
+    backward: none is alive when FC1's data or weight gradient runs. With 16-bit weight gradients
+    on recomputed rows, FC1's weight gradient runs before its data gradient, so those rows never
+    meet dx."""
+    import weakref
+
+    import te_fused_ops.backends.sm90.linear as sm90_linear
+    import te_fused_ops.backends.sm90.moe as sm90_moe
+    from te_fused_ops import Permute, Unpermute
+
+    copies, events, state = [], [], {"recording": False}
+
+    def making(fn):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            if state["recording"]:
+                copies.extend(weakref.ref(t) for t in _tensors(out))
+            return out
+        return call
+
+    def logged(name, fn):
+        def call(*args, **kwargs):
+            if name == "wgrad":
+                state["recording"] = False  # the first is FC2's: every copy of dy is made by then
+            events.append((name, sum(ref() is not None for ref in copies)))
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(sm90_moe, "scatter_rows", making(kernel_contract(scatter_rows_stand_in)))
+    monkeypatch.setattr(sm90_moe, "gather_sum", kernel_contract(gather_sum_stand_in))
+    monkeypatch.setattr(sm90_moe, "scatter_cast_rows", making(kernel_contract(scatter_cast_rows_stand_in)))
+    monkeypatch.setattr(sm90_moe, "block_columns_sm90", making(kernel_contract(column_cast)))
+    for name in ("grouped_wgrad_sm90", "grouped_wgrad_gathered_sm90", "grouped_wgrad_fp8_sm90"):
+        monkeypatch.setattr(sm90_linear, name, logged("wgrad", getattr(sm90_linear, name)))
+    monkeypatch.setattr(sm90_linear, "grouped_gemm_fp8_sm90", logged("dgrad", sm90_linear.grouped_gemm_fp8_sm90))
+    monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", gather)
+    torch.manual_seed(0)
+    recipe = Float8BlockScaling(high_precision_wgrad=wgrad16)
+    seq = Sequential(Permute(G), Quantize(recipe), GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), ScaledSwiGLU(),
+                     Quantize(recipe), Transpose(), GroupedLinear(G, I, H, dtype=torch.bfloat16), Unpermute())
+    tokens = 90
+    x = torch.randn(tokens, H, dtype=torch.bfloat16, requires_grad=True)
+    indices, probs = torch.randint(0, G, (tokens, 3)), torch.rand(tokens, 3, requires_grad=True)
+    assert "rule 'grouped_linear+dactivation+grouped_linear+unpermute'" in seq.explain(x, indices=indices, probs=probs)
+    y = seq(x, indices=indices, probs=probs)
+    events.clear()
+    state["recording"] = True
+    y.backward(torch.randn_like(y))
+    assert len(copies) >= (3 if wgrad16 else 2), copies  # E4M3 rows, scales (and 16-bit rows or columns)
+    fc1 = events[1:]  # after FC2's weight gradient
+    assert sorted(name for name, _ in fc1) == ["dgrad", "wgrad"] and all(alive == 0 for _, alive in fc1), events
+    if wgrad16 and gather == "0":
+        assert [name for name, _ in fc1] == ["wgrad", "dgrad"], events
+    assert all(p.grad is not None for p in seq.parameters()) and x.grad is not None
+
+
+@pytest.mark.parametrize("recipe", [Float8BlockScaling(high_precision_wgrad=True), "fp8_current"])
+def test_fp8_d_pre_is_written_over_pre_unless_the_graph_is_kept(recipe, sm90_stand_ins, monkeypatch):
+    """The FP8 dActivation kernel whose d_pre leaves in 16 bits writes it over the saved
+    pre-activation when the backward frees the graph, as the bf16 one does; with retain_graph d_pre
+    gets a buffer of its own and the second backward equals the first."""
+    import te_fused_ops.backends.sm90.rules as dact_rule
+
+    outs = []
+    dgrad = dact_rule.grouped_dgrad_dact_fp8_sm90
+
+    def recording(*args, **kwargs):
+        outs.append(kwargs.get("out") is not None and kwargs["out"].data_ptr() == args[5].data_ptr())
+        return dgrad(*args, **kwargs)
+
+    monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_fp8_sm90", recording)
+    seq = fp8_mlp(recipe)
+    x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
+    once = step(seq, x, dy)
+    assert outs == [True]
+    for t in (x, *seq.parameters()):
+        t.grad = None
+    y = seq(x, split_sizes=SPLITS)
+    y.backward(dy, retain_graph=True)
+    y.backward(dy)
+    assert outs == [True, False, True]
+    for a, b in zip(once[1:], [x.grad, *(p.grad for p in seq.parameters())]):
+        torch.testing.assert_close(b, 2 * a, rtol=1e-2, atol=1e-2)

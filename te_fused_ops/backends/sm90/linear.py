@@ -325,8 +325,15 @@ def linear_backward(linear: GroupedLinear, ctx, dy, dy_amax_parts=None, x=None):
         if ctx.input_requires_grad:
             dx = grouped_gemm_sm90(dy, ctx.saved.weight.detach(), offsets, weight_layout="kn", sm_margin=sm_margin())[0]
         return dx, grads
-    if x is None and ctx.needs_grad("weight") and not high_precision_wgrad(recipe):
-        x = ctx.load_input()  # with a 16-bit weight gradient the kernel may read it by index instead
+    if high_precision_wgrad(recipe):
+        # the 16-bit weight gradient first (on x as given or as its kernel reads it, perhaps by
+        # index): a recomputed input is freed before dy's cast and dx are allocated
+        grads = linear_param_grads(ctx, dy, x)
+        if ctx.input_requires_grad:
+            dx = fp8_data_grad(ctx, fp8_grad_casts(ctx, dy, recipe, None, True, dy_amax_parts)[0], recipe, dy.dtype)
+        return dx, grads
+    if x is None and ctx.needs_grad("weight"):
+        x = ctx.load_input()
     dy_rows, dy_columns = fp8_grad_casts(ctx, dy, recipe, x, ctx.input_requires_grad, dy_amax_parts)
     if ctx.input_requires_grad:
         dx = fp8_data_grad(ctx, dy_rows, recipe, dy.dtype)

@@ -130,18 +130,23 @@ def _unpermute(ops, ctxs, y):
     return gather_sum(y.contiguous(), routing.slot_rows, routing.num_kept, weights=probs)
 
 
-def combine_backward_cast(ctx, dy, recipe, offsets, columns: bool):
-    """The combine's backward with the next GroupedLinear's 1x128 cast of dy in it: each token's
-    row of dy (T, H) cast once (all its expert rows are copies of it) and written with its scales
-    to the token's kept expert rows (`scatter_cast_rows`), and with ``columns`` the per-group
-    column-wise copy made from them (`block_columns_sm90` on E4M3 rows). ((data (M, H), multipliers
-    (M, ceil(H/128))), `BlockColumns` or None), as `fp8_grad_casts` returns them; None where it
-    does not apply (expert parallel, probabilities applied in the combine, rows the kernels do not
-    take): then the combine's backward runs as usual."""
+def combine_cast_applies(ctx, dy) -> bool:
+    """Whether the combine's backward can cast dy for the next GroupedLinear
+    (`combine_backward_cast`): one GPU, no probabilities applied in the combine, the combine's
+    input needing its gradient, rows the kernels take. Otherwise its backward runs as usual."""
     routing = ctx.side["routing"]
-    if (isinstance(routing, ExpertParallelRouting) or ctx.side.get("probs") is not None
-            or not ctx.input_requires_grad or dy.dim() != 2 or not _kernels_take(dy, routing)):
-        return None
+    return not (isinstance(routing, ExpertParallelRouting) or ctx.side.get("probs") is not None
+                or not ctx.input_requires_grad or dy.dim() != 2 or not _kernels_take(dy, routing))
+
+
+def combine_backward_cast(ctx, dy, recipe, offsets, columns: bool):
+    """The combine's backward with the next GroupedLinear's 1x128 cast of dy in it, where
+    `combine_cast_applies`: each token's row of dy (T, H) cast once (all its expert rows are
+    copies of it) and written with its scales to the token's kept expert rows
+    (`scatter_cast_rows`), and with ``columns`` the per-group column-wise copy made from them
+    (`block_columns_sm90` on E4M3 rows). ((data (M, H), multipliers (M, ceil(H/128))),
+    `BlockColumns` or None), as `fp8_grad_casts` returns them."""
+    routing = ctx.side["routing"]
     rows = scatter_cast_rows(dy.contiguous(), routing.slot_rows, routing.num_kept, recipe.power_2_scales)
     if not columns:
         return rows, None

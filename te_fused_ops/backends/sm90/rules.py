@@ -17,7 +17,7 @@ from ...fusion_rules.grouped_linear_activation import activation_after_linear
 from ...context import Recompute
 from ...quantization import Float8BlockScaling, Float8CurrentScaling, high_precision_wgrad, is_quantized
 from .backend import SM90, kernel_reason, sm_margin
-from .moe import combine_backward_cast, gather_tokens, permute_on_kernels, rows_supported_reason, unpermute_backward
+from .moe import combine_backward_cast, combine_cast_applies, gather_tokens, permute_on_kernels, rows_supported_reason, unpermute_backward
 from .kernels.grouped_gemm import (
     GATHER_K_MULTIPLE,
     grouped_gemm_gathered_sm90,
@@ -285,13 +285,15 @@ def _dact_bf16(ops, ctxs, dy):
 
 
 def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool = False, d_pre_recipe=None, dy_casts=None):
-    """One kernel: d_pre = act'(pre) * (dy @ W[g]) on FP8 operands (the forward's recipe); then
-    the weight gradient (`fp8_grad_casts`: FP8 for fp8_blockwise, else bf16 on the dequantized
-    input). A quantized dy takes the reference. ``dy_casts``: dy's copies made already, as
-    `fp8_grad_casts` makes them (dy None then; the weight gradient must then run in FP8). Returns
-    (d_pre, grads, d_pre's amax parts with ``d_pre_amax``, else None); with ``d_pre_recipe`` (a
-    Float8BlockScaling) d_pre is ((row data, row multipliers), `BlockColumns`), cast in the
-    kernel's epilogue."""
+    """One kernel: d_pre = act'(pre) * (dy @ W[g]) on FP8 operands (the forward's recipe),
+    written over pre where the forward made pre for this backward alone; then the weight gradient
+    (`fp8_grad_casts`: FP8 for fp8_blockwise, else bf16 on the dequantized input). A quantized dy
+    takes the reference. ``dy_casts``: a `Recompute` making dy's copies as `fp8_grad_casts` makes
+    them (the weight gradient must then run in FP8, or on dy: None, or a `Recompute` of the 16-bit
+    rows made after the kernel); called here, so the copies live only while this backward runs.
+    Returns (d_pre, grads, d_pre's amax parts with ``d_pre_amax``, else None); with
+    ``d_pre_recipe`` (a Float8BlockScaling) d_pre is ((row data, row multipliers),
+    `BlockColumns`), cast in the kernel's epilogue."""
     act, _ = ops
     act_ctx, linear_ctx = ctxs
     if dy_casts is None:
@@ -299,17 +301,22 @@ def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool = False, d_pre_recipe=None, dy_cas
             return (*backward_reference(ops, ctxs, dy), None)
         dy = dy.contiguous()
     recipe = linear_ctx.saved.recipe
+    # loaded before the kernel: an act recomputed from pre must be made before d_pre takes pre's place
     x = linear_ctx.load_input() if linear_ctx.needs_grad("weight") else None
-    dy_rows, dy_columns = dy_casts or fp8_grad_casts(linear_ctx, dy, recipe, x, True)
+    dy_rows, dy_columns = dy_casts() if dy_casts is not None else fp8_grad_casts(linear_ctx, dy, recipe, x, True)
     pre = act_ctx.load_input()
     operands = (*fp8_dgrad_operands(linear_ctx, dy_rows, recipe), linear_ctx.side["offsets"], pre)
     kwargs = dict(activation=act.kernel_name, sm_margin=sm_margin(), **epilogue_args(act, act_ctx))
     if d_pre_recipe is None:
-        outputs = grouped_dgrad_dact_fp8_sm90(*operands, d_pre_amax=d_pre_amax, **kwargs)
+        outputs = grouped_dgrad_dact_fp8_sm90(*operands, d_pre_amax=d_pre_amax,
+                                              out=pre if act_ctx.input_overwritable() else None, **kwargs)
     else:
         rows, columns, d_probs = grouped_dgrad_dact_quant_fp8_sm90(
             *operands, power_2_scales=d_pre_recipe.power_2_scales, **kwargs)
         outputs = ((rows, columns), d_probs)
+    del operands, dy_rows  # dy's E4M3 rows are read by the kernel alone
+    if isinstance(dy, Recompute):
+        dy = dy()
     grads = [_act_grads(act_ctx, outputs[1]),
              quantized_input_param_grads(linear_ctx, dy, x, dy_columns, out_dtype=pre.dtype)]
     return outputs[0], grads, outputs[2] if d_pre_amax else None
@@ -348,9 +355,11 @@ def _grouped_linear_dactivation_grouped_linear(ops, ctxs, dy, dy_casts=None, dy_
     """fp8_current: `_dact_fp8` with d_pre's amax from its epilogue, then FC1's backward
     (`linear_backward`), whose cast of d_pre takes that amax. fp8_blockwise: d_pre cast in the
     kernel's epilogue, FC1's FP8 data and weight gradients on those copies (the unfused order
-    where FC1's weight gradient does not run in FP8, or dy arrives quantized). ``dy_casts``: FC2's
-    copies of dy made already (`_dact_fp8`); dy then gives only the dtype, and ``dy_rows16`` the
-    16-bit expert rows FC2's `high_precision_wgrad` weight and bias gradients read (None: none)."""
+    where FC1's weight gradient does not run in FP8, or dy arrives quantized). ``dy_casts``: a
+    `Recompute` of FC2's copies of dy (`_dact_fp8`); dy then gives only the dtype, and
+    ``dy_rows16`` (a `Recompute`) the 16-bit expert rows FC2's `high_precision_wgrad` weight and
+    bias gradients read (None: none). Both are made inside FC2's backward and freed after it,
+    before FC1's backward allocates."""
     fc1, fc1_ctx = ops[0], ctxs[0]
     recipe = fc1_ctx.saved.recipe
     dtype = dy.dtype
@@ -393,25 +402,28 @@ def _experts_and_combine_backward(ops, ctxs, dy):
     from them), then the three-op backward on those copies; where that cast does not apply, the
     combine's backward on the row kernels, then the three-op backward."""
     fc2_ctx, combine_ctx = ctxs[2], ctxs[3]
-    recipe = fc2_ctx.saved.recipe
-    hp_wgrad = high_precision_wgrad(recipe)
-    x = fc2_ctx.load_input() if fc2_ctx.needs_grad("weight") and not hp_wgrad else None
-    dy_casts = None
-    if hp_wgrad:
-        # the E4M3 rows for FC2's data gradient cast in the scatter, the 16-bit ones (where its
-        # weight or bias gradient reads them) moved beside
-        dy_casts = combine_backward_cast(combine_ctx, dy, recipe, fc2_ctx.side["offsets"], columns=False)
-        if dy_casts is not None:
+    recipe, offsets = fc2_ctx.saved.recipe, fc2_ctx.side["offsets"]
+    if combine_cast_applies(combine_ctx, dy):
+        # dy's copies made where FC2's backward reads them (`_dact_fp8`), so none outlives it
+        if high_precision_wgrad(recipe):
+            # the E4M3 rows for FC2's data gradient cast in the scatter, the 16-bit ones (where its
+            # weight or bias gradient reads them) moved beside
+            dy_casts = Recompute(combine_backward_cast, combine_ctx, dy, recipe, offsets, False)
             rows16 = None
             if fc2_ctx.needs_grad("weight") or fc2_ctx.needs_grad("bias"):
-                rows16 = unpermute_backward(ops[3:], ctxs[3:], dy)[0]
+                rows16 = Recompute(_expert_rows, ops[3:], ctxs[3:], dy)
             dx, grads = _grouped_linear_dactivation_grouped_linear(ops[:3], ctxs[:3], dy, dy_casts, rows16)
             return dx, [*grads, {}]
-    elif isinstance(recipe, Float8BlockScaling) and (x is None or fp8_wgrad_applies(fc2_ctx, recipe, x)):
-        dy_casts = combine_backward_cast(combine_ctx, dy, recipe, fc2_ctx.side["offsets"], columns=x is not None)
-    if dy_casts is None:
-        dy_rows, combine_grads = unpermute_backward(ops[3:], ctxs[3:], dy)
-        dx, grads = _grouped_linear_dactivation_grouped_linear(ops[:3], ctxs[:3], dy_rows)
-        return dx, [*grads, *combine_grads]
-    dx, grads = _grouped_linear_dactivation_grouped_linear(ops[:3], ctxs[:3], dy, dy_casts)
-    return dx, [*grads, {}]
+        x = fc2_ctx.load_input() if fc2_ctx.needs_grad("weight") else None
+        if isinstance(recipe, Float8BlockScaling) and (x is None or fp8_wgrad_applies(fc2_ctx, recipe, x)):
+            dy_casts = Recompute(combine_backward_cast, combine_ctx, dy, recipe, offsets, x is not None)
+            dx, grads = _grouped_linear_dactivation_grouped_linear(ops[:3], ctxs[:3], dy, dy_casts)
+            return dx, [*grads, {}]
+    dy_rows, combine_grads = unpermute_backward(ops[3:], ctxs[3:], dy)
+    dx, grads = _grouped_linear_dactivation_grouped_linear(ops[:3], ctxs[:3], dy_rows)
+    return dx, [*grads, *combine_grads]
+
+
+def _expert_rows(ops, ctxs, dy):
+    """The combine's backward: dy's expert rows (`unpermute_backward`)."""
+    return unpermute_backward(ops, ctxs, dy)[0]
