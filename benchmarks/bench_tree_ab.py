@@ -5,7 +5,9 @@ Per shape (qwen3-30b-a3b, gptoss-120b-ep4): the bf16 grouped-MLP training step (
 fused Sequential and plain-torch reference, gradients checked against each other) and the MoE layer
 step (`bench_moe_layer`'s a, c and c-fp8-4mb, checked against a); part ``kernels``: the layer's four
 varlen-M GEMMs alone at their cooperative configuration (no plain-torch contender: compare the two
-builds' times, run alternately on one machine). Prints one ``RESULT {json}`` line.
+builds' times, run alternately on one machine). With ``--memory`` also each layer contender's peak
+MiB above a step's start over four consecutive steps (min: a micro-batch reusing the weight copies;
+max: the one casting them). Prints one ``RESULT {json}`` line.
 
     PYTHONPATH=/path/to/build_a python benchmarks/bench_tree_ab.py a
     PYTHONPATH=/path/to/build_b python benchmarks/bench_tree_ab.py b     # then a, b again
@@ -14,6 +16,7 @@ builds' times, run alternately on one machine). Prints one ``RESULT {json}`` lin
     python benchmarks/bench_tree_ab.py a --shapes dsv3-ep8   # other shapes (default: qwen3, gpt-oss)
     python benchmarks/bench_tree_ab.py a --parts layer --contenders c   # a and c only
     python benchmarks/bench_tree_ab.py a --parts kernels --shapes qwen3-30b-a3b,dsv3-ep8
+    python benchmarks/bench_tree_ab.py a --parts layer --contenders c,c-fp8-4mb,c-fp8w16-4mb --memory
 """
 
 import argparse
@@ -28,7 +31,7 @@ if __name__ == "__main__":
 import bench_moe_layer
 import bench_train_step
 import torch
-from common import rotated_medians, sustained_ms
+from common import live_at_peak, rotated_medians, sustained_ms
 
 import te_fused_ops
 
@@ -107,6 +110,7 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of bench_moe_layer.SHAPES")
     ap.add_argument("--contenders", default=",".join(LAYER_CONTENDERS),
                     help="comma-separated layer contenders besides a (default: c, c-fp8-4mb)")
+    ap.add_argument("--memory", action="store_true", help="also the layer contenders' peak MiB (min, max of 4 steps)")
     args = ap.parse_args()
     layer = functools.partial(layer_steps, contenders=tuple(args.contenders.split(",")))
     result = {"tag": args.tag, "package": te_fused_ops.__file__}
@@ -121,6 +125,10 @@ def main():
                 result[f"{kind} {name}"] = {**ms, **{f"{label} vs {base}": ms[base] / ms[label]
                                                      for label in ms if base is not None and label != base}}
                 print(args.tag, kind, name, result[f"{kind} {name}"], flush=True)
+            if args.memory and kind == "layer":
+                peaks = {label: [live_at_peak(step)[0] for _ in range(4)] for label, step in steps.items()}
+                result[f"peak MiB {name}"] = {label: (min(p), max(p)) for label, p in peaks.items()}
+                print(args.tag, "peak MiB", name, result[f"peak MiB {name}"], flush=True)
             del steps
             torch.cuda.empty_cache()
     print("RESULT " + json.dumps(result), flush=True)
