@@ -780,16 +780,18 @@ def scatter_rows_stand_in(x, rows, num_kept, out=None, scale=None, y=None, dot_o
     if scale is not None:
         values = values * scale.reshape(-1, 1).float()
     result = torch.zeros(num_rows or tokens * k, x.shape[1], dtype=x.dtype) if out is None else out.zero_()
-    result[flat] = torch.where(kept[:, None], values, 0).to(x.dtype)
+    inside = flat < result.shape[0]  # a dropped slot's id may lie past the rows (expert parallel)
+    result[flat[inside]] = torch.where(kept[:, None], values, 0)[inside].to(x.dtype)
     if dot_out is not None:
-        dots = (x.float().repeat_interleave(k, 0) * y[flat].float()).sum(1)
+        dots = (x.float().repeat_interleave(k, 0) * y[flat.clamp(0, y.shape[0] - 1)].float()).sum(1)
         dot_out.copy_(torch.where(kept, dots, 0).view(tokens, k))
     return result
 
 
 def gather_sum_stand_in(src, rows, num_kept, out=None, weights=None):
-    """`moe_rows.gather_sum`'s contract: each token's kept rows summed in float32 (weighted)."""
-    picked = src.float()[rows.long()]
+    """`moe_rows.gather_sum`'s contract: each token's kept rows summed in float32 (weighted); a
+    dropped slot's row id may lie past src's rows (it is never read)."""
+    picked = src.float()[rows.long().clamp(0, max(src.shape[0] - 1, 0))]
     factor = (rows < num_kept).float() * (1.0 if weights is None else weights.float())
     return (picked * factor[..., None]).sum(1).to(src.dtype)
 
@@ -1195,3 +1197,51 @@ def test_fp8_d_pre_is_written_over_pre_unless_the_graph_is_kept(recipe, sm90_sta
     assert outs == [True, False, True]
     for a, b in zip(once[1:], [x.grad, *(p.grad for p in seq.parameters())]):
         torch.testing.assert_close(b, 2 * a, rtol=1e-2, atol=1e-2)
+
+
+def test_expert_parallel_16_bit_rows_are_cast_on_the_cast_kernel(sm90_stand_ins, monkeypatch, tmp_path):
+    """Expert parallel (a gloo group of one process) with `high_precision_wgrad`: the 16-bit rows
+    that arrive are cast on the cast kernel (stood in), not by the torch quantizer, and keep those
+    rows as their source; the layer equals the torch backend's."""
+    import torch.distributed as dist
+
+    import te_fused_ops.backends.sm90.moe as sm90_moe
+    from te_fused_ops import Permute, Unpermute
+
+    casts = []
+
+    def recorded_cast(x, block_rows, power_2_scales=False, transposed=False):
+        casts.append((tuple(x.shape), block_rows))
+        return block_cast(x, block_rows, power_2_scales, transposed)
+
+    monkeypatch.setattr(sm90_moe, "scatter_rows", kernel_contract(scatter_rows_stand_in))
+    monkeypatch.setattr(sm90_moe, "gather_sum", kernel_contract(gather_sum_stand_in))
+    monkeypatch.setattr(sm90_moe, "block_quantize_sm90", kernel_contract(recorded_cast))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        hidden = 512  # whole 16-byte vectors of E4M3 rows and scales travel (the kernels' condition)
+        recipe = Float8BlockScaling(high_precision_wgrad=True)
+        seq = Sequential(Permute(G, group=dist.group.WORLD, capacity_factor=1.0), Quantize(recipe),
+                         GroupedLinear(G, hidden, 2 * I, dtype=torch.bfloat16), SwiGLU(),
+                         GroupedLinear(G, I, hidden, dtype=torch.bfloat16), Unpermute(group=dist.group.WORLD))
+        tokens = 64
+        x = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+        indices, probs = torch.randint(-1, G, (tokens, 2)), torch.rand(tokens, 2)
+        assert "[0:2] Permute, Quantize -> rule 'permute+quantize' (backend sm90)" in seq.explain(
+            x, indices=indices, probs=probs)
+
+        def run():
+            for t in (x, *seq.parameters()):
+                t.grad = None
+            casts.clear()
+            seq(x, indices=indices, probs=probs).float().square().sum().backward()
+            return [x.grad, *(p.grad for p in seq.parameters())]
+
+        got = run()
+        assert casts and casts[0] == ((tokens * 2, hidden), 1), casts  # the rows that arrived, 1x128 blocks
+        monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
+        for a, b in zip(got, run()):
+            assert ref.rel_err(a, b) <= 2e-2
+    finally:
+        dist.destroy_process_group()

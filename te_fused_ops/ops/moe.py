@@ -222,7 +222,8 @@ class Permute(BasicOp):
     def op_forward(self, ctx: OpContext, x) -> torch.Tensor:
         return self.forward_rows(ctx, x, rows.scatter_rows)
 
-    def forward_cast_rows(self, ctx: OpContext, x, fmt, cast_rows=None, scatter=rows.scatter_rows) -> QuantizedTensor:
+    def forward_cast_rows(self, ctx: OpContext, x, fmt, cast_rows=None, scatter=rows.scatter_rows,
+                          cast_sent=None) -> QuantizedTensor:
         """The permute with a 1x128 row-block cast (``fmt``, the folded Quantize) after it: each
         token is cast once (T rows, not T * k) and its E4M3 row and scales move instead of the
         16-bit row (about half the bytes): to the expert-ordered rows, or with a group to the
@@ -232,15 +233,16 @@ class Permute(BasicOp):
         default: `quantize`, then the torch movers). With the recipe's `high_precision_wgrad` the
         16-bit rows are the output's ``source``: on one GPU the permute's recompute (``scatter``,
         as `forward_rows` takes it; never written in the forward), with a group the 16-bit rows
-        sent, then cast."""
+        sent, then cast by ``cast_sent(rows, recipe, offsets)`` ((data, scales) of the rows that
+        arrived; a backend's cast kernel, default `quantize`)."""
         routing = ctx.side["routing"]
         expert_parallel = isinstance(routing, rows.ExpertParallelRouting)
         hp_wgrad = high_precision_wgrad(fmt.recipe)
         if hp_wgrad and expert_parallel:
             sent = self.forward_rows(ctx, x, scatter)
-            made = quantize(sent, fmt.recipe, rowwise=True, offsets=fmt.offsets)
-            made.source = sent
-            return made
+            data, scale_inv = (cast_sent or _quantize_rows)(sent, fmt.recipe, fmt.offsets)
+            return QuantizedTensor(sent.shape, x.dtype, x.device, recipe=fmt.recipe, role="activation",
+                                   rowwise_data=data, rowwise_scale_inv=scale_inv, offsets=fmt.offsets, source=sent)
         check_tokens("Permute", x, routing.tokens if expert_parallel else routing.slot_rows.shape[0], "tokens, hidden")
         data, scale_inv = (cast_rows or _cast_then_move)(x, fmt.recipe, routing)
         source = None
@@ -256,6 +258,12 @@ class Permute(BasicOp):
         if isinstance(routing, rows.ExpertParallelRouting):
             return routing.sum_send_rows(routing.exchange_back(rows.gather_sum(dy, routing))), {}
         return rows.gather_sum(dy, routing), {}
+
+
+def _quantize_rows(x, recipe, offsets):
+    """`Permute.forward_cast_rows`' torch cast of the rows that arrived: (data, scales)."""
+    made = quantize(x, recipe, rowwise=True, offsets=offsets)
+    return made.rowwise_data, made.rowwise_scale_inv
 
 
 def _cast_then_move(x, recipe, routing):

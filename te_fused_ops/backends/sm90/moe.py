@@ -195,6 +195,12 @@ def _cast_rows(x: torch.Tensor, recipe, routing: Routing):
     return _moved_as_half(data, routing), _moved_as_half(scales, routing)
 
 
+def _cast_sent(rows: torch.Tensor, recipe, offsets):
+    """The 16-bit rows that arrived (expert parallel, `high_precision_wgrad`) cast in 1x128 blocks
+    on the cast kernel: (data, scales)."""
+    return block_quantize_sm90(rows.contiguous(), 1, recipe.power_2_scales)
+
+
 @SM90.implement("permute+quantize", supports=rows_supported_reason)
 def _permute_cast(ops, ctxs, x):
     """The FP8 dispatch on the row kernels (`_cast_rows`)."""
@@ -204,6 +210,6 @@ def _permute_cast(ops, ctxs, x):
     whole_vectors = hidden % 512 == 0 if isinstance(routing, ExpertParallelRouting) else hidden > 0
     if not whole_vectors or not _kernels_take(x, routing):  # the E4M3 rows and scales as 16-byte vectors
         return op.forward_cast_rows(ctx, x, ctx.output_format)
-    return op.forward_cast_rows(ctx, x, ctx.output_format, _cast_rows, permuted_rows)
+    return op.forward_cast_rows(ctx, x, ctx.output_format, _cast_rows, permuted_rows, _cast_sent)
 
 
