@@ -200,7 +200,7 @@ def test_combine_backward_casts_each_token_once(hidden):
     from types import SimpleNamespace
 
     from te_fused_ops.backends.sm90.kernels.block_quantize import block_quantize_sm90
-    from te_fused_ops.backends.sm90.moe import combine_backward_cast, permuted_rows
+    from te_fused_ops.backends.sm90.moe import combine_backward_cast, combine_cast_applies, permuted_rows
     from te_fused_ops.quantization import Float8BlockScaling
     from te_fused_ops.routing import route
 
@@ -208,6 +208,7 @@ def test_combine_backward_casts_each_token_once(hidden):
     dy = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
     route_ = route(indices, E)
     ctx = SimpleNamespace(side={"routing": route_}, input_requires_grad=True)
+    assert combine_cast_applies(ctx, dy)
     (data, scales), columns = combine_backward_cast(ctx, dy, Float8BlockScaling(), route_.offsets, columns=True)
     want_data, want_scales = block_quantize_sm90(permuted_rows(dy, route_), 1, False)
     kept = int((indices >= 0).sum())
@@ -215,7 +216,7 @@ def test_combine_backward_casts_each_token_once(hidden):
     assert torch.equal(scales[:kept], want_scales[:kept])
     assert columns is not None
     ctx.side["probs"] = torch.ones(T, K, device="cuda")  # the combine weights the slots: no cast there
-    assert combine_backward_cast(ctx, dy, Float8BlockScaling(), route_.offsets, columns=True) is None
+    assert not combine_cast_applies(ctx, dy)
 
 
 def test_out_of_range_ids_are_dropped_slots_on_cuda():
