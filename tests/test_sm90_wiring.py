@@ -342,6 +342,25 @@ def test_bf16_plan_glue_matches_the_torch_backend(act, sm90_stand_ins, monkeypat
     assert torch.all(got[0][SPLITS.sum():] == 0)
 
 
+def _check_in_place_unless_retained(seq, outs) -> torch.Tensor:
+    """One step of ``seq`` records d_pre written over pre in ``outs`` (the dActivation's recorder);
+    a retain_graph backward then gets a buffer of its own, the second backward pre's place, and the
+    two sum to twice the step's gradients. Returns the dy used."""
+    x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
+    once = step(seq, x, dy)
+    assert outs == [True]
+    for t in (x, *seq.parameters()):
+        t.grad = None
+    y = seq(x, split_sizes=SPLITS)
+    y.backward(dy, retain_graph=True)
+    y.backward(dy)
+    assert outs == [True, False, True]
+    for a, b in zip(once[1:], [x.grad, *(p.grad for p in seq.parameters())]):
+        torch.testing.assert_close(b, 2 * a, rtol=1e-2, atol=1e-2)
+    return dy
+
+
 def test_d_pre_is_written_over_pre_unless_the_graph_is_kept(sm90_stand_ins, monkeypatch):
     """The dActivation kernel writes d_pre over the saved pre-activation (FC1's output, private to
     the call) when the backward frees the graph; with retain_graph it gets a buffer of its own, so a
@@ -359,18 +378,7 @@ def test_d_pre_is_written_over_pre_unless_the_graph_is_kept(sm90_stand_ins, monk
     torch.manual_seed(0)
     seq = Sequential(GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), SwiGLU(),
                      GroupedLinear(G, I, H, dtype=torch.bfloat16))
-    x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
-    once = step(seq, x, dy)
-    assert outs == [True]
-    for t in (x, *seq.parameters()):
-        t.grad = None
-    y = seq(x, split_sizes=SPLITS)
-    y.backward(dy, retain_graph=True)
-    y.backward(dy)
-    assert outs == [True, False, True]
-    for a, b in zip(once[1:], [x.grad, *(p.grad for p in seq.parameters())]):
-        torch.testing.assert_close(b, 2 * a, rtol=1e-2, atol=1e-2)
+    dy = _check_in_place_unless_retained(seq, outs)
 
     tail = Sequential(SwiGLU(), GroupedLinear(G, I, H, dtype=torch.bfloat16))
     pre = torch.randn(ROWS, 2 * I, dtype=torch.bfloat16, requires_grad=True)
@@ -1185,18 +1193,7 @@ def test_fp8_d_pre_is_written_over_pre_unless_the_graph_is_kept(recipe, sm90_sta
 
     monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_fp8_sm90", recording)
     seq = fp8_mlp(recipe)
-    x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
-    once = step(seq, x, dy)
-    assert outs == [True]
-    for t in (x, *seq.parameters()):
-        t.grad = None
-    y = seq(x, split_sizes=SPLITS)
-    y.backward(dy, retain_graph=True)
-    y.backward(dy)
-    assert outs == [True, False, True]
-    for a, b in zip(once[1:], [x.grad, *(p.grad for p in seq.parameters())]):
-        torch.testing.assert_close(b, 2 * a, rtol=1e-2, atol=1e-2)
+    _check_in_place_unless_retained(seq, outs)
 
 
 def test_expert_parallel_16_bit_rows_are_cast_on_the_cast_kernel(sm90_stand_ins, monkeypatch, tmp_path):
