@@ -17,7 +17,14 @@ from ...fusion_rules.grouped_linear_activation import activation_after_linear
 from ...context import Recompute
 from ...quantization import Float8BlockScaling, Float8CurrentScaling, high_precision_wgrad, is_quantized
 from .backend import SM90, kernel_reason, sm_margin
-from .moe import combine_backward_cast, combine_cast_applies, gather_tokens, permute_on_kernels, rows_supported_reason, unpermute_backward
+from .moe import (
+    combine_backward_cast,
+    combine_cast_applies,
+    gather_tokens,
+    permute_on_kernels,
+    rows_supported_reason,
+    unpermute_backward,
+)
 from .kernels.grouped_gemm import (
     GATHER_K_MULTIPLE,
     grouped_gemm_gathered_sm90,
