@@ -1196,10 +1196,11 @@ def test_fp8_d_pre_is_written_over_pre_unless_the_graph_is_kept(recipe, sm90_sta
     _check_in_place_unless_retained(seq, outs)
 
 
-def test_expert_parallel_16_bit_rows_are_cast_on_the_cast_kernel(sm90_stand_ins, monkeypatch, tmp_path):
+@pytest.mark.parametrize("hidden", [512, 384])  # 384: E4M3 rows could not travel as whole vectors, 16-bit rows do
+def test_expert_parallel_16_bit_rows_are_cast_on_the_cast_kernel(hidden, sm90_stand_ins, monkeypatch, tmp_path):
     """Expert parallel (a gloo group of one process) with `high_precision_wgrad`: the 16-bit rows
-    that arrive are cast on the cast kernel (stood in), not by the torch quantizer, and keep those
-    rows as their source; the layer equals the torch backend's."""
+    that arrive are cast on the cast kernel (stood in), not by the torch quantizer, whatever the
+    E4M3 payload would need of the hidden size; the layer equals the torch backend's."""
     import torch.distributed as dist
 
     import te_fused_ops.backends.sm90.moe as sm90_moe
@@ -1217,7 +1218,6 @@ def test_expert_parallel_16_bit_rows_are_cast_on_the_cast_kernel(sm90_stand_ins,
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
         torch.manual_seed(0)
-        hidden = 512  # whole 16-byte vectors of E4M3 rows and scales travel (the kernels' condition)
         recipe = Float8BlockScaling(high_precision_wgrad=True)
         seq = Sequential(Permute(G, group=dist.group.WORLD, capacity_factor=1.0), Quantize(recipe),
                          GroupedLinear(G, hidden, 2 * I, dtype=torch.bfloat16), SwiGLU(),

@@ -18,6 +18,7 @@ import torch
 
 from ...context import Recompute
 from ...ops.moe import check_tokens
+from ...quantization import high_precision_wgrad
 from ...routing import ExpertParallelRouting, Routing
 from .backend import SM90
 from .kernels.block_quantize import block_columns_sm90, block_quantize_sm90
@@ -203,12 +204,15 @@ def _cast_sent(rows: torch.Tensor, recipe, offsets):
 
 @SM90.implement("permute+quantize", supports=rows_supported_reason)
 def _permute_cast(ops, ctxs, x):
-    """The FP8 dispatch on the row kernels (`_cast_rows`)."""
+    """The FP8 dispatch on the row kernels (`_cast_rows`; expert parallel with
+    `high_precision_wgrad`, the 16-bit rows sent and cast on arrival, `_cast_sent`)."""
     op, ctx = ops[0], ctxs[0]
     routing = ctx.side["routing"]
     hidden = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
-    whole_vectors = hidden % 512 == 0 if isinstance(routing, ExpertParallelRouting) else hidden > 0
-    if not whole_vectors or not _kernels_take(x, routing):  # the E4M3 rows and scales as 16-byte vectors
+    # E4M3 rows and their scales travel as 16-byte vectors: H / 128 scales a multiple of 4
+    sends_e4m3 = isinstance(routing, ExpertParallelRouting) and not high_precision_wgrad(ctx.output_format.recipe)
+    whole_vectors = hidden % 512 == 0 if sends_e4m3 else hidden > 0
+    if not whole_vectors or not _kernels_take(x, routing):
         return op.forward_cast_rows(ctx, x, ctx.output_format)
     return op.forward_cast_rows(ctx, x, ctx.output_format, _cast_rows, permuted_rows, _cast_sent)
 
