@@ -138,14 +138,15 @@ def test_split_offsets_compiles():
 
 
 @pytest.mark.parametrize(
-    "activation,dtype,has_bias,cluster_m,tile_n",
-    [("swiglu", torch.bfloat16, True, 1, 128), ("scaled_swiglu", torch.float16, False, 2, 128),
-     (None, torch.bfloat16, False, 2, 192)],
+    "activation,dtype,has_bias,cluster_m,tile_n,up_box_split",
+    [("swiglu", torch.bfloat16, True, 1, 128, False), ("scaled_swiglu", torch.float16, False, 2, 128, False),
+     (None, torch.bfloat16, False, 2, 192, False), ("swiglu", torch.bfloat16, False, 2, 256, True)],
 )
-def test_grouped_gemm_fp8_compiles(activation, dtype, has_bias, cluster_m, tile_n):
+def test_grouped_gemm_fp8_compiles(activation, dtype, has_bias, cluster_m, tile_n, up_box_split):
     from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_gemm_fp8
 
-    fn = compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=False, cluster_m=cluster_m, tile_n=tile_n)
+    fn = compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=False, cluster_m=cluster_m, tile_n=tile_n,
+                                  up_box_split=up_box_split)
     assert fn is not None
 
 
@@ -244,11 +245,12 @@ def test_choose_config_pairs_when_n_has_two_tiles():
     assert choose_config(32768, 128, 8, 132) == (256, 2)  # one n-tile, large groups
 
 
-def test_fp8_tile_is_256_on_whole_blocks_else_192_where_it_pads_n_no_more_than_128():
+def test_fp8_tile_is_256_on_glu_halves_padded_little_or_whole_blocks_else_192_where_it_pads_less():
     from te_fused_ops.backends.sm90.kernels.tuning import fp8_dact_tile_n, fp8_tile_n
 
     assert fp8_tile_n(1536, glu=True) == 256  # qwen3 FC1: 768-wide halves, six W blocks each
-    assert fp8_tile_n(5760, glu=True) == 192  # gpt-oss FC1: 2880-wide halves are not whole W blocks, 30 of 96
+    assert fp8_tile_n(5760, glu=True) == 256  # gpt-oss FC1: 2880-wide halves, 2.2% padded at 256
+    assert fp8_tile_n(2 * 192, glu=True) == 192  # halves of 1.5 W blocks: 33% padded at 256, none at 192
     assert fp8_tile_n(4096, glu=True) == 256  # dsv3 FC1: 2048-wide halves are 21.3 tiles of 96, 8 of 128
     assert fp8_tile_n(28672, glu=True) == 256  # mixtral FC1: 0.4% padding at 192
     assert fp8_tile_n(2880, glu=False) == 192 and fp8_tile_n(2048, glu=False) == 256

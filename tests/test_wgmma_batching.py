@@ -72,6 +72,9 @@ COMPILE = {  # name: Python that compiles one configuration (torch as torch, bf1
     "FP8 forward + SwiGLU tile 256, half products": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
                                                     " compile_grouped_gemm_fp8 as c; c(bf16, 'swiglu', False, False, 2,"
                                                     " 256)",
+    "FP8 forward + SwiGLU tile 256, up box split": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
+                                                   " compile_grouped_gemm_fp8 as c; c(bf16, 'swiglu', False, False, 2,"
+                                                   " 256, up_box_split=True)",
     "FP8 forward + ScaledSwiGLU + act cast with columns": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
                                                           " compile_grouped_gemm_act_quant_fp8 as c;"
                                                           " c(bf16, 'scaled_swiglu', False, False, 2, True)",

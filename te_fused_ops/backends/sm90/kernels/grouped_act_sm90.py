@@ -354,7 +354,7 @@ class GroupedGemmActFp8Sm90(GroupedGemmActSm90):
     x (M, K) and W (G, N, K) E4M3 with float32 dequantization multipliers: xScale (M, ceil(K/128))
     per 1x128 block of x, wScale (G, ceil(N/128), ceil(K/128)) per 128x128 block of W[g]; each
     128-deep k-tile's product is scaled on the CUDA cores and added to the fp32 accumulator.
-    Outputs and bias in ``dtype``; tile_n 128 or 192; GLU: N/2 a multiple of 64.
+    Outputs and bias in ``dtype``; tile_n 128, 192 or 256; GLU: N/2 a multiple of 64.
     """
 
     def __init__(self, dtype, activation, has_bias, cluster_m=2, tile_n=128, **opts):

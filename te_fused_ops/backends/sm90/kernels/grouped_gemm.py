@@ -411,9 +411,10 @@ def compile_grouped_dgrad_dact_quant_fp8(dtype, activation, tvm_ffi=None, cluste
 
 @cached_kernel
 def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_m=2, tile_n=128, act_amax=False,
-                             overlap_promotion=False, **kernel_opts):
+                             overlap_promotion=False, up_box_split=False, **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_gemm_fp8_sm90``:
-    fn(x, x_scale, weight, weight_scale, offsets, pre, act, bias, probs, act_amax, constants, max_clusters)."""
+    fn(x, x_scale, weight, weight_scale, offsets, pre, act, bias, probs, act_amax, constants, max_clusters).
+    ``up_box_split``: GLU at tile_n 256 for N/2 an odd multiple of 64 (`GroupedGemmSm90`)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -434,7 +435,7 @@ def compile_grouped_gemm_fp8(dtype, activation, has_bias, tvm_ffi=None, cluster_
         _amax_parts_fake() if act_amax else None,
     )
     kernel = GroupedGemmActFp8Sm90(dt, activation, has_bias, cluster_m, tile_n, act_amax=act_amax,
-                                   overlap_promotion=overlap_promotion, **kernel_opts)
+                                   overlap_promotion=overlap_promotion, up_box_split=up_box_split, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -866,7 +867,8 @@ def grouped_gemm_fp8_sm90(
     bias (G, N), out (M, N), act_out in ``out_dtype`` (bf16/fp16); probs, constants as for
     `grouped_gemm_sm90`. Returns (pre, act). Each 128-deep block's product is accumulated in fp32
     and scaled on the CUDA cores. tile_n: 128, 192 or 256 (256: the block's product taken in two
-    128-column halves; GLU: N/2 a multiple of 128) (None: `tuning.fp8_tile_n`); cluster_m (1, 2)
+    128-column halves; GLU with N/2 an odd multiple of 64: the up half's two 64-column parts
+    scaled by their own W blocks) (None: `tuning.fp8_tile_n`); cluster_m (1, 2)
     overrides the heuristic. ``act_amax``: also return the act's amax parts, as `grouped_gemm_sm90`.
     ``overlap_promotion`` (tile_n 128): two block products in flight, one promoted while the next
     one's WGMMAs run (the same sums, bit for bit; FC1 + SwiGLU 1.8% / 2.6% faster on dsv3 / mixtral,
@@ -893,7 +895,7 @@ def grouped_gemm_fp8_sm90(
                     out_dtype=out_dtype, tile_n=t, cluster_m=c, sm_margin=sm_margin, act_amax=act_amax, **constants),
                     act_amax),
                 (tuning.fp8_tile_n(n, glu), _fp8_cluster_m(m, n, g, x.get_device(), sm_margin)),
-                tuning.fp8_candidates(n, glu))
+                tuning.fp8_candidates())
             if config is not None:
                 args = (*args[:11], config.tile_n, config.cluster_m, *args[13:])
                 launch = _fp8_launch(*args)
@@ -937,9 +939,6 @@ def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, pro
     act_shape = _check_epilogue_tensors(_FP8, spec, out_dtype, bias, probs, out, act_out, m, n, g, dev)
     if tile_n not in (None, 128, 192, 256):
         raise ValueError(f"{_FP8}: tile_n must be 128, 192 or 256, got {tile_n!r}")
-    if tile_n == 256 and glu and (n // 2) % 128:
-        raise ValueError(f"{_FP8}: tile_n 256 with {activation!r} needs N/2 a multiple of 128 (each half of the "
-                         f"tile inside one W scale block), got N={n}")
     if overlap_promotion is not None and not isinstance(overlap_promotion, bool):
         raise TypeError(f"{_FP8}: overlap_promotion must be a bool or None, got {type(overlap_promotion).__name__}")
     if overlap_promotion and tile_n not in (None, 128):
@@ -951,7 +950,7 @@ def _fp8_launch(x, x_scale, weight, weight_scale, offsets, bias, activation, pro
     tile_n = 128 if overlap_promotion else tile_n or tuning.fp8_tile_n(n, glu)
     overlap_promotion = tile_n == 128 if overlap_promotion is None else overlap_promotion
     key = (_FP8, out_dtype, activation, bias is not None, tvm_ffi_available(), cluster_m, tile_n, bool(act_amax),
-           overlap_promotion)
+           overlap_promotion, glu and tile_n == 256 and (n // 2) % 128 != 0)
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_gemm_fp8(*key[1:])
@@ -1198,7 +1197,7 @@ def grouped_dgrad_dact_fp8_sm90(
                     dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation=activation, probs=probs,
                     tile_n=t, cluster_m=c, sm_margin=sm_margin, d_pre_amax=d_pre_amax, **constants), d_pre_amax),
                 (tuning.fp8_dact_tile_n(i), _fp8_cluster_m(m, i, g, dy.get_device(), sm_margin)),
-                tuning.fp8_candidates(i, tile_ns=(128, 256)))
+                tuning.fp8_candidates(tile_ns=(128, 256)))
             if config is not None:
                 args = (*args[:8], config.cluster_m, *args[9:12], config.tile_n)
                 launch = _dact_fp8_launch(*args)

@@ -204,7 +204,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
     def __init__(
         self, dtype, tile_n, b_major="k", cluster_m=2, ab_stages=None, epi_slots=None, ab_dtype=None, c_stages=2,
         raster_band=RASTER_BAND, split_tail=True, epilogue_warps=False, a_major="k", defer_stores=False,
-        pingpong=False, overlap_promotion=False, gather_a=False, d_major="n",
+        pingpong=False, overlap_promotion=False, gather_a=False, d_major="n", up_box_split=False,
     ):
         if b_major not in ("k", "mn") or a_major not in ("k", "mn"):
             raise ValueError("a_major and b_major must be 'k' or 'mn'")
@@ -237,6 +237,11 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         self.box_n = tile_n // self.b_boxes
         self.box_may_split = 128 % self.box_n != 0  # FP8: a B box can cross a W scale block
         self.split_products = self.block_scaled and tile_n == 256  # each half inside one W scale block
+        # FP8 GLU at tile 256 with N/2 an odd multiple of 64: the up box starts 64 rows into a W
+        # scale block, so its half's first and last 64 columns take two blocks' multipliers
+        if up_box_split and not (self.split_products and self.b_boxes == 2):
+            raise ValueError(f"{type(self).__name__}: up_box_split needs FP8 operands, a GLU and tile_n 256")
+        self.up_box_split = up_box_split
         self.num_out = len(self.epi_stores)
         self.num_in = len(self.epi_loads)
         # ping-pong: a warpgroup holds a whole 128-row tile, twice the rows a thread holds of a

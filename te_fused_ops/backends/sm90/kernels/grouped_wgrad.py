@@ -351,7 +351,7 @@ def grouped_wgrad_fp8_sm90(dy_columns, x_columns, offsets, *, out_dtype=torch.bf
                     dy_columns, x_columns, offsets, out_dtype=out_dtype, sm_margin=sm_margin, cluster_m=c, tile_n=t,
                     main_grad=None if main_grad is None else main_grad.clone()),
                 (tuning.fp8_tile_n(k, glu=False), choose_config(n, k, launch[2])[1]),
-                tuning.fp8_candidates(k))
+                tuning.fp8_candidates())
             if config is not None:
                 args = (*args[:11], config.cluster_m, config.tile_n, overlap_promotion)
                 launch = _fp8_launch(*args)

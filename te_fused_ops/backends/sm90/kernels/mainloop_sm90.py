@@ -453,7 +453,7 @@ class Sm90Mainloop:
             block = first_row // 128
             first = mSFB[seg, block, k]
             second, split = first, Int32(0)
-            if const_expr(self.box_may_split):
+            if const_expr(self.box_may_split or (self.up_box_split and h == 1)):
                 second = mSFB[seg, cutlass.min(block + 1, last_block), k]
                 split = (128 - first_row % 128) // 8
             boxes.append((first, second, split))
@@ -532,13 +532,19 @@ class Sm90Mainloop:
 
     @cute.jit
     def _promote_half(self, acc, acc_block, multipliers, h: cutlass.Constexpr[int]):
-        """acc's values of half h += acc_block scaled per row by that half's W block multiplier."""
+        """acc's values of half h += acc_block scaled per row by that half's W block multiplier
+        (``up_box_split``, the up half: its first 64 columns by the first block's, the rest by the
+        next one's; a thread's value v lies in column group v // 4 of 8 columns)."""
         rows, boxes = multipliers
         w_block = boxes[h][0] if const_expr(self.b_boxes == 2) else boxes[0][h]
         scale = [rows[r] * w_block for r in range(2)]
+        scale_after = scale
+        if const_expr(self.up_box_split and h == 1):
+            scale_after = [rows[r] * boxes[h][1] for r in range(2)]
         half = cute.size(acc_block)
         for v in cutlass.range_constexpr(half):
-            acc[v + h * half] = acc[v + h * half] + acc_block[v] * scale[v // 2 % 2]
+            multiplier = scale[v // 2 % 2] if const_expr(v // 4 < 8) else scale_after[v // 2 % 2]
+            acc[v + h * half] = acc[v + h * half] + acc_block[v] * multiplier
 
     @cute.jit
     def _issue_block(self, ab_pipe, read_state, tiled_mma, product, tCrA, tCrB):

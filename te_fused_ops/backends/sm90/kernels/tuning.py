@@ -57,6 +57,7 @@ def pingpong_tile_n(cooperative_tile_n: int) -> int:
 CANDIDATES = tuple(LaunchConfig(t, c) for t in TILE_NS for c in (1, 2))  # the cooperative ones
 PINGPONG_CANDIDATES = tuple(LaunchConfig(t, c, True) for t in PINGPONG_TILE_NS for c in (1, 2))
 WASTE_MARGIN = 0.01  # 192-wide tiles win where they pad N by at least this share less than 256-wide ones
+FP8_GLU_PAD_LIMIT = 0.05  # FP8 GLU: 256-wide tiles win up to this share of each half padded (gpt-oss: 2.2%)
 
 
 def padded_share(n: int, tile_n: int, halves: int = 1) -> float:
@@ -73,16 +74,20 @@ def pads_no_more(n: int, tile_n: int, other: int, halves: int = 1, margin: float
 
 
 def fp8_tile_n(n: int, glu: bool) -> int:
-    """The FP8 GEMMs' n-tile (the forward's over N, the weight gradient's over K): 256 where N
-    (each GLU half) is whole 128-column blocks and 256 pads it no more than 128 does, else 192
-    where that pads no more than 128, else 128. Measured on H100 (`bench_fp8_sm90.py --part
-    kernels`, `bench_wgrad_fp8_sm90.py`), FC1 + SwiGLU forward: qwen3 532 us at t256 against 590
-    at t192 and 575 at t128; dsv3 1963 at t256 against 2159 at t128 (promotion overlapped) and
-    2405 at t192; gpt-oss (halves not whole blocks) t192 2.4% faster than t128. Weight gradient:
-    qwen3 FC1 (K 2048) 658 us at t256 against 722 at t128, FC2 (K 768) 334 against 361, dsv3 FC1
-    (K 7168) 2550 against 2733 (t192 2519)."""
+    """The FP8 GEMMs' n-tile (the forward's over N, the weight gradient's over K). GLU: 256 where
+    it pads each half by at most `FP8_GLU_PAD_LIMIT` (halves that are not whole W blocks take two
+    blocks' multipliers in the up half, ``up_box_split``); else, and without a GLU: 256 where N is
+    whole 128-column blocks and 256 pads it no more than 128 does, else 192 where that pads no more
+    than 128, else 128. Measured, FC1 + SwiGLU forward: H100 (`bench_fp8_sm90.py --part kernels`)
+    qwen3 532 us at t256 against 590 at t192 and 575 at t128, dsv3 1963 at t256 against 2159 at
+    t128 (promotion overlapped) and 2405 at t192; H200 gpt-oss (halves of 2880, 2.2% padding at
+    t256) 1296 at t256 against 1418 at t192 and 1374 at t128. Weight gradient (H100,
+    `bench_wgrad_fp8_sm90.py`): qwen3 FC1 (K 2048) 658 us at t256 against 722 at t128, FC2 (K 768)
+    334 against 361, dsv3 FC1 (K 7168) 2550 against 2733 (t192 2519)."""
     halves = 2 if glu else 1
-    if (n // halves) % 128 == 0 and pads_no_more(n, 256, 128, halves):
+    if glu and padded_share(n, 256, halves) <= FP8_GLU_PAD_LIMIT:
+        return 256
+    if not glu and n % 128 == 0 and pads_no_more(n, 256, 128):
         return 256
     return 192 if pads_no_more(n, 192, 128, halves) else 128
 
@@ -94,12 +99,10 @@ def fp8_dact_tile_n(i: int) -> int:
     return 256 if fp8_tile_n(i, glu=False) == 256 else 128
 
 
-def fp8_candidates(n: int, glu: bool = False, tile_ns=TILE_NS) -> tuple:
+def fp8_candidates(tile_ns=TILE_NS) -> tuple:
     """The FP8 autotuner's candidates (cooperative; the FP8 kernels have no ping-pong): each of
-    ``tile_ns`` that N takes (256 with a GLU only where each half is whole 128-column blocks),
-    alone and in CTA pairs."""
-    tiles = [t for t in tile_ns if not (t == 256 and glu and (n // 2) % 128)]
-    return tuple(LaunchConfig(t, c) for t in tiles for c in (1, 2))
+    ``tile_ns`` (every one takes any N the FP8 kernels take), alone and in CTA pairs."""
+    return tuple(LaunchConfig(t, c) for t in tile_ns for c in (1, 2))
 
 
 def wide_tile(n: int, halves: int = 1, tile_ns=TILE_NS) -> int:
