@@ -9,8 +9,11 @@ builds' times, run alternately on one machine). With ``--memory`` also each laye
 MiB above a step's start over four consecutive steps (min: a micro-batch reusing the weight copies;
 max: the one casting them). Prints one ``RESULT {json}`` line.
 
-    PYTHONPATH=/path/to/build_a python benchmarks/bench_tree_ab.py a
-    PYTHONPATH=/path/to/build_b python benchmarks/bench_tree_ab.py b     # then a, b again
+    PYTHONPATH=/path/to/build_a:$PYTHONPATH python benchmarks/bench_tree_ab.py a
+    PYTHONPATH=/path/to/build_b:$PYTHONPATH python benchmarks/bench_tree_ab.py b     # then a, b again
+
+(Prepend the build: a PYTHONPATH that replaces the one naming the CuTe DSL leaves the library on its
+torch backend, and `common.require_sm90` then exits.)
     python benchmarks/bench_tree_ab.py a --warm   # compile and check only (fills the kernel caches)
     python benchmarks/bench_tree_ab.py a --parts layer   # the MoE layer only
     python benchmarks/bench_tree_ab.py a --shapes dsv3-ep8   # other shapes (default: qwen3, gpt-oss)

@@ -20,14 +20,25 @@ MODEL_SHAPES = {  # name: (M tokens, H hidden, I expert width, E local experts)
 }
 
 
-def require_sm90(script: str) -> None:
+def require_sm90(script: str, kernels: bool = True) -> None:
     """Exit (status 2) with one line, ``<script>: needs a CUDA GPU with sm_90``, unless the GPU this
     process uses (``LOCAL_RANK`` under torchrun, else 0) is an sm_90 one (H100 / H200) that torch
     can use. Called by each GPU-only benchmark before it imports torch, triton or the kernels:
-    without a CUDA driver it decides without importing torch."""
+    without a CUDA driver it decides without importing torch. ``kernels``: also exit, with the
+    reason, where this library's sm90 backend cannot run (the CuTe DSL not importable, e.g. a
+    PYTHONPATH that replaced the one naming it): the library would then time its torch backend
+    under the fused contenders' names."""
+    name = os.path.basename(script)
     if not _sm90_usable():
-        print(f"{os.path.basename(script)}: needs a CUDA GPU with sm_90", file=sys.stderr, flush=True)
+        print(f"{name}: needs a CUDA GPU with sm_90", file=sys.stderr, flush=True)
         sys.exit(2)
+    if kernels:
+        from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
+
+        reason = sm90_unavailable_reason()
+        if reason is not None:
+            print(f"{name}: {reason}", file=sys.stderr, flush=True)
+            sys.exit(2)
 
 
 def _sm90_usable() -> bool:
