@@ -216,9 +216,10 @@ def run_shape(name):
     }
     if rowwise is not None:
         variants["gmm fp8 rowwise"] = rowwise
-    if (n // 2) % 128 == 0:  # tile 256 with a GLU: each half of the tile inside one W scale block
-        variants["sm90 fp8 t256 + swiglu"] = lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu",
-                                                                           tile_n=256)
+    # tile 256 with a GLU (halves that are not whole W blocks: the up half in two 64-column parts)
+    variants["sm90 fp8 t256 + swiglu"] = lambda: grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu",
+                                                                       tile_n=256)
+    if (n // 2) % 128 == 0:  # the 256-wide act cast: a tile's 128 act columns one cast block
         # the FP8 FC1's act cast (rows and columns, what the all-FP8 layer's FC2 reads): in the
         # epilogue at tile 256, or after the kernel at the default tile; the same bytes checked first
         cast_after = block_columns_sm90(grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, activation="swiglu",
