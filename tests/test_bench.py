@@ -94,6 +94,25 @@ def test_gpu_only_benchmark_says_so_in_one_line(script):
     assert result.returncode == 2
 
 
+@pytest.mark.parametrize("kernels", [True, False])
+def test_gpu_benchmarks_exit_where_the_sm90_backend_cannot_run(kernels, monkeypatch, capsys):
+    """An sm_90 GPU without the CuTe DSL importable (a PYTHONPATH that lost it): the benchmarks of
+    this library's kernels exit with the reason instead of timing its torch backend; quack's
+    (``kernels=False``) go on."""
+    import te_fused_ops.backends.sm90.kernels as sm90_kernels
+
+    common = load_common()
+    monkeypatch.setattr(common, "_sm90_usable", lambda: True)
+    monkeypatch.setattr(sm90_kernels, "sm90_unavailable_reason", lambda: "sm90 backend: nvidia-cutlass-dsl not importable")
+    if not kernels:
+        common.require_sm90("bench_quack_step.py", kernels=False)
+        return
+    with pytest.raises(SystemExit) as stop:
+        common.require_sm90("bench_moe_layer.py")
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines() == ["bench_moe_layer.py: sm90 backend: nvidia-cutlass-dsl not importable"]
+
+
 def test_the_gpu_only_list_is_not_empty():
     assert len(GPU_ONLY) >= 10 and "bench_train_step.py" in GPU_ONLY
 
