@@ -10,7 +10,7 @@ import torch
 from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
 from te_fused_ops.activations import ACTIVATIONS
 from te_fused_ops.backends.sm90.kernels.block_quantize import block_quantize_sm90
-from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_dgrad_dact_fp8_sm90
+from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_dgrad_dact_fp8_sm90, grouped_dgrad_dact_sm90
 from te_fused_ops.backends.sm90.kernels.tuning import fp8_dact_tile_n
 from test_grouped_dgrad_sm90_gpu import (
     ALPHA, LIMIT, TOL, UNEVEN, dact_reference, offsets_from_splits, poison_allocator, rel_err,
@@ -141,6 +141,8 @@ def test_argument_errors():
                                     activation="swiglu")
     with pytest.raises(ValueError, match=f"{name}: activation is required"):
         grouped_dgrad_dact_fp8_sm90(dy, dy_scale, w_t, w_t_scale, offsets, pre, activation=None)
+    with pytest.raises(TypeError, match=f"{name}: emit_act must be a bool"):
+        grouped_dgrad_dact_fp8_sm90(dy, dy_scale, w_t, w_t_scale, offsets, pre, activation="swiglu", emit_act=1)
     with pytest.raises(ValueError, match=f"{name}: tile_n must be 128 or 256, got 192"):
         grouped_dgrad_dact_fp8_sm90(dy, dy_scale, w_t, w_t_scale, offsets, pre, activation="swiglu", tile_n=192)
     with pytest.raises(ValueError, match=f"{name}: weight_t has K=256"):
@@ -163,6 +165,33 @@ def test_d_pre_written_over_pre(activation, tile_n, cluster_m):
     assert in_place[0].data_ptr() == pre.data_ptr()
     for a, b in zip(separate, in_place):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("activation,tile_n,in_place", [("scaled_swiglu", 256, True), ("swiglu", 128, False),
+                                                       ("srelu", 256, False)])
+def test_emitted_act(activation, tile_n, in_place):
+    """``emit_act``: the act FC2's 16-bit weight gradient reads (activation of pre, times probs),
+    poisoned first: within the float64 tolerance, bit for bit the act the bf16 kernel writes from
+    the same pre, zero past the groups; d_pre and d_probs bit for bit those without it (d_pre over
+    pre too: each tile reads pre before storing d_pre and act)."""
+    splits = [130, 0, 67, 301, 2]
+    m, h, i = 520, 256, 320
+    fp8, dy_values, w_values, pre, probs = operands(splits, m, h, i, activation, torch.bfloat16, 11)
+    offsets = offsets_from_splits(splits)
+    kw = dict(activation=activation, probs=probs, limit=LIMIT, alpha=ALPHA, tile_n=tile_n)
+    without = grouped_dgrad_dact_fp8_sm90(*fp8, offsets, pre.clone(), **kw)
+    _, bf16_act, _ = grouped_dgrad_dact_sm90(dy_values.bfloat16(), w_values.bfloat16(), offsets, pre, **kw)
+    poison_allocator(((m, i), torch.bfloat16))
+    source = pre.clone()
+    d_pre, act, d_probs = grouped_dgrad_dact_fp8_sm90(*fp8, offsets, source, out=source if in_place else None,
+                                                      emit_act=True, **kw)
+    _, exp_act, _ = dact_reference(dy_values, w_values, offsets, pre, activation, probs)
+    end = int(offsets[-1])
+    assert act.shape == (m, i) and act.dtype == pre.dtype
+    assert rel_err(act, exp_act) <= TOL and torch.all(act[end:] == 0)
+    assert torch.equal(act.view(torch.int16), bf16_act.view(torch.int16))
+    assert torch.equal(d_pre, without[0]) and (d_probs is None) == (without[1] is None)
+    assert d_probs is None or torch.equal(d_probs, without[1])
 
 
 def test_out_argument_errors():

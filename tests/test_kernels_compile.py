@@ -172,6 +172,8 @@ def test_grouped_dgrad_dact_fp8_compiles():
     assert compile_grouped_dgrad_dact_fp8(torch.bfloat16, "swiglu", tvm_ffi=False, cluster_m=2) is not None
     # d_pre's amax parts from the epilogue (fp8_current)
     assert compile_grouped_dgrad_dact_fp8(torch.float16, "scaled_swiglu", False, 1, d_pre_amax=True) is not None
+    # the act for FC2's 16-bit weight gradient where the forward kept it only in E4M3
+    assert compile_grouped_dgrad_dact_fp8(torch.bfloat16, "scaled_swiglu", False, 2, tile_n=256, emit_act=True) is not None
 
 
 @pytest.mark.parametrize("activation,dtype,cluster_m,power_2_scales", [("srelu", torch.float16, 1, True)])

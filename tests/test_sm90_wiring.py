@@ -161,6 +161,21 @@ def gemm_act_cast(x, weight, offsets, *, activation, power_2_scales=False, colum
     return pre, q.rowwise_data, q.rowwise_scale_inv
 
 
+FP8_ACT_CASTS = []  # power_2_scales of each stood-in FP8 FC1 that cast its act in the epilogue
+
+
+def fp8_gemm_act_cast(x, x_scale_inv, weight, weight_scale_inv, offsets, *, activation, power_2_scales=False,
+                      columns=False, out_dtype=torch.bfloat16, **epilogue):
+    """`grouped_gemm_act_quant_fp8_sm90`'s contract: `fp8_gemm`'s pre, and its act as the torch
+    quantizer casts it (1 x 128 blocks), the act itself not returned."""
+    assert not columns, "the layer casts the FP8 FC1's act in the epilogue without the column-wise copy"
+    FP8_ACT_CASTS.append(power_2_scales)
+    pre, act = fp8_gemm(x, x_scale_inv, weight, weight_scale_inv, offsets, activation=activation, out_dtype=out_dtype,
+                        **epilogue)
+    q = quantize(act, Float8BlockScaling(power_2_scales=power_2_scales))
+    return pre, q.rowwise_data, q.rowwise_scale_inv
+
+
 def tensor_cast(x, block_rows, offsets=None, amax_parts=None, transposed=False):
     """`tensor_quantize_sm90`'s contract: the torch quantizer's data, its one scale over the grid
     (from ``amax_parts`` when given: they must hold the amax of x's grouped rows), with
@@ -179,15 +194,23 @@ def tensor_cast(x, block_rows, offsets=None, amax_parts=None, transposed=False):
 DACT_FP8_CALLS = []
 
 
-def dgrad_dact_fp8(dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, d_pre_amax=False, **epilogue):
-    """`grouped_dgrad_dact_fp8_sm90`'s contract: `dgrad_dact` on the dequantized operands, no act;
-    with ``d_pre_amax`` also d_pre's amax parts."""
+EMITTED_ACTS = []  # shapes of the acts each stood-in FP8 dActivation wrote (emit_act)
+
+
+def dgrad_dact_fp8(dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, d_pre_amax=False, emit_act=False,
+                   **epilogue):
+    """`grouped_dgrad_dact_fp8_sm90`'s contract: `dgrad_dact` on the dequantized operands, its act
+    only with ``emit_act``; with ``d_pre_amax`` also d_pre's amax parts."""
     DACT_FP8_CALLS.append(tuple(weight_t.shape))
     dy_values = dy.float() * _expand(dy_scale_inv, dy.shape[-1:])
     w_values = (weight_t.float() * _expand(weight_t_scale_inv, weight_t.shape[-2:])).transpose(1, 2)
-    d_pre, _, d_probs = dgrad_dact(dy_values, w_values, offsets, pre, **epilogue)
+    d_pre, act, d_probs = dgrad_dact(dy_values, w_values, offsets, pre, **epilogue)
     d_pre = d_pre.to(pre.dtype)
-    return (d_pre, d_probs, amax_parts(d_pre, offsets)) if d_pre_amax else (d_pre, d_probs)
+    outputs = (d_pre, d_probs)
+    if emit_act:
+        EMITTED_ACTS.append(tuple(act.shape))
+        outputs = (d_pre, act.to(pre.dtype), d_probs)
+    return (*outputs, amax_parts(d_pre, offsets)) if d_pre_amax else outputs
 
 
 def dgrad_dact_quant_fp8(dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, power_2_scales=False,
@@ -290,6 +313,7 @@ def sm90_stand_ins(monkeypatch):
         (sm90, "grouped_column_sums_sm90", lambda dy, offsets, **_: grouped_row_sum(dy, offsets)),
         (sm90, "grouped_gemm_sm90", gemm),
         (sm90, "grouped_gemm_act_quant_sm90", gemm_act_cast),
+        (sm90, "grouped_gemm_act_quant_fp8_sm90", fp8_gemm_act_cast),
         (dact_rule, "grouped_dgrad_dact_sm90", dgrad_dact),
         (dact_rule, "grouped_dgrad_dact_fp8_sm90", dgrad_dact_fp8),
         (dact_rule, "grouped_dgrad_dact_quant_fp8_sm90", dgrad_dact_quant_fp8),
@@ -401,7 +425,7 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
     first = int(quantize_x)  # index of FC1
     # fp8_current: the act's amax from FC1's epilogue; fp8_blockwise: the act cast in FC1's
     # epilogue (bf16 x) with its column-wise copy (the Transpose), or after FC1 (FP8 x: the FP8
-    # kernel has no act-cast epilogue) as FC2's input format, rows and columns from one read
+    # kernel's act cast takes no column-wise copy) as FC2's input format, rows and columns from one read
     epilogue_cast = not current and not quantize_x
     x_in = "Quantize, " if quantize_x else ""  # x's cast: FC1's input format
     if epilogue_cast:
@@ -417,7 +441,8 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
     else:  # x cast with its column-wise copy (FC1's FP8 weight gradient reads it), FC1 + SwiGLU as their rule
         fc1_forward = ["[0:3] Quantize, GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend sm90)",
                        "not fired: rule 'grouped_linear+activation' on [0:5]: ran on [0:3] instead; sm90 backend: "
-                       "quantized input: the FP8 kernel has no cast epilogue"]
+                       "quantized input with FP8 weight gradients: the FP8 kernel's act cast with the column-wise copy "
+                       "measured no faster"]
         fc2 = "[3:6] Quantize, Transpose, GroupedLinear -> rule 'grouped_linear' (backend sm90)"
     # all FP8: FC1's backward fed from the dAct epilogue in the same rule (fp8_current: d_pre's
     # amax; fp8_blockwise: d_pre's row- and column-wise copies)
@@ -469,9 +494,10 @@ def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins,
 @pytest.mark.parametrize("quantize_x", [False, True])
 def test_fp8_plan_with_16_bit_weight_gradients(quantize_x, sm90_stand_ins, monkeypatch):
     """Float8BlockScaling(high_precision_wgrad=True): the FP8 forward and data gradients, the
-    weight gradients on the 16-bit kernel over the unquantized inputs (FC2's act recomputed from
-    pre where FC1's epilogue cast it) and dy: no column-wise copy, no FP8 weight gradient, nothing
-    dequantized; within the tolerance the FP8 plan keeps to the torch backend's."""
+    weight gradients on the 16-bit kernel over the unquantized inputs and dy: no column-wise copy,
+    no FP8 weight gradient, nothing dequantized. FC1 casts its act in the epilogue (the bf16 or the
+    FP8 kernel) and FC2's dActivation kernel writes the act its weight gradient reads (no recompute
+    from pre); within the tolerance the FP8 plan keeps to the torch backend's."""
     recipe = Float8BlockScaling(high_precision_wgrad=True)
     seq = fp8_mlp(recipe, quantize_x)
     x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
@@ -482,14 +508,18 @@ def test_fp8_plan_with_16_bit_weight_gradients(quantize_x, sm90_stand_ins, monke
                 f"[{first + 1}:{first + 5}] SwiGLU, Quantize, Transpose, GroupedLinear -> rule "
                 "'dactivation+grouped_linear' (backend sm90)")
     assert backward in seq.explain(x, split_sizes=SPLITS)
-    for calls in (CASTS, ACT_CASTS, UNCASTS, DACT_FP8_CALLS, COLUMN_CASTS, WGRAD_FP8_CALLS):
+    for calls in (CASTS, ACT_CASTS, FP8_ACT_CASTS, UNCASTS, DACT_FP8_CALLS, COLUMN_CASTS, WGRAD_FP8_CALLS,
+                  EMITTED_ACTS):
         calls.clear()
     got = step(seq, x, dy)
     assert DACT_FP8_CALLS == [(G, I, H)], DACT_FP8_CALLS
     assert COLUMN_CASTS == [] and WGRAD_FP8_CALLS == [] and UNCASTS == [], (COLUMN_CASTS, WGRAD_FP8_CALLS, UNCASTS)
-    assert ACT_CASTS == [(False, False)] * (not quantize_x), ACT_CASTS  # FC1's epilogue: rows only
-    # row-wise: dy, and with an FP8 FC1 x, the act and d_pre; each weight once
-    assert sorted(CASTS) == [1] * (1 + 3 * quantize_x) + [128] * (1 + quantize_x), CASTS
+    # FC1's epilogue casts the act, rows only: the bf16 kernel after bf16 x, the FP8 one after FP8 x
+    assert ACT_CASTS == [(False, False)] * (not quantize_x), ACT_CASTS
+    assert FP8_ACT_CASTS == [False] * quantize_x, FP8_ACT_CASTS
+    assert len(EMITTED_ACTS) == 1 and EMITTED_ACTS[0][1] == I, EMITTED_ACTS  # FC2's weight gradient input
+    # row-wise: dy, and with an FP8 FC1 x and d_pre; each weight once
+    assert sorted(CASTS) == [1] * (1 + 2 * quantize_x) + [128] * (1 + quantize_x), CASTS
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
     want = step(seq, x, dy)
     for name, a, b in zip(("y", "dx", "dW1", "dW2"), got, want):

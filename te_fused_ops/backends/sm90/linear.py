@@ -25,6 +25,7 @@ from .kernels.block_quantize import (
     tensor_quantize_sm90,
 )
 from .kernels.grouped_gemm import (
+    grouped_gemm_act_quant_fp8_sm90,
     grouped_gemm_act_quant_sm90,
     grouped_gemm_fp8_sm90,
     grouped_gemm_sm90,
@@ -121,35 +122,41 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
     A quantized ``x`` (FP8_KERNEL_RECIPES) runs the block-scaled FP8 kernel on the weight cast
     with the same recipe on this call. Returns (pre, act), or with ``act_amax=True`` in
     ``epilogue`` (pre, act, amax parts), as `grouped_gemm_sm90`; with ``act_cast`` (a
-    Float8BlockScaling recipe; bf16/fp16 x, a GLU activation or none) the act, or without an
+    Float8BlockScaling recipe; a GLU activation, or for bf16/fp16 x none) the act, or without an
     activation the output, is cast to E4M3 in the epilogue and not written: (pre or None, data,
-    multipliers[, `BlockColumns` with ``columns``]), as `grouped_gemm_act_quant_sm90`.
+    multipliers[, `BlockColumns` with ``columns``]), as `grouped_gemm_act_quant_sm90` /
+    `grouped_gemm_act_quant_fp8_sm90`.
     """
     weight, bias = ctx.params["weight"], ctx.params.get("bias")
     linear.check_input(x, weight)
     bias = None if bias is None else bias.detach()
-    if act_cast is not None:
-        outputs = grouped_gemm_act_quant_sm90(
-            x, weight.detach(), ctx.side["offsets"], activation=activation, bias=bias,
-            power_2_scales=act_cast.power_2_scales, columns=columns, sm_margin=sm_margin(), **epilogue,
-        )
-        linear.keep_for_backward(ctx, x, None, linear_output_sm90)
-        return outputs
+    offsets = ctx.side["offsets"]
     if is_quantized(x):
         # with a data gradient ahead, the cast also writes its transposed copy, kept for it
         w_data, w_scale_inv, *w_transposed = quantize_weight_blocks(
             weight.detach(), x.recipe, ctx.reuse_scope, transposed=ctx.input_requires_grad
         )
-        x_scale_inv = block_multipliers(x.rowwise_scale_inv, x.shape)
-        outputs = grouped_gemm_fp8_sm90(
-            x.rowwise_data, x_scale_inv, w_data, w_scale_inv, ctx.side["offsets"],
-            bias=bias, activation=activation, out_dtype=x.dtype, sm_margin=sm_margin(), **epilogue,
-        )
+        operands = (x.rowwise_data, block_multipliers(x.rowwise_scale_inv, x.shape), w_data, w_scale_inv, offsets)
+        if act_cast is not None:
+            outputs = grouped_gemm_act_quant_fp8_sm90(
+                *operands, activation=activation, bias=bias, out_dtype=x.dtype, power_2_scales=act_cast.power_2_scales,
+                columns=columns, sm_margin=sm_margin(), **epilogue,
+            )
+        else:
+            outputs = grouped_gemm_fp8_sm90(*operands, bias=bias, activation=activation, out_dtype=x.dtype,
+                                            sm_margin=sm_margin(), **epilogue)
         linear.keep_for_backward(ctx, _kept_for_weight_gradient(ctx, x), x.recipe)
         if w_transposed:
             ctx.saved.weight_fp8_t = tuple(w_transposed)
         return outputs
-    outputs = grouped_gemm_sm90(x, weight.detach(), ctx.side["offsets"], bias=bias, activation=activation,
+    if act_cast is not None:
+        outputs = grouped_gemm_act_quant_sm90(
+            x, weight.detach(), offsets, activation=activation, bias=bias,
+            power_2_scales=act_cast.power_2_scales, columns=columns, sm_margin=sm_margin(), **epilogue,
+        )
+        linear.keep_for_backward(ctx, x, None, linear_output_sm90)
+        return outputs
+    outputs = grouped_gemm_sm90(x, weight.detach(), offsets, bias=bias, activation=activation,
                                 sm_margin=sm_margin(), **epilogue)
     linear.keep_for_backward(ctx, x, None, linear_output_sm90)
     return outputs

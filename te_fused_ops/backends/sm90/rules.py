@@ -26,6 +26,7 @@ from .moe import (
     unpermute_backward,
 )
 from .kernels.grouped_gemm import (
+    CAST_COLUMNS_MULTIPLE,
     GATHER_K_MULTIPLE,
     grouped_gemm_gathered_sm90,
     grouped_dgrad_dact_fp8_sm90,
@@ -143,12 +144,28 @@ def output_cast_reason(fmt, info, cols: int, groups: int, act=None):
     if not isinstance(fmt.recipe, Float8BlockScaling):
         return f"{fmt.recipe.name}: no cast epilogue for this recipe (the output is cast after the kernel, rule 'quantize')"
     if info.input_recipe[0] is not None:
-        return "quantized input: the FP8 kernel has no cast epilogue (the output is cast after it, rule 'quantize')"
+        return fp8_act_cast_reason(fmt, act, cols)
     if act is not None and not ACTIVATIONS[act.kernel_name].glu:
         return f"{act.op_name}: the act-cast epilogue takes GLU activations (the act is cast after the kernel)"
     if not fmt.columns or high_precision_wgrad(fmt.recipe):  # no column copy with 16-bit weight gradients
         return None
     return columns_unsupported_reason(fmt.recipe, cols, groups)
+
+
+def fp8_act_cast_reason(fmt, act, cols: int):
+    """Why the FP8 GEMM (quantized input) cannot cast its GLU act of ``cols`` columns to ``fmt``
+    (fp8_blockwise) in the epilogue (`grouped_gemm_act_quant_fp8_sm90`), or None: only with 16-bit
+    weight gradients (no column-wise copy; with it the epilogue measured level with the cast
+    after the kernel), a GLU activation, ``cols`` a multiple of 128."""
+    after = "the output is cast after it, rule 'quantize'"
+    if not high_precision_wgrad(fmt.recipe):
+        return (f"quantized input with FP8 weight gradients: the FP8 kernel's act cast with the column-wise copy "
+                f"measured no faster than the cast after the kernel ({after})")
+    if act is None or not ACTIVATIONS[act.kernel_name].glu:
+        return f"quantized input: the FP8 kernel's act cast takes a GLU activation ({after})"
+    if cols % CAST_COLUMNS_MULTIPLE:
+        return f"quantized input: the FP8 kernel's act cast needs I a multiple of {CAST_COLUMNS_MULTIPLE}, got {cols} ({after})"
+    return None
 
 
 def _supports_grouped_linear(ops, info):
@@ -308,15 +325,20 @@ def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool = False, d_pre_recipe=None, dy_cas
             return (*backward_reference(ops, ctxs, dy), None)
         dy = dy.contiguous()
     recipe = linear_ctx.saved.recipe
-    # loaded before the kernel: an act recomputed from pre must be made before d_pre takes pre's place
-    x = linear_ctx.load_input() if linear_ctx.needs_grad("weight") else None
+    # the act FC2's weight gradient reads: written by the kernel where the forward kept it as a
+    # recompute from pre (`act_from_pre`), else loaded before the kernel (a recompute must run
+    # before d_pre takes pre's place)
+    emit_act = d_pre_recipe is None and linear_ctx.needs_grad("weight") and act_from_pre(act, linear_ctx)
+    x = linear_ctx.load_input() if linear_ctx.needs_grad("weight") and not emit_act else None
     dy_rows, dy_columns = dy_casts() if dy_casts is not None else fp8_grad_casts(linear_ctx, dy, recipe, x, True)
     pre = act_ctx.load_input()
     operands = (*fp8_dgrad_operands(linear_ctx, dy_rows, recipe), linear_ctx.side["offsets"], pre)
     kwargs = dict(activation=act.kernel_name, sm_margin=sm_margin(), **epilogue_args(act, act_ctx))
     if d_pre_recipe is None:
-        outputs = grouped_dgrad_dact_fp8_sm90(*operands, d_pre_amax=d_pre_amax,
+        outputs = grouped_dgrad_dact_fp8_sm90(*operands, d_pre_amax=d_pre_amax, emit_act=emit_act,
                                               out=pre if act_ctx.input_overwritable() else None, **kwargs)
+        if emit_act:
+            x, outputs = outputs[1], (outputs[0], *outputs[2:])
     else:
         rows, columns, d_probs = grouped_dgrad_dact_quant_fp8_sm90(
             *operands, power_2_scales=d_pre_recipe.power_2_scales, **kwargs)
@@ -327,6 +349,14 @@ def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool = False, d_pre_recipe=None, dy_cas
     grads = [_act_grads(act_ctx, outputs[1]),
              quantized_input_param_grads(linear_ctx, dy, x, dy_columns, out_dtype=pre.dtype)]
     return outputs[0], grads, outputs[2] if d_pre_amax else None
+
+
+def act_from_pre(act, linear_ctx) -> bool:
+    """Whether FC2's saved input is ``act`` recomputed from pre (the FP8 FC1 casting its act in the
+    epilogue with 16-bit weight gradients, `_grouped_linear_activation`): the dActivation kernel
+    then writes that act itself."""
+    source = linear_ctx.saved.get("input")
+    return isinstance(source, Recompute) and source.fn == act.compute
 
 
 @SM90.implement("dactivation+grouped_linear", supports=_supports_dactivation)

@@ -180,13 +180,14 @@ class GroupedGemmDActFp8Sm90(GroupedGemmDActSm90):
 
     dy (M, H) E4M3 with float32 multipliers dyScale (M, ceil(H/128)) per 1x128 block; W^T
     (G, I, H) E4M3, the forward's 128x128 weight cast transposed per group (K-major, as FP8
-    WGMMA needs), with wScale (G, ceil(I/128), ceil(H/128)). tile_n 128. No act output: FC2's
-    weight gradient reads the input the forward quantized. mDPreAmax (P,) float32 with
-    ``d_pre_amax``, else None.
+    WGMMA needs), with wScale (G, ceil(I/128), ceil(H/128)). tile_n 128 or 256. ``emit_act``: also
+    mAct (M, I), the activation (times probs) of pre as `GroupedGemmDActSm90` writes it, for FC2's
+    16-bit weight gradient where the forward wrote the act only in E4M3 (else None: that weight
+    gradient reads what the forward kept). mDPreAmax (P,) float32 with ``d_pre_amax``, else None.
     """
 
-    def __init__(self, dtype, activation, cluster_m=2, tile_n=128, **opts):
-        super().__init__(dtype, tile_n, activation, cluster_m, b_major="k", emit_act=False,
+    def __init__(self, dtype, activation, cluster_m=2, tile_n=128, emit_act=False, **opts):
+        super().__init__(dtype, tile_n, activation, cluster_m, b_major="k", emit_act=emit_act,
                          ab_dtype=cutlass.Float8E4M3FN, **opts)
 
     @cute.jit
@@ -199,15 +200,17 @@ class GroupedGemmDActFp8Sm90(GroupedGemmDActSm90):
         mOffsets: cute.Tensor,  # (G + 1,) int32
         mPre: cute.Tensor,  # (M, 2I) GLU, (M, I) srelu
         mDPre: cute.Tensor,  # like mPre
+        mAct: cute.Tensor,  # (M, I) with emit_act, else None
         mProbs: cute.Tensor,  # (M,) float32 or None
-        mDProbsPart: cute.Tensor,  # (ceil(I / 128), M) float32 or None
+        mDProbsPart: cute.Tensor,  # (ceil(I / tile_n), M) float32 or None
         mDPreAmax: cute.Tensor,  # (P,) float32 with d_pre_amax, else None
         constants: ActivationConstants,
         max_clusters: Int32,
         stream,
     ):
         m_total = cute.size(mDy, mode=[0])
-        self.launch(mDy, mW, mOffsets, (mDPre,), (mPre,),
+        outputs = (mDPre, mAct) if const_expr(self.emit_act) else (mDPre,)
+        self.launch(mDy, mW, mOffsets, outputs, (mPre,),
                     DActParams(mProbs, mDProbsPart, constants, m_total, mDPreAmax),
                     max_clusters, stream, scales=(mDyScale, mWScale))
 

@@ -350,10 +350,10 @@ def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_
 
 @cached_kernel
 def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2, d_pre_amax=False, tile_n=128,
-                                   **kernel_opts):
+                                   emit_act=False, **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_dgrad_dact_fp8_sm90``:
-    fn(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, d_pre, probs, d_probs_part, d_pre_amax, constants,
-    max_clusters)."""
+    fn(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, d_pre, act, probs, d_probs_part, d_pre_amax,
+    constants, max_clusters), act None without ``emit_act``."""
     import cutlass
     import cutlass.cute as cute
 
@@ -369,11 +369,13 @@ def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2,
         *_fp8_operand_fakes(m, h, g, i),
         fake_tensor(dt, (m, i_pre)),
         fake_tensor(dt, (m, i_pre)),
+        fake_tensor(dt, (m, i)) if emit_act else None,
         fake_tensor(cutlass.Float32, (m,), 4) if spec.takes_probs else None,
         fake_tensor(cutlass.Float32, (n_tiles, m), 4) if spec.takes_probs else None,
         _amax_parts_fake() if d_pre_amax else None,
     )
-    kernel = GroupedGemmDActFp8Sm90(dt, activation, cluster_m, tile_n, d_pre_amax=d_pre_amax, **kernel_opts)
+    kernel = GroupedGemmDActFp8Sm90(dt, activation, cluster_m, tile_n, d_pre_amax=d_pre_amax, emit_act=emit_act,
+                                    **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -1162,7 +1164,7 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
 
 def grouped_dgrad_dact_fp8_sm90(
     dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, activation, probs=None, out=None,
-    tile_n=None, cluster_m=None, sm_margin=None, d_pre_amax=False, **constants,
+    tile_n=None, cluster_m=None, sm_margin=None, d_pre_amax=False, emit_act=False, **constants,
 ):
     """`grouped_dgrad_dact_sm90` on block-scaled FP8 operands: h = dy_g @ W[g] in FP8, then dActivation.
 
@@ -1172,19 +1174,21 @@ def grouped_dgrad_dact_fp8_sm90(
     (G, ceil(I/128), ceil(H/128)); pre, probs, constants as for `grouped_dgrad_dact_sm90`, pre's
     dtype (bf16/fp16) the output's; ``out``: d_pre's buffer (pre itself allowed: each tile reads
     its pre before it stores its d_pre there). Returns (d_pre like pre, d_probs (M,) float32 for
-    scaled_swiglu else None); no act output. Rows >= offsets[G] are zero. H a multiple of 16; I of
-    32 (GLU) or 8. tile_n (over I): 128 or 256 (each block's product in two 128-column halves);
-    None: `tuning.fp8_dact_tile_n`. ``d_pre_amax``: also return d_pre's amax parts, as ``act_amax`` of
+    scaled_swiglu else None); with ``emit_act`` (d_pre, act (M, I) in pre's dtype, d_probs), act as
+    `grouped_dgrad_dact_sm90` returns it (FC2's 16-bit weight gradient reads it where the forward
+    kept the act only in E4M3). Rows >= offsets[G] are zero. H a multiple of 16; I of 32 (GLU) or
+    8. tile_n (over I): 128 or 256 (each block's product in two 128-column halves); None:
+    `tuning.fp8_dact_tile_n`. ``d_pre_amax``: also return d_pre's amax parts, as ``act_amax`` of
     `grouped_gemm_sm90` (the fp8_current cast of FC1's data gradient). No host sync; checks run
     once per argument signature.
     """
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, probs, out),
-        _DACT_FP8, pre.dtype, activation, tile_n, cluster_m, sm_margin, d_pre_amax,
+        _DACT_FP8, pre.dtype, activation, tile_n, cluster_m, sm_margin, d_pre_amax, emit_act,
     )
     args = (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation, probs, cluster_m, sm_margin,
-            d_pre_amax, None, tile_n)
+            d_pre_amax, None, tile_n, emit_act)
     launch = _MEMO.get(key)
     if launch is None:
         launch = _dact_fp8_launch(*args)
@@ -1195,22 +1199,25 @@ def grouped_dgrad_dact_fp8_sm90(
                 _DACT_FP8, (pre.dtype, g, i, h, tuning.rows_bucket(m), activation, bool(d_pre_amax)),
                 lambda t, c, _: _amax_folded(grouped_dgrad_dact_fp8_sm90(
                     dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation=activation, probs=probs,
-                    tile_n=t, cluster_m=c, sm_margin=sm_margin, d_pre_amax=d_pre_amax, **constants), d_pre_amax),
+                    tile_n=t, cluster_m=c, sm_margin=sm_margin, d_pre_amax=d_pre_amax, emit_act=emit_act,
+                    **constants), d_pre_amax),
                 (tuning.fp8_dact_tile_n(i), _fp8_cluster_m(m, i, g, dy.get_device(), sm_margin)),
                 tuning.fp8_candidates(tile_ns=(128, 256)))
             if config is not None:
-                args = (*args[:8], config.cluster_m, *args[9:12], config.tile_n)
+                args = (*args[:8], config.cluster_m, *args[9:12], config.tile_n, emit_act)
                 launch = _dact_fp8_launch(*args)
         _MEMO.put(key, launch)
     fn, partial_shape, clusters, num_parts = launch
     d_pre = torch.empty_like(pre) if out is None else out
+    act = pre.new_empty((pre.shape[0], weight_t.shape[1])) if emit_act else None
     d_probs_part = None if partial_shape is None else pre.new_empty(partial_shape, dtype=torch.float32)
     parts = _amax_parts(fn, num_parts, pre.device)
     _run(fn, tvm_ffi, _dact_fp8_launch, args,
-         (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, d_pre, probs, d_probs_part, parts),
+         (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, d_pre, act, probs, d_probs_part, parts),
          activation_constants(_DACT_FP8, constants), clusters)
     d_probs = None if d_probs_part is None else d_probs_part.sum(0)
-    return (d_pre, d_probs) if parts is None else (d_pre, d_probs, parts)
+    outputs = (d_pre, act, d_probs) if emit_act else (d_pre, d_probs)
+    return outputs if parts is None else (*outputs, parts)
 
 
 def _check_d_pre_out(name, out, pre):
@@ -1221,10 +1228,12 @@ def _check_d_pre_out(name, out, pre):
 
 
 def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activation, probs, cluster_m, sm_margin,
-                     d_pre_amax=False, power_2_scales=None, tile_n=None):
+                     d_pre_amax=False, power_2_scales=None, tile_n=None, emit_act=False):
     """Every check of `grouped_dgrad_dact_fp8_sm90` (with ``power_2_scales`` a bool: of
     `grouped_dgrad_dact_quant_fp8_sm90`, tile_n 128); (launcher or None when M == 0, d_probs
     partials shape or None, persistent grid in clusters, d_pre amax parts or 0)."""
+    if not isinstance(emit_act, bool):
+        raise TypeError(f"{_DACT_FP8}: emit_act must be a bool, got {type(emit_act).__name__}")
     quantize = power_2_scales is not None
     name = _DACT_QUANT_FP8 if quantize else _DACT_FP8
     dev, (m, h), (g, i, _) = _check_fp8_operands(
@@ -1258,7 +1267,7 @@ def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activ
         key = (_DACT_QUANT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, power_2_scales)
         compile_fn = compile_grouped_dgrad_dact_quant_fp8
     else:
-        key = (_DACT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, bool(d_pre_amax), tile_n)
+        key = (_DACT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, bool(d_pre_amax), tile_n, emit_act)
         compile_fn = compile_grouped_dgrad_dact_fp8
     fn = _LAUNCHERS.get(key)
     if fn is None:
