@@ -1196,7 +1196,7 @@ def grouped_dgrad_dact_fp8_sm90(
         if tile_n is None and cluster_m is None and launch[0] is not None:
             m, (g, i, h) = dy.shape[0], weight_t.shape
             config = tuning.tuned_config(
-                _DACT_FP8, (pre.dtype, g, i, h, tuning.rows_bucket(m), activation, bool(d_pre_amax)),
+                _DACT_FP8, (pre.dtype, g, i, h, tuning.rows_bucket(m), activation, bool(d_pre_amax), emit_act),
                 lambda t, c, _: _amax_folded(grouped_dgrad_dact_fp8_sm90(
                     dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation=activation, probs=probs,
                     tile_n=t, cluster_m=c, sm_margin=sm_margin, d_pre_amax=d_pre_amax, emit_act=emit_act,
