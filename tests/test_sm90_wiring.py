@@ -1097,8 +1097,9 @@ def scatter_cast_rows_stand_in(x, rows, num_kept, power_2_scales=False):
 def test_fp8_layer_with_16_bit_weight_gradients_on_the_row_kernels(frozen_fc2_weight, sm90_stand_ins, monkeypatch):
     """The FP8 MoE layer with `high_precision_wgrad` on the sm90 rules: each token cast once in the
     dispatch and in the combine's backward, FC1's weight gradient reading x's rows by index, FC2's
-    on dy's 16-bit expert rows (its bias too; none made when neither reads them), no FP8 weight
-    gradient and no column copy; within the torch backend's tolerance."""
+    on dy's 16-bit expert rows (its bias too; none made when neither reads them) and the act the
+    FP8 dActivation writes (FC1's epilogue cast the act; none written for a frozen FC2), no FP8
+    weight gradient and no column copy; within the torch backend's tolerance."""
     import te_fused_ops.backends.sm90.moe as sm90_moe
     from te_fused_ops import Permute, Unpermute
 
@@ -1125,13 +1126,14 @@ def test_fp8_layer_with_16_bit_weight_gradients_on_the_row_kernels(frozen_fc2_we
         leaves = (x, probs, *(p for p in seq.parameters() if p.requires_grad))
         for t in leaves:
             t.grad = None
-        for calls in (SCATTERS, GATHERED_WGRADS, COLUMN_CASTS, WGRAD_FP8_CALLS):
+        for calls in (SCATTERS, GATHERED_WGRADS, COLUMN_CASTS, WGRAD_FP8_CALLS, FP8_ACT_CASTS, EMITTED_ACTS):
             calls.clear()
         seq(x, indices=indices, probs=probs).backward(dy)
         return [t.grad.clone() for t in leaves]
 
     got = run()
     assert GATHERED_WGRADS == [(tokens, H)] and COLUMN_CASTS == [] and WGRAD_FP8_CALLS == []
+    assert FP8_ACT_CASTS == [False] and len(EMITTED_ACTS) == int(not frozen_fc2_weight), (FP8_ACT_CASTS, EMITTED_ACTS)
     assert SCATTERS == [(tokens, H)]  # dy's 16-bit rows for FC2's weight and bias gradients
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
     for name, a, b in zip(("dx", "dprobs", "dW1", "dW2 or db2", "db2"), got, run()):
