@@ -352,8 +352,8 @@ def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool = False, d_pre_recipe=None, dy_cas
 
 
 def act_from_pre(act, linear_ctx) -> bool:
-    """Whether FC2's saved input is ``act`` recomputed from pre (the FP8 FC1 casting its act in the
-    epilogue with 16-bit weight gradients, `_grouped_linear_activation`): the dActivation kernel
+    """Whether FC2's saved input is ``act`` recomputed from pre (FC1, bf16 or FP8, casting its act in
+    the epilogue with 16-bit weight gradients, `_grouped_linear_activation`): the dActivation kernel
     then writes that act itself."""
     source = linear_ctx.saved.get("input")
     return isinstance(source, Recompute) and source.fn == act.compute
