@@ -325,6 +325,7 @@ class Contender:
     leaves: dict     # role ("x", "probs" or "router", "w1", "w2") -> tensor whose .grad is checked
     inputs: tuple    # the step's inputs (not counted as saved activations)
     indices: object = None  # () -> (T, k) expert ids the contender routes to (router rows), or None
+    optimizer_step: object = None  # what an optimizer step does to it every MICRO_BATCHES steps (-4mb), or None
 
 
 def fused_ops():
@@ -372,7 +373,7 @@ def fp8_regimes(p: Problem, permute, unpermute, recipe, label: str, leaves: dict
     return {
         label: Contender(lambda: every_step(p.x, indices=p.indices, probs=p.probs), leaves, inputs),
         f"{label}-4mb": Contender(one_of_the_micro_batches, dict(leaves, w1=fc1_own.weight, w2=fc2_own.weight),
-                                  inputs),
+                                  inputs, optimizer_step=casts.drop),
     }
 
 

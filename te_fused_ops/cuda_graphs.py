@@ -8,6 +8,11 @@ replayed; routing changes by writing new values into the same ``split_sizes`` te
 import torch
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class CudaGraphStep:
     """``step()`` (forward + backward over static tensors, gradients set to None inside) captured
     as one CUDA graph; calling the object replays it and returns what ``step`` returned at capture.
@@ -26,7 +31,9 @@ class CudaGraphStep:
             optimizer.step()             # outside the graph (or capture it in ``step`` too)
 
     ``warmup`` eager runs on a side stream first compile kernels and torch.compile'd code and let
-    autograd allocate; they change gradients and anything ``step`` updates, like the replays.
+    autograd allocate; they change gradients and anything ``step`` updates, like the replays. Under
+    `cast_weights_once_per_step` they also make the FP8 weight copies the graph reads, which each
+    optimizer step recasts in place (gradient accumulation: replay per micro-batch, step after).
     """
 
     def __init__(self, step, warmup: int = 2, pool=None):

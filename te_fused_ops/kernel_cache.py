@@ -412,18 +412,13 @@ class DeferredLauncher:
         return self.launcher(*args, **kwargs)
 
     def _resolve(self) -> None:
+        from .cuda_graphs import capturing  # torch is imported on first use only
+
         request = self.request
-        if self.launcher is not None and _capturing():  # a graph keeps the stand-in it captured
+        if self.launcher is not None and capturing():  # a graph keeps the stand-in it captured
             return
         self.on_stand_in = request.stand_in is not None and request.compiling_elsewhere
         self.launcher = (request.stand_in if self.on_stand_in else request).compile()
-
-
-def _capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (no kernel is loaded then)."""
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 _RECORDING: dict | None = None  # entry key -> CompileRequest while `recording()` is active

@@ -71,6 +71,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
+from .cuda_graphs import capturing
 from .errors import OpTypeError, OpValueError
 
 __all__ = [
@@ -633,14 +634,28 @@ def fake_quantize(x, recipe, role="activation", offsets=None) -> torch.Tensor:
 _reuse = threading.local()
 
 
+@dataclass
+class WeightCopy:
+    """A copy kept in a `ReuseScope`: ``value`` = ``make()``, derived from ``weight`` (kept so its
+    address cannot be reused); ``captured``: a CUDA graph read it during its capture, so its
+    storage must stay where it is and be refilled (`StepCasts`), never dropped."""
+
+    weight: torch.Tensor
+    value: object
+    make: object
+    captured: bool = False
+
+
 class ReuseScope:
-    """The copies of one outermost `reuse_quantized_weights` scope (``copies`` None once closed).
+    """The copies of one outermost `reuse_quantized_weights` scope (``copies`` None once closed),
+    or of one `cast_weights_once_per_step` (``serves_graphs``: its copies outlive any capture).
 
     Each op context takes the scope open in the forward's thread (`current_reuse_scope`), so the
     backward, which autograd runs on another thread for CUDA tensors, reuses the same copies."""
 
-    def __init__(self):
-        self.copies: dict = {}
+    def __init__(self, serves_graphs: bool = False):
+        self.copies: dict = {}  # key -> WeightCopy
+        self.serves_graphs = serves_graphs
 
 
 def current_reuse_scope():
@@ -661,7 +676,7 @@ class StepCasts:
     detaches it (hooks removed, copies dropped, the modules cast on every call again)."""
 
     def __init__(self, optimizer, model):
-        self.scope = ReuseScope()
+        self.scope = ReuseScope(serves_graphs=True)
         self.modules = list(model.modules())
         taken = [m for m in self.modules if m in _step_scopes]
         if taken:
@@ -669,12 +684,25 @@ class StepCasts:
                              f"cast_weights_once_per_step (remove() it first)")
         for module in self.modules:
             _step_scopes[module] = self.scope
-        drop = lambda *args: self.drop()  # noqa: E731
-        self._hooks = [optimizer.register_step_pre_hook(drop), optimizer.register_step_post_hook(drop)]
+        self._hooks = [optimizer.register_step_pre_hook(lambda *args: self._drop_uncaptured()),
+                       optimizer.register_step_post_hook(lambda *args: self.drop())]
 
     def drop(self) -> None:
-        """Drop the copies kept (the next forward casts again)."""
-        self.scope.copies.clear()
+        """Drop the copies kept (the next forward casts again), except those a CUDA graph read
+        during its capture: each of those is cast again from its weight now, into its own storage,
+        so the graph's next replay, and eager calls, read the current weights."""
+        self._drop_uncaptured()
+        copies = self.scope.copies
+        with torch.no_grad():
+            for key, copy in list(copies.items()):
+                refill(copy.value, copy.make())
+                del copies[key]
+                copies[copy_key(copy.weight, *key[-2:])] = copy
+
+    def _drop_uncaptured(self) -> None:
+        copies = self.scope.copies
+        for key in [key for key, copy in copies.items() if not copy.captured]:
+            del copies[key]
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -683,7 +711,7 @@ class StepCasts:
         for module in self.modules:
             if _step_scopes.get(module) is self.scope:
                 del _step_scopes[module]
-        self.drop()
+        self.scope.copies.clear()
 
     def __enter__(self):
         return self
@@ -711,6 +739,12 @@ def cast_weights_once_per_step(optimizer, model) -> StepCasts:
     (``p.data.mul_(...)`` bumps no version counter): call ``casts.drop()`` after such a write.
     Other models (a copy of ``model`` too) are not affected. The copies of one step stay alive until
     the next: an FP8 copy of each weight, plus its transposed copy where the data gradient reads one.
+
+    CUDA graphs: a micro-batch captured after an eager call (`CudaGraphStep`'s warm-up) reads the
+    copies that call made; each optimizer step (and ``drop()``) then casts those copies again in
+    place, so every replay reads the current weights and casts nothing itself. Weights a capture
+    did not find cast are cast in the graph, on every replay. Do not replay such a graph after
+    ``remove()``: its copies are freed.
     """
     return StepCasts(optimizer, model)
 
@@ -747,20 +781,41 @@ def reuse_quantized_weights():
 
 def reuse_or_make(weight: torch.Tensor, recipe, kind: str, make, scope):
     """``make()`` (a copy derived from ``weight``), or while ``scope`` (a `ReuseScope` or None) is
-    open the one made earlier in it for the same weight, recipe and ``kind`` of copy. Never while a
-    CUDA graph is being captured: a graph replays whatever it captured, so a reused copy would be
-    read as it was at capture time after every later optimizer step; the graph casts each replay."""
+    open the one made earlier in it for the same weight, recipe and ``kind`` of copy. While a CUDA
+    graph is being captured, only a `cast_weights_once_per_step` copy made before the capture is
+    read (and marked captured: the optimizer step refills it in place, so each replay reads the
+    current weights); anything else is cast in the graph, on every replay, and not kept."""
     copies = None if scope is None else scope.copies
-    if copies is None or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if copies is None:
         return make()
     try:
-        version = weight._version
+        key = copy_key(weight, recipe, kind)
     except RuntimeError:  # an inference tensor: no version counter to key on
         return make()
-    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, version, recipe, kind)
-    if key not in copies:
-        copies[key] = (weight, make())  # the weight is kept so its address cannot be reused
-    return copies[key][1]
+    if capturing():
+        if not scope.serves_graphs or key not in copies:
+            return make()
+        copies[key].captured = True
+    elif key not in copies:
+        copies[key] = WeightCopy(weight, make(), make)
+    return copies[key].value
+
+
+def copy_key(weight: torch.Tensor, recipe, kind: str) -> tuple:
+    """What a kept copy of ``weight`` is found by: the tensor (address, shape, dtype, device), its
+    version counter (RuntimeError for an inference tensor), the recipe and the kind of copy."""
+    return (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, weight._version, recipe, kind)
+
+
+def refill(kept, fresh) -> None:
+    """Copy ``fresh`` into ``kept``: tensors, or tuples / lists of them (or None), of one structure."""
+    if isinstance(kept, torch.Tensor):
+        kept.copy_(fresh)
+    elif isinstance(kept, (tuple, list)):
+        for k, f in zip(kept, fresh, strict=True):
+            refill(k, f)
+    elif kept is not None:
+        raise TypeError(f"refill: cannot refill a {type(kept).__name__} in place")
 
 
 def quantized_weight_values(weight: torch.Tensor, recipe, scope) -> torch.Tensor:

@@ -285,6 +285,56 @@ def test_sm90_fp8_weight_copies_are_made_once_per_reuse_scope(monkeypatch):
             assert torch.equal(u, v)
 
 
+def test_sm90_graphed_micro_batches_read_the_step_copies_that_fused_adamw_refills(monkeypatch):
+    """Gradient accumulation with the micro-batch captured once (`CudaGraphStep`) under
+    `cast_weights_once_per_step`: the graph reads the weight copies its warm-up made (no cast in
+    the replays), each fused AdamW step casts both weights once into those copies' storage, and
+    every replay's output and gradients equal bit for bit a fresh model's eager step on the
+    stepped weights."""
+    import te_fused_ops.backends.sm90.linear as sm90
+
+    _require_hopper()
+    made = []
+    real = sm90.block_quantize_sm90
+
+    def counted(data, *args, **kwargs):
+        if args[0] == 128:
+            made.append(data.shape)
+        return real(data, *args, **kwargs)
+
+    monkeypatch.setattr(sm90, "block_quantize_sm90", counted)
+    torch.manual_seed(0)
+    seq = fp8_mlp(True)
+    optimizer = torch.optim.AdamW(seq.parameters(), lr=1e-3, fused=True)
+    x = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16)
+    split_sizes = routing(3, ROWS - 40)
+
+    def micro_batch():
+        for p in [x, *seq.parameters()]:
+            p.grad = None
+        return train_step(seq, x, dy, split_sizes=split_sizes)
+
+    with tfo.cast_weights_once_per_step(optimizer, seq):
+        graphed = tfo.CudaGraphStep(micro_batch)
+        assert len(made) == 2, made  # the warm-up's copies; the capture cast nothing
+        for step in range(3):
+            for seed in (4, 5):
+                with torch.no_grad():
+                    x.copy_(torch.randn_like(x))
+                split_sizes.copy_(routing(seed + step, ROWS - 8 * seed))
+                y = graphed()
+                got = [y.clone(), x.grad.clone(), *(p.grad.clone() for p in seq.parameters())]
+                fresh = fresh_copy(seq)
+                x_fresh = x.detach().clone().requires_grad_(True)
+                want = train_step(fresh, x_fresh, dy, split_sizes=split_sizes.clone())
+                for a, b in zip(got, [want, x_fresh.grad, *(p.grad for p in fresh.parameters())]):
+                    assert torch.equal(a, b), f"stale weight copy at step {step}"
+            made.clear()
+            optimizer.step()
+            assert len(made) == 2, made  # both copies refilled, once each
+
+
 @pytest.mark.parametrize("recipe", [Float8BlockScaling(), Float8BlockScaling(power_2_scales=True)])
 def test_sm90_output_cast_in_the_gemm_epilogue(recipe, monkeypatch):
     """GroupedLinear, Quantize, GroupedLinear: FC1's output cast to E4M3 in its epilogue (never

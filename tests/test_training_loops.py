@@ -388,23 +388,68 @@ def test_step_casts_see_writes_through_the_parameter_and_new_tensors():
         assert torch.equal(seq(x, split_sizes=SPLITS), fresh_copy(seq)(x, split_sizes=SPLITS))
 
 
-def test_no_weight_copy_is_reused_or_kept_inside_a_cuda_graph_capture(monkeypatch):
-    """A captured graph replays its reads of a reused copy as captured: during a capture every
-    weight is cast afresh (in the graph) and nothing is stored for later calls."""
+def _pretend_capturing(monkeypatch, on: bool) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: on)
+
+
+def test_a_graph_capture_reads_the_step_copies_and_the_optimizer_step_refills_them(monkeypatch):
+    """A capture reads the `cast_weights_once_per_step` copies made before it (no cast in the
+    graph); the optimizer step then casts each captured copy again into its own storage (where the
+    graph reads it), so replays and eager calls after the step see the stepped weights, and the
+    eager calls cast nothing more. A weight first read during a capture is cast in the graph and
+    not kept."""
     casts = _count_weight_casts(monkeypatch)
     seq = mlp()
     x = batch(4)
-    with tfo.cast_weights_once_per_step(torch.optim.SGD(seq.parameters(), lr=0.1), seq):
+    opt = torch.optim.AdamW(seq.parameters(), lr=1e-2, fused=False, foreach=False)
+    with tfo.cast_weights_once_per_step(opt, seq) as steps:
+        seq(x, split_sizes=SPLITS).square().mean().backward()
+        assert len(casts) == 1
+        _pretend_capturing(monkeypatch, True)
+        seq(x, split_sizes=SPLITS).square().mean().backward()
+        assert len(casts) == 1  # the "captured" forward and backward read the copy
+        (copy_before,) = [c for c in steps.scope.copies.values()]
+        assert copy_before.captured
+        storage = copy_before.value.data_ptr()
+        _pretend_capturing(monkeypatch, False)
+        for step in range(2):
+            before = len(casts)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            assert len(casts) == before + 1  # refilled once a step, into the same storage
+            (kept,) = steps.scope.copies.values()
+            assert kept is copy_before and kept.value.data_ptr() == storage
+            y = seq(x, split_sizes=SPLITS)
+            y.square().mean().backward()
+            assert len(casts) == before + 1  # the eager forward and backward cast nothing
+            assert torch.equal(kept.value, kept.make())
+            assert torch.equal(y, fresh_copy(seq)(x, split_sizes=SPLITS)), f"stale copy after step {step}"
+        steps.drop()  # by hand (after a write through .data): refilled as well
+        assert steps.scope.copies and kept.value.data_ptr() == storage
+
+
+def test_copies_outside_a_step_scope_are_not_read_or_kept_inside_a_capture(monkeypatch):
+    """`reuse_quantized_weights` drops its copies when it closes, so a graph must not read them:
+    during a capture every weight is cast afresh (in the graph) and nothing is stored; a
+    `cast_weights_once_per_step` weight first seen during a capture is cast there and not kept."""
+    casts = _count_weight_casts(monkeypatch)
+    seq = mlp()
+    x = batch(4)
+    with tfo.reuse_quantized_weights():
         seq(x, split_sizes=SPLITS)
         assert len(casts) == 1
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        _pretend_capturing(monkeypatch, True)
         seq(x, split_sizes=SPLITS)
         seq(x, split_sizes=SPLITS)
-        assert len(casts) == 3  # cast in each "captured" call, the copy made before not read
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        assert len(casts) == 3
+        _pretend_capturing(monkeypatch, False)
         seq(x, split_sizes=SPLITS)
         assert len(casts) == 3  # the copy from before the capture, nothing new kept during it
+    with tfo.cast_weights_once_per_step(torch.optim.SGD(seq.parameters(), lr=0.1), seq) as steps:
+        _pretend_capturing(monkeypatch, True)
+        seq(x, split_sizes=SPLITS)
+        assert len(casts) == 4 and not steps.scope.copies
 
 
 def test_reuse_scope_reaches_the_backward_on_autograd_thread(monkeypatch):

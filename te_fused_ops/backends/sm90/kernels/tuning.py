@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from .... import env, kernel_cache
+from ....cuda_graphs import capturing
 
 TILE_NS = (128, 192, 256)  # tile widths of the bf16 GEMM kernels
 PINGPONG_TILE_NS = (128, 192)  # with ping-pong each warpgroup holds a whole tile's accumulator
@@ -217,7 +218,7 @@ def tuned_config(family: str, dims: tuple, run, default: LaunchConfig, candidate
     config = table().get(key)
     if config is not None or not env.read("TE_FUSED_OPS_AUTOTUNE", family):
         return config
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if capturing():
         return None
     if kernel_cache.is_recording():  # nothing runs: record every candidate's kernel, tune on a real run
         for candidate in candidates:
