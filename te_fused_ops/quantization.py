@@ -638,12 +638,21 @@ _reuse = threading.local()
 class WeightCopy:
     """A copy kept in a `ReuseScope`: ``value`` = ``make()``, derived from ``weight`` (kept so its
     address cannot be reused); ``captured``: a CUDA graph read it during its capture, so its
-    storage must stay where it is and be refilled (`StepCasts`), never dropped."""
+    storage must stay where it is and be recast (`StepCasts`), never dropped; ``make_into``:
+    ``make`` writing into the kept value instead (None: a fresh ``make()`` is copied in)."""
 
     weight: torch.Tensor
     value: object
     make: object
+    make_into: object = None
     captured: bool = False
+
+    def recast(self) -> None:
+        """``value`` made again from the weight as it is now, in its own storage."""
+        if self.make_into is not None:
+            self.make_into(self.value)
+        else:
+            refill(self.value, self.make())
 
 
 class ReuseScope:
@@ -695,7 +704,7 @@ class StepCasts:
         copies = self.scope.copies
         with torch.no_grad():
             for key, copy in list(copies.items()):
-                refill(copy.value, copy.make())
+                copy.recast()
                 del copies[key]
                 copies[copy_key(copy.weight, *key[-2:])] = copy
 
@@ -779,12 +788,13 @@ def reuse_quantized_weights():
         _reuse.scope = None
 
 
-def reuse_or_make(weight: torch.Tensor, recipe, kind: str, make, scope):
+def reuse_or_make(weight: torch.Tensor, recipe, kind: str, make, scope, make_into=None):
     """``make()`` (a copy derived from ``weight``), or while ``scope`` (a `ReuseScope` or None) is
     open the one made earlier in it for the same weight, recipe and ``kind`` of copy. While a CUDA
     graph is being captured, only a `cast_weights_once_per_step` copy made before the capture is
-    read (and marked captured: the optimizer step refills it in place, so each replay reads the
-    current weights); anything else is cast in the graph, on every replay, and not kept."""
+    read (and marked captured: the optimizer step recasts it in place, by ``make_into(kept)``
+    where given, so each replay reads the current weights); anything else is cast in the graph, on
+    every replay, and not kept."""
     copies = None if scope is None else scope.copies
     if copies is None:
         return make()
@@ -797,7 +807,7 @@ def reuse_or_make(weight: torch.Tensor, recipe, kind: str, make, scope):
             return make()
         copies[key].captured = True
     elif key not in copies:
-        copies[key] = WeightCopy(weight, make(), make)
+        copies[key] = WeightCopy(weight, make(), make, make_into)
     return copies[key].value
 
 
@@ -808,8 +818,13 @@ def copy_key(weight: torch.Tensor, recipe, kind: str) -> tuple:
 
 
 def refill(kept, fresh) -> None:
-    """Copy ``fresh`` into ``kept``: tensors, or tuples / lists of them (or None), of one structure."""
+    """Copy ``fresh`` into ``kept``: tensors, or tuples / lists of them (or None), of one structure
+    (ValueError where a tensor's shape or dtype differs: the weight changed shape since)."""
     if isinstance(kept, torch.Tensor):
+        if kept.shape != fresh.shape or kept.dtype != fresh.dtype:
+            raise ValueError(f"cast_weights_once_per_step: a weight copy a CUDA graph captured was {kept.dtype} "
+                             f"{tuple(kept.shape)}, its weight now casts to {fresh.dtype} {tuple(fresh.shape)}: "
+                             f"capture the graph again after changing a weight's shape")
         kept.copy_(fresh)
     elif isinstance(kept, (tuple, list)):
         for k, f in zip(kept, fresh, strict=True):

@@ -126,6 +126,40 @@ def test_weight_blocks_with_transposed_copy(shape, dtype, power_2_scales):
     assert_transposed_copy(data, scale_inv, data_t, scale_inv_t)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("shape", [(3, 304, 208), (2, 1536, 2048)])
+def test_weight_blocks_into_kept_outputs(shape, transposed):
+    """``out=``: a second weight cast into an earlier call's NaN-filled outputs writes every byte
+    of them, bit for bit a fresh cast of the second weight, and returns those tensors."""
+    first, second = (tiny_rows(sample(shape, torch.bfloat16, seed=sum(shape) + s)) for s in (2, 3))
+    kept = block_quantize_sm90(first, 128, transposed=transposed)
+    for t in kept:
+        if t.dtype == torch.float8_e4m3fn:
+            t.view(torch.uint8).fill_(0x7F)  # E4M3 NaN
+        else:
+            t.fill_(float("nan"))
+    got = block_quantize_sm90(second, 128, transposed=transposed, out=kept)
+    assert len(got) == len(kept) and all(a is b for a, b in zip(got, kept))
+    for a, b in zip(got, block_quantize_sm90(second, 128, transposed=transposed)):
+        if a.dtype == torch.float8_e4m3fn:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        else:
+            assert torch.equal(a, b)
+
+
+def test_weight_blocks_into_wrong_outputs_are_refused():
+    w = torch.zeros(2, 256, 384, dtype=torch.bfloat16, device="cuda")
+    data, scale_inv, data_t, scale_inv_t = block_quantize_sm90(w, 128, transposed=True)
+    with pytest.raises(TypeError, match="block_quantize_sm90: out must be a tuple of 4 tensors"):
+        block_quantize_sm90(w, 128, transposed=True, out=(data, scale_inv))
+    with pytest.raises(ValueError, match=r"block_quantize_sm90: out\[2\] must be .* shape \(2, 384, 256\)"):
+        block_quantize_sm90(w, 128, transposed=True, out=(data, scale_inv, data, scale_inv_t))
+    with pytest.raises(ValueError, match=r"block_quantize_sm90: out\[1\] must be a contiguous"):
+        block_quantize_sm90(w, 128, out=(data, scale_inv_t.transpose(1, 2)))
+    with pytest.raises(ValueError, match=r"block_quantize_sm90: out\[0\] must be .*torch.float8_e4m3fn"):
+        block_quantize_sm90(w, 128, out=(w, scale_inv))
+
+
 def assert_transposed_copy(data, scale_inv, data_t, scale_inv_t):
     g, n, k = data.shape
     assert data_t.shape == (g, k, n) and data_t.is_contiguous() and scale_inv_t.is_contiguous()

@@ -5,6 +5,8 @@ weights get 128 x 128 blocks of very different magnitudes, so a scale handed ove
 layout (the data gradient's transposed weight, the casts' row-wise scales) shows as an O(1)
 error."""
 
+import copy
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from te_fused_ops import (
     SReLU,
     SwiGLU,
     Transpose,
+    cast_weights_once_per_step,
 )
 from te_fused_ops.grouped_mm import grouped_row_sum, grouped_wgrad
 from te_fused_ops.quantization import Float8BlockScaling, QuantizedTensor, quantize, quantize_weight
@@ -131,14 +134,25 @@ def with_transposed(x, data, scale_inv, transposed):
     return data, scale_inv, *(t.transpose(1, 2).contiguous() for t in (data, scale_inv))
 
 
-def block_cast(x, block_rows, power_2_scales=False, transposed=False):
+CASTS_INTO = []  # the out= tuples of the stood-in casts given one
+
+
+def block_cast(x, block_rows, power_2_scales=False, transposed=False, out=None):
     """`block_quantize_sm90`'s contract: the torch quantizer's data and scales, with ``transposed``
-    followed by both transposed per group."""
+    followed by both transposed per group; with ``out`` written there (of the same structure)."""
     CASTS.append(block_rows)
     CAST_POWER_2.append(power_2_scales)
     recipe = Float8BlockScaling(power_2_scales=power_2_scales)
     q = quantize(x, recipe) if block_rows == 1 else quantize_weight(x, recipe)
-    return with_transposed(x, q.rowwise_data, q.rowwise_scale_inv, transposed)
+    made = with_transposed(x, q.rowwise_data, q.rowwise_scale_inv, transposed)
+    if out is None:
+        return made
+    CASTS_INTO.append(out)
+    assert len(out) == len(made)
+    for kept, fresh in zip(out, made):
+        assert kept.shape == fresh.shape and kept.dtype == fresh.dtype
+        kept.copy_(fresh)
+    return out
 
 
 ACT_CASTS = []  # power_2_scales of each stood-in GEMM with the act cast in its epilogue
@@ -1274,3 +1288,35 @@ def test_expert_parallel_16_bit_rows_are_cast_on_the_cast_kernel(hidden, sm90_st
             assert ref.rel_err(a, b) <= 2e-2
     finally:
         dist.destroy_process_group()
+
+
+def test_graph_captured_weight_copies_are_recast_in_their_storage(sm90_stand_ins, monkeypatch):
+    """FP8 weights under `cast_weights_once_per_step` read by a (stood-in) CUDA graph capture: the
+    optimizer step casts each kept copy on the cast kernel straight into its storage (``out=``, no
+    fresh copy copied in), and the layer after the step equals a fresh model's."""
+    import te_fused_ops.quantization as quantization
+
+    seq = fp8_mlp(Float8BlockScaling())
+    x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(seq.parameters(), lr=1e-2, foreach=False)
+    with cast_weights_once_per_step(opt, seq) as casts:
+        step(seq, x, dy)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        step(seq, x, dy)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        kept = [c.value for c in casts.scope.copies.values()]
+        assert len(kept) == 2 and all(c.captured for c in casts.scope.copies.values())
+        storage = [[t.data_ptr() for t in value] for value in kept]
+        monkeypatch.setattr(quantization, "refill", lambda *args: pytest.fail("copied in, not cast into"))
+        CASTS_INTO.clear()
+        opt.step()
+        assert [id(out) for out in CASTS_INTO] == [id(value) for value in kept]
+        assert [c.value for c in casts.scope.copies.values()] == kept
+        assert [[t.data_ptr() for t in value] for value in kept] == storage
+        fresh = copy.deepcopy(seq)
+        fresh.load_state_dict({k: v.clone() for k, v in seq.state_dict().items()})
+        x_fresh = x.detach().clone().requires_grad_(True)
+        for a, b in zip(step(seq, x, dy), step(fresh, x_fresh, dy)):
+            assert torch.equal(a, b)

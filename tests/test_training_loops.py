@@ -429,6 +429,20 @@ def test_a_graph_capture_reads_the_step_copies_and_the_optimizer_step_refills_th
         assert steps.scope.copies and kept.value.data_ptr() == storage
 
 
+def test_a_captured_copy_whose_weight_changed_shape_is_refused(monkeypatch):
+    """A weight given a new shape after a graph captured its copy cannot be recast into that
+    copy's storage: a clear error, never a broadcast into the old copy."""
+    seq = mlp()
+    with tfo.cast_weights_once_per_step(torch.optim.SGD(seq.parameters(), lr=0.1), seq) as steps:
+        seq(batch(0), split_sizes=SPLITS)
+        _pretend_capturing(monkeypatch, True)
+        seq(batch(0), split_sizes=SPLITS)
+        _pretend_capturing(monkeypatch, False)
+        seq[1].weight.data = torch.randn(1, 2 * I, H)  # would broadcast over the kept (G, 2I, H) copy
+        with pytest.raises(ValueError, match="cast_weights_once_per_step: a weight copy a CUDA graph captured"):
+            steps.drop()
+
+
 def test_copies_outside_a_step_scope_are_not_read_or_kept_inside_a_capture(monkeypatch):
     """`reuse_quantized_weights` drops its copies when it closes, so a graph must not read them:
     during a capture every weight is cast afresh (in the graph) and nothing is stored; a

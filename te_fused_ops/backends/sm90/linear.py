@@ -208,6 +208,12 @@ def cast_kernel(x: torch.Tensor, recipe, block_rows: int, offsets=None, amax_par
     return tensor_quantize_sm90(x, block_rows, offsets, amax_parts, transposed=transposed)
 
 
+def cast_weight_into(weight: torch.Tensor, recipe, transposed: bool, kept: tuple) -> tuple:
+    """`cast_kernel`'s 128 x 128 cast of ``weight`` written into ``kept`` (what it returned
+    before; ``Float8BlockScaling`` only): a kept weight copy recast in place."""
+    return block_quantize_sm90(weight.contiguous(), 128, recipe.power_2_scales, transposed=transposed, out=kept)
+
+
 def quantize_rows(x: torch.Tensor, recipe, offsets, amax_parts=None) -> QuantizedTensor:
     """``x`` (..., K) as the Quantize op makes it (row-wise data and scales), on the cast kernels;
     ``amax_parts``: fp8_current's amax from the GEMM epilogue that wrote x."""
@@ -258,7 +264,10 @@ def quantize_weight_blocks(weight: torch.Tensor, recipe, reuse_scope, transposed
     def make():
         return cast_kernel(weight.contiguous(), recipe, 128, transposed=transposed)
 
-    return reuse_or_make(weight, recipe, "blocks and transposed" if transposed else "blocks", make, reuse_scope)
+    into = (lambda kept: cast_weight_into(weight, recipe, transposed, kept)) if isinstance(
+        recipe, Float8BlockScaling) else None
+    return reuse_or_make(weight, recipe, "blocks and transposed" if transposed else "blocks", make, reuse_scope,
+                         make_into=into)
 
 
 # FC1 output widths up to which its weight gradient reading x's rows by index beats permuting x

@@ -191,13 +191,14 @@ def _as_given(x, data, scale_inv, copy=(None, None)):
     return (data[0], scale_inv[0]) if x.dim() == 2 else (data, scale_inv)
 
 
-def block_quantize_sm90(x: torch.Tensor, block_rows: int, power_2_scales: bool = False, transposed: bool = False):
+def block_quantize_sm90(x: torch.Tensor, block_rows: int, power_2_scales: bool = False, transposed: bool = False,
+                        out: tuple = None):
     """(data, scale_inv) of ``x`` in E4M3 blocks of ``block_rows`` x 128 (see the module); with
     ``transposed`` (weights (G, N, K), N and K multiples of 16) also (data_t (G, K, N), scale_inv_t
-    (G, ceil(K/128), ceil(N/128))), each group of both transposed, from the same read."""
+    (G, ceil(K/128), ceil(N/128))), each group of both transposed, from the same read. ``out``:
+    tensors like those this call returns (an earlier call's), written instead and returned."""
     x3 = _cast_input(_NAME, x, block_rows)
-    data, scale_inv = _cast_outputs(x3, block_rows)
-    copy = _transposed_outputs(_NAME, x, x3, block_rows, data, scale_inv) if transposed else (None, None)
+    data, scale_inv, copy = _cast_targets(_NAME, x, x3, block_rows, transposed, out)
     if x3.numel():
         if block_rows == 1:  # a warp per 8 rows of a 128-column block
             ctas = _row_item_ctas(x3)
@@ -206,6 +207,28 @@ def block_quantize_sm90(x: torch.Tensor, block_rows: int, power_2_scales: bool =
         fn = compile_block_quantize(x.dtype, block_rows, None, bool(power_2_scales), False, bool(transposed))
         _launch(fn, (x3, data, scale_inv, None, *copy), ctas)
     return _as_given(x, data, scale_inv, copy)
+
+
+def _cast_targets(name, x, x3, block_rows, transposed, out):
+    """(data, scale_inv, transposed copy or (None, None)) that a block cast of ``x`` (as x3)
+    writes: new tensors, or ``out`` (as `_as_given` shapes them) after its checks."""
+    if out is None:
+        data, scale_inv = _cast_outputs(x3, block_rows)
+        copy = _transposed_outputs(name, x, x3, block_rows, data, scale_inv) if transposed else (None, None)
+        return data, scale_inv, copy
+    want = _as_given(x, *_cast_targets(name, x, x3.new_empty(x3.shape, device="meta"), block_rows, transposed, None))
+    if not isinstance(out, (tuple, list)) or len(out) != len(want):
+        raise TypeError(f"{name}: out must be a tuple of {len(want)} tensors (what this call returns), got "
+                        f"{type(out).__name__}" + (f" of {len(out)}" if isinstance(out, (tuple, list)) else ""))
+    for i, (o, w) in enumerate(zip(out, want)):
+        if (not isinstance(o, torch.Tensor) or o.dtype != w.dtype or o.shape != w.shape or o.device != x.device
+                or not o.is_contiguous() or (o.numel() and o.data_ptr() % 16)):
+            got = f"{o.dtype} {tuple(o.shape)} on {o.device}" if isinstance(o, torch.Tensor) else type(o).__name__
+            raise ValueError(f"{name}: out[{i}] must be a contiguous, 16-byte aligned {w.dtype} tensor of shape "
+                             f"{tuple(w.shape)} on x's device, got {got}")
+    if x.dim() == 2:
+        return out[0].unsqueeze(0), out[1].unsqueeze(0), (None, None)
+    return out[0], out[1], tuple(out[2:]) if transposed else (None, None)
 
 
 def _transposed_outputs(name, x, x3, block_rows, data, scale_inv):
