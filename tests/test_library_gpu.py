@@ -53,6 +53,16 @@ def train_step(seq, x, dy, **side):
     return y
 
 
+def graph_step(seq, x, dy, split_sizes):
+    """The step a CUDA graph captures over static x, dy and split_sizes: every gradient None, then
+    `train_step`."""
+    def step():
+        for p in [x, *seq.parameters()]:
+            p.grad = None
+        return train_step(seq, x, dy, split_sizes=split_sizes)
+    return step
+
+
 @pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_no_host_sync_forward_backward(fuse, backend, monkeypatch):
@@ -95,12 +105,7 @@ def test_cuda_graph_whole_step_replays_with_new_routing():
     static_dy = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16)
     static_splits = routing(3, ROWS - 64)
 
-    def step():
-        for p in [static_x, *seq.parameters()]:
-            p.grad = None
-        return train_step(seq, static_x, static_dy, split_sizes=static_splits)
-
-    graphed = tfo.CudaGraphStep(step)
+    graphed = tfo.CudaGraphStep(graph_step(seq, static_x, static_dy, static_splits))
     for seed in (4, 5, 6):
         new_splits = routing(seed, ROWS - 8 * seed)
         static_splits.copy_(new_splits)
@@ -310,13 +315,8 @@ def test_sm90_graphed_micro_batches_read_the_step_copies_that_fused_adamw_refill
     dy = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16)
     split_sizes = routing(3, ROWS - 40)
 
-    def micro_batch():
-        for p in [x, *seq.parameters()]:
-            p.grad = None
-        return train_step(seq, x, dy, split_sizes=split_sizes)
-
     with tfo.cast_weights_once_per_step(optimizer, seq):
-        graphed = tfo.CudaGraphStep(micro_batch)
+        graphed = tfo.CudaGraphStep(graph_step(seq, x, dy, split_sizes))
         assert len(made) == 2, made  # the warm-up's copies; the capture cast nothing
         for step in range(3):
             for seed in (4, 5):
