@@ -706,7 +706,8 @@ class StepCasts:
             for key, copy in list(copies.items()):
                 copy.recast()
                 del copies[key]
-                copies[copy_key(copy.weight, *key[-2:])] = copy
+                recipe, kind = key[-2:]
+                copies[copy_key(copy.weight, recipe, kind)] = copy  # the weight's version moved
 
     def _drop_uncaptured(self) -> None:
         copies = self.scope.copies
