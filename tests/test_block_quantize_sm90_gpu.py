@@ -126,21 +126,22 @@ def test_weight_blocks_with_transposed_copy(shape, dtype, power_2_scales):
     assert_transposed_copy(data, scale_inv, data_t, scale_inv_t)
 
 
+@pytest.mark.parametrize("cast", [block_quantize_sm90, tensor_quantize_sm90])
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("shape", [(3, 304, 208), (2, 1536, 2048)])
-def test_weight_blocks_into_kept_outputs(shape, transposed):
+def test_weight_blocks_into_kept_outputs(shape, transposed, cast):
     """``out=``: a second weight cast into an earlier call's NaN-filled outputs writes every byte
     of them, bit for bit a fresh cast of the second weight, and returns those tensors."""
     first, second = (tiny_rows(sample(shape, torch.bfloat16, seed=sum(shape) + s)) for s in (2, 3))
-    kept = block_quantize_sm90(first, 128, transposed=transposed)
+    kept = cast(first, 128, transposed=transposed)
     for t in kept:
         if t.dtype == torch.float8_e4m3fn:
             t.view(torch.uint8).fill_(0x7F)  # E4M3 NaN
         else:
             t.fill_(float("nan"))
-    got = block_quantize_sm90(second, 128, transposed=transposed, out=kept)
+    got = cast(second, 128, transposed=transposed, out=kept)
     assert len(got) == len(kept) and all(a is b for a, b in zip(got, kept))
-    for a, b in zip(got, block_quantize_sm90(second, 128, transposed=transposed)):
+    for a, b in zip(got, cast(second, 128, transposed=transposed)):
         if a.dtype == torch.float8_e4m3fn:
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         else:

@@ -144,7 +144,11 @@ def block_cast(x, block_rows, power_2_scales=False, transposed=False, out=None):
     CAST_POWER_2.append(power_2_scales)
     recipe = Float8BlockScaling(power_2_scales=power_2_scales)
     q = quantize(x, recipe) if block_rows == 1 else quantize_weight(x, recipe)
-    made = with_transposed(x, q.rowwise_data, q.rowwise_scale_inv, transposed)
+    return written_into(out, with_transposed(x, q.rowwise_data, q.rowwise_scale_inv, transposed))
+
+
+def written_into(out, made):
+    """``made`` (a stood-in cast's outputs), or with ``out`` (an earlier call's) written there."""
     if out is None:
         return made
     CASTS_INTO.append(out)
@@ -190,10 +194,10 @@ def fp8_gemm_act_cast(x, x_scale_inv, weight, weight_scale_inv, offsets, *, acti
     return pre, q.rowwise_data, q.rowwise_scale_inv
 
 
-def tensor_cast(x, block_rows, offsets=None, amax_parts=None, transposed=False):
+def tensor_cast(x, block_rows, offsets=None, amax_parts=None, transposed=False, out=None):
     """`tensor_quantize_sm90`'s contract: the torch quantizer's data, its one scale over the grid
     (from ``amax_parts`` when given: they must hold the amax of x's grouped rows), with
-    ``transposed`` followed by both transposed per group."""
+    ``transposed`` followed by both transposed per group; with ``out`` written there."""
     CASTS.append(block_rows)
     CAST_POWER_2.append(False)
     assert (offsets is not None) == (block_rows == 1), "rows are cast with their offsets, weights without"
@@ -202,7 +206,8 @@ def tensor_cast(x, block_rows, offsets=None, amax_parts=None, transposed=False):
         assert any(parts is amax_parts for parts in AMAX_PARTS), "amax parts not from the GEMM that wrote x"
         assert torch.equal(amax_parts.max() / torch.tensor(448.0), q.rowwise_scale_inv)
     grid = (-(-x.shape[-2] // block_rows), -(-x.shape[-1] // 128))
-    return with_transposed(x, q.rowwise_data, q.rowwise_scale_inv.expand(*x.shape[:-2], *grid).contiguous(), transposed)
+    scale_inv = q.rowwise_scale_inv.expand(*x.shape[:-2], *grid).contiguous()
+    return written_into(out, with_transposed(x, q.rowwise_data, scale_inv, transposed))
 
 
 DACT_FP8_CALLS = []
@@ -1290,13 +1295,14 @@ def test_expert_parallel_16_bit_rows_are_cast_on_the_cast_kernel(hidden, sm90_st
         dist.destroy_process_group()
 
 
-def test_graph_captured_weight_copies_are_recast_in_their_storage(sm90_stand_ins, monkeypatch):
+@pytest.mark.parametrize("recipe", [Float8BlockScaling(), "fp8_current"])
+def test_graph_captured_weight_copies_are_recast_in_their_storage(recipe, sm90_stand_ins, monkeypatch):
     """FP8 weights under `cast_weights_once_per_step` read by a (stood-in) CUDA graph capture: the
     optimizer step casts each kept copy on the cast kernel straight into its storage (``out=``, no
     fresh copy copied in), and the layer after the step equals a fresh model's."""
     import te_fused_ops.quantization as quantization
 
-    seq = fp8_mlp(Float8BlockScaling())
+    seq = fp8_mlp(recipe)
     x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
     opt = torch.optim.AdamW(seq.parameters(), lr=1e-2, foreach=False)

@@ -197,21 +197,16 @@ def casts_on_kernel(recipe) -> bool:
     return isinstance(recipe, FP8_KERNEL_RECIPES)
 
 
-def cast_kernel(x: torch.Tensor, recipe, block_rows: int, offsets=None, amax_parts=None, transposed=False):
+def cast_kernel(x: torch.Tensor, recipe, block_rows: int, offsets=None, amax_parts=None, transposed=False,
+                out=None):
     """(data, multipliers) of ``x`` cast with ``recipe`` (`casts_on_kernel`) in 1 x 128
     (block_rows 1, x (M, K)) or 128 x 128 blocks (x (G, N, K); ``transposed``: followed by both
     transposed per group); a per-tensor scale fills its grid. ``offsets``: the grouped rows of x
     (M, K), which alone set a per-tensor scale; ``amax_parts``: that scale's amax from the kernel
-    that wrote x (fp8_current)."""
+    that wrote x (fp8_current); ``out``: an earlier call's outputs, written instead."""
     if isinstance(recipe, Float8BlockScaling):
-        return block_quantize_sm90(x, block_rows, recipe.power_2_scales, transposed=transposed)
-    return tensor_quantize_sm90(x, block_rows, offsets, amax_parts, transposed=transposed)
-
-
-def cast_weight_into(weight: torch.Tensor, recipe, transposed: bool, kept: tuple) -> tuple:
-    """`cast_kernel`'s 128 x 128 cast of ``weight`` written into ``kept`` (what it returned
-    before; ``Float8BlockScaling`` only): a kept weight copy recast in place."""
-    return block_quantize_sm90(weight.contiguous(), 128, recipe.power_2_scales, transposed=transposed, out=kept)
+        return block_quantize_sm90(x, block_rows, recipe.power_2_scales, transposed=transposed, out=out)
+    return tensor_quantize_sm90(x, block_rows, offsets, amax_parts, transposed=transposed, out=out)
 
 
 def quantize_rows(x: torch.Tensor, recipe, offsets, amax_parts=None) -> QuantizedTensor:
@@ -261,13 +256,11 @@ def quantize_weight_blocks(weight: torch.Tensor, recipe, reuse_scope, transposed
     written by the same cast (one read of the weight). Made on every call, unless
     ``reuse_scope`` (the op context's) is open."""
 
-    def make():
-        return cast_kernel(weight.contiguous(), recipe, 128, transposed=transposed)
+    def make(out=None):
+        return cast_kernel(weight.contiguous(), recipe, 128, transposed=transposed, out=out)
 
-    into = (lambda kept: cast_weight_into(weight, recipe, transposed, kept)) if isinstance(
-        recipe, Float8BlockScaling) else None
     return reuse_or_make(weight, recipe, "blocks and transposed" if transposed else "blocks", make, reuse_scope,
-                         make_into=into)
+                         make_into=lambda kept: make(out=kept))
 
 
 # FC1 output widths up to which its weight gradient reading x's rows by index beats permuting x

@@ -246,7 +246,7 @@ def _block_ctas(scale_inv):
 
 
 def tensor_quantize_sm90(x: torch.Tensor, block_rows: int, offsets: torch.Tensor = None,
-                         amax_parts: torch.Tensor = None, transposed: bool = False):
+                         amax_parts: torch.Tensor = None, transposed: bool = False, out: tuple = None):
     """(data, multipliers) of ``x`` cast with one scale (fp8_current): ``scale_inv = amax / 448``
     (1 where 0), amax over x's finite values, or with ``offsets`` (G+1,) int32 (x (M, K) only)
     over its rows below ``clamp(max(offsets), 0, M)``; multipliers that scale in every block of
@@ -254,7 +254,8 @@ def tensor_quantize_sm90(x: torch.Tensor, block_rows: int, offsets: torch.Tensor
     ``transposed``: as `block_quantize_sm90`'s, (data, multipliers, data_t, multipliers_t).
 
     ``amax_parts``: (P,) float32 whose max is that amax (the ``act_amax`` output of the GEMM that
-    wrote x); then only the cast runs and ``offsets`` is not used."""
+    wrote x); then only the cast runs and ``offsets`` is not used. ``out``: as
+    `block_quantize_sm90`'s."""
     name = "tensor_quantize_sm90"
     x3 = _cast_input(name, x, block_rows)
     if amax_parts is not None:
@@ -263,8 +264,7 @@ def tensor_quantize_sm90(x: torch.Tensor, block_rows: int, offsets: torch.Tensor
         _check_vector(name, "offsets", offsets, torch.int32, "an int32", x.device)
         if block_rows != 1:
             raise ValueError(f"{name}: offsets group the rows of a 2-D x (block_rows=1)")
-    data, scale_inv = _cast_outputs(x3, block_rows)
-    copy = _transposed_outputs(name, x, x3, block_rows, data, scale_inv) if transposed else (None, None)
+    data, scale_inv, copy = _cast_targets(name, x, x3, block_rows, transposed, out)
     if not x3.numel():
         for scales in (scale_inv, copy[1]) if transposed else (scale_inv,):
             scales.fill_(1.0)
