@@ -538,7 +538,8 @@ def test_sm90_fp8_weight_casts_are_made_once_per_reuse_scope(monkeypatch):
 
     casts = []
 
-    def torch_cast(weight, block_rows, power_2_scales=False, transposed=False):
+    def torch_cast(weight, block_rows, power_2_scales=False, transposed=False, out=None):
+        assert out is None  # no copy is recast into here
         casts.append((block_rows, transposed))
         q = quantize_weight(weight, Float8BlockScaling(power_2_scales=power_2_scales))
         made = (q.rowwise_data, q.rowwise_scale_inv)
