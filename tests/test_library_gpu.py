@@ -335,6 +335,41 @@ def test_sm90_graphed_micro_batches_read_the_step_copies_that_fused_adamw_refill
             assert len(made) == 2, made  # both copies refilled, once each
 
 
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", Float8BlockScaling(high_precision_wgrad=True), "fp8_current"])
+def test_graphed_micro_batches_accumulate_gradients_on_step_copies(recipe):
+    """Gradient accumulation inside the graph: the captured micro-batch adds into the weights'
+    gradients (zeroed in place, never set to None), three replays per optimizer step; each
+    step's accumulated gradients equal the sum of a fresh model's three eager micro-batches, and
+    the weights after each fused AdamW step equal that model's after the same step."""
+    _require_hopper()
+    torch.manual_seed(0)
+    seq = fp8_mlp(True, recipe)
+    fresh = fresh_copy(seq)
+    optimizer = torch.optim.AdamW(seq.parameters(), lr=1e-3, fused=True)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-3, fused=True)
+    x = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(ROWS, H, device="cuda", dtype=torch.bfloat16)
+    split_sizes = routing(3, ROWS - 40)
+    with tfo.cast_weights_once_per_step(optimizer, seq):
+        graphed = tfo.CudaGraphStep(lambda: train_step(seq, x, dy, split_sizes=split_sizes))
+        optimizer.zero_grad(set_to_none=False)  # the warm-up's gradients, zeroed where the graph adds
+        for step in range(2):
+            for micro_batch in range(3):
+                with torch.no_grad():
+                    x.copy_(torch.randn_like(x))
+                split_sizes.copy_(routing(10 * step + micro_batch, ROWS - 8 * micro_batch))
+                graphed()
+                train_step(fresh, x.clone(), dy, split_sizes=split_sizes.clone())
+            for p, q in zip(seq.parameters(), fresh.parameters()):
+                assert torch.equal(p.grad, q.grad), f"accumulated gradient at step {step}"
+            optimizer.step()
+            fresh_optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            fresh_optimizer.zero_grad(set_to_none=True)
+            for p, q in zip(seq.parameters(), fresh.parameters()):
+                assert torch.equal(p, q), f"weights after step {step}"
+
+
 @pytest.mark.parametrize("recipe", [Float8BlockScaling(), Float8BlockScaling(power_2_scales=True)])
 def test_sm90_output_cast_in_the_gemm_epilogue(recipe, monkeypatch):
     """GroupedLinear, Quantize, GroupedLinear: FC1's output cast to E4M3 in its epilogue (never
