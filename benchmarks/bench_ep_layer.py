@@ -23,9 +23,10 @@ rank, rotated order, the same weights (each rank its own experts):
               another's experts (overlap)
   fp8 / fp8 xN  static, a Quantize("fp8_blockwise") after the Permute (E4M3 rows + 1x128 scales
               travel), SwiGLU, Quantize + Transpose, GroupedLinear (the all-FP8 expert step)
-  fp8 4mb     fp8 on its own copy of the experts under `cast_weights_once_per_step` (the weight
-              copies dropped every fourth step, as the optimizer step of 4 micro-batches does): the
-              average micro-batch of the gradient-accumulation regime (fp8 casts every step)
+  fp8 4mb     fp8 on its own copy of the experts under `cast_weights_once_per_step`, timed as an
+              optimizer step of 4 micro-batches (the first casts the weights, the optimizer step's
+              drop ends it; `common.accumulation_step`) per micro-batch: the average micro-batch of
+              the gradient-accumulation regime (fp8 casts every step)
   ... graph   the sync-free contenders (static capacity) captured as one CUDA graph per step
               (`CudaGraphStep`) and replayed: no host time (the plain torch layer reads its
               all-to-all sizes on the host, so it cannot be captured)
@@ -59,7 +60,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_moe_layer import ExpertMLP, GatherCombine, GatherPermute, layer_math, skewed_topk  # noqa: E402
-from common import device_tag, write_results  # noqa: E402
+from common import accumulation_step, device_tag, per_micro_batch, write_results  # noqa: E402
 
 from te_fused_ops import (  # noqa: E402
     GroupedLinear,
@@ -140,23 +141,20 @@ def library_layer(fc1, fc2, experts: int, group, capacity_factor, chunks: int = 
 
 
 def micro_batch_layer(fc1, fc2, experts: int, group, capacity_factor, x, indices, probs):
-    """The static FP8 layer on copies of fc1 and fc2 whose weight casts last 4 calls (the copies
-    are not shared: `cast_weights_once_per_step` holds a model's modules), as a contender; its
-    ``weights`` attribute names the copies' weights for the gradient check. Not for recording runs
+    """The static FP8 layer on copies of fc1 and fc2 whose weights are cast once per optimizer step
+    (the copies are not shared: `cast_weights_once_per_step` holds a model's modules), as a
+    contender; its ``weights`` attribute names the copies' weights for the gradient check, its
+    ``optimizer_step`` what the optimizer step does to their casts. Not for recording runs
     (`compile_step_kernels` would leave unwritten casts behind): its kernels are fp8's."""
     own1, own2 = copy.deepcopy(fc1), copy.deepcopy(fc2)
     layer = library_layer(own1, own2, experts, group, capacity_factor, fp8=True)
     casts = cast_weights_once_per_step(torch.optim.SGD(layer.parameters(), lr=0.0), layer)
-    calls = [0]
 
-    def one_of_the_micro_batches():
-        calls[0] += 1
-        if calls[0] % 4 == 0:
-            casts.drop()  # what the optimizer step does after the last micro-batch
+    def micro_batch():
         return layer(x, indices=indices, probs=probs)
 
-    one_of_the_micro_batches.weights = (own1.weight, own2.weight)
-    return one_of_the_micro_batches
+    micro_batch.weights, micro_batch.optimizer_step = (own1.weight, own2.weight), casts.drop
+    return micro_batch
 
 
 def exchange_bytes(label: str, indices, experts: int, group, rows_per_rank: int, hidden: int) -> tuple:
@@ -176,7 +174,8 @@ def exchange_bytes(label: str, indices, experts: int, group, rows_per_rank: int,
 
 
 def step_time(fn, device, warm: int, iters: int) -> float:
-    """Median ms of ``iters`` calls after ``warm`` (fixed counts: every rank runs the same collectives)."""
+    """Median ms of ``iters`` calls after ``warm`` (fixed counts: every rank runs the same
+    collectives), per micro-batch of an `common.accumulation_step`."""
     for _ in range(warm):
         fn()
     if device.type != "cuda":
@@ -185,14 +184,14 @@ def step_time(fn, device, warm: int, iters: int) -> float:
             start = time.perf_counter()
             fn()
             times.append(1e3 * (time.perf_counter() - start))
-        return statistics.median(times)
+        return per_micro_batch(fn, statistics.median(times))
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for begin, end in events:
         begin.record()
         fn()
         end.record()
     torch.cuda.synchronize()
-    return statistics.median(b.elapsed_time(e) for b, e in events)
+    return per_micro_batch(fn, statistics.median(b.elapsed_time(e) for b, e in events))
 
 
 def profile(label: str, fn, rank: int) -> None:
@@ -271,12 +270,16 @@ def run_shape(name, shape, device, group, args) -> dict:
         return [x, probs, *getattr(forward, "weights", (fc1.weight, fc2.weight))]
 
     def step(forward):
+        """What is timed: a graph's replay, the micro-batch, or for a contender with an
+        ``optimizer_step`` the optimizer step of 4 micro-batches (timed per micro-batch)."""
         if getattr(forward, "graphed", False):
             return forward
         def run():
             for t in leaves(forward):
                 t.grad = None
             forward().backward(dy)
+        if hasattr(forward, "optimizer_step"):
+            return accumulation_step(run, forward.optimizer_step, 4)
         return run
 
     def results(forward):

@@ -3,9 +3,11 @@
 Contenders are `bench_moe_layer.py`'s (its docstring), each timed twice: eager, and its step
 (gradients None, forward, backward) captured once and replayed. The graphed ones are built a second
 time (their own weights and step casts): a -4mb contender's graph reads the weight copies its
-warm-up made, and every MICRO_BATCHES replays the optimizer step's action refills them
-(`cast_weights_once_per_step`), as a graphed gradient-accumulation loop runs. Rotated sustained
-medians (`common.sustained_ms`), ratios against (a) eager and eager / graph per contender.
+warm-up made, and after every MICRO_BATCHES replays the optimizer step's action casts them again
+in place (`cast_weights_once_per_step`), as a graphed gradient-accumulation loop runs; eager or
+graphed, a -4mb contender is timed as that optimizer step and reported per micro-batch
+(`bench_moe_layer.timed_step`). Rotated sustained medians (`common.sustained_ms`), ratios against
+(a) eager and eager / graph per contender.
 
     python benchmarks/bench_layer_graphs.py [--shapes qwen3-30b-a3b,gptoss-120b-ep4]
         [--contenders a,c,c-fp8w16-4mb] [--recipe fp8_blockwise] [--out DIR]
@@ -20,26 +22,19 @@ if __name__ == "__main__":  # before torch and the kernels load: one line, exit 
     require_sm90(__file__)
 
 import torch
-from common import device_tag, rotated_medians, sustained_ms, write_results
+from common import accumulation_step, device_tag, rotated_medians, sustained_ms, write_results
 
 import bench_moe_layer as layer
 import te_fused_ops
 
 
 def graphed(run, dy):
-    """The contender's step as one CUDA graph; with ``run.optimizer_step``, called every
-    MICRO_BATCHES replays (before the replay, as the eager contender does)."""
+    """The contender's micro-batch as one CUDA graph; with ``run.optimizer_step``, the
+    `common.accumulation_step` of MICRO_BATCHES replays and that optimizer step."""
     replay = te_fused_ops.CudaGraphStep(layer.step_fn(run, dy))
     if run.optimizer_step is None:
         return replay
-    calls = [0]
-
-    def micro_batch():
-        calls[0] += 1
-        if calls[0] % layer.MICRO_BATCHES == 0:
-            run.optimizer_step()
-        replay()
-    return micro_batch
+    return accumulation_step(replay, run.optimizer_step, layer.MICRO_BATCHES)
 
 
 def run_shape(name: str, labels: list, recipe: str) -> dict:
@@ -47,7 +42,7 @@ def run_shape(name: str, labels: list, recipe: str) -> dict:
     eager, graphs = layer.build_contenders(p, recipe=recipe), layer.build_contenders(p, recipe=recipe)
     fns = {}
     for label in labels:
-        fns[label] = layer.step_fn(eager[label], p.dy)
+        fns[label] = layer.timed_step(eager[label], p.dy)
         fns[f"{label} graph"] = graphed(graphs[label], p.dy)
     ms = rotated_medians(fns, sustained_ms)
     rows = {label: {"eager_ms": ms[label], "graph_ms": ms[f"{label} graph"],

@@ -36,9 +36,10 @@ objects, gradients None before every step):
 With ``--recipe fp8_blockwise`` (or another recipe name) two more, and no router rows:
   c-fp8      Sequential(Permute(E), Quantize(recipe), GroupedLinear, ScaledSwiGLU, Quantize(recipe),
              Transpose(), GroupedLinear, Unpermute()): both GEMMs in FP8, the weights cast every step
-  c-fp8-4mb  the same on its own copy of the weights under `cast_weights_once_per_step` (their
-             copies dropped every fourth step, as the optimizer step of 4 micro-batches does): the
-             average micro-batch of the gradient-accumulation regime
+  c-fp8-4mb  the same on its own copy of the weights under `cast_weights_once_per_step`: timed
+             as one optimizer step of 4 micro-batches (the first casts the weights, the other
+             three reuse the copies, the optimizer step's drop ends it) and reported per
+             micro-batch: the average micro-batch of the gradient-accumulation regime
   c-fp8w16, c-fp8w16-4mb  (fp8_blockwise) the same two with Float8BlockScaling(
              high_precision_wgrad=True): FP8 forward and data gradients, 16-bit weight gradients
   and a "vs c" column (the bf16 fused layer's ms / this ms). The FP8 contenders are checked
@@ -86,12 +87,14 @@ if __name__ == "__main__":  # before torch, triton and the kernels load: one lin
 
 import torch
 from common import (
+    accumulation_step,
     compile_per_shape,
     device_tag,
     extra_peak_mib,
     gpu_us_per_kernel,
     host_us_per_call,
     live_at_peak,
+    per_micro_batch,
     rotated_medians,
     sustained_ms,
     write_results,
@@ -325,7 +328,7 @@ class Contender:
     leaves: dict     # role ("x", "probs" or "router", "w1", "w2") -> tensor whose .grad is checked
     inputs: tuple    # the step's inputs (not counted as saved activations)
     indices: object = None  # () -> (T, k) expert ids the contender routes to (router rows), or None
-    optimizer_step: object = None  # what an optimizer step does to it every MICRO_BATCHES steps (-4mb), or None
+    optimizer_step: object = None  # what an optimizer step does to it after MICRO_BATCHES micro-batches (-4mb), or None
 
 
 def fused_ops():
@@ -362,18 +365,11 @@ def fp8_regimes(p: Problem, permute, unpermute, recipe, label: str, leaves: dict
     fc1_own, fc2_own = copy.deepcopy(p.fc1), copy.deepcopy(p.fc2)  # the step casts reach only these
     once = layer(fc1_own, fc2_own)
     casts = te_fused_ops.cast_weights_once_per_step(torch.optim.SGD(once.parameters(), lr=0.0), once)
-    calls = [0]
-
-    def one_of_the_micro_batches():
-        calls[0] += 1
-        if calls[0] % MICRO_BATCHES == 0:
-            casts.drop()  # what the optimizer step does after the last micro-batch
-        return once(p.x, indices=p.indices, probs=p.probs)
-
     return {
         label: Contender(lambda: every_step(p.x, indices=p.indices, probs=p.probs), leaves, inputs),
-        f"{label}-4mb": Contender(one_of_the_micro_batches, dict(leaves, w1=fc1_own.weight, w2=fc2_own.weight),
-                                  inputs, optimizer_step=casts.drop),
+        f"{label}-4mb": Contender(lambda: once(p.x, indices=p.indices, probs=p.probs),
+                                  dict(leaves, w1=fc1_own.weight, w2=fc2_own.weight), inputs,
+                                  optimizer_step=casts.drop),  # what the optimizer step does to the copies
     }
 
 
@@ -451,13 +447,21 @@ def clear(leaves) -> None:
 
 
 def step_fn(run: Contender, dy):
-    """The timed step: every gradient None, forward, backward."""
+    """One micro-batch: every gradient None, forward, backward."""
     leaves = list(run.leaves.values())
 
     def step():
         clear(leaves)
         run.forward().backward(dy)
     return step
+
+
+def timed_step(run: Contender, dy):
+    """What is timed: `step_fn`, or for a -4mb contender the `common.accumulation_step` of
+    MICRO_BATCHES of them and its optimizer step (timed per micro-batch, its weight casts in)."""
+    if run.optimizer_step is None:
+        return step_fn(run, dy)
+    return accumulation_step(step_fn(run, dy), run.optimizer_step, MICRO_BATCHES)
 
 
 def outputs_and_grads(run: Contender, dy) -> dict:
@@ -526,7 +530,7 @@ def measure(runs: dict, checks: dict, dy, flops: int, rounds: int, window_s: flo
     """label -> the row of each contender: its check, and where it matched, step_ms, tflops,
     vs_a / vs_b ((a) or (b) ms / its ms), peak_mib, saved_mib (and for the fused ones the
     runner's count and the hooks' count with the inputs)."""
-    timed = {label: step_fn(run, dy) for label, run in runs.items() if checks[label]["status"] == "ok"}
+    timed = {label: timed_step(run, dy) for label, run in runs.items() if checks[label]["status"] == "ok"}
     passes = [rotated_medians(timed, lambda fn: sustained_ms(fn, window_s, window_s)) for _ in range(rounds)]
     rows = {}
     for label, run in runs.items():
@@ -581,11 +585,12 @@ def table(device: str, results: list) -> str:
 def profile_contender(label: str, run: Contender, dy, step_ms: float) -> dict:
     """Where one step of ``run`` goes: GPU time and launches per kernel (torch.profiler, one step
     at the profiler's clock, not the timed one's: their sum against the step is a rough idle
-    estimate), and the host time to issue a step."""
-    launches = {}
-    kernels = gpu_us_per_kernel(step_fn(run, dy), launches)
+    estimate), and the host time to issue a step. A -4mb contender's times are per micro-batch
+    of its `timed_step`, its launches those of the whole optimizer step."""
+    launches, step = {}, timed_step(run, dy)
+    kernels = {kernel: per_micro_batch(step, us) for kernel, us in gpu_us_per_kernel(step, launches).items()}
     kernel_ms = sum(kernels.values()) / 1e3
-    host_ms = host_us_per_call(step_fn(run, dy), calls=2, batches=10) / 1e3
+    host_ms = per_micro_batch(step, host_us_per_call(step, calls=2, batches=10)) / 1e3
     print(f"  profile {label}: kernels {kernel_ms:.3f} ms of the {step_ms:.3f} ms step (idle {step_ms - kernel_ms:.3f}),"
           f" host {host_ms:.3f} ms to issue a step, {len(kernels)} kernels", flush=True)
     for kernel, us in sorted(kernels.items(), key=lambda item: -item[1])[:12]:

@@ -64,6 +64,15 @@ def mlp_steps(name):
     return steps
 
 
+def micro_batch_peaks(step) -> list:
+    """Peak MiB above the start of each of 4 consecutive micro-batches of ``step``; of a
+    `common.accumulation_step`, the 4 after its optimizer step (the first casts the weights)."""
+    if hasattr(step, "optimizer_step"):
+        step.optimizer_step()
+    micro_batch = getattr(step, "micro_batch", step)
+    return [live_at_peak(micro_batch)[0] for _ in range(4)]
+
+
 def layer_steps(name, contenders=LAYER_CONTENDERS):
     """label -> step fn of the MoE layer's ``contenders`` (a among them), checked against a."""
     problem = bench_moe_layer.make_problem(name, bench_moe_layer.SHAPES[name])
@@ -72,7 +81,7 @@ def layer_steps(name, contenders=LAYER_CONTENDERS):
     checks = bench_moe_layer.check_contenders(runs, problem.dy, "a")
     if any(check["status"] != "ok" for check in checks.values()):
         raise SystemExit(f"{name}: a layer contender does not match a: {checks}")
-    steps = {label: bench_moe_layer.step_fn(run, problem.dy) for label, run in runs.items()}
+    steps = {label: bench_moe_layer.timed_step(run, problem.dy) for label, run in runs.items()}
     for step in steps.values():
         step()
     return steps
@@ -129,7 +138,7 @@ def main():
                                                      for label in ms if base is not None and label != base}}
                 print(args.tag, kind, name, result[f"{kind} {name}"], flush=True)
             if args.memory and kind == "layer":
-                peaks = {label: [live_at_peak(step)[0] for _ in range(4)] for label, step in steps.items()}
+                peaks = {label: micro_batch_peaks(step) for label, step in steps.items()}
                 result[f"peak MiB {name}"] = {label: (min(p), max(p)) for label, p in peaks.items()}
                 print(args.tag, "peak MiB", name, result[f"peak MiB {name}"], flush=True)
             del steps

@@ -193,8 +193,27 @@ def _l2_flush_buffer() -> torch.Tensor:
     return torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
 
 
+def accumulation_step(micro_batch, optimizer_step, micro_batches: int):
+    """One optimizer step of a gradient-accumulation loop as one call: ``micro_batch()``
+    ``micro_batches`` times, then ``optimizer_step()``. Its ``micro_batches`` attribute makes the
+    timers (`sustained_ms`, `per_micro_batch`) report the average micro-batch of the step: timed
+    one call each, the median micro-batch would be one that found the weights already cast."""
+    def step():
+        for _ in range(micro_batches):
+            micro_batch()
+        optimizer_step()
+    step.micro_batches, step.micro_batch, step.optimizer_step = micro_batches, micro_batch, optimizer_step
+    return step
+
+
+def per_micro_batch(fn, ms: float) -> float:
+    """``ms`` of one call of ``fn`` per micro-batch it runs (an `accumulation_step` runs several)."""
+    return ms / getattr(fn, "micro_batches", 1)
+
+
 def sustained_ms(fn, warm_s: float = 0.4, time_s: float = 0.4) -> float:
-    """Median ms per call of ``fn`` at the clock a long run settles at: ``fn`` runs back to back
+    """Median ms per call of ``fn`` (per micro-batch of an `accumulation_step`) at the clock a long
+    run settles at: ``fn`` runs back to back
     for ``warm_s`` first, then ~``time_s`` of calls are each timed by CUDA events (L2 flushed
     before each), with no host sync between them. An H100 at its 700 W cap leaves its 1980 MHz
     boost within ~0.1 s of a GEMM load and settles at 1300-1700 MHz depending on the kernels, so a
@@ -224,7 +243,7 @@ def sustained_ms(fn, warm_s: float = 0.4, time_s: float = 0.4) -> float:
         end.record()
     torch.cuda.synchronize()
     times = sorted(begin.elapsed_time(end) for begin, end in events)
-    return times[len(times) // 2]
+    return per_micro_batch(fn, times[len(times) // 2])
 
 
 def gpu_us_per_kernel(fn, launches: dict | None = None) -> dict:

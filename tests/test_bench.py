@@ -206,8 +206,8 @@ def test_moe_layer_fused_contenders_match_on_cpu(monkeypatch):
 
 def test_moe_layer_fp8_contenders_match_and_cast_weights_once_per_four_steps(monkeypatch):
     """--recipe fp8_blockwise: the FP8 layer (weights cast every step) and its micro-batch form
-    match (a) within TOL_FP8 on the CPU, and the micro-batch form casts its weights on the first
-    and every fourth call only."""
+    match (a) within TOL_FP8 on the CPU, and the micro-batch form is timed as an optimizer step of
+    four micro-batches that casts the weights once."""
     bench = load_moe_layer(monkeypatch)
     if bench.fused_ops() is None:
         pytest.skip("te_fused_ops has no Permute / Unpermute / TopKRouter yet")
@@ -223,12 +223,31 @@ def test_moe_layer_fp8_contenders_match_and_cast_weights_once_per_four_steps(mon
     real = quantization._quantize
     monkeypatch.setattr(quantization, "_quantize", lambda x, recipe, rowwise, columnwise, offsets, role, *rest: (
         casts.append(role) or real(x, recipe, rowwise, columnwise, offsets, role, *rest)))
-    per_call = []
-    for _ in range(8):  # calls 2-9 of the micro-batch form (the check made the first)
+    bench.timed_step(runs["c-fp8"], p.dy)()
+    every_step = casts.count("weight")
+    step = bench.timed_step(runs["c-fp8-4mb"], p.dy)
+    assert step.micro_batches == bench.MICRO_BATCHES == 4
+    per_step = []
+    for _ in range(3):  # the first finds the copies the check made
         casts.clear()
-        runs["c-fp8-4mb"].forward()
-        per_call.append(casts.count("weight"))
-    assert [n > 0 for n in per_call] == [False, False, True, False, False, False, True, False], per_call
+        step()
+        per_step.append(casts.count("weight"))
+    # once per optimizer step: no more casts than one every-step micro-batch makes (its backward
+    # casts again what its forward cast)
+    assert per_step[0] == 0 and per_step[1] == per_step[2] and 0 < per_step[1] <= every_step, (every_step, per_step)
+
+
+def test_accumulation_step_runs_its_micro_batches_then_the_optimizer_step():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from common import accumulation_step, per_micro_batch
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    calls = []
+    step = accumulation_step(lambda: calls.append("micro-batch"), lambda: calls.append("optimizer step"), 3)
+    step()
+    assert calls == ["micro-batch"] * 3 + ["optimizer step"]
+    assert per_micro_batch(step, 6.0) == 2.0 and per_micro_batch(lambda: None, 6.0) == 6.0
 
 
 def test_ep_layer_benchmark_smoke_on_two_gloo_processes(tmp_path):
