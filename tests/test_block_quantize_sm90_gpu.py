@@ -99,7 +99,7 @@ def test_every_amax_value_pair_matches_torch_bit_for_bit(dtype):
 
 
 @pytest.mark.parametrize("power_2_scales", [False, True])
-@pytest.mark.parametrize("shape", [(2, 128, 128), (3, 300, 200), (8, 384, 1024), (1, 1, 16)])
+@pytest.mark.parametrize("shape", [(2, 128, 128), (3, 300, 200), (8, 384, 1024), (1, 1, 16), (5, 1552, 2056)])
 def test_weight_blocks_match_torch_bit_for_bit(shape, power_2_scales):
     w = sample(shape, torch.bfloat16, seed=sum(shape))
     if shape[1] >= 256:  # a whole 128 x 128 block of tiny values
@@ -112,10 +112,13 @@ def test_weight_blocks_match_torch_bit_for_bit(shape, power_2_scales):
 
 @pytest.mark.parametrize("power_2_scales", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(2, 128, 128), (3, 304, 208), (8, 384, 1024), (1, 16, 16), (2, 1536, 2048)])
+@pytest.mark.parametrize("shape", [(2, 128, 128), (3, 304, 208), (8, 384, 1024), (1, 16, 16), (2, 1536, 2048),
+                                   (5, 1552, 2064)])
 def test_weight_blocks_with_transposed_copy(shape, dtype, power_2_scales):
     """transposed=True: the same data and scales as the plain cast (the torch quantizer's), and
-    each group of both transposed; edge blocks of 16-multiple extents; outputs poisoned."""
+    each group of both transposed; edge blocks of 16-multiple extents; outputs poisoned. The last
+    shape has more blocks than the persistent grid has CTAs: each CTA loads its next block while it
+    stores one."""
     w = tiny_rows(sample(shape, dtype, seed=sum(shape) + 1))
     g, n, k = shape
     poison_allocator((shape, torch.float8_e4m3fn), ((g, k, n), torch.float8_e4m3fn))
@@ -219,7 +222,7 @@ def test_tensor_scale_weights_match_torch_bit_for_bit(shape, scale):
 
 
 @pytest.mark.parametrize("scale", [1.0, 1e-39, 0.0])
-@pytest.mark.parametrize("shape", [(2, 128, 128), (3, 304, 208), (8, 384, 1024), (1, 16, 16)])
+@pytest.mark.parametrize("shape", [(2, 128, 128), (3, 304, 208), (8, 384, 1024), (1, 16, 16), (5, 1552, 2064)])
 def test_tensor_scale_weights_with_transposed_copy(shape, scale):
     """fp8_current's weight cast with ``transposed``: the plain cast's bytes and multipliers, and
     each group of both transposed; outputs poisoned."""

@@ -152,7 +152,7 @@ def test_grouped_gemm_fp8_compiles(activation, dtype, has_bias, cluster_m, tile_
 
 @pytest.mark.parametrize("dtype,block_rows,power_2_scales,tensor_scale,transposed",
                          [(torch.bfloat16, 1, False, True, False), (torch.float16, 128, True, False, False),
-                          (torch.bfloat16, 128, False, True, True)])
+                          (torch.bfloat16, 128, False, True, True), (torch.bfloat16, 128, False, False, True)])
 def test_block_quantize_compiles(dtype, block_rows, power_2_scales, tensor_scale, transposed):
     from te_fused_ops.backends.sm90.kernels.block_quantize import compile_block_quantize
 
