@@ -213,9 +213,8 @@ def per_micro_batch(fn, ms: float) -> float:
 
 def sustained_ms(fn, warm_s: float = 0.4, time_s: float = 0.4) -> float:
     """Median ms per call of ``fn`` (per micro-batch of an `accumulation_step`) at the clock a long
-    run settles at: ``fn`` runs back to back
-    for ``warm_s`` first, then ~``time_s`` of calls are each timed by CUDA events (L2 flushed
-    before each), with no host sync between them. An H100 at its 700 W cap leaves its 1980 MHz
+    run settles at: ``fn`` runs back to back for ``warm_s`` first, then ~``time_s`` of calls are
+    each timed by CUDA events (L2 flushed before each), with no host sync between them. An H100 at its 700 W cap leaves its 1980 MHz
     boost within ~0.1 s of a GEMM load and settles at 1300-1700 MHz depending on the kernels, so a
     ~100 ms do_bench window measures a mix of the two that depends on what ran just before. A first
     call runs before the warm-up window: it may compile the kernel (seconds of an idle GPU, which
