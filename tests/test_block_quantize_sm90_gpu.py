@@ -117,8 +117,8 @@ def test_weight_blocks_match_torch_bit_for_bit(shape, power_2_scales):
 def test_weight_blocks_with_transposed_copy(shape, dtype, power_2_scales):
     """transposed=True: the same data and scales as the plain cast (the torch quantizer's), and
     each group of both transposed; edge blocks of 16-multiple extents; outputs poisoned. The last
-    shape has more blocks than the persistent grid has CTAs: each CTA loads its next block while it
-    stores one."""
+    shape has more blocks than the persistent grid has CTAs: each CTA casts several, reusing its
+    shared-memory tile of the transposed copy."""
     w = tiny_rows(sample(shape, dtype, seed=sum(shape) + 1))
     g, n, k = shape
     poison_allocator((shape, torch.float8_e4m3fn), ((g, k, n), torch.float8_e4m3fn))

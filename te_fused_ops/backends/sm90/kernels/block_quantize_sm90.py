@@ -204,33 +204,84 @@ def finite_abs(value: Float32) -> Float32:
 
 
 @cute.jit
+def _abs_max(value: Float32, amax: Float32, finite_only: cutlass.Constexpr[bool]) -> Float32:
+    """max(amax, |value|): NaN ignored (one FMNMX, |value| an operand modifier); with
+    ``finite_only`` +-Inf ignored too (a compare and a select more)."""
+    result = amax
+    if const_expr(finite_only):
+        result = cutlass.max(amax, finite_abs(value))
+    else:
+        result = cute.arch.fmax(amax, cute.math.absf(value))
+    return result
+
+
+@dsl_user_op
+def _finite_pairs_max(running: Int32, pair: Int32, ptx_type: str, inf_bits: int, *, loc=None, ip=None) -> Int32:
+    """Two 16-bit lanes at once: max(running, |pair| where finite, else 0) per lane, the
+    magnitudes compared as unsigned integers (their order as floats): a sign mask, a packed float
+    compare with +Inf (false for NaN and Inf) as a lane mask, an and, a packed integer max."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Int32(running).ir_value(loc=loc, ip=ip), Int32(pair).ir_value(loc=loc, ip=ip)],
+            "{ .reg .b32 m, k, inf;\n"
+            f"mov.b32 inf, {inf_bits:#x};\n"
+            "and.b32 m, $2, 0x7FFF7FFF;\n"
+            f"set.lt.u32.{ptx_type} k, m, inf;\n"
+            "and.b32 m, m, k;\n"
+            "max.u16x2 $0, $1, m; }",
+            "=r,r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@cute.jit
+def packed_finite_abs_max(tX: cute.Tensor) -> Float32:
+    """max |value| over the finite values (NaN and +-Inf count as 0) of the 16-bit (bf16 / fp16)
+    register tensor tX of an even size, on the packed pairs (`_finite_pairs_max`, 2 instructions a
+    value against 6 on float32 values); the two lanes' maxima compared as integers and the larger
+    converted once."""
+    if const_expr(tX.element_type not in (cutlass.BFloat16, cutlass.Float16)):
+        raise TypeError(f"packed_finite_abs_max: 16-bit values, not {tX.element_type}")
+    bf16 = const_expr(tX.element_type == cutlass.BFloat16)
+    ptx_type, inf_bits = ("bf16x2", 0x7F807F80) if bf16 else ("f16x2", 0x7C007C00)
+    words = cute.recast_tensor(tX, Int32)
+    running = Int32(0)
+    for i in cutlass.range_constexpr(cute.size(words)):
+        running = _finite_pairs_max(running, words[i], ptx_type, inf_bits)
+    magnitude = cute.make_rmem_tensor(cute.make_layout(1), Int32)  # the larger lane's, in the low half
+    magnitude[0] = cutlass.max(running & Int32(0xFFFF), (running >> 16) & Int32(0xFFFF))
+    return Float32(cute.recast_tensor(magnitude, tX.element_type)[0])
+
+
+@cute.jit
 def _load_rows(mX: cute.Tensor, g, first_row, row_end, col, cols, tXr: cute.Tensor, tAmax: cute.Tensor,
                segments: cutlass.Constexpr[int], with_amax: cutlass.Constexpr[bool]):
     """Rows first_row + 2k (k < segments) at the lane's columns into tXr[k, :] (zeros out of
-    bounds); with ``with_amax`` their finite amax into tAmax[k]."""
+    bounds); with ``with_amax`` their finite amax into tAmax[k] (`packed_finite_abs_max`)."""
     for k in cutlass.range_constexpr(segments):
         tXr[k, None].fill(0.0)
         if first_row + 2 * k < row_end and col < cols:
             tXr[k, None].store(_segment(mX, g, first_row + 2 * k, col).load())
     if const_expr(with_amax):
         for k in cutlass.range_constexpr(segments):
-            amax = Float32(0.0)
-            for i in cutlass.range_constexpr(VEC):
-                amax = cutlass.max(amax, finite_abs(Float32(tXr[k, i])))
-            tAmax[k] = amax
+            tAmax[k] = packed_finite_abs_max(tXr[k, None])
 
 
 @cute.jit
 def _cta_max(value, sMax: cute.Tensor):
-    """The max of ``value`` over the CTA (every thread gets it), through sMax (WARPS floats)."""
+    """The max of ``value`` (NaN-free) over the CTA (every thread gets it), through sMax (WARPS floats)."""
     tidx, _, _ = cute.arch.thread_idx()
     for step in cutlass.range_constexpr(5):
-        value = cutlass.max(value, cute.arch.shuffle_sync_bfly(value, 1 << step))
+        value = cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, 1 << step))
     if tidx % WARP == 0:
         sMax[tidx // WARP] = value
     cute.arch.sync_threads()
     for w in cutlass.range_constexpr(WARPS):
-        value = cutlass.max(value, sMax[w])
+        value = cute.arch.fmax(value, sMax[w])
     cute.arch.sync_threads()  # sMax may be rewritten next
     return value
 
@@ -277,7 +328,7 @@ class TensorAmaxSm90:
             g, first_row, _, col = _row_item(item, row_items, col_blocks, 2 * ROW_SEGMENTS, half, lane_col)
             _load_rows(mX, g, first_row, row_end, col, cols, tXr, tAmax, ROW_SEGMENTS, True)
             for k in cutlass.range_constexpr(ROW_SEGMENTS):
-                amax = cutlass.max(amax, tAmax[k])
+                amax = cute.arch.fmax(amax, tAmax[k])
             item = item + gdim * WARPS
         amax = _cta_max(amax, sMax)
         if tidx == 0:
@@ -391,7 +442,7 @@ class BlockQuantizeSm90:
         if const_expr(self.tensor_scale):
             amax = Float32(0.0)
             for j in cutlass.range(tidx, cute.size(mAmaxParts), WARP * WARPS):
-                amax = cutlass.max(amax, mAmaxParts[j])
+                amax = cute.arch.fmax(amax, mAmaxParts[j])
             tensor_scales = e4m3_scale_inv(_cta_max(amax, sAmax), False)
         if cutlass.const_expr(self.row_items):
             item_rows = 2 * self.segments
@@ -405,7 +456,7 @@ class BlockQuantizeSm90:
                     if const_expr(with_amax):
                         row_amax = tAmax[k]
                         for step in cutlass.range_constexpr(4):  # the half-warp holding the row
-                            row_amax = cutlass.max(row_amax, cute.arch.shuffle_sync_bfly(row_amax, 1 << step))
+                            row_amax = cute.arch.fmax(row_amax, cute.arch.shuffle_sync_bfly(row_amax, 1 << step))
                         scales = e4m3_scale_inv(row_amax, self.power_2_scales)
                     else:
                         scales = tensor_scales
@@ -428,7 +479,7 @@ class BlockQuantizeSm90:
                 if const_expr(with_amax):
                     block_amax = Float32(0.0)
                     for k in cutlass.range_constexpr(self.segments):
-                        block_amax = cutlass.max(block_amax, tAmax[k])
+                        block_amax = cute.arch.fmax(block_amax, tAmax[k])
                     scales = e4m3_scale_inv(_cta_max(block_amax, sAmax), self.power_2_scales)  # its barriers guard sT
                 else:
                     scales = tensor_scales
@@ -493,17 +544,6 @@ ROW_PASSES = COLS * ROW_LANES // (WARP * WARPS)  # rows per thread
 COLUMN_HALVES = WARP * WARPS // COLS  # threads per column in its cast phase
 COLUMN_CHUNK = 16  # tokens per 16-byte store of the column-wise copy
 TILE_STRIDE = COLS + 4  # float32 row stride of the staging tile: conflict-free 16-byte row writes
-
-
-@cute.jit
-def _abs_max(value: Float32, amax: Float32, finite_only: cutlass.Constexpr[bool]) -> Float32:
-    """max(amax, |value|): NaN ignored (FMNMX); with ``finite_only`` +-Inf ignored too."""
-    result = amax
-    if const_expr(finite_only):
-        result = cutlass.max(amax, finite_abs(value))
-    else:
-        result = cute.arch.fmax(amax, cute.math.absf(value))
-    return result
 
 
 @cute.jit

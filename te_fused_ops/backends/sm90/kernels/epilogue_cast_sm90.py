@@ -10,7 +10,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 
-from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled
+from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled, packed_finite_abs_max
 from .group_tile_scheduler import SORT_MAX_G, Tile
 
 
@@ -138,12 +138,8 @@ def store_staged_columns(mColData: cute.Tensor, mColScale: cute.Tensor, sScratch
     for b in cutlass.range_constexpr(4):
         for k in cutlass.range_constexpr(4):
             rUnits[k] = sUnits[column * (COLUMN_STRIDE // 4) + 16 * part + 4 * b + k]
-        for j in cutlass.range_constexpr(16):
-            value = rValues[j].to(Float32)
-            magnitude = cutlass.max(value, -value)
-            if magnitude < Float32(float("inf")):  # NaN, Inf count as 0
-                amax = cutlass.max(amax, magnitude)
-    amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
+        amax = cute.arch.fmax(amax, packed_finite_abs_max(rValues))  # NaN, Inf count as 0
+    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
     scale_inv, m1, m2 = e4m3_scale_inv(amax, power_2_scales)
     col_out = col0 + column
     in_bounds = block < sEdges[SORT_MAX_G + 2 + tile.seg]  # offsets that decrease give fewer blocks

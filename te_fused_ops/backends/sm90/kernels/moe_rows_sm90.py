@@ -29,7 +29,7 @@ L1 no-allocate / non-coherent loads and streaming stores measured no different.
 import cutlass
 from cutlass import Float32, Int32, const_expr, cute
 
-from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled, finite_abs
+from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled, packed_finite_abs_max
 
 WARP = 32
 WARPS = 4  # tokens per CTA
@@ -246,11 +246,9 @@ class ScatterCastRowsSm90:
                     if v < vecs:
                         tX[u, None].store(_vector(mX, t, v).load())
                 for u in cutlass.range_constexpr(self.unroll):
-                    amax = Float32(0.0)
-                    for i in cutlass.range_constexpr(VEC):
-                        amax = cutlass.max(amax, finite_abs(Float32(tX[u, i])))
+                    amax = packed_finite_abs_max(tX[u, None])
                     for step in cutlass.range_constexpr(4):  # the 16 lanes of this block
-                        amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 8 >> step))
+                        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 8 >> step))
                     scales = e4m3_scale_inv(amax, self.power_2_scales)
                     tScale[u] = scales[0]
                     for i in cutlass.range_constexpr(VEC):
