@@ -14,10 +14,10 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ....activations import CONSTANT_DEFAULTS
+from .ptx_sm90 import ptx_value
 
 ActivationConstants = NamedTuple("ActivationConstants", [(name, Float32) for name in CONSTANT_DEFAULTS])
 """Every activation constant of the registry (``activations.CONSTANT_DEFAULTS`` order) as a float32
@@ -36,17 +36,7 @@ _GELU_C = 0.044715
 @dsl_user_op
 def tanh_approx(x: Float32, *, loc=None, ip=None) -> Float32:
     """tanh.approx.f32: one SFU op."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [Float32(x).ir_value(loc=loc, ip=ip)],
-            "tanh.approx.f32 $0, $1;",
-            "=f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    return Float32(ptx_value(T.f32(), [Float32(x)], "tanh.approx.f32 $0, $1;", "=f,f", loc=loc, ip=ip))
 
 
 @cute.jit

@@ -36,6 +36,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .group_tile_scheduler import scan_group_blocks
+from .ptx_sm90 import ptx_value
 
 WARP = 32
 WARPS = 8
@@ -63,17 +64,8 @@ def _fma(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def _prmt(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
     """prmt.b32: byte i of the result is byte ``selector``'s nibble i of the 8 bytes (b, a), a lowest."""
-    return Int32(
-        llvm.inline_asm(
-            T.i32(),
-            [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
-            f"prmt.b32 $0, $1, $2, {selector:#x};",
-            "=r,r,r",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    return Int32(ptx_value(T.i32(), [Int32(a), Int32(b)], f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r",
+                           loc=loc, ip=ip))
 
 
 @cute.jit
@@ -220,22 +212,13 @@ def _finite_pairs_max(running: Int32, pair: Int32, ptx_type: str, inf_bits: int,
     """Two 16-bit lanes at once: max(running, |pair| where finite, else 0) per lane, the
     magnitudes compared as unsigned integers (their order as floats): a sign mask, a packed float
     compare with +Inf (false for NaN and Inf) as a lane mask, an and, a packed integer max."""
-    return Int32(
-        llvm.inline_asm(
-            T.i32(),
-            [Int32(running).ir_value(loc=loc, ip=ip), Int32(pair).ir_value(loc=loc, ip=ip)],
-            "{ .reg .b32 m, k, inf;\n"
-            f"mov.b32 inf, {inf_bits:#x};\n"
-            "and.b32 m, $2, 0x7FFF7FFF;\n"
-            f"set.lt.u32.{ptx_type} k, m, inf;\n"
-            "and.b32 m, m, k;\n"
-            "max.u16x2 $0, $1, m; }",
-            "=r,r,r",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    asm = ("{ .reg .b32 m, k, inf;\n"
+           f"mov.b32 inf, {inf_bits:#x};\n"
+           "and.b32 m, $2, 0x7FFF7FFF;\n"
+           f"set.lt.u32.{ptx_type} k, m, inf;\n"
+           "and.b32 m, m, k;\n"
+           "max.u16x2 $0, $1, m; }")
+    return Int32(ptx_value(T.i32(), [Int32(running), Int32(pair)], asm, "=r,r,r", loc=loc, ip=ip))
 
 
 @cute.jit
