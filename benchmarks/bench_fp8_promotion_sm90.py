@@ -12,6 +12,8 @@ with the block step of the mainloop swapped for probe variants, each compiled in
   <v>_y      variant v with DeepGEMM's FFMA interleave applied to the cubin: the operand-b reuse
              flag and the yield bit cleared on the register-only FFMAs that carry both
   <v>_y2     the same on every other such FFMA
+  <v>_r      the opposite: operand b's reuse flag (and no yield) on every FFMA followed by one
+             reading the same b register
 
 The variants that keep the sums are checked against float64 of the quantized operands and bit for
 bit against ``halves`` (outputs NaN-poisoned first); then all are timed in rotated order
@@ -194,11 +196,15 @@ def use_variant(variant):
 def elf_sections(buf, start):
     """(name, offset in buf, size) of the sections of the ELF64 image at ``buf[start:]``, and the
     offset in buf where the image ends."""
-    shoff, = struct.unpack_from("<Q", buf, start + 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", buf, start + 0x3A)
+    phoff, shoff = struct.unpack_from("<QQ", buf, start + 0x20)
+    phentsize, phnum, shentsize, shnum, shstrndx = struct.unpack_from("<HHHHH", buf, start + 0x36)
     heads = [struct.unpack_from("<IIQQQQ", buf, start + shoff + i * shentsize) for i in range(shnum)]
     names = start + heads[shstrndx][4]
-    sections, end = [], start + shoff + shnum * shentsize
+    sections = []
+    end = max(start + shoff + shnum * shentsize, start + phoff + phnum * phentsize)
+    for i in range(phnum):
+        _kind, _flags, offset, _vaddr, _paddr, filesz = struct.unpack_from("<IIQQQQ", buf, start + phoff + i * phentsize)
+        end = max(end, start + offset + filesz)
     for name, kind, _flags, _addr, offset, size in heads:
         sections.append((bytes(buf[names + name: buf.index(b"\0", names + name)]).decode(), start + offset, size))
         if kind != 8:  # SHT_NOBITS occupies no bytes
@@ -206,28 +212,55 @@ def elf_sections(buf, start):
     return sections, end
 
 
+def text_sections(buf):
+    """(offset, size) in ``buf`` of the code sections of each cubin embedded in it."""
+    start = 1
+    while (start := buf.find(b"\x7fELF", start)) >= 0:
+        sections, end = elf_sections(buf, start)
+        yield from ((offset, size) for name, offset, size in sections if name.startswith(".text."))
+        start = end
+
+
+def ffma_words(buf, at):
+    """(low, high) 64-bit words of the instruction at ``at`` if it is a register-only FFMA, else None."""
+    low = int.from_bytes(buf[at:at + 8], "little")
+    return (low, int.from_bytes(buf[at + 8:at + 16], "little")) if low & 0xFFF == FFMA_RRR else None
+
+
 def interleave_ffma(obj: bytes, every: int) -> bytes:
     """The object file ``obj`` with the reuse flag of operand b and the yield bit cleared on
     every ``every``-th register-only FFMA that carries both, in each cubin embedded in it."""
     buf = bytearray(obj)
-    start, flipped, seen_all = 1, 0, 0
-    while (start := buf.find(b"\x7fELF", start)) >= 0:
-        sections, end = elf_sections(buf, start)
-        for name, offset, size in sections:
-            if not name.startswith(".text."):
-                continue
-            seen = 0
-            for at in range(offset, offset + size, 16):
-                low = int.from_bytes(buf[at:at + 8], "little")
-                high = int.from_bytes(buf[at + 8:at + 16], "little")
-                if low & 0xFFF == FFMA_RRR and high & REUSE_B_AND_YIELD == REUSE_B_AND_YIELD:
-                    if seen % every == 0:
-                        buf[at + 8:at + 16] = (high ^ REUSE_B_AND_YIELD).to_bytes(8, "little")
-                        flipped += 1
-                    seen += 1
-            seen_all += seen
-        start = end
+    flipped = seen_all = 0
+    for offset, size in list(text_sections(buf)):
+        seen = 0
+        for at in range(offset, offset + size, 16):
+            words = ffma_words(buf, at)
+            if words and words[1] & REUSE_B_AND_YIELD == REUSE_B_AND_YIELD:
+                if seen % every == 0:
+                    buf[at + 8:at + 16] = (words[1] ^ REUSE_B_AND_YIELD).to_bytes(8, "little")
+                    flipped += 1
+                seen += 1
+        seen_all += seen
     print(f"FFMA interleave: {flipped} of {seen_all} FFMAs with reuse and yield changed", flush=True)
+    return bytes(buf)
+
+
+def chain_reuse(obj: bytes) -> bytes:
+    """The object file ``obj`` with operand b's reuse flag (and the no-yield bit that ptxas sets
+    with it) on every register-only FFMA followed by one that reads the same b register: the
+    opposite of `interleave_ffma`, each run of a multiplier's FFMAs reading it from the register
+    file once."""
+    buf = bytearray(obj)
+    added = 0
+    for offset, size in list(text_sections(buf)):
+        for at in range(offset, offset + size - 16, 16):
+            this, following = ffma_words(buf, at), ffma_words(buf, at + 16)
+            if this and following and (this[0] >> 32) & 0xFF == (following[0] >> 32) & 0xFF \
+                    and not this[1] & REUSE_B_AND_YIELD:
+                buf[at + 8:at + 16] = (this[1] | REUSE_B_AND_YIELD).to_bytes(8, "little")
+                added += 1
+    print(f"FFMA reuse chains: reuse set on {added} more FFMAs", flush=True)
     return bytes(buf)
 
 
@@ -244,7 +277,7 @@ def compile_variant(variant, cluster_m, tvm_ffi):
         else:
             obj = fn.dump_to_object("probe")
         with open(path, "wb") as f:
-            f.write(interleave_ffma(obj, {"y": 1, "y2": 2}[patch]))
+            f.write(chain_reuse(obj) if patch == "r" else interleave_ffma(obj, {"y": 1, "y2": 2}[patch]))
         return getattr(cute.runtime.load_module(path, enable_tvm_ffi=tvm_ffi), "probe")
     use_variant(base)
     try:
