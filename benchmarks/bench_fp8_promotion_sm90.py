@@ -47,6 +47,7 @@ import te_fused_ops.backends.sm90.kernels.mainloop_sm90 as mainloop
 from te_fused_ops.backends.sm90.kernels import grouped_gemm as gg
 from te_fused_ops.backends.sm90.kernels.grouped_act_sm90 import GroupedGemmActFp8Sm90
 from te_fused_ops.quantization import quantize, quantize_weight
+from te_fused_ops.splits import split_offsets
 
 ACCUMULATE = cute.nvgpu.warpgroup.Field.ACCUMULATE
 LIBRARY = {n: mainloop.Sm90Mainloop.__dict__[n] for n in ("_fp8_k_tile_halves", "_half_tiled_mma", "_mma_fragments")}
@@ -297,8 +298,7 @@ def main(variants, shapes, check_only=False):
     for name in shapes:
         m, h, i, e = model_shape(name)
         torch.manual_seed(0)
-        splits = skewed_splits(m, e, 0, align=8)
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), splits.cumsum(0)]).to(torch.int32).cuda()
+        offsets = split_offsets(skewed_splits(m, e, 0, align=8).cuda(), m)
         x = torch.randn(m, h, device="cuda")
         w = torch.randn(e, 2 * i, h, device="cuda") / math.sqrt(h)
         w *= (4.0 ** (torch.arange(2 * i, device="cuda") // 128 % 3))[:, None]  # W blocks 1x / 4x / 16x apart
