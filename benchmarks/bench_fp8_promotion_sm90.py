@@ -9,6 +9,11 @@ with the block step of the mainloop swapped for probe variants, each compiled in
   quarters   four 64-column quarters into two 32-register products, quarter q promoted while
              quarter q + 1's WGMMAs run: one wait a block, the same sums
   rsquart    quarters with the block's A read into registers once (ldmatrix), RS WGMMAs
+  turnsissue the two MMA warpgroups take turns at each half's WGMMAs (named barriers, as the
+             ping-pong mainloops take turns at whole tiles), a turn passed on once its WGMMAs are
+             issued: a half's WGMMAs queue behind the other warpgroup's and its promotion runs
+             while they execute
+  turnsdone  the same, the turn passed on once its WGMMAs have completed
   <v>_y      variant v with DeepGEMM's FFMA interleave applied to the cubin: the operand-b reuse
              flag and the yield bit cleared on the register-only FFMAs that carry both
   <v>_y2     the same on every other such FFMA
@@ -46,12 +51,13 @@ from cutlass import const_expr
 import te_fused_ops.backends.sm90.kernels.mainloop_sm90 as mainloop
 from te_fused_ops.backends.sm90.kernels import grouped_gemm as gg
 from te_fused_ops.backends.sm90.kernels.grouped_act_sm90 import GroupedGemmActFp8Sm90
+from te_fused_ops.backends.sm90.kernels.named_barriers_sm90 import MMA_TURN
 from te_fused_ops.quantization import quantize, quantize_weight
 from te_fused_ops.splits import split_offsets
 
 ACCUMULATE = cute.nvgpu.warpgroup.Field.ACCUMULATE
 LIBRARY = {n: mainloop.Sm90Mainloop.__dict__[n] for n in ("_fp8_k_tile_halves", "_half_tiled_mma", "_mma_fragments")}
-EXACT = ("halves", "quarters", "rsquart")
+EXACT = ("halves", "quarters", "rsquart", "turnsissue", "turnsdone")
 REUSE_B_AND_YIELD = 0x0800200000000000  # bits 59 and 45 of an instruction's high 64-bit word
 FFMA_RRR = 0x223  # opcode bits of a register-only FFMA
 
@@ -177,6 +183,46 @@ def quarter_block(a_in_registers):
     return block
 
 
+def halves_in_turns(pass_on_issue):
+    @cute.jit
+    def block(self, ab_pipe, read_state, tiled_mma, acc, fp8_args, tile, k, held, n_box, m_total):
+        acc_block, tCrA, tCrB, scales, tCcAcc = fp8_args
+        mma_wg = cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // 128 - 1)
+        ahead = held
+        for h in cutlass.range_constexpr(2):
+            cute.arch.barrier(barrier_id=MMA_TURN + mma_wg, number_of_threads=256)
+            tiled_mma.set(ACCUMULATE, False)
+            cute.nvgpu.warpgroup.fence()
+            mainloop.mma_block(tiled_mma, acc_block, tCrA, tCrB[h], read_state.index)
+            cute.nvgpu.warpgroup.commit_group()
+            if const_expr(pass_on_issue):
+                cute.arch.barrier_arrive(barrier_id=MMA_TURN + 1 - mma_wg, number_of_threads=256)
+            if const_expr(h == 0):
+                ahead = self._block_scales(scales, tile, tCcAcc, k + 1, n_box, m_total)
+            cute.nvgpu.warpgroup.wait_group(0)
+            if const_expr(not pass_on_issue):
+                cute.arch.barrier_arrive(barrier_id=MMA_TURN + 1 - mma_wg, number_of_threads=256)
+            if const_expr(h == 1):
+                ab_pipe.consumer_release(read_state)
+            self._promote_half(acc, acc_block, held, h)
+        return ahead
+
+    return block
+
+
+@cute.jit
+def first_turn_to_warpgroup_0():
+    """Warpgroup 1 arrives at warpgroup 0's turn barrier once, before either takes a turn."""
+    if cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // 128 - 1) == 1:
+        cute.arch.barrier_arrive(barrier_id=MMA_TURN, number_of_threads=256)
+
+
+def fragments_then_first_turn(self, tiled_mma, mma_tidx, smem_tensors, scales):
+    made = LIBRARY["_mma_fragments"](self, tiled_mma, mma_tidx, smem_tensors, scales)
+    first_turn_to_warpgroup_0()
+    return made
+
+
 def use_variant(variant):
     """Put ``variant``'s methods on `Sm90Mainloop` (``halves``: the library's own)."""
     for name, fn in LIBRARY.items():
@@ -190,6 +236,9 @@ def use_variant(variant):
         mainloop.Sm90Mainloop._fp8_k_tile_halves = quarter_block(registers)
         mainloop.Sm90Mainloop._half_tiled_mma = lambda self: quarter_tiled_mma(self, registers)
         mainloop.Sm90Mainloop._mma_fragments = quarter_fragments(registers)
+    elif variant in ("turnsissue", "turnsdone"):
+        mainloop.Sm90Mainloop._fp8_k_tile_halves = halves_in_turns(variant == "turnsissue")
+        mainloop.Sm90Mainloop._mma_fragments = fragments_then_first_turn
     elif variant != "halves":
         raise ValueError(f"unknown variant {variant!r}")
 
