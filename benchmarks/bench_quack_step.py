@@ -35,8 +35,8 @@ if __name__ == "__main__":  # before torch, triton and the kernels load: one lin
 import quack
 import quack.gemm_interface as qg
 import torch
-from bench_train_step import SHAPES, ReferenceMLP, dswiglu, problem, rel_err, step_rows, swiglu
-from common import device_tag, model_shape, rotated_medians, sustained_ms, write_results
+from bench_train_step import SHAPES, ReferenceMLP, dswiglu, problem, rel_err, step_rows, step_timelines, swiglu
+from common import device_tag, model_shape, print_timeline, rotated_medians, sustained_ms, write_results
 
 
 def interleave(w1):
@@ -185,6 +185,8 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names or MxHxIxE sizes")
     ap.add_argument("--out", default=None, help="folder for the JSON/markdown result (default: print only)")
     ap.add_argument("--no-tune", action="store_true", help="skip the autotuned quack variant")
+    ap.add_argument("--profile", action="store_true", help="also print the GPU timeline (busy, idle, largest "
+                    "gaps) of a quack and a reference step")
     args = ap.parse_args()
     import cutlass
 
@@ -207,6 +209,10 @@ def main():
         for kernel, r in row["kernels"].items():
             print(f"  {kernel:28s} quack{'' if args.no_tune else ' tuned'} {r['quack_us']:8.0f} us"
                   f"  torch {r['torch_us']:8.0f} us", flush=True)
+        if args.profile:
+            row["timelines"] = step_timelines(runs, dy, ("quack" if args.no_tune else "quack_tuned", "reference"))
+            for label, timeline in row["timelines"].items():
+                print_timeline(label, timeline)
         results.append(row)
         del mlp, runs, x, dy
         torch.cuda.empty_cache()

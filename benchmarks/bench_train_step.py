@@ -29,8 +29,8 @@ if __name__ == "__main__":  # before torch, triton and the kernels load: one lin
 
 import torch
 from common import (
-    MODEL_SHAPES, compile_per_shape, device_tag, gpu_us_per_kernel, model_shape, rotated_medians, skewed_splits,
-    sustained_ms, write_results,
+    MODEL_SHAPES, compile_per_shape, device_tag, gpu_us_per_kernel, kernel_timeline, model_shape, print_timeline,
+    rotated_medians, skewed_splits, sustained_ms, write_results,
 )
 
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU
@@ -257,6 +257,16 @@ def profile_step(mlp, splits, x, dy):
     return gpu_us_per_kernel(step)
 
 
+def step_timelines(runs, dy, labels) -> dict:
+    """label -> `common.kernel_timeline` of one step (gradients None first) of each of ``labels``."""
+    def step(forward, leaves):
+        for t in leaves:
+            t.grad = None
+        forward().backward(dy)
+
+    return {label: kernel_timeline(lambda r=runs[label]: step(*r)) for label in labels}
+
+
 def is_gemm_kernel(name: str) -> bool:
     lowered = name.lower()
     return any(key in lowered for key in ("grouped", "gemm", "wgrad", "cutlass", "sm90_xmma", "kernel_cutlass"))
@@ -266,7 +276,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names or MxHxIxE sizes")
     ap.add_argument("--out", default=None, help="folder for the JSON/markdown result (default: print only)")
-    ap.add_argument("--profile", action="store_true", help="also print the kernel breakdown of one fused step")
+    ap.add_argument("--profile", action="store_true", help="also print the kernel breakdown of one fused step and the "
+                    "GPU timeline (busy, idle, largest gaps) of a fused and a reference step")
     ap.add_argument("--sweep", action="store_true", help="only time each sm90 kernel per tile config")
     ap.add_argument("--ncu", action="store_true", help="only run each sm90 kernel once in a profiler range")
     args = ap.parse_args()
@@ -307,6 +318,9 @@ def main():
             print(f"  non-GEMM kernel time {100 * row['non_gemm_share']:.2f}% of {total / 1e3:.2f} ms:", flush=True)
             for k, v in sorted(other.items(), key=lambda kv: -kv[1])[:8]:
                 print(f"    {v:9.1f} us  {k[:100]}")
+            row["timelines"] = step_timelines(runs, dy, ("fused", "reference"))
+            for label, timeline in row["timelines"].items():
+                print_timeline(label, timeline)
         results.append(row)
         del mlp, runs, x, dy
         torch.cuda.empty_cache()

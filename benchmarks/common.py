@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import sys
 import time
 
@@ -263,6 +264,71 @@ def gpu_us_per_kernel(fn, launches: dict | None = None) -> dict:
             if launches is not None:
                 launches[event.name] = launches.get(event.name, 0) + 1
     return kernels
+
+
+def kernel_timeline(fn, gaps_listed: int = 6) -> dict:
+    """One call of ``fn`` after a warm-up call, under torch.profiler, as a timeline of its GPU work.
+    The call is queued behind a GPU sleep of 5-8 ms, so the host is ahead of the GPU as in a training
+    loop and the gaps are the GPU's own, not the host's latency to its first launches (kernels timed
+    by `sustained_ms` are queued that way too). ``span_us`` from the first kernel's start to the
+    last one's end, ``busy_us`` (the union of the
+    kernels' intervals, memsets and copies included), ``idle_us`` = span - busy, ``kernels`` the
+    launch count, and ``gaps``: the largest idle intervals between consecutive kernels, each as
+    {us, after, before} (the kernel names on either side, shortened)."""
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda._sleep(10**7)  # 10 M cycles: 5-8 ms at the clocks of an H100 / H200
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    work = sorted((e["ts"], e["ts"] + e["dur"], _short_kernel_name(e["name"])) for e in events
+                  if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e)[1:]  # after the sleep
+    if not work:
+        return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "kernels": 0, "gaps": []}
+    gaps, end, last = [], work[0][1], work[0][2]
+    for start, stop, name in work[1:]:
+        if start > end:
+            gaps.append({"us": start - end, "after": last, "before": name})
+        if stop >= end:
+            end, last = stop, name
+    span = end - work[0][0]
+    idle = sum(g["us"] for g in gaps)
+    gaps.sort(key=lambda g: -g["us"])
+    return {"span_us": span, "busy_us": span - idle, "idle_us": idle, "kernels": len(work),
+            "gaps": gaps[:gaps_listed]}
+
+
+def _short_kernel_name(name: str) -> str:
+    """A kernel's name without its template and argument lists or the CuTe DSL's module prefix."""
+    name = re.sub(r"^kernel_cutlass_kernel_", "", name)
+    name = re.sub(r"^te_fused_opsbackendssm90kernels", "", name)
+    depth, out = 0, []
+    for ch in name:
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)" and depth:
+            depth -= 1
+        elif depth == 0:
+            out.append(ch)
+    return "".join(out)[:60]
+
+
+def print_timeline(label: str, timeline: dict) -> None:
+    """`kernel_timeline`'s summary, one line, then its gaps."""
+    print(f"  {label}: {timeline['kernels']} kernels over {timeline['span_us']:.0f} us, busy "
+          f"{timeline['busy_us']:.0f} us, idle {timeline['idle_us']:.0f} us", flush=True)
+    for g in timeline["gaps"]:
+        print(f"    gap {g['us']:7.1f} us  after {g['after']}  before {g['before']}", flush=True)
 
 
 def device_tag(device_name: str) -> str:
