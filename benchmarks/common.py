@@ -267,14 +267,14 @@ def gpu_us_per_kernel(fn, launches: dict | None = None) -> dict:
 
 
 def kernel_timeline(fn, gaps_listed: int = 6) -> dict:
-    """One call of ``fn`` after a warm-up call, under torch.profiler, as a timeline of its GPU work.
-    The call is queued behind a GPU sleep of 5-8 ms, so the host is ahead of the GPU as in a training
-    loop and the gaps are the GPU's own, not the host's latency to its first launches (kernels timed
-    by `sustained_ms` are queued that way too). ``span_us`` from the first kernel's start to the
-    last one's end, ``busy_us`` (the union of the
-    kernels' intervals, memsets and copies included), ``idle_us`` = span - busy, ``kernels`` the
-    launch count, and ``gaps``: the largest idle intervals between consecutive kernels, each as
-    {us, after, before} (the kernel names on either side, shortened)."""
+    """One call of ``fn`` after a warm-up call, under torch.profiler, as a timeline of its GPU work
+    (`timeline_of`). The call is queued behind a GPU sleep of 5-8 ms, so that the host is ahead of
+    the GPU as in a training loop (and in `sustained_ms`) and the gaps are the GPU's own, not the
+    host's latency to its first launches. Returns ``span_us`` from the first kernel's start to the
+    last one's end, ``busy_us`` (the union of the kernels' intervals, memsets and copies included),
+    ``idle_us`` = span - busy, ``kernels`` (the launch count) and ``gaps``: the largest idle
+    intervals between consecutive kernels, each {us, after, before} (the names on either side,
+    shortened)."""
     import tempfile
 
     import torch
@@ -292,7 +292,13 @@ def kernel_timeline(fn, gaps_listed: int = 6) -> dict:
         with open(path) as f:
             events = json.load(f)["traceEvents"]
     work = sorted((e["ts"], e["ts"] + e["dur"], _short_kernel_name(e["name"])) for e in events
-                  if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e)[1:]  # after the sleep
+                  if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e)
+    return timeline_of(work[1:], gaps_listed)  # after the sleep
+
+
+def timeline_of(work: list, gaps_listed: int = 6) -> dict:
+    """`kernel_timeline`'s summary of ``work``: (start us, end us, name) intervals sorted by start,
+    overlapping ones allowed (a gap is time no interval covers)."""
     if not work:
         return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "kernels": 0, "gaps": []}
     gaps, end, last = [], work[0][1], work[0][2]

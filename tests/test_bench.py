@@ -237,6 +237,21 @@ def test_moe_layer_fp8_contenders_match_and_cast_weights_once_per_four_steps(mon
     assert per_step[0] == 0 and per_step[1] == per_step[2] and 0 < per_step[1] <= every_step, (every_step, per_step)
 
 
+def test_timeline_counts_only_time_no_kernel_covers_as_idle():
+    common = load_common()
+    work = [(0.0, 10.0, "a"), (2.0, 14.0, "b"), (5.0, 8.0, "c"), (20.0, 25.0, "d"), (26.0, 30.0, "e")]
+    t = common.timeline_of(work, gaps_listed=1)
+    assert (t["span_us"], t["busy_us"], t["idle_us"], t["kernels"]) == (30.0, 23.0, 7.0, 5)
+    assert t["gaps"] == [{"us": 6.0, "after": "b", "before": "d"}]
+    assert common.timeline_of([])["kernels"] == 0
+    assert common._short_kernel_name(
+        "void at::native::vectorized_elementwise_kernel<4, at::native::F<long>(x)::{lambda(long)#1}>(int, y)"
+    ) == "void at::native::vectorized_elementwise_kernel"
+    assert common._short_kernel_name(
+        "kernel_cutlass_kernel_te_fused_opsbackendssm90kernelsgrouped_act_sm90GroupedGemmActSm90_object"
+    ) == "grouped_act_sm90GroupedGemmActSm90_object"
+
+
 def test_accumulation_step_runs_its_micro_batches_then_the_optimizer_step():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
