@@ -51,19 +51,22 @@ class Routing:
 
 
 def route(indices: torch.Tensor, num_experts: int) -> Routing:
-    """The `Routing` of top-k expert ids ``indices`` (T, k) int32/int64 (checked by the caller)."""
+    """The `Routing` of top-k expert ids ``indices`` (T, k) int32/int64 (checked by the caller).
+
+    Few launches (a layer step issues this once): each slot's sort key is its expert, or
+    ``num_experts`` for a dropped slot (ids clamped into [-1, E], then -1 taken to E), as int32,
+    which the radix sort orders in half the passes of int64; the offsets are where each expert's
+    keys start in the sorted keys (one search), the counts their differences."""
     device = indices.device
-    flat = indices.reshape(-1).to(torch.int64)
+    flat = indices.reshape(-1)
     num_rows = flat.shape[0]
-    expert = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
-    row_slots = torch.sort(expert, stable=True).indices
+    expert = torch.remainder(flat.clamp(-1, num_experts).to(torch.int32), num_experts + 1)
+    keys, row_slots = torch.sort(expert, stable=True)
     slot_rows = torch.empty(num_rows, dtype=torch.int32, device=device)
     slot_rows.scatter_(0, row_slots, torch.arange(num_rows, dtype=torch.int32, device=device))
-    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
-    counts.scatter_add_(0, expert, torch.ones(num_rows, dtype=torch.int32, device=device))
-    counts = counts[:num_experts]
-    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0, dtype=torch.int32)])
-    return Routing(slot_rows.view(indices.shape), row_slots, offsets, counts)
+    offsets = torch.searchsorted(keys, torch.arange(num_experts + 1, dtype=torch.int32, device=device),
+                                 out_int32=True)
+    return Routing(slot_rows.view(indices.shape), row_slots, offsets, offsets[1:] - offsets[:-1])
 
 
 def _math(t: torch.Tensor) -> torch.Tensor:
@@ -100,14 +103,12 @@ def slot_dots(dy: torch.Tensor, src: torch.Tensor, routing: Routing) -> torch.Te
 
 def rows_to_slots(row_values: torch.Tensor, routing: Routing) -> torch.Tensor:
     """(M,) per-row values -> (T, k) per-slot values (dropped slots: 0)."""
-    slots = row_values[routing.slot_rows.long()]
-    return slots * routing.kept_slots().to(slots.dtype)
+    return torch.where(routing.kept_slots(), row_values[routing.slot_rows], 0)
 
 
 def slots_to_rows(slot_values: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """(T, k) per-slot values -> (M,) per-row values (padding rows: 0)."""
-    rows = slot_values.reshape(-1)[routing.row_slots]
-    return rows * routing.kept_rows().squeeze(1).to(rows.dtype)
+    """(T, k) per-slot values -> (M,) per-row values (padding rows: 0, the dropped slots' rows)."""
+    return torch.where(routing.kept_slots(), slot_values, 0).reshape(-1)[routing.row_slots]
 
 
 @dataclass(frozen=True)
