@@ -450,11 +450,14 @@ class TopKRouter(BasicOp):
         return (TopKRouter, self.num_experts, self.k, self.score, self.normalize, self.scale, self.num_groups,
                 self.group_topk, self.aux_loss_coeff)
 
-    def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(logits, -1) if self.score == "softmax" else torch.sigmoid(logits)
+    def scores(self, logits: torch.Tensor, dtype) -> torch.Tensor:
+        """(T, E) scores in ``dtype`` (float32, or float64 for a float64 x) of 16-bit or wider logits."""
+        if self.score == "softmax":
+            return torch.softmax(logits, -1, dtype=dtype)
+        return torch.sigmoid(logits.to(dtype))
 
-    def choose(self, scores: torch.Tensor, bias) -> torch.Tensor:
-        """(T, k) int64 expert ids of the top-k (no gradient)."""
+    def choose(self, scores: torch.Tensor, bias) -> tuple:
+        """((T, k) int64 expert ids of the top-k (no gradient), their (T, k) scores)."""
         ranking = scores if bias is None else scores + bias
         if self.num_groups > 1:
             grouped = ranking.view(ranking.shape[0], self.num_groups, -1)
@@ -463,13 +466,19 @@ class TopKRouter(BasicOp):
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
             keep.scatter_(1, group_scores.topk(self.group_topk, -1).indices, True)
             ranking = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(ranking)
-        return ranking.topk(self.k, -1).indices
+        chosen, indices = ranking.topk(self.k, -1)
+        if ranking is not scores:  # ranked by other values: the scores of the chosen experts
+            chosen = scores.gather(1, indices)
+        return indices, chosen
 
-    def slot_probs(self, scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        probs = scores.gather(1, indices)
+    def slot_probs(self, chosen: torch.Tensor) -> tuple:
+        """(probs (T, k), the sum the chosen scores were divided by (T, 1), or None without
+        ``normalize``)."""
+        total = None
         if self.normalize:
-            probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
-        return probs * self.scale if self.scale != 1.0 else probs
+            total = chosen.sum(-1, keepdim=True) + 1e-20
+            chosen = chosen / total
+        return (chosen * self.scale if self.scale != 1.0 else chosen), total
 
     def balance_loss(self, scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """0-d float32: ``coeff * E * sum_e f_e * P_e``."""
@@ -488,29 +497,42 @@ class TopKRouter(BasicOp):
             raise OpValueError(f"TopKRouter: argument 'x' must have shape (tokens, {self.hidden}), got {tuple(x.shape)}")
         if x.dtype != weight.dtype:
             raise OpTypeError(f"TopKRouter: argument 'x' has dtype {x.dtype} but the weight has {weight.dtype}")
-        logits = (x @ weight.t()).to(torch.promote_types(x.dtype, torch.float32))
-        scores = self.scores(logits)
-        indices = self.choose(scores, ctx.params.get("expert_bias"))
-        probs = self.slot_probs(scores, indices)
+        scores = self.scores(x @ weight.t(), torch.promote_types(x.dtype, torch.float32))
+        indices, chosen = self.choose(scores, ctx.params.get("expert_bias"))
+        probs, total = self.slot_probs(chosen)
         if self.aux_loss_coeff:
             self.aux_loss = self.balance_loss(scores, indices).detach()
         ctx.produced = {"indices": indices, "probs": probs}
         if ctx.input_requires_grad or ctx.params_require_grad:
-            ctx.saved.logits, ctx.saved.indices, ctx.saved.weight = logits, indices, weight
+            ctx.saved.scores, ctx.saved.indices, ctx.saved.weight = scores, indices, weight
+            ctx.saved.probs, ctx.saved.total = probs, total
             ctx.save_input(x)
         return x
 
-    def score_grads(self, logits: torch.Tensor, indices: torch.Tensor, d_probs) -> torch.Tensor:
+    def score_grads(self, scores, indices, probs, total, d_probs) -> torch.Tensor:
         """d objective / d logits (T, E), the objective being ``<probs, d_probs>`` plus the balance
-        loss (explicit: the backward may run where autograd records nothing, e.g. in a custom op)."""
-        scores = self.scores(logits)
-        d_scores = torch.zeros_like(scores)
+        loss (explicit: the backward may run where autograd records nothing, e.g. in a custom op).
+
+        ``scores`` (T, E), ``probs`` (T, k) and ``total`` (T, 1) or None as the forward made them.
+        The probs' gradient reaches k scores a token: d chosen = scale * d_probs, then through the
+        normalization (d chosen - <d chosen, probs / scale>) / total; the softmax's backward
+        s * (d_s - <d_s, s>) then needs <d_s, s> over the k chosen only."""
+        d_chosen = None
         if d_probs is not None:
-            d_chosen = d_probs.to(scores.dtype) * self.scale
-            if self.normalize:
-                chosen = scores.gather(1, indices)
-                total = chosen.sum(-1, keepdim=True) + 1e-20
-                d_chosen = d_chosen / total - (d_chosen * chosen).sum(-1, keepdim=True) / total**2
+            d_chosen = d_probs.to(scores.dtype)
+            if self.scale != 1.0:
+                d_chosen = d_chosen * self.scale
+            if total is not None:
+                unscaled = probs if self.scale == 1.0 else probs / self.scale
+                d_chosen = (d_chosen - (d_chosen * unscaled).sum(-1, keepdim=True)) / total
+        if not self.aux_loss_coeff and self.score == "softmax":
+            if d_chosen is None:
+                return torch.zeros_like(scores)
+            chosen_terms = scores.gather(1, indices) * d_chosen  # s_j d_s_j at the chosen experts
+            d_logits = scores * chosen_terms.sum(-1, keepdim=True).neg()
+            return d_logits.scatter_add_(1, indices, chosen_terms)
+        d_scores = torch.zeros_like(scores)
+        if d_chosen is not None:
             d_scores.scatter_add_(1, indices, d_chosen)
         if self.aux_loss_coeff:
             tokens = max(scores.shape[0], 1)
@@ -521,18 +543,18 @@ class TopKRouter(BasicOp):
             if self.score == "softmax":
                 d_scores += weight
             else:
-                total = scores.sum(-1, keepdim=True) + 1e-20
-                d_scores += weight / total - (scores * weight).sum(-1, keepdim=True) / total**2
+                total_scores = scores.sum(-1, keepdim=True) + 1e-20
+                d_scores += weight / total_scores - (scores * weight).sum(-1, keepdim=True) / total_scores**2
         if self.score == "softmax":
             return scores * (d_scores - (d_scores * scores).sum(-1, keepdim=True))
         return d_scores * scores * (1 - scores)
 
     def op_backward(self, ctx: OpContext, dy):
-        x, weight = ctx.load_input(), ctx.saved.weight
-        d_logits = self.score_grads(ctx.saved.logits, ctx.saved.indices, ctx.produced_grads.get("probs")).to(x.dtype)
+        x, weight, saved = ctx.load_input(), ctx.saved.weight, ctx.saved
+        d_logits = self.score_grads(saved.scores, saved.indices, saved.probs, saved.total,
+                                    ctx.produced_grads.get("probs")).to(x.dtype)
         grads = {"weight": d_logits.t() @ x} if ctx.needs_grad("weight") else {}
         dx = None
         if ctx.input_requires_grad:
-            dx = d_logits @ weight.detach()
-            dx = dx if dy is None else dy + dx
+            dx = d_logits @ weight.detach() if dy is None else torch.addmm(dy, d_logits, weight.detach())
         return dx, grads
