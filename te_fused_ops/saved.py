@@ -9,6 +9,7 @@ backward again. `unpack` rebuilds the values from the skeleton and ``ctx.saved_t
 """
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,20 @@ class _Recomputed:
     args: tuple
 
 
+# values kept as they are (checked first: most of a skeleton's leaves)
+_PLAIN = frozenset((bool, int, float, str, torch.dtype, torch.device, torch.Size))
+
+
+@functools.cache
+def _field_names(cls) -> tuple:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _rebuilt(routing: Routing, convert) -> Routing:
+    """``routing`` with ``convert`` applied to every field (a frozen dataclass: built anew)."""
+    return type(routing)(*(convert(getattr(routing, name)) for name in _field_names(type(routing))))
+
+
 def _slot(t: torch.Tensor, tensors: list, index: dict) -> _Slot:
     if id(t) not in index:
         index[id(t)] = len(tensors)
@@ -91,6 +106,8 @@ def pack(value, tensors: list, index: dict, bases: dict = None):
     ``bases``: `_storage_key` -> slot, for tensors that reach the backward unchanged (a call's
     inputs under torch.compile): a view of one of them (an expert slice of a weight) is kept as
     that slot plus the view's geometry, not as a tensor of its own."""
+    if value is None or type(value) in _PLAIN:
+        return value
     if isinstance(value, QuantizedTensor):
         fields = tuple(pack(getattr(value, name), tensors, index, bases) for name in _QUANTIZED_FIELDS)
         return _Quantized(value.shape, value.dtype, value.device, value.recipe, value.role, fields)
@@ -107,8 +124,7 @@ def pack(value, tensors: list, index: dict, bases: dict = None):
     if isinstance(value, Saved):
         return Saved(**pack(vars(value), tensors, index, bases))
     if isinstance(value, Routing):
-        return dataclasses.replace(value, **{f.name: pack(getattr(value, f.name), tensors, index, bases)
-                                             for f in dataclasses.fields(value)})
+        return _rebuilt(value, lambda item: pack(item, tensors, index, bases))
     if isinstance(value, dict):
         return {key: pack(item, tensors, index, bases) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -118,7 +134,9 @@ def pack(value, tensors: list, index: dict, bases: dict = None):
 
 def unpack(skeleton, tensors):
     """The value `pack` took apart, rebuilt on ``tensors`` (``ctx.saved_tensors``)."""
-    if isinstance(skeleton, _Slot):
+    if skeleton is None or type(skeleton) in _PLAIN:
+        return skeleton
+    if type(skeleton) is _Slot:
         return tensors[skeleton.index]
     if isinstance(skeleton, _View):
         return tensors[skeleton.base.index].as_strided(skeleton.shape, skeleton.stride, skeleton.offset)
@@ -136,7 +154,7 @@ def unpack(skeleton, tensors):
     if isinstance(skeleton, Saved):
         return Saved(**unpack(vars(skeleton), tensors))
     if isinstance(skeleton, Routing):
-        return dataclasses.replace(skeleton, **{f.name: unpack(getattr(skeleton, f.name), tensors) for f in dataclasses.fields(skeleton)})
+        return _rebuilt(skeleton, lambda item: unpack(item, tensors))
     if isinstance(skeleton, dict):
         return {key: unpack(item, tensors) for key, item in skeleton.items()}
     if isinstance(skeleton, (list, tuple)):
