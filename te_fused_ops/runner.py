@@ -231,17 +231,18 @@ class Run:
         return tensors
 
     @staticmethod
-    def _unpacked(ctx, saved_tensors):
-        """A copy of ``ctx`` with its saved values rebuilt on ``saved_tensors``."""
+    def _unpacked(ctx, saved_tensors, memo: dict = None):
+        """A copy of ``ctx`` with its saved values rebuilt on ``saved_tensors`` (``memo``: `unpack`'s)."""
         ctx = copy.copy(ctx)
-        ctx.saved = unpack(ctx.saved, saved_tensors)
-        ctx.side = unpack(ctx.side, saved_tensors)
+        ctx.saved = unpack(ctx.saved, saved_tensors, memo)
+        ctx.side = unpack(ctx.side, saved_tensors, memo)
         ctx.produced_grads = {}
         return ctx
 
     def backward(self, dy, saved_tensors):
         """(dx, side-input grads, parameter grads) from the contexts rebuilt on ``saved_tensors``."""
-        ctxs = [self._unpacked(ctx, saved_tensors) for ctx in self.ctxs]
+        memo = {}
+        ctxs = [self._unpacked(ctx, saved_tensors, memo) for ctx in self.ctxs]
         op_grads = [None] * len(self.ops)
         steps, index = self.plan.backward, 0
         while index < len(steps):
@@ -251,7 +252,7 @@ class Run:
             if seg is not None and index - 1 == self.plan.segment_steps["backward"][0]:
                 stop = self.plan.segment_steps["backward"][1]
                 chunked = ctxs[seg.start].chunked
-                contexts = [[*ctxs[:seg.start], *(self._unpacked(chunk[i], saved_tensors) for i in range(seg.start, seg.stop)),
+                contexts = [[*ctxs[:seg.start], *(self._unpacked(chunk[i], saved_tensors, memo) for i in range(seg.start, seg.stop)),
                              *ctxs[seg.stop:]] for chunk in chunked.contexts]
                 dy, grads = chunked.backward(self, steps[index - 1:stop], dy, contexts)
                 index = stop

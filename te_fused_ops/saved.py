@@ -123,8 +123,11 @@ def pack(value, tensors: list, index: dict, bases: dict = None):
         return _Recomputed(value.fn, pack(value.args, tensors, index, bases))
     if isinstance(value, Saved):
         return Saved(**pack(vars(value), tensors, index, bases))
-    if isinstance(value, Routing):
-        return _rebuilt(value, lambda item: pack(item, tensors, index, bases))
+    if isinstance(value, Routing):  # one skeleton for the contexts that share a routing
+        key = (Routing, id(value))
+        if key not in index:
+            index[key] = _rebuilt(value, lambda item: pack(item, tensors, index, bases))
+        return index[key]
     if isinstance(value, dict):
         return {key: pack(item, tensors, index, bases) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -132,8 +135,9 @@ def pack(value, tensors: list, index: dict, bases: dict = None):
     return value
 
 
-def unpack(skeleton, tensors):
-    """The value `pack` took apart, rebuilt on ``tensors`` (``ctx.saved_tensors``)."""
+def unpack(skeleton, tensors, memo: dict = None):
+    """The value `pack` took apart, rebuilt on ``tensors`` (``ctx.saved_tensors``). ``memo``
+    (optional, shared by the calls of one backward): the `Routing`s already rebuilt."""
     if skeleton is None or type(skeleton) in _PLAIN:
         return skeleton
     if type(skeleton) is _Slot:
@@ -145,20 +149,24 @@ def unpack(skeleton, tensors):
         value.te_columnwise = tensors[skeleton.columnwise.index]
         return value
     if isinstance(skeleton, _Quantized):
-        fields = {name: unpack(field, tensors) for name, field in zip(_QUANTIZED_FIELDS, skeleton.fields)}
+        fields = {name: unpack(field, tensors, memo) for name, field in zip(_QUANTIZED_FIELDS, skeleton.fields)}
         return QuantizedTensor(
             skeleton.shape, skeleton.dtype, skeleton.device, recipe=skeleton.recipe, role=skeleton.role, **fields
         )
     if isinstance(skeleton, _Recomputed):
-        return Recompute(skeleton.fn, *unpack(skeleton.args, tensors))
+        return Recompute(skeleton.fn, *unpack(skeleton.args, tensors, memo))
     if isinstance(skeleton, Saved):
-        return Saved(**unpack(vars(skeleton), tensors))
+        return Saved(**unpack(vars(skeleton), tensors, memo))
     if isinstance(skeleton, Routing):
-        return _rebuilt(skeleton, lambda item: unpack(item, tensors))
+        if memo is None:
+            return _rebuilt(skeleton, lambda item: unpack(item, tensors))
+        if id(skeleton) not in memo:
+            memo[id(skeleton)] = _rebuilt(skeleton, lambda item: unpack(item, tensors))
+        return memo[id(skeleton)]
     if isinstance(skeleton, dict):
-        return {key: unpack(item, tensors) for key, item in skeleton.items()}
+        return {key: unpack(item, tensors, memo) for key, item in skeleton.items()}
     if isinstance(skeleton, (list, tuple)):
-        return type(skeleton)(unpack(item, tensors) for item in skeleton)
+        return type(skeleton)(unpack(item, tensors, memo) for item in skeleton)
     return skeleton
 
 
