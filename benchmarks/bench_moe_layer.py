@@ -94,8 +94,10 @@ from common import (
     extra_peak_mib,
     gpu_us_per_kernel,
     host_us_per_call,
+    kernel_timeline,
     live_at_peak,
     per_micro_batch,
+    print_timeline,
     rotated_medians,
     sustained_ms,
     write_results,
@@ -588,7 +590,8 @@ def table(device: str, results: list) -> str:
 def profile_contender(label: str, run: Contender, dy, step_ms: float) -> dict:
     """Where one step of ``run`` goes: GPU time and launches per kernel (torch.profiler, one step
     at the profiler's clock, not the timed one's: their sum against the step is a rough idle
-    estimate), and the host time to issue a step. A -4mb contender's times are per micro-batch
+    estimate), the host time to issue a step, and the step's timeline queued behind a GPU sleep
+    (`common.kernel_timeline`: idle time between its kernels, each launch's time in order). A -4mb contender's times are per micro-batch
     of its `timed_step`, its launches those of the whole optimizer step."""
     launches, step = {}, timed_step(run, dy)
     kernels = {kernel: per_micro_batch(step, us) for kernel, us in gpu_us_per_kernel(step, launches).items()}
@@ -598,7 +601,13 @@ def profile_contender(label: str, run: Contender, dy, step_ms: float) -> dict:
           f" host {host_ms:.3f} ms to issue a step, {len(kernels)} kernels", flush=True)
     for kernel, us in sorted(kernels.items(), key=lambda item: -item[1])[:12]:
         print(f"    {us:9.1f} us  x{launches[kernel]:<3d} {kernel[:110]}", flush=True)
-    return {"kernel_ms": kernel_ms, "host_ms": host_ms, "kernels_us": kernels, "launches": launches}
+    timeline = kernel_timeline(step)
+    print_timeline(label, timeline)
+    for launch in timeline["launches"]:
+        if launch["us"] >= 20:
+            print(f"    in order: {launch['us']:9.1f} us  {launch['name']}", flush=True)
+    return {"kernel_ms": kernel_ms, "host_ms": host_ms, "kernels_us": kernels, "launches": launches,
+            "timeline": timeline}
 
 
 def memory_trace(label: str, run: Contender, dy) -> dict:

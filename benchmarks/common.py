@@ -298,9 +298,10 @@ def kernel_timeline(fn, gaps_listed: int = 6) -> dict:
 
 def timeline_of(work: list, gaps_listed: int = 6) -> dict:
     """`kernel_timeline`'s summary of ``work``: (start us, end us, name) intervals sorted by start,
-    overlapping ones allowed (a gap is time no interval covers)."""
+    overlapping ones allowed (a gap is time no interval covers); ``launches``: each interval's
+    {name, us} in start order."""
     if not work:
-        return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "kernels": 0, "gaps": []}
+        return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "kernels": 0, "gaps": [], "launches": []}
     gaps, end, last = [], work[0][1], work[0][2]
     for start, stop, name in work[1:]:
         if start > end:
@@ -311,7 +312,7 @@ def timeline_of(work: list, gaps_listed: int = 6) -> dict:
     idle = sum(g["us"] for g in gaps)
     gaps.sort(key=lambda g: -g["us"])
     return {"span_us": span, "busy_us": span - idle, "idle_us": idle, "kernels": len(work),
-            "gaps": gaps[:gaps_listed]}
+            "gaps": gaps[:gaps_listed], "launches": [{"name": name, "us": stop - start} for start, stop, name in work]}
 
 
 def _short_kernel_name(name: str) -> str:

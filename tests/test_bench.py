@@ -243,7 +243,9 @@ def test_timeline_counts_only_time_no_kernel_covers_as_idle():
     t = common.timeline_of(work, gaps_listed=1)
     assert (t["span_us"], t["busy_us"], t["idle_us"], t["kernels"]) == (30.0, 23.0, 7.0, 5)
     assert t["gaps"] == [{"us": 6.0, "after": "b", "before": "d"}]
-    assert common.timeline_of([])["kernels"] == 0
+    assert [(launch["name"], launch["us"]) for launch in t["launches"]] == [
+        ("a", 10.0), ("b", 12.0), ("c", 3.0), ("d", 5.0), ("e", 4.0)]
+    assert common.timeline_of([])["kernels"] == 0 and common.timeline_of([])["launches"] == []
     assert common._short_kernel_name(
         "void at::native::vectorized_elementwise_kernel<4, at::native::F<long>(x)::{lambda(long)#1}>(int, y)"
     ) == "void at::native::vectorized_elementwise_kernel"
