@@ -17,6 +17,8 @@ benchmarks/results/moe_layer_gemms_<device>.json/.md (--out DIR: there) and prin
 
 import argparse
 import os
+from types import SimpleNamespace
+from typing import Callable, NamedTuple
 
 from common import require_sm90
 
@@ -44,6 +46,12 @@ def rel_err(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+class Gemm(NamedTuple):
+    ours: Callable
+    torch: Callable | None  # None: no torch counterpart (a gathered kernel)
+    flops: str              # whose FLOPs: "fc1" or "fc2"
+
+
 class LayerGemms:
     """The operands of one shape's step (rows in expert order) and each GEMM's two contenders."""
 
@@ -64,8 +72,7 @@ class LayerGemms:
         dy_rows = torch.randn(x_rows.shape[0], h, device=x.device, dtype=x.dtype)
         d_pre = dswiglu_math(pre, torch._grouped_mm(dy_rows, w2, offs=ends))
         math = layer_math(True)
-        # name: (ours, torch's or None, whose FLOPs: "fc1" or "fc2")
-        self.gemms = {
+        gemms = {  # name: (ours, torch's, whose FLOPs)
             "FC1 + SwiGLU": (lambda: grouped_gemm_sm90(x_rows, w1, offsets, activation="swiglu"),
                              lambda: math.swiglu(torch._grouped_mm(x_rows, w1.transpose(-2, -1), offs=ends)), "fc1"),
             "FC1 + SwiGLU gathered": (
@@ -85,13 +92,17 @@ class LayerGemms:
                           lambda: torch._grouped_mm(d_pre.t(), x_rows, offs=ends), "fc1"),
             "FC1 wgrad gathered": (lambda: grouped_wgrad_gathered_sm90(d_pre, x, tokens, offsets), None, "fc1"),
         }
+        self.gemms = {name: Gemm(*parts) for name, parts in gemms.items()}
         self.layer_runs = ["FC1 + SwiGLU gathered" if self.gather_fc1 else "FC1 + SwiGLU", "FC2", "FC2 dgrad + dSwiGLU",
                            "FC2 wgrad", "FC1 dgrad", "FC1 wgrad gathered" if self.gather_wgrad else "FC1 wgrad"]
-        self._check_args = (x, tokens, x_rows, w1, w2, offsets, ends, act, pre, dy_rows, d_pre)
+        self.operands = SimpleNamespace(x=x, tokens=tokens, x_rows=x_rows, w1=w1, w2=w2, offsets=offsets, ends=ends,
+                                        act=act, pre=pre, dy_rows=dy_rows, d_pre=d_pre)
 
     def check(self) -> dict:
         """Relative error of each of ours against torch's result (and FC2 against float64)."""
-        x, tokens, x_rows, w1, w2, offsets, ends, act, pre, dy_rows, d_pre = self._check_args
+        o = self.operands
+        x, tokens, x_rows, w1, w2, offsets, ends = o.x, o.tokens, o.x_rows, o.w1, o.w2, o.offsets, o.ends
+        act, pre, dy_rows, d_pre = o.act, o.pre, o.dy_rows, o.d_pre
         err = {}
         fc1 = grouped_gemm_sm90(x_rows, w1, offsets, activation="swiglu")
         err["FC1 pre"], err["FC1 act"] = rel_err(fc1[0], pre), rel_err(fc1[1], act)
@@ -116,8 +127,8 @@ class LayerGemms:
     def time(self) -> dict:
         """name -> {"ours": us, "torch": us}."""
         rows = {}
-        for name, (ours, theirs, _) in self.gemms.items():
-            fns = {"ours": ours} if theirs is None else {"ours": ours, "torch": theirs}
+        for name, gemm in self.gemms.items():
+            fns = {"ours": gemm.ours} if gemm.torch is None else {"ours": gemm.ours, "torch": gemm.torch}
             rows[name] = rotated_medians(fns, lambda fn: sustained_ms(fn, 0.25, 0.25) * 1e3)
             times = "  ".join(f"{k} {v:8.0f} us" for k, v in rows[name].items())
             print(f"  {self.name:16s} {name:24s} {times}", flush=True)
@@ -150,7 +161,7 @@ def main():
     args = ap.parse_args()
     names = args.shapes.split(",") if args.shapes else list(SHAPES)
     layers = [LayerGemms(name, SHAPES[name] if name in SHAPES else layer_shape(name, ap)) for name in names]
-    report = precompile.compile_step_kernels(lambda: [g[0]() for layer in layers for g in layer.gemms.values()])
+    report = precompile.compile_step_kernels(lambda: [g.ours() for layer in layers for g in layer.gemms.values()])
     kernel_cache.wait_for_background()
     print("kernels compiled:", {k: v for k, v in report.items() if not isinstance(v, (list, dict))}, flush=True)
     results = []
@@ -162,7 +173,7 @@ def main():
             raise SystemExit(f"{layer.name}: a kernel disagrees with torch ({err}); nothing timed")
         us = layer.time()
         results.append({"shape": layer.name, "max_rows_per_expert": layer.max_rows, "rel_err": err, "us": us,
-                        "flops": layer.flops, "flop_key": {n: g[2] for n, g in layer.gemms.items()},
+                        "flops": layer.flops, "flop_key": {n: g.flops for n, g in layer.gemms.items()},
                         "layer_runs": layer.layer_runs,
                         "layer_ours_us": sum(us[n]["ours"] for n in layer.layer_runs),
                         "layer_torch_us": sum(us[n]["torch"] for n in TORCH_STEP)})
