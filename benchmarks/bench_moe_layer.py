@@ -591,8 +591,9 @@ def profile_contender(label: str, run: Contender, dy, step_ms: float) -> dict:
     """Where one step of ``run`` goes: GPU time and launches per kernel (torch.profiler, one step
     at the profiler's clock, not the timed one's: their sum against the step is a rough idle
     estimate), the host time to issue a step, and the step's timeline queued behind a GPU sleep
-    (`common.kernel_timeline`: idle time between its kernels, each launch's time in order). A -4mb contender's times are per micro-batch
-    of its `timed_step`, its launches those of the whole optimizer step."""
+    (`common.kernel_timeline`: idle time between its kernels, each launch's time in order). A -4mb
+    contender's times are per micro-batch of its `timed_step`, its launches those of the whole
+    optimizer step."""
     launches, step = {}, timed_step(run, dy)
     kernels = {kernel: per_micro_batch(step, us) for kernel, us in gpu_us_per_kernel(step, launches).items()}
     kernel_ms = sum(kernels.values()) / 1e3

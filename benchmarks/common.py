@@ -312,7 +312,8 @@ def timeline_of(work: list, gaps_listed: int = 6) -> dict:
     idle = sum(g["us"] for g in gaps)
     gaps.sort(key=lambda g: -g["us"])
     return {"span_us": span, "busy_us": span - idle, "idle_us": idle, "kernels": len(work),
-            "gaps": gaps[:gaps_listed], "launches": [{"name": name, "us": stop - start} for start, stop, name in work]}
+            "gaps": gaps[:gaps_listed],
+            "launches": [{"name": name, "us": stop - start} for start, stop, name in work]}
 
 
 def _short_kernel_name(name: str) -> str:

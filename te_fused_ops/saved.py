@@ -140,6 +140,7 @@ def unpack(skeleton, tensors, memo: dict = None):
     (optional, shared by the calls of one backward): the `Routing`s already rebuilt."""
     if skeleton is None or type(skeleton) in _PLAIN:
         return skeleton
+    memo = {} if memo is None else memo
     if type(skeleton) is _Slot:
         return tensors[skeleton.index]
     if isinstance(skeleton, _View):
@@ -158,10 +159,8 @@ def unpack(skeleton, tensors, memo: dict = None):
     if isinstance(skeleton, Saved):
         return Saved(**unpack(vars(skeleton), tensors, memo))
     if isinstance(skeleton, Routing):
-        if memo is None:
-            return _rebuilt(skeleton, lambda item: unpack(item, tensors))
         if id(skeleton) not in memo:
-            memo[id(skeleton)] = _rebuilt(skeleton, lambda item: unpack(item, tensors))
+            memo[id(skeleton)] = _rebuilt(skeleton, lambda item: unpack(item, tensors, memo))
         return memo[id(skeleton)]
     if isinstance(skeleton, dict):
         return {key: unpack(item, tensors, memo) for key, item in skeleton.items()}
