@@ -89,6 +89,7 @@ if __name__ == "__main__":  # before torch, triton and the kernels load: one lin
 import torch
 from common import (
     accumulation_step,
+    clock_and_power,
     compile_per_shape,
     device_tag,
     extra_peak_mib,
@@ -602,13 +603,17 @@ def profile_contender(label: str, run: Contender, dy, step_ms: float) -> dict:
           f" host {host_ms:.3f} ms to issue a step, {len(kernels)} kernels", flush=True)
     for kernel, us in sorted(kernels.items(), key=lambda item: -item[1])[:12]:
         print(f"    {us:9.1f} us  x{launches[kernel]:<3d} {kernel[:110]}", flush=True)
+    clocks = clock_and_power(step)
+    if clocks:
+        print(f"  clocks {label}: SM {clocks['sm_mhz']:.0f} MHz, {clocks['power_w']:.0f} W of "
+              f"{clocks['power_limit_w']:.0f} W (medians of {clocks['samples']} samples, steps back to back)", flush=True)
     timeline = kernel_timeline(step)
     print_timeline(label, timeline)
     for launch in timeline["launches"]:
         if launch["us"] >= 20:
             print(f"    in order: {launch['us']:9.1f} us  {launch['name']}", flush=True)
     return {"kernel_ms": kernel_ms, "host_ms": host_ms, "kernels_us": kernels, "launches": launches,
-            "timeline": timeline}
+            "clocks": clocks, "timeline": timeline}
 
 
 def memory_trace(label: str, run: Contender, dy) -> dict:
@@ -680,7 +685,7 @@ def main():
     ap.add_argument("--out", default=None, help="folder for the .json/.md (default: benchmarks/results, with "
                     "--smoke its git-ignored runs/ folder)")
     ap.add_argument("--profile", default="", help="contenders (e.g. a,c) whose step is also broken down: GPU time "
-                    "per kernel, idle GPU time, host time to issue a step")
+                    "per kernel, idle GPU time, host time to issue a step, SM clock and power")
     ap.add_argument("--memory-trace", default="", help="contenders (e.g. c) whose step's peak is broken down: the "
                     "blocks live then, by the library frames that allocated them")
     args = ap.parse_args()

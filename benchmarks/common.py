@@ -246,6 +246,49 @@ def sustained_ms(fn, warm_s: float = 0.4, time_s: float = 0.4) -> float:
     return per_micro_batch(fn, times[len(times) // 2])
 
 
+def clock_and_power(fn, seconds: float = 2.0, interval_ms: int = 50) -> dict:
+    """The SM clock and board power while ``fn`` runs back to back for ``seconds`` after 0.5 s of
+    warm-up, sampled by ``nvidia-smi`` every ``interval_ms`` ms: medians of ``sm_mhz`` and
+    ``power_w``, the ``power_limit_w`` and ``samples``; {} where nvidia-smi is missing or
+    returns no samples."""
+    import shutil
+    import subprocess
+
+    import torch
+
+    if shutil.which("nvidia-smi") is None:
+        return {}
+    index = torch.cuda.current_device()
+    query = ["nvidia-smi", "-i", str(index), "--query-gpu=clocks.sm,power.draw,power.limit",
+             "--format=csv,noheader,nounits", f"-lms={interval_ms}"]
+    end = time.perf_counter() + 0.5
+    while time.perf_counter() < end:
+        fn()
+        torch.cuda.synchronize()
+    sampler = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(4):
+            fn()
+        torch.cuda.synchronize()
+    sampler.terminate()
+    rows = []
+    for line in sampler.communicate()[0].splitlines():
+        try:
+            rows.append([float(v) for v in line.split(",")])
+        except ValueError:
+            continue
+    if not rows:
+        return {}
+    return {"sm_mhz": _median([r[0] for r in rows]), "power_w": _median([r[1] for r in rows]),
+            "power_limit_w": rows[-1][2], "samples": len(rows)}
+
+
+def _median(values: list) -> float:
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
 def gpu_us_per_kernel(fn, launches: dict | None = None) -> dict:
     """GPU microseconds per kernel name in one call of ``fn`` after a warm-up call (torch.profiler);
     ``launches``: filled with each name's launch count."""

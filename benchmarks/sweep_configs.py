@@ -8,6 +8,7 @@ configuration changes the tiling, never the order of the K sum); then each is ti
 table reports the default's time over the best one's. Data: ``$OUT/sweep_configs_<gpu>.json``.
 
     python benchmarks/sweep_configs.py [--shapes name,...] [--out DIR] [--pingpong]
+        [--kernels part,...] [--configs 256x2,192x2p,...] [--precompile]
 """
 
 import argparse
@@ -34,8 +35,11 @@ SWEEP_SHAPES = {  # name: (M routed rows, H, I, E); classes: fine / coarse / una
     "mid dsv3 E32 I2048": (32768, 7168, 2048, 32),
     "unaligned gptoss E32 H2880": (32768, 2880, 2880, 32),
     "unaligned E16 H2880 I1408": (16384, 2880, 1408, 16),
+    "unaligned E16 H2880 I8192": (16384, 2880, 8192, 16),
+    "unaligned E16 H5120 I2880": (16384, 5120, 2880, 16),
     "coarse mixtral E8 I14336": (32768, 4096, 14336, 8),
     "coarse E16 I8192": (16384, 6144, 8192, 16),
+    "coarse E16 H6144 I10752": (32768, 6144, 10752, 16),
 }
 
 
@@ -65,6 +69,24 @@ def time_configs(fns: dict) -> dict:
     return {label: min(v) for label, v in times.items()}
 
 
+def problem(m, h, i, e):
+    """(mlp, offsets, x, dy) of one swept shape: the bf16 SwiGLU MLP on skewed routing."""
+    torch.manual_seed(0)
+    splits = skewed_splits(m, e, 0, align=8).cuda()
+    offsets = torch.nn.functional.pad(splits.cumsum(0), (1, 0)).to(torch.int32)
+    mlp = Sequential(GroupedLinear(e, h, 2 * i, dtype=torch.bfloat16, device="cuda"), SwiGLU(),
+                     GroupedLinear(e, i, h, dtype=torch.bfloat16, device="cuda"))
+    x = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
+    dy = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
+    return mlp, offsets, x, dy
+
+
+def selected(p, parts: str):
+    """(name, callable(**config)) of the step's kernels whose name holds one of ``parts`` (all if empty)."""
+    return [(kernel, fn) for kernel, fn in step_kernels(*p).items()
+            if not parts or any(part in kernel for part in parts.split(","))]
+
+
 def first(out):
     return out[0] if isinstance(out, tuple) else out
 
@@ -77,25 +99,41 @@ def main():
                         help="also the ping-pong schedule (labels TxCp) at tile_n 128 and 192")
     parser.add_argument("--kernels", default="",
                         help="comma-separated substrings: sweep only the kernels whose name holds one")
+    parser.add_argument("--configs", default="",
+                        help="comma-separated labels (256x2, 192x2p, ...): only these configurations")
+    parser.add_argument("--precompile", action="store_true",
+                        help="first compile every swept kernel in parallel processes (`precompile`)")
     args = parser.parse_args()
+    swept = list(configs(args.pingpong or bool(args.configs)))
+    if args.configs:
+        labels = args.configs.split(",")
+        unknown = set(labels) - {config_label(c) for c in swept}
+        if unknown:
+            parser.error(f"--configs: unknown {sorted(unknown)}")
+        swept = [c for c in swept if config_label(c) in labels]
+    problems = {shape: problem(*SWEEP_SHAPES[shape]) for shape in args.shapes.split(",")}
+    if args.precompile:
+        from te_fused_ops.precompile import compile_step_kernels
+
+        def every_launch():
+            for p in problems.values():
+                for kernel, fn in selected(p, args.kernels):
+                    for config in swept:
+                        fn(**config._asdict())
+
+        print("precompile:", {k: v for k, v in compile_step_kernels(every_launch).items() if k != "requests"}, flush=True)
+        from te_fused_ops import kernel_cache
+
+        kernel_cache.wait_for_background()
     results = {}
-    for shape in args.shapes.split(","):
-        m, h, i, e = SWEEP_SHAPES[shape]
-        torch.manual_seed(0)
-        splits = skewed_splits(m, e, 0, align=8).cuda()
-        offsets = torch.nn.functional.pad(splits.cumsum(0), (1, 0)).to(torch.int32)
-        mlp = Sequential(GroupedLinear(e, h, 2 * i, dtype=torch.bfloat16, device="cuda"), SwiGLU(),
-                         GroupedLinear(e, i, h, dtype=torch.bfloat16, device="cuda"))
-        x = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
-        dy = torch.randn(m, h, dtype=torch.bfloat16, device="cuda")
+    for shape in list(problems):
+        p, (m, h, i, e) = problems[shape], SWEEP_SHAPES[shape]
         results[shape] = {}
-        for kernel, fn in step_kernels(mlp, offsets, x, dy).items():
-            if args.kernels and not any(part in kernel for part in args.kernels.split(",")):
-                continue
+        for kernel, fn in selected(p, args.kernels):
             auto = auto_config(kernel, m, h, i, e)
             reference = first(fn()).clone()
             fns, equal = {}, {}
-            for config in configs(args.pingpong):
+            for config in dict.fromkeys([*swept, auto]):
                 label = config_label(config)
                 run = (lambda fn=fn, config=config: fn(**config._asdict()))
                 equal[label] = bool(torch.equal(first(run()), reference))
@@ -108,12 +146,12 @@ def main():
             print(f"{shape:28s} {kernel:20s} " + " ".join(f"{k} {v:7.0f}" for k, v in times.items())
                   + f"  auto {auto_label} best {best} {times[auto_label] / times[best]:.3f}"
                   + ("" if all(equal.values()) else f"  NOT EQUAL {equal}"), flush=True)
-        del mlp, x, dy
+        del problems[shape], p
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"sweep_configs_{device_tag(torch.cuda.get_device_name())}.json")
     with open(path, "w") as f:
-        json.dump({"configs": [config_label(c) for c in configs(args.pingpong)], "shapes": SWEEP_SHAPES,
+        json.dump({"configs": [config_label(c) for c in swept], "shapes": SWEEP_SHAPES,
                    "results": results}, f, indent=1)
     worst = max((r["auto_over_best"], s, k) for s, rs in results.items() for k, r in rs.items())
     print(f"worst default/best: {worst[0]:.3f} ({worst[1]}, {worst[2]})")

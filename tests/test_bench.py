@@ -254,6 +254,22 @@ def test_timeline_counts_only_time_no_kernel_covers_as_idle():
     ) == "grouped_act_sm90GroupedGemmActSm90_object"
 
 
+def test_clock_and_power_takes_medians_of_nvidia_smi_samples(tmp_path, monkeypatch):
+    common = load_common()
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nprintf '1500, 690.5, 700.00\\n1400, 692.0, 700.00\\nN/A, N/A, N/A\\n"
+                    "1440, 691.0, 700.00\\n'\nexec sleep 5\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+    monkeypatch.setenv("PATH", str(tmp_path))
+    clocks = common.clock_and_power(lambda: calls.append(1), seconds=0.3)
+    assert clocks == {"sm_mhz": 1440.0, "power_w": 691.0, "power_limit_w": 700.0, "samples": 3} and calls
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert common.clock_and_power(lambda: None, seconds=0.01) == {}
+
+
 def test_accumulation_step_runs_its_micro_batches_then_the_optimizer_step():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:

@@ -279,29 +279,39 @@ def test_forward_takes_192_wide_tiles_where_they_pad_n_less():
     assert choose_config(32768, 2880, 32, 132) == (256, 2)  # dgrad + dActivation: 256
 
 
-def test_pingpong_where_192_wide_tiles_fill_the_grid_and_pad_n_no_more(monkeypatch):
+def test_pingpong_where_it_hides_an_activation_epilogue_or_192_wide_tiles_pad_less(monkeypatch):
     """The ping-pong heuristic (`pingpong_pays`) on the swept classes, and how `_launch_config`
     resolves it: only with no tile_n / cluster_m given, never beside a conflicting option."""
     from te_fused_ops.backends.sm90.kernels import grouped_gemm as gg
 
-    pays = lambda m, n, k, halves=1: gg.pingpong_pays(m, n, k, 132, halves)  # noqa: E731
-    assert pays(65536, 1536, 2048, 2) and pays(65536, 768, 2048)  # qwen3 FC1 forward + SwiGLU, dgrad + dSwiGLU
-    assert pays(32768, 5760, 2880, 2) and pays(32768, 2880, 2880)  # gpt-oss: 192 pads N less than 256
-    assert not pays(65536, 2048, 768)  # qwen3 FC2 forward: 11 tiles of 192 pad, 8 of 256 do not
-    assert not pays(32768, 4096, 7168, 2) and not pays(32768, 7168, 2048)  # dsv3
-    assert not pays(32768, 28672, 4096, 2) and not pays(32768, 14336, 4096)  # mixtral
-    assert not pays(256, 1536, 2048, 2)  # 2 x 8 tiles of 192 leave most of the grid idle
-    # H 6144, I 10752, 16 experts: no padding either way, but K 6144-21504 (FC1 forward, FC2
-    # forward, dgrad + dSwiGLU, FC1's data gradient): the cooperative 256-wide tiles win
-    assert not pays(32768, 21504, 6144, 2) and not pays(32768, 6144, 10752)
-    assert not pays(32768, 10752, 6144) and not pays(32768, 6144, 21504)
+    def pays(m, n, k, halves=1, act=False):
+        return gg.pingpong_pays(m, n, k, 132, halves, act)
+
+    # activation epilogues (FC1 forward + SwiGLU on [gate, up] halves, dgrad + dSwiGLU over I)
+    assert pays(65536, 1536, 2048, 2, True) and pays(65536, 768, 2048, act=True)  # qwen3
+    assert pays(32768, 5760, 2880, 2, True) and pays(32768, 2880, 2880, act=True)  # gpt-oss
+    assert pays(32768, 28672, 4096, 2, True) and pays(32768, 14336, 4096, act=True)  # mixtral: 0.45% more padding
+    assert pays(32768, 21504, 6144, 2, True) and pays(32768, 10752, 6144, act=True)  # H 6144, I 10752: none
+    assert not pays(32768, 4096, 7168, 2, True) and not pays(32768, 2048, 7168, act=True)  # dsv3: 3.1% more
+    assert not pays(32768, 2816, 2048, 2, True) and pays(32768, 1408, 2048, act=True)  # I 1408
+    assert not pays(32768, 1024, 2048, 2, True) and not pays(32768, 512, 2048, act=True)  # I 512: 12.5% more
+    # plain outputs (FC2 forward over H, FC1's "kn" data gradient over H)
+    assert pays(65536, 2048, 768) and pays(65536, 2048, 1536)  # qwen3: short K, 3.1% more padding
+    assert not pays(32768, 2048, 2816)  # I 1408's FC1 data gradient: K past PINGPONG_SHORT_K
+    assert pays(32768, 2880, 2880) and pays(32768, 2880, 5760)  # gpt-oss: 192 pads 6.7% less
+    assert pays(16384, 2880, 8192) and pays(16384, 2880, 16384)  # ... at any K
+    assert not pays(32768, 7168, 2048) and not pays(32768, 7168, 4096)  # dsv3
+    assert not pays(32768, 4096, 14336) and not pays(32768, 4096, 28672)  # mixtral
+    assert not pays(32768, 6144, 10752) and not pays(32768, 6144, 21504)  # long K, no padding either way
+    assert not pays(256, 1536, 2048, 2, True)  # 2 x 8 tiles of 192 leave most of the grid idle
     monkeypatch.setattr(gg, "num_sms", lambda dev: 132)
-    auto = gg._launch_config("f", 65536, 768, 128, 0, None, None, None, pingpong=None, k=2048)
+    auto = gg._launch_config("f", 65536, 768, 128, 0, None, None, None, pingpong=None, k=6144, act_epilogue=True)
     assert auto[0:2] == (192, 2) and auto[3] is True
     assert gg._launch_config("f", 65536, 768, 128, 0, None, None, None, pingpong=None, k=6144)[3] is False
-    assert gg._launch_config("f", 65536, 768, 128, 0, 256, None, None, pingpong=None, k=2048)[3] is False
+    assert gg._launch_config("f", 65536, 768, 128, 0, None, None, None, pingpong=None, k=1536)[3] is True
+    assert gg._launch_config("f", 65536, 768, 128, 0, 256, None, None, pingpong=None, k=1536)[3] is False
     assert gg._launch_config("f", 65536, 768, 128, 0, None, None, None, pingpong=None, conflict="x",
-                             k=2048)[3] is False
+                             k=1536)[3] is False
     assert gg._launch_config("f", 65536, 2048, 128, 0, None, None, None, pingpong=True)[0] == 192
     with pytest.raises(ValueError, match="f: pingpong needs tile_n"):
         gg._launch_config("f", 65536, 2048, 128, 0, 256, None, None, pingpong=True)

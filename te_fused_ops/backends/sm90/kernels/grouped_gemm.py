@@ -146,20 +146,35 @@ def choose_config(m: int, n: int, g: int, num_sms: int, tile_ns=(128, 256), halv
     return tile_n, 2 if n > tile_n or m >= 1024 * g else 1
 
 
-PINGPONG_MAX_K = 4096  # reduction length up to which ping-pong can pay (`pingpong_pays`)
+PINGPONG_SHORT_K = 1536  # plain outputs: K up to which the hidden epilogue outweighs a little padding
+SHORT_K_PAD_MARGIN = 0.035  # ... that much more of N padded by 192-wide tiles than by 256-wide ones
+ACT_PAD_MARGIN = 0.01  # activation epilogues: 192-wide tiles may pad N this much more at any K
 
 
-def pingpong_pays(m: int, n: int, k: int, num_sms: int, halves: int = 1) -> bool:
+def pingpong_pays(m: int, n: int, k: int, num_sms: int, halves: int = 1, act_epilogue: bool = False) -> bool:
     """Whether the ping-pong schedule on 192-wide tiles with CTA pairs is the choice for a 16-bit
-    forward, "kn" data gradient or dgrad + dActivation: K at most `PINGPONG_MAX_K` (the epilogue it
-    hides is a share of a tile worth hiding), 192-wide tiles fill the persistent grid and pad N (a
-    GLU's halves: ``halves`` 2) no more than 256-wide ones. Measured (H100, `sweep_configs.py
-    --pingpong` and `bench_train_step.py --sweep`): 1.02-1.12x the best cooperative configuration
-    where that holds (qwen3, gpt-oss, H 2880 with I 1408: K 768-2880); where 192-wide tiles pad N
-    more (dsv3, mixtral, I 512) the cooperative 256-wide tiles are faster, by up to 1.7x, and so
-    they are at K 6144-21504 without padding (H 6144, I 10752, 16 experts: 1.06-1.70x)."""
-    return (k <= PINGPONG_MAX_K and -(-m // 128) * -(-n // 192) >= num_sms
-            and tuning.pads_no_more(n, 192, 256, halves))
+    forward, "kn" data gradient or dgrad + dActivation (``act_epilogue``: the kernel's epilogue
+    applies an activation or its gradient, reading or writing more than one output; ``halves`` 2
+    for a GLU's [gate, up]). 192-wide tiles must fill the persistent grid; then, by the share of N
+    they pad against 256-wide tiles (`tuning.padded_share`):
+    - an activation epilogue, hidden under the other warpgroup's mainloop, pays at any K where
+      192 pads at most `ACT_PAD_MARGIN` more;
+    - a plain output pays where 192 pads at least `tuning.WASTE_MARGIN` less (N = 2880), or
+      where K is at most `PINGPONG_SHORT_K` and 192 pads at most `SHORT_K_PAD_MARGIN` more. At
+      longer K a plain output's epilogue is a small share of a tile, and the cooperative 256-wide
+      tile reads fewer operand bytes per FLOP.
+    Measured (H200, `sweep_configs.py --configs 256x2,192x2,192x2p`, 12 classes): 1.02-1.08x the
+    best cooperative configuration where this picks ping-pong on a class that cooperative kernels
+    ran before (mixtral's FC1 + SwiGLU and dgrad + dSwiGLU at K 4096, qwen3's FC2 forward at
+    K 768 padding 3.1% more, gpt-oss's FC1 data gradient at K 5760); plain outputs at K 8192-28672
+    without the padding gain 1.03-1.20x slower in ping-pong (mixtral, H 6144 with I 8192 or
+    10752), and 192-wide tiles padding 12% more (I 512) 1.35x (H100)."""
+    if -(-m // 128) * -(-n // 192) < num_sms:
+        return False
+    extra = tuning.padded_share(n, 192, halves) - tuning.padded_share(n, 256, halves)
+    if act_epilogue:
+        return extra <= ACT_PAD_MARGIN
+    return extra <= -tuning.WASTE_MARGIN or (k <= PINGPONG_SHORT_K and extra <= SHORT_K_PAD_MARGIN)
 
 
 def forward_tiles(fn_name, weight_layout, activation) -> dict:
@@ -508,12 +523,12 @@ def _check_epilogue_tensors(fn_name, spec, dtype, bias, probs, out, act_out, m, 
     return act_shape
 
 
-def heuristic_config(m, n, k, g, sms, tiles=None, conflict=None) -> tuning.LaunchConfig:
-    """The configuration chosen from shapes alone (an (M, K) x (G, K, N) problem): ping-pong on
-    192-wide tiles in CTA pairs where it pays (`pingpong_pays`) and no option in ``conflict``
-    rules it out, else `choose_config`'s."""
+def heuristic_config(m, n, k, g, sms, tiles=None, conflict=None, act_epilogue=False) -> tuning.LaunchConfig:
+    """The configuration chosen from shapes alone (an (M, K) x (G, K, N) problem; ``act_epilogue``:
+    an activation or its gradient in the epilogue): ping-pong on 192-wide tiles in CTA pairs where
+    it pays (`pingpong_pays`) and no option in ``conflict`` rules it out, else `choose_config`'s."""
     tiles = tiles or {}
-    if conflict is None and pingpong_pays(m, n, k, sms, tiles.get("halves", 1)):
+    if conflict is None and pingpong_pays(m, n, k, sms, tiles.get("halves", 1), act_epilogue):
         return tuning.LaunchConfig(192, 2, True)
     return tuning.LaunchConfig(*choose_config(m, n, g, sms, **tiles))
 
@@ -536,17 +551,18 @@ def _candidates(conflict) -> tuple:
 
 
 def _launch_config(fn_name, m, n, g, dev, tile_n, cluster_m, sm_margin, tiles=None, pingpong=False,
-                   conflict=None, k=None):
+                   conflict=None, k=None, act_epilogue=False):
     """(tile_n, cluster_m, max_clusters, pingpong) from shapes, overrides (``tiles``:
     `forward_tiles`) and the SM margin. ``pingpong``: True / False, or None for the heuristic
-    (`heuristic_config`, which needs the reduction length ``k``) when tile_n and cluster_m are not
-    given either; ``conflict`` names an option that is on and rules ping-pong out (None: none)."""
+    (`heuristic_config`, which needs the reduction length ``k`` and ``act_epilogue``) when tile_n
+    and cluster_m are not given either; ``conflict`` names an option that is on and rules ping-pong
+    out (None: none)."""
     margin = resolve_sm_margin(sm_margin, fn_name)
     sms = num_sms(dev)
     tuning.check_pingpong(fn_name, pingpong)
     cooperative = choose_config(m, n, g, sms, **(tiles or {}))
     if pingpong is None:
-        auto = heuristic_config(m, n, k, g, sms, tiles, conflict)
+        auto = heuristic_config(m, n, k, g, sms, tiles, conflict, act_epilogue)
         pingpong = tile_n is None and cluster_m is None and auto.pingpong
         if pingpong:
             tile_n, cluster_m = auto.tile_n, auto.cluster_m
@@ -609,7 +625,7 @@ def grouped_gemm_sm90(
                                                   weight_layout=weight_layout, tile_n=t, cluster_m=c,
                                                   sm_margin=sm_margin, act_amax=act_amax, pingpong=p, **constants),
                 heuristic_config(x.shape[0], n, x.shape[1], weight.shape[0], num_sms(x.get_device()),
-                                 forward_tiles(_FWD, weight_layout, activation), conflict),
+                                 forward_tiles(_FWD, weight_layout, activation), conflict, activation is not None),
                 _candidates(conflict))
             if config is not None:
                 args = (*args[:9], config.tile_n, config.cluster_m, *args[11:13], config.pingpong)
@@ -752,7 +768,7 @@ def _forward_checks(
     act_shape = _check_epilogue_tensors(fn_name, spec, x.dtype, bias, probs, out, act_out, m, n, g, dev)
     tile_n, cluster_m, clusters, pingpong = _launch_config(
         fn_name, m, n, g, dev, tile_n, cluster_m, sm_margin, forward_tiles(fn_name, weight_layout, activation),
-        pingpong, conflict, k,
+        pingpong, conflict, k, spec is not None,
     )
     return m, n, act_shape, tile_n, cluster_m, clusters, pingpong
 
@@ -1096,7 +1112,7 @@ def grouped_dgrad_dact_sm90(
                                                         sm_margin=sm_margin, tile_n=t, cluster_m=c,
                                                         epilogue_warps=epilogue_warps, pingpong=p, **constants),
                 heuristic_config(dy.shape[0], i, dy.shape[1], weight.shape[0], num_sms(dy.get_device()),
-                                 conflict=conflict),
+                                 conflict=conflict, act_epilogue=True),
                 _candidates(conflict))
             if config is not None:
                 args = (*args[:8], config.tile_n, config.cluster_m, *args[10:12], config.pingpong)
@@ -1151,7 +1167,7 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
     tile_n, cluster_m, clusters, pingpong = _launch_config(_DACT, m, i, g, dev, tile_n, cluster_m, sm_margin,
                                                            pingpong=pingpong,
                                                            conflict="epilogue_warps" if epilogue_warps else None,
-                                                           k=dy.shape[1])
+                                                           k=dy.shape[1], act_epilogue=True)
     partial_shape = (-(-i // tile_n), m) if spec.takes_probs else None
     if m == 0:
         return None, (m, i), partial_shape, clusters
