@@ -56,7 +56,7 @@ def auto_config(name, m, h, i, e):
     tiles = {}
     if "fwd" in name:
         tiles = grouped_gemm.forward_tiles(grouped_gemm._FWD, "nk", "swiglu" if "SwiGLU" in name else None)
-    return grouped_gemm.heuristic_config(m, n, k, e, sms, tiles)
+    return grouped_gemm.heuristic_config(m, n, k, e, sms, tiles, act_epilogue="SwiGLU" in name)
 
 
 def time_configs(fns: dict) -> dict:
