@@ -252,6 +252,7 @@ def clock_and_power(fn, seconds: float = 2.0, interval_ms: int = 50) -> dict:
     ``power_w``, the ``power_limit_w`` and ``samples``; {} where nvidia-smi is missing or
     returns no samples."""
     import shutil
+    import statistics
     import subprocess
 
     import torch
@@ -280,13 +281,8 @@ def clock_and_power(fn, seconds: float = 2.0, interval_ms: int = 50) -> dict:
             continue
     if not rows:
         return {}
-    return {"sm_mhz": _median([r[0] for r in rows]), "power_w": _median([r[1] for r in rows]),
+    return {"sm_mhz": statistics.median(r[0] for r in rows), "power_w": statistics.median(r[1] for r in rows),
             "power_limit_w": rows[-1][2], "samples": len(rows)}
-
-
-def _median(values: list) -> float:
-    values = sorted(values)
-    return values[len(values) // 2]
 
 
 def gpu_us_per_kernel(fn, launches: dict | None = None) -> dict:

@@ -113,17 +113,16 @@ def main():
         swept = [c for c in swept if config_label(c) in labels]
     problems = {shape: problem(*SWEEP_SHAPES[shape]) for shape in args.shapes.split(",")}
     if args.precompile:
+        from te_fused_ops import kernel_cache
         from te_fused_ops.precompile import compile_step_kernels
 
         def every_launch():
-            for p in problems.values():
+            for shape, p in problems.items():
                 for kernel, fn in selected(p, args.kernels):
-                    for config in swept:
+                    for config in dict.fromkeys([*swept, auto_config(kernel, *SWEEP_SHAPES[shape])]):
                         fn(**config._asdict())
 
-        print("precompile:", {k: v for k, v in compile_step_kernels(every_launch).items() if k != "requests"}, flush=True)
-        from te_fused_ops import kernel_cache
-
+        print("precompile:", compile_step_kernels(every_launch), flush=True)
         kernel_cache.wait_for_background()
     results = {}
     for shape in list(problems):
