@@ -7,7 +7,10 @@ also takes the preceding GroupedLinear (FC1), whose backward a kernel backend ma
 same epilogue (d_pre's amax, or d_pre already cast): it applies where both GroupedLinears'
 inputs are quantized. The third also takes the combine (`Unpermute`) after FC2: with 1x128 row
 blocks a token's gradient is cast once for all its expert rows, in the combine's backward. The
-reference runs the ops' own backwards in sequence.
+fourth takes the combine after the 16-bit FC2: where the combine is a plain sum, each expert row
+of its gradient is a copy of its token's, so a backend may read dy's rows by index in FC2's data
+and weight gradients instead of writing them in expert order. The reference runs the ops' own
+backwards in sequence.
 """
 
 from te_fused_ops.fusion import FusionRule, register_rule
@@ -61,3 +64,14 @@ grouped_linear_dactivation_grouped_linear_unpermute = register_rule(FusionRule(
     "grouped_linear+dactivation+grouped_linear+unpermute",
     pattern=(GroupedLinear, Activation, GroupedLinear, Unpermute), passes="backward", supports=_combine_casts_dy,
     reference=backward_reference, formats=(2,)))
+
+
+def _single_gpu(ops, info):
+    if getattr(ops[2], "group", None) is not None:
+        return "expert parallel: the combine's rows come back from the ranks (its backward runs alone)"
+    return None
+
+
+dactivation_grouped_linear_unpermute = register_rule(FusionRule(
+    "dactivation+grouped_linear+unpermute", pattern=(Activation, GroupedLinear, Unpermute), passes="backward",
+    supports=_single_gpu, reference=backward_reference))

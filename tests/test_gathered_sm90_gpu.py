@@ -1,14 +1,21 @@
-"""GPU tests of the kernels reading x's rows by index inside the GEMM: `grouped_gemm_gathered_sm90`
-(FC1's forward) and `grouped_wgrad_gathered_sm90` (FC1's weight gradient). Each bit for bit the
-kernel on the gathered copy x[index] with the same tile, a float64 reference, NaN-poisoned
-outputs, clamped ids, rows past the groups zero or ignored, no host sync, argument errors."""
+"""GPU tests of the kernels reading rows by index inside the GEMM: `grouped_gemm_gathered_sm90`
+(FC1's forward), `grouped_wgrad_gathered_sm90` (FC1's weight gradient on x's rows, FC2's on dy's)
+and `grouped_dgrad_dact_sm90` with ``dy_index`` (FC2's data gradient + dActivation on dy's rows).
+Each bit for bit the kernel on the gathered copy with the same tile, a float64 reference,
+NaN-poisoned outputs, clamped ids, rows past the groups zero or ignored, no host sync, argument
+errors."""
 
 import pytest
 import torch
+from test_grouped_dgrad_sm90_gpu import dact_reference
 from test_grouped_gemm_sm90_gpu import offsets_from_splits, poisoned_empty, reference, rel_err
 
 from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
-from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_gemm_gathered_sm90, grouped_gemm_sm90
+from te_fused_ops.backends.sm90.kernels.grouped_gemm import (
+    grouped_dgrad_dact_sm90,
+    grouped_gemm_gathered_sm90,
+    grouped_gemm_sm90,
+)
 from te_fused_ops.backends.sm90.kernels.grouped_wgrad import grouped_wgrad_gathered_sm90, grouped_wgrad_sm90
 
 pytestmark = [
@@ -149,7 +156,7 @@ def test_wgrad_argument_errors():
     x, index, _, offsets, _, _ = operands([10, 20], 32, 128, 8, None, False, seed=10)
     dy = torch.randn(index.shape[0], 64, device="cuda").bfloat16()
     name = "grouped_wgrad_gathered_sm90"
-    with pytest.raises(ValueError, match=f"{name}: x_index has 30 rows, dy has 35"):
+    with pytest.raises(ValueError, match=f"{name}: dy has 35 rows, index has 30"):
         grouped_wgrad_gathered_sm90(dy, x, index[:30], offsets)
     with pytest.raises(ValueError, match=f"{name}: tile_n must be 128, 192 or 256"):
         grouped_wgrad_gathered_sm90(dy, x, index, offsets, tile_n=64)
@@ -157,6 +164,86 @@ def test_wgrad_argument_errors():
         grouped_wgrad_gathered_sm90(dy, x, index, offsets, cluster_m=4)
     with pytest.raises(TypeError, match=f"{name}: x has dtype torch.float16"):
         grouped_wgrad_gathered_sm90(dy, x.half(), index, offsets)
-    with pytest.raises(ValueError, match=f"{name}: x has no rows to gather, x_index has 35"):
+    with pytest.raises(ValueError, match=f"{name}: x has no rows to gather, index has 35"):
         grouped_wgrad_gathered_sm90(dy, x[:0], index, offsets)
 
+    with pytest.raises(ValueError, match=f"{name}: gathered must be 'x' or 'dy'"):
+        grouped_wgrad_gathered_sm90(dy, x, index, offsets, gathered="w")
+    with pytest.raises(ValueError, match=f"{name}: x has 32 rows, index has 35"):
+        grouped_wgrad_gathered_sm90(dy, x, index, offsets, gathered="dy")
+
+
+@pytest.mark.parametrize("tile_n,cluster_m", [(128, 1), (128, 2), (192, 2), (256, 2)])
+@pytest.mark.parametrize("n,k", [(384, 256), (256, 200), (2048, 768)])
+def test_wgrad_of_gathered_dy(tile_n, cluster_m, n, k):
+    """FC2's weight gradient with dy's token rows read by index (gathered "dy": dy's rows as A, x
+    as B, stored as computed): bit for bit the kernel on the copy dy[index] with the same tile,
+    against float64, NaN-poisoned output, empty groups zero, ids clamped."""
+    dy, index, _, offsets, _, _ = operands(UNEVEN, 600, n, 8, None, False, seed=tile_n + n + cluster_m)
+    index[::9] = -2
+    index[4::9] = 600
+    x = torch.randn(index.shape[0], k, device="cuda").bfloat16()
+    poisoned_empty((len(UNEVEN), n, k), torch.bfloat16)
+    dw = grouped_wgrad_gathered_sm90(dy, x, index, offsets, gathered="dy", tile_n=tile_n, cluster_m=cluster_m)
+    rows = dy[index.long().clamp(0, 599)]
+    assert rel_err(dw, wgrad_reference(rows, x, offsets)) < 1e-2
+    assert torch.equal(dw, grouped_wgrad_sm90(rows, x, offsets, tile_n=tile_n, cluster_m=cluster_m))
+    assert torch.all(dw[0] == 0) and torch.all(dw[3] == 0)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "scaled_swiglu", "srelu"])
+@pytest.mark.parametrize("tile_n,cluster_m", [(128, 1), (192, 2), (256, 2)])
+def test_dact_of_gathered_dy(activation, tile_n, cluster_m):
+    """FC2's data gradient + dActivation with dy's token rows read by index (``dy_index``): bit for
+    bit the kernel on the copy dy[index] with the same tile, against float64, NaN-poisoned
+    outputs, padding rows zero, ids clamped; d_pre written over pre too."""
+    h, i = 256, 160 if activation != "srelu" else 168
+    dy, index, _, offsets, _, _ = operands(UNEVEN, 500, h, 8, None, False, seed=tile_n + cluster_m + len(activation))
+    index[::11] = -1
+    index[5::11] = 10**6
+    g, m = len(UNEVEN), index.shape[0]
+    w = (torch.randn(g, h, i, device="cuda") / h**0.5).bfloat16()
+    pre = (2 * torch.randn(m, i if activation == "srelu" else 2 * i, device="cuda")).bfloat16()
+    probs = torch.rand(m, device="cuda") if activation == "scaled_swiglu" else None
+    kw = dict(activation=activation, probs=probs, tile_n=tile_n, cluster_m=cluster_m, pingpong=False)
+    poisoned_empty(tuple(pre.shape), torch.bfloat16)
+    act_out = torch.full((m, i), float("nan"), dtype=torch.bfloat16, device="cuda")
+    d_pre, act, d_probs = grouped_dgrad_dact_sm90(dy, w, offsets, pre, dy_index=index, act_out=act_out, **kw)
+    rows = dy[index.long().clamp(0, 499)]
+    exp = grouped_dgrad_dact_sm90(rows, w, offsets, pre, **kw)
+    assert torch.equal(d_pre, exp[0]) and torch.equal(act, exp[1])
+    assert (d_probs is None) == (exp[2] is None) and (d_probs is None or torch.equal(d_probs, exp[2]))
+    ref_d_pre, ref_act, ref_d_probs = dact_reference(rows, w, offsets, pre, activation, probs)
+    end = int(offsets[-1])
+    assert rel_err(d_pre, ref_d_pre) < 1e-2 and rel_err(act, ref_act) < 1e-2
+    assert torch.all(d_pre[end:] == 0) and torch.all(act[end:] == 0)
+    if probs is not None:
+        assert rel_err(d_probs, ref_d_probs) < 1e-2
+    in_place = grouped_dgrad_dact_sm90(dy, w, offsets, pre.clone(), dy_index=index, **kw)
+    assert torch.equal(in_place[0], d_pre)
+
+
+def test_dact_of_gathered_dy_without_host_sync_and_errors():
+    dy, index, _, offsets, _, _ = operands([70, 0, 190], 50, 128, 8, None, False, seed=12)
+    w = (torch.randn(3, 128, 64, device="cuda") / 128**0.5).bfloat16()
+    pre = torch.randn(index.shape[0], 128, device="cuda").bfloat16()
+    grouped_dgrad_dact_sm90(dy, w, offsets, pre, dy_index=index, activation="swiglu")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grouped_dgrad_dact_sm90(dy, w, offsets, pre, dy_index=index, activation="swiglu")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    name = "grouped_dgrad_dact_sm90"
+    with pytest.raises(TypeError, match=f"{name}: dy_index has dtype torch.int64"):
+        grouped_dgrad_dact_sm90(dy, w, offsets, pre, dy_index=index.long(), activation="swiglu")
+    with pytest.raises(ValueError, match=f"{name}: H=96 .* multiple of 64 with dy_index"):
+        grouped_dgrad_dact_sm90(dy[:, :96].contiguous(), w[:, :96].contiguous(), offsets, pre, dy_index=index,
+                                activation="swiglu")
+    for option in ("epilogue_warps", "pingpong"):
+        with pytest.raises(ValueError, match=f"{name}: dy_index runs cooperative"):
+            grouped_dgrad_dact_sm90(dy, w, offsets, pre, dy_index=index, activation="swiglu", **{option: True})
+    with pytest.raises(ValueError, match=f"{name}: pre must have shape"):
+        grouped_dgrad_dact_sm90(dy, w, offsets, pre[:10].contiguous(), dy_index=index, activation="swiglu")
+    with pytest.raises(ValueError, match=f"{name}: dy has no rows to gather"):
+        grouped_dgrad_dact_sm90(dy[:0], w, offsets, pre, dy_index=index, activation="swiglu")

@@ -76,17 +76,19 @@ def float64_layer(w1, w2, x0, indices, probs, dy):
     return [ref, *torch.autograd.grad(ref, (xd, pd, w1, w2), dy.double())]
 
 
-@pytest.mark.parametrize("gather", ["0", "auto"])
+@pytest.mark.parametrize("gather", ["0", "auto", "1"])
 def test_sm90_row_rules_are_planned(gather, monkeypatch):
     """The row kernels move the rows; with TE_FUSED_OPS_GATHER_ROWS=auto this narrow FC1 reads
-    x's rows by index instead of the forward's permuted copy."""
+    x's rows by index instead of the forward's permuted copy; with 1 FC2's backward also reads
+    dy's rows by index instead of the combine's backward writing them in expert order."""
     monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", gather)
     moe = layer()
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     indices, probs = routing(0)
     text = moe.explain(x, indices=indices, probs=probs)
-    forward = "permute+grouped_linear+activation" if gather == "auto" else "permute"
-    for rule in (forward, "unpermute", "permute_backward", "unpermute_backward"):
+    forward = "permute" if gather == "0" else "permute+grouped_linear+activation"
+    combine = "dactivation+grouped_linear+unpermute" if gather == "1" else "unpermute_backward"
+    for rule in (forward, "unpermute", "permute_backward", combine):
         assert f"rule '{rule}' (backend sm90)" in text, text
 
 
@@ -200,7 +202,7 @@ def test_combine_backward_casts_each_token_once(hidden):
     from types import SimpleNamespace
 
     from te_fused_ops.backends.sm90.kernels.block_quantize import block_quantize_sm90
-    from te_fused_ops.backends.sm90.moe import combine_backward_cast, combine_cast_applies, permuted_rows
+    from te_fused_ops.backends.sm90.moe import combine_backward_cast, combine_backward_copies, permuted_rows
     from te_fused_ops.quantization import Float8BlockScaling
     from te_fused_ops.routing import route
 
@@ -208,7 +210,7 @@ def test_combine_backward_casts_each_token_once(hidden):
     dy = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
     route_ = route(indices, E)
     ctx = SimpleNamespace(side={"routing": route_}, input_requires_grad=True)
-    assert combine_cast_applies(ctx, dy)
+    assert combine_backward_copies(ctx, dy)
     (data, scales), columns = combine_backward_cast(ctx, dy, Float8BlockScaling(), route_.offsets, columns=True)
     want_data, want_scales = block_quantize_sm90(permuted_rows(dy, route_), 1, False)
     kept = int((indices >= 0).sum())
@@ -216,7 +218,7 @@ def test_combine_backward_casts_each_token_once(hidden):
     assert torch.equal(scales[:kept], want_scales[:kept])
     assert columns is not None
     ctx.side["probs"] = torch.ones(T, K, device="cuda")  # the combine weights the slots: no cast there
-    assert not combine_cast_applies(ctx, dy)
+    assert not combine_backward_copies(ctx, dy)
 
 
 def test_out_of_range_ids_are_dropped_slots_on_cuda():

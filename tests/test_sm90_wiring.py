@@ -83,9 +83,16 @@ def gemm(x, weight, offsets, *, bias=None, activation=None, probs=None, limit=7.
     return with_act_amax(tuple(results), offsets, act_amax)
 
 
-def dgrad_dact(dy, weight, offsets, pre, *, activation, probs=None, limit=7.0, alpha=1.702, out=None, **_):
+DY_GATHERS = []  # dy's shape of each stood-in dActivation reading dy's rows by index
+
+
+def dgrad_dact(dy, weight, offsets, pre, *, activation, probs=None, limit=7.0, alpha=1.702, out=None, dy_index=None,
+               **_):
     """`grouped_dgrad_dact_sm90`'s contract: (d_pre (into ``out``, which may be pre itself), act(pre)
-    (times probs), d_probs or None)."""
+    (times probs), d_probs or None); with ``dy_index`` on the rows dy[dy_index]."""
+    if dy_index is not None:
+        DY_GATHERS.append(tuple(dy.shape))
+        dy = dy[dy_index.long().clamp(0, dy.shape[0] - 1)]
     h = dy.new_zeros(dy.shape[0], weight.shape[2], dtype=torch.float32)
     for g, rows in enumerate(grouped_rows(offsets)):
         h[rows] = dy[rows].float() @ weight[g].float()
@@ -292,13 +299,16 @@ def wgrad(dy, x, offsets, main_grad=None, **_):
     return dw
 
 
-GATHERED_WGRADS = []  # x's shape of each stood-in gathered weight gradient
+GATHERED_WGRADS = []  # (gathered operand, its shape) of each stood-in gathered weight gradient
 
 
-def gathered_wgrad(dy, x, x_index, offsets, **kwargs):
-    """`grouped_wgrad_gathered_sm90`'s contract: `grouped_wgrad_sm90` on x[x_index]."""
-    GATHERED_WGRADS.append(tuple(x.shape))
-    return wgrad(dy, x[x_index.long().clamp(0, x.shape[0] - 1)], offsets, **kwargs)
+def gathered_wgrad(dy, x, index, offsets, gathered="x", **kwargs):
+    """`grouped_wgrad_gathered_sm90`'s contract: `grouped_wgrad_sm90` on x[index] (gathered "x")
+    or dy[index] ("dy")."""
+    source = x if gathered == "x" else dy
+    GATHERED_WGRADS.append((gathered, tuple(source.shape)))
+    rows = source[index.long().clamp(0, source.shape[0] - 1)]
+    return wgrad(dy, rows, offsets, **kwargs) if gathered == "x" else wgrad(rows, x, offsets, **kwargs)
 
 
 def kernel_contract(fn):
@@ -906,12 +916,88 @@ def test_fc1_reads_the_permuted_rows_by_index(setting, sm90_stand_ins, monkeypat
             in text) == gather, text
     got = run()
     if gather:  # the combine's backward alone; FC1's weight gradient reads x's rows by index too
-        assert len(SCATTERS) == 1 and GATHERED_GEMMS == ["swiglu"] and GATHERED_WGRADS == [(tokens, H)]
+        assert len(SCATTERS) == 1 and GATHERED_GEMMS == ["swiglu"] and GATHERED_WGRADS == [("x", (tokens, H))]
     for a, b in zip(got, default):
         assert torch.equal(a, b)
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
     for a, b in zip(got, run()):
         assert ref.rel_err(a, b) <= 1e-2
+
+
+@pytest.mark.parametrize("setting", ["0", "1", "auto"])
+def test_fc2_backward_reads_dy_rows_by_index(setting, sm90_stand_ins, monkeypatch):
+    """TE_FUSED_OPS_GATHER_ROWS=1 (opt-in; auto and 0 keep dy's copy): with the probabilities
+    applied in ScaledSwiGLU the combine is a plain sum, and FC2's data gradient + dActivation and
+    its weight gradient read dy's token rows by index (rule 'dactivation+grouped_linear+unpermute'): the
+    backward writes no expert-ordered copy of dy; output and gradients bit for bit those of the
+    plan without it, and the torch backend's. With the probabilities in the combine the rule runs
+    the combine's backward first (its rows are scaled copies)."""
+    import te_fused_ops.backends.sm90.moe as sm90_moe
+    import te_fused_ops.backends.sm90.rules as sm90_rules
+    from te_fused_ops import Permute, Unpermute
+
+    monkeypatch.setattr(sm90_moe, "scatter_rows", kernel_contract(scatter_rows_stand_in))
+    monkeypatch.setattr(sm90_moe, "gather_sum", kernel_contract(gather_sum_stand_in))
+    monkeypatch.setattr(sm90_rules, "grouped_gemm_gathered_sm90", kernel_contract(gathered_gemm_stand_in))
+    torch.manual_seed(0)
+    tokens, k = 90, 3
+    scaled = Sequential(Permute(G), GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), ScaledSwiGLU(),
+                        GroupedLinear(G, I, H, dtype=torch.bfloat16), Unpermute())
+    combined = Sequential(Permute(G), GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), SwiGLU(),
+                          GroupedLinear(G, I, H, dtype=torch.bfloat16), Unpermute())
+    x = torch.randn(tokens, H, dtype=torch.bfloat16, requires_grad=True)
+    indices = torch.randint(0, G, (tokens, k))
+    indices[::7, 1] = -1  # dropped slots: padding rows past the groups
+    probs = torch.rand(tokens, k, requires_grad=True)
+    dy = torch.randn(tokens, H, dtype=torch.bfloat16)
+
+    def run(seq):
+        leaves = (x, probs, *seq.parameters())
+        for t in leaves:
+            t.grad = None
+        for calls in (SCATTERS, DY_GATHERS, GATHERED_WGRADS):
+            calls.clear()
+        y = seq(x, indices=indices, probs=probs)
+        y.backward(dy)
+        return [y.detach(), *(t.grad.clone() for t in leaves)]
+
+    rule = "[2:5] ScaledSwiGLU, GroupedLinear, Unpermute -> rule 'dactivation+grouped_linear+unpermute' (backend sm90)"
+    for seq, fires_alone in ((scaled, True), (combined, False)):
+        monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", "0")
+        default = run(seq)
+        assert len(SCATTERS) == 3 and not DY_GATHERS  # permute, combine's backward, FC1's input again
+        monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", setting)
+        gather = setting == "1"
+        text = seq.explain(x, indices=indices, probs=probs)
+        assert (rule.replace("ScaledSwiGLU", type(seq[2]).__name__) in text) == gather, text
+        got = run(seq)
+        if gather and fires_alone:  # no row written in expert order: both gradients of FC2 read dy by index
+            assert not SCATTERS and DY_GATHERS == [(tokens, H)]
+            assert GATHERED_WGRADS == [("dy", (tokens, H)), ("x", (tokens, H))]
+        elif setting != "0":  # FC1 gathers under auto too: the combine's backward is the one scatter
+            assert len(SCATTERS) == 1 and not DY_GATHERS
+        for a, b in zip(got, default):
+            assert torch.equal(a, b)
+        monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")
+        for a, b in zip(got, run(seq)):
+            assert ref.rel_err(a, b) <= 1e-2
+        monkeypatch.delenv("TE_FUSED_OPS_BACKEND")
+
+
+def test_fc2_backward_keeps_dy_copy_with_bias_or_unless_asked(sm90_stand_ins, monkeypatch):
+    """FC2's backward reads dy's rows by index only with TE_FUSED_OPS_GATHER_ROWS=1, and not with
+    an FC2 bias (its gradient sums dy's expert rows); explain() says why."""
+    from te_fused_ops import Permute, Unpermute
+
+    x = torch.randn(16, H, dtype=torch.bfloat16, requires_grad=True)
+    indices, probs = torch.randint(0, G, (16, 2)), torch.rand(16, 2)
+    for setting, bias, reason in (("auto", False, "TE_FUSED_OPS_GATHER_ROWS=auto: FC2's backward reads dy's"),
+                                  ("1", True, "FC2 has a bias")):
+        monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", setting)
+        seq = Sequential(Permute(G), GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), ScaledSwiGLU(),
+                         GroupedLinear(G, I, H, bias=bias, dtype=torch.bfloat16), Unpermute())
+        text = seq.explain(x, indices=indices, probs=probs)
+        assert "-> rule 'dactivation+grouped_linear+unpermute'" not in text and reason in text, text
 
 
 @pytest.mark.parametrize("setting,width,gathers", [("auto", 2048, True), ("auto", 2056, False), ("1", 8192, True),
@@ -977,7 +1063,7 @@ def test_compiled_gathered_layer_recomputes_with_the_kernels(sm90_stand_ins, mon
             y = fn(x, indices=indices, probs=probs)
             y.backward(dy)
             # the backward's: the combine's scatter; FC1's weight gradient reads the kernels' rows by index
-            assert len(SCATTERS) == 1 and GATHERED_WGRADS == [(tokens, H)]
+            assert len(SCATTERS) == 1 and GATHERED_WGRADS == [("x", (tokens, H))]
             runs.append([y.detach(), x.grad, probs.grad, *(t.grad.clone() for t in seq.parameters())])
         for a, b in zip(*runs):
             assert torch.equal(a, b)
@@ -1151,7 +1237,7 @@ def test_fp8_layer_with_16_bit_weight_gradients_on_the_row_kernels(frozen_fc2_we
         return [t.grad.clone() for t in leaves]
 
     got = run()
-    assert GATHERED_WGRADS == [(tokens, H)] and COLUMN_CASTS == [] and WGRAD_FP8_CALLS == []
+    assert GATHERED_WGRADS == [("x", (tokens, H))] and COLUMN_CASTS == [] and WGRAD_FP8_CALLS == []
     assert FP8_ACT_CASTS == [False] and len(EMITTED_ACTS) == int(not frozen_fc2_weight), (FP8_ACT_CASTS, EMITTED_ACTS)
     assert SCATTERS == [(tokens, H)]  # dy's 16-bit rows for FC2's weight and bias gradients
     monkeypatch.setenv("TE_FUSED_OPS_BACKEND", "torch")

@@ -55,6 +55,12 @@ COMPILE = {  # name: Python that compiles one configuration (torch as torch, bf1
                                             " compile_grouped_wgrad_gathered as c; c(bf16, 256, False)",
     "wgrad dW gathered rows tile 192 pair": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import"
                                             " compile_grouped_wgrad_gathered as c; c(bf16, 192, False)",
+    "wgrad dW gathered dy rows tile 256 pair": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import"
+                                               " compile_grouped_wgrad_gathered as c; c(bf16, 256, False, 'dy')",
+    "dgrad + dScaledSwiGLU gathered dy rows tile 256 pair": "from te_fused_ops.backends.sm90.kernels.grouped_gemm"
+                                                            " import compile_grouped_dgrad_dact as c;"
+                                                            " c(bf16, 256, 'scaled_swiglu', False, 2, False,"
+                                                            " gathered=True)",
     "FP8 wgrad dW pair": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import compile_grouped_wgrad as c;"
                          "c(bf16, 128, False, 2, False, True)",
     "FP8 wgrad dW pair, overlapped promotion": "from te_fused_ops.backends.sm90.kernels.grouped_wgrad import"

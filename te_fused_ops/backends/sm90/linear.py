@@ -277,7 +277,7 @@ def gather_wgrad(dy: torch.Tensor) -> bool:
     return setting is True or (setting is None and dy.shape[1] <= GATHER_WGRAD_MAX_WIDTH)
 
 
-def linear_param_grads(ctx, dy: torch.Tensor, x=None, dy_columns=None, out_dtype=None) -> dict:
+def linear_param_grads(ctx, dy: torch.Tensor, x=None, dy_columns=None, out_dtype=None, dy_index=None) -> dict:
     """GroupedLinear's weight gradient (varlen-K kernel, dy and x read in place; accumulated into
     ``weight.main_grad`` when the op asks for it) and bias gradient (from dy). An input saved as
     the permute's recompute of x's rows is read by index instead where `gather_wgrad` says
@@ -287,8 +287,18 @@ def linear_param_grads(ctx, dy: torch.Tensor, x=None, dy_columns=None, out_dtype
 
     ``x``: the op's input (default: what its forward saved). With ``dy_columns`` (`BlockColumns`
     of dy) x is x's `BlockColumns` too and the weight gradient runs on the FP8 kernel, into
-    ``out_dtype`` (default dy's; dy may then be None when no bias gradient is needed)."""
+    ``out_dtype`` (default dy's; dy may then be None when no bias gradient is needed). With
+    ``dy_index`` (M,) int32 dy is (T, N) in token order and its rows are read by index
+    (`grouped_wgrad_gathered_sm90` with ``gathered="dy"``; no main_grad, no bias)."""
     offsets, grads = ctx.side["offsets"], {}
+    if dy_index is not None:
+        if ctx.main_grads.get("weight") is not None or ctx.needs_grad("bias"):
+            raise ValueError("linear_param_grads: dy_index takes no main_grad and no bias gradient")
+        if ctx.needs_grad("weight"):
+            grads["weight"] = grouped_wgrad_gathered_sm90(dy, ctx.load_input() if x is None else x, dy_index, offsets,
+                                                          gathered="dy", out=ctx.grad_buffers.get("weight"),
+                                                          sm_margin=sm_margin())
+        return grads
     if ctx.needs_grad("weight"):
         main_grad = ctx.main_grads.get("weight")  # accumulated in place by the kernel's epilogue
         out = ctx.grad_buffers.get("weight") if main_grad is None else None  # a chunk's slice of the gradient

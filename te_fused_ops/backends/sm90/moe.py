@@ -131,10 +131,12 @@ def _unpermute(ops, ctxs, y):
     return gather_sum(y.contiguous(), routing.slot_rows, routing.num_kept, weights=probs)
 
 
-def combine_cast_applies(ctx, dy) -> bool:
-    """Whether the combine's backward can cast dy for the next GroupedLinear
-    (`combine_backward_cast`): one GPU, no probabilities applied in the combine, the combine's
-    input needing its gradient, rows the kernels take. Otherwise its backward runs as usual."""
+def combine_backward_copies(ctx, dy) -> bool:
+    """Whether the combine's backward only copies each token's row of dy to its expert rows, so
+    the GroupedLinear before it can take dy in token order (cast once per token,
+    `combine_backward_cast`, or read by index, `dy_by_index`): one GPU, no probabilities applied
+    in the combine, the combine's input needing its gradient, rows the kernels take. Otherwise
+    its backward runs as usual."""
     routing = ctx.side["routing"]
     return not (isinstance(routing, ExpertParallelRouting) or ctx.side.get("probs") is not None
                 or not ctx.input_requires_grad or dy.dim() != 2 or not _kernels_take(dy, routing))
@@ -142,7 +144,7 @@ def combine_cast_applies(ctx, dy) -> bool:
 
 def combine_backward_cast(ctx, dy, recipe, offsets, columns: bool):
     """The combine's backward with the next GroupedLinear's 1x128 cast of dy in it, where
-    `combine_cast_applies`: each token's row of dy (T, H) cast once (all its expert rows are
+    `combine_backward_copies`: each token's row of dy (T, H) cast once (all its expert rows are
     copies of it) and written with its scales to the token's kept expert rows
     (`scatter_cast_rows`), and with ``columns`` the per-group column-wise copy made from them
     (`block_columns_sm90` on E4M3 rows). ((data (M, H), multipliers (M, ceil(H/128))),
@@ -152,6 +154,14 @@ def combine_backward_cast(ctx, dy, recipe, offsets, columns: bool):
     if not columns:
         return rows, None
     return rows, block_columns_sm90(rows[0], offsets, x_scale_inv=rows[1], power_2_scales=recipe.power_2_scales)
+
+
+def dy_by_index(ctx, dy) -> tuple | None:
+    """The combine's backward without its rows, for kernels that read dy's rows by index: (dy
+    (T, H), (M,) int32 token of each expert row) where `combine_backward_copies`, else None."""
+    if not combine_backward_copies(ctx, dy):
+        return None
+    return dy.contiguous(), _row_tokens(ctx.side["routing"])
 
 
 @SM90.implement("unpermute_backward", supports=rows_supported_reason)

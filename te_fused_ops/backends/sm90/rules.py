@@ -19,7 +19,8 @@ from ...quantization import Float8BlockScaling, Float8CurrentScaling, high_preci
 from .backend import SM90, kernel_reason, sm_margin
 from .moe import (
     combine_backward_cast,
-    combine_cast_applies,
+    combine_backward_copies,
+    dy_by_index,
     gather_tokens,
     permute_on_kernels,
     rows_supported_reason,
@@ -440,7 +441,7 @@ def _experts_and_combine_backward(ops, ctxs, dy):
     combine's backward on the row kernels, then the three-op backward."""
     fc2_ctx, combine_ctx = ctxs[2], ctxs[3]
     recipe, offsets = fc2_ctx.saved.recipe, fc2_ctx.side["offsets"]
-    if combine_cast_applies(combine_ctx, dy):
+    if combine_backward_copies(combine_ctx, dy):
         # dy's copies made where FC2's backward reads them (`_dact_fp8`), so none outlives it
         if high_precision_wgrad(recipe):
             # the E4M3 rows for FC2's data gradient cast in the scatter, the 16-bit ones (where its
@@ -464,3 +465,47 @@ def _experts_and_combine_backward(ops, ctxs, dy):
 def _expert_rows(ops, ctxs, dy):
     """The combine's backward: dy's expert rows (`unpermute_backward`)."""
     return unpermute_backward(ops, ctxs, dy)[0]
+
+
+def _supports_dy_by_index(ops, info):
+    """``TE_FUSED_OPS_GATHER_ROWS=1`` (opt-in: the gathered dActivation runs cooperative, where
+    the kernel on the copy may run ping-pong, and the layer has not been timed with it yet), the
+    16-bit dActivation kernel, FC2 without a bias, H a multiple of 64, the combine's rows on the
+    row kernels."""
+    gather, linear = env.read("TE_FUSED_OPS_GATHER_ROWS", "sm90 backend"), ops[1]
+    if gather is not True:
+        return (f"TE_FUSED_OPS_GATHER_ROWS={'0' if gather is False else 'auto'}: FC2's backward reads dy's "
+                "expert-ordered copy (=1 reads dy's rows by index)")
+    if linear.out_features % GATHER_K_MULTIPLE:
+        return f"hidden size {linear.out_features} not a multiple of {GATHER_K_MULTIPLE} (gathered rows)"
+    if linear.bias is not None:
+        return "FC2 has a bias (its gradient sums dy's expert rows)"
+    fmt = info.input_format[1]
+    if fmt is not None and fmt.recipe is not None:
+        return "FC2's input is quantized (its FP8 backward reads dy's cast copies)"
+    return _supports_dactivation(ops[:2], info.window(0, 2)) or rows_supported_reason(ops[2:], info.window(2, 3))
+
+
+@SM90.implement("dactivation+grouped_linear+unpermute", supports=_supports_dy_by_index)
+def _dactivation_grouped_linear_dy_by_index(ops, ctxs, dy):
+    """FC2's data gradient + dActivation and its weight gradient reading dy's rows by index
+    (`dy_by_index`): the combine's backward writes nothing. Where the combine applies the
+    probabilities, runs on other ranks or FC2 accumulates into main_grad: the combine's backward,
+    then `dactivation+grouped_linear`."""
+    act, linear = ops[:2]
+    act_ctx, linear_ctx, combine_ctx = ctxs
+    tokens = None
+    if linear_ctx.saved.recipe is None and not is_quantized(dy) and linear_ctx.main_grads.get("weight") is None:
+        tokens = dy_by_index(combine_ctx, dy)
+    if tokens is None:
+        dy_rows, combine_grads = unpermute_backward(ops[2:], ctxs[2:], dy)
+        d_pre, grads = _dactivation_grouped_linear(ops[:2], ctxs[:2], dy_rows)
+        return d_pre, [*grads, *combine_grads]
+    dy, index = tokens
+    pre = act_ctx.load_input()
+    d_pre, out, d_probs = grouped_dgrad_dact_sm90(
+        dy, linear_ctx.saved.weight.detach(), linear_ctx.side["offsets"], pre, dy_index=index,
+        activation=act.kernel_name, out=pre if act_ctx.input_overwritable() else None, sm_margin=sm_margin(),
+        **epilogue_args(act, act_ctx),
+    )
+    return d_pre, [_act_grads(act_ctx, d_probs), linear_param_grads(linear_ctx, dy, x=out, dy_index=index), {}]

@@ -17,6 +17,7 @@ probs (M,) float32; d_probs as per-(n-tile, row) fp32 partials (ceil(I / tile_n)
 caller, so the reduction is deterministic. GLU needs I % 32 == 0 (a gate chunk never reaches into
 the up half). ``d_pre_amax`` (FP8 kernel; fp8_current's scale for FC1's data gradient): also d_pre's
 amax as partial maxima per consumer warp (`epilogue_cast_sm90.write_amax_parts`).
+`GroupedGemmDActGatheredSm90` reads dY's rows by index from the token-order gradient (T, H).
 """
 
 from typing import NamedTuple
@@ -173,6 +174,38 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
     def epi_end_kernel(self, params, consumer_warp, state):
         if const_expr(self.d_pre_amax):
             write_amax_parts(params.amax_parts, state[2], consumer_warp, self.hook_warps)
+
+
+class GroupedGemmDActGatheredSm90(GroupedGemmDActSm90):
+    """`GroupedGemmDActSm90` whose dy rows are read by index (the core's ``gather_a``): h[r] =
+    dy[index[r]] @ W[g], the combine's backward (each expert row a copy of its token's gradient)
+    folded into FC2's data-gradient loads. dy (T, H), H a multiple of 64; index (M,) int32, ids
+    outside [0, T) clamped; pre, d_pre, act, probs with M rows as before."""
+
+    def __init__(self, dtype, tile_n, activation, cluster_m=2, **opts):
+        if opts.get("pingpong"):
+            raise ValueError("GroupedGemmDActGatheredSm90: cooperative only (ping-pong spills its epilogue at the "
+                             "gathering producer's register split)")
+        super().__init__(dtype, tile_n, activation, cluster_m, gather_a=True, **opts)
+
+    @cute.jit
+    def __call__(
+        self,
+        mDy: cute.Tensor,  # (T, H)
+        mIndex: cute.Tensor,  # (M,) int32
+        mW: cute.Tensor,  # (G, H, I)
+        mOffsets: cute.Tensor,  # (G + 1,) int32
+        mPre: cute.Tensor,  # (M, 2I) GLU, (M, I) srelu
+        mDPre: cute.Tensor,  # like mPre
+        mAct: cute.Tensor,  # (M, I)
+        mProbs: cute.Tensor,  # (M,) float32 or None
+        mDProbsPart: cute.Tensor,  # (ceil(I / tile_n), M) float32 or None
+        constants: ActivationConstants,
+        max_clusters: Int32,
+        stream,
+    ):
+        params = DActParams(mProbs, mDProbsPart, constants, cute.size(mIndex, mode=[0]))
+        self.launch(mDy, mW, mOffsets, (mDPre, mAct), (mPre,), params, max_clusters, stream, gather=(mDy, mIndex))
 
 
 class GroupedGemmDActFp8Sm90(GroupedGemmDActSm90):

@@ -334,22 +334,25 @@ def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cl
 
 @cached_kernel
 def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_m=2, epilogue_warps=False,
-                               pingpong=False, **kernel_opts):
+                               pingpong=False, gathered=False, **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_dgrad_dact_sm90``:
-    fn(dy, weight, offsets, pre, d_pre, act, probs, d_probs_part, constants, max_clusters[, stream])."""
+    fn(dy, [dy_index,] weight, offsets, pre, d_pre, act, probs, d_probs_part, constants,
+    max_clusters[, stream]); ``gathered``: dy (T, H) read by dy_index (M,)."""
     import cutlass
     import cutlass.cute as cute
 
-    from .grouped_dact_sm90 import GroupedGemmDActSm90
+    from .grouped_dact_sm90 import GroupedGemmDActGatheredSm90, GroupedGemmDActSm90
 
     dt = _cutlass_dtype(dtype)
     spec = activation_spec(activation, "compile_grouped_dgrad_dact")
     m, g, g1, n_tiles = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
-    h = cute.sym_int(divisibility=8)
+    h = cute.sym_int(divisibility=GATHER_K_MULTIPLE if gathered else 8)
     i = cute.sym_int(divisibility=DACT_GLU_I_MULTIPLE if spec.glu else 8)
     i_pre = cute.sym_int(divisibility=2 * DACT_GLU_I_MULTIPLE) if spec.glu else i
+    dy = (fake_tensor(dt, (cute.sym_int(), h)), fake_tensor(cutlass.Int32, (m,), 4)) if gathered else (
+        fake_tensor(dt, (m, h)),)
     args = (
-        fake_tensor(dt, (m, h)),
+        *dy,
         fake_tensor(dt, (g, h, i)),
         fake_tensor(cutlass.Int32, (g1,), 4),
         fake_tensor(dt, (m, i_pre)),
@@ -358,8 +361,11 @@ def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_
         fake_tensor(cutlass.Float32, (m,), 4) if spec.takes_probs else None,
         fake_tensor(cutlass.Float32, (n_tiles, m), 4) if spec.takes_probs else None,
     )
-    kernel = GroupedGemmDActSm90(dt, tile_n, activation, cluster_m, epilogue_warps=epilogue_warps, pingpong=pingpong,
-                                 **kernel_opts)
+    if gathered:
+        kernel = GroupedGemmDActGatheredSm90(dt, tile_n, activation, cluster_m, pingpong=pingpong, **kernel_opts)
+    else:
+        kernel = GroupedGemmDActSm90(dt, tile_n, activation, cluster_m, epilogue_warps=epilogue_warps,
+                                     pingpong=pingpong, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -1074,7 +1080,7 @@ def _check_fp8_operands(fn_name, a, b, offsets):
 
 
 def grouped_dgrad_dact_sm90(
-    dy, weight, offsets, pre, *, activation, probs=None, out=None, act_out=None,
+    dy, weight, offsets, pre, *, activation, probs=None, out=None, act_out=None, dy_index=None,
     sm_margin=None, tile_n=None, cluster_m=None, epilogue_warps=None, pingpong=None, **constants,
 ):
     """Backward of FC2 fused with the activation's backward: h = dy_g @ W[g], then dActivation.
@@ -1083,6 +1089,11 @@ def grouped_dgrad_dact_sm90(
     offsets (G+1,) int32; pre (M, 2I) [gate, up] for GLU, (M, I) for srelu, the saved
     pre-activation; probs (M,) float32 for scaled_swiglu; constants as for `grouped_gemm_sm90`;
     out / act_out: optional preallocated buffers for d_pre / act.
+    ``dy_index`` (M,) int32: dy is (T, H) instead and row r of h is dy[dy_index[r]] @ W[g] (ids
+    outside [0, T) clamped), read by index inside the GEMM (a combine's backward whose expert rows
+    are copies of their token's gradient, never written); H a multiple of 64, cooperative only
+    (neither epilogue_warps nor pingpong: at the gathering producer's register split the
+    ping-pong dActivation spills its epilogue).
     Returns (d_pre like pre, act (M, I) = activation(pre) (times probs for scaled_swiglu: the input
     of FC2's weight gradient), d_probs (M,) float32 for scaled_swiglu else None).
     Rows >= offsets[G] are zero. No host sync. H a multiple of 8; I a multiple of 32 (GLU) or 8.
@@ -1094,41 +1105,49 @@ def grouped_dgrad_dact_sm90(
     """
     tvm_ffi = tvm_ffi_available()
     key = (
-        call_signature(tvm_ffi, dy, weight, offsets, pre, probs, out, act_out),
+        call_signature(tvm_ffi, dy, weight, offsets, pre, probs, out, act_out, dy_index),
         _DACT, activation, tile_n, cluster_m, sm_margin, epilogue_warps, pingpong,
     )
     args = (dy, weight, offsets, pre, activation, probs, out, act_out, tile_n, cluster_m, sm_margin, epilogue_warps,
-            pingpong)
+            pingpong, dy_index)
     launch = _MEMO.get(key)
     if launch is None:
         launch = _dact_launch(*args)
         if tile_n is None and cluster_m is None and pingpong is None and launch[0] is not None:
-            i = weight.shape[2]
-            conflict = "epilogue_warps" if epilogue_warps else None
+            i, m = weight.shape[2], pre.shape[0]
+            conflict = _dact_conflict(epilogue_warps, dy_index)
             config = tuning.tuned_config(
-                _DACT, (dy.dtype, weight.shape[0], i, dy.shape[1], tuning.rows_bucket(dy.shape[0]), activation,
-                        epilogue_warps),
+                _DACT, (dy.dtype, weight.shape[0], i, dy.shape[1], tuning.rows_bucket(m), activation,
+                        epilogue_warps, dy_index is not None),
                 lambda t, c, p: grouped_dgrad_dact_sm90(dy, weight, offsets, pre, activation=activation, probs=probs,
-                                                        sm_margin=sm_margin, tile_n=t, cluster_m=c,
+                                                        dy_index=dy_index, sm_margin=sm_margin, tile_n=t, cluster_m=c,
                                                         epilogue_warps=epilogue_warps, pingpong=p, **constants),
-                heuristic_config(dy.shape[0], i, dy.shape[1], weight.shape[0], num_sms(dy.get_device()),
+                heuristic_config(m, i, dy.shape[1], weight.shape[0], num_sms(dy.get_device()),
                                  conflict=conflict, act_epilogue=True),
                 _candidates(conflict))
             if config is not None:
-                args = (*args[:8], config.tile_n, config.cluster_m, *args[10:12], config.pingpong)
+                args = (*args[:8], config.tile_n, config.cluster_m, *args[10:12], config.pingpong, dy_index)
                 launch = _dact_launch(*args)
         _MEMO.put(key, launch)
     fn, act_shape, partial_shape, clusters = launch
     d_pre = out if out is not None else torch.empty_like(pre)
     act = act_out if act_out is not None else dy.new_empty(act_shape)
     d_probs_part = None if partial_shape is None else dy.new_empty(partial_shape, dtype=torch.float32)
-    _run(fn, tvm_ffi, _dact_launch, args, (dy, weight, offsets, pre, d_pre, act, probs, d_probs_part),
+    operands = (dy,) if dy_index is None else (dy, dy_index)
+    _run(fn, tvm_ffi, _dact_launch, args, (*operands, weight, offsets, pre, d_pre, act, probs, d_probs_part),
          activation_constants(_DACT, constants), clusters)
     return d_pre, act, None if d_probs_part is None else d_probs_part.sum(0)
 
 
+def _dact_conflict(epilogue_warps, dy_index) -> str | None:
+    """The option of `grouped_dgrad_dact_sm90` that rules ping-pong out, or None."""
+    if epilogue_warps:
+        return "epilogue_warps"
+    return None if dy_index is None else "dy_index"
+
+
 def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile_n, cluster_m, sm_margin,
-                 epilogue_warps, pingpong=None):
+                 epilogue_warps, pingpong=None, dy_index=None):
     """Every check of `grouped_dgrad_dact_sm90`; (launcher or None when M == 0, act shape,
     d_probs partials shape or None, persistent grid in clusters)."""
     dev = check_input(_DACT, dy, "dy")
@@ -1138,6 +1157,15 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
     if spec is None:
         raise ValueError(f"{_DACT}: activation is required, one of {tuple(ACTIVATIONS)}")
     m, h = dy.shape
+    if dy_index is not None:
+        check_tensor(_DACT, dy_index, "dy_index", torch.int32, 1, dev)
+        m = dy_index.shape[0]
+        if dy.shape[0] == 0 and m:
+            raise ValueError(f"{_DACT}: dy has no rows to gather, dy_index has {m}")
+        if h % GATHER_K_MULTIPLE:
+            raise ValueError(f"{_DACT}: H={h} (dy.shape[1]) must be a multiple of {GATHER_K_MULTIPLE} with dy_index")
+        if epilogue_warps or pingpong:
+            raise ValueError(f"{_DACT}: dy_index runs cooperative (neither epilogue_warps nor pingpong)")
     g, hw, i = weight.shape
     if hw != h:
         raise ValueError(f"{_DACT}: weight has H={hw} (weight.shape[1]), dy has H={h}")
@@ -1166,12 +1194,13 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
         raise TypeError(f"{_DACT}: epilogue_warps must be a bool or None, got {type(epilogue_warps).__name__}")
     tile_n, cluster_m, clusters, pingpong = _launch_config(_DACT, m, i, g, dev, tile_n, cluster_m, sm_margin,
                                                            pingpong=pingpong,
-                                                           conflict="epilogue_warps" if epilogue_warps else None,
-                                                           k=dy.shape[1], act_epilogue=True)
+                                                           conflict=_dact_conflict(epilogue_warps, dy_index),
+                                                           k=h, act_epilogue=True)
     partial_shape = (-(-i // tile_n), m) if spec.takes_probs else None
     if m == 0:
         return None, (m, i), partial_shape, clusters
-    key = (_DACT, dy.dtype, tile_n, activation, tvm_ffi_available(), cluster_m, epilogue_warps, pingpong)
+    key = (_DACT, dy.dtype, tile_n, activation, tvm_ffi_available(), cluster_m, epilogue_warps, pingpong,
+           dy_index is not None)
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_dgrad_dact(*key[1:])

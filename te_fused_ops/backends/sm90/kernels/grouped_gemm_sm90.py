@@ -285,7 +285,9 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         # accumulator registers a thread); their mainloops take turns, and one's epilogue runs
         # under the other's mainloop
         self.mma_atoms = 1 if pingpong else self.num_mma_wg  # MMA warpgroups on one tile
-        # registers a thread after setmaxnreg (at most 512 over the three warpgroups): the gathering
+        # registers a thread after setmaxnreg, at most 504 over the three warpgroups (the launch's 168
+        # a thread: setmaxnreg moves registers within the CTA's allocation, and an increase past it
+        # never completes: the kernel hangs): the gathering
         # producer warpgroup holds its rows' source addresses; else ping-pong's whole-tile
         # accumulators take what the producer warp can spare
         self.producer_registers, self.mma_registers = (56, 224) if gather_a else (24, 240) if pingpong else (40, 232)

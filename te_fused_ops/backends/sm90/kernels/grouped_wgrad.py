@@ -188,8 +188,10 @@ def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m, pingpo
     dev = check_input(_NAME, dy, "dy")
     check_tensor(_NAME, x, "x", dy.dtype, 2, dev)
     check_tensor(_NAME, offsets, "offsets", torch.int32, 1, dev)
-    g = _check_sizes(_NAME, dy, x, ("x", x.shape[0]), offsets, out, main_grad, dev)
     (m, n), k = dy.shape, x.shape[1]
+    if x.shape[0] != m:
+        raise ValueError(f"{_NAME}: x has {x.shape[0]} rows, dy has {m}")
+    g = _check_sizes(_NAME, m, n, k, offsets, out, main_grad, dy.dtype, dev)
     margin = resolve_sm_margin(sm_margin, _NAME)
     if tile_n not in (None, *tuning.TILE_NS):
         raise ValueError(f"{_NAME}: tile_n must be one of {tuning.TILE_NS}, got {tile_n!r}")
@@ -215,16 +217,12 @@ def _launch(dy, x, offsets, out, main_grad, sm_margin, tile_n, cluster_m, pingpo
     return fn, (g, n, k), max_ctas
 
 
-def _check_sizes(name, dy, x, paired, offsets, out, main_grad, dev) -> int:
-    """The size checks of both 16-bit weight gradients: ``paired`` (argument, rows) holds dy's M
-    rows, M fits the ragged token view, N (dy's) and K (x's) are multiples of 8, offsets has G + 1
-    >= 1 entries, and the destination fits (G, N, K); returns G."""
-    (m, n), k = dy.shape, x.shape[1]
-    arg, rows = paired
-    if rows != m:
-        raise ValueError(f"{name}: {arg} has {rows} rows, dy has {m}")
-    if m > _MAX_ROWS:
-        raise ValueError(f"{name}: M={m} rows exceed {_MAX_ROWS}")
+def _check_sizes(name, rows, n, k, offsets, out, main_grad, dtype, dev) -> int:
+    """The size checks of both 16-bit weight gradients: ``rows`` (M, the rows the offsets index)
+    fits the ragged token view, N (dy's columns) and K (x's) are multiples of 8, offsets has G + 1
+    >= 1 entries, and the destination (dW in ``dtype``) fits (G, N, K); returns G."""
+    if rows > _MAX_ROWS:
+        raise ValueError(f"{name}: M={rows} rows exceed {_MAX_ROWS}")
     if n % 8:
         raise ValueError(f"{name}: N={n} (dy.shape[1]) must be a multiple of 8")
     if k % 8:
@@ -232,14 +230,15 @@ def _check_sizes(name, dy, x, paired, offsets, out, main_grad, dev) -> int:
     if offsets.shape[0] < 1:
         raise ValueError(f"{name}: offsets must have G+1 >= 1 entries, got shape (0,)")
     g = offsets.shape[0] - 1
-    _check_destination(name, out, main_grad, dy.dtype, (g, n, k), dev)
+    _check_destination(name, out, main_grad, dtype, (g, n, k), dev)
     return g
 
 
 @cached_kernel
-def compile_grouped_wgrad_gathered(dtype, tile_n, tvm_ffi=None, **kernel_opts):
-    """Compile (once per configuration) and return the launcher fn(dy (M, N), x (T, K), x_index
-    (M,), offsets, dW (G, N, K), max_ctas) of `grouped_wgrad_gathered_sm90`; shapes symbolic."""
+def compile_grouped_wgrad_gathered(dtype, tile_n, tvm_ffi=None, gathered="x", **kernel_opts):
+    """Compile (once per configuration) and return the launcher fn(dy, x, index (M,), offsets,
+    dW (G, N, K), max_ctas) of `grouped_wgrad_gathered_sm90`: dy (M, N) and x (T, K) with
+    ``gathered`` "x", dy (T, N) and x (M, K) with "dy"; shapes symbolic."""
     import cutlass
     import cutlass.cute as cute
 
@@ -248,27 +247,34 @@ def compile_grouped_wgrad_gathered(dtype, tile_n, tvm_ffi=None, **kernel_opts):
     dt = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
     m, t, g, g1 = (cute.sym_int() for _ in range(4))
     n, k = cute.sym_int(divisibility=8), cute.sym_int(divisibility=8)
-    args = (fake_tensor(dt, (m, n)), fake_tensor(dt, (t, k)), fake_tensor(cutlass.Int32, (m,), 4),
+    dy_rows, x_rows = (m, t) if gathered == "x" else (t, m)
+    args = (fake_tensor(dt, (dy_rows, n)), fake_tensor(dt, (x_rows, k)), fake_tensor(cutlass.Int32, (m,), 4),
             fake_tensor(cutlass.Int32, (g1,), 4), fake_tensor(dt, (g, n, k)), cutlass.Int32(1))
-    return compile_launcher(GroupedWgradGatheredSm90(dt, tile_n, **kernel_opts), args, tvm_ffi)
+    return compile_launcher(GroupedWgradGatheredSm90(dt, tile_n, gathered=gathered, **kernel_opts), args, tvm_ffi)
 
 
-def grouped_wgrad_gathered_sm90(dy, x, x_index, offsets, *, out=None, sm_margin=None, tile_n=None, cluster_m=None):
-    """dW[g] = dy_g^T @ x[x_index]_g over the rows offsets[g]:offsets[g+1], reading x's rows by
-    index inside the GEMM (FC1's weight gradient without the permuted copy of its input).
+def grouped_wgrad_gathered_sm90(dy, x, index, offsets, *, gathered="x", out=None, sm_margin=None, tile_n=None,
+                                cluster_m=None):
+    """dW[g] = dy_g^T @ x_g over the rows offsets[g]:offsets[g+1], one operand's rows read by
+    index inside the GEMM, never written in expert order.
 
-    dy (M, N) bf16/fp16; x (T, K) like dy, K a multiple of 8; x_index (M,) int32, the token of
-    each row (ids outside [0, T) clamped); offsets (G+1,) int32. Returns dW (G, N, K) in dy's dtype
-    (into ``out`` if given; empty groups give 0), as the product dW^T = x_g^T dy_g with x's
-    gathered rows as A (128 columns of K a tile) and dy as B, each tile stored transposed: bit for
-    bit `grouped_wgrad_sm90` on x[x_index] at its default configuration on the layer shapes
-    measured. tile_n (128, 192 or 256 along N; None: 256, 128 where N fits) and cluster_m (1 or 2,
-    None: 2: CTA pairs on adjacent K blocks share dy's tile). sm_margin as for
+    ``gathered`` "x" (FC1's weight gradient without the permuted copy of its input): x_g =
+    x[index]_g, dy (M, N), x (T, K); computed as dW^T = x_g^T dy_g with x's gathered rows as A
+    (128 columns of K a tile) and dy as B, each tile stored transposed; tile_n along N. "dy" (FC2's
+    weight gradient without the expert-ordered copy of the combine's gradient): dy_g =
+    dy[index]_g, dy (T, N), x (M, K); dy's gathered rows as A (128 columns of N a tile), x as B,
+    tile_n along K. bf16/fp16, N and K multiples of 8; index (M,) int32, the token of each row
+    (ids outside [0, T) clamped); offsets (G+1,) int32. Returns dW (G, N, K) in dy's dtype (into
+    ``out`` if given; empty groups give 0), bit for bit `grouped_wgrad_sm90` on the copy made by
+    index at its default configuration on the layer shapes measured. tile_n (128, 192 or 256;
+    None: 256, 128 where the B operand's width fits) and cluster_m (1 or 2, None: 2: CTA pairs on
+    adjacent blocks of the gathered operand's columns share B's tile). sm_margin as for
     `grouped_wgrad_sm90`. No host sync.
     """
     tvm_ffi = tvm_ffi_available()
-    key = (call_signature(tvm_ffi, dy, x, x_index, offsets, out), _GATHERED_NAME, sm_margin, tile_n, cluster_m)
-    args = (dy, x, x_index, offsets, out, sm_margin, tile_n, cluster_m)
+    key = (call_signature(tvm_ffi, dy, x, index, offsets, out), _GATHERED_NAME, gathered, sm_margin, tile_n,
+           cluster_m)
+    args = (dy, x, index, offsets, gathered, out, sm_margin, tile_n, cluster_m)
     fn, shape, max_ctas = _MEMO.get(key) or _MEMO.put(key, _gathered_launch(*args))
     result = out if out is not None else dy.new_empty(shape)
     if fn is None:
@@ -277,26 +283,33 @@ def grouped_wgrad_gathered_sm90(dy, x, x_index, offsets, *, out=None, sm_margin=
         return result
     try:
         if tvm_ffi:
-            fn(dy, x, x_index, offsets, result, max_ctas)
+            fn(dy, x, index, offsets, result, max_ctas)
         else:
-            _call_classic(fn, (dy, x, x_index, offsets, result), max_ctas)
+            _call_classic(fn, (dy, x, index, offsets, result), max_ctas)
     except Exception:
         _gathered_launch(*args)
         raise
     return result
 
 
-def _gathered_launch(dy, x, x_index, offsets, out, sm_margin, tile_n, cluster_m):
+def _gathered_launch(dy, x, index, offsets, gathered, out, sm_margin, tile_n, cluster_m):
     """Every check of `grouped_wgrad_gathered_sm90`; (launcher or None, dW shape, grid in CTAs)."""
     name = _GATHERED_NAME
+    if gathered not in ("x", "dy"):
+        raise ValueError(f"{name}: gathered must be 'x' or 'dy', got {gathered!r}")
     dev = check_input(name, dy, "dy")
     check_tensor(name, x, "x", dy.dtype, 2, dev)
-    check_tensor(name, x_index, "x_index", torch.int32, 1, dev)
+    check_tensor(name, index, "index", torch.int32, 1, dev)
     check_tensor(name, offsets, "offsets", torch.int32, 1, dev)
-    g = _check_sizes(name, dy, x, ("x_index", x_index.shape[0]), offsets, out, None, dev)
-    (m, n), (t, k) = dy.shape, x.shape
-    if t == 0 and m:
-        raise ValueError(f"{name}: x has no rows to gather, x_index has {m}")
+    source, rows = (x, dy) if gathered == "x" else (dy, x)  # the gathered operand, the one in expert order
+    m = index.shape[0]
+    if rows.shape[0] != m:
+        other = "dy" if gathered == "x" else "x"
+        raise ValueError(f"{name}: {other} has {rows.shape[0]} rows, index has {m}")
+    n, k = dy.shape[1], x.shape[1]
+    g = _check_sizes(name, m, n, k, offsets, out, None, dy.dtype, dev)
+    if source.shape[0] == 0 and m:
+        raise ValueError(f"{name}: {gathered} has no rows to gather, index has {m}")
     if tile_n not in (None, 128, 192, 256):
         raise ValueError(f"{name}: tile_n must be 128, 192 or 256, got {tile_n!r}")
     if cluster_m not in (None, 1, 2):
@@ -304,11 +317,12 @@ def _gathered_launch(dy, x, x_index, offsets, out, sm_margin, tile_n, cluster_m)
     max_ctas = max(1, num_sms(dev) - resolve_sm_margin(sm_margin, name))
     if g * n * k == 0 or m == 0:
         return None, (g, n, k), 0
-    tile_n = tile_n or (128 if n <= 128 else 256)
-    key = (_GATHERED_NAME, dy.dtype, tile_n, tvm_ffi_available(), cluster_m or 2)
+    b_width = n if gathered == "x" else k
+    tile_n = tile_n or (128 if b_width <= 128 else 256)
+    key = (_GATHERED_NAME, dy.dtype, tile_n, tvm_ffi_available(), gathered, cluster_m or 2)
     fn = _LAUNCHERS.get(key)
     if fn is None:
-        fn = _LAUNCHERS[key] = compile_grouped_wgrad_gathered(dy.dtype, tile_n, key[3], cluster_m=key[4])
+        fn = _LAUNCHERS[key] = compile_grouped_wgrad_gathered(dy.dtype, tile_n, key[3], gathered, cluster_m=key[5])
     return fn, (g, n, k), max_ctas
 
 

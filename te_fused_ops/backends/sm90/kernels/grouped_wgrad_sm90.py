@@ -136,28 +136,38 @@ class GroupedWgradSm90(GroupedGemmSm90):
 
 
 class GroupedWgradGatheredSm90(GroupedWgradSm90):
-    """`GroupedWgradSm90` whose x rows are read by index: dW[g] = dy[s:e].T @ x[index[s:e]], the
-    permute of FC1's input folded into its weight gradient's loads, as the product dW^T = x_g^T
-    dy_g: x's tokens gathered as A (the core's ``gather_a``, 128 columns of K a tile), dy's by TMA
-    as B (tile_n 128, 192 or 256 along N), multicast over a CTA pair with ``cluster_m`` 2 (the two
-    CTAs gather adjacent column blocks of x), each tile stored transposed (``d_major`` "m"). dy
-    (M, N); x (T, K), K a multiple of 8; index (M,) int32, ids outside [0, T) clamped; dW in
-    ``dtype``."""
+    """`GroupedWgradSm90` with one operand's rows read by index (the core's ``gather_a``, 128
+    columns of the gathered operand a tile; the other operand by TMA as B, tile_n 128, 192 or 256,
+    multicast over a CTA pair with ``cluster_m`` 2, the two CTAs gathering adjacent column blocks).
 
-    def __init__(self, dtype, tile_n, cluster_m=2, **opts):
-        super().__init__(dtype, tile_n, False, cluster_m=cluster_m, gather_a=True, d_major="m", **opts)
+    ``gathered`` "x": dW[g] = dy[s:e].T @ x[index[s:e]], the permute of FC1's input folded into
+    its weight gradient's loads, as the product dW^T = x_g^T dy_g, each tile stored transposed
+    (``d_major`` "m"); dy (M, N), x (T, K). "dy": dW[g] = dy[index[s:e]].T @ x[s:e], the combine's
+    backward folded into FC2's weight gradient (each expert row of its gradient a copy of its
+    token's), stored as computed; dy (T, N), x (M, K). Widths multiples of 8; index (M,) int32,
+    ids outside [0, T) clamped; dW in ``dtype``."""
+
+    def __init__(self, dtype, tile_n, cluster_m=2, gathered="x", **opts):
+        if gathered not in ("x", "dy"):
+            raise ValueError(f"GroupedWgradGatheredSm90: gathered must be 'x' or 'dy', got {gathered!r}")
+        self.gathered = gathered
+        super().__init__(dtype, tile_n, False, cluster_m=cluster_m, gather_a=True,
+                         d_major="m" if gathered == "x" else "n", **opts)
 
     @cute.jit
     def __call__(
         self,
-        mDy: cute.Tensor,  # (M, N)
-        mX: cute.Tensor,  # (T, K)
+        mDy: cute.Tensor,  # (M, N); gathered "dy": (T, N)
+        mX: cute.Tensor,  # (T, K); gathered "dy": (M, K)
         mIndex: cute.Tensor,  # (M,) int32
         mOffsets: cute.Tensor,  # (G + 1,) int32
         mOut: cute.Tensor,  # (G, N, K)
         max_ctas: Int32,
         stream,
     ):
-        self.launch(ragged_tokens(mX), ragged_tokens(mDy), mOffsets, (transposed_output_by_group(mOut),), (), (),
-                    max_ctas // self.cluster_m, stream, None, cute.size(mDy, mode=[0]), gather=(mX, mIndex))
-
+        if const_expr(self.gathered == "x"):
+            self.launch(ragged_tokens(mX), ragged_tokens(mDy), mOffsets, (transposed_output_by_group(mOut),), (), (),
+                        max_ctas // self.cluster_m, stream, None, cute.size(mDy, mode=[0]), gather=(mX, mIndex))
+        else:
+            self.launch(ragged_tokens(mDy), ragged_tokens(mX), mOffsets, (output_by_group(mOut),), (), (),
+                        max_ctas // self.cluster_m, stream, None, cute.size(mX, mode=[0]), gather=(mDy, mIndex))
