@@ -219,8 +219,9 @@ def test_dact_of_gathered_dy(activation, tile_n, cluster_m):
     assert torch.all(d_pre[end:] == 0) and torch.all(act[end:] == 0)
     if probs is not None:
         assert rel_err(d_probs, ref_d_probs) < 1e-2
-    in_place = grouped_dgrad_dact_sm90(dy, w, offsets, pre.clone(), dy_index=index, **kw)
-    assert torch.equal(in_place[0], d_pre)
+    over_pre = pre.clone()
+    in_place = grouped_dgrad_dact_sm90(dy, w, offsets, over_pre, dy_index=index, out=over_pre, **kw)
+    assert in_place[0].data_ptr() == over_pre.data_ptr() and torch.equal(over_pre, d_pre)
 
 
 def test_dact_of_gathered_dy_without_host_sync_and_errors():
