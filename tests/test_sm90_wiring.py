@@ -872,13 +872,10 @@ def gathered_gemm_stand_in(x, x_index, weight, offsets, *, activation=None, **ep
     return gemm(x[x_index.long().clamp(0, x.shape[0] - 1)], weight, offsets, activation=activation, **epilogue)
 
 
-@pytest.mark.parametrize("setting", ["0", "1", "auto"])
-def test_fc1_reads_the_permuted_rows_by_index(setting, sm90_stand_ins, monkeypatch):
-    """TE_FUSED_OPS_GATHER_ROWS (auto: FC1 this narrow gathers): FC1 + activation in the routed
-    layer reads x's rows by index (rule 'permute+grouped_linear+activation'; the forward writes no
-    permuted copy), and so does FC1's weight gradient (no permuted copy in the backward either);
-    the layer's output and gradients equal those of the plan without it bit for bit, and the
-    torch backend's."""
+def routed_layer(monkeypatch, act=SwiGLU):
+    """The routed layer (Permute, FC1, ``act``, FC2, Unpermute) with the row kernels and the
+    gathered forward stood in too, and its inputs: (layer, x (90, H), indices (90, 3) with dropped
+    slots, probs, dy)."""
     import te_fused_ops.backends.sm90.moe as sm90_moe
     import te_fused_ops.backends.sm90.rules as sm90_rules
     from te_fused_ops import Permute, Unpermute
@@ -888,13 +885,23 @@ def test_fc1_reads_the_permuted_rows_by_index(setting, sm90_stand_ins, monkeypat
     monkeypatch.setattr(sm90_rules, "grouped_gemm_gathered_sm90", kernel_contract(gathered_gemm_stand_in))
     torch.manual_seed(0)
     tokens, k = 90, 3
-    seq = Sequential(Permute(G), GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), SwiGLU(),
+    seq = Sequential(Permute(G), GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), act(),
                      GroupedLinear(G, I, H, dtype=torch.bfloat16), Unpermute())
     x = torch.randn(tokens, H, dtype=torch.bfloat16, requires_grad=True)
     indices = torch.randint(0, G, (tokens, k))
     indices[::7, 1] = -1  # dropped slots: padding rows past the groups
-    probs = torch.rand(tokens, k, requires_grad=True)
-    dy = torch.randn(tokens, H, dtype=torch.bfloat16)
+    return seq, x, indices, torch.rand(tokens, k, requires_grad=True), torch.randn(tokens, H, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("setting", ["0", "1", "auto"])
+def test_fc1_reads_the_permuted_rows_by_index(setting, sm90_stand_ins, monkeypatch):
+    """TE_FUSED_OPS_GATHER_ROWS (auto: FC1 this narrow gathers): FC1 + activation in the routed
+    layer reads x's rows by index (rule 'permute+grouped_linear+activation'; the forward writes no
+    permuted copy), and so does FC1's weight gradient (no permuted copy in the backward either);
+    the layer's output and gradients equal those of the plan without it bit for bit, and the
+    torch backend's."""
+    seq, x, indices, probs, dy = routed_layer(monkeypatch)
+    tokens = x.shape[0]
 
     def run():
         leaves = (x, probs, *seq.parameters())
@@ -932,24 +939,9 @@ def test_fc2_backward_reads_dy_rows_by_index(setting, sm90_stand_ins, monkeypatc
     backward writes no expert-ordered copy of dy; output and gradients bit for bit those of the
     plan without it, and the torch backend's. With the probabilities in the combine the rule runs
     the combine's backward first (its rows are scaled copies)."""
-    import te_fused_ops.backends.sm90.moe as sm90_moe
-    import te_fused_ops.backends.sm90.rules as sm90_rules
-    from te_fused_ops import Permute, Unpermute
-
-    monkeypatch.setattr(sm90_moe, "scatter_rows", kernel_contract(scatter_rows_stand_in))
-    monkeypatch.setattr(sm90_moe, "gather_sum", kernel_contract(gather_sum_stand_in))
-    monkeypatch.setattr(sm90_rules, "grouped_gemm_gathered_sm90", kernel_contract(gathered_gemm_stand_in))
-    torch.manual_seed(0)
-    tokens, k = 90, 3
-    scaled = Sequential(Permute(G), GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), ScaledSwiGLU(),
-                        GroupedLinear(G, I, H, dtype=torch.bfloat16), Unpermute())
-    combined = Sequential(Permute(G), GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), SwiGLU(),
-                          GroupedLinear(G, I, H, dtype=torch.bfloat16), Unpermute())
-    x = torch.randn(tokens, H, dtype=torch.bfloat16, requires_grad=True)
-    indices = torch.randint(0, G, (tokens, k))
-    indices[::7, 1] = -1  # dropped slots: padding rows past the groups
-    probs = torch.rand(tokens, k, requires_grad=True)
-    dy = torch.randn(tokens, H, dtype=torch.bfloat16)
+    combined = routed_layer(monkeypatch)[0]
+    scaled, x, indices, probs, dy = routed_layer(monkeypatch, ScaledSwiGLU)
+    tokens = x.shape[0]
 
     def run(seq):
         leaves = (x, probs, *seq.parameters())
