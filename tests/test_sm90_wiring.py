@@ -893,6 +893,19 @@ def routed_layer(monkeypatch, act=SwiGLU):
     return seq, x, indices, torch.rand(tokens, k, requires_grad=True), torch.randn(tokens, H, dtype=torch.bfloat16)
 
 
+def routed_step(seq, x, indices, probs, dy):
+    """One step of a `routed_layer`, the stand-ins' call records cleared first: [y, x's, probs'
+    and the parameters' gradients]."""
+    leaves = (x, probs, *seq.parameters())
+    for t in leaves:
+        t.grad = None
+    for calls in (SCATTERS, GATHERED_GEMMS, GATHERED_WGRADS, DY_GATHERS):
+        calls.clear()
+    y = seq(x, indices=indices, probs=probs)
+    y.backward(dy)
+    return [y.detach(), *(t.grad.clone() for t in leaves)]
+
+
 @pytest.mark.parametrize("setting", ["0", "1", "auto"])
 def test_fc1_reads_the_permuted_rows_by_index(setting, sm90_stand_ins, monkeypatch):
     """TE_FUSED_OPS_GATHER_ROWS (auto: FC1 this narrow gathers): FC1 + activation in the routed
@@ -904,14 +917,7 @@ def test_fc1_reads_the_permuted_rows_by_index(setting, sm90_stand_ins, monkeypat
     tokens = x.shape[0]
 
     def run():
-        leaves = (x, probs, *seq.parameters())
-        for t in leaves:
-            t.grad = None
-        for calls in (SCATTERS, GATHERED_GEMMS, GATHERED_WGRADS):
-            calls.clear()
-        y = seq(x, indices=indices, probs=probs)
-        y.backward(dy)
-        return [y.detach(), *(t.grad.clone() for t in leaves)]
+        return routed_step(seq, x, indices, probs, dy)
 
     monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", "0")
     default = run()
@@ -944,14 +950,7 @@ def test_fc2_backward_reads_dy_rows_by_index(setting, sm90_stand_ins, monkeypatc
     tokens = x.shape[0]
 
     def run(seq):
-        leaves = (x, probs, *seq.parameters())
-        for t in leaves:
-            t.grad = None
-        for calls in (SCATTERS, DY_GATHERS, GATHERED_WGRADS):
-            calls.clear()
-        y = seq(x, indices=indices, probs=probs)
-        y.backward(dy)
-        return [y.detach(), *(t.grad.clone() for t in leaves)]
+        return routed_step(seq, x, indices, probs, dy)
 
     rule = "[2:5] ScaledSwiGLU, GroupedLinear, Unpermute -> rule 'dactivation+grouped_linear+unpermute' (backend sm90)"
     for seq, fires_alone in ((scaled, True), (combined, False)):
