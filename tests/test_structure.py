@@ -92,7 +92,7 @@ def test_user_fusion_rules_module_does_not_shadow_the_builtin_rules(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == str(expected)
-    assert len(expected) == 13
+    assert len(expected) == 14
 
 
 def test_a_new_backend_is_a_package_and_its_implementations(monkeypatch):
