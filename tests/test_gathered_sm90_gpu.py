@@ -192,20 +192,22 @@ def test_wgrad_of_gathered_dy(tile_n, cluster_m, n, k):
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "scaled_swiglu", "srelu"])
-@pytest.mark.parametrize("tile_n,cluster_m", [(128, 1), (192, 2), (256, 2)])
-def test_dact_of_gathered_dy(activation, tile_n, cluster_m):
+@pytest.mark.parametrize("tile_n,cluster_m,pingpong", [(128, 1, False), (192, 2, False), (256, 2, False),
+                                                      (192, 2, True), (128, 1, True)])
+def test_dact_of_gathered_dy(activation, tile_n, cluster_m, pingpong):
     """FC2's data gradient + dActivation with dy's token rows read by index (``dy_index``): bit for
     bit the kernel on the copy dy[index] with the same tile, against float64, NaN-poisoned
     outputs, padding rows zero, ids clamped; d_pre written over pre too."""
     h, i = 256, 160 if activation != "srelu" else 168
-    dy, index, _, offsets, _, _ = operands(UNEVEN, 500, h, 8, None, False, seed=tile_n + cluster_m + len(activation))
+    dy, index, _, offsets, _, _ = operands(UNEVEN, 500, h, 8, None, False,
+                                           seed=tile_n + cluster_m + len(activation) + pingpong)
     index[::11] = -1
     index[5::11] = 10**6
     g, m = len(UNEVEN), index.shape[0]
     w = (torch.randn(g, h, i, device="cuda") / h**0.5).bfloat16()
     pre = (2 * torch.randn(m, i if activation == "srelu" else 2 * i, device="cuda")).bfloat16()
     probs = torch.rand(m, device="cuda") if activation == "scaled_swiglu" else None
-    kw = dict(activation=activation, probs=probs, tile_n=tile_n, cluster_m=cluster_m, pingpong=False)
+    kw = dict(activation=activation, probs=probs, tile_n=tile_n, cluster_m=cluster_m, pingpong=pingpong)
     poisoned_empty(tuple(pre.shape), torch.bfloat16)
     act_out = torch.full((m, i), float("nan"), dtype=torch.bfloat16, device="cuda")
     d_pre, act, d_probs = grouped_dgrad_dact_sm90(dy, w, offsets, pre, dy_index=index, act_out=act_out, **kw)
@@ -241,9 +243,8 @@ def test_dact_of_gathered_dy_without_host_sync_and_errors():
     with pytest.raises(ValueError, match=f"{name}: H=96 .* multiple of 64 with dy_index"):
         grouped_dgrad_dact_sm90(dy[:, :96].contiguous(), w[:, :96].contiguous(), offsets, pre, dy_index=index,
                                 activation="swiglu")
-    for option in ("epilogue_warps", "pingpong"):
-        with pytest.raises(ValueError, match=f"{name}: dy_index runs cooperative"):
-            grouped_dgrad_dact_sm90(dy, w, offsets, pre, dy_index=index, activation="swiglu", **{option: True})
+    with pytest.raises(ValueError, match=f"{name}: dy_index runs on the MMA warpgroups' epilogue"):
+        grouped_dgrad_dact_sm90(dy, w, offsets, pre, dy_index=index, activation="swiglu", epilogue_warps=True)
     with pytest.raises(ValueError, match=f"{name}: pre must have shape"):
         grouped_dgrad_dact_sm90(dy, w, offsets, pre[:10].contiguous(), dy_index=index, activation="swiglu")
     with pytest.raises(ValueError, match=f"{name}: dy has no rows to gather"):

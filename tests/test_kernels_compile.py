@@ -355,8 +355,7 @@ def test_fp8_overlapped_promotion_compiles():
 def test_register_splits_fit_the_launch():
     """setmaxnreg only moves registers within the CTA's allocation (168 a thread over its three
     warpgroups): a split asking for more never completes its increase and the kernel hangs (a
-    gathering ping-pong split of 32 / 240 did). Every schedule's split fits; the gathered
-    dActivation runs cooperative only."""
+    gathering ping-pong split of 32 / 240 did). Every schedule's split fits."""
     import cutlass
 
     from te_fused_ops.backends.sm90.kernels.grouped_act_sm90 import GroupedGemmActSm90, GroupedGemmGatheredSm90
@@ -367,10 +366,10 @@ def test_register_splits_fit_the_launch():
     kernels = [GroupedGemmActSm90(bf16, 192, "swiglu", False, pingpong=p) for p in (False, True)]
     kernels += [GroupedGemmGatheredSm90(bf16, 192, "swiglu", False, pingpong=p) for p in (False, True)]
     kernels += [GroupedGemmDActSm90(bf16, 192, "swiglu", pingpong=p) for p in (False, True)]
-    kernels += [GroupedGemmDActGatheredSm90(bf16, 256, "swiglu"), GroupedWgradSm90(bf16, 192, False, pingpong=True),
+    kernels += [GroupedGemmDActGatheredSm90(bf16, 256, "swiglu"), GroupedGemmDActGatheredSm90(bf16, 192, "swiglu",
+                                                                                             pingpong=True),
+                GroupedWgradSm90(bf16, 192, False, pingpong=True),
                 GroupedWgradGatheredSm90(bf16, 256, gathered="x"), GroupedWgradGatheredSm90(bf16, 256, gathered="dy")]
     for kernel in kernels:
         assert kernel.threads == 384
         assert kernel.producer_registers * 128 + kernel.mma_registers * 256 <= 168 * 384, type(kernel).__name__
-    with pytest.raises(ValueError, match="cooperative only"):
-        GroupedGemmDActGatheredSm90(bf16, 192, "swiglu", pingpong=True)

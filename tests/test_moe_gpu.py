@@ -79,15 +79,15 @@ def float64_layer(w1, w2, x0, indices, probs, dy):
 @pytest.mark.parametrize("gather", ["0", "auto", "1"])
 def test_sm90_row_rules_are_planned(gather, monkeypatch):
     """The row kernels move the rows; with TE_FUSED_OPS_GATHER_ROWS=auto this narrow FC1 reads
-    x's rows by index instead of the forward's permuted copy; with 1 FC2's backward also reads
-    dy's rows by index instead of the combine's backward writing them in expert order."""
+    x's rows by index instead of the forward's permuted copy, and FC2's backward reads dy's rows
+    by index instead of the combine's backward writing them in expert order (1 too)."""
     monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", gather)
     moe = layer()
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     indices, probs = routing(0)
     text = moe.explain(x, indices=indices, probs=probs)
     forward = "permute" if gather == "0" else "permute+grouped_linear+activation"
-    combine = "dactivation+grouped_linear+unpermute" if gather == "1" else "unpermute_backward"
+    combine = "unpermute_backward" if gather == "0" else "dactivation+grouped_linear+unpermute"
     for rule in (forward, "unpermute", "permute_backward", combine):
         assert f"rule '{rule}' (backend sm90)" in text, text
 

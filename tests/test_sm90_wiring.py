@@ -939,7 +939,7 @@ def test_fc1_reads_the_permuted_rows_by_index(setting, sm90_stand_ins, monkeypat
 
 @pytest.mark.parametrize("setting", ["0", "1", "auto"])
 def test_fc2_backward_reads_dy_rows_by_index(setting, sm90_stand_ins, monkeypatch):
-    """TE_FUSED_OPS_GATHER_ROWS=1 (opt-in; auto and 0 keep dy's copy): with the probabilities
+    """TE_FUSED_OPS_GATHER_ROWS (auto: FC2's input this narrow gathers; 0 keeps dy's copy): with the probabilities
     applied in ScaledSwiGLU the combine is a plain sum, and FC2's data gradient + dActivation and
     its weight gradient read dy's token rows by index (rule 'dactivation+grouped_linear+unpermute'): the
     backward writes no expert-ordered copy of dy; output and gradients bit for bit those of the
@@ -958,14 +958,14 @@ def test_fc2_backward_reads_dy_rows_by_index(setting, sm90_stand_ins, monkeypatc
         default = run(seq)
         assert len(SCATTERS) == 3 and not DY_GATHERS  # permute, combine's backward, FC1's input again
         monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", setting)
-        gather = setting == "1"
+        gather = setting != "0"
         text = seq.explain(x, indices=indices, probs=probs)
         assert (rule.replace("ScaledSwiGLU", type(seq[2]).__name__) in text) == gather, text
         got = run(seq)
         if gather and fires_alone:  # no row written in expert order: both gradients of FC2 read dy by index
             assert not SCATTERS and DY_GATHERS == [(tokens, H)]
             assert GATHERED_WGRADS == [("dy", (tokens, H)), ("x", (tokens, H))]
-        elif setting != "0":  # FC1 gathers under auto too: the combine's backward is the one scatter
+        elif gather:  # FC1 gathers too: the combine's backward is the one scatter
             assert len(SCATTERS) == 1 and not DY_GATHERS
         for a, b in zip(got, default):
             assert torch.equal(a, b)
@@ -975,20 +975,28 @@ def test_fc2_backward_reads_dy_rows_by_index(setting, sm90_stand_ins, monkeypatc
         monkeypatch.delenv("TE_FUSED_OPS_BACKEND")
 
 
-def test_fc2_backward_keeps_dy_copy_with_bias_or_unless_asked(sm90_stand_ins, monkeypatch):
-    """FC2's backward reads dy's rows by index only with TE_FUSED_OPS_GATHER_ROWS=1, and not with
+def test_fc2_backward_keeps_dy_copy_when_wide_with_bias_or_asked(sm90_stand_ins, monkeypatch):
+    """FC2's backward keeps dy's expert-ordered copy where FC2's input is wider than
+    `GATHER_DY_MAX_WIDTH` under auto (1 gathers anyway), with TE_FUSED_OPS_GATHER_ROWS=0, and with
     an FC2 bias (its gradient sums dy's expert rows); explain() says why."""
     from te_fused_ops import Permute, Unpermute
+    from te_fused_ops.backends.sm90.rules import GATHER_DY_MAX_WIDTH
 
     x = torch.randn(16, H, dtype=torch.bfloat16, requires_grad=True)
     indices, probs = torch.randint(0, G, (16, 2)), torch.rand(16, 2)
-    for setting, bias, reason in (("auto", False, "TE_FUSED_OPS_GATHER_ROWS=auto: FC2's backward reads dy's"),
-                                  ("1", True, "FC2 has a bias")):
+    wide = GATHER_DY_MAX_WIDTH + 32
+    rule = "-> rule 'dactivation+grouped_linear+unpermute'"
+    for setting, width, bias, reason in (
+            ("auto", wide, False, f"FC2 input width {wide} > {GATHER_DY_MAX_WIDTH}: dy's expert-ordered copy"),
+            ("1", wide, False, None),
+            ("0", I, False, "TE_FUSED_OPS_GATHER_ROWS=0 (FC2's backward reads dy's expert-ordered copy)"),
+            ("1", I, True, "FC2 has a bias")):
         monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", setting)
-        seq = Sequential(Permute(G), GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), ScaledSwiGLU(),
-                         GroupedLinear(G, I, H, bias=bias, dtype=torch.bfloat16), Unpermute())
+        seq = Sequential(Permute(G), GroupedLinear(G, H, 2 * width, dtype=torch.bfloat16), ScaledSwiGLU(),
+                         GroupedLinear(G, width, H, bias=bias, dtype=torch.bfloat16), Unpermute())
         text = seq.explain(x, indices=indices, probs=probs)
-        assert "-> rule 'dactivation+grouped_linear+unpermute'" not in text and reason in text, text
+        assert (rule in text) == (reason is None), text
+        assert reason is None or reason in text, text
 
 
 @pytest.mark.parametrize("setting,width,gathers", [("auto", 2048, True), ("auto", 2056, False), ("1", 8192, True),

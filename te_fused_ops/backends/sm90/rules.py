@@ -64,6 +64,12 @@ from .linear import (
 # (H100: 1.5-2.5% faster at 1536 and 4096, level at 5760; FC1 alone 1.4% slower at 28672).
 GATHER_MAX_WIDTH = 4096
 
+# FC2 input widths I up to which its backward reading dy's rows by index beats the combine's
+# backward writing dy's expert-ordered copy: the rows are read once per tile of I, the copy is
+# written once (H200 layer step: 1.5-2.3% faster at I 768, 0.7% at 1024; level at 1408 and
+# 2048; 1.3-2.4% slower at 2880, about 0.5% at 14336)
+GATHER_DY_MAX_WIDTH = 1024
+
 # ---------------------------------------------------------------------------------------------
 # casts: a lone Quantize, and a Quantize folded before a GroupedLinear
 
@@ -468,14 +474,15 @@ def _expert_rows(ops, ctxs, dy):
 
 
 def _supports_dy_by_index(ops, info):
-    """``TE_FUSED_OPS_GATHER_ROWS=1`` (opt-in: the gathered dActivation runs cooperative, where
-    the kernel on the copy may run ping-pong, and the layer has not been timed with it yet), the
-    16-bit dActivation kernel, FC2 without a bias, H a multiple of 64, the combine's rows on the
-    row kernels."""
+    """``TE_FUSED_OPS_GATHER_ROWS`` on (or auto and FC2's input at most `GATHER_DY_MAX_WIDTH`
+    wide), the 16-bit dActivation kernel, FC2 without a bias, H a multiple of 64, the combine's
+    rows on the row kernels."""
     gather, linear = env.read("TE_FUSED_OPS_GATHER_ROWS", "sm90 backend"), ops[1]
-    if gather is not True:
-        return (f"TE_FUSED_OPS_GATHER_ROWS={'0' if gather is False else 'auto'}: FC2's backward reads dy's "
-                "expert-ordered copy (=1 reads dy's rows by index)")
+    if gather is False:
+        return "TE_FUSED_OPS_GATHER_ROWS=0 (FC2's backward reads dy's expert-ordered copy)"
+    if gather is None and linear.in_features > GATHER_DY_MAX_WIDTH:
+        return (f"FC2 input width {linear.in_features} > {GATHER_DY_MAX_WIDTH}: dy's expert-ordered copy "
+                "measured faster (TE_FUSED_OPS_GATHER_ROWS=1 reads dy's rows by index anyway)")
     if linear.out_features % GATHER_K_MULTIPLE:
         return f"hidden size {linear.out_features} not a multiple of {GATHER_K_MULTIPLE} (gathered rows)"
     if linear.bias is not None:

@@ -183,10 +183,12 @@ class GroupedGemmDActGatheredSm90(GroupedGemmDActSm90):
     outside [0, T) clamped; pre, d_pre, act, probs with M rows as before."""
 
     def __init__(self, dtype, tile_n, activation, cluster_m=2, **opts):
-        if opts.get("pingpong"):
-            raise ValueError("GroupedGemmDActGatheredSm90: cooperative only (ping-pong spills its epilogue at the "
-                             "gathering producer's register split)")
         super().__init__(dtype, tile_n, activation, cluster_m, gather_a=True, **opts)
+        if self.pingpong and tile_n == 192:
+            # whole 192-wide accumulators: the dActivation epilogue takes the copy kernel's 240
+            # registers (at 224 it spills 76 values; at 240 the producer spills 1 in CTA pairs,
+            # 17 alone); at tile_n 128 the gathering split spills nothing, 24 / 240 would in the producer
+            self.producer_registers, self.mma_registers = 24, 240
 
     @cute.jit
     def __call__(

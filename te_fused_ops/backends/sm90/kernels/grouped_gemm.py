@@ -1091,9 +1091,8 @@ def grouped_dgrad_dact_sm90(
     out / act_out: optional preallocated buffers for d_pre / act.
     ``dy_index`` (M,) int32: dy is (T, H) instead and row r of h is dy[dy_index[r]] @ W[g] (ids
     outside [0, T) clamped), read by index inside the GEMM (a combine's backward whose expert rows
-    are copies of their token's gradient, never written); H a multiple of 64, cooperative only
-    (neither epilogue_warps nor pingpong: at the gathering producer's register split the
-    ping-pong dActivation spills its epilogue).
+    are copies of their token's gradient, never written); H a multiple of 64, not with
+    epilogue_warps.
     Returns (d_pre like pre, act (M, I) = activation(pre) (times probs for scaled_swiglu: the input
     of FC2's weight gradient), d_probs (M,) float32 for scaled_swiglu else None).
     Rows >= offsets[G] are zero. No host sync. H a multiple of 8; I a multiple of 32 (GLU) or 8.
@@ -1115,7 +1114,7 @@ def grouped_dgrad_dact_sm90(
         launch = _dact_launch(*args)
         if tile_n is None and cluster_m is None and pingpong is None and launch[0] is not None:
             i, m = weight.shape[2], pre.shape[0]
-            conflict = _dact_conflict(epilogue_warps, dy_index)
+            conflict = _dact_conflict(epilogue_warps)
             config = tuning.tuned_config(
                 _DACT, (dy.dtype, weight.shape[0], i, dy.shape[1], tuning.rows_bucket(m), activation,
                         epilogue_warps, dy_index is not None),
@@ -1139,11 +1138,9 @@ def grouped_dgrad_dact_sm90(
     return d_pre, act, None if d_probs_part is None else d_probs_part.sum(0)
 
 
-def _dact_conflict(epilogue_warps, dy_index) -> str | None:
+def _dact_conflict(epilogue_warps) -> str | None:
     """The option of `grouped_dgrad_dact_sm90` that rules ping-pong out, or None."""
-    if epilogue_warps:
-        return "epilogue_warps"
-    return None if dy_index is None else "dy_index"
+    return "epilogue_warps" if epilogue_warps else None
 
 
 def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile_n, cluster_m, sm_margin,
@@ -1164,8 +1161,8 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
             raise ValueError(f"{_DACT}: dy has no rows to gather, dy_index has {m}")
         if h % GATHER_K_MULTIPLE:
             raise ValueError(f"{_DACT}: H={h} (dy.shape[1]) must be a multiple of {GATHER_K_MULTIPLE} with dy_index")
-        if epilogue_warps or pingpong:
-            raise ValueError(f"{_DACT}: dy_index runs cooperative (neither epilogue_warps nor pingpong)")
+        if epilogue_warps:
+            raise ValueError(f"{_DACT}: dy_index runs on the MMA warpgroups' epilogue (not epilogue_warps)")
     g, hw, i = weight.shape
     if hw != h:
         raise ValueError(f"{_DACT}: weight has H={hw} (weight.shape[1]), dy has H={h}")
@@ -1194,7 +1191,7 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
         raise TypeError(f"{_DACT}: epilogue_warps must be a bool or None, got {type(epilogue_warps).__name__}")
     tile_n, cluster_m, clusters, pingpong = _launch_config(_DACT, m, i, g, dev, tile_n, cluster_m, sm_margin,
                                                            pingpong=pingpong,
-                                                           conflict=_dact_conflict(epilogue_warps, dy_index),
+                                                           conflict=_dact_conflict(epilogue_warps),
                                                            k=h, act_epilogue=True)
     partial_shape = (-(-i // tile_n), m) if spec.takes_probs else None
     if m == 0:

@@ -45,7 +45,7 @@ With ``gather_a`` (16-bit varlen-M, cooperative or ping-pong) A's rows are read 
 of 8 rows a k-tile with cp.async into the swizzled stage TMA would fill, and signal the stage's
 full barrier with `cp.async.mbarrier.arrive.noinc` beside warp 0's B transaction (129 arrivals);
 warp 0 alone publishes the tiles and loads B. Registers: producer 56, MMA warpgroups 224 (ping-pong
-too: forward + SwiGLU at tile_n 192 then spills in its epilogue). On varlen-K, ``gather_a`` fills
+too; a subclass may move them after ``__init__``). On varlen-K, ``gather_a`` fills
 A's MN-major stage with x[index[token]]'s 128 columns, a token per 16 threads (16 bytes each);
 tokens past the group's end read its last row and columns past x's width the last 8 (B's ragged
 token view zero-fills those tokens, and the stores clip those rows), so every read is in bounds
@@ -287,9 +287,8 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         self.mma_atoms = 1 if pingpong else self.num_mma_wg  # MMA warpgroups on one tile
         # registers a thread after setmaxnreg, at most 504 over the three warpgroups (the launch's 168
         # a thread: setmaxnreg moves registers within the CTA's allocation, and an increase past it
-        # never completes: the kernel hangs): the gathering
-        # producer warpgroup holds its rows' source addresses; else ping-pong's whole-tile
-        # accumulators take what the producer warp can spare
+        # never completes: the kernel hangs): the gathering producer warpgroup holds its rows' source
+        # addresses; else ping-pong's whole-tile accumulators take what the producer warp can spare
         self.producer_registers, self.mma_registers = (56, 224) if gather_a else (24, 240) if pingpong else (40, 232)
         # epilogue_warps: warps 1-3 of the producer warpgroup run the epilogue; every warpgroup keeps the
         # launch's 168 registers (no setmaxnreg)
