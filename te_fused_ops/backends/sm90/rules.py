@@ -223,18 +223,29 @@ def _grouped_linear_activation(ops, ctxs, x):
     return quantize_rows(y, out.recipe, out.offsets, amax_parts)
 
 
-def _supports_gathered_fc1(ops, info):
-    """``TE_FUSED_OPS_GATHER_ROWS`` on (or auto and FC1 at most `GATHER_MAX_WIDTH` wide), the
-    permute on the row kernels' terms, FC1 + activation on the 16-bit kernel with no cast before or
-    after it, hidden size a multiple of 64."""
-    gather, linear = env.read("TE_FUSED_OPS_GATHER_ROWS", "sm90 backend"), ops[1]
+def _gather_rows_reason(reader, copy, what, width, limit, hidden):
+    """Why ``TE_FUSED_OPS_GATHER_ROWS`` has ``reader`` read ``copy`` (0; auto and ``what``, the
+    width ``width``, past ``limit``), or why gathered rows cannot run (``hidden`` not a multiple of
+    64); None where the rows may be read by index."""
+    gather = env.read("TE_FUSED_OPS_GATHER_ROWS", "sm90 backend")
     if gather is False:
-        return "TE_FUSED_OPS_GATHER_ROWS=0 (FC1 reads the permuted copy)"
-    if gather is None and linear.out_features > GATHER_MAX_WIDTH:
-        return (f"FC1 width {linear.out_features} > {GATHER_MAX_WIDTH}: the permuted copy measured faster "
-                "(TE_FUSED_OPS_GATHER_ROWS=1 gathers anyway)")
-    if linear.in_features % GATHER_K_MULTIPLE:
-        return f"hidden size {linear.in_features} not a multiple of {GATHER_K_MULTIPLE} (gathered rows)"
+        return f"TE_FUSED_OPS_GATHER_ROWS=0 ({reader} reads {copy})"
+    if gather is None and width > limit:
+        return (f"{what} {width} > {limit}: {copy} measured faster (TE_FUSED_OPS_GATHER_ROWS=1 reads the "
+                "rows by index anyway)")
+    if hidden % GATHER_K_MULTIPLE:
+        return f"hidden size {hidden} not a multiple of {GATHER_K_MULTIPLE} (gathered rows)"
+    return None
+
+
+def _supports_gathered_fc1(ops, info):
+    """`_gather_rows_reason` (auto: FC1 at most `GATHER_MAX_WIDTH` wide), the permute on the row
+    kernels' terms, FC1 + activation on the 16-bit kernel with no cast before or after it."""
+    linear = ops[1]
+    reason = _gather_rows_reason("FC1", "the permuted copy", "FC1 width", linear.out_features, GATHER_MAX_WIDTH,
+                                 linear.in_features)
+    if reason:
+        return reason
     return rows_supported_reason(ops[:1], info.window(0, 1)) or _supports_grouped_linear_activation(
         ops[1:], info.window(1, 3))
 
@@ -474,17 +485,13 @@ def _expert_rows(ops, ctxs, dy):
 
 
 def _supports_dy_by_index(ops, info):
-    """``TE_FUSED_OPS_GATHER_ROWS`` on (or auto and FC2's input at most `GATHER_DY_MAX_WIDTH`
-    wide), the 16-bit dActivation kernel, FC2 without a bias, H a multiple of 64, the combine's
-    rows on the row kernels."""
-    gather, linear = env.read("TE_FUSED_OPS_GATHER_ROWS", "sm90 backend"), ops[1]
-    if gather is False:
-        return "TE_FUSED_OPS_GATHER_ROWS=0 (FC2's backward reads dy's expert-ordered copy)"
-    if gather is None and linear.in_features > GATHER_DY_MAX_WIDTH:
-        return (f"FC2 input width {linear.in_features} > {GATHER_DY_MAX_WIDTH}: dy's expert-ordered copy "
-                "measured faster (TE_FUSED_OPS_GATHER_ROWS=1 reads dy's rows by index anyway)")
-    if linear.out_features % GATHER_K_MULTIPLE:
-        return f"hidden size {linear.out_features} not a multiple of {GATHER_K_MULTIPLE} (gathered rows)"
+    """`_gather_rows_reason` (auto: FC2's input at most `GATHER_DY_MAX_WIDTH` wide), the 16-bit
+    dActivation kernel, FC2 without a bias, the combine's rows on the row kernels."""
+    linear = ops[1]
+    reason = _gather_rows_reason("FC2's backward", "dy's expert-ordered copy", "FC2 input width",
+                                 linear.in_features, GATHER_DY_MAX_WIDTH, linear.out_features)
+    if reason:
+        return reason
     if linear.bias is not None:
         return "FC2 has a bias (its gradient sums dy's expert rows)"
     fmt = info.input_format[1]
