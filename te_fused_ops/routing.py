@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .backends import route_kernel
+
 
 @dataclass(frozen=True)
 class Routing:
@@ -21,6 +23,8 @@ class Routing:
 
     slot_rows:  (T, k) int32, the row of slot (t, j); flattened, a permutation of [0, M)
     row_slots:  (M,) int64, the slot (t * k + j) of each row (the inverse permutation)
+    row_tokens: (M,) int32, the token of each row (row_slots // k), for kernels that read x's
+                or dy's rows by index
     offsets:    (E + 1,) int32, expert e owns rows offsets[e]:offsets[e+1]; rows from
                 offsets[E] on are the dropped slots' (padding)
     counts:     (E,) int32, rows per expert (the grouped ops' ``split_sizes``)
@@ -28,6 +32,7 @@ class Routing:
 
     slot_rows: torch.Tensor
     row_slots: torch.Tensor
+    row_tokens: torch.Tensor
     offsets: torch.Tensor
     counts: torch.Tensor
 
@@ -53,10 +58,17 @@ class Routing:
 def route(indices: torch.Tensor, num_experts: int) -> Routing:
     """The `Routing` of top-k expert ids ``indices`` (T, k) int32/int64 (checked by the caller).
 
-    Few launches (a layer step issues this once): each slot's sort key is its expert, or
-    ``num_experts`` for a dropped slot (ids clamped into [-1, E], then -1 taken to E), as int32,
-    which the radix sort orders in half the passes of int64; the offsets are where each expert's
-    keys start in the sorted keys (one search), the counts their differences."""
+    A backend's routing kernel takes them where it applies (`backends.route_kernel`), else
+    `route_torch`."""
+    made = route_kernel(indices, num_experts)
+    return route_torch(indices, num_experts) if made is None else Routing(*made)
+
+
+def route_torch(indices: torch.Tensor, num_experts: int) -> Routing:
+    """`route` in torch ops on any device: each slot's sort key is its expert, or ``num_experts``
+    for a dropped slot (ids clamped into [-1, E], then -1 taken to E), as int32, which the radix
+    sort orders in half the passes of int64; the offsets are where each expert's keys start in
+    the sorted keys (one search), the counts their differences."""
     device = indices.device
     flat = indices.reshape(-1)
     num_rows = flat.shape[0]
@@ -66,7 +78,8 @@ def route(indices: torch.Tensor, num_experts: int) -> Routing:
     slot_rows.scatter_(0, row_slots, torch.arange(num_rows, dtype=torch.int32, device=device))
     offsets = torch.searchsorted(keys, torch.arange(num_experts + 1, dtype=torch.int32, device=device),
                                  out_int32=True)
-    return Routing(slot_rows.view(indices.shape), row_slots, offsets, offsets[1:] - offsets[:-1])
+    row_tokens = (row_slots // indices.shape[1]).to(torch.int32)
+    return Routing(slot_rows.view(indices.shape), row_slots, row_tokens, offsets, offsets[1:] - offsets[:-1])
 
 
 def _math(t: torch.Tensor) -> torch.Tensor:
@@ -240,7 +253,7 @@ def route_expert_parallel(indices: torch.Tensor, num_experts: int, group, capaci
         in_chunk = (slot_row >= first) & (slot_row < first + sending)
         send_slot_rows = torch.where(in_chunk, slot_row - first, sending).to(torch.int32).view(indices.shape)
         routings.append(ExpertParallelRouting(
-            local.slot_rows, local.row_slots, local.offsets, local.counts, send_slots[first:first + sending],
+            local.slot_rows, local.row_slots, local.row_tokens, local.offsets, local.counts, send_slots[first:first + sending],
             send_slot_rows, torch.full((1,), sending, dtype=torch.int32, device=device),
             dropped if chunk == 0 else torch.zeros_like(dropped), indices.shape[0], indices.shape[1], group,
             None if capacity is not None else (send_sizes[chunk], recv_sizes[chunk])))

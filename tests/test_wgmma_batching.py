@@ -127,6 +127,7 @@ ROW_MOVERS = {  # the largest configuration of each row-mover kernel
     "row mover": "from te_fused_ops.backends.sm90.kernels.moe_rows import compile_scatter_rows as s; s(bf16, True, True, False)",
     "cast row mover": "from te_fused_ops.backends.sm90.kernels.moe_rows import compile_scatter_cast_rows as s; "
                       "s(bf16, False, False)",
+    "routing": "from te_fused_ops.backends.sm90.kernels.route import compile_route as r; r(torch.int64, False)",
 }
 
 CASTS = {  # the E4M3 casts whose per-value instructions bound their speed
@@ -207,7 +208,8 @@ def test_wgmmas_are_batched(name, machine_code):
 
 @pytest.mark.parametrize("name", list(ROW_MOVERS))
 def test_row_mover_keeps_registers(name, machine_code):
-    """The largest row movers (scatter with scale and dot; the scatter that casts) use no local
+    """The largest row movers (scatter with scale and dot; the scatter that casts) and the routing
+    kernel use no local
     memory (an rmem tensor made per slot inside the unrolled slot loop once spilled: it ran at a
     third of its speed on an H100). The other configurations compile and run in the GPU tests."""
     assert len(machine_code[name]) == 1

@@ -45,18 +45,21 @@ class Backend:
     ``preference``: lower wins where several backends can run a rule; ``runs_reference``: it runs
     each rule's reference implementation (rules need no implementation registered for it);
     ``split_offsets(split_sizes, num_rows)``: the backend's offsets kernel, returning None where
-    it does not apply (the torch ops run then); ``prepare_input(value)``: what the implementations
+    it does not apply (the torch ops run then); ``route(indices, num_experts)``: its routing
+    kernel, the fields of a `routing.Routing` in order or None where it does not apply; ``prepare_input(value)``: what the implementations
     registered with `implement` receive in place of a step's input (x forward, dy backward), e.g.
     a contiguous copy where the kernels need one (None: the input as it is).
     """
 
     def __init__(self, name: str, unavailable_reason: Callable, preference: int, runs_reference: bool = False,
-                 split_offsets: Optional[Callable] = None, prepare_input: Optional[Callable] = None):
+                 split_offsets: Optional[Callable] = None, route: Optional[Callable] = None,
+                 prepare_input: Optional[Callable] = None):
         self.name = name
         self.unavailable_reason = unavailable_reason
         self.preference = preference
         self.runs_reference = runs_reference
         self.split_offsets = split_offsets
+        self.route = route
         self.prepare_input = prepare_input
         self.implementations: dict = {}
 
@@ -134,4 +137,15 @@ def split_offsets_kernel(split_sizes, num_rows: int):
             offsets = backend.split_offsets(split_sizes, num_rows)
             if offsets is not None:
                 return offsets
+    return None
+
+
+def route_kernel(indices, num_experts: int):
+    """The `routing.Routing` fields of ``indices`` from the first backend kernel that takes them,
+    or None."""
+    for backend in list_backends():
+        if backend.route is not None:
+            made = backend.route(indices, num_experts)
+            if made is not None:
+                return made
     return None

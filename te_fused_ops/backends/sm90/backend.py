@@ -1,12 +1,13 @@
-"""The sm90 `Backend` object: availability and the split-offsets kernel (its rule
+"""The sm90 `Backend` object: availability, the split-offsets and routing kernels (its rule
 implementations register on it from `rules`), and the settings its kernels receive."""
 
 import torch
 
-from ... import env
+from ... import env, kernel_cache
 from ...overlap import reserved_sms
 from .. import Backend, register_backend
 from .kernels import sm90_unavailable_reason
+from .kernels.route import compile_route, route_sm90, route_supported
 from .kernels.split_offsets import kernel_available, split_offsets_sm90
 
 
@@ -30,6 +31,18 @@ def _split_offsets(split_sizes, num_rows: int):
     return None
 
 
+def _route(indices, num_experts: int):
+    """Three launches for plain CUDA ids where the kernel runs, else None. Inside
+    `kernel_cache.recording()` the kernel is only recorded (torch ops read the routing, so it must
+    hold real rows) and the torch routing runs."""
+    if not route_supported(indices, num_experts):
+        return None
+    if kernel_cache.is_recording():
+        compile_route(indices.dtype)
+        return None
+    return route_sm90(indices, num_experts)
+
+
 def _kernel_input(value):
     """A step's input as the kernels read it: a tensor that is not contiguous or not 16-byte
     aligned (a slice of a wider tensor, an odd offset into a buffer) becomes a contiguous copy;
@@ -40,7 +53,7 @@ def _kernel_input(value):
 
 
 SM90 = register_backend(Backend("sm90", _unavailable_reason, preference=10, split_offsets=_split_offsets,
-                                prepare_input=_kernel_input))
+                                route=_route, prepare_input=_kernel_input))
 
 
 _SM_MARGIN = env.hot_switch("TE_FUSED_OPS_SM_MARGIN", "sm90 backend")

@@ -59,7 +59,7 @@ def gather_tokens(ctx, x) -> tuple | None:
         return None
     check_tokens("Permute", x, routing.slot_rows.shape[0], "tokens, hidden")
     ctx.recompute_output = Recompute(permuted_rows, x, routing)
-    return x, _row_tokens(routing)  # x: the backend's prepared input
+    return x, routing.row_tokens  # x: the backend's prepared input
 
 
 def rows_by_index(saved) -> tuple | None:
@@ -69,12 +69,7 @@ def rows_by_index(saved) -> tuple | None:
     if not (isinstance(saved, Recompute) and saved.fn is permuted_rows):
         return None
     x, routing = saved.args
-    return x, _row_tokens(routing)
-
-
-def _row_tokens(routing: Routing) -> torch.Tensor:
-    """(M,) int32: the token each expert-ordered row comes from."""
-    return (routing.row_slots // routing.top_k).to(torch.int32)
+    return x, routing.row_tokens
 
 
 def _send_rows(x: torch.Tensor, routing: ExpertParallelRouting, scale=None, y=None, dot_out=None) -> torch.Tensor:
@@ -161,7 +156,7 @@ def dy_by_index(ctx, dy) -> tuple | None:
     (T, H), (M,) int32 token of each expert row) where `combine_backward_copies`, else None."""
     if not combine_backward_copies(ctx, dy):
         return None
-    return dy.contiguous(), _row_tokens(ctx.side["routing"])
+    return dy.contiguous(), ctx.side["routing"].row_tokens
 
 
 @SM90.implement("unpermute_backward", supports=rows_supported_reason)
