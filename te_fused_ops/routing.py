@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import route_kernel
+from .backends import helper_kernel
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,9 @@ class Routing:
 def route(indices: torch.Tensor, num_experts: int) -> Routing:
     """The `Routing` of top-k expert ids ``indices`` (T, k) int32/int64 (checked by the caller).
 
-    A backend's routing kernel takes them where it applies (`backends.route_kernel`), else
+    A backend's routing kernel takes them where it applies (`backends.helper_kernel`), else
     `route_torch`."""
-    made = route_kernel(indices, num_experts)
+    made = helper_kernel("route", indices, num_experts)
     return route_torch(indices, num_experts) if made is None else Routing(*made)
 
 
@@ -114,14 +114,23 @@ def slot_dots(dy: torch.Tensor, src: torch.Tensor, routing: Routing) -> torch.Te
     return dots * routing.kept_slots()
 
 
-def rows_to_slots(row_values: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """(M,) per-row values -> (T, k) per-slot values (dropped slots: 0)."""
-    return torch.where(routing.kept_slots(), row_values[routing.slot_rows], 0)
+def rows_to_slots(row_values: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch.Tensor:
+    """(M,) per-row values, or (P, M) float32 partial sums of them -> (T, k) per-slot values in
+    ``dtype`` (dropped slots: 0). A backend's kernel takes them where it applies (one launch)."""
+    parts = row_values if row_values.dim() == 2 else row_values.unsqueeze(0)
+    made = helper_kernel("rows_to_slots", parts, routing, dtype)
+    if made is not None:
+        return made
+    return torch.where(routing.kept_slots(), parts.sum(0)[routing.slot_rows], 0).to(dtype)
 
 
 def slots_to_rows(slot_values: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """(T, k) per-slot values -> (M,) per-row values (padding rows: 0, the dropped slots' rows)."""
-    return torch.where(routing.kept_slots(), slot_values, 0).reshape(-1)[routing.row_slots]
+    """(T, k) per-slot values -> (M,) per-row values in float32 (float64 stays) (padding rows: 0,
+    the dropped slots' rows). A backend's kernel takes them where it applies (one launch)."""
+    made = helper_kernel("slots_to_rows", slot_values, routing)
+    if made is not None:
+        return made
+    return _math(torch.where(routing.kept_slots(), slot_values, 0).reshape(-1)[routing.row_slots])
 
 
 @dataclass(frozen=True)

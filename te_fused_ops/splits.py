@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import torch
 
 from . import env
-from .backends import split_offsets_kernel
+from .backends import helper_kernel
 from .errors import OpTypeError, OpValueError
 
 _SPLIT_DTYPES = (torch.int32, torch.int64)
@@ -73,7 +73,7 @@ def split_offsets(split_sizes: torch.Tensor, num_rows: int) -> torch.Tensor:
     ``num_rows``, so offsets are nondecreasing and within ``[0, num_rows]`` whatever the values.
     A backend's offsets kernel takes them where it applies (one launch), else six torch ops.
     """
-    offsets = split_offsets_kernel(split_sizes, num_rows)
+    offsets = helper_kernel("split_offsets", split_sizes, num_rows)
     if offsets is not None:
         return offsets
     sizes = split_sizes.clamp(0, num_rows).to(torch.int64)

@@ -87,9 +87,10 @@ DY_GATHERS = []  # dy's shape of each stood-in dActivation reading dy's rows by 
 
 
 def dgrad_dact(dy, weight, offsets, pre, *, activation, probs=None, limit=7.0, alpha=1.702, out=None, dy_index=None,
-               **_):
+               d_probs_parts=False, **_):
     """`grouped_dgrad_dact_sm90`'s contract: (d_pre (into ``out``, which may be pre itself), act(pre)
-    (times probs), d_probs or None); with ``dy_index`` on the rows dy[dy_index]."""
+    (times probs), d_probs or None, with ``d_probs_parts`` as (2, M) partial sums over two column
+    halves); with ``dy_index`` on the rows dy[dy_index]."""
     if dy_index is not None:
         DY_GATHERS.append(tuple(dy.shape))
         dy = dy[dy_index.long().clamp(0, dy.shape[0] - 1)]
@@ -102,6 +103,9 @@ def dgrad_dact(dy, weight, offsets, pre, *, activation, probs=None, limit=7.0, a
     (d_pre,) = vjp(h * probs[:, None] if scaled else h)
     act = unscaled * probs[:, None] if scaled else unscaled
     d_probs = (h * unscaled).sum(1) if scaled else None
+    if scaled and d_probs_parts:
+        half = h.shape[1] // 2
+        d_probs = torch.stack([(h * unscaled)[:, :half].sum(1), (h * unscaled)[:, half:].sum(1)])
     d_pre = d_pre.to(dy.dtype) if out is None else out.copy_(d_pre)
     return d_pre, act.to(dy.dtype), d_probs
 

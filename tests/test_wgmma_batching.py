@@ -128,6 +128,10 @@ ROW_MOVERS = {  # the largest configuration of each row-mover kernel
     "cast row mover": "from te_fused_ops.backends.sm90.kernels.moe_rows import compile_scatter_cast_rows as s; "
                       "s(bf16, False, False)",
     "routing": "from te_fused_ops.backends.sm90.kernels.route import compile_route as r; r(torch.int64, False)",
+    "slots to rows": "from te_fused_ops.backends.sm90.kernels.slot_values import compile_slots_to_rows as c; "
+                     "c(bf16, False)",
+    "rows to slots": "from te_fused_ops.backends.sm90.kernels.slot_values import compile_rows_to_slots as c; "
+                     "c(bf16, False)",
 }
 
 CASTS = {  # the E4M3 casts whose per-value instructions bound their speed
@@ -208,10 +212,10 @@ def test_wgmmas_are_batched(name, machine_code):
 
 @pytest.mark.parametrize("name", list(ROW_MOVERS))
 def test_row_mover_keeps_registers(name, machine_code):
-    """The largest row movers (scatter with scale and dot; the scatter that casts) and the routing
-    kernel use no local
-    memory (an rmem tensor made per slot inside the unrolled slot loop once spilled: it ran at a
-    third of its speed on an H100). The other configurations compile and run in the GPU tests."""
+    """The largest row movers (scatter with scale and dot; the scatter that casts), the routing
+    kernel and the slot-value kernels use no local memory (an rmem tensor made per slot inside the
+    unrolled slot loop once spilled: it ran at a third of its speed on an H100). The other
+    configurations compile and run in the GPU tests."""
     assert len(machine_code[name]) == 1
     for sass in machine_code[name]:
         assert "LDL" not in sass and "STL" not in sass, f"{name}: local memory"

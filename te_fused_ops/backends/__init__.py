@@ -44,22 +44,22 @@ class Backend:
     ``unavailable_reason(info)``: None when it can run a plan with this `PlanInfo`, else why not;
     ``preference``: lower wins where several backends can run a rule; ``runs_reference``: it runs
     each rule's reference implementation (rules need no implementation registered for it);
-    ``split_offsets(split_sizes, num_rows)``: the backend's offsets kernel, returning None where
-    it does not apply (the torch ops run then); ``route(indices, num_experts)``: its routing
-    kernel, the fields of a `routing.Routing` in order or None where it does not apply; ``prepare_input(value)``: what the implementations
-    registered with `implement` receive in place of a step's input (x forward, dy backward), e.g.
-    a contiguous copy where the kernels need one (None: the input as it is).
+    ``helpers``: its kernels for the library's own bookkeeping, by name, each returning None where
+    it does not apply (the torch ops run then): ``split_offsets(split_sizes, num_rows)``,
+    ``route(indices, num_experts)`` (the fields of a `routing.Routing` in order),
+    ``slots_to_rows(slot_values, routing)`` and ``rows_to_slots(row_parts, routing, dtype)``;
+    ``prepare_input(value)``: what the implementations registered with `implement` receive in
+    place of a step's input (x forward, dy backward), e.g. a contiguous copy where the kernels need
+    one (None: the input as it is).
     """
 
     def __init__(self, name: str, unavailable_reason: Callable, preference: int, runs_reference: bool = False,
-                 split_offsets: Optional[Callable] = None, route: Optional[Callable] = None,
-                 prepare_input: Optional[Callable] = None):
+                 helpers: Optional[dict] = None, prepare_input: Optional[Callable] = None):
         self.name = name
         self.unavailable_reason = unavailable_reason
         self.preference = preference
         self.runs_reference = runs_reference
-        self.split_offsets = split_offsets
-        self.route = route
+        self.helpers = dict(helpers or {})
         self.prepare_input = prepare_input
         self.implementations: dict = {}
 
@@ -130,22 +130,13 @@ def get_backend(name: str) -> Backend:
     return _backends[name]
 
 
-def split_offsets_kernel(split_sizes, num_rows: int):
-    """The offsets of ``split_sizes`` from the first backend kernel that takes them, or None."""
+def helper_kernel(name: str, *args):
+    """What the first backend's helper kernel ``name`` (see `Backend`) makes of ``args``, or None
+    where no backend's applies."""
     for backend in list_backends():
-        if backend.split_offsets is not None:
-            offsets = backend.split_offsets(split_sizes, num_rows)
-            if offsets is not None:
-                return offsets
-    return None
-
-
-def route_kernel(indices, num_experts: int):
-    """The `routing.Routing` fields of ``indices`` from the first backend kernel that takes them,
-    or None."""
-    for backend in list_backends():
-        if backend.route is not None:
-            made = backend.route(indices, num_experts)
+        helper = backend.helpers.get(name)
+        if helper is not None:
+            made = helper(*args)
             if made is not None:
                 return made
     return None

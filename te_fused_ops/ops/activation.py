@@ -209,8 +209,9 @@ class ScaledSwiGLU(SwiGLU):
     """``silu(gate) * up * probs[row]``: SwiGLU times a per-row scale (router probability).
 
     Side input ``probs``: (M,) floating tensor on x's device, one per row; after a `Permute`, the
-    router's (T, k) per-slot probabilities, which it takes to the rows through the permute's
-    ``routing`` (a later `Unpermute` then sums without weighting). Its gradient is returned too.
+    router's (T, k) per-slot probabilities, which it takes to the rows (in float32) through the
+    permute's ``routing`` (a later `Unpermute` then sums without weighting). Its gradient is
+    returned too, in the dtype and shape of ``probs``.
     """
 
     kernel_name = "scaled_swiglu"
@@ -235,7 +236,7 @@ class ScaledSwiGLU(SwiGLU):
                     f"{tuple(routing.slot_rows.shape)}, got {tuple(probs.shape)}"
                 )
             memo["probs_applied"] = True
-            return {"probs": slots_to_rows(probs, routing), "routing": routing}
+            return {"probs": slots_to_rows(probs, routing), "routing": routing, "slot_probs_dtype": probs.dtype}
         if probs.dim() != 1 or probs.shape[0] != x.shape[0]:
             raise OpValueError(
                 f"ScaledSwiGLU: argument 'probs' must have shape ({x.shape[0]},) (one per row), got {tuple(probs.shape)}"
@@ -256,13 +257,15 @@ class ScaledSwiGLU(SwiGLU):
 
     @staticmethod
     def probs_grads(ctx: OpContext, row_grad: torch.Tensor) -> dict:
-        """``{"probs": gradient}`` from the per-row gradient (M,), in the shape and dtype of the
-        side input (per slot after a permute); empty when probs need none."""
+        """``{"probs": gradient}`` from the per-row gradient (M,) (or (P, M) float32 partial sums
+        of it, as a kernel's column tiles leave it), in the shape and dtype of the side input (per
+        slot after a permute); empty when probs need none."""
         if not ctx.needs_grad("probs"):
             return {}
         routing = ctx.side.get("routing")
-        grad = row_grad if routing is None else rows_to_slots(row_grad, routing)
-        return {"probs": grad.to(ctx.side["probs"].dtype)}
+        if routing is not None:
+            return {"probs": rows_to_slots(row_grad, routing, ctx.side["slot_probs_dtype"])}
+        return {"probs": (row_grad if row_grad.dim() == 1 else row_grad.sum(0)).to(ctx.side["probs"].dtype)}
 
     def input_grad(self, ctx: OpContext, pre, dy):
         dx, dprobs = _run_math(self, "scaled_backward_math", pre, dy, ctx.side["probs"].detach())

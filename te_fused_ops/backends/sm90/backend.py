@@ -1,5 +1,6 @@
-"""The sm90 `Backend` object: availability, the split-offsets and routing kernels (its rule
-implementations register on it from `rules`), and the settings its kernels receive."""
+"""The sm90 `Backend` object: availability, its helper kernels (split offsets, routing, slot
+values; its rule implementations register on it from `rules`), and the settings its kernels
+receive."""
 
 import torch
 
@@ -8,6 +9,13 @@ from ...overlap import reserved_sms
 from .. import Backend, register_backend
 from .kernels import sm90_unavailable_reason
 from .kernels.route import compile_route, route_sm90, route_supported
+from .kernels.slot_values import (
+    compile_rows_to_slots,
+    compile_slots_to_rows,
+    rows_to_slots_sm90,
+    slot_values_supported,
+    slots_to_rows_sm90,
+)
 from .kernels.split_offsets import kernel_available, split_offsets_sm90
 
 
@@ -43,6 +51,32 @@ def _route(indices, num_experts: int):
     return route_sm90(indices, num_experts)
 
 
+def _slots_to_rows(slot_values, routing):
+    """One launch for a plain CUDA routing's slot values where the kernel runs, else None (also
+    inside `kernel_cache.recording()`, as for the routing: the kernel is only recorded)."""
+    if not (slot_values_supported(routing.row_slots, slot_values.dtype) and type(slot_values) is torch.Tensor
+            and slot_values.device == routing.row_slots.device
+            and slot_values.numel() == routing.row_slots.shape[0]):
+        return None
+    if kernel_cache.is_recording():
+        compile_slots_to_rows(slot_values.dtype)
+        return None
+    return slots_to_rows_sm90(slot_values.contiguous(), routing.row_slots, routing.num_kept)
+
+
+def _rows_to_slots(row_parts, routing, dtype):
+    """One launch for float32 row partials of a plain CUDA routing where the kernel runs, else
+    None (recorded only, as above)."""
+    if not (slot_values_supported(routing.slot_rows, dtype) and type(row_parts) is torch.Tensor
+            and row_parts.dtype == torch.float32 and row_parts.device == routing.slot_rows.device
+            and row_parts.shape[0] >= 1 and row_parts.shape[1] == routing.row_slots.shape[0]):
+        return None
+    if kernel_cache.is_recording():
+        compile_rows_to_slots(dtype)
+        return None
+    return rows_to_slots_sm90(row_parts.contiguous(), routing.slot_rows, routing.num_kept, dtype)
+
+
 def _kernel_input(value):
     """A step's input as the kernels read it: a tensor that is not contiguous or not 16-byte
     aligned (a slice of a wider tensor, an odd offset into a buffer) becomes a contiguous copy;
@@ -52,8 +86,10 @@ def _kernel_input(value):
     return value
 
 
-SM90 = register_backend(Backend("sm90", _unavailable_reason, preference=10, split_offsets=_split_offsets,
-                                route=_route, prepare_input=_kernel_input))
+SM90 = register_backend(Backend(
+    "sm90", _unavailable_reason, preference=10, prepare_input=_kernel_input,
+    helpers={"split_offsets": _split_offsets, "route": _route, "slots_to_rows": _slots_to_rows,
+             "rows_to_slots": _rows_to_slots}))
 
 
 _SM_MARGIN = env.hot_switch("TE_FUSED_OPS_SM_MARGIN", "sm90 backend")

@@ -304,6 +304,8 @@ def _supports_dactivation(ops, info):
 
 
 def _act_grads(act_ctx, d_probs) -> dict:
+    """The activation's side-input gradients from the kernel's d_probs (its (P, M) partials: the
+    kernels are called with ``d_probs_parts``, so their sum rides in the pass to the slots)."""
     return act_ctx.op.probs_grads(act_ctx, d_probs) if act_ctx.needs_grad("probs") else {}
 
 
@@ -321,7 +323,7 @@ def _dact_bf16(ops, ctxs, dy):
     d_pre, out, d_probs = grouped_dgrad_dact_sm90(
         dy, linear_ctx.saved.weight.detach(), linear_ctx.side["offsets"], pre,
         activation=act.kernel_name, out=pre if act_ctx.input_overwritable() else None, sm_margin=sm_margin(),
-        **epilogue_args(act, act_ctx),
+        d_probs_parts=True, **epilogue_args(act, act_ctx),
     )
     return d_pre, [_act_grads(act_ctx, d_probs), linear_param_grads(linear_ctx, dy, x=out)]
 
@@ -351,7 +353,7 @@ def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool = False, d_pre_recipe=None, dy_cas
     dy_rows, dy_columns = dy_casts() if dy_casts is not None else fp8_grad_casts(linear_ctx, dy, recipe, x, True)
     pre = act_ctx.load_input()
     operands = (*fp8_dgrad_operands(linear_ctx, dy_rows, recipe), linear_ctx.side["offsets"], pre)
-    kwargs = dict(activation=act.kernel_name, sm_margin=sm_margin(), **epilogue_args(act, act_ctx))
+    kwargs = dict(activation=act.kernel_name, sm_margin=sm_margin(), d_probs_parts=True, **epilogue_args(act, act_ctx))
     if d_pre_recipe is None:
         outputs = grouped_dgrad_dact_fp8_sm90(*operands, d_pre_amax=d_pre_amax, emit_act=emit_act,
                                               out=pre if act_ctx.input_overwritable() else None, **kwargs)
@@ -520,6 +522,6 @@ def _dactivation_grouped_linear_dy_by_index(ops, ctxs, dy):
     d_pre, out, d_probs = grouped_dgrad_dact_sm90(
         dy, linear_ctx.saved.weight.detach(), linear_ctx.side["offsets"], pre, dy_index=index,
         activation=act.kernel_name, out=pre if act_ctx.input_overwritable() else None, sm_margin=sm_margin(),
-        **epilogue_args(act, act_ctx),
+        d_probs_parts=True, **epilogue_args(act, act_ctx),
     )
     return d_pre, [_act_grads(act_ctx, d_probs), linear_param_grads(linear_ctx, dy, x=out, dy_index=index), {}]

@@ -1081,7 +1081,8 @@ def _check_fp8_operands(fn_name, a, b, offsets):
 
 def grouped_dgrad_dact_sm90(
     dy, weight, offsets, pre, *, activation, probs=None, out=None, act_out=None, dy_index=None,
-    sm_margin=None, tile_n=None, cluster_m=None, epilogue_warps=None, pingpong=None, **constants,
+    sm_margin=None, tile_n=None, cluster_m=None, epilogue_warps=None, pingpong=None, d_probs_parts=False,
+    **constants,
 ):
     """Backward of FC2 fused with the activation's backward: h = dy_g @ W[g], then dActivation.
 
@@ -1094,7 +1095,9 @@ def grouped_dgrad_dact_sm90(
     are copies of their token's gradient, never written); H a multiple of 64, not with
     epilogue_warps.
     Returns (d_pre like pre, act (M, I) = activation(pre) (times probs for scaled_swiglu: the input
-    of FC2's weight gradient), d_probs (M,) float32 for scaled_swiglu else None).
+    of FC2's weight gradient), d_probs (M,) float32 for scaled_swiglu else None). With
+    ``d_probs_parts`` d_probs is the kernel's (P, M) float32 partial sums over its column tiles
+    instead (their sum over dim 0), for a caller whose next pass sums them.
     Rows >= offsets[G] are zero. No host sync. H a multiple of 8; I a multiple of 32 (GLU) or 8.
     ``epilogue_warps`` (None: False): True runs the dActivation on three warps of its own, on h
     rounded to dy's dtype (as the unfused path stores it), while the MMA warpgroups run the next
@@ -1135,7 +1138,14 @@ def grouped_dgrad_dact_sm90(
     operands = (dy,) if dy_index is None else (dy, dy_index)
     _run(fn, tvm_ffi, _dact_launch, args, (*operands, weight, offsets, pre, d_pre, act, probs, d_probs_part),
          activation_constants(_DACT, constants), clusters)
-    return d_pre, act, None if d_probs_part is None else d_probs_part.sum(0)
+    return d_pre, act, _d_probs(d_probs_part, d_probs_parts)
+
+
+def _d_probs(d_probs_part, keep_parts: bool):
+    """d_probs from the kernel's (P, M) partials: their sum over dim 0, or themselves."""
+    if d_probs_part is None or keep_parts:
+        return d_probs_part
+    return d_probs_part.sum(0)
 
 
 def _dact_conflict(epilogue_warps) -> str | None:
@@ -1206,7 +1216,8 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
 
 def grouped_dgrad_dact_fp8_sm90(
     dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, activation, probs=None, out=None,
-    tile_n=None, cluster_m=None, sm_margin=None, d_pre_amax=False, emit_act=False, **constants,
+    tile_n=None, cluster_m=None, sm_margin=None, d_pre_amax=False, emit_act=False, d_probs_parts=False,
+    **constants,
 ):
     """`grouped_dgrad_dact_sm90` on block-scaled FP8 operands: h = dy_g @ W[g] in FP8, then dActivation.
 
@@ -1221,8 +1232,8 @@ def grouped_dgrad_dact_fp8_sm90(
     kept the act only in E4M3). Rows >= offsets[G] are zero. H a multiple of 16; I of 32 (GLU) or
     8. tile_n (over I): 128 or 256 (each block's product in two 128-column halves); None:
     `tuning.fp8_dact_tile_n`. ``d_pre_amax``: also return d_pre's amax parts, as ``act_amax`` of
-    `grouped_gemm_sm90` (the fp8_current cast of FC1's data gradient). No host sync; checks run
-    once per argument signature.
+    `grouped_gemm_sm90` (the fp8_current cast of FC1's data gradient). ``d_probs_parts`` as for
+    `grouped_dgrad_dact_sm90`. No host sync; checks run once per argument signature.
     """
     tvm_ffi = tvm_ffi_available()
     key = (
@@ -1257,7 +1268,7 @@ def grouped_dgrad_dact_fp8_sm90(
     _run(fn, tvm_ffi, _dact_fp8_launch, args,
          (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, d_pre, act, probs, d_probs_part, parts),
          activation_constants(_DACT_FP8, constants), clusters)
-    d_probs = None if d_probs_part is None else d_probs_part.sum(0)
+    d_probs = _d_probs(d_probs_part, d_probs_parts)
     outputs = (d_pre, act, d_probs) if emit_act else (d_pre, d_probs)
     return outputs if parts is None else (*outputs, parts)
 
@@ -1319,7 +1330,7 @@ def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activ
 
 def grouped_dgrad_dact_quant_fp8_sm90(
     dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, activation, probs=None,
-    power_2_scales=False, cluster_m=None, sm_margin=None, **constants,
+    power_2_scales=False, cluster_m=None, sm_margin=None, d_probs_parts=False, **constants,
 ):
     """`grouped_dgrad_dact_fp8_sm90` whose d_pre leaves only as the E4M3 copies FC1's backward
     reads (fp8_blockwise), cast in the epilogue: bit for bit the torch quantizer
@@ -1328,7 +1339,8 @@ def grouped_dgrad_dact_quant_fp8_sm90(
     Arguments as for `grouped_dgrad_dact_fp8_sm90`; I a multiple of 128, G <= 512. Returns
     ((row data (M, C) float8_e4m3fn, row scale_inv (M, C/128) float32), columns (`BlockColumns`,
     as `block_columns_sm90` makes them), d_probs (M,) float32 for scaled_swiglu else None), C =
-    pre.shape[1]; row-wise rows >= offsets[G] are not written. No host sync.
+    pre.shape[1]; row-wise rows >= offsets[G] are not written. ``d_probs_parts`` as for
+    `grouped_dgrad_dact_sm90`. No host sync.
     """
     tvm_ffi = tvm_ffi_available()
     key = (
@@ -1349,8 +1361,7 @@ def grouped_dgrad_dact_quant_fp8_sm90(
     _run(fn, tvm_ffi, _dact_fp8_launch, args,
          (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, row_data, row_scale, col_data, col_scale,
           probs, d_probs_part), activation_constants(_DACT_QUANT_FP8, constants), clusters)
-    d_probs = None if d_probs_part is None else d_probs_part.sum(0)
-    return (row_data, row_scale), BlockColumns(col_data, col_scale, m), d_probs
+    return (row_data, row_scale), BlockColumns(col_data, col_scale, m), _d_probs(d_probs_part, d_probs_parts)
 
 
 def _run(fn, tvm_ffi, checks, check_args, tensors, constants, clusters):
