@@ -10,6 +10,9 @@ import contextlib
 import pytest
 import torch
 
+from test_grouped_dgrad_sm90_gpu import poison_allocator
+from test_route_sm90_gpu import expert_ids
+
 from te_fused_ops import routing
 from te_fused_ops.backends import helper_kernel
 from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
@@ -28,7 +31,7 @@ pytestmark = [
     ),
 ]
 
-# T, k, E, share of dropped slots, how the ids are drawn
+# T, k, E, share of dropped slots, how the ids are drawn (`test_route_sm90_gpu.expert_ids`)
 CASES = [
     (1, 1, 1, 0.0, "uniform"),
     (7, 3, 5, 0.2, "uniform"),
@@ -41,28 +44,9 @@ CASES = [
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
-def expert_ids(tokens, k, num_experts, drop, kind, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    if kind == "skewed":
-        weights = torch.rand(num_experts, device="cuda", generator=gen) ** 4 + 1e-3
-        ids = torch.multinomial(weights, tokens * k, replacement=True, generator=gen).view(tokens, k)
-    elif kind == "one expert":
-        ids = torch.full((tokens, k), num_experts // 2, device="cuda")
-    elif kind == "duplicates":
-        ids = torch.randint(0, 3, (tokens, k), device="cuda", generator=gen)
-    else:
-        ids = torch.randint(0, num_experts, (tokens, k), device="cuda", generator=gen)
-    ids[torch.rand(tokens, k, device="cuda", generator=gen) < drop] = -1
-    if kind == "out of range":
-        ids[torch.rand(tokens, k, device="cuda", generator=gen) < 0.3] = num_experts + 3
-        ids[torch.rand(tokens, k, device="cuda", generator=gen) < 0.1] = -5
-    return ids
-
-
-def poison_next(numel, dtype):
-    """Leave a NaN-filled block of this size in the caching allocator, so the next allocation of
-    the same size (the kernel's output) starts as NaN."""
-    torch.full((numel,), float("nan"), dtype=dtype, device="cuda")
+def routed(case, seed=0):
+    tokens, k, num_experts, drop, kind = case
+    return routing.route(expert_ids(tokens, k, num_experts, drop, kind, torch.int64, seed), num_experts)
 
 
 @contextlib.contextmanager
@@ -85,11 +69,11 @@ def torch_rows_to_slots(parts, route, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}x{c[1]}-E{c[2]}-{c[4]}" for c in CASES])
 def test_slots_to_rows(case, dtype):
-    tokens, k, num_experts, drop, kind = case
-    route = routing.route(expert_ids(tokens, k, num_experts, drop, kind), num_experts)
+    tokens, k = case[:2]
+    route = routed(case)
     slot_values = torch.rand(tokens, k, device="cuda").to(dtype)
     assert slot_values_supported(route.row_slots, dtype)
-    poison_next(tokens * k, torch.float32)
+    poison_allocator(((tokens * k,), torch.float32))
     with no_host_sync():
         got = helper_kernel("slots_to_rows", slot_values, route)
     assert got is not None and got.dtype == torch.float32 and got.shape == (tokens * k,)
@@ -103,10 +87,10 @@ def test_slots_to_rows(case, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}x{c[1]}-E{c[2]}-{c[4]}" for c in CASES])
 def test_rows_to_slots(case, dtype, parts):
-    tokens, k, num_experts, drop, kind = case
-    route = routing.route(expert_ids(tokens, k, num_experts, drop, kind, seed=1), num_experts)
+    tokens, k = case[:2]
+    route = routed(case, seed=1)
     row_parts = torch.randn(parts, tokens * k, device="cuda")
-    poison_next(tokens * k, dtype)
+    poison_allocator(((tokens * k,), dtype))
     with no_host_sync():
         got = helper_kernel("rows_to_slots", row_parts, route, dtype)
     assert got is not None and got.dtype == dtype and got.shape == (tokens, k)
@@ -125,7 +109,7 @@ def test_rows_to_slots(case, dtype, parts):
 
 
 def test_routing_functions_take_the_kernels_and_torch_where_they_do_not_apply():
-    route = routing.route(expert_ids(500, 4, 16, 0.1, "uniform"), 16)
+    route = routed((500, 4, 16, 0.1, "uniform"))
     slot_values = torch.rand(500, 4, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(routing.slots_to_rows(slot_values, route), torch_slots_to_rows(slot_values, route))
     doubles = slot_values.double()  # float64: not the kernel's, the torch path keeps float64
@@ -142,7 +126,7 @@ def test_routing_functions_take_the_kernels_and_torch_where_they_do_not_apply():
 def test_slot_values_in_a_cuda_graph():
     """Captured once, replayed on new routings and values: equal to eager each time."""
     tokens, k, num_experts = 1024, 8, 32
-    ids = expert_ids(tokens, k, num_experts, 0.05, "skewed")
+    ids = expert_ids(tokens, k, num_experts, 0.05, "skewed", torch.int64, 0)
     slot_values = torch.rand(tokens, k, device="cuda", dtype=torch.bfloat16)
     row_parts = torch.randn(3, tokens * k, device="cuda")
     compile_slots_to_rows(torch.bfloat16)
@@ -160,7 +144,7 @@ def test_slot_values_in_a_cuda_graph():
         rows = routing.slots_to_rows(slot_values, route)
         slots = routing.rows_to_slots(row_parts, route, torch.bfloat16)
     for seed in range(3):
-        ids.copy_(expert_ids(tokens, k, num_experts, 0.1 * seed, "uniform", seed=seed + 5))
+        ids.copy_(expert_ids(tokens, k, num_experts, 0.1 * seed, "uniform", torch.int64, seed + 5))
         slot_values.copy_(torch.rand(tokens, k, device="cuda"))
         row_parts.normal_()
         graph.replay()

@@ -37,13 +37,13 @@ def compile_slots_to_rows(slot_dtype, tvm_ffi=True):
     import cutlass
     import cutlass.cute as cute
 
-    from .slot_values_sm90 import SlotsToRowsSm90
+    from .slot_values_sm90 import SlotValuesSm90
 
     s, m = cute.sym_int(), cute.sym_int()
     element = _element(slot_dtype)
     args = (fake_tensor(element, (s,), element.width // 8), fake_tensor(cutlass.Int64, (m,), 8),
             fake_tensor(cutlass.Int32, (1,), 4), fake_tensor(cutlass.Float32, (m,), 4))
-    return compile_launcher(SlotsToRowsSm90(), args, tvm_ffi)
+    return compile_launcher(SlotValuesSm90(to_rows=True), args, tvm_ffi)
 
 
 @cached_kernel
@@ -52,13 +52,13 @@ def compile_rows_to_slots(slot_dtype, tvm_ffi=True):
     import cutlass
     import cutlass.cute as cute
 
-    from .slot_values_sm90 import RowsToSlotsSm90
+    from .slot_values_sm90 import SlotValuesSm90
 
     p, m, s = cute.sym_int(), cute.sym_int(), cute.sym_int()
     element = _element(slot_dtype)
     args = (fake_tensor(cutlass.Float32, (p, m), 4), fake_tensor(cutlass.Int32, (s,), 4),
             fake_tensor(cutlass.Int32, (1,), 4), fake_tensor(element, (s,), element.width // 8))
-    return compile_launcher(RowsToSlotsSm90(), args, tvm_ffi)
+    return compile_launcher(SlotValuesSm90(to_rows=False), args, tvm_ffi)
 
 
 def slot_values_supported(values: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -4,9 +4,9 @@ their gradient in the MoE layer).
 M slots (the (T, k) values flattened, slot s = t * k + j) and M rows in expert order, as a
 `te_fused_ops.routing.Routing` maps them; rows from num_kept on are the dropped slots' (padding).
 
-    to rows   mRowValues[r] = float32(mSlotValues[mRowSlots[r]])     r < num_kept, else 0
-    to slots  mSlotValues[s] = sum_p mRowParts[p, mSlotRows[s]]      mSlotRows[s] < num_kept, else 0
-              (p = 0, 1, ... in order, in float32, rounded once to mSlotValues' type)
+    to rows   row_values[r] = float32(slot_values[row_slots[r]])    r < num_kept, else 0
+    to slots  slot_values[s] = sum_p row_parts[p, slot_rows[s]]     slot_rows[s] < num_kept, else 0
+              (p = 0, 1, ... in order, in float32, rounded once to slot_values' type)
 
 A thread per value; a row or slot id outside its tensor's extent counts as dropped, so no value
 of the routing can make a read out of bounds.
@@ -18,55 +18,34 @@ from cutlass import Float32, Int32, Int64, cute
 THREADS = 256
 
 
-class SlotsToRowsSm90:
-    """mSlotValues (M,) bf16/fp16/fp32; mRowSlots (M,) int64; mNumKept (1,) int32; mRowValues (M,)
-    float32."""
+class SlotValuesSm90:
+    """``to_rows``: mSource (M,) slot values bf16/fp16/fp32, mIndex (M,) int64 row_slots, mOut (M,)
+    float32 row values. Else: mSource (P, M) float32 row partials (P >= 1), mIndex (M,) int32
+    slot_rows, mOut (M,) bf16/fp16/fp32 slot values. mNumKept (1,) int32 either way."""
+
+    def __init__(self, to_rows: bool):
+        self.to_rows = to_rows
 
     @cute.jit
-    def __call__(self, mSlotValues: cute.Tensor, mRowSlots: cute.Tensor, mNumKept: cute.Tensor,
-                 mRowValues: cute.Tensor, stream):
-        ctas = (cute.size(mRowValues, mode=[0]) + THREADS - 1) // THREADS
-        self.kernel(mSlotValues, mRowSlots, mNumKept, mRowValues).launch(
-            grid=(ctas, 1, 1), block=(THREADS, 1, 1), stream=stream)
+    def __call__(self, mSource: cute.Tensor, mIndex: cute.Tensor, mNumKept: cute.Tensor, mOut: cute.Tensor, stream):
+        ctas = (cute.size(mOut, mode=[0]) + THREADS - 1) // THREADS
+        self.kernel(mSource, mIndex, mNumKept, mOut).launch(grid=(ctas, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     @cute.kernel
-    def kernel(self, mSlotValues: cute.Tensor, mRowSlots: cute.Tensor, mNumKept: cute.Tensor,
-               mRowValues: cute.Tensor):
+    def kernel(self, mSource: cute.Tensor, mIndex: cute.Tensor, mNumKept: cute.Tensor, mOut: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        row = bidx * THREADS + tidx
-        if row < cute.size(mRowValues, mode=[0]):
+        i = bidx * THREADS + tidx
+        if i < cute.size(mOut, mode=[0]):
             value = Float32(0.0)
-            if row < mNumKept[0]:
-                slot = mRowSlots[row]
-                if slot >= Int64(0) and slot < Int64(cute.size(mSlotValues, mode=[0])):
-                    value = mSlotValues[slot].to(Float32)
-            mRowValues[row] = value
-
-
-class RowsToSlotsSm90:
-    """mRowParts (P, M) float32 (P >= 1 partial sums per row); mSlotRows (M,) int32; mNumKept (1,)
-    int32; mSlotValues (M,) bf16/fp16/fp32."""
-
-    @cute.jit
-    def __call__(self, mRowParts: cute.Tensor, mSlotRows: cute.Tensor, mNumKept: cute.Tensor,
-                 mSlotValues: cute.Tensor, stream):
-        ctas = (cute.size(mSlotValues, mode=[0]) + THREADS - 1) // THREADS
-        self.kernel(mRowParts, mSlotRows, mNumKept, mSlotValues).launch(
-            grid=(ctas, 1, 1), block=(THREADS, 1, 1), stream=stream)
-
-    @cute.kernel
-    def kernel(self, mRowParts: cute.Tensor, mSlotRows: cute.Tensor, mNumKept: cute.Tensor,
-               mSlotValues: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        slot = bidx * THREADS + tidx
-        if slot < cute.size(mSlotValues, mode=[0]):
-            total = Float32(0.0)
-            row = mSlotRows[slot]
-            num_rows = cute.size(mRowParts, mode=[1])
-            if row >= Int32(0) and row < mNumKept[0] and row < num_rows:
-                total = mRowParts[0, row]
-                for p in range(1, cute.size(mRowParts, mode=[0])):
-                    total = total + mRowParts[p, row]
-            mSlotValues[slot] = total.to(mSlotValues.element_type)
+            if cutlass.const_expr(self.to_rows):  # i is a row, mIndex[i] its slot
+                slot = mIndex[i]
+                if i < mNumKept[0] and slot >= Int64(0) and slot < Int64(cute.size(mSource, mode=[0])):
+                    value = mSource[slot].to(Float32)
+            else:  # i is a slot, mIndex[i] its row
+                row = mIndex[i]
+                if row >= Int32(0) and row < mNumKept[0] and row < cute.size(mSource, mode=[1]):
+                    value = mSource[0, row]
+                    for p in range(1, cute.size(mSource, mode=[0])):
+                        value = value + mSource[p, row]
+            mOut[i] = value.to(mOut.element_type)
