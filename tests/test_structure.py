@@ -134,3 +134,60 @@ def test_a_new_backend_is_a_package_and_its_implementations(monkeypatch):
     assert "fake" not in tfo.backend_names()
     text = seq.explain(x, split_sizes=split_sizes)  # the cached plan is not reused
     assert "[0:2] GroupedLinear, SwiGLU -> rule 'grouped_linear+activation' (backend torch)" in text, text
+
+
+def test_a_backends_helper_kernels_serve_the_library_bookkeeping():
+    """A backend's helper kernels (by name in ``helpers``) take the split offsets, the routing and
+    the router probabilities' moves to the expert rows and back where they return a value; one
+    returning None leaves the next backend's or the torch ops. The routed ScaledSwiGLU layer gives
+    the same output and gradients either way (here the helpers wrap the torch ops, in float32)."""
+    import torch
+
+    from te_fused_ops import routing
+    from te_fused_ops.backends import Backend, register_backend, unregister_backend
+
+    calls = []
+
+    def helper(name, fn):
+        def run(*args):
+            calls.append(name)
+            return fn(*args)
+        return run
+
+    def to_rows(slot_values, route):
+        return torch.where(route.kept_slots(), slot_values, 0).reshape(-1)[route.row_slots].float()
+
+    def to_slots(row_parts, route, dtype):
+        return torch.where(route.kept_slots(), row_parts.sum(0)[route.slot_rows], 0).to(dtype)
+
+    def layer_step():
+        torch.manual_seed(0)
+        seq = tfo.Sequential(tfo.Permute(4), tfo.GroupedLinear(4, 8, 16), tfo.ScaledSwiGLU(),
+                             tfo.GroupedLinear(4, 8, 8), tfo.Unpermute())
+        x = torch.randn(10, 8, requires_grad=True)
+        indices = torch.randint(0, 4, (10, 2))
+        indices[::3, 1] = -1
+        probs = torch.rand(10, 2, dtype=torch.bfloat16, requires_grad=True)
+        y = seq(x, indices=indices, probs=probs)
+        y.backward(torch.randn_like(y))
+        return [y.detach(), x.grad, probs.grad, *(p.grad for p in seq.parameters())]
+
+    plain = layer_step()
+    fake = Backend("fake", unavailable_reason=lambda info: "helpers only", preference=5, helpers={
+        "split_offsets": helper("split_offsets", lambda sizes, num_rows: None),  # declines: torch ops
+        "route": helper("route", lambda indices, e: tuple(vars(routing.route_torch(indices, e)).values())),
+        "slots_to_rows": helper("slots_to_rows", to_rows),
+        "rows_to_slots": helper("rows_to_slots", to_slots),
+    })
+    register_backend(fake)
+    try:
+        got = layer_step()
+        assert {"route", "slots_to_rows", "rows_to_slots"} <= set(calls), calls
+        assert got[2].dtype == torch.bfloat16
+        for a, b in zip(got, plain):
+            assert torch.equal(a, b)
+        calls.clear()
+        assert tfo.splits.split_offsets(torch.tensor([2, 3]), 6).tolist() == [0, 2, 5]
+        assert calls == ["split_offsets"]
+    finally:
+        unregister_backend("fake")
