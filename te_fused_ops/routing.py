@@ -116,20 +116,28 @@ def slot_dots(dy: torch.Tensor, src: torch.Tensor, routing: Routing) -> torch.Te
 
 def rows_to_slots(row_values: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch.Tensor:
     """(M,) per-row values, or (P, M) float32 partial sums of them -> (T, k) per-slot values in
-    ``dtype`` (dropped slots: 0). A backend's kernel takes them where it applies (one launch)."""
+    ``dtype`` (dropped slots: 0). A backend's kernel takes them where it applies (one launch), else
+    `rows_to_slots_torch`."""
     parts = row_values if row_values.dim() == 2 else row_values.unsqueeze(0)
     made = helper_kernel("rows_to_slots", parts, routing, dtype)
-    if made is not None:
-        return made
-    return torch.where(routing.kept_slots(), parts.sum(0)[routing.slot_rows], 0).to(dtype)
+    return rows_to_slots_torch(parts, routing, dtype) if made is None else made
+
+
+def rows_to_slots_torch(row_parts: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch.Tensor:
+    """`rows_to_slots` of (P, M) partial sums in torch ops on any device."""
+    return torch.where(routing.kept_slots(), row_parts.sum(0)[routing.slot_rows], 0).to(dtype)
 
 
 def slots_to_rows(slot_values: torch.Tensor, routing: Routing) -> torch.Tensor:
     """(T, k) per-slot values -> (M,) per-row values in float32 (float64 stays) (padding rows: 0,
-    the dropped slots' rows). A backend's kernel takes them where it applies (one launch)."""
+    the dropped slots' rows). A backend's kernel takes them where it applies (one launch), else
+    `slots_to_rows_torch`."""
     made = helper_kernel("slots_to_rows", slot_values, routing)
-    if made is not None:
-        return made
+    return slots_to_rows_torch(slot_values, routing) if made is None else made
+
+
+def slots_to_rows_torch(slot_values: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """`slots_to_rows` in torch ops on any device."""
     return _math(torch.where(routing.kept_slots(), slot_values, 0).reshape(-1)[routing.row_slots])
 
 

@@ -58,14 +58,6 @@ def no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
-def torch_slots_to_rows(slot_values, route):
-    return torch.where(route.kept_slots(), slot_values, 0).reshape(-1)[route.row_slots].float()
-
-
-def torch_rows_to_slots(parts, route, dtype):
-    return torch.where(route.kept_slots(), parts.sum(0)[route.slot_rows], 0).to(dtype)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}x{c[1]}-E{c[2]}-{c[4]}" for c in CASES])
 def test_slots_to_rows(case, dtype):
@@ -80,7 +72,7 @@ def test_slots_to_rows(case, dtype):
     kept = route.kept_slots().reshape(-1)[route.row_slots]
     want = torch.where(kept, slot_values.double().reshape(-1)[route.row_slots], 0)
     assert torch.equal(got.double(), want)  # a 16-bit or float32 value is exact in float32
-    assert torch.equal(got, torch_slots_to_rows(slot_values, route))
+    assert torch.equal(got, routing.slots_to_rows_torch(slot_values, route))
 
 
 @pytest.mark.parametrize("parts", [1, 3, 5])
@@ -105,19 +97,19 @@ def test_rows_to_slots(case, dtype, parts):
     # the torch path of routing.rows_to_slots sums in its own order: equal to float32 rounding,
     # which may move a value across one rounding step of a 16-bit output
     ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 1e-5}[dtype]
-    torch.testing.assert_close(got, torch_rows_to_slots(row_parts, route, dtype), rtol=ulp, atol=1e-6)
+    torch.testing.assert_close(got, routing.rows_to_slots_torch(row_parts, route, dtype), rtol=ulp, atol=1e-6)
 
 
 def test_routing_functions_take_the_kernels_and_torch_where_they_do_not_apply():
     route = routed((500, 4, 16, 0.1, "uniform"))
     slot_values = torch.rand(500, 4, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(routing.slots_to_rows(slot_values, route), torch_slots_to_rows(slot_values, route))
+    assert torch.equal(routing.slots_to_rows(slot_values, route), routing.slots_to_rows_torch(slot_values, route))
     doubles = slot_values.double()  # float64: not the kernel's, the torch path keeps float64
     rows = routing.slots_to_rows(doubles, route)
     assert rows.dtype == torch.float64 and helper_kernel("slots_to_rows", doubles, route) is None
     row_grad = torch.randn(500 * 4, device="cuda")  # (M,) as the torch backend's activation leaves it
     assert torch.equal(routing.rows_to_slots(row_grad, route, torch.bfloat16),
-                       torch_rows_to_slots(row_grad[None], route, torch.bfloat16))
+                       routing.rows_to_slots_torch(row_grad[None], route, torch.bfloat16))
     empty = routing.route(torch.empty(0, 4, dtype=torch.int64, device="cuda"), 16)
     assert routing.slots_to_rows(torch.empty(0, 4, device="cuda"), empty).shape == (0,)
     assert routing.rows_to_slots(torch.empty(2, 0, device="cuda"), empty, torch.bfloat16).shape == (0, 4)

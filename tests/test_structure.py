@@ -154,12 +154,6 @@ def test_a_backends_helper_kernels_serve_the_library_bookkeeping():
             return fn(*args)
         return run
 
-    def to_rows(slot_values, route):
-        return torch.where(route.kept_slots(), slot_values, 0).reshape(-1)[route.row_slots].float()
-
-    def to_slots(row_parts, route, dtype):
-        return torch.where(route.kept_slots(), row_parts.sum(0)[route.slot_rows], 0).to(dtype)
-
     def layer_step():
         torch.manual_seed(0)
         seq = tfo.Sequential(tfo.Permute(4), tfo.GroupedLinear(4, 8, 16), tfo.ScaledSwiGLU(),
@@ -176,8 +170,8 @@ def test_a_backends_helper_kernels_serve_the_library_bookkeeping():
     fake = Backend("fake", unavailable_reason=lambda info: "helpers only", preference=5, helpers={
         "split_offsets": helper("split_offsets", lambda sizes, num_rows: None),  # declines: torch ops
         "route": helper("route", lambda indices, e: tuple(vars(routing.route_torch(indices, e)).values())),
-        "slots_to_rows": helper("slots_to_rows", to_rows),
-        "rows_to_slots": helper("rows_to_slots", to_slots),
+        "slots_to_rows": helper("slots_to_rows", routing.slots_to_rows_torch),
+        "rows_to_slots": helper("rows_to_slots", routing.rows_to_slots_torch),
     })
     register_backend(fake)
     try:
