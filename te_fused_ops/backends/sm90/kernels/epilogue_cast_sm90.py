@@ -198,10 +198,12 @@ def write_amax_parts(mParts: cute.Tensor, amax: cute.Tensor, consumer_warp, warp
 
 
 @cute.jit
-def row_value(mVec: cute.Tensor, row: Int32, tile: Tile, m_total: Int32) -> Float32:
-    """mVec[row] of a (M,) float32 tensor inside a group's tile, 0 elsewhere (padding rows)."""
-    value = Float32(0.0)
+def load_row_values(rValues: cute.Tensor, mVec: cute.Tensor, tile: Tile, tRS_cD, slot_value, m_total: Int32):
+    """rValues[s] = mVec[row] of a (M,) float32 tensor at the thread's row slot s of the tile
+    (``slot_value`` of `fragment_row_slots`; tRS_cD the chunk's coordinates, the same rows in
+    every chunk), 0 outside a group (padding tiles): one load a row, not one a value."""
+    rValues.fill(0.0)
     if tile.is_group:
-        value = mVec[cutlass.min(row, m_total - 1)]
-    return value
+        for s in cutlass.range_constexpr(len(slot_value)):
+            rValues[s] = mVec[cutlass.min(tile.row0 + tRS_cD[slot_value[s]][0], m_total - 1)]
 

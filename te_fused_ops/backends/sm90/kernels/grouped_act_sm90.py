@@ -21,9 +21,9 @@ from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled
 from .epilogue_cast_sm90 import (
     COLUMN_SCRATCH,
     fragment_row_slots,
+    load_row_values,
     make_amax_state,
     quad_column_groups,
-    row_value,
     stage_transposed,
     store_quad_rows,
     store_staged_columns,
@@ -50,6 +50,14 @@ class ForwardParams(NamedTuple):
     scale: object = None
     col_data: object = None
     col_scale: object = None
+
+
+class ForwardState(NamedTuple):
+    """An MMA thread's forward epilogue state, None where unused: amax its running max |act| over
+    all its tiles (act_amax), row_probs (slots,) its rows' probs, read once a chunk."""
+
+    amax: object
+    row_probs: object
 
 
 class GroupedGemmActSm90(GroupedGemmSm90):
@@ -113,21 +121,32 @@ class GroupedGemmActSm90(GroupedGemmSm90):
                     max_clusters, stream, scales)
 
     def epi_make_state(self, tiled_copy, epi_tile, shared):
-        """With act_amax: the thread's running max |act|, over all its tiles."""
-        return make_amax_state() if self.act_amax else None
+        """A `ForwardState`: with act_amax the thread's running max |act| over all its tiles; for
+        an activation that takes probs its rows' probs (read once a chunk)."""
+        row_probs = None
+        if self._takes_probs():
+            self.row_slot, self.slot_value = fragment_row_slots(tiled_copy, epi_tile)
+            row_probs = cute.make_rmem_tensor((len(self.slot_value),), Float32)
+        return ForwardState(make_amax_state() if self.act_amax else None, row_probs)
+
+    def _takes_probs(self) -> bool:
+        return self.spec is not None and self.spec.takes_probs
 
     @cute.jit
     def epi_visit(self, params, tile: Tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
+        if const_expr(self._takes_probs()):
+            # once a chunk, not once a tile: held across the tile, the ping-pong kernels spill
+            load_row_values(state.row_probs, params.probs, tile, tRS_cD, self.slot_value, params.m_total)
         for v in cutlass.range_constexpr(cute.size(rAcc[0])):
-            act = self._pre_act(params, tile, chunk, n_box, rAcc, rOut, tRS_cD, v)
+            act = self._pre_act(params, tile, chunk, n_box, rAcc, rOut, tRS_cD, v, state.row_probs)
             if const_expr(self.act_amax):  # the amax of what the cast will read
-                track_amax(state, act, self.dtype, tile, tile.row0 + tRS_cD[v][0],
+                track_amax(state.amax, act, self.dtype, tile, tile.row0 + tRS_cD[v][0],
                            chunk * self.epi_n + tRS_cD[v][1], n_box)
 
     @cute.jit
     def epi_end_kernel(self, params, consumer_warp, state):
         if const_expr(self.act_amax):
-            write_amax_parts(params.amax_parts, state, consumer_warp, self.hook_warps)
+            write_amax_parts(params.amax_parts, state.amax, consumer_warp, self.hook_warps)
 
     @cute.jit
     def _pre(self, params, tile: Tile, chunk, n_box, rAcc, rOut, tRS_cD, v):
@@ -147,16 +166,17 @@ class GroupedGemmActSm90(GroupedGemmSm90):
             rOut[j][v] = x
 
     @cute.jit
-    def _pre_act(self, params, tile: Tile, chunk, n_box, rAcc, rOut, tRS_cD, v):
+    def _pre_act(self, params, tile: Tile, chunk, n_box, rAcc, rOut, tRS_cD, v, row_probs):
         """Value v of the chunk: rOut[j][v] = pre of B box j (acc + bias); returns the activation
-        (times probs), also written to rOut[-1][v] when this class stores it; None without one."""
+        (times the probs of v's row, ``row_probs`` by row slot; None for an activation without
+        probs), also written to rOut[-1][v] when this class stores it; None without one."""
         self._pre(params, tile, chunk, n_box, rAcc, rOut, tRS_cD, v)
         value = None
         if const_expr(self.spec is not None):
             up = rOut[1][v] if const_expr(self.spec.glu) else None
             value, _, _ = ACTIVATION_MATH[self.spec.name](rOut[0][v], up, params.constants)
             if const_expr(self.spec.takes_probs):
-                value = value * row_value(params.probs, tile.row0 + tRS_cD[v][0], tile, params.m_total)
+                value = value * row_probs[self.row_slot[v]]
             if const_expr(self.stores_act):
                 rOut[self.num_out - 1][v] = value
         return value
@@ -276,9 +296,9 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
         )
 
     @cute.jit
-    def _stored(self, params, tile: Tile, chunk, n_box, rAcc, rPre, tRS_cD, v):
+    def _stored(self, params, tile: Tile, chunk, n_box, rAcc, rPre, tRS_cD, v, row_probs=None):
         """Value v of the chunk as `GroupedGemmActSm90` stores it (dtype): the act, or the output."""
-        act = self._pre_act(params, tile, chunk, n_box, rAcc, rPre, tRS_cD, v)
+        act = self._pre_act(params, tile, chunk, n_box, rAcc, rPre, tRS_cD, v, row_probs)
         if const_expr(self.spec is None):
             act = rPre[0][v]
         return act.to(self.dtype)
@@ -292,13 +312,17 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
         rPre = [cute.make_rmem_tensor((frag,), Float32) for _ in range(self.b_boxes)]
         amax = scales[0]
         amax.fill(0.0)
+        row_probs = None
+        if const_expr(self._takes_probs()):
+            row_probs = cute.make_rmem_tensor((slots,), Float32)
+            load_row_values(row_probs, params.probs, tile, tRS_cD, self.slot_value, m_total)
         for step in cutlass.range_constexpr(self.num_steps):
             chunk = tile.nt * self.num_steps + step
             for v in cutlass.range_constexpr(frag):
                 for j in cutlass.range_constexpr(self.b_boxes):
                     rAcc[j][v] = tRS_rAcc[(step + j * self.num_steps) * frag + v]
             for v in cutlass.range_constexpr(frag):
-                stored = self._stored(params, tile, chunk, n_box, rAcc, rPre, tRS_cD, v)
+                stored = self._stored(params, tile, chunk, n_box, rAcc, rPre, tRS_cD, v, row_probs)
                 if const_expr(self.spec is not None):
                     acts[step * frag + v] = stored
                 value = stored.to(Float32)

@@ -32,9 +32,9 @@ from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled
 from .epilogue_cast_sm90 import (
     COLUMN_SCRATCH,
     fragment_row_slots,
+    load_row_values,
     make_amax_state,
     quad_column_groups,
-    row_value,
     stage_transposed,
     store_quad_rows,
     store_staged_columns,
@@ -43,6 +43,18 @@ from .epilogue_cast_sm90 import (
 )
 from .group_tile_scheduler import Tile
 from .grouped_gemm_sm90 import GroupedGemmSm90
+
+
+class DActState(NamedTuple):
+    """An MMA thread's dActivation state across a tile's epilogue steps, None where unused:
+    d_probs (slots,) its rows' running sums of h act(gate) up over the tile's columns, products
+    (frag,) one step's terms, row_probs (slots,) its rows' probs (read once a tile), amax its
+    running max |d_pre| over all its tiles (d_pre_amax)."""
+
+    d_probs: object
+    products: object
+    row_probs: object
+    amax: object
 
 
 class DActParams(NamedTuple):
@@ -111,20 +123,22 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
                     max_clusters, stream)
 
     def epi_make_state(self, tiled_copy, epi_tile, shared):
-        """(scaled_swiglu: per-thread d_probs sums of its rows (fp32) and a scratch fragment, else
-        None, None; d_pre_amax: the thread's running max |d_pre|, else None)."""
-        probs = (None, None)
+        """A `DActState`: for scaled_swiglu the thread's d_probs sums, products and probs per row
+        slot; with d_pre_amax the thread's running max |d_pre|."""
+        d_probs = products = row_probs = None
         if self.spec.takes_probs:
             self.row_slot, self.slot_value = fragment_row_slots(tiled_copy, epi_tile)
-            probs = (
-                cute.make_rmem_tensor((len(self.slot_value),), Float32),
-                cute.make_rmem_tensor((len(self.row_slot),), Float32),
-            )
-        return (*probs, make_amax_state() if self.d_pre_amax else None)
+            d_probs = cute.make_rmem_tensor((len(self.slot_value),), Float32)
+            products = cute.make_rmem_tensor((len(self.row_slot),), Float32)
+            row_probs = cute.make_rmem_tensor((len(self.slot_value),), Float32)
+        return DActState(d_probs, products, row_probs, make_amax_state() if self.d_pre_amax else None)
 
+    @cute.jit
     def epi_begin_tile(self, params, tile: Tile, n_box, tRS_rAcc, tRS_cD, state):
         if const_expr(self.spec.takes_probs):
-            state[0].fill(0.0)
+            state.d_probs.fill(0.0)
+            # a thread's rows are the same in every chunk of the tile: one load a row, not a value
+            load_row_values(state.row_probs, params.probs, tile, tRS_cD, self.slot_value, params.m_total)
 
     @cute.jit
     def epi_visit(self, params, tile: Tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
@@ -136,8 +150,8 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
             if const_expr(self.spec.takes_probs):
                 # rounded as a product of its own (mul.rn, never contracted into the sum's adds):
                 # the same bits whatever ptxas fuses, so every schedule and tile width agrees
-                state[1][v] = cute.math.mul(h, value, rounding=cute.math.RoundingMode.NEAREST_EVEN)
-                p = row_value(params.probs, tile.row0 + tRS_cD[v][0], tile, params.m_total)
+                state.products[v] = cute.math.mul(h, value, rounding=cute.math.RoundingMode.NEAREST_EVEN)
+                p = state.row_probs[self.row_slot[v]]
                 h = h * p
                 value = value * p
             rOut[0][v] = h * d_x
@@ -146,7 +160,7 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
             if const_expr(self.d_pre_amax):  # gate and up columns alike
                 row, col = tile.row0 + tRS_cD[v][0], chunk * self.epi_n + tRS_cD[v][1]
                 for j in cutlass.range_constexpr(2 if glu else 1):
-                    track_amax(state[2], rOut[j][v], self.dtype, tile, row, col, n_box)
+                    track_amax(state.amax, rOut[j][v], self.dtype, tile, row, col, n_box)
             if const_expr(self.emit_act):
                 rOut[self.num_out - 1][v] = value
         if const_expr(self.spec.takes_probs):
@@ -154,8 +168,8 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
             # WGMMA of the kernel around this branch at tile_n 128 (C7520)
             in_range = chunk * self.epi_n < n_box
             for v in cutlass.range_constexpr(cute.size(rAcc[0])):
-                term = cutlass.select_(in_range, state[1][v], Float32(0.0))
-                state[0][self.row_slot[v]] = state[0][self.row_slot[v]] + term
+                term = cutlass.select_(in_range, state.products[v], Float32(0.0))
+                state.d_probs[self.row_slot[v]] = state.d_probs[self.row_slot[v]] + term
 
     @cute.jit
     def epi_end_tile(self, params, tile: Tile, n_box, tRS_cD, state):
@@ -163,7 +177,7 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
             mDProbsPart = params.d_probs_part
             lane = cute.arch.lane_idx()
             for r in cutlass.range_constexpr(len(self.slot_value)):
-                total = state[0][r]
+                total = state.d_probs[r]
                 total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
                 total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
                 row = tile.row0 + tRS_cD[self.slot_value[r]][0]
@@ -173,7 +187,7 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
     @cute.jit
     def epi_end_kernel(self, params, consumer_warp, state):
         if const_expr(self.d_pre_amax):
-            write_amax_parts(params.amax_parts, state[2], consumer_warp, self.hook_warps)
+            write_amax_parts(params.amax_parts, state.amax, consumer_warp, self.hook_warps)
 
 
 class GroupedGemmDActGatheredSm90(GroupedGemmDActSm90):
