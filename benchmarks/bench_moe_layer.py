@@ -651,6 +651,10 @@ def run_shape(name: str, shape, rounds: int, window_s: float, recipe: str | None
         runs = build_router_contenders(p)
         result["router"] = measure(runs, check_contenders(runs, p.dy, "a+router"), p.dy,
                                    p.layer_flops() + p.router_flops(), rounds, window_s)
+        for label in profile:
+            if label in runs and "step_ms" in result["router"].get(label, {}):
+                result["router"][label]["profile"] = profile_contender(label, runs[label], p.dy,
+                                                                       result["router"][label]["step_ms"])
     for label, r in {**result["layer"], **result["router"]}.items():
         if "step_ms" in r:
             extra = ""
@@ -684,7 +688,7 @@ def main():
                     "weights cast every step and once per 4 micro-batches; no router rows")
     ap.add_argument("--out", default=None, help="folder for the .json/.md (default: benchmarks/results, with "
                     "--smoke its git-ignored runs/ folder)")
-    ap.add_argument("--profile", default="", help="contenders (e.g. a,c) whose step is also broken down: GPU time "
+    ap.add_argument("--profile", default="", help="contenders (e.g. a,c,c+router) whose step is also broken down: GPU time "
                     "per kernel, idle GPU time, host time to issue a step, SM clock and power")
     ap.add_argument("--memory-trace", default="", help="contenders (e.g. c) whose step's peak is broken down: the "
                     "blocks live then, by the library frames that allocated them")
