@@ -79,14 +79,18 @@ def test_routing_is_sync_free_shaped_and_stable():
     assert torch.equal(flat[routing.row_slots], torch.arange(8, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("score,normalize,groups,group_topk,bias", [
-    ("softmax", True, 1, 1, False), ("softmax", False, 1, 1, False), ("sigmoid", True, 4, 2, True),
+@pytest.mark.parametrize("score,normalize,groups,group_topk,bias,aux,scale", [
+    ("softmax", True, 1, 1, False, 0.01, 2.5), ("softmax", False, 1, 1, False, 0.01, 2.5),
+    ("sigmoid", True, 4, 2, True, 0.01, 2.5),
+    # without the balance loss a softmax router's backward starts from the probs (`softmax_logit_grads`)
+    ("softmax", True, 1, 1, False, 0.0, 2.5), ("softmax", True, 4, 2, True, 0.0, 1.0),
+    ("softmax", False, 1, 1, False, 0.0, 2.5),
 ])
-def test_router_matches_autograd_reference(score, normalize, groups, group_topk, bias):
+def test_router_matches_autograd_reference(score, normalize, groups, group_topk, bias, aux, scale):
     torch.manual_seed(0)
     tokens, k, num_experts = 24, 3, 8
-    router = TopKRouter(H, num_experts, k, score=score, normalize=normalize, scale=2.5, num_groups=groups,
-                        group_topk=group_topk, expert_bias=bias, aux_loss_coeff=0.01, dtype=F64)
+    router = TopKRouter(H, num_experts, k, score=score, normalize=normalize, scale=scale, num_groups=groups,
+                        group_topk=group_topk, expert_bias=bias, aux_loss_coeff=aux, dtype=F64)
     if bias:
         router.expert_bias.data.normal_()
     moe = layer(num_experts=num_experts, router=router)
@@ -100,22 +104,23 @@ def test_router_matches_autograd_reference(score, normalize, groups, group_topk,
     ranking = scores.detach() + (router.expert_bias if bias else 0)
     if groups > 1:
         grouped = ranking.view(tokens, groups, -1)
-        best = grouped.topk(2, -1).values.sum(-1).topk(group_topk, -1).indices
+        best = grouped.topk(2 if score == "sigmoid" else 1, -1).values.sum(-1).topk(group_topk, -1).indices
         mask = torch.ones(tokens, groups, dtype=torch.bool).scatter_(1, best, False)
         ranking = grouped.masked_fill(mask[..., None], -float("inf")).view(tokens, -1)
     indices = ranking.topk(k, -1).indices
     probs = scores.gather(1, indices)
     if normalize:
         probs = probs / probs.sum(-1, keepdim=True)
-    probs = probs * 2.5
+    probs = probs * scale
     share = torch.zeros(num_experts, dtype=F64).index_add_(0, indices.flatten(), torch.ones(tokens * k, dtype=F64))
     per_token = scores if score == "softmax" else scores / scores.sum(-1, keepdim=True)
-    aux = 0.01 * num_experts * (share / (tokens * k) * per_token.mean(0)).sum()
+    balance = aux * num_experts * (share / (tokens * k) * per_token.mean(0)).sum()
     ref = moe_layer(x, indices, probs, moe[2].weight, moe[4].weight)
     params = (x, router.weight, moe[2].weight, moe[4].weight)
-    grads = torch.autograd.grad((ref * dy).sum() + aux, params)
+    grads = torch.autograd.grad((ref * dy).sum() + balance, params)
     assert rel_err(y, ref) <= 1e-12
-    assert abs(router.aux_loss.item() - aux.item()) <= 1e-12
+    if aux:
+        assert abs(router.aux_loss.item() - balance.item()) <= 1e-12
     for param, want in zip(params, grads):
         assert rel_err(param.grad, want) <= 1e-10
 

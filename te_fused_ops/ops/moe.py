@@ -476,7 +476,9 @@ class TopKRouter(BasicOp):
         ``normalize``)."""
         total = None
         if self.normalize:
-            total = chosen.sum(-1, keepdim=True) + 1e-20
+            total = chosen.sum(-1, keepdim=True)
+            if self.score == "sigmoid":  # a softmax's top k sum to at least k / E
+                total = total + 1e-20
             chosen = chosen / total
         return (chosen * self.scale if self.scale != 1.0 else chosen), total
 
@@ -517,6 +519,10 @@ class TopKRouter(BasicOp):
         The probs' gradient reaches k scores a token: d chosen = scale * d_probs, then through the
         normalization (d chosen - <d chosen, probs / scale>) / total; the softmax's backward
         s * (d_s - <d_s, s>) then needs <d_s, s> over the k chosen only."""
+        if not self.aux_loss_coeff and self.score == "softmax":
+            if d_probs is None:
+                return torch.zeros_like(scores)
+            return self.softmax_logit_grads(scores, indices, probs, total, d_probs.to(scores.dtype))
         d_chosen = None
         if d_probs is not None:
             d_chosen = d_probs.to(scores.dtype)
@@ -525,12 +531,6 @@ class TopKRouter(BasicOp):
             if total is not None:
                 unscaled = probs if self.scale == 1.0 else probs / self.scale
                 d_chosen = (d_chosen - (d_chosen * unscaled).sum(-1, keepdim=True)) / total
-        if not self.aux_loss_coeff and self.score == "softmax":
-            if d_chosen is None:
-                return torch.zeros_like(scores)
-            chosen_terms = scores.gather(1, indices) * d_chosen  # s_j d_s_j at the chosen experts
-            d_logits = scores * chosen_terms.sum(-1, keepdim=True).neg()
-            return d_logits.scatter_add_(1, indices, chosen_terms)
         d_scores = torch.zeros_like(scores)
         if d_chosen is not None:
             d_scores.scatter_add_(1, indices, d_chosen)
@@ -548,6 +548,19 @@ class TopKRouter(BasicOp):
         if self.score == "softmax":
             return scores * (d_scores - (d_scores * scores).sum(-1, keepdim=True))
         return d_scores * scores * (1 - scores)
+
+    def softmax_logit_grads(self, scores, indices, probs, total, d_probs) -> torch.Tensor:
+        """`score_grads` of a softmax router without the balance loss, from the probs (no gather of
+        the chosen scores): the softmax's backward s * (d_s - <d_s, s>) with d_s nonzero at the k
+        chosen experts, whose terms s_j d_s_j are p_j (d_j - <d, p> / scale) when normalized (and
+        then sum to zero: the probs sum to scale) and p_j d_j when not."""
+        if total is not None:
+            weighted = (d_probs * probs).sum(-1, keepdim=True)
+            chosen_terms = probs * (d_probs - (weighted if self.scale == 1.0 else weighted / self.scale))
+            return torch.zeros_like(scores).scatter_(1, indices, chosen_terms)
+        chosen_terms = probs * d_probs
+        d_logits = scores * chosen_terms.sum(-1, keepdim=True).neg()
+        return d_logits.scatter_add_(1, indices, chosen_terms)
 
     def op_backward(self, ctx: OpContext, dy):
         x, weight, saved = ctx.load_input(), ctx.saved.weight, ctx.saved
