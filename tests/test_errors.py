@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from te_fused_ops import FusionRule, GroupedLinear, Quantize, ScaledSwiGLU, Sequential, SwiGLU, register_rule
+from te_fused_ops import (
+    FusionRule, GroupedLinear, Quantize, ScaledSwiGLU, Sequential, SwiGLU, TopKRouter, register_rule,
+)
 from te_fused_ops.quantization import quantize
 
 
@@ -82,6 +84,22 @@ def test_grouped_linear_constructor():
         GroupedLinear(2, 0, 4)
     with pytest.raises(ValueError, match=r"GroupedLinear: argument 'num_groups' must be a positive int"):
         GroupedLinear(-1, 4, 4)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(k=0), "'k' must be a positive int"),
+    (dict(score="relu"), "'score' must be one of"),
+    (dict(num_groups=3), "'num_groups' \\(3\\) must divide num_experts"),
+    (dict(k=5, num_groups=4, group_topk=2), "'k' \\(5\\) exceeds the experts of the chosen groups"),
+    (dict(aux_loss_coeff=-1.0), "'aux_loss_coeff' must be >= 0"),
+    (dict(scale=0.0), "'scale' must be positive and finite"),
+    (dict(scale=float("nan")), "'scale' must be positive and finite"),
+    (dict(scale="2"), "'scale' must be positive and finite"),
+])
+def test_top_k_router_constructor(kwargs, match):
+    args = dict(hidden=8, num_experts=8, k=2) | kwargs
+    with pytest.raises(ValueError, match="TopKRouter: argument " + match):
+        TopKRouter(**args)
 
 
 def test_sequential_rejects_non_ops():

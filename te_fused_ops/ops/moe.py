@@ -432,6 +432,9 @@ class TopKRouter(BasicOp):
                                f"({num_experts // num_groups * group_topk})")
         if not aux_loss_coeff >= 0:
             raise OpValueError(f"TopKRouter: argument 'aux_loss_coeff' must be >= 0, got {aux_loss_coeff!r}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+            raise OpValueError(f"TopKRouter: argument 'scale' must be positive and finite (the backward divides by "
+                               f"it), got {scale!r}")
         self.hidden, self.num_experts, self.k = hidden, num_experts, k
         self.score, self.normalize, self.scale = score, bool(normalize), float(scale)
         self.num_groups, self.group_topk = num_groups, group_topk
