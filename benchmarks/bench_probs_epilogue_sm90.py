@@ -1,7 +1,8 @@
 """What the router probabilities cost the fused epilogues: SwiGLU against ScaledSwiGLU kernels.
 
-Per layer shape (`bench_moe_layer.SHAPES`: T tokens, top-k over E experts, H, I; skewed top-k
-routing, seed 0), bf16, M = the routed rows; probs (M,) float32 random, pre (M, 2I) random:
+Per layer shape (`bench_moe_layer.SHAPES`: T tokens, top-k over E experts, H, I; x, the routing
+and W1 as `bench_gathered_sm90.problem` makes them), bf16, M = the routed rows; probs (M,) float32
+random, pre (M, 2I) random:
   fwd gath swiglu / scaled   FC1 reading x's rows by index (`grouped_gemm_gathered_sm90`) + SwiGLU /
                              + ScaledSwiGLU (the layer's FC1), heuristic configuration
   dgrad only                 FC2's data gradient without the activation (`grouped_gemm_sm90`, "kn")
@@ -26,29 +27,22 @@ if __name__ == "__main__":  # before torch and the kernels load: one line, exit 
     require_sm90(__file__)
 
 import torch
-from bench_moe_layer import SHAPES, skewed_topk
+from bench_gathered_sm90 import problem
 from common import rotated_medians, sustained_ms
 
 from te_fused_ops.backends.sm90.kernels import grouped_gemm as gg
-from te_fused_ops.routing import route
 
 
 def variants(name: str) -> dict:
     """label -> call of one kernel on ``name``'s operands."""
-    t, k, e, h, i = SHAPES[name]
-    indices, _ = skewed_topk(t, k, e)
-    routing = route(indices.cuda(), e)
-    torch.manual_seed(0)
-    tokens = (routing.row_slots // k).int()
+    x, _, tokens, w1, offsets = problem(name)
+    t, h, i = x.shape[0], x.shape[1], w1.shape[1] // 2
     m = tokens.shape[0]
     dy = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     dy_rows = dy[tokens.long().clamp(0, t - 1)]
-    w2 = (torch.randn(e, h, i, device="cuda") / h**0.5).bfloat16()
+    w2 = (torch.randn(w1.shape[0], h, i, device="cuda") / h**0.5).bfloat16()
     pre = torch.randn(m, 2 * i, device="cuda", dtype=torch.bfloat16)
     probs = torch.rand(m, device="cuda")
-    offsets = routing.offsets
-    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
-    w1 = (torch.randn(e, 2 * i, h, device="cuda") / h**0.5).bfloat16()
     fc1, dact = gg.grouped_gemm_gathered_sm90, gg.grouped_dgrad_dact_sm90
     scaled = dict(activation="scaled_swiglu", probs=probs, d_probs_parts=True)
     return {

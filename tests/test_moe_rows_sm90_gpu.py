@@ -10,9 +10,9 @@ import torch
 
 from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
 from te_fused_ops.backends.sm90.kernels.block_quantize import block_quantize_sm90
+from te_fused_ops.backends.sm90.kernels.launch import ffi_kernels_available
 from te_fused_ops.backends.sm90.kernels.moe_rows import (
     gather_sum,
-    kernel_available,
     scatter_cast_rows,
     scatter_rows,
 )
@@ -20,7 +20,7 @@ from te_fused_ops.backends.sm90.kernels.moe_rows import (
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        torch.cuda.is_available() and not kernel_available(),
+        torch.cuda.is_available() and not ffi_kernels_available(),
         reason=str(sm90_unavailable_reason() or "TVM-FFI not importable") if torch.cuda.is_available() else "",
     ),
 ]

@@ -10,18 +10,18 @@ import torch
 
 from te_fused_ops import routing
 from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
+from te_fused_ops.backends.sm90.kernels.launch import ffi_kernels_available
 from te_fused_ops.backends.sm90.kernels.route import (
     MAX_BUCKETS,
     SLOTS_PER_CTA,
     compile_route,
-    kernel_available,
     route_supported,
 )
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        torch.cuda.is_available() and not kernel_available(),
+        torch.cuda.is_available() and not ffi_kernels_available(),
         reason=str(sm90_unavailable_reason() or "TVM-FFI not importable") if torch.cuda.is_available() else "",
     ),
 ]

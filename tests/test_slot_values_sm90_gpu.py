@@ -16,17 +16,17 @@ from test_route_sm90_gpu import expert_ids
 from te_fused_ops import routing
 from te_fused_ops.backends import helper_kernel
 from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
+from te_fused_ops.backends.sm90.kernels.launch import ffi_kernels_available
 from te_fused_ops.backends.sm90.kernels.slot_values import (
     compile_rows_to_slots,
     compile_slots_to_rows,
-    kernel_available,
     slot_values_supported,
 )
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        torch.cuda.is_available() and not kernel_available(),
+        torch.cuda.is_available() and not ffi_kernels_available(),
         reason=str(sm90_unavailable_reason() or "TVM-FFI not importable") if torch.cuda.is_available() else "",
     ),
 ]

@@ -16,7 +16,8 @@ from .kernels.slot_values import (
     slot_values_supported,
     slots_to_rows_sm90,
 )
-from .kernels.split_offsets import kernel_available, split_offsets_sm90
+from .kernels.launch import ffi_kernels_available
+from .kernels.split_offsets import split_offsets_sm90
 
 
 def kernel_reason(reason):
@@ -34,7 +35,7 @@ def _unavailable_reason(info):
 
 def _split_offsets(split_sizes, num_rows: int):
     """One launch for plain CUDA sizes where the kernel runs, else None."""
-    if type(split_sizes) is torch.Tensor and split_sizes.is_cuda and num_rows < 2**31 and kernel_available():
+    if type(split_sizes) is torch.Tensor and split_sizes.is_cuda and num_rows < 2**31 and ffi_kernels_available():
         return split_offsets_sm90(split_sizes.contiguous(), num_rows)
     return None
 

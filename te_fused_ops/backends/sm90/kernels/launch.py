@@ -11,6 +11,7 @@ import functools
 import torch
 
 from ....kernel_cache import disk_cached, is_recording
+from . import sm90_unavailable_reason
 
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -23,6 +24,13 @@ def tvm_ffi_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+@functools.cache
+def ffi_kernels_available() -> bool:
+    """Whether the kernels that take tensors only through TVM-FFI (row movers, routing, split
+    offsets, slot values) can run here: the sm90 kernels and TVM-FFI importable."""
+    return sm90_unavailable_reason() is None and tvm_ffi_available()
 
 
 def fake_tensor(dtype, shape, align=16):

@@ -21,11 +21,8 @@ k, H and M symbolic; launched through TVM-FFI.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from . import sm90_unavailable_reason
 from .launch import (
     LaunchMemo,
     call_signature,
@@ -34,19 +31,12 @@ from .launch import (
     cached_kernel,
     compile_launcher,
     fake_tensor,
-    tvm_ffi_available,
 )
 
 MAX_SLOTS = 16  # = moe_rows_sm90.MAX_SLOTS
 VEC = 8  # = moe_rows_sm90.VEC: H % 8 == 0 for the 16-byte accesses
 
 _MEMO = LaunchMemo()  # argument signature -> validated launcher (both wrappers; keys differ)
-
-
-@functools.cache
-def kernel_available() -> bool:
-    """Whether `scatter_rows` and `gather_sum` can run here (sm90 kernels and TVM-FFI importable)."""
-    return sm90_unavailable_reason() is None and tvm_ffi_available()
 
 
 def _fake_operands(dtype):

@@ -8,21 +8,12 @@ E + 1 <= `route_sm90.MAX_BUCKETS`. Compiled once per id dtype, every extent symb
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from . import sm90_unavailable_reason
-from .launch import cached_kernel, compile_launcher, fake_tensor, tvm_ffi_available
+from .launch import cached_kernel, compile_launcher, fake_tensor, ffi_kernels_available
 
 MAX_BUCKETS = 1024  # = route_sm90.MAX_BUCKETS
 SLOTS_PER_CTA = 2048  # = route_sm90.SLOTS_PER_CTA
-
-
-@functools.cache
-def kernel_available() -> bool:
-    """Whether `route_sm90` can run here (sm90 kernels and TVM-FFI importable)."""
-    return sm90_unavailable_reason() is None and tvm_ffi_available()
 
 
 @cached_kernel
@@ -50,7 +41,7 @@ def route_supported(indices: torch.Tensor, num_experts: int) -> bool:
     2**31, and at most MAX_BUCKETS - 1 experts."""
     return (type(indices) is torch.Tensor and indices.is_cuda and indices.dim() == 2
             and indices.dtype in (torch.int32, torch.int64) and 0 < indices.numel() < 2**31
-            and 0 < num_experts < MAX_BUCKETS and kernel_available())
+            and 0 < num_experts < MAX_BUCKETS and ffi_kernels_available())
 
 
 def route_sm90(indices: torch.Tensor, num_experts: int) -> tuple:

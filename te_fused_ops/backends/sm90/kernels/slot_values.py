@@ -9,20 +9,11 @@ pass contiguous tensors of the documented dtypes (not checked again here).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from . import sm90_unavailable_reason
-from .launch import cached_kernel, compile_launcher, fake_tensor, tvm_ffi_available
+from .launch import cached_kernel, compile_launcher, fake_tensor, ffi_kernels_available
 
 SLOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@functools.cache
-def kernel_available() -> bool:
-    """Whether the slot-value kernels can run here (sm90 kernels and TVM-FFI importable)."""
-    return sm90_unavailable_reason() is None and tvm_ffi_available()
 
 
 def _element(dtype):
@@ -65,7 +56,7 @@ def slot_values_supported(values: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether the kernels take ``values`` (a plain CUDA tensor, 0 < numel < 2**31) with slots of
     ``dtype``."""
     return (type(values) is torch.Tensor and values.is_cuda and 0 < values.numel() < 2**31
-            and dtype in SLOT_DTYPES and kernel_available())
+            and dtype in SLOT_DTYPES and ffi_kernels_available())
 
 
 def slots_to_rows_sm90(slot_values: torch.Tensor, row_slots: torch.Tensor, num_kept: torch.Tensor) -> torch.Tensor:

@@ -7,18 +7,9 @@ layer's per-call bookkeeping on the host. Compiled once per size dtype, G symbol
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from . import sm90_unavailable_reason
-from .launch import cached_kernel, compile_launcher, fake_tensor, tvm_ffi_available
-
-
-@functools.cache
-def kernel_available() -> bool:
-    """Whether `split_offsets_sm90` can run here (sm90 kernels and TVM-FFI importable)."""
-    return sm90_unavailable_reason() is None and tvm_ffi_available()
+from .launch import cached_kernel, compile_launcher, fake_tensor
 
 
 @cached_kernel
