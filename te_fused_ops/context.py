@@ -33,9 +33,10 @@ def registered_owner(uid: int) -> nn.Module:
 
 class DeferredGrad(functools.partial):
     """A parameter gradient a backward step hands back uncomputed (a `functools.partial`): called
-    after every step of the backward (`runner.Run.backward`), once the tensors the steps after it
-    make and free (e.g. a permute's data gradient in expert order) are gone, so the gradient's
-    buffer never meets them at the peak."""
+    after every step of the backward (`runner.Run.backward`, in op order), once the tensors the
+    steps after it make and free (e.g. a permute's data gradient in expert order, a d_pre written
+    over the saved pre-activation) are gone, so the gradient's buffer never meets them at the
+    peak."""
 
 
 def backward_keeps_graph() -> bool:
@@ -127,6 +128,9 @@ class OpContext:
     input_private:        the saved input (or what its recompute returns) is an intermediate of
                           this call that only this op's backward reads: a backward that does not
                           keep the graph may write over it (`input_overwritable`)
+    grad_over_input:      the data gradient this op's backward wrote over its saved input, else
+                          None: `runner.Run.backward` frees that storage once the steps and
+                          deferred gradients of the ops before this one have read it
     recompute_output:     set by a fused forward that did not keep this op's output alive: a
                           `Recompute` giving the output again (the consumer saves it lazily)
     input_format:         the `Format` folded before this op in the running step, else None
@@ -158,6 +162,7 @@ class OpContext:
         self.recompute_output = None
         self.input_recompute = None
         self.input_private = False
+        self.grad_over_input = None
         self.input_format = None
         self.output_format = None
         self.main_grads: dict = {}

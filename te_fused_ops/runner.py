@@ -268,7 +268,8 @@ class Run:
                         del op_grad[name]
                         earlier = ctxs[producer].produced_grads.get(name)
                         ctxs[producer].produced_grads[name] = grad if earlier is None else earlier + grad
-        for grads in op_grads:  # the deferred ones, after every step
+        for ctx, grads in zip(ctxs, op_grads):  # the deferred ones, after every step, in op order
+            free_grad_over_input(ctx, dy)  # read by the ops before this one alone, all done
             for name, grad in (grads or {}).items():
                 if isinstance(grad, DeferredGrad):
                     grads[name] = grad()
@@ -284,6 +285,19 @@ class Run:
                 slot = self.param_slots[(i, name)]
                 param_grads[slot] = grad if param_grads[slot] is None else param_grads[slot] + grad
         return dy, [side_grads[n] for n in self.grad_side_names], param_grads
+
+
+def free_grad_over_input(ctx: OpContext, dx) -> None:
+    """Free the storage of ``ctx.grad_over_input`` (a data gradient written over the op's saved
+    input, which autograd holds until the whole backward returns), unless the Sequential's own
+    data gradient ``dx`` lives in it."""
+    grad, ctx.grad_over_input = ctx.grad_over_input, None
+    if grad is None:
+        return
+    storage = grad.untyped_storage()
+    if isinstance(dx, torch.Tensor) and dx.untyped_storage().data_ptr() == storage.data_ptr():
+        return
+    storage.resize_(0)
 
 
 class SequenceFunction(torch.autograd.Function):

@@ -289,6 +289,44 @@ def test_cuda_graph_replays_with_three_routings():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_cuda_graph_replays_the_layer_with_its_router(score):
+    """The layer with its TopKRouter (softmax without a balance loss: the backward from the probs;
+    sigmoid with one) as one CUDA graph of the whole step, replayed on three inputs (so three
+    routings): output and gradients bit for bit eager's."""
+    aux = 0.0 if score == "softmax" else 0.01
+
+    def routed(seed=0):
+        torch.manual_seed(seed)
+        router = TopKRouter(H, E, K, score=score, normalize=True, aux_loss_coeff=aux, dtype=torch.bfloat16,
+                            device="cuda")
+        return layer(router=router, seed=seed)
+
+    moe = routed()
+    static_x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    static_dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+
+    def graph_step():
+        for t in [static_x, *moe.parameters()]:
+            t.grad = None
+        return step(moe, static_x, static_dy)
+
+    graphed = tfo.CudaGraphStep(graph_step)
+    for seed in (11, 12, 13):
+        x0 = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            static_x.copy_(x0)
+        y = graphed()
+        torch.cuda.synchronize()
+        got = [y.clone()] + [g.clone() for g in grads(moe, static_x)]
+        eager = routed(seed=1)
+        eager.load_state_dict(moe.state_dict())
+        x = x0.clone().requires_grad_()
+        want = [step(eager, x, static_dy)] + grads(eager, x)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
 def test_compiled_layer_compiles_once_and_equals_eager():
     """torch.compile of the sm90 layer (FC1 reading x's rows by index): one frame for three
     routings, outputs and gradients bit-equal to eager."""
@@ -359,6 +397,44 @@ def test_saved_bytes_below_sixty_percent_of_the_plain_torch_layer():
     theirs = saved_bytes(lambda: plain_torch_layer(x, indices, probs, moe[1].weight, moe[3].weight))
     print(f"saved bytes: fused layer {ours}, plain torch layer {theirs} ({ours / theirs:.2f}x)")
     assert ours <= 0.6 * theirs
+
+
+def test_fc2_weight_gradient_never_meets_d_pre():
+    """Where FC2's weight gradient is larger than the act it reads, it runs last, after the runner
+    freed d_pre (written over pre): the backward's peak is below dW1 + dW2 + act + dx - d_pre,
+    where FC2's gradient made beside d_pre (then FC1's data and weight gradients) would exceed it;
+    gradients bit for bit those of a retain_graph backward (the other order, pre kept)."""
+    experts, hidden, inter, tokens, k = 64, 512, 256, 4096, 4
+    torch.manual_seed(0)
+    moe = Sequential(Permute(experts), GroupedLinear(experts, hidden, 2 * inter, dtype=torch.bfloat16, device="cuda"),
+                     ScaledSwiGLU(), GroupedLinear(experts, inter, hidden, dtype=torch.bfloat16, device="cuda"),
+                     Unpermute())
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    indices = torch.rand(tokens, experts, device="cuda").topk(k, -1).indices
+    probs = torch.rand(tokens, k, device="cuda", requires_grad=True)
+
+    def backward_peak(retain_graph):
+        for t in [x, probs, *moe.parameters()]:
+            t.grad = None
+        y = moe(x, indices=indices, probs=probs)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        y.backward(dy, retain_graph=retain_graph)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start, grads(moe, x, probs)
+
+    kept, kept_grads = backward_peak(True)
+    freed, freed_grads = backward_peak(False)
+    rows = tokens * k
+    d_pre, act, dx = rows * 2 * inter * 2, rows * inter * 2, tokens * hidden * 2
+    weights = sum(p.numel() * p.element_size() for p in moe.parameters())
+    bound = weights + act + dx - d_pre + (2 << 20)
+    print(f"backward peak: {freed} B (bound {bound} B; {kept} B with retain_graph)")
+    assert freed <= bound
+    for a, b in zip(kept_grads, freed_grads):
+        assert torch.equal(a, b)
 
 
 def test_backward_writes_d_pre_over_the_saved_pre_activation():

@@ -444,6 +444,46 @@ def test_d_pre_is_written_over_pre_unless_the_graph_is_kept(sm90_stand_ins, monk
     assert outs[-1] is False and torch.equal(pre.detach(), kept)
 
 
+def test_fc2_weight_gradient_waits_for_d_pre_to_be_freed(sm90_stand_ins, monkeypatch):
+    """With d_pre written over pre, FC2's weight gradient runs last (after FC1's), and the runner has
+    freed d_pre's storage (which autograd holds until the backward returns) before it: at the peak
+    FC2's gradient never meets d_pre and FC1's. With retain_graph neither happens (pre must stay
+    intact). Gradients bit for bit the same in both orders."""
+    import te_fused_ops.backends.sm90.linear as sm90_linear
+    import te_fused_ops.backends.sm90.rules as dact_rule
+
+    events, written = [], []
+    dgrad = dact_rule.grouped_dgrad_dact_sm90
+
+    def recording_dact(dy, weight, offsets, pre, **kwargs):
+        if kwargs.get("out") is not None:
+            written.append(kwargs["out"])
+        return dgrad(dy, weight, offsets, pre, **kwargs)
+
+    def recording_wgrad(dy, x, offsets, **kwargs):
+        freed = bool(written) and written[-1].untyped_storage().size() == 0
+        events.append(("dW1" if x.shape[1] == H else "dW2", freed))  # FC2 reads act (ROWS, I)
+        return wgrad(dy, x, offsets, **kwargs)
+
+    monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_sm90", recording_dact)
+    monkeypatch.setattr(sm90_linear, "grouped_wgrad_sm90", recording_wgrad)
+    torch.manual_seed(0)
+    seq = Sequential(GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), SwiGLU(),
+                     GroupedLinear(G, I, H, dtype=torch.bfloat16))
+    x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
+    freed = step(seq, x, dy)
+    assert events == [("dW1", False), ("dW2", True)], events
+    events.clear(), written.clear()
+    for t in (x, *seq.parameters()):
+        t.grad = None
+    y = seq(x, split_sizes=SPLITS)
+    y.backward(dy, retain_graph=True)
+    assert events == [("dW2", False), ("dW1", False)], events
+    for a, b in zip(freed[1:], [x.grad, *(p.grad for p in seq.parameters())]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("quantize_x", [True, False])  # False: the recipe's MLP, FC1 in bf16
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_blockwise_pow2", "fp8_current"])
 def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins, monkeypatch):
@@ -968,7 +1008,8 @@ def test_fc2_backward_reads_dy_rows_by_index(setting, sm90_stand_ins, monkeypatc
         got = run(seq)
         if gather and fires_alone:  # no row written in expert order: both gradients of FC2 read dy by index
             assert not SCATTERS and DY_GATHERS == [(tokens, H)]
-            assert GATHERED_WGRADS == [("dy", (tokens, H)), ("x", (tokens, H))]
+            # FC1's weight gradient first: FC2's waits until d_pre's storage is freed
+            assert GATHERED_WGRADS == [("x", (tokens, H)), ("dy", (tokens, H))]
         elif gather:  # FC1 gathers too: the combine's backward is the one scatter
             assert len(SCATTERS) == 1 and not DY_GATHERS
         for a, b in zip(got, default):

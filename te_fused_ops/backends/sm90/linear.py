@@ -277,7 +277,13 @@ def gather_wgrad(dy: torch.Tensor) -> bool:
     return setting is True or (setting is None and dy.shape[1] <= GATHER_WGRAD_MAX_WIDTH)
 
 
-def linear_param_grads(ctx, dy: torch.Tensor, x=None, dy_columns=None, out_dtype=None, dy_index=None) -> dict:
+def deferred_if(defer: bool, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` now, or with ``defer`` as a `DeferredGrad` the backward calls last."""
+    return DeferredGrad(fn, *args, **kwargs) if defer else fn(*args, **kwargs)
+
+
+def linear_param_grads(ctx, dy: torch.Tensor, x=None, dy_columns=None, out_dtype=None, dy_index=None,
+                       defer: bool = False) -> dict:
     """GroupedLinear's weight gradient (varlen-K kernel, dy and x read in place; accumulated into
     ``weight.main_grad`` when the op asks for it) and bias gradient (from dy). An input saved as
     the permute's recompute of x's rows is read by index instead where `gather_wgrad` says
@@ -289,15 +295,16 @@ def linear_param_grads(ctx, dy: torch.Tensor, x=None, dy_columns=None, out_dtype
     of dy) x is x's `BlockColumns` too and the weight gradient runs on the FP8 kernel, into
     ``out_dtype`` (default dy's; dy may then be None when no bias gradient is needed). With
     ``dy_index`` (M,) int32 dy is (T, N) in token order and its rows are read by index
-    (`grouped_wgrad_gathered_sm90` with ``gathered="dy"``; no main_grad, no bias)."""
+    (`grouped_wgrad_gathered_sm90` with ``gathered="dy"``; no main_grad, no bias). ``defer``: a
+    16-bit weight gradient not accumulated into main_grad is a `DeferredGrad`."""
     offsets, grads = ctx.side["offsets"], {}
     if dy_index is not None:
         if ctx.main_grads.get("weight") is not None or ctx.needs_grad("bias"):
             raise ValueError("linear_param_grads: dy_index takes no main_grad and no bias gradient")
         if ctx.needs_grad("weight"):
-            grads["weight"] = grouped_wgrad_gathered_sm90(dy, ctx.load_input() if x is None else x, dy_index, offsets,
-                                                          gathered="dy", out=ctx.grad_buffers.get("weight"),
-                                                          sm_margin=sm_margin())
+            grads["weight"] = deferred_if(defer, grouped_wgrad_gathered_sm90, dy, ctx.load_input() if x is None else x,
+                                          dy_index, offsets, gathered="dy", out=ctx.grad_buffers.get("weight"),
+                                          sm_margin=sm_margin())
         return grads
     if ctx.needs_grad("weight"):
         main_grad = ctx.main_grads.get("weight")  # accumulated in place by the kernel's epilogue
@@ -309,8 +316,8 @@ def linear_param_grads(ctx, dy: torch.Tensor, x=None, dy_columns=None, out_dtype
             # after the permute's backward: its expert-ordered data gradient is freed before dW exists
             dw = DeferredGrad(grouped_wgrad_gathered_sm90, dy, *gathered, offsets, out=out, sm_margin=sm_margin())
         elif dy_columns is None:
-            dw = grouped_wgrad_sm90(dy, ctx.load_input() if x is None else x, offsets, main_grad=main_grad,
-                                    out=out, sm_margin=sm_margin())
+            dw = deferred_if(defer and main_grad is None, grouped_wgrad_sm90, dy, ctx.load_input() if x is None else x,
+                             offsets, main_grad=main_grad, out=out, sm_margin=sm_margin())
         else:
             out_dtype = dy.dtype if out_dtype is None else out_dtype
             dw = grouped_wgrad_fp8_sm90(dy_columns, x, offsets, out_dtype=out_dtype, main_grad=main_grad,

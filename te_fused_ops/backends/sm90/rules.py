@@ -320,12 +320,28 @@ def _dact_bf16(ops, ctxs, dy):
         return backward_reference(ops, ctxs, dy)
     dy = dy.contiguous()
     pre = act_ctx.load_input()
+    over_pre = act_ctx.input_overwritable()
     d_pre, out, d_probs = grouped_dgrad_dact_sm90(
         dy, linear_ctx.saved.weight.detach(), linear_ctx.side["offsets"], pre,
-        activation=act.kernel_name, out=pre if act_ctx.input_overwritable() else None, sm_margin=sm_margin(),
+        activation=act.kernel_name, out=pre if over_pre else None, sm_margin=sm_margin(),
         d_probs_parts=True, **epilogue_args(act, act_ctx),
     )
-    return d_pre, [_act_grads(act_ctx, d_probs), linear_param_grads(linear_ctx, dy, x=out)]
+    defer = _wgrad_after_d_pre(act_ctx, linear_ctx, d_pre if over_pre else None, out, dy)
+    return d_pre, [_act_grads(act_ctx, d_probs), linear_param_grads(linear_ctx, dy, x=out, defer=defer)]
+
+
+def _wgrad_after_d_pre(act_ctx, linear_ctx, d_pre, *held) -> bool:
+    """Where ``d_pre`` was written over the saved pre-activation (else None): hands it to the
+    runner to free once FC1's backward has read it (`OpContext.grad_over_input`) and says whether
+    FC2's weight gradient waits until then (a `DeferredGrad`, so it never meets d_pre, FC1's
+    weight gradient and its data gradient at the peak): where the tensors the wait keeps alive
+    (``held``: its operands) are smaller than the gradient. Not in a chunked segment, which
+    merges its chunks' gradients itself (``grad_buffers``)."""
+    if d_pre is None:
+        return False
+    act_ctx.grad_over_input = d_pre
+    return (not linear_ctx.grad_buffers and linear_ctx.needs_grad("weight")
+            and sum(t.numel() for t in held) < linear_ctx.saved.weight.numel())
 
 
 def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool = False, d_pre_recipe=None, dy_casts=None):
@@ -519,9 +535,12 @@ def _dactivation_grouped_linear_dy_by_index(ops, ctxs, dy):
         return d_pre, [*grads, *combine_grads]
     dy, index = tokens
     pre = act_ctx.load_input()
+    over_pre = act_ctx.input_overwritable()
     d_pre, out, d_probs = grouped_dgrad_dact_sm90(
         dy, linear_ctx.saved.weight.detach(), linear_ctx.side["offsets"], pre, dy_index=index,
-        activation=act.kernel_name, out=pre if act_ctx.input_overwritable() else None, sm_margin=sm_margin(),
+        activation=act.kernel_name, out=pre if over_pre else None, sm_margin=sm_margin(),
         d_probs_parts=True, **epilogue_args(act, act_ctx),
     )
-    return d_pre, [_act_grads(act_ctx, d_probs), linear_param_grads(linear_ctx, dy, x=out, dy_index=index), {}]
+    defer = _wgrad_after_d_pre(act_ctx, linear_ctx, d_pre if over_pre else None, out)  # dy: the caller's, alive anyway
+    return d_pre, [_act_grads(act_ctx, d_probs), linear_param_grads(linear_ctx, dy, x=out, dy_index=index, defer=defer),
+                   {}]
