@@ -445,43 +445,61 @@ def test_d_pre_is_written_over_pre_unless_the_graph_is_kept(sm90_stand_ins, monk
 
 
 def test_fc2_weight_gradient_waits_for_d_pre_to_be_freed(sm90_stand_ins, monkeypatch):
-    """With d_pre written over pre, FC2's weight gradient runs last (after FC1's), and the runner has
-    freed d_pre's storage (which autograd holds until the backward returns) before it: at the peak
-    FC2's gradient never meets d_pre and FC1's. With retain_graph neither happens (pre must stay
-    intact). Gradients bit for bit the same in both orders."""
+    """In the routed layer FC2's weight gradient reads dy by index and its act (half of d_pre): it
+    runs last, after FC1's, and the runner has freed d_pre's storage (written over pre, held by
+    autograd until the backward returns) before it, so FC2's gradient never meets d_pre and FC1's
+    at the peak. With retain_graph neither happens (pre must stay intact); in the MLP, whose FC2
+    reads a dy larger than d_pre, the gradient does not wait (waiting would hold dy to the end).
+    Gradients bit for bit the same in every order."""
     import te_fused_ops.backends.sm90.linear as sm90_linear
     import te_fused_ops.backends.sm90.rules as dact_rule
 
     events, written = [], []
-    dgrad = dact_rule.grouped_dgrad_dact_sm90
+    dgrad, by_index = dact_rule.grouped_dgrad_dact_sm90, sm90_linear.grouped_wgrad_gathered_sm90
 
     def recording_dact(dy, weight, offsets, pre, **kwargs):
         if kwargs.get("out") is not None:
             written.append(kwargs["out"])
         return dgrad(dy, weight, offsets, pre, **kwargs)
 
+    def freed():
+        return bool(written) and written[-1].untyped_storage().size() == 0
+
     def recording_wgrad(dy, x, offsets, **kwargs):
-        freed = bool(written) and written[-1].untyped_storage().size() == 0
-        events.append(("dW1" if x.shape[1] == H else "dW2", freed))  # FC2 reads act (ROWS, I)
+        events.append(("dW1" if x.shape[1] == H else "dW2", freed()))  # FC2 reads act (rows, I)
         return wgrad(dy, x, offsets, **kwargs)
+
+    def recording_gathered(dy, x, index, offsets, **kwargs):
+        events.append(("dW1" if kwargs.get("gathered", "x") == "x" else "dW2", freed()))
+        return by_index(dy, x, index, offsets, **kwargs)
 
     monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_sm90", recording_dact)
     monkeypatch.setattr(sm90_linear, "grouped_wgrad_sm90", recording_wgrad)
-    torch.manual_seed(0)
-    seq = Sequential(GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), SwiGLU(),
-                     GroupedLinear(G, I, H, dtype=torch.bfloat16))
-    x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
-    freed = step(seq, x, dy)
+    monkeypatch.setattr(sm90_linear, "grouped_wgrad_gathered_sm90", recording_gathered)
+    monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", "auto")
+    seq, x, indices, probs, dy = routed_layer(monkeypatch, ScaledSwiGLU)
+
+    def backward(retain_graph):
+        events.clear(), written.clear()
+        for t in (x, probs, *seq.parameters()):
+            t.grad = None
+        seq(x, indices=indices, probs=probs).backward(dy, retain_graph=retain_graph)
+        return [x.grad, probs.grad, *(p.grad for p in seq.parameters())]
+
+    waited = backward(False)
     assert events == [("dW1", False), ("dW2", True)], events
-    events.clear(), written.clear()
-    for t in (x, *seq.parameters()):
-        t.grad = None
-    y = seq(x, split_sizes=SPLITS)
-    y.backward(dy, retain_graph=True)
+    kept = backward(True)
     assert events == [("dW2", False), ("dW1", False)], events
-    for a, b in zip(freed[1:], [x.grad, *(p.grad for p in seq.parameters())]):
+    for a, b in zip(waited, kept):
         assert torch.equal(a, b)
+
+    torch.manual_seed(0)
+    mlp = Sequential(GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), SwiGLU(),
+                     GroupedLinear(G, I, H, dtype=torch.bfloat16))
+    events.clear(), written.clear()
+    step(mlp, torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True), torch.randn(ROWS, H, dtype=torch.bfloat16))
+    assert events == [("dW2", False), ("dW1", False)], events
+    assert written and written[-1].untyped_storage().size() == 0  # freed all the same, once FC1's backward ran
 
 
 @pytest.mark.parametrize("quantize_x", [True, False])  # False: the recipe's MLP, FC1 in bf16

@@ -333,15 +333,18 @@ def _dact_bf16(ops, ctxs, dy):
 def _wgrad_after_d_pre(act_ctx, linear_ctx, d_pre, *held) -> bool:
     """Where ``d_pre`` was written over the saved pre-activation (else None): hands it to the
     runner to free once FC1's backward has read it (`OpContext.grad_over_input`) and says whether
-    FC2's weight gradient waits until then (a `DeferredGrad`, so it never meets d_pre, FC1's
-    weight gradient and its data gradient at the peak): where the tensors the wait keeps alive
-    (``held``: its operands) are smaller than the gradient. Not in a chunked segment, which
-    merges its chunks' gradients itself (``grad_buffers``)."""
+    FC2's weight gradient waits until then (a `DeferredGrad`, so it never meets d_pre and FC1's
+    weight gradient at the peak). It waits where the tensors the wait keeps alive (``held``: its
+    operands) are no larger than the gradient (so FC1's backward peaks lower) nor than d_pre (so
+    the end of the backward peaks no higher than dW1 + dW2 + d_pre did): FC2's weight gradient
+    reading dy by index, whose act is half of d_pre. Not in a chunked segment, which merges its
+    chunks' gradients itself (``grad_buffers``)."""
     if d_pre is None:
         return False
     act_ctx.grad_over_input = d_pre
+    held_numel = sum(t.numel() for t in held)
     return (not linear_ctx.grad_buffers and linear_ctx.needs_grad("weight")
-            and sum(t.numel() for t in held) < linear_ctx.saved.weight.numel())
+            and held_numel <= min(linear_ctx.saved.weight.numel(), d_pre.numel()))
 
 
 def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool = False, d_pre_recipe=None, dy_casts=None):
