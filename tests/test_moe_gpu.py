@@ -399,6 +399,19 @@ def test_saved_bytes_below_sixty_percent_of_the_plain_torch_layer():
     assert ours <= 0.6 * theirs
 
 
+def backward_peak(moe, x, dy, indices, probs, retain_graph: bool):
+    """(bytes the backward of one step allocates above its start at its peak, the gradients)."""
+    for t in [x, probs, *moe.parameters()]:
+        t.grad = None
+    y = moe(x, indices=indices, probs=probs)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    y.backward(dy, retain_graph=retain_graph)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start, grads(moe, x, probs)
+
+
 def test_fc2_weight_gradient_never_meets_d_pre():
     """Where FC2's weight gradient is larger than the act it reads, it runs last, after the runner
     freed d_pre (written over pre): the backward's peak is below dW1 + dW2 + act + dx - d_pre,
@@ -414,19 +427,8 @@ def test_fc2_weight_gradient_never_meets_d_pre():
     indices = torch.rand(tokens, experts, device="cuda").topk(k, -1).indices
     probs = torch.rand(tokens, k, device="cuda", requires_grad=True)
 
-    def backward_peak(retain_graph):
-        for t in [x, probs, *moe.parameters()]:
-            t.grad = None
-        y = moe(x, indices=indices, probs=probs)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-        y.backward(dy, retain_graph=retain_graph)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - start, grads(moe, x, probs)
-
-    kept, kept_grads = backward_peak(True)
-    freed, freed_grads = backward_peak(False)
+    kept, kept_grads = backward_peak(moe, x, dy, indices, probs, retain_graph=True)
+    freed, freed_grads = backward_peak(moe, x, dy, indices, probs, retain_graph=False)
     rows = tokens * k
     d_pre, act, dx = rows * 2 * inter * 2, rows * inter * 2, tokens * hidden * 2
     weights = sum(p.numel() * p.element_size() for p in moe.parameters())
@@ -446,19 +448,8 @@ def test_backward_writes_d_pre_over_the_saved_pre_activation():
     indices, probs = routing(9, 4096, 8, 0.0)
     probs.requires_grad_()
 
-    def backward_peak(retain_graph):
-        for t in [x, probs, *moe.parameters()]:
-            t.grad = None
-        y = moe(x, indices=indices, probs=probs)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-        y.backward(dy, retain_graph=retain_graph)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - start, grads(moe, x, probs)
-
-    kept, kept_grads = backward_peak(True)
-    freed, freed_grads = backward_peak(False)
+    kept, kept_grads = backward_peak(moe, x, dy, indices, probs, retain_graph=True)
+    freed, freed_grads = backward_peak(moe, x, dy, indices, probs, retain_graph=False)
     pre_bytes = 4096 * 8 * 2 * I * 2
     print(f"backward peak: {kept} B keeping the graph, {freed} B freeing it (pre-activation {pre_bytes} B)")
     assert kept - freed >= 0.9 * pre_bytes
