@@ -32,6 +32,18 @@ def fragment_row_slots(tiled_copy_r2s, epi_tile):
     return [distinct.index(r) for r in rows], [rows.index(r) for r in distinct]
 
 
+def fragment_column_slots(tiled_copy_r2s, epi_tile):
+    """(column_slot, slot_value) of a thread's epilogue fragment: the slot (distinct column) of
+    each value v, and one value of each slot. Static: every lane's columns are lane 0's shifted
+    by one offset (sm90 accumulator layout; asserted)."""
+    cols = [c for _, c in _value_coords(tiled_copy_r2s, epi_tile, 0)]
+    for lane in range(1, 128):
+        shifted = [c for _, c in _value_coords(tiled_copy_r2s, epi_tile, lane)]
+        assert [c - shifted[0] + cols[0] for c in shifted] == cols, "column slots assume the sm90 accumulator layout"
+    distinct = sorted(set(cols))
+    return [distinct.index(c) for c in cols], [cols.index(c) for c in distinct]
+
+
 def quad_column_groups(tiled_copy_r2s, epi_tile, row_slot):
     """[slot][j] -> the pair index p whose values 2p, 2p + 1 sit at columns 8 j + 2 q, + 1 of the
     thread's row slot (``row_slot`` of `fragment_row_slots`; q = lane % 4, the quad position): an
@@ -195,6 +207,22 @@ def write_amax_parts(mParts: cute.Tensor, amax: cute.Tensor, consumer_warp, warp
             if j == first:
                 part = value
             mParts[j] = part
+
+
+@cute.jit
+def load_column_values(rValues: cute.Tensor, mRows: cute.Tensor, row, col0, n_cols, tRS_cD, slot_value, valid):
+    """rValues[j * slots + s] = mRows[row, j * n_cols + col0 + c] (float32), c the column of the
+    thread's slot s in the chunk (``slot_value`` of `fragment_column_slots`), for each of the
+    len(rValues) // slots boxes j; 0 at columns from ``n_cols`` on and where not ``valid``: one
+    load a column, not one a value."""
+    slots = len(slot_value)
+    rValues.fill(0.0)
+    if valid:
+        for j in cutlass.range_constexpr(cute.size(rValues) // slots):
+            for s in cutlass.range_constexpr(slots):
+                col = col0 + tRS_cD[slot_value[s]][1]
+                if col < n_cols:
+                    rValues[j * slots + s] = mRows[row, j * n_cols + col].to(Float32)
 
 
 @cute.jit

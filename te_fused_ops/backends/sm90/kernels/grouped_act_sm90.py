@@ -20,7 +20,9 @@ from .activation_math_sm90 import ACTIVATION_MATH, ActivationConstants
 from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled
 from .epilogue_cast_sm90 import (
     COLUMN_SCRATCH,
+    fragment_column_slots,
     fragment_row_slots,
+    load_column_values,
     load_row_values,
     make_amax_state,
     quad_column_groups,
@@ -123,6 +125,7 @@ class GroupedGemmActSm90(GroupedGemmSm90):
     def epi_make_state(self, tiled_copy, epi_tile, shared):
         """A `ForwardState`: with act_amax the thread's running max |act| over all its tiles; for
         an activation that takes probs its rows' probs (read once a chunk)."""
+        self._column_slots(tiled_copy, epi_tile)
         row_probs = None
         if self._takes_probs():
             self.row_slot, self.slot_value = fragment_row_slots(tiled_copy, epi_tile)
@@ -132,13 +135,32 @@ class GroupedGemmActSm90(GroupedGemmSm90):
     def _takes_probs(self) -> bool:
         return self.spec is not None and self.spec.takes_probs
 
+    def _column_slots(self, tiled_copy, epi_tile):
+        """With a bias: the fragment's column slots (`fragment_column_slots`) for `_bias_columns`."""
+        if self.has_bias:
+            self.column_slot, self.column_value = fragment_column_slots(tiled_copy, epi_tile)
+
+    @cute.jit
+    def _bias_columns(self, params, tile: Tile, chunk, n_box, tRS_cD):
+        """The bias of the thread's columns of the chunk, per B box and column slot (float32), one
+        load a column; 0 outside a group and past n_box. None without a bias."""
+        if const_expr(not self.has_bias):
+            return None
+        mBias = params.bias
+        columns = cute.make_rmem_tensor((self.b_boxes * len(self.column_value),), Float32)
+        g_safe = cutlass.min(tile.seg, cute.size(mBias, mode=[0]) - 1)
+        load_column_values(columns, mBias, g_safe, chunk * self.epi_n, n_box, tRS_cD, self.column_value,
+                           tile.is_group)
+        return columns
+
     @cute.jit
     def epi_visit(self, params, tile: Tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
         if const_expr(self._takes_probs()):
             # once a chunk, not once a tile: held across the tile, the ping-pong kernels spill
             load_row_values(state.row_probs, params.probs, tile, tRS_cD, self.slot_value, params.m_total)
+        bias = self._bias_columns(params, tile, chunk, n_box, tRS_cD)
         for v in cutlass.range_constexpr(cute.size(rAcc[0])):
-            act = self._pre_act(params, tile, chunk, n_box, rAcc, rOut, tRS_cD, v, state.row_probs)
+            act = self._pre_act(params, rAcc, rOut, v, state.row_probs, bias)
             if const_expr(self.act_amax):  # the amax of what the cast will read
                 track_amax(state.amax, act, self.dtype, tile, tile.row0 + tRS_cD[v][0],
                            chunk * self.epi_n + tRS_cD[v][1], n_box)
@@ -149,28 +171,22 @@ class GroupedGemmActSm90(GroupedGemmSm90):
             write_amax_parts(params.amax_parts, state.amax, consumer_warp, self.hook_warps)
 
     @cute.jit
-    def _pre(self, params, tile: Tile, chunk, n_box, rAcc, rOut, tRS_cD, v):
-        """rOut[j][v] = pre of B box j (acc + bias) for value v of the chunk."""
-        mBias = params.bias
-        g_safe = tile.seg
-        if const_expr(self.has_bias):
-            g_safe = cutlass.min(tile.seg, cute.size(mBias, mode=[0]) - 1)
+    def _pre(self, rAcc, rOut, v, bias):
+        """rOut[j][v] = pre of B box j (acc + bias) for value v of the chunk (``bias``: the
+        chunk's `_bias_columns`)."""
         for j in cutlass.range_constexpr(self.b_boxes):
             x = rAcc[j][v]
             if const_expr(self.has_bias):
-                col = chunk * self.epi_n + tRS_cD[v][1]
-                b = Float32(0.0)
-                if tile.is_group and col < n_box:
-                    b = mBias[g_safe, j * n_box + col].to(Float32)
-                x = x + b
+                x = x + bias[j * len(self.column_value) + self.column_slot[v]]
             rOut[j][v] = x
 
     @cute.jit
-    def _pre_act(self, params, tile: Tile, chunk, n_box, rAcc, rOut, tRS_cD, v, row_probs):
-        """Value v of the chunk: rOut[j][v] = pre of B box j (acc + bias); returns the activation
-        (times the probs of v's row, ``row_probs`` by row slot; None for an activation without
-        probs), also written to rOut[-1][v] when this class stores it; None without one."""
-        self._pre(params, tile, chunk, n_box, rAcc, rOut, tRS_cD, v)
+    def _pre_act(self, params, rAcc, rOut, v, row_probs, bias):
+        """Value v of the chunk: rOut[j][v] = pre of B box j (acc + ``bias``, `_bias_columns`);
+        returns the activation (times the probs of v's row, ``row_probs`` by row slot; None for an
+        activation without probs), also written to rOut[-1][v] when this class stores it; None
+        without one."""
+        self._pre(rAcc, rOut, v, bias)
         value = None
         if const_expr(self.spec is not None):
             up = rOut[1][v] if const_expr(self.spec.glu) else None
@@ -286,6 +302,7 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
         ``columns`` the transposed staging tile and the groups' first blocks (shared))."""
         self.row_slot, self.slot_value = fragment_row_slots(tiled_copy, epi_tile)
         self.quad_pairs = quad_column_groups(tiled_copy, epi_tile, self.row_slot)
+        self._column_slots(tiled_copy, epi_tile)
         frag, slots = len(self.row_slot), len(self.slot_value)
         return (
             [cute.make_rmem_tensor((self.blocks * slots,), Float32) for _ in range(3)],
@@ -296,9 +313,9 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
         )
 
     @cute.jit
-    def _stored(self, params, tile: Tile, chunk, n_box, rAcc, rPre, tRS_cD, v, row_probs=None):
+    def _stored(self, params, rAcc, rPre, v, row_probs, bias):
         """Value v of the chunk as `GroupedGemmActSm90` stores it (dtype): the act, or the output."""
-        act = self._pre_act(params, tile, chunk, n_box, rAcc, rPre, tRS_cD, v, row_probs)
+        act = self._pre_act(params, rAcc, rPre, v, row_probs, bias)
         if const_expr(self.spec is None):
             act = rPre[0][v]
         return act.to(self.dtype)
@@ -321,8 +338,9 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
             for v in cutlass.range_constexpr(frag):
                 for j in cutlass.range_constexpr(self.b_boxes):
                     rAcc[j][v] = tRS_rAcc[(step + j * self.num_steps) * frag + v]
+            bias = self._bias_columns(params, tile, chunk, n_box, tRS_cD)
             for v in cutlass.range_constexpr(frag):
-                stored = self._stored(params, tile, chunk, n_box, rAcc, rPre, tRS_cD, v, row_probs)
+                stored = self._stored(params, rAcc, rPre, v, row_probs, bias)
                 if const_expr(self.spec is not None):
                     acts[step * frag + v] = stored
                 value = stored.to(Float32)
@@ -352,12 +370,13 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
         m_total, mData = params.m_total, params.data
         (scale_inv, m1, m2), acts, scaled, data = state[:4]
         frag, slots = cute.size(rAcc[0]), len(self.slot_value)
+        bias = self._bias_columns(params, tile, chunk, n_box, tRS_cD)
         for v in cutlass.range_constexpr(frag):
             if const_expr(self.spec is not None):
-                self._pre(params, tile, chunk, n_box, rAcc, rOut, tRS_cD, v)
+                self._pre(rAcc, rOut, v, bias)
                 stored = acts[step * frag + v]
             else:  # recomputed as the first pass did; `scaled` is the scratch of `_pre`
-                stored = self._stored(params, tile, chunk, n_box, rAcc, [scaled], tRS_cD, v)
+                stored = self._stored(params, rAcc, [scaled], v, None, bias)
             if const_expr(self.columns):
                 stage_transposed(state[4], stored, tile, tRS_cD[v][0],
                                  step % self.block_steps * self.epi_n + tRS_cD[v][1], self.dtype)
