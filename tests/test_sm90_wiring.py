@@ -502,6 +502,22 @@ def test_fc2_weight_gradient_waits_for_d_pre_to_be_freed(sm90_stand_ins, monkeyp
     assert written and written[-1].untyped_storage().size() == 0  # freed all the same, once FC1's backward ran
 
 
+def test_freeing_d_pre_spares_the_sequentials_own_data_gradient():
+    """The runner frees a data gradient written over the saved input (`free_grad_over_input`),
+    except where the Sequential returns a tensor living in the same storage as its dx."""
+    from types import SimpleNamespace
+
+    from te_fused_ops.runner import free_grad_over_input
+
+    d_pre, other = torch.randn(8, 4), torch.randn(8, 4)
+    returned = SimpleNamespace(grad_over_input=d_pre)
+    free_grad_over_input(returned, d_pre[2:])
+    assert returned.grad_over_input is None and d_pre.untyped_storage().size() == d_pre.numel() * 4
+    freed = SimpleNamespace(grad_over_input=other)
+    free_grad_over_input(freed, d_pre)
+    assert freed.grad_over_input is None and other.untyped_storage().size() == 0
+
+
 @pytest.mark.parametrize("quantize_x", [True, False])  # False: the recipe's MLP, FC1 in bf16
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_blockwise_pow2", "fp8_current"])
 def test_fp8_plan_glue_matches_the_emulation(recipe, quantize_x, sm90_stand_ins, monkeypatch):
