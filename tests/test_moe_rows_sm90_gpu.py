@@ -7,23 +7,16 @@ sync; errors that name the argument."""
 
 import pytest
 import torch
+from test_route_sm90_gpu import NEEDS_FFI_KERNELS
 
-from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
 from te_fused_ops.backends.sm90.kernels.block_quantize import block_quantize_sm90
-from te_fused_ops.backends.sm90.kernels.launch import ffi_kernels_available
 from te_fused_ops.backends.sm90.kernels.moe_rows import (
     gather_sum,
     scatter_cast_rows,
     scatter_rows,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        torch.cuda.is_available() and not ffi_kernels_available(),
-        reason=str(sm90_unavailable_reason() or "TVM-FFI not importable") if torch.cuda.is_available() else "",
-    ),
-]
+pytestmark = [pytest.mark.gpu, NEEDS_FFI_KERNELS]
 
 GUARD = 8  # NaN rows before and after each row-indexed tensor
 NAN = float("nan")

@@ -18,13 +18,12 @@ from te_fused_ops.backends.sm90.kernels.route import (
     route_supported,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        torch.cuda.is_available() and not ffi_kernels_available(),
-        reason=str(sm90_unavailable_reason() or "TVM-FFI not importable") if torch.cuda.is_available() else "",
-    ),
-]
+# the TVM-FFI-only kernels (routing, row movers, slot values) need the launcher as well as sm90
+NEEDS_FFI_KERNELS = pytest.mark.skipif(
+    torch.cuda.is_available() and not ffi_kernels_available(),
+    reason=str(sm90_unavailable_reason() or "TVM-FFI not importable") if torch.cuda.is_available() else "",
+)
+pytestmark = [pytest.mark.gpu, NEEDS_FFI_KERNELS]
 
 POISON = -7
 

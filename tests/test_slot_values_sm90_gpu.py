@@ -11,25 +11,17 @@ import pytest
 import torch
 
 from test_grouped_dgrad_sm90_gpu import poison_allocator
-from test_route_sm90_gpu import expert_ids
+from test_route_sm90_gpu import NEEDS_FFI_KERNELS, expert_ids
 
 from te_fused_ops import routing
 from te_fused_ops.backends import helper_kernel
-from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason
-from te_fused_ops.backends.sm90.kernels.launch import ffi_kernels_available
 from te_fused_ops.backends.sm90.kernels.slot_values import (
     compile_rows_to_slots,
     compile_slots_to_rows,
     slot_values_supported,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        torch.cuda.is_available() and not ffi_kernels_available(),
-        reason=str(sm90_unavailable_reason() or "TVM-FFI not importable") if torch.cuda.is_available() else "",
-    ),
-]
+pytestmark = [pytest.mark.gpu, NEEDS_FFI_KERNELS]
 
 # T, k, E, share of dropped slots, how the ids are drawn (`test_route_sm90_gpu.expert_ids`)
 CASES = [

@@ -309,11 +309,12 @@ def _act_grads(act_ctx, d_probs) -> dict:
     return act_ctx.op.probs_grads(act_ctx, d_probs) if act_ctx.needs_grad("probs") else {}
 
 
-def _dact_bf16(ops, ctxs, dy):
+def _dact_bf16(ops, ctxs, dy, dy_index=None):
     """One kernel: d_pre = act'(pre) * (dy @ W[g]) and act(pre) (the weight gradient's operand);
     then the varlen-K weight gradient. d_pre is written over pre where the forward made pre for
     this backward alone (`OpContext.input_overwritable`): each tile reads its pre before it stores
-    its d_pre there, so the two never occupy memory together."""
+    its d_pre there, so the two never occupy memory together. With ``dy_index`` (M,) int32 dy is
+    the caller's (T, N) in token order and both kernels read its rows by index."""
     act, linear = ops
     act_ctx, linear_ctx = ctxs
     if linear_ctx.saved.recipe is not None or is_quantized(dy):
@@ -322,12 +323,14 @@ def _dact_bf16(ops, ctxs, dy):
     pre = act_ctx.load_input()
     over_pre = act_ctx.input_overwritable()
     d_pre, out, d_probs = grouped_dgrad_dact_sm90(
-        dy, linear_ctx.saved.weight.detach(), linear_ctx.side["offsets"], pre,
+        dy, linear_ctx.saved.weight.detach(), linear_ctx.side["offsets"], pre, dy_index=dy_index,
         activation=act.kernel_name, out=pre if over_pre else None, sm_margin=sm_margin(),
         d_probs_parts=True, **epilogue_args(act, act_ctx),
     )
-    defer = _wgrad_after_d_pre(act_ctx, linear_ctx, d_pre if over_pre else None, out, dy)
-    return d_pre, [_act_grads(act_ctx, d_probs), linear_param_grads(linear_ctx, dy, x=out, defer=defer)]
+    held = (out,) if dy_index is not None else (out, dy)  # dy in token order: the caller's, alive anyway
+    defer = _wgrad_after_d_pre(act_ctx, linear_ctx, d_pre if over_pre else None, *held)
+    return d_pre, [_act_grads(act_ctx, d_probs),
+                   linear_param_grads(linear_ctx, dy, x=out, dy_index=dy_index, defer=defer)]
 
 
 def _wgrad_after_d_pre(act_ctx, linear_ctx, d_pre, *held) -> bool:
@@ -527,8 +530,7 @@ def _dactivation_grouped_linear_dy_by_index(ops, ctxs, dy):
     (`dy_by_index`): the combine's backward writes nothing. Where the combine applies the
     probabilities, runs on other ranks or FC2 accumulates into main_grad: the combine's backward,
     then `dactivation+grouped_linear`."""
-    act, linear = ops[:2]
-    act_ctx, linear_ctx, combine_ctx = ctxs
+    linear_ctx, combine_ctx = ctxs[1:]
     tokens = None
     if linear_ctx.saved.recipe is None and not is_quantized(dy) and linear_ctx.main_grads.get("weight") is None:
         tokens = dy_by_index(combine_ctx, dy)
@@ -536,14 +538,5 @@ def _dactivation_grouped_linear_dy_by_index(ops, ctxs, dy):
         dy_rows, combine_grads = unpermute_backward(ops[2:], ctxs[2:], dy)
         d_pre, grads = _dactivation_grouped_linear(ops[:2], ctxs[:2], dy_rows)
         return d_pre, [*grads, *combine_grads]
-    dy, index = tokens
-    pre = act_ctx.load_input()
-    over_pre = act_ctx.input_overwritable()
-    d_pre, out, d_probs = grouped_dgrad_dact_sm90(
-        dy, linear_ctx.saved.weight.detach(), linear_ctx.side["offsets"], pre, dy_index=index,
-        activation=act.kernel_name, out=pre if over_pre else None, sm_margin=sm_margin(),
-        d_probs_parts=True, **epilogue_args(act, act_ctx),
-    )
-    defer = _wgrad_after_d_pre(act_ctx, linear_ctx, d_pre if over_pre else None, out)  # dy: the caller's, alive anyway
-    return d_pre, [_act_grads(act_ctx, d_probs), linear_param_grads(linear_ctx, dy, x=out, dy_index=index, defer=defer),
-                   {}]
+    d_pre, grads = _dact_bf16(ops[:2], ctxs[:2], *tokens)
+    return d_pre, [*grads, {}]
