@@ -197,6 +197,13 @@ class GroupedGemmDActGatheredSm90(GroupedGemmDActSm90):
     outside [0, T) clamped; pre, d_pre, act, probs with M rows as before."""
 
     def __init__(self, dtype, tile_n, activation, cluster_m=2, **opts):
+        if opts.get("pingpong") and tile_n == 192:
+            # a fifth operand stage for the gathering producer, in the room of one store slot and
+            # one C stage: 2-3% faster at ping-pong 192 (H100, qwen3 and gpt-oss; the cooperative
+            # 256-wide kernel is 4-7% slower so, the kernel on the copied rows too on qwen3:
+            # docs/notes/backward-kernels.md)
+            opts.setdefault("epi_slots", 1)
+            opts.setdefault("c_stages", 1)
         super().__init__(dtype, tile_n, activation, cluster_m, gather_a=True, **opts)
         if self.pingpong and tile_n == 192:
             # whole 192-wide accumulators: the dActivation epilogue takes the copy kernel's 240
