@@ -28,7 +28,7 @@ if __name__ == "__main__":  # before torch and the kernels load: one line, exit 
 
 import torch
 from bench_gathered_sm90 import SHAPES, problem
-from common import rotated_medians, sustained_ms
+from common import time_and_print_variants
 
 from te_fused_ops.activations import activation_constants
 from te_fused_ops.backends.sm90.kernels import grouped_gemm as gg
@@ -96,21 +96,14 @@ def main():
     ap.add_argument("--kinds", default="copy,gath")
     ap.add_argument("--splits", default="default,core,ab5 s1 c1")
     args = ap.parse_args()
-    results = {}
-    for name in args.shapes.split(","):
+    kinds, splits = args.kinds.split(","), args.splits.split(",")
+
+    def shape_variants(name):
         if name not in SHAPES:
             SHAPES[name] = tuple(int(v) for v in name.split("x"))
-        fns = variants(name, args.kinds.split(","), args.splits.split(","))
-        check(fns)
-        results[name] = {label: 1e3 * ms for label, ms in
-                         rotated_medians(fns, lambda fn: sustained_ms(fn, 0.3, 0.4)).items()}
-        for label, us in results[name].items():
-            print(f"  {name:20s} {label:16s} {us:8.1f} us", flush=True)
-    labels = list(next(iter(results.values())))
-    print(f"\nus, bf16, {torch.cuda.get_device_name()}\n")
-    print("| shape | " + " | ".join(labels) + " |\n|---|" + "---|" * len(labels))
-    for name, us in results.items():
-        print(f"| {name} | " + " | ".join(f"{us[label]:.0f}" for label in labels) + " |")
+        return variants(name, kinds, splits)
+
+    time_and_print_variants(args.shapes, shape_variants, check, 0.3, 0.4)
 
 
 if __name__ == "__main__":

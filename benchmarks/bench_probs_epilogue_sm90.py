@@ -28,7 +28,7 @@ if __name__ == "__main__":  # before torch and the kernels load: one line, exit 
 
 import torch
 from bench_gathered_sm90 import problem
-from common import rotated_medians, sustained_ms
+from common import time_and_print_variants
 
 from te_fused_ops.backends.sm90.kernels import grouped_gemm as gg
 
@@ -70,19 +70,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="qwen3-30b-a3b")
     args = ap.parse_args()
-    results = {}
-    for name in args.shapes.split(","):
-        fns = variants(name)
-        check(fns)
-        results[name] = {label: 1e3 * ms for label, ms in
-                         rotated_medians(fns, lambda fn: sustained_ms(fn, 0.15, 0.2)).items()}
-        for label, us in results[name].items():
-            print(f"  {name:16s} {label:16s} {us:8.1f} us", flush=True)
-    labels = list(next(iter(results.values())))
-    print(f"\nus, bf16, {torch.cuda.get_device_name()}\n")
-    print("| shape | " + " | ".join(labels) + " |\n|---|" + "---|" * len(labels))
-    for name, us in results.items():
-        print(f"| {name} | " + " | ".join(f"{us[label]:.0f}" for label in labels) + " |")
+    time_and_print_variants(args.shapes, variants, check, 0.15, 0.2)
 
 
 if __name__ == "__main__":

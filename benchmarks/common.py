@@ -175,6 +175,29 @@ def rotated_medians(fns: dict, time_us) -> dict:
     return {label: sorted(v)[len(v) // 2] for label, v in samples.items()}
 
 
+def time_and_print_variants(shapes: str, variants, check, warm_s: float, time_s: float) -> dict:
+    """Per shape of the comma-separated ``shapes``: ``fns = variants(name)`` (label -> call),
+    ``check(fns)``, then each call's time in us (`sustained_ms` medians of `rotated_medians`),
+    printed as it comes and as one markdown table (shapes by labels) at the end. Returns
+    {shape: {label: us}}."""
+    import torch
+
+    results = {}
+    for name in shapes.split(","):
+        fns = variants(name)
+        check(fns)
+        results[name] = {label: 1e3 * ms for label, ms in
+                         rotated_medians(fns, lambda fn: sustained_ms(fn, warm_s, time_s)).items()}
+        for label, us in results[name].items():
+            print(f"  {name:20s} {label:16s} {us:8.1f} us", flush=True)
+    labels = list(next(iter(results.values())))
+    print(f"\nus, {torch.cuda.get_device_name()}\n")
+    print("| shape | " + " | ".join(labels) + " |\n|---|" + "---|" * len(labels))
+    for name, us in results.items():
+        print(f"| {name} | " + " | ".join(f"{us[label]:.0f}" for label in labels) + " |")
+    return results
+
+
 def compile_per_shape(fn):
     """``torch.compile`` with one static kernel per shape, what a user training one model gets: the
     default recompiles with dynamic sizes once a shape loop reaches its second shape (a 5-9% slower
