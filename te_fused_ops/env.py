@@ -27,6 +27,10 @@ def _flag_or_auto(raw: str) -> bool | None:
     return None if raw.lower() == "auto" else _flag(raw)
 
 
+def _gather_rows(raw: str) -> bool | str | None:
+    return "wgrad" if raw.lower() == "wgrad" else _flag_or_auto(raw)
+
+
 def _backend_names() -> tuple:
     return backend_names()
 
@@ -104,7 +108,7 @@ SWITCHES = {
             "once per class); stored choices are used without it",
         ),
         Switch(
-            "TE_FUSED_OPS_GATHER_ROWS", _flag_or_auto, lambda: f"auto, or {_FLAG_VALUES}", None, "auto",
+            "TE_FUSED_OPS_GATHER_ROWS", _gather_rows, lambda: f"auto, wgrad, or {_FLAG_VALUES}", None, "auto",
             "whether FC1 + activation right after a single-GPU `Permute` reads the token rows by index "
             "inside the sm90 GEMM (rule `permute+grouped_linear+activation`, 16-bit, hidden size a "
             "multiple of 64) instead of reading the permuted copy: 1 always, 0 never, auto where FC1's "
@@ -113,7 +117,9 @@ SWITCHES = {
             "output width is at most 2048; and whether FC2's data gradient + dActivation and weight "
             "gradient read dy's token rows by index where the combine is a plain sum (rule "
             "`dactivation+grouped_linear+unpermute`): 1 always, 0 never, auto where FC2's input width "
-            "is at most 1024",
+            "is at most 1024; wgrad: both weight gradients read the rows by index and every other GEMM "
+            "reads the copies (the peak memory of 1 where the weight gradients' gathers cost less than "
+            "the others')",
         ),
         Switch(
             "TE_FUSED_OPS_KERNEL_CACHE_DIR", _path, lambda: "a directory path", None,

@@ -502,6 +502,57 @@ def test_fc2_weight_gradient_waits_for_d_pre_to_be_freed(sm90_stand_ins, monkeyp
     assert written and written[-1].untyped_storage().size() == 0  # freed all the same, once FC1's backward ran
 
 
+def test_wgrad_setting_reads_rows_by_index_in_the_weight_gradients_alone(sm90_stand_ins, monkeypatch):
+    """TE_FUSED_OPS_GATHER_ROWS=wgrad: FC1's forward reads the permuted copy and FC2's data gradient
+    + dActivation dy's expert-ordered copy, while both weight gradients read the rows by index and
+    run last: dW1 after the permute's backward, dW2 after d_pre's storage is freed and after dy's
+    copy is gone (the peak of 1 without its gathers in the forward and the data gradient).
+    Gradients bit for bit those of the other settings."""
+    import weakref
+
+    import te_fused_ops.backends.sm90.linear as sm90_linear
+    import te_fused_ops.backends.sm90.rules as dact_rule
+
+    events, copies, written = [], [], []
+    dgrad, by_index = dact_rule.grouped_dgrad_dact_sm90, sm90_linear.grouped_wgrad_gathered_sm90
+
+    def recording_dact(dy, weight, offsets, pre, **kwargs):
+        events.append(("dact", kwargs.get("dy_index") is not None))
+        copies.append(weakref.ref(dy))
+        written.append(kwargs["out"])
+        return dgrad(dy, weight, offsets, pre, **kwargs)
+
+    def recording_gathered(dy, x, index, offsets, **kwargs):
+        copy_alive = any(ref() is not None for ref in copies)
+        d_pre_freed = written[-1].untyped_storage().size() == 0
+        events.append(("dW1" if kwargs.get("gathered", "x") == "x" else "dW2", copy_alive, d_pre_freed))
+        return by_index(dy, x, index, offsets, **kwargs)
+
+    monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_sm90", recording_dact)
+    monkeypatch.setattr(sm90_linear, "grouped_wgrad_gathered_sm90", recording_gathered)
+    seq, x, indices, probs, dy = routed_layer(monkeypatch, ScaledSwiGLU)
+    grads = {}
+    for setting in ("wgrad", "1", "0"):
+        monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", setting)
+        events.clear(), copies.clear(), written.clear(), SCATTERS.clear(), GATHERED_GEMMS.clear()
+        for t in (x, probs, *seq.parameters()):
+            t.grad = None
+        seq(x, indices=indices, probs=probs).backward(dy)
+        grads[setting] = [x.grad, probs.grad, *(p.grad for p in seq.parameters())]
+        if setting == "wgrad":
+            # the permute and the combine's backward write copies; no GEMM gathers rows but dW1, dW2
+            assert len(SCATTERS) == 2 and not GATHERED_GEMMS, (SCATTERS, GATHERED_GEMMS)
+            assert events == [("dact", False), ("dW1", False, False), ("dW2", False, True)], events
+    assert events == [("dact", False)], events  # 0: no weight gradient reads rows by index
+    monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", "wgrad")
+    text = seq.explain(x, indices=indices, probs=probs)
+    assert "TE_FUSED_OPS_GATHER_ROWS=wgrad (FC1 reads the permuted copy)" in text, text
+    assert "rule 'dactivation+grouped_linear+unpermute'" in text, text
+    for other in ("1", "0"):
+        for a, b in zip(grads["wgrad"], grads[other]):
+            assert torch.equal(a, b)
+
+
 def test_freeing_d_pre_spares_the_sequentials_own_data_gradient():
     """The runner frees a data gradient written over the saved input (`free_grad_over_input`),
     except where the Sequential returns a tensor living in the same storage as its dx."""
@@ -1068,6 +1119,7 @@ def test_fc2_backward_keeps_dy_copy_when_wide_with_bias_or_asked(sm90_stand_ins,
     for setting, width, bias, reason in (
             ("auto", wide, False, f"FC2 input width {wide} > {GATHER_DY_MAX_WIDTH}: dy's expert-ordered copy"),
             ("1", wide, False, None),
+            ("wgrad", wide, False, None),
             ("0", I, False, "TE_FUSED_OPS_GATHER_ROWS=0 (FC2's backward reads dy's expert-ordered copy)"),
             ("1", I, True, "FC2 has a bias")):
         monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", setting)
@@ -1079,7 +1131,7 @@ def test_fc2_backward_keeps_dy_copy_when_wide_with_bias_or_asked(sm90_stand_ins,
 
 
 @pytest.mark.parametrize("setting,width,gathers", [("auto", 2048, True), ("auto", 2056, False), ("1", 8192, True),
-                                                   ("0", 1024, False)])
+                                                   ("wgrad", 8192, True), ("0", 1024, False)])
 def test_weight_gradient_reads_rows_by_index_where_fc1_is_narrow(setting, width, gathers, monkeypatch):
     """TE_FUSED_OPS_GATHER_ROWS for FC1's weight gradient: auto gathers up to
     `GATHER_WGRAD_MAX_WIDTH` output columns (where it measured faster than permuting x again)."""

@@ -272,9 +272,9 @@ GATHER_WGRAD_MAX_WIDTH = 2048
 
 def gather_wgrad(dy: torch.Tensor) -> bool:
     """Whether a weight gradient with ``dy`` (M, N) reads a permute's rows by index:
-    ``TE_FUSED_OPS_GATHER_ROWS`` 1, or auto and N at most `GATHER_WGRAD_MAX_WIDTH`."""
+    ``TE_FUSED_OPS_GATHER_ROWS`` 1 or wgrad, or auto and N at most `GATHER_WGRAD_MAX_WIDTH`."""
     setting = env.read("TE_FUSED_OPS_GATHER_ROWS", "sm90 backend")
-    return setting is True or (setting is None and dy.shape[1] <= GATHER_WGRAD_MAX_WIDTH)
+    return setting in (True, "wgrad") or (setting is None and dy.shape[1] <= GATHER_WGRAD_MAX_WIDTH)
 
 
 def deferred_if(defer: bool, fn, *args, **kwargs):

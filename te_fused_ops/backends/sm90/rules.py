@@ -223,13 +223,14 @@ def _grouped_linear_activation(ops, ctxs, x):
     return quantize_rows(y, out.recipe, out.offsets, amax_parts)
 
 
-def _gather_rows_reason(reader, copy, what, width, limit, hidden):
-    """Why ``TE_FUSED_OPS_GATHER_ROWS`` has ``reader`` read ``copy`` (0; auto and ``what``, the
-    width ``width``, past ``limit``), or why gathered rows cannot run (``hidden`` not a multiple of
-    64); None where the rows may be read by index."""
+def _gather_rows_reason(reader, copy, what, width, limit, hidden, weight_gradient=False):
+    """Why ``TE_FUSED_OPS_GATHER_ROWS`` has ``reader`` read ``copy`` (0; wgrad, unless
+    ``weight_gradient``: the reader includes a weight gradient, which then reads by index; auto and
+    ``what``, the width ``width``, past ``limit``), or why gathered rows cannot run (``hidden`` not a
+    multiple of 64); None where the rows may be read by index."""
     gather = env.read("TE_FUSED_OPS_GATHER_ROWS", "sm90 backend")
-    if gather is False:
-        return f"TE_FUSED_OPS_GATHER_ROWS=0 ({reader} reads {copy})"
+    if gather is False or (gather == "wgrad" and not weight_gradient):
+        return f"TE_FUSED_OPS_GATHER_ROWS={int(gather) if gather is False else gather} ({reader} reads {copy})"
     if gather is None and width > limit:
         return (f"{what} {width} > {limit}: {copy} measured faster (TE_FUSED_OPS_GATHER_ROWS=1 reads the "
                 "rows by index anyway)")
@@ -309,12 +310,13 @@ def _act_grads(act_ctx, d_probs) -> dict:
     return act_ctx.op.probs_grads(act_ctx, d_probs) if act_ctx.needs_grad("probs") else {}
 
 
-def _dact_bf16(ops, ctxs, dy, dy_index=None):
+def _dact_bf16(ops, ctxs, dy, dy_index=None, wgrad_dy=None):
     """One kernel: d_pre = act'(pre) * (dy @ W[g]) and act(pre) (the weight gradient's operand);
     then the varlen-K weight gradient. d_pre is written over pre where the forward made pre for
     this backward alone (`OpContext.input_overwritable`): each tile reads its pre before it stores
     its d_pre there, so the two never occupy memory together. With ``dy_index`` (M,) int32 dy is
-    the caller's (T, N) in token order and both kernels read its rows by index."""
+    the caller's (T, N) in token order and both kernels read its rows by index; with ``wgrad_dy``
+    ((T, N) dy, (M,) index) the weight gradient alone reads those."""
     act, linear = ops
     act_ctx, linear_ctx = ctxs
     if linear_ctx.saved.recipe is not None or is_quantized(dy):
@@ -327,6 +329,8 @@ def _dact_bf16(ops, ctxs, dy, dy_index=None):
         activation=act.kernel_name, out=pre if over_pre else None, sm_margin=sm_margin(),
         d_probs_parts=True, **epilogue_args(act, act_ctx),
     )
+    if wgrad_dy is not None:
+        dy, dy_index = wgrad_dy
     held = (out,) if dy_index is not None else (out, dy)  # dy in token order: the caller's, alive anyway
     defer = _wgrad_after_d_pre(act_ctx, linear_ctx, d_pre if over_pre else None, *held)
     return d_pre, [_act_grads(act_ctx, d_probs),
@@ -513,7 +517,7 @@ def _supports_dy_by_index(ops, info):
     dActivation kernel, FC2 without a bias, the combine's rows on the row kernels."""
     linear = ops[1]
     reason = _gather_rows_reason("FC2's backward", "dy's expert-ordered copy", "FC2 input width",
-                                 linear.in_features, GATHER_DY_MAX_WIDTH, linear.out_features)
+                                 linear.in_features, GATHER_DY_MAX_WIDTH, linear.out_features, weight_gradient=True)
     if reason:
         return reason
     if linear.bias is not None:
@@ -527,16 +531,20 @@ def _supports_dy_by_index(ops, info):
 @SM90.implement("dactivation+grouped_linear+unpermute", supports=_supports_dy_by_index)
 def _dactivation_grouped_linear_dy_by_index(ops, ctxs, dy):
     """FC2's data gradient + dActivation and its weight gradient reading dy's rows by index
-    (`dy_by_index`): the combine's backward writes nothing. Where the combine applies the
-    probabilities, runs on other ranks or FC2 accumulates into main_grad: the combine's backward,
-    then `dactivation+grouped_linear`."""
+    (`dy_by_index`): the combine's backward writes nothing. With ``TE_FUSED_OPS_GATHER_ROWS=wgrad``
+    the weight gradient alone: the data gradient reads the combine's backward's rows, freed before
+    the weight gradient runs. Where the combine applies the probabilities, runs on other ranks or
+    FC2 accumulates into main_grad: the combine's backward, then `dactivation+grouped_linear`."""
     linear_ctx, combine_ctx = ctxs[1:]
     tokens = None
     if linear_ctx.saved.recipe is None and not is_quantized(dy) and linear_ctx.main_grads.get("weight") is None:
         tokens = dy_by_index(combine_ctx, dy)
-    if tokens is None:
+    if tokens is None or env.read("TE_FUSED_OPS_GATHER_ROWS", "sm90 backend") == "wgrad":
         dy_rows, combine_grads = unpermute_backward(ops[2:], ctxs[2:], dy)
-        d_pre, grads = _dactivation_grouped_linear(ops[:2], ctxs[:2], dy_rows)
+        if tokens is None:
+            d_pre, grads = _dactivation_grouped_linear(ops[:2], ctxs[:2], dy_rows)
+        else:
+            d_pre, grads = _dact_bf16(ops[:2], ctxs[:2], dy_rows, wgrad_dy=tokens)
         return d_pre, [*grads, *combine_grads]
     d_pre, grads = _dact_bf16(ops[:2], ctxs[:2], *tokens)
     return d_pre, [*grads, {}]
