@@ -76,27 +76,29 @@ def float64_layer(w1, w2, x0, indices, probs, dy):
     return [ref, *torch.autograd.grad(ref, (xd, pd, w1, w2), dy.double())]
 
 
-@pytest.mark.parametrize("gather", ["0", "auto", "1"])
+@pytest.mark.parametrize("gather", ["0", "auto", "1", "wgrad"])
 def test_sm90_row_rules_are_planned(gather, monkeypatch):
     """The row kernels move the rows; with TE_FUSED_OPS_GATHER_ROWS=auto this narrow FC1 reads
     x's rows by index instead of the forward's permuted copy, and FC2's backward reads dy's rows
-    by index instead of the combine's backward writing them in expert order (1 too)."""
+    by index instead of the combine's backward writing them in expert order (1 too; wgrad: FC2's
+    weight gradient alone, in the same rule)."""
     monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", gather)
     moe = layer()
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     indices, probs = routing(0)
     text = moe.explain(x, indices=indices, probs=probs)
-    forward = "permute" if gather == "0" else "permute+grouped_linear+activation"
+    forward = "permute" if gather in ("0", "wgrad") else "permute+grouped_linear+activation"
     combine = "unpermute_backward" if gather == "0" else "dactivation+grouped_linear+unpermute"
     for rule in (forward, "unpermute", "permute_backward", combine):
         assert f"rule '{rule}' (backend sm90)" in text, text
 
 
-@pytest.mark.parametrize("gather", ["0", "1"])
+@pytest.mark.parametrize("gather", ["0", "1", "wgrad"])
 @pytest.mark.parametrize("act", ["scaled", "combine"])
 @pytest.mark.parametrize("tokens,k,drop", [(T, K, 0.1), (0, 2, 0.0), (37, 1, 0.0), (64, 8, 1.0), (100, 3, 0.5)])
 def test_fused_equals_torch_backend_and_float64(act, tokens, k, drop, gather, monkeypatch):
-    """FC1 on the permuted copy (TE_FUSED_OPS_GATHER_ROWS=0) and reading x's rows by index (1)."""
+    """FC1 on the permuted copy (TE_FUSED_OPS_GATHER_ROWS=0), reading x's rows by index (1), and
+    the weight gradients alone reading rows by index (wgrad)."""
     monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", gather)
     indices, probs = routing(tokens + k, tokens, k, drop)
     x0 = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
@@ -412,11 +414,14 @@ def backward_peak(moe, x, dy, indices, probs, retain_graph: bool):
     return torch.cuda.max_memory_allocated() - start, grads(moe, x, probs)
 
 
-def test_fc2_weight_gradient_never_meets_d_pre():
+@pytest.mark.parametrize("gather", ["auto", "wgrad"])
+def test_fc2_weight_gradient_never_meets_d_pre(gather, monkeypatch):
     """Where FC2's weight gradient is larger than the act it reads, it runs last, after the runner
     freed d_pre (written over pre): the backward's peak is below dW1 + dW2 + act + dx - d_pre,
     where FC2's gradient made beside d_pre (then FC1's data and weight gradients) would exceed it;
-    gradients bit for bit those of a retain_graph backward (the other order, pre kept)."""
+    gradients bit for bit those of a retain_graph backward (the other order, pre kept). wgrad:
+    the dActivation reads dy's expert-ordered copy, gone before the weight gradients."""
+    monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", gather)
     experts, hidden, inter, tokens, k = 64, 512, 256, 4096, 4
     torch.manual_seed(0)
     moe = Sequential(Permute(experts), GroupedLinear(experts, hidden, 2 * inter, dtype=torch.bfloat16, device="cuda"),
