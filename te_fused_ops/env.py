@@ -5,6 +5,8 @@ a ValueError naming the variable and listing the accepted values. `SWITCHES` is 
 behind the README's list and ``help(te_fused_ops)``.
 """
 
+import contextlib
+import contextvars
 import os
 import warnings
 from dataclasses import dataclass
@@ -151,6 +153,9 @@ def hot_switch(name: str, where: str = "te_fused_ops") -> Callable[[], object]:
     last = [object(), None]  # [raw value, setting] of the latest successful read
 
     def setting():
+        applied = _PLAN_APPLIED.get()
+        if applied is not None and name in applied:
+            return applied[name]
         raw = _ENVIRON_STORE.get(key) if _ENVIRON_STORE is not None else os.environ.get(name)
         if raw != last[0]:
             last[1] = read(name, where)
@@ -162,6 +167,7 @@ def hot_switch(name: str, where: str = "te_fused_ops") -> Callable[[], object]:
 
 PLAN_SWITCHES = ("TE_FUSED_OPS_GATHER_ROWS",)  # switches a backend's rule checks read: part of a plan's key
 _PLAN_READS = tuple(hot_switch(name) for name in PLAN_SWITCHES)
+_PLAN_APPLIED = contextvars.ContextVar("te_fused_ops_plan_settings", default=None)  # name -> setting, or None
 
 
 def plan_settings() -> tuple:
@@ -169,8 +175,24 @@ def plan_settings() -> tuple:
     return tuple(setting() for setting in _PLAN_READS)
 
 
+@contextlib.contextmanager
+def settings_of_plan(settings: tuple):
+    """Within it, `PLAN_SWITCHES` read as ``settings`` (what `plan_settings` gave when a plan was
+    made; () leaves them to the environment): a backward follows the plan its forward ran, even
+    where the environment changed in between."""
+    token = _PLAN_APPLIED.set(dict(zip(PLAN_SWITCHES, settings)) if settings else None)
+    try:
+        yield
+    finally:
+        _PLAN_APPLIED.reset(token)
+
+
 def read(name: str, where: str = "te_fused_ops"):
-    """The current setting of switch ``name``; ValueError (prefixed by ``where``) for a bad value."""
+    """The current setting of switch ``name`` (a plan's, inside `settings_of_plan`); ValueError
+    (prefixed by ``where``) for a bad value."""
+    applied = _PLAN_APPLIED.get()
+    if applied is not None and name in applied:
+        return applied[name]
     switch = SWITCHES[name]
     raw = os.environ.get(name, "").strip()
     if not raw:

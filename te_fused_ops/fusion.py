@@ -480,6 +480,7 @@ class Plan:
     templates: dict = field(default_factory=dict)  # call signature -> custom_ops.RunTemplate (torch.compile)
     segment: Optional[Segment] = None  # the chunked segment (`overlap`), if an op opens one
     segment_steps: dict = field(default_factory=dict)  # pass -> (first, stop) indices of its steps over it
+    settings: tuple = ()  # `env.plan_settings()` its rule checks read; its backward runs under them
 
     def explain(self, ops) -> str:
         lines = [f"plan for {self.info.device_label}, dtype {str(self.info.dtype).removeprefix('torch.')}"]
@@ -632,7 +633,8 @@ def make_plan(ops, info: PlanInfo, fuse: bool = True) -> Plan:
     fuse = fuse and fusion_enabled_by_env()
     forward, fwd_not_fired = _plan_pass(ops, info, "forward", fuse)
     backward, bwd_not_fired = _plan_pass(ops, info, "backward", fuse)
-    plan = Plan(info, forward, backward, {"forward": fwd_not_fired, "backward": bwd_not_fired})
+    plan = Plan(info, forward, backward, {"forward": fwd_not_fired, "backward": bwd_not_fired},
+                settings=env.plan_settings())
     plan.segment = find_segment(ops)
     if plan.segment is not None:
         plan.segment_steps = {passes: segment_steps(ops, plan.segment, steps, passes)

@@ -240,7 +240,12 @@ class Run:
         return ctx
 
     def backward(self, dy, saved_tensors):
-        """(dx, side-input grads, parameter grads) from the contexts rebuilt on ``saved_tensors``."""
+        """(dx, side-input grads, parameter grads) from the contexts rebuilt on ``saved_tensors``,
+        under the settings the plan was made with (`env.settings_of_plan`)."""
+        with env.settings_of_plan(self.plan.settings):
+            return self._backward(dy, saved_tensors)
+
+    def _backward(self, dy, saved_tensors):
         memo = {}
         ctxs = [self._unpacked(ctx, saved_tensors, memo) for ctx in self.ctxs]
         op_grads = [None] * len(self.ops)

@@ -110,3 +110,21 @@ def test_sm90_sm_margin_follows_os_environ(monkeypatch):
         sm_margin()
     monkeypatch.delenv("TE_FUSED_OPS_SM_MARGIN")
     assert sm_margin() == 0
+
+
+def test_settings_of_plan_override_the_environment_within(monkeypatch):
+    """Inside `settings_of_plan` the plan switches read as the plan's settings (both `read` and
+    the hot switches), other switches and everything after it as the environment says."""
+    monkeypatch.delenv("TE_FUSED_OPS_SM_MARGIN", raising=False)
+    monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", "0")
+    made_under = env.plan_settings()
+    monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", "wgrad")
+    assert env.plan_settings() == ("wgrad",)
+    with env.settings_of_plan(made_under):
+        assert env.read("TE_FUSED_OPS_GATHER_ROWS") is False
+        assert env.plan_settings() == (False,)
+        assert env.read("TE_FUSED_OPS_SM_MARGIN") == env.SWITCHES["TE_FUSED_OPS_SM_MARGIN"].default
+        with env.settings_of_plan(()):
+            assert env.read("TE_FUSED_OPS_GATHER_ROWS") == "wgrad"
+    assert env.read("TE_FUSED_OPS_GATHER_ROWS") == "wgrad" and env.plan_settings() == ("wgrad",)
+

@@ -553,6 +553,26 @@ def test_wgrad_setting_reads_rows_by_index_in_the_weight_gradients_alone(sm90_st
             assert torch.equal(a, b)
 
 
+def test_backward_follows_the_plan_its_forward_ran(sm90_stand_ins, monkeypatch):
+    """TE_FUSED_OPS_GATHER_ROWS changed between a forward and its backward: the backward still runs
+    the forward's plan (its rows read by index, or not, as planned), never half of each."""
+    seq, x, indices, probs, dy = routed_layer(monkeypatch, ScaledSwiGLU)
+    grads = {}
+    for forward_setting, backward_setting in (("1", "1"), ("1", "0"), ("0", "1")):
+        monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", forward_setting)
+        for t in (x, probs, *seq.parameters()):
+            t.grad = None
+        y = seq(x, indices=indices, probs=probs)
+        monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", backward_setting)
+        DY_GATHERS.clear(), GATHERED_WGRADS.clear()
+        y.backward(dy)
+        by_index = (len(DY_GATHERS), len(GATHERED_WGRADS))
+        assert by_index == ((1, 2) if forward_setting == "1" else (0, 0)), (forward_setting, by_index)
+        grads[forward_setting, backward_setting] = [x.grad, probs.grad, *(p.grad for p in seq.parameters())]
+    for a, b, c in zip(*grads.values()):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def test_freeing_d_pre_spares_the_sequentials_own_data_gradient():
     """The runner frees a data gradient written over the saved input (`free_grad_over_input`),
     except where the Sequential returns a tensor living in the same storage as its dx."""
