@@ -44,6 +44,9 @@ With ``--recipe fp8_blockwise`` (or another recipe name) two more, and no router
              high_precision_wgrad=True): FP8 forward and data gradients, 16-bit weight gradients
   and a "vs c" column (the bf16 fused layer's ms / this ms). The FP8 contenders are checked
   against (a) with TOL_FP8 (their relative error against bf16 is the printed check).
+With ``--gather-rows wgrad,1`` (settings of TE_FUSED_OPS_GATHER_ROWS) one more per setting:
+  c-rows-<setting>  (c) whose forward runs with the variable set to it (its backward follows
+             that forward's plan): where the layer reads rows by index, in one process with (c)
 (c) runs where te_fused_ops has Permute, Unpermute and TopKRouter; else a printed line skips it.
 Router rows: the step with the router in it, x (T, H) -> router -> layer, the router weight Wr
 (E, H) bf16 (randn / sqrt(H), seed 0; its routing is what a random router picks, near uniform,
@@ -74,6 +77,7 @@ tests/test_bench.py checks (a), (b) and, where its ops import, (c) there on the 
     python benchmarks/bench_moe_layer.py --recipe fp8_blockwise   # + the FP8 layer, two regimes
     python benchmarks/bench_moe_layer.py --profile a,c   # + where each one's step goes (kernels, host)
     python benchmarks/bench_moe_layer.py --memory-trace c   # + what is live at the step's peak
+    python benchmarks/bench_moe_layer.py --gather-rows wgrad,1   # + the layer under those row settings
 """
 
 import argparse
@@ -377,9 +381,29 @@ def fp8_regimes(p: Problem, permute, unpermute, recipe, label: str, leaves: dict
     }
 
 
-def build_contenders(p: Problem, compiled: bool = True, fused: bool = True, recipe: str | None = None) -> dict:
+def under_gather_rows(setting: str, forward):
+    """``forward`` run with TE_FUSED_OPS_GATHER_ROWS set to ``setting`` (restored after it; the
+    backward follows the plan the forward ran)."""
+    name = "TE_FUSED_OPS_GATHER_ROWS"
+
+    def call():
+        before = os.environ.get(name)
+        os.environ[name] = setting
+        try:
+            return forward()
+        finally:
+            if before is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = before
+    return call
+
+
+def build_contenders(p: Problem, compiled: bool = True, fused: bool = True, recipe: str | None = None,
+                     gather_rows: tuple = ()) -> dict:
     """label -> Contender for the layer with the given routing: a, b, and (``fused`` and the ops
-    importable) c, c-combine and, with a ``recipe``, c-fp8 and c-fp8-4mb."""
+    importable) c, c-combine, c-rows-<setting> for each of ``gather_rows`` and, with a ``recipe``,
+    c-fp8 and c-fp8-4mb."""
     math = layer_math(compiled)
     w1, w2 = p.fc1.weight, p.fc2.weight
     leaves = {"x": p.x, "probs": p.probs, "w1": w1, "w2": w2}
@@ -397,6 +421,10 @@ def build_contenders(p: Problem, compiled: bool = True, fused: bool = True, reci
         for label, act in (("c", ScaledSwiGLU), ("c-combine", SwiGLU)):
             layer = Sequential(permute(p.e), p.fc1, act(), p.fc2, unpermute())
             runs[label] = Contender(lambda layer=layer: layer(p.x, indices=p.indices, probs=p.probs), leaves, inputs)
+        for setting in gather_rows:
+            layer = Sequential(permute(p.e), p.fc1, ScaledSwiGLU(), p.fc2, unpermute())
+            forward = under_gather_rows(setting, lambda layer=layer: layer(p.x, indices=p.indices, probs=p.probs))
+            runs[f"c-rows-{setting}"] = Contender(forward, leaves, inputs)
         if recipe is not None:
             runs.update(fp8_contenders(p, permute, unpermute, recipe, leaves, inputs))
     return runs
@@ -630,14 +658,14 @@ def memory_trace(label: str, run: Contender, dy) -> dict:
 
 
 def run_shape(name: str, shape, rounds: int, window_s: float, recipe: str | None = None, profile=(),
-              memory=()) -> dict:
+              memory=(), gather_rows=()) -> dict:
     t, k, e, h, i = shape
     print(f"[{name}] T={t} k={k} E={e} H={h} I={i} ...", flush=True)
     p = make_problem(name, shape)
     counts = torch.bincount(p.indices.flatten(), minlength=e)
     result = {"shape": name, "T": t, "k": k, "E": e, "H": h, "I": i, "max_rows_per_expert": int(counts.max()),
               "min_rows_per_expert": int(counts.min()), "layer_flops_fwd": p.layer_flops()}
-    runs = build_contenders(p, recipe=recipe)
+    runs = build_contenders(p, recipe=recipe, gather_rows=gather_rows)
     result["layer"] = measure(runs, check_contenders(runs, p.dy, "a"), p.dy, p.layer_flops(), rounds, window_s)
     for label in profile:
         if label in runs and "step_ms" in result["layer"].get(label, {}):
@@ -692,6 +720,8 @@ def main():
                     "per kernel, idle GPU time, host time to issue a step, SM clock and power")
     ap.add_argument("--memory-trace", default="", help="contenders (e.g. c) whose step's peak is broken down: the "
                     "blocks live then, by the library frames that allocated them")
+    ap.add_argument("--gather-rows", default="", help="settings of TE_FUSED_OPS_GATHER_ROWS (e.g. wgrad,1): the "
+                    "fused layer under each too, as c-rows-<setting>")
     args = ap.parse_args()
     shapes = dict(SMOKE_SHAPES if args.smoke else SHAPES)
     names = args.shapes.split(",") if args.shapes else list(shapes)
@@ -702,7 +732,9 @@ def main():
     device = torch.cuda.get_device_name()
     profile = [label for label in args.profile.split(",") if label]
     memory = [label for label in args.memory_trace.split(",") if label]
-    results = [run_shape(name, shapes[name], args.rounds, window_s, args.recipe, profile, memory) for name in names]
+    gather_rows = tuple(setting for setting in args.gather_rows.split(",") if setting)
+    results = [run_shape(name, shapes[name], args.rounds, window_s, args.recipe, profile, memory, gather_rows)
+               for name in names]
     text = table(device, results)
     stem = f"moe_layer{'_' + args.recipe if args.recipe else ''}{'_smoke' if args.smoke else ''}_{device_tag(device)}"
     payload = {"device": device, "routing": ROUTING, "tolerance": TOL, "recipe": args.recipe,

@@ -20,6 +20,7 @@ torch backend, and `common.require_sm90` then exits.)
     python benchmarks/bench_tree_ab.py a --parts layer --contenders c   # a and c only
     python benchmarks/bench_tree_ab.py a --parts kernels --shapes qwen3-30b-a3b,dsv3-ep8
     python benchmarks/bench_tree_ab.py a --parts layer --contenders c,c-fp8-4mb,c-fp8w16-4mb --memory
+    python benchmarks/bench_tree_ab.py a --parts layer --contenders c,c-rows-wgrad,c-rows-1 --memory
 """
 
 import argparse
@@ -76,7 +77,8 @@ def micro_batch_peaks(step) -> list:
 def layer_steps(name, contenders=LAYER_CONTENDERS):
     """label -> step fn of the MoE layer's ``contenders`` (a among them), checked against a."""
     problem = bench_moe_layer.make_problem(name, bench_moe_layer.SHAPES[name])
-    runs = bench_moe_layer.build_contenders(problem, compiled=True, recipe="fp8_blockwise")
+    gather_rows = tuple(label.removeprefix("c-rows-") for label in contenders if label.startswith("c-rows-"))
+    runs = bench_moe_layer.build_contenders(problem, compiled=True, recipe="fp8_blockwise", gather_rows=gather_rows)
     runs = {label: runs[label] for label in ("a", *contenders)}
     checks = bench_moe_layer.check_contenders(runs, problem.dy, "a")
     if any(check["status"] != "ok" for check in checks.values()):

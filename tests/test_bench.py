@@ -5,6 +5,7 @@ run here on a tiny shape (eager math)."""
 
 import importlib.util
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -198,10 +199,17 @@ def test_moe_layer_fused_contenders_match_on_cpu(monkeypatch):
     if bench.fused_ops() is None:
         pytest.skip("te_fused_ops has no Permute / Unpermute / TopKRouter yet")
     p = bench.make_problem("smoke", bench.SMOKE_SHAPES["smoke"], device="cpu")
-    for runs, reference in ((bench.build_contenders(p, compiled=False), "a"),
-                            (bench.build_router_contenders(p, compiled=False), "a+router")):
+    monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", "0")
+    layer_runs = bench.build_contenders(p, compiled=False, gather_rows=("wgrad", "1"))
+    assert {"c", "c-rows-wgrad", "c-rows-1"} <= set(layer_runs)
+    for runs, reference in ((layer_runs, "a"), (bench.build_router_contenders(p, compiled=False), "a+router")):
         checks = bench.check_contenders(runs, p.dy, reference)
         assert all(c["status"] == "ok" for c in checks.values()), checks
+    seen = []
+    layer_runs["c-rows-wgrad"].forward = bench.under_gather_rows("wgrad", lambda: seen.append(os.environ[
+        "TE_FUSED_OPS_GATHER_ROWS"]))
+    layer_runs["c-rows-wgrad"].forward()
+    assert seen == ["wgrad"] and os.environ["TE_FUSED_OPS_GATHER_ROWS"] == "0"  # set for the forward alone
 
 
 def test_moe_layer_fp8_contenders_match_and_cast_weights_once_per_four_steps(monkeypatch):
