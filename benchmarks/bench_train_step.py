@@ -202,6 +202,12 @@ def config_label(config) -> str:
     return f"{config.tile_n}x{config.cluster_m}{'p' if config.pingpong else ''}"
 
 
+def config_kwargs(config) -> dict:
+    """The keyword arguments every bf16 kernel wrapper takes for ``config`` (its tile, cluster
+    and schedule; `deep_operands` is the dActivation's alone)."""
+    return dict(tile_n=config.tile_n, cluster_m=config.cluster_m, pingpong=config.pingpong)
+
+
 def step_kernels(mlp, offsets, x, dy):
     """name -> callable(**config) for each sm90 kernel of the fused step, on realistic operands."""
     from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_dgrad_dact_sm90, grouped_gemm_sm90
@@ -226,7 +232,7 @@ def sweep_configs(mlp, offsets, x, dy):
     for name, fn in step_kernels(mlp, offsets, x, dy).items():
         times = {"auto": sustained_ms(fn) * 1e3}
         for config in configs():
-            times[config_label(config)] = sustained_ms(lambda: fn(**config._asdict())) * 1e3
+            times[config_label(config)] = sustained_ms(lambda: fn(**config_kwargs(config))) * 1e3
         table[name] = times
         print(f"  {name:22s} " + "  ".join(f"{k} {v:7.0f}" for k, v in times.items()), flush=True)
     return table

@@ -22,7 +22,7 @@ if __name__ == "__main__":
     require_sm90(__file__)
 
 import torch
-from bench_train_step import config_label, configs, step_kernels
+from bench_train_step import config_kwargs, config_label, configs, step_kernels
 from common import device_tag, skewed_splits, sustained_ms
 
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU
@@ -120,7 +120,7 @@ def main():
             for shape, p in problems.items():
                 for kernel, fn in selected(p, args.kernels):
                     for config in dict.fromkeys([*swept, auto_config(kernel, *SWEEP_SHAPES[shape])]):
-                        fn(**config._asdict())
+                        fn(**config_kwargs(config))
 
         print("precompile:", compile_step_kernels(every_launch), flush=True)
         kernel_cache.wait_for_background()
@@ -134,7 +134,7 @@ def main():
             fns, equal = {}, {}
             for config in dict.fromkeys([*swept, auto]):
                 label = config_label(config)
-                run = (lambda fn=fn, config=config: fn(**config._asdict()))
+                run = (lambda fn=fn, config=config: fn(**config_kwargs(config)))
                 equal[label] = bool(torch.equal(first(run()), reference))
                 fns[label] = run
             times = time_configs(fns)

@@ -263,6 +263,17 @@ def test_dact_pingpong(activation, tile_n):
 
 
 @pytest.mark.parametrize("tile_n", [128, 192])
+@pytest.mark.parametrize("activation", ["swiglu", "scaled_swiglu", "srelu"])
+def test_dact_deep_operands(activation, tile_n):
+    """Ping-pong with one C stage and one store slot, the rest of shared memory as operand stages
+    (an autotuner candidate): against float64, and bit for bit the kernel's own split."""
+    outs = [run_dact(UNEVEN, 500, 192, 320, activation, seed=15, tile_n=tile_n, cluster_m=2, pingpong=True,
+                     deep_operands=deep) for deep in (True, False)]
+    for a, b in zip(*outs):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tile_n", [128, 192])
 def test_kn_pingpong(tile_n):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     pingpong = run_kn(UNEVEN, 500, 192, 640, seed=14, tile_n=tile_n, cluster_m=2, sm_margin=sms - 2, pingpong=True)
@@ -476,6 +487,10 @@ def test_argument_errors():
         grouped_dgrad_dact_sm90(dy, w, off, pre, activation="swiglu", sm_margin=-1)
     with pytest.raises(TypeError, match=f"{name}: epilogue_warps must be a bool"):
         grouped_dgrad_dact_sm90(dy, w, off, pre, activation="swiglu", epilogue_warps="yes")
+    with pytest.raises(TypeError, match=f"{name}: deep_operands must be a bool"):
+        grouped_dgrad_dact_sm90(dy, w, off, pre, activation="swiglu", pingpong=True, deep_operands=1)
+    with pytest.raises(ValueError, match=f"{name}: deep_operands needs the ping-pong schedule"):
+        grouped_dgrad_dact_sm90(dy, w, off, pre, activation="swiglu", pingpong=False, deep_operands=True)
     with pytest.raises(ValueError, match="grouped_gemm_sm90: weight_layout"):
         grouped_gemm_sm90(dy, w, off, weight_layout="tn")
     with pytest.raises(ValueError, match="grouped_gemm_sm90: weight has K=64"):

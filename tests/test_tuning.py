@@ -19,8 +19,8 @@ def cache(kernel_cache_dir, monkeypatch):
 
 def fake_run(wrong=(), calls=None):
     """A kernel whose output is the same for every config except those in ``wrong``."""
-    def run(tile_n, cluster_m, pingpong=False):
-        config = tuning.LaunchConfig(tile_n, cluster_m, pingpong)
+    def run(config):
+        config = tuning.LaunchConfig(*config)
         if calls is not None:
             calls.append(config)
         value = 1.0 if config in wrong else 0.0
@@ -28,8 +28,8 @@ def fake_run(wrong=(), calls=None):
     return run
 
 
-def cfg(tile_n, cluster_m, pingpong=False):
-    return tuning.LaunchConfig(tile_n, cluster_m, pingpong)
+def cfg(tile_n, cluster_m, pingpong=False, deep_operands=False):
+    return tuning.LaunchConfig(tile_n, cluster_m, pingpong, deep_operands)
 
 
 def test_tune_keeps_the_fastest_equal_candidate(monkeypatch):
@@ -37,13 +37,24 @@ def test_tune_keeps_the_fastest_equal_candidate(monkeypatch):
              cfg(256, 2): 4.0, cfg(128, 1, True): 7.0, cfg(128, 2, True): 8.0, cfg(192, 1, True): 9.0,
              cfg(192, 2, True): 0.5}
     monkeypatch.setattr(tuning, "_median_ms", lambda fn: times[fn.__defaults__[0]])
-    assert tuning.tune(fake_run(), cfg(256, 2)) == (128, 2, False)
-    assert tuning.tune(fake_run(wrong={cfg(128, 2)}), cfg(256, 2)) == (256, 1, False)  # the fastest differs by a bit
-    assert tuning.tune(fake_run(wrong={cfg(128, 1), cfg(128, 2), cfg(256, 1)}), cfg(256, 2)) == (256, 2, False)
+    assert tuning.tune(fake_run(), cfg(256, 2)) == cfg(128, 2)
+    assert tuning.tune(fake_run(wrong={cfg(128, 2)}), cfg(256, 2)) == cfg(256, 1)  # the fastest differs by a bit
+    assert tuning.tune(fake_run(wrong={cfg(128, 1), cfg(128, 2), cfg(256, 1)}), cfg(256, 2)) == cfg(256, 2)
     # the ping-pong candidates where the kernel has them
     everything = tuning.CANDIDATES + tuning.PINGPONG_CANDIDATES
-    assert tuning.tune(fake_run(), cfg(192, 2, True), everything) == (192, 2, True)
-    assert tuning.tune(fake_run(wrong={cfg(192, 2, True)}), cfg(256, 2), everything) == (128, 2, False)
+    assert tuning.tune(fake_run(), cfg(192, 2, True), everything) == cfg(192, 2, True)
+    assert tuning.tune(fake_run(wrong={cfg(192, 2, True)}), cfg(256, 2), everything) == cfg(128, 2)
+    # and, for the kernels loading C tiles, deep operand stages
+    times.update({cfg(128, 1, True, True): 7.5, cfg(128, 2, True, True): 8.5, cfg(192, 1, True, True): 9.5,
+                  cfg(192, 2, True, True): 0.25})
+    deep = everything + tuning.DEEP_OPERAND_CANDIDATES
+    assert tuning.tune(fake_run(), cfg(256, 2), deep) == cfg(192, 2, True, True)
+    assert tuning.tune(fake_run(wrong={cfg(192, 2, True, True)}), cfg(256, 2), deep) == cfg(192, 2, True)
+
+
+def test_deep_operand_candidates_are_the_ping_pong_ones():
+    assert tuning.DEEP_OPERAND_CANDIDATES == tuple(
+        tuning.LaunchConfig(t, c, True, True) for t in tuning.PINGPONG_TILE_NS for c in (1, 2))
 
 
 def test_stored_choice_is_used_and_survives_the_process(cache, monkeypatch):
@@ -53,14 +64,14 @@ def test_stored_choice_is_used_and_survives_the_process(cache, monkeypatch):
     assert tuning.tuned_config("fwd", dims, fake_run(calls=calls), (256, 2)) is None  # not autotuning: heuristic
     assert not calls
     monkeypatch.setenv("TE_FUSED_OPS_AUTOTUNE", "1")
-    assert tuning.tuned_config("fwd", dims, fake_run(calls=calls), (256, 2)) == (128, 1, False)
+    assert tuning.tuned_config("fwd", dims, fake_run(calls=calls), (256, 2)) == cfg(128, 1)
     assert calls  # tuned on the spot
     stored = json.loads((cache / tuning.TABLE_NAME).read_text())
-    assert list(stored.values()) == [[128, 1, False]]
+    assert list(stored.values()) == [[128, 1, False, False]]
     monkeypatch.setenv("TE_FUSED_OPS_AUTOTUNE", "0")
     monkeypatch.setattr(tuning, "_table", None)  # as a new process
     calls.clear()
-    assert tuning.tuned_config("fwd", dims, fake_run(calls=calls), (256, 2)) == (128, 1, False)
+    assert tuning.tuned_config("fwd", dims, fake_run(calls=calls), (256, 2)) == cfg(128, 1)
     assert not calls
     other = (torch.bfloat16, 8, 512, 256, 8192, "swiglu")  # another row bucket: another class
     assert tuning.tuned_config("fwd", other, fake_run(), (256, 2)) is None
@@ -89,13 +100,16 @@ def test_untrusted_or_bad_table_is_ignored(cache, monkeypatch):
     dims = (torch.bfloat16, 8, 512, 256, 4096, None)
     key = tuning.problem_key("fwd", *dims)
     path = cache / tuning.TABLE_NAME
-    path.write_text(json.dumps({key: [192, 2, True]}))
+    path.write_text(json.dumps({key: [192, 2, True, False]}))
     os.chmod(path, 0o600)
-    assert tuning.table() == {key: (192, 2, True)}
-    path.write_text(json.dumps({key: [256, 2, True]}))  # not a candidate: no ping-pong at 256
-    monkeypatch.setattr(tuning, "_table", None)
-    assert tuning.table() == {}
-    path.write_text(json.dumps({key: [128, 1, False]}))
+    assert tuning.table() == {key: (192, 2, True, False)}
+    for bad in ([256, 2, True, False],  # not a candidate: no ping-pong at 256
+                [256, 2, False, True],  # deep operand stages are ping-pong ones
+                [192, 2, True]):  # a table of the kernels before deep operand stages
+        path.write_text(json.dumps({key: bad}))
+        monkeypatch.setattr(tuning, "_table", None)
+        assert tuning.table() == {}, bad
+    path.write_text(json.dumps({key: [128, 1, False, False]}))
     os.chmod(path, 0o666)
     monkeypatch.setattr(tuning, "_table", None)
     with pytest.warns(UserWarning, match="not trusted"):

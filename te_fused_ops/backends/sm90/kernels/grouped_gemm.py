@@ -334,10 +334,11 @@ def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cl
 
 @cached_kernel
 def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_m=2, epilogue_warps=False,
-                               pingpong=False, gathered=False, **kernel_opts):
+                               pingpong=False, gathered=False, deep_operands=False, **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_dgrad_dact_sm90``:
     fn(dy, [dy_index,] weight, offsets, pre, d_pre, act, probs, d_probs_part, constants,
-    max_clusters[, stream]); ``gathered``: dy (T, H) read by dy_index (M,)."""
+    max_clusters[, stream]); ``gathered``: dy (T, H) read by dy_index (M,); ``deep_operands``:
+    one C stage and one store slot, the rest of shared memory as operand stages."""
     import cutlass
     import cutlass.cute as cute
 
@@ -361,6 +362,8 @@ def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_
         fake_tensor(cutlass.Float32, (m,), 4) if spec.takes_probs else None,
         fake_tensor(cutlass.Float32, (n_tiles, m), 4) if spec.takes_probs else None,
     )
+    if deep_operands:
+        kernel_opts = dict(kernel_opts, epi_slots=1, c_stages=1)
     if gathered:
         kernel = GroupedGemmDActGatheredSm90(dt, tile_n, activation, cluster_m, pingpong=pingpong, **kernel_opts)
     else:
@@ -627,9 +630,10 @@ def grouped_gemm_sm90(
             config = tuning.tuned_config(
                 _FWD, (x.dtype, weight.shape[0], n, x.shape[1], tuning.rows_bucket(x.shape[0]), activation,
                        weight_layout, bias is not None, bool(act_amax)),
-                lambda t, c, p: grouped_gemm_sm90(x, weight, offsets, bias=bias, activation=activation, probs=probs,
-                                                  weight_layout=weight_layout, tile_n=t, cluster_m=c,
-                                                  sm_margin=sm_margin, act_amax=act_amax, pingpong=p, **constants),
+                lambda cfg: grouped_gemm_sm90(x, weight, offsets, bias=bias, activation=activation, probs=probs,
+                                              weight_layout=weight_layout, tile_n=cfg.tile_n, cluster_m=cfg.cluster_m,
+                                              sm_margin=sm_margin, act_amax=act_amax, pingpong=cfg.pingpong,
+                                              **constants),
                 heuristic_config(x.shape[0], n, x.shape[1], weight.shape[0], num_sms(x.get_device()),
                                  forward_tiles(_FWD, weight_layout, activation), conflict, activation is not None),
                 _candidates(conflict))
@@ -914,9 +918,10 @@ def grouped_gemm_fp8_sm90(
             glu = spec is not None and spec.glu
             config = tuning.tuned_config(
                 _FP8, (out_dtype, g, n, k, tuning.rows_bucket(m), activation, bias is not None, bool(act_amax)),
-                lambda t, c, _: _amax_folded(grouped_gemm_fp8_sm90(
+                lambda cfg: _amax_folded(grouped_gemm_fp8_sm90(
                     x, x_scale_inv, weight, weight_scale_inv, offsets, bias=bias, activation=activation, probs=probs,
-                    out_dtype=out_dtype, tile_n=t, cluster_m=c, sm_margin=sm_margin, act_amax=act_amax, **constants),
+                    out_dtype=out_dtype, tile_n=cfg.tile_n, cluster_m=cfg.cluster_m, sm_margin=sm_margin,
+                    act_amax=act_amax, **constants),
                     act_amax),
                 (tuning.fp8_tile_n(n, glu), _fp8_cluster_m(m, n, g, x.get_device(), sm_margin)),
                 tuning.fp8_candidates())
@@ -1081,8 +1086,8 @@ def _check_fp8_operands(fn_name, a, b, offsets):
 
 def grouped_dgrad_dact_sm90(
     dy, weight, offsets, pre, *, activation, probs=None, out=None, act_out=None, dy_index=None,
-    sm_margin=None, tile_n=None, cluster_m=None, epilogue_warps=None, pingpong=None, d_probs_parts=False,
-    **constants,
+    sm_margin=None, tile_n=None, cluster_m=None, epilogue_warps=None, pingpong=None, deep_operands=False,
+    d_probs_parts=False, **constants,
 ):
     """Backward of FC2 fused with the activation's backward: h = dy_g @ W[g], then dActivation.
 
@@ -1102,33 +1107,38 @@ def grouped_dgrad_dact_sm90(
     ``epilogue_warps`` (None: False): True runs the dActivation on three warps of its own, on h
     rounded to dy's dtype (as the unfused path stores it), while the MMA warpgroups run the next
     tile; False: the MMA warpgroups run it from their fp32 accumulator between tiles.
-    ``pingpong`` as for `grouped_gemm_sm90` (not with epilogue_warps).
+    ``pingpong`` as for `grouped_gemm_sm90` (not with epilogue_warps). ``deep_operands``: one C
+    stage and one store slot, the rest of shared memory as operand stages (ping-pong only; False:
+    the kernel's own split, which at ping-pong 192 with ``dy_index`` is that one already).
     Checks run once per argument signature, as for `grouped_gemm_sm90`.
     """
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, dy, weight, offsets, pre, probs, out, act_out, dy_index),
-        _DACT, activation, tile_n, cluster_m, sm_margin, epilogue_warps, pingpong,
+        _DACT, activation, tile_n, cluster_m, sm_margin, epilogue_warps, pingpong, deep_operands,
     )
     args = (dy, weight, offsets, pre, activation, probs, out, act_out, tile_n, cluster_m, sm_margin, epilogue_warps,
-            pingpong, dy_index)
+            pingpong, dy_index, deep_operands)
     launch = _MEMO.get(key)
     if launch is None:
         launch = _dact_launch(*args)
-        if tile_n is None and cluster_m is None and pingpong is None and launch[0] is not None:
+        if tile_n is None and cluster_m is None and pingpong is None and not deep_operands and launch[0] is not None:
             i, m = weight.shape[2], pre.shape[0]
             conflict = _dact_conflict(epilogue_warps)
             config = tuning.tuned_config(
                 _DACT, (dy.dtype, weight.shape[0], i, dy.shape[1], tuning.rows_bucket(m), activation,
                         epilogue_warps, dy_index is not None),
-                lambda t, c, p: grouped_dgrad_dact_sm90(dy, weight, offsets, pre, activation=activation, probs=probs,
-                                                        dy_index=dy_index, sm_margin=sm_margin, tile_n=t, cluster_m=c,
-                                                        epilogue_warps=epilogue_warps, pingpong=p, **constants),
+                lambda cfg: grouped_dgrad_dact_sm90(dy, weight, offsets, pre, activation=activation, probs=probs,
+                                                    dy_index=dy_index, sm_margin=sm_margin, tile_n=cfg.tile_n,
+                                                    cluster_m=cfg.cluster_m, epilogue_warps=epilogue_warps,
+                                                    pingpong=cfg.pingpong, deep_operands=cfg.deep_operands,
+                                                    **constants),
                 heuristic_config(m, i, dy.shape[1], weight.shape[0], num_sms(dy.get_device()),
                                  conflict=conflict, act_epilogue=True),
-                _candidates(conflict))
+                _candidates(conflict) + (() if conflict else tuning.DEEP_OPERAND_CANDIDATES))
             if config is not None:
-                args = (*args[:8], config.tile_n, config.cluster_m, *args[10:12], config.pingpong, dy_index)
+                args = (*args[:8], config.tile_n, config.cluster_m, *args[10:12], config.pingpong, dy_index,
+                        config.deep_operands)
                 launch = _dact_launch(*args)
         _MEMO.put(key, launch)
     fn, act_shape, partial_shape, clusters = launch
@@ -1154,7 +1164,7 @@ def _dact_conflict(epilogue_warps) -> str | None:
 
 
 def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile_n, cluster_m, sm_margin,
-                 epilogue_warps, pingpong=None, dy_index=None):
+                 epilogue_warps, pingpong=None, dy_index=None, deep_operands=False):
     """Every check of `grouped_dgrad_dact_sm90`; (launcher or None when M == 0, act shape,
     d_probs partials shape or None, persistent grid in clusters)."""
     dev = check_input(_DACT, dy, "dy")
@@ -1203,11 +1213,15 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
                                                            pingpong=pingpong,
                                                            conflict=_dact_conflict(epilogue_warps),
                                                            k=h, act_epilogue=True)
+    if not isinstance(deep_operands, bool):
+        raise TypeError(f"{_DACT}: deep_operands must be a bool, got {type(deep_operands).__name__}")
+    if deep_operands and not pingpong:
+        raise ValueError(f"{_DACT}: deep_operands needs the ping-pong schedule")
     partial_shape = (-(-i // tile_n), m) if spec.takes_probs else None
     if m == 0:
         return None, (m, i), partial_shape, clusters
     key = (_DACT, dy.dtype, tile_n, activation, tvm_ffi_available(), cluster_m, epilogue_warps, pingpong,
-           dy_index is not None)
+           dy_index is not None, deep_operands)
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_dgrad_dact(*key[1:])
@@ -1250,10 +1264,10 @@ def grouped_dgrad_dact_fp8_sm90(
             m, (g, i, h) = dy.shape[0], weight_t.shape
             config = tuning.tuned_config(
                 _DACT_FP8, (pre.dtype, g, i, h, tuning.rows_bucket(m), activation, bool(d_pre_amax), emit_act),
-                lambda t, c, _: _amax_folded(grouped_dgrad_dact_fp8_sm90(
+                lambda cfg: _amax_folded(grouped_dgrad_dact_fp8_sm90(
                     dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation=activation, probs=probs,
-                    tile_n=t, cluster_m=c, sm_margin=sm_margin, d_pre_amax=d_pre_amax, emit_act=emit_act,
-                    **constants), d_pre_amax),
+                    tile_n=cfg.tile_n, cluster_m=cfg.cluster_m, sm_margin=sm_margin, d_pre_amax=d_pre_amax,
+                    emit_act=emit_act, **constants), d_pre_amax),
                 (tuning.fp8_dact_tile_n(i), _fp8_cluster_m(m, i, g, dy.get_device(), sm_margin)),
                 tuning.fp8_candidates(tile_ns=(128, 256)))
             if config is not None:

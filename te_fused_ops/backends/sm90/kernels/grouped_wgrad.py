@@ -137,9 +137,9 @@ def grouped_wgrad_sm90(
             g, n, k = launch[1]
             config = tuning.tuned_config(
                 _NAME, (dy.dtype, g, n, k, tuning.rows_bucket(dy.shape[0]), main_grad is not None),
-                lambda t, c, p: grouped_wgrad_sm90(dy, x, offsets, sm_margin=sm_margin, tile_n=t, cluster_m=c,
-                                                   pingpong=p or None,
-                                                   main_grad=None if main_grad is None else main_grad.clone()),
+                lambda cfg: grouped_wgrad_sm90(dy, x, offsets, sm_margin=sm_margin, tile_n=cfg.tile_n,
+                                               cluster_m=cfg.cluster_m, pingpong=cfg.pingpong or None,
+                                               main_grad=None if main_grad is None else main_grad.clone()),
                 choose_config(n, k, max(1, num_sms(dy.get_device()) - (sm_margin or 0))),
                 tuning.CANDIDATES + (() if main_grad is not None else tuning.PINGPONG_CANDIDATES))
             if config is not None:
@@ -361,9 +361,9 @@ def grouped_wgrad_fp8_sm90(dy_columns, x_columns, offsets, *, out_dtype=torch.bf
             g, n, k = launch[1]
             config = tuning.tuned_config(
                 _FP8_NAME, (out_dtype, g, n, k, tuning.rows_bucket(m), main_grad is not None),
-                lambda t, c, _: grouped_wgrad_fp8_sm90(
-                    dy_columns, x_columns, offsets, out_dtype=out_dtype, sm_margin=sm_margin, cluster_m=c, tile_n=t,
-                    main_grad=None if main_grad is None else main_grad.clone()),
+                lambda cfg: grouped_wgrad_fp8_sm90(
+                    dy_columns, x_columns, offsets, out_dtype=out_dtype, sm_margin=sm_margin, cluster_m=cfg.cluster_m,
+                    tile_n=cfg.tile_n, main_grad=None if main_grad is None else main_grad.clone()),
                 (tuning.fp8_tile_n(k, glu=False), choose_config(n, k, launch[2])[1]),
                 tuning.fp8_candidates())
             if config is not None:

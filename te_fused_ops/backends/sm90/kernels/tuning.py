@@ -3,17 +3,17 @@
 Importable without cutlass. A wrapper asks `tuned_config(family, problem, run, default,
 candidates)` once per argument signature (on a launch-memo miss, never per call). It returns a
 stored `LaunchConfig` for the problem class, or None (the wrapper's heuristic then decides). With
-``TE_FUSED_OPS_AUTOTUNE=1`` an unknown class is tuned on the spot: ``run(tile_n, cluster_m,
-pingpong)`` launches every candidate on the caller's operands into fresh outputs; a candidate
+``TE_FUSED_OPS_AUTOTUNE=1`` an unknown class is tuned on the spot: ``run(config)`` launches
+every candidate on the caller's operands into fresh outputs; a candidate
 whose outputs differ from the heuristic's by a single bit is discarded; the fastest remaining one
 is stored (a host sync, once per class; skipped while a CUDA graph is being captured). Inside
 `kernel_cache.recording()` (``precompile --jobs``) the candidates' kernels are only recorded, so
 the workers compile them all and the first real run tunes without compiling.
 
 The table lives beside the compiled kernels (`kernel_cache.cache_dir()`, the same trust checks)
-in ``tuned_configs.json``: {problem key: [tile_n, cluster_m, pingpong]}. Keys name the GPU and a
-digest of the kernel sources, so a new build or another GPU tunes again. A value that is not a
-candidate is ignored.
+in ``tuned_configs.json``: {problem key: [tile_n, cluster_m, pingpong, deep_operands]}. Keys
+name the GPU and a digest of the kernel sources, so a new build or another GPU tunes again. A
+value that is not a candidate is ignored.
 """
 
 from __future__ import annotations
@@ -36,12 +36,15 @@ PINGPONG_TILE_NS = (128, 192)  # with ping-pong each warpgroup holds a whole til
 
 
 class LaunchConfig(NamedTuple):
-    """A bf16 kernel's launch configuration: n-tile width, CTAs per cluster, and whether the MMA
-    warpgroups run the ping-pong schedule (each on tiles of its own) rather than sharing tiles."""
+    """A bf16 kernel's launch configuration: n-tile width, CTAs per cluster, whether the MMA
+    warpgroups run the ping-pong schedule (each on tiles of its own) rather than sharing tiles,
+    and (kernels that load C tiles in the epilogue) whether one C stage and one store slot leave
+    the rest of shared memory to operand stages (`deep_operands`; False: the kernel's own split)."""
 
     tile_n: int
     cluster_m: int
     pingpong: bool = False
+    deep_operands: bool = False
 
 
 def check_pingpong(fn_name: str, pingpong) -> None:
@@ -57,6 +60,9 @@ def pingpong_tile_n(cooperative_tile_n: int) -> int:
 
 CANDIDATES = tuple(LaunchConfig(t, c) for t in TILE_NS for c in (1, 2))  # the cooperative ones
 PINGPONG_CANDIDATES = tuple(LaunchConfig(t, c, True) for t in PINGPONG_TILE_NS for c in (1, 2))
+# the ping-pong ones with deep operand stages, for the kernels loading C tiles (the dActivation):
+# measured either way by kernel and shape (docs/notes/backward-kernels.md)
+DEEP_OPERAND_CANDIDATES = tuple(config._replace(deep_operands=True) for config in PINGPONG_CANDIDATES)
 WASTE_MARGIN = 0.01  # 192-wide tiles win where they pad N by at least this share less than 256-wide ones
 FP8_GLU_PAD_LIMIT = 0.05  # FP8 GLU: 256-wide tiles win up to this share of each half padded (gpt-oss: 2.2%)
 
@@ -150,7 +156,7 @@ def _read_table() -> dict:
     except ValueError:
         warnings.warn(f"te_fused_ops tuned configs: {path} is not JSON, ignored", stacklevel=4)
         return {}
-    known = CANDIDATES + PINGPONG_CANDIDATES
+    known = CANDIDATES + PINGPONG_CANDIDATES + DEEP_OPERAND_CANDIDATES
     return {k: LaunchConfig(*v) for k, v in table.items() if isinstance(v, list) and tuple(v) in known} \
         if isinstance(table, dict) else {}
 
@@ -200,20 +206,21 @@ def _outputs(result) -> list:
 
 
 def tune(run, default: LaunchConfig, candidates=CANDIDATES) -> LaunchConfig:
-    """The fastest of ``candidates`` whose outputs equal ``default``'s bit for bit."""
-    reference = _outputs(run(*default))
+    """The fastest of ``candidates`` whose outputs equal ``default``'s bit for bit; ``run(config)``
+    launches the kernel under a `LaunchConfig`."""
+    reference = _outputs(run(default))
     times = {}
     for config in candidates:
-        outputs = _outputs(run(*config))
+        outputs = _outputs(run(config))
         if len(outputs) == len(reference) and all(torch.equal(a, b) for a, b in zip(outputs, reference)):
-            times[config] = _median_ms(lambda config=config: run(*config))
+            times[config] = _median_ms(lambda config=config: run(config))
     return min(times, key=times.get) if times else default
 
 
 def tuned_config(family: str, dims: tuple, run, default: LaunchConfig, candidates=CANDIDATES):
     """The `LaunchConfig` stored for this problem class, else tuned now among ``candidates`` under
-    ``TE_FUSED_OPS_AUTOTUNE=1`` (``default``: the heuristic's choice, the reference outputs), else
-    None."""
+    ``TE_FUSED_OPS_AUTOTUNE=1`` (``default``: the heuristic's choice, the reference outputs;
+    ``run(config)`` launches one), else None."""
     key = problem_key(family, *dims)
     config = table().get(key)
     if config is not None or not env.read("TE_FUSED_OPS_AUTOTUNE", family):
@@ -222,7 +229,7 @@ def tuned_config(family: str, dims: tuple, run, default: LaunchConfig, candidate
         return None
     if kernel_cache.is_recording():  # nothing runs: record every candidate's kernel, tune on a real run
         for candidate in candidates:
-            run(*candidate)
+            run(candidate)
         return None
     config = tune(run, LaunchConfig(*default), candidates)
     _store(key, config)
