@@ -119,9 +119,9 @@ SWITCHES = {
             "output width is at most 2048; and whether FC2's data gradient + dActivation and weight "
             "gradient read dy's token rows by index where the combine is a plain sum (rule "
             "`dactivation+grouped_linear+unpermute`): 1 always, 0 never, auto where FC2's input width "
-            "is at most 1024; wgrad: both weight gradients read the rows by index and every other GEMM "
-            "reads the copies (the peak memory of 1 where the weight gradients' gathers cost less than "
-            "the others')",
+            "is at most 1024; wgrad: both weight gradients read the rows by index, last in the backward, "
+            "and every other GEMM reads the copies, freed before them (meant as the lowest peak of 1 "
+            "without the gathers that cost wide layers most)",
         ),
         Switch(
             "TE_FUSED_OPS_KERNEL_CACHE_DIR", _path, lambda: "a directory path", None,
