@@ -32,11 +32,12 @@ from common import time_and_print_variants
 
 from te_fused_ops.activations import activation_constants
 from te_fused_ops.backends.sm90.kernels import grouped_gemm as gg
+from te_fused_ops.backends.sm90.kernels.grouped_dact_sm90 import DEEP_OPERAND_SPLIT
 
 SPLITS = {
     "default": {},
     "core": dict(ab_stages=None, epi_slots=None, c_stages=2),
-    "ab5 s1 c1": dict(epi_slots=1, c_stages=1),
+    "ab5 s1 c1": DEEP_OPERAND_SPLIT,
     "ab3 s4": dict(ab_stages=3, epi_slots=4, c_stages=2),
     "c4": dict(c_stages=4, epi_slots=None),
 }

@@ -45,6 +45,10 @@ from .group_tile_scheduler import Tile
 from .grouped_gemm_sm90 import GroupedGemmSm90
 
 
+# one store slot and one C stage, the rest of shared memory as operand stages (`deep_operands`)
+DEEP_OPERAND_SPLIT = {"epi_slots": 1, "c_stages": 1}
+
+
 class DActState(NamedTuple):
     """An MMA thread's dActivation state across a tile's epilogue steps, None where unused:
     d_probs (slots,) its rows' running sums of h act(gate) up over the tile's columns, products
@@ -202,8 +206,8 @@ class GroupedGemmDActGatheredSm90(GroupedGemmDActSm90):
             # one C stage: 2-3% faster at ping-pong 192 (H100, qwen3 and gpt-oss; the cooperative
             # 256-wide kernel is 4-7% slower so, the kernel on the copied rows too on qwen3:
             # docs/notes/backward-kernels.md)
-            opts.setdefault("epi_slots", 1)
-            opts.setdefault("c_stages", 1)
+            for name, value in DEEP_OPERAND_SPLIT.items():
+                opts.setdefault(name, value)
         super().__init__(dtype, tile_n, activation, cluster_m, gather_a=True, **opts)
         if self.pingpong and tile_n == 192:
             # whole 192-wide accumulators: the dActivation epilogue takes the copy kernel's 240

@@ -342,7 +342,7 @@ def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_
     import cutlass
     import cutlass.cute as cute
 
-    from .grouped_dact_sm90 import GroupedGemmDActGatheredSm90, GroupedGemmDActSm90
+    from .grouped_dact_sm90 import DEEP_OPERAND_SPLIT, GroupedGemmDActGatheredSm90, GroupedGemmDActSm90
 
     dt = _cutlass_dtype(dtype)
     spec = activation_spec(activation, "compile_grouped_dgrad_dact")
@@ -363,7 +363,7 @@ def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_
         fake_tensor(cutlass.Float32, (n_tiles, m), 4) if spec.takes_probs else None,
     )
     if deep_operands:
-        kernel_opts = dict(kernel_opts, epi_slots=1, c_stages=1)
+        kernel_opts = {**kernel_opts, **DEEP_OPERAND_SPLIT}
     if gathered:
         kernel = GroupedGemmDActGatheredSm90(dt, tile_n, activation, cluster_m, pingpong=pingpong, **kernel_opts)
     else:
