@@ -116,10 +116,10 @@ SWITCHES = {
             "multiple of 64) instead of reading the permuted copy: 1 always, 0 never, auto where FC1's "
             "output width is at most 4096 (where it measured faster); and whether FC1's weight gradient "
             "reads them by index instead of permuting x again: 1 always, 0 never, auto where FC1's "
-            "output width is at most 2048; and whether FC2's data gradient + dActivation and weight "
+            "output width is at most 4096; and whether FC2's data gradient + dActivation and weight "
             "gradient read dy's token rows by index where the combine is a plain sum (rule "
             "`dactivation+grouped_linear+unpermute`): 1 always, 0 never, auto where FC2's input width "
-            "is at most 1024; wgrad: both weight gradients read the rows by index, last in the backward, "
+            "is at most 2048; wgrad: both weight gradients read the rows by index, last in the backward, "
             "and every other GEMM reads the copies, freed before them (meant as the lowest peak of 1 "
             "without the gathers that cost wide layers most)",
         ),

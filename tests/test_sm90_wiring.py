@@ -1021,10 +1021,10 @@ def gathered_gemm_stand_in(x, x_index, weight, offsets, *, activation=None, **ep
     return gemm(x[x_index.long().clamp(0, x.shape[0] - 1)], weight, offsets, activation=activation, **epilogue)
 
 
-def routed_layer(monkeypatch, act=SwiGLU):
-    """The routed layer (Permute, FC1, ``act``, FC2, Unpermute) with the row kernels and the
-    gathered forward stood in too, and its inputs: (layer, x (90, H), indices (90, 3) with dropped
-    slots, probs, dy)."""
+def routed_layer(monkeypatch, act=SwiGLU, width=I):
+    """The routed layer (Permute, FC1 (H -> 2 ``width``), ``act``, FC2, Unpermute) with the row
+    kernels and the gathered forward stood in too, and its inputs: (layer, x (90, H), indices
+    (90, 3) with dropped slots, probs, dy)."""
     import te_fused_ops.backends.sm90.moe as sm90_moe
     import te_fused_ops.backends.sm90.rules as sm90_rules
     from te_fused_ops import Permute, Unpermute
@@ -1034,8 +1034,8 @@ def routed_layer(monkeypatch, act=SwiGLU):
     monkeypatch.setattr(sm90_rules, "grouped_gemm_gathered_sm90", kernel_contract(gathered_gemm_stand_in))
     torch.manual_seed(0)
     tokens, k = 90, 3
-    seq = Sequential(Permute(G), GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), act(),
-                     GroupedLinear(G, I, H, dtype=torch.bfloat16), Unpermute())
+    seq = Sequential(Permute(G), GroupedLinear(G, H, 2 * width, dtype=torch.bfloat16), act(),
+                     GroupedLinear(G, width, H, dtype=torch.bfloat16), Unpermute())
     x = torch.randn(tokens, H, dtype=torch.bfloat16, requires_grad=True)
     indices = torch.randint(0, G, (tokens, k))
     indices[::7, 1] = -1  # dropped slots: padding rows past the groups
@@ -1053,6 +1053,29 @@ def routed_step(seq, x, indices, probs, dy):
     y = seq(x, indices=indices, probs=probs)
     y.backward(dy)
     return [y.detach(), *(t.grad.clone() for t in leaves)]
+
+
+def test_auto_reads_every_row_by_index_up_to_its_widths(sm90_stand_ins, monkeypatch):
+    """auto at the widest layer it reads by index (FC2's input `GATHER_DY_MAX_WIDTH`, FC1 twice
+    that, within `GATHER_MAX_WIDTH` and `GATHER_WGRAD_MAX_WIDTH`) runs the plan of 1: no row
+    scatter, FC1's forward, FC2's dActivation and both weight gradients read rows by index, the
+    gradients bit for bit 1's. 64 columns wider, every GEMM reads the copies (three scatters: the
+    permute, the combine's backward, x permuted again for FC1's weight gradient)."""
+    from te_fused_ops.backends.sm90.linear import GATHER_WGRAD_MAX_WIDTH
+    from te_fused_ops.backends.sm90.rules import GATHER_DY_MAX_WIDTH, GATHER_MAX_WIDTH
+
+    assert 2 * GATHER_DY_MAX_WIDTH == GATHER_MAX_WIDTH == GATHER_WGRAD_MAX_WIDTH
+    counts, outputs = {}, {}
+    for width, setting in ((GATHER_DY_MAX_WIDTH, "auto"), (GATHER_DY_MAX_WIDTH, "1"),
+                           (GATHER_DY_MAX_WIDTH + 64, "auto")):
+        monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", setting)
+        outputs[width, setting] = routed_step(*routed_layer(monkeypatch, ScaledSwiGLU, width=width))
+        counts[width, setting] = tuple(len(calls) for calls in (SCATTERS, GATHERED_GEMMS, DY_GATHERS,
+                                                                  GATHERED_WGRADS))
+    assert counts[GATHER_DY_MAX_WIDTH, "auto"] == counts[GATHER_DY_MAX_WIDTH, "1"] == (0, 1, 1, 2), counts
+    assert counts[GATHER_DY_MAX_WIDTH + 64, "auto"] == (3, 0, 0, 0), counts
+    for a, b in zip(outputs[GATHER_DY_MAX_WIDTH, "auto"], outputs[GATHER_DY_MAX_WIDTH, "1"]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("setting", ["0", "1", "auto"])
@@ -1150,14 +1173,15 @@ def test_fc2_backward_keeps_dy_copy_when_wide_with_bias_or_asked(sm90_stand_ins,
         assert reason is None or reason in text, text
 
 
-@pytest.mark.parametrize("setting,width,gathers", [("auto", 2048, True), ("auto", 2056, False), ("1", 8192, True),
+@pytest.mark.parametrize("setting,width,gathers", [("auto", 4096, True), ("auto", 4104, False), ("1", 8192, True),
                                                    ("wgrad", 8192, True), ("0", 1024, False)])
 def test_weight_gradient_reads_rows_by_index_where_fc1_is_narrow(setting, width, gathers, monkeypatch):
     """TE_FUSED_OPS_GATHER_ROWS for FC1's weight gradient: auto gathers up to
-    `GATHER_WGRAD_MAX_WIDTH` output columns (where it measured faster than permuting x again)."""
+    `GATHER_WGRAD_MAX_WIDTH` output columns (where it measured level with permuting x again, and
+    the step's peak falls)."""
     from te_fused_ops.backends.sm90.linear import GATHER_WGRAD_MAX_WIDTH, gather_wgrad
 
-    assert GATHER_WGRAD_MAX_WIDTH == 2048
+    assert GATHER_WGRAD_MAX_WIDTH == 4096
     monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", setting)
     assert gather_wgrad(torch.empty(4, width)) is gathers
 

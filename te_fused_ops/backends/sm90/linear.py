@@ -263,11 +263,12 @@ def quantize_weight_blocks(weight: torch.Tensor, recipe, reuse_scope, transposed
                          make_into=lambda kept: make(out=kept))
 
 
-# FC1 output widths up to which its weight gradient reading x's rows by index beats permuting x
-# again (H100, kernel with its permute: 1.03x at 1536; 0.95x at 4096, 0.88x at 5760, 0.93x at 28672;
-# H200 with each token id read once: 1.04x at 1536, 0.99x at 4096, and 0.7% of the dsv3 layer step
-# for 13% less peak memory when forced there)
-GATHER_WGRAD_MAX_WIDTH = 2048
+# FC1 output widths up to which its weight gradient reads x's rows by index instead of permuting x
+# again (kernel with its permute, H200, each token id read once: 1.04x at 1536, 0.99x at 4096;
+# H100 before that: 0.88x at 5760, 0.93x at 28672). Up to 4096, with FC2's backward reading dy by
+# index too, both weight gradients run last and the layer step's peak falls at a level step (H100:
+# dsv3 3505 -> 2929 MiB, 14.734 / 14.735 ms; FC1 2816 wide 17-25% lower, level or 0.9% faster)
+GATHER_WGRAD_MAX_WIDTH = 4096
 
 
 def gather_wgrad(dy: torch.Tensor) -> bool:

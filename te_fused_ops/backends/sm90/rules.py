@@ -64,11 +64,13 @@ from .linear import (
 # (H100: 1.5-2.5% faster at 1536 and 4096, level at 5760; FC1 alone 1.4% slower at 28672).
 GATHER_MAX_WIDTH = 4096
 
-# FC2 input widths I up to which its backward reading dy's rows by index beats the combine's
+# FC2 input widths I up to which its backward reads dy's rows by index instead of the combine's
 # backward writing dy's expert-ordered copy: the rows are read once per tile of I, the copy is
 # written once (H200 layer step: 1.5-2.3% faster at I 768, 0.7% at 1024; level at 1408 and
-# 2048; 1.3-2.4% slower at 2880, about 0.5% at 14336)
-GATHER_DY_MAX_WIDTH = 1024
+# 2048; 1.3-2.4% slower at 2880, about 0.5% at 14336). Level up to 2048, and reading by index
+# there lets FC2's weight gradient wait for d_pre to be freed: the step's peak falls (H100: dsv3
+# 3505 -> 2929 MiB, I 1408 shapes 17-25% lower, their steps level)
+GATHER_DY_MAX_WIDTH = 2048
 
 # ---------------------------------------------------------------------------------------------
 # casts: a lone Quantize, and a Quantize folded before a GroupedLinear
