@@ -119,9 +119,10 @@ SWITCHES = {
             "output width is at most 4096; and whether FC2's data gradient + dActivation and weight "
             "gradient read dy's token rows by index where the combine is a plain sum (rule "
             "`dactivation+grouped_linear+unpermute`): 1 always, 0 never, auto where FC2's input width "
-            "is at most 2048; wgrad: both weight gradients read the rows by index, last in the backward, "
-            "and every other GEMM reads the copies, freed before them (meant as the lowest peak of 1 "
-            "without the gathers that cost wide layers most)",
+            "is at most 2048, and past that the weight gradient alone where it would otherwise hold dy's "
+            "copy while it waits for d_pre to be freed; wgrad: both weight gradients read the rows by "
+            "index, last in the backward, and every other GEMM reads the copies, freed before them (the "
+            "peak of 1; faster than 1 where FC1's forward gathers at a loss)",
         ),
         Switch(
             "TE_FUSED_OPS_KERNEL_CACHE_DIR", _path, lambda: "a directory path", None,

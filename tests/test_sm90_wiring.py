@@ -1021,10 +1021,10 @@ def gathered_gemm_stand_in(x, x_index, weight, offsets, *, activation=None, **ep
     return gemm(x[x_index.long().clamp(0, x.shape[0] - 1)], weight, offsets, activation=activation, **epilogue)
 
 
-def routed_layer(monkeypatch, act=SwiGLU, width=I):
+def routed_layer(monkeypatch, act=SwiGLU, width=I, tokens=90):
     """The routed layer (Permute, FC1 (H -> 2 ``width``), ``act``, FC2, Unpermute) with the row
-    kernels and the gathered forward stood in too, and its inputs: (layer, x (90, H), indices
-    (90, 3) with dropped slots, probs, dy)."""
+    kernels and the gathered forward stood in too, and its inputs: (layer, x (``tokens``, H),
+    indices (``tokens``, 3) with dropped slots, probs, dy)."""
     import te_fused_ops.backends.sm90.moe as sm90_moe
     import te_fused_ops.backends.sm90.rules as sm90_rules
     from te_fused_ops import Permute, Unpermute
@@ -1033,7 +1033,7 @@ def routed_layer(monkeypatch, act=SwiGLU, width=I):
     monkeypatch.setattr(sm90_moe, "gather_sum", kernel_contract(gather_sum_stand_in))
     monkeypatch.setattr(sm90_rules, "grouped_gemm_gathered_sm90", kernel_contract(gathered_gemm_stand_in))
     torch.manual_seed(0)
-    tokens, k = 90, 3
+    k = 3
     seq = Sequential(Permute(G), GroupedLinear(G, H, 2 * width, dtype=torch.bfloat16), act(),
                      GroupedLinear(G, width, H, dtype=torch.bfloat16), Unpermute())
     x = torch.randn(tokens, H, dtype=torch.bfloat16, requires_grad=True)
@@ -1060,7 +1060,9 @@ def test_auto_reads_every_row_by_index_up_to_its_widths(sm90_stand_ins, monkeypa
     that, within `GATHER_MAX_WIDTH` and `GATHER_WGRAD_MAX_WIDTH`) runs the plan of 1: no row
     scatter, FC1's forward, FC2's dActivation and both weight gradients read rows by index, the
     gradients bit for bit 1's. 64 columns wider, every GEMM reads the copies (three scatters: the
-    permute, the combine's backward, x permuted again for FC1's weight gradient)."""
+    permute, the combine's backward, x permuted again for FC1's weight gradient) but FC2's weight
+    gradient, whose wait for d_pre would hold dy's copy here
+    (`test_wide_fc2_weight_gradient_reads_dy_by_index_where_its_wait_would_hold_the_copy`)."""
     from te_fused_ops.backends.sm90.linear import GATHER_WGRAD_MAX_WIDTH
     from te_fused_ops.backends.sm90.rules import GATHER_DY_MAX_WIDTH, GATHER_MAX_WIDTH
 
@@ -1073,8 +1075,51 @@ def test_auto_reads_every_row_by_index_up_to_its_widths(sm90_stand_ins, monkeypa
         counts[width, setting] = tuple(len(calls) for calls in (SCATTERS, GATHERED_GEMMS, DY_GATHERS,
                                                                   GATHERED_WGRADS))
     assert counts[GATHER_DY_MAX_WIDTH, "auto"] == counts[GATHER_DY_MAX_WIDTH, "1"] == (0, 1, 1, 2), counts
-    assert counts[GATHER_DY_MAX_WIDTH + 64, "auto"] == (3, 0, 0, 0), counts
+    assert counts[GATHER_DY_MAX_WIDTH + 64, "auto"] == (3, 0, 0, 1), counts
     for a, b in zip(outputs[GATHER_DY_MAX_WIDTH, "auto"], outputs[GATHER_DY_MAX_WIDTH, "1"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tokens,waits", [(90, True), (400, False)])
+def test_wide_fc2_weight_gradient_reads_dy_by_index_where_its_wait_would_hold_the_copy(
+        tokens, waits, sm90_stand_ins, monkeypatch):
+    """Auto past `GATHER_DY_MAX_WIDTH`: FC2's data gradient + dActivation reads dy's expert-ordered
+    copy; its weight gradient reads dy by index (and waits for d_pre to be freed) where a wait on
+    the copy would hold it to the end (act + copy no larger than W2 and d_pre: 90 tokens), else
+    it reads the copy at once (400 tokens: act + copy larger than W2). Waiting, it runs with the
+    copy gone and d_pre's storage freed. Gradients bit for bit 0's."""
+    import weakref
+
+    import te_fused_ops.backends.sm90.linear as sm90_linear
+    import te_fused_ops.backends.sm90.rules as sm90_rules
+    from te_fused_ops.backends.sm90.rules import GATHER_DY_MAX_WIDTH
+
+    copies, written, when_dw2 = [], [], []
+    dact, by_index = sm90_rules.grouped_dgrad_dact_sm90, sm90_linear.grouped_wgrad_gathered_sm90
+
+    def recording_dact(dy, weight, offsets, pre, **kwargs):
+        copies.append(weakref.ref(dy))
+        written.append(kwargs["out"])
+        return dact(dy, weight, offsets, pre, **kwargs)
+
+    def recording_gathered(dy, x, index, offsets, **kwargs):
+        when_dw2.append((copies[-1]() is None, written[-1].untyped_storage().size() == 0))
+        return by_index(dy, x, index, offsets, **kwargs)
+
+    monkeypatch.setattr(sm90_rules, "grouped_dgrad_dact_sm90", recording_dact)
+    monkeypatch.setattr(sm90_linear, "grouped_wgrad_gathered_sm90", recording_gathered)
+    width = GATHER_DY_MAX_WIDTH + 64
+    outputs = {}
+    for setting in ("auto", "0"):
+        monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", setting)
+        layer = routed_layer(monkeypatch, ScaledSwiGLU, width=width, tokens=tokens)
+        copies.clear(), written.clear(), when_dw2.clear()
+        outputs[setting] = routed_step(*layer)
+        if setting == "auto":
+            assert not DY_GATHERS, DY_GATHERS
+            assert [operand for operand, _ in GATHERED_WGRADS] == (["dy"] if waits else []), GATHERED_WGRADS
+            assert when_dw2 == ([(True, True)] if waits else []), when_dw2
+    for a, b in zip(*outputs.values()):
         assert torch.equal(a, b)
 
 
@@ -1148,10 +1193,12 @@ def test_fc2_backward_reads_dy_rows_by_index(setting, sm90_stand_ins, monkeypatc
         monkeypatch.delenv("TE_FUSED_OPS_BACKEND")
 
 
-def test_fc2_backward_keeps_dy_copy_when_wide_with_bias_or_asked(sm90_stand_ins, monkeypatch):
-    """FC2's backward keeps dy's expert-ordered copy where FC2's input is wider than
-    `GATHER_DY_MAX_WIDTH` under auto (1 gathers anyway), with TE_FUSED_OPS_GATHER_ROWS=0, and with
-    an FC2 bias (its gradient sums dy's expert rows); explain() says why."""
+def test_fc2_backward_keeps_dy_copy_when_asked_or_with_bias(sm90_stand_ins, monkeypatch):
+    """FC2's backward keeps dy's expert-ordered copy, without its rule reading dy by index, with
+    TE_FUSED_OPS_GATHER_ROWS=0 and with an FC2 bias (its gradient sums dy's expert rows); explain()
+    says why. Wider than `GATHER_DY_MAX_WIDTH` the rule runs under auto, 1 and wgrad (under auto its
+    data gradient reads the copy; its weight gradient:
+    `test_wide_fc2_weight_gradient_reads_dy_by_index_where_its_wait_would_hold_the_copy`)."""
     from te_fused_ops import Permute, Unpermute
     from te_fused_ops.backends.sm90.rules import GATHER_DY_MAX_WIDTH
 
@@ -1160,7 +1207,7 @@ def test_fc2_backward_keeps_dy_copy_when_wide_with_bias_or_asked(sm90_stand_ins,
     wide = GATHER_DY_MAX_WIDTH + 32
     rule = "-> rule 'dactivation+grouped_linear+unpermute'"
     for setting, width, bias, reason in (
-            ("auto", wide, False, f"FC2 input width {wide} > {GATHER_DY_MAX_WIDTH}: dy's expert-ordered copy"),
+            ("auto", wide, False, None),
             ("1", wide, False, None),
             ("wgrad", wide, False, None),
             ("0", I, False, "TE_FUSED_OPS_GATHER_ROWS=0 (FC2's backward reads dy's expert-ordered copy)"),

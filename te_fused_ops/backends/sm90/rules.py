@@ -228,12 +228,12 @@ def _grouped_linear_activation(ops, ctxs, x):
 def _gather_rows_reason(reader, copy, what, width, limit, hidden, weight_gradient=False):
     """Why ``TE_FUSED_OPS_GATHER_ROWS`` has ``reader`` read ``copy`` (0; wgrad, unless
     ``weight_gradient``: the reader includes a weight gradient, which then reads by index; auto and
-    ``what``, the width ``width``, past ``limit``), or why gathered rows cannot run (``hidden`` not a
-    multiple of 64); None where the rows may be read by index."""
+    ``what``, the width ``width``, past ``limit``, unless that is None), or why gathered rows cannot
+    run (``hidden`` not a multiple of 64); None where the rows may be read by index."""
     gather = env.read("TE_FUSED_OPS_GATHER_ROWS", "sm90 backend")
     if gather is False or (gather == "wgrad" and not weight_gradient):
         return f"TE_FUSED_OPS_GATHER_ROWS={int(gather) if gather is False else gather} ({reader} reads {copy})"
-    if gather is None and width > limit:
+    if gather is None and limit is not None and width > limit:
         return (f"{what} {width} > {limit}: {copy} measured faster (TE_FUSED_OPS_GATHER_ROWS=1 reads the "
                 "rows by index anyway)")
     if hidden % GATHER_K_MULTIPLE:
@@ -312,13 +312,14 @@ def _act_grads(act_ctx, d_probs) -> dict:
     return act_ctx.op.probs_grads(act_ctx, d_probs) if act_ctx.needs_grad("probs") else {}
 
 
-def _dact_bf16(ops, ctxs, dy, dy_index=None, wgrad_dy=None):
+def _dact_bf16(ops, ctxs, dy, dy_index=None, wgrad_dy=None, wgrad_dy_to_wait=False):
     """One kernel: d_pre = act'(pre) * (dy @ W[g]) and act(pre) (the weight gradient's operand);
     then the varlen-K weight gradient. d_pre is written over pre where the forward made pre for
     this backward alone (`OpContext.input_overwritable`): each tile reads its pre before it stores
     its d_pre there, so the two never occupy memory together. With ``dy_index`` (M,) int32 dy is
     the caller's (T, N) in token order and both kernels read its rows by index; with ``wgrad_dy``
-    ((T, N) dy, (M,) index) the weight gradient alone reads those."""
+    ((T, N) dy, (M,) index) the weight gradient alone reads those, or with ``wgrad_dy_to_wait``
+    only where its wait for d_pre would otherwise hold dy (expert-ordered rows) to the end."""
     act, linear = ops
     act_ctx, linear_ctx = ctxs
     if linear_ctx.saved.recipe is not None or is_quantized(dy):
@@ -331,6 +332,8 @@ def _dact_bf16(ops, ctxs, dy, dy_index=None, wgrad_dy=None):
         activation=act.kernel_name, out=pre if over_pre else None, sm_margin=sm_margin(),
         d_probs_parts=True, **epilogue_args(act, act_ctx),
     )
+    if wgrad_dy_to_wait and not (over_pre and _waits_for_d_pre(linear_ctx, d_pre, out, dy)):
+        wgrad_dy = None  # no wait, or not one holding dy: the weight gradient reads dy's rows now
     if wgrad_dy is not None:
         dy, dy_index = wgrad_dy
     held = (out,) if dy_index is not None else (out, dy)  # dy in token order: the caller's, alive anyway
@@ -351,6 +354,12 @@ def _wgrad_after_d_pre(act_ctx, linear_ctx, d_pre, *held) -> bool:
     if d_pre is None:
         return False
     act_ctx.grad_over_input = d_pre
+    return _waits_for_d_pre(linear_ctx, d_pre, *held)
+
+
+def _waits_for_d_pre(linear_ctx, d_pre, *held) -> bool:
+    """Whether FC2's weight gradient, its operands ``held``, waits for d_pre's storage to be freed
+    (`_wgrad_after_d_pre`)."""
     held_numel = sum(t.numel() for t in held)
     return (not linear_ctx.grad_buffers and linear_ctx.needs_grad("weight")
             and held_numel <= min(linear_ctx.saved.weight.numel(), d_pre.numel()))
@@ -515,11 +524,12 @@ def _expert_rows(ops, ctxs, dy):
 
 
 def _supports_dy_by_index(ops, info):
-    """`_gather_rows_reason` (auto: FC2's input at most `GATHER_DY_MAX_WIDTH` wide), the 16-bit
-    dActivation kernel, FC2 without a bias, the combine's rows on the row kernels."""
+    """`_gather_rows_reason` (auto at any width: past `GATHER_DY_MAX_WIDTH` the rule reads dy by
+    index in the weight gradient alone, where that spares a copy), the 16-bit dActivation kernel,
+    FC2 without a bias, the combine's rows on the row kernels."""
     linear = ops[1]
     reason = _gather_rows_reason("FC2's backward", "dy's expert-ordered copy", "FC2 input width",
-                                 linear.in_features, GATHER_DY_MAX_WIDTH, linear.out_features, weight_gradient=True)
+                                 linear.in_features, None, linear.out_features, weight_gradient=True)
     if reason:
         return reason
     if linear.bias is not None:
@@ -535,18 +545,23 @@ def _dactivation_grouped_linear_dy_by_index(ops, ctxs, dy):
     """FC2's data gradient + dActivation and its weight gradient reading dy's rows by index
     (`dy_by_index`): the combine's backward writes nothing. With ``TE_FUSED_OPS_GATHER_ROWS=wgrad``
     the weight gradient alone: the data gradient reads the combine's backward's rows, freed before
-    the weight gradient runs. Where the combine applies the probabilities, runs on other ranks or
-    FC2 accumulates into main_grad: the combine's backward, then `dactivation+grouped_linear`."""
+    the weight gradient runs. Auto past `GATHER_DY_MAX_WIDTH`: the data gradient reads those rows,
+    and the weight gradient reads dy by index only where its wait for d_pre would otherwise hold
+    them to the end of the backward (`_dact_bf16`'s ``wgrad_dy_to_wait``). Where the combine applies
+    the probabilities, runs on other ranks or FC2 accumulates into main_grad: the combine's
+    backward, then `dactivation+grouped_linear`."""
     linear_ctx, combine_ctx = ctxs[1:]
     tokens = None
     if linear_ctx.saved.recipe is None and not is_quantized(dy) and linear_ctx.main_grads.get("weight") is None:
         tokens = dy_by_index(combine_ctx, dy)
-    if tokens is None or env.read("TE_FUSED_OPS_GATHER_ROWS", "sm90 backend") == "wgrad":
+    gather = env.read("TE_FUSED_OPS_GATHER_ROWS", "sm90 backend")
+    wide = gather is None and ops[1].in_features > GATHER_DY_MAX_WIDTH
+    if tokens is None or gather == "wgrad" or wide:
         dy_rows, combine_grads = unpermute_backward(ops[2:], ctxs[2:], dy)
         if tokens is None:
             d_pre, grads = _dactivation_grouped_linear(ops[:2], ctxs[:2], dy_rows)
         else:
-            d_pre, grads = _dact_bf16(ops[:2], ctxs[:2], dy_rows, wgrad_dy=tokens)
+            d_pre, grads = _dact_bf16(ops[:2], ctxs[:2], dy_rows, wgrad_dy=tokens, wgrad_dy_to_wait=wide)
         return d_pre, [*grads, *combine_grads]
     d_pre, grads = _dact_bf16(ops[:2], ctxs[:2], *tokens)
     return d_pre, [*grads, {}]
