@@ -451,7 +451,13 @@ def parse_args(argv=None):
 
 
 def spawned(rank: int, args, init_method: str) -> None:
+    """One spawned rank; a rank that finished leaves through ``os._exit(0)``: the interpreter's C++
+    teardown after gloo can abort a finished process ("terminate called without an active
+    exception"), failing a run whose results are written (as `tests/spawn.py` does for the tests)."""
     worker(rank, rank, args.nproc, args, init_method)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv=None) -> None:

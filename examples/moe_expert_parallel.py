@@ -280,9 +280,13 @@ def worker(rank: int, local_rank: int, world: int, args, init_method: str) -> bo
 
 
 def spawned(rank: int, args, init_method: str) -> None:
-    """mp.spawn entry point: exits non-zero on a mismatch."""
-    if not worker(rank, rank, args.nproc, args, init_method):
-        sys.exit(1)
+    """mp.spawn entry point: exits non-zero on a mismatch. A finished rank leaves through
+    ``os._exit``: the interpreter's C++ teardown after gloo can abort a finished process
+    ("terminate called without an active exception")."""
+    ok = worker(rank, rank, args.nproc, args, init_method)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if ok else 1)
 
 
 def parse_args(argv=None):
