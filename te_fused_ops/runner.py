@@ -266,6 +266,9 @@ class Run:
                 dy, grads = step.run(self.ops, ctxs, dy, "backward")
                 step_start = step.start
             op_grads[step_start : step_start + len(grads or ())] = grads or ()
+            for ctx in ctxs:  # a data gradient over a saved input, once no step or deferred gradient reads it
+                if ctx.grad_over_input is not None and not still_read(ctx.grad_over_input, dy, op_grads):
+                    free_grad_over_input(ctx, dy)
             for i, op_grad in enumerate(grads or (), step_start):
                 for name, grad in list((op_grad or {}).items()):
                     producer = ctxs[i].side_sources.get(name)
@@ -274,7 +277,7 @@ class Run:
                         earlier = ctxs[producer].produced_grads.get(name)
                         ctxs[producer].produced_grads[name] = grad if earlier is None else earlier + grad
         for ctx, grads in zip(ctxs, op_grads):  # the deferred ones, after every step, in op order
-            free_grad_over_input(ctx, dy)  # read by the ops before this one alone, all done
+            free_grad_over_input(ctx, dy)  # read by the deferred gradients of the ops before this one alone
             for name, grad in (grads or {}).items():
                 if isinstance(grad, DeferredGrad):
                     grads[name] = grad()
@@ -290,6 +293,28 @@ class Run:
                 slot = self.param_slots[(i, name)]
                 param_grads[slot] = grad if param_grads[slot] is None else param_grads[slot] + grad
         return dy, [side_grads[n] for n in self.grad_side_names], param_grads
+
+
+def still_read(grad: torch.Tensor, dy, op_grads) -> bool:
+    """Whether ``grad``'s storage is the data gradient the next step reads (``dy``) or an operand
+    of a `DeferredGrad` in ``op_grads`` (the ops' gradient dicts): the rest of the backward reads
+    only those (the steps still to run get dy; their saved tensors come from the forward)."""
+    ptr = grad.untyped_storage().data_ptr()
+
+    def holds(value) -> bool:
+        if isinstance(value, torch.Tensor):
+            if is_quantized(value):  # a wrapper: its data, multipliers and source are its attributes
+                return holds(list(vars(value).values()))
+            return value.untyped_storage().data_ptr() == ptr
+        if isinstance(value, (tuple, list)):
+            return any(holds(v) for v in value)
+        if isinstance(value, dict):
+            return any(holds(v) for v in value.values())
+        if isinstance(value, DeferredGrad):
+            return holds(value.args) or holds(value.keywords)
+        return False
+
+    return holds(dy) or any(holds(grads) for grads in op_grads if grads)
 
 
 def free_grad_over_input(ctx: OpContext, dx) -> None:

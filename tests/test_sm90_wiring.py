@@ -573,6 +573,44 @@ def test_backward_follows_the_plan_its_forward_ran(sm90_stand_ins, monkeypatch):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+@pytest.mark.parametrize("setting,freed", [("0", True), ("1", False)])
+def test_d_pre_is_freed_once_nothing_left_reads_it(setting, freed, sm90_stand_ins, monkeypatch):
+    """The runner frees d_pre (written over the saved pre-activation) right after the step that
+    reads it as its data gradient, FC1's backward, where that step keeps no deferred gradient
+    reading it: before the permute's backward sums the slots (0: FC1's weight gradient on the
+    copy, made in the step). With 1 FC1's weight gradient reads x by index later, deferred, and
+    d_pre lives until it has run. Gradients bit for bit the same."""
+    import te_fused_ops.backends.sm90.moe as sm90_moe
+    import te_fused_ops.backends.sm90.rules as sm90_rules
+
+    written, at_dispatch_backward = [], []
+    dact = sm90_rules.grouped_dgrad_dact_sm90
+
+    def recording_dact(*args, **kwargs):
+        written.append(kwargs["out"])
+        return dact(*args, **kwargs)
+
+    grads = {}
+    for gather in (setting, "0" if setting == "1" else "1"):
+        monkeypatch.setenv("TE_FUSED_OPS_GATHER_ROWS", gather)
+        layer = routed_layer(monkeypatch, ScaledSwiGLU)
+        gather_sum = sm90_moe.gather_sum
+
+        def recording_sum(*args, gather_sum=gather_sum, **kwargs):
+            if written:  # the permute's backward (the combine's forward ran before the dActivation)
+                at_dispatch_backward.append(written[-1].untyped_storage().size() == 0)
+            return gather_sum(*args, **kwargs)
+
+        monkeypatch.setattr(sm90_rules, "grouped_dgrad_dact_sm90", recording_dact)
+        monkeypatch.setattr(sm90_moe, "gather_sum", recording_sum)
+        written.clear(), at_dispatch_backward.clear()
+        grads[gather] = routed_step(*layer)
+        if gather == setting:
+            assert at_dispatch_backward == [freed], at_dispatch_backward
+    for a, b in zip(*grads.values()):
+        assert torch.equal(a, b)
+
+
 def test_freeing_d_pre_spares_the_sequentials_own_data_gradient():
     """The runner frees a data gradient written over the saved input (`free_grad_over_input`),
     except where the Sequential returns a tensor living in the same storage as its dx."""
