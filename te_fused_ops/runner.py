@@ -267,7 +267,8 @@ class Run:
                 step_start = step.start
             op_grads[step_start : step_start + len(grads or ())] = grads or ()
             for ctx in ctxs:  # a data gradient over a saved input, once no step or deferred gradient reads it
-                if ctx.grad_over_input is not None and not still_read(ctx.grad_over_input, dy, op_grads):
+                if ctx.grad_over_input is not None and not still_read(
+                        ctx.grad_over_input, dy, op_grads, [c.produced_grads for c in ctxs]):
                     free_grad_over_input(ctx, dy)
             for i, op_grad in enumerate(grads or (), step_start):
                 for name, grad in list((op_grad or {}).items()):
@@ -295,10 +296,11 @@ class Run:
         return dy, [side_grads[n] for n in self.grad_side_names], param_grads
 
 
-def still_read(grad: torch.Tensor, dy, op_grads) -> bool:
-    """Whether ``grad``'s storage is the data gradient the next step reads (``dy``) or an operand
-    of a `DeferredGrad` in ``op_grads`` (the ops' gradient dicts): the rest of the backward reads
-    only those (the steps still to run get dy; their saved tensors come from the forward)."""
+def still_read(grad: torch.Tensor, *holders) -> bool:
+    """Whether ``grad``'s storage is held in ``holders`` (tensors, nested in tuples, lists, dicts
+    and `DeferredGrad` operands). The backward asks with all its rest reads: the next step's data
+    gradient, the ops' gradient dicts, the produced values' gradients (the steps still to run read
+    their dy and what the forward saved)."""
     ptr = grad.untyped_storage().data_ptr()
 
     def holds(value) -> bool:
@@ -314,7 +316,7 @@ def still_read(grad: torch.Tensor, dy, op_grads) -> bool:
             return holds(value.args) or holds(value.keywords)
         return False
 
-    return holds(dy) or any(holds(grads) for grads in op_grads if grads)
+    return holds(holders)
 
 
 def free_grad_over_input(ctx: OpContext, dx) -> None:
