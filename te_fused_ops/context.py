@@ -129,8 +129,8 @@ class OpContext:
                           this call that only this op's backward reads: a backward that does not
                           keep the graph may write over it (`input_overwritable`)
     grad_over_input:      the data gradient this op's backward wrote over its saved input, else
-                          None: `runner.Run.backward` frees that storage as soon as neither the
-                          next step's data gradient nor a deferred gradient holds it
+                          None: `runner.Run.backward` frees that storage once the rest of the
+                          backward no longer reads it (`runner.free_unread_grads_over_inputs`)
     recompute_output:     set by a fused forward that did not keep this op's output alive: a
                           `Recompute` giving the output again (the consumer saves it lazily)
     input_format:         the `Format` folded before this op in the running step, else None

@@ -266,10 +266,7 @@ class Run:
                 dy, grads = step.run(self.ops, ctxs, dy, "backward")
                 step_start = step.start
             op_grads[step_start : step_start + len(grads or ())] = grads or ()
-            for ctx in ctxs:  # a data gradient over a saved input, once no step or deferred gradient reads it
-                if ctx.grad_over_input is not None and not still_read(
-                        ctx.grad_over_input, dy, op_grads, [c.produced_grads for c in ctxs]):
-                    free_grad_over_input(ctx, dy)
+            free_unread_grads_over_inputs(ctxs, dy, op_grads)
             for i, op_grad in enumerate(grads or (), step_start):
                 for name, grad in list((op_grad or {}).items()):
                     producer = ctxs[i].side_sources.get(name)
@@ -277,11 +274,11 @@ class Run:
                         del op_grad[name]
                         earlier = ctxs[producer].produced_grads.get(name)
                         ctxs[producer].produced_grads[name] = grad if earlier is None else earlier + grad
-        for ctx, grads in zip(ctxs, op_grads):  # the deferred ones, after every step, in op order
-            free_grad_over_input(ctx, dy)  # read by the deferred gradients of the ops before this one alone
+        for grads in op_grads:  # the deferred ones, after every step, in op order
             for name, grad in (grads or {}).items():
                 if isinstance(grad, DeferredGrad):
                     grads[name] = grad()
+                    free_unread_grads_over_inputs(ctxs, dy, op_grads)
         side_grads = {name: None for name in self.grad_side_names}
         param_grads = [None] * self.num_params
         for i, grads in enumerate(op_grads):
@@ -296,11 +293,20 @@ class Run:
         return dy, [side_grads[n] for n in self.grad_side_names], param_grads
 
 
+def free_unread_grads_over_inputs(ctxs, dy, op_grads) -> None:
+    """Free each data gradient written over a saved input (`OpContext.grad_over_input`) that the
+    rest of the backward no longer reads: neither the next step's data gradient ``dy``, nor a
+    deferred gradient in ``op_grads``, nor a produced value's gradient holds its storage."""
+    for ctx in ctxs:
+        if ctx.grad_over_input is not None and not still_read(
+                ctx.grad_over_input, dy, op_grads, [c.produced_grads for c in ctxs]):
+            free_grad_over_input(ctx, dy)
+
+
 def still_read(grad: torch.Tensor, *holders) -> bool:
     """Whether ``grad``'s storage is held in ``holders`` (tensors, nested in tuples, lists, dicts
-    and `DeferredGrad` operands). The backward asks with all its rest reads: the next step's data
-    gradient, the ops' gradient dicts, the produced values' gradients (the steps still to run read
-    their dy and what the forward saved)."""
+    and `DeferredGrad` operands; the steps still to run read only their dy and what the forward
+    saved)."""
     ptr = grad.untyped_storage().data_ptr()
 
     def holds(value) -> bool:

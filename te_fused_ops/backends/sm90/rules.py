@@ -225,10 +225,10 @@ def _grouped_linear_activation(ops, ctxs, x):
     return quantize_rows(y, out.recipe, out.offsets, amax_parts)
 
 
-def _gather_rows_reason(reader, copy, what, width, limit, hidden, weight_gradient=False):
+def _gather_rows_reason(reader, copy, hidden, weight_gradient=False, what=None, width=0, limit=None):
     """Why ``TE_FUSED_OPS_GATHER_ROWS`` has ``reader`` read ``copy`` (0; wgrad, unless
     ``weight_gradient``: the reader includes a weight gradient, which then reads by index; auto and
-    ``what``, the width ``width``, past ``limit``, unless that is None), or why gathered rows cannot
+    ``what``, the width ``width``, past ``limit`` where one is given), or why gathered rows cannot
     run (``hidden`` not a multiple of 64); None where the rows may be read by index."""
     gather = env.read("TE_FUSED_OPS_GATHER_ROWS", "sm90 backend")
     if gather is False or (gather == "wgrad" and not weight_gradient):
@@ -245,8 +245,8 @@ def _supports_gathered_fc1(ops, info):
     """`_gather_rows_reason` (auto: FC1 at most `GATHER_MAX_WIDTH` wide), the permute on the row
     kernels' terms, FC1 + activation on the 16-bit kernel with no cast before or after it."""
     linear = ops[1]
-    reason = _gather_rows_reason("FC1", "the permuted copy", "FC1 width", linear.out_features, GATHER_MAX_WIDTH,
-                                 linear.in_features)
+    reason = _gather_rows_reason("FC1", "the permuted copy", linear.in_features, what="FC1 width",
+                                 width=linear.out_features, limit=GATHER_MAX_WIDTH)
     if reason:
         return reason
     return rows_supported_reason(ops[:1], info.window(0, 1)) or _supports_grouped_linear_activation(
@@ -528,8 +528,8 @@ def _supports_dy_by_index(ops, info):
     index in the weight gradient alone, where that spares a copy), the 16-bit dActivation kernel,
     FC2 without a bias, the combine's rows on the row kernels."""
     linear = ops[1]
-    reason = _gather_rows_reason("FC2's backward", "dy's expert-ordered copy", "FC2 input width",
-                                 linear.in_features, None, linear.out_features, weight_gradient=True)
+    reason = _gather_rows_reason("FC2's backward", "dy's expert-ordered copy", linear.out_features,
+                                 weight_gradient=True)
     if reason:
         return reason
     if linear.bias is not None:
