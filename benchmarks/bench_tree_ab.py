@@ -21,6 +21,7 @@ torch backend, and `common.require_sm90` then exits.)
     python benchmarks/bench_tree_ab.py a --parts kernels --shapes qwen3-30b-a3b,dsv3-ep8
     python benchmarks/bench_tree_ab.py a --parts layer --contenders c,c-fp8-4mb,c-fp8w16-4mb --memory
     python benchmarks/bench_tree_ab.py a --parts layer --contenders c,c-rows-wgrad,c-rows-1 --memory
+    python benchmarks/bench_tree_ab.py a --parts layer --contenders c --shapes 8192x8x64x4096x1024
 """
 
 import argparse
@@ -121,7 +122,8 @@ def main():
     ap.add_argument("tag", help="name of this build in the output")
     ap.add_argument("--warm", action="store_true", help="compile and check only, no timing")
     ap.add_argument("--parts", default="mlp,layer", help="comma-separated: mlp, layer, kernels")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of bench_moe_layer.SHAPES")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of bench_moe_layer.SHAPES, "
+                    "or TxkxExHxI for the layer and kernel parts")
     ap.add_argument("--contenders", default=",".join(LAYER_CONTENDERS),
                     help="comma-separated layer contenders besides a (default: c, c-fp8-4mb)")
     ap.add_argument("--memory", action="store_true", help="also the layer contenders' peak MiB (min, max of 4 steps)")
@@ -129,6 +131,8 @@ def main():
     layer = functools.partial(layer_steps, contenders=tuple(args.contenders.split(",")))
     result = {"tag": args.tag, "package": te_fused_ops.__file__}
     for name in args.shapes.split(","):
+        if name not in bench_moe_layer.SHAPES and "mlp" not in args.parts.split(","):
+            bench_moe_layer.SHAPES[name] = bench_moe_layer.layer_shape(name, ap)
         for kind, build, base in (("mlp", mlp_steps, "reference"), ("layer", layer, "a"),
                                   ("kernels", kernel_steps, None)):
             if kind not in args.parts.split(","):
