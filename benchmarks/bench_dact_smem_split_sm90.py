@@ -28,6 +28,7 @@ if __name__ == "__main__":  # before torch and the kernels load: one line, exit 
 
 import torch
 from bench_gathered_sm90 import SHAPES, problem
+from bench_moe_layer import layer_shape
 from common import time_and_print_variants
 
 from te_fused_ops.activations import activation_constants
@@ -101,7 +102,7 @@ def main():
 
     def shape_variants(name):
         if name not in SHAPES:
-            SHAPES[name] = tuple(int(v) for v in name.split("x"))
+            SHAPES[name] = layer_shape(name, ap)
         return variants(name, kinds, splits)
 
     time_and_print_variants(args.shapes, shape_variants, check, 0.3, 0.4)

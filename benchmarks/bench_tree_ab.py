@@ -131,7 +131,7 @@ def main():
     layer = functools.partial(layer_steps, contenders=tuple(args.contenders.split(",")))
     result = {"tag": args.tag, "package": te_fused_ops.__file__}
     for name in args.shapes.split(","):
-        if name not in bench_moe_layer.SHAPES and "mlp" not in args.parts.split(","):
+        if name not in bench_moe_layer.SHAPES:
             bench_moe_layer.SHAPES[name] = bench_moe_layer.layer_shape(name, ap)
         for kind, build, base in (("mlp", mlp_steps, "reference"), ("layer", layer, "a"),
                                   ("kernels", kernel_steps, None)):
