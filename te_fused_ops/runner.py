@@ -297,9 +297,12 @@ def free_unread_grads_over_inputs(ctxs, dy, op_grads) -> None:
     """Free each data gradient written over a saved input (`OpContext.grad_over_input`) that the
     rest of the backward no longer reads: neither the next step's data gradient ``dy``, nor a
     deferred gradient in ``op_grads``, nor a produced value's gradient holds its storage."""
+    pending = [ctx for ctx in ctxs if ctx.grad_over_input is not None]
+    if not pending:  # most steps: nothing written over an input, nothing to look for
+        return
     produced = [c.produced_grads for c in ctxs]
-    for ctx in ctxs:
-        if ctx.grad_over_input is not None and not still_read(ctx.grad_over_input, dy, op_grads, produced):
+    for ctx in pending:
+        if not still_read(ctx.grad_over_input, dy, op_grads, produced):
             free_grad_over_input(ctx, dy)
 
 
