@@ -17,10 +17,10 @@ def activation_after_linear(act: Activation, ctxs, pre, out=None):
     """Fill the activation's context after the GroupedLinear's (``ctxs``: both) produced ``pre``:
     its input is recomputable where the linear's output is, and private to the call (its backward
     may write over it); its output is recomputable from ``pre`` unless the step casts it (an
-    output format). Returns ``out``."""
+    output format) or the op keeps it (``recompute_output=False``). Returns ``out``."""
     ctxs[1].input_recompute = ctxs[0].recompute_output
     ctxs[1].input_private = True
-    act.keep_for_backward(ctxs[1], pre, output_recomputable=ctxs[1].output_format is None)
+    act.keep_for_backward(ctxs[1], pre, output_recomputable=ctxs[1].output_format is None and act.recompute_output)
     return out
 
 

@@ -76,6 +76,14 @@ def test_grouped_dgrad_dact_compiles(activation, tile_n, epilogue_warps):
     assert compile_grouped_dgrad_dact(torch.bfloat16, tile_n, activation, False, 2, epilogue_warps) is not None
 
 
+@pytest.mark.parametrize("tile_n,pingpong,gathered", [(192, True, True), (128, False, False), (256, False, True)])
+def test_grouped_dgrad_dact_compiles_without_the_act(tile_n, pingpong, gathered):
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_dgrad_dact
+
+    assert compile_grouped_dgrad_dact(torch.bfloat16, tile_n, "scaled_swiglu", False, 2, False, pingpong, gathered,
+                                      emit_act=False) is not None
+
+
 def test_grouped_dgrad_dact_compiles_fp16_and_without_cluster():
     from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_dgrad_dact
 

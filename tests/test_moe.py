@@ -337,3 +337,33 @@ def test_saved_bytes_below_sixty_percent_of_the_plain_torch_layer():
     y = moe(x, indices=indices, probs=probs)
     assert saved_tensor_bytes(y) <= ours
     assert ours <= 0.6 * theirs, (ours, theirs)
+
+
+@pytest.mark.parametrize("act_op", [ScaledSwiGLU, SwiGLU])
+def test_activation_output_kept_for_the_backward(act_op):
+    """``recompute_output=False`` keeps the activation's output for FC2's weight gradient instead of
+    recomputing it from the saved pre-activation: the same output and gradients, one (M, I)
+    tensor more saved."""
+    tokens, k = 32, 3
+    torch.manual_seed(0)
+    moe = layer("scaled" if act_op is ScaledSwiGLU else "combine")
+    kept = Sequential(*(act_op(recompute_output=False) if i == 2 else op for i, op in enumerate(moe)))
+    assert "recompute_output=False" in repr(kept[2])
+    x, indices, probs = inputs(tokens, k, low=0)
+    results = []
+    for model in (moe, kept):
+        for t in (x, probs, *model.parameters()):
+            t.grad = None
+        y = model(x, indices=indices, probs=probs)
+        y.backward(torch.ones_like(y))
+        results.append([y.detach(), x.grad, probs.grad, *(p.grad for p in model.parameters())])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    recomputed = saved_bytes(lambda: moe(x, indices=indices, probs=probs))
+    held = saved_bytes(lambda: kept(x, indices=indices, probs=probs))
+    assert held - recomputed == tokens * k * I * x.element_size()
+
+
+def test_activation_recompute_output_must_be_a_bool():
+    with pytest.raises(TypeError, match="SwiGLU: argument 'recompute_output' must be a bool"):
+        SwiGLU(recompute_output=1)

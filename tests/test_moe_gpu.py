@@ -460,3 +460,38 @@ def test_backward_writes_d_pre_over_the_saved_pre_activation():
     assert kept - freed >= 0.9 * pre_bytes
     for a, b in zip(kept_grads, freed_grads):
         assert torch.equal(a, b)
+
+
+def test_activation_output_kept_skips_the_dactivation_act(monkeypatch):
+    """``ScaledSwiGLU(recompute_output=False)``: FC2 keeps the act the forward wrote, the
+    dActivation kernel writes only d_pre (``emit_act=False``) and FC2's weight gradient reads the
+    kept act. Output, dx, d_probs and dW1 bit for bit the default layer's; dW2 (from the forward's
+    act, rounded once from fp32 pre, where the default recomputes it from the bf16 pre) within bf16
+    error of it and of float64; one (M, I) tensor more saved."""
+    import te_fused_ops.backends.sm90.rules as rules
+
+    emitted = []
+    dact = rules.grouped_dgrad_dact_sm90
+    monkeypatch.setattr(rules, "grouped_dgrad_dact_sm90",
+                        lambda *a, **kw: emitted.append(kw["emit_act"]) or dact(*a, **kw))
+    default = layer()
+    kept = Sequential(*(ScaledSwiGLU(recompute_output=False) if i == 2 else op for i, op in enumerate(default)))
+    x0 = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    indices, probs0 = routing(11, drop=0.0)
+    results = []
+    for moe in (default, kept):  # the same parameters: their gradients set to None before each step
+        for p in moe.parameters():
+            p.grad = None
+        x, probs = x0.clone().requires_grad_(), probs0.clone().requires_grad_()
+        y = step(moe, x, dy, indices=indices, probs=probs)
+        results.append([y.detach(), *grads(moe, x, probs)])
+    assert emitted == [True, False]
+    (y, dx, dp, dw1, dw2), (y_k, dx_k, dp_k, dw1_k, dw2_k) = results
+    for a, b in ((y, y_k), (dx, dx_k), (dp, dp_k), (dw1, dw1_k)):
+        assert torch.equal(a, b)
+    ref = float64_layer(default[1].weight, default[3].weight, x0, indices, probs0, dy)
+    assert rel_err(dw2_k, dw2) <= 1e-2 and rel_err(dw2_k, ref[4]) <= 1e-2
+    saved_default = saved_bytes(lambda: default(x0.clone().requires_grad_(), indices=indices, probs=probs0))
+    saved_kept = saved_bytes(lambda: kept(x0.clone().requires_grad_(), indices=indices, probs=probs0))
+    assert saved_kept - saved_default == T * K * I * 2

@@ -64,10 +64,25 @@ class Activation(BasicOp):
     """Base of the activation ops. Subclasses define `act` and `act_grad` on float32 tensors.
 
     ``kernel_name`` names the epilogue of the fused GEMM kernels that computes it.
+    ``recompute_output`` (default True): where a fused step made the output (GroupedLinear +
+    activation), the next GroupedLinear's weight gradient gets it again from the saved
+    pre-activation (the dActivation kernel writes it beside d_pre: nothing more is saved);
+    False keeps the output for the backward (one (M, I) tensor more saved per layer) and the
+    dActivation writes only d_pre (fewer bytes where that kernel is bound by memory).
     """
 
     glu = False
     kernel_name = None
+
+    def __init__(self, recompute_output: bool = True):
+        super().__init__()
+        if not isinstance(recompute_output, bool):
+            raise OpTypeError(f"{self.op_name}: argument 'recompute_output' must be a bool, got "
+                              f"{type(recompute_output).__name__}")
+        self.recompute_output = recompute_output
+
+    def extra_repr(self) -> str:
+        return "" if self.recompute_output else "recompute_output=False"
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -177,14 +192,14 @@ class ClampedSwiGLU(_GLU):
 
     kernel_name = "clamped_swiglu"
 
-    def __init__(self, limit: float = 7.0, alpha: float = 1.702):
-        super().__init__()
+    def __init__(self, limit: float = 7.0, alpha: float = 1.702, recompute_output: bool = True):
+        super().__init__(recompute_output)
         if not limit > 0:
             raise OpValueError(f"ClampedSwiGLU: argument 'limit' must be positive, got {limit!r}")
         self.limit, self.alpha = float(limit), float(alpha)
 
     def extra_repr(self) -> str:
-        return f"limit={self.limit}, alpha={self.alpha}"
+        return ", ".join(filter(None, (f"limit={self.limit}, alpha={self.alpha}", super().extra_repr())))
 
     def plan_signature(self) -> tuple:
         return (ClampedSwiGLU, self.limit, self.alpha)

@@ -313,7 +313,8 @@ def _act_grads(act_ctx, d_probs) -> dict:
 
 
 def _dact_bf16(ops, ctxs, dy, dy_index=None, wgrad_dy=None, wgrad_dy_to_wait=False):
-    """One kernel: d_pre = act'(pre) * (dy @ W[g]) and act(pre) (the weight gradient's operand);
+    """One kernel: d_pre = act'(pre) * (dy @ W[g]) and act(pre) (the weight gradient's operand, unless the
+    forward kept it: `Activation.recompute_output`);
     then the varlen-K weight gradient. d_pre is written over pre where the forward made pre for
     this backward alone (`OpContext.input_overwritable`): each tile reads its pre before it stores
     its d_pre there, so the two never occupy memory together. With ``dy_index`` (M,) int32 dy is
@@ -325,13 +326,20 @@ def _dact_bf16(ops, ctxs, dy, dy_index=None, wgrad_dy=None, wgrad_dy_to_wait=Fal
     if linear_ctx.saved.recipe is not None or is_quantized(dy):
         return backward_reference(ops, ctxs, dy)
     dy = dy.contiguous()
+    # the act FC2's weight gradient reads: written by the kernel where the forward kept it as a
+    # recompute from pre (`act_from_pre`), else loaded before the kernel (a recompute must run
+    # before d_pre takes pre's place)
+    emit_act = not linear_ctx.needs_grad("weight") or act_from_pre(act, linear_ctx)
+    kept_act = None if emit_act else linear_ctx.load_input()
     pre = act_ctx.load_input()
     over_pre = act_ctx.input_overwritable()
     d_pre, out, d_probs = grouped_dgrad_dact_sm90(
         dy, linear_ctx.saved.weight.detach(), linear_ctx.side["offsets"], pre, dy_index=dy_index,
         activation=act.kernel_name, out=pre if over_pre else None, sm_margin=sm_margin(),
-        d_probs_parts=True, **epilogue_args(act, act_ctx),
+        d_probs_parts=True, emit_act=emit_act, **epilogue_args(act, act_ctx),
     )
+    if not emit_act:
+        out = kept_act
     if wgrad_dy_to_wait and not (over_pre and _waits_for_d_pre(linear_ctx, d_pre, out, dy)):
         wgrad_dy = None  # no wait, or not one holding dy: the weight gradient reads dy's rows now
     if wgrad_dy is not None:

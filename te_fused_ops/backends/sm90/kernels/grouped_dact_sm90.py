@@ -115,7 +115,7 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
         mOffsets: cute.Tensor,  # (G + 1,) int32
         mPre: cute.Tensor,  # (M, 2I) GLU, (M, I) srelu
         mDPre: cute.Tensor,  # like mPre
-        mAct: cute.Tensor,  # (M, I)
+        mAct: cute.Tensor,  # (M, I) with emit_act, else None
         mProbs: cute.Tensor,  # (M,) float32 or None
         mDProbsPart: cute.Tensor,  # (ceil(I / tile_n), M) float32 or None
         constants: ActivationConstants,
@@ -123,7 +123,8 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
         stream,
     ):
         m_total = cute.size(mDy, mode=[0])
-        self.launch(mDy, mW, mOffsets, (mDPre, mAct), (mPre,), DActParams(mProbs, mDProbsPart, constants, m_total),
+        outputs = (mDPre, mAct) if const_expr(self.emit_act) else (mDPre,)
+        self.launch(mDy, mW, mOffsets, outputs, (mPre,), DActParams(mProbs, mDProbsPart, constants, m_total),
                     max_clusters, stream)
 
     def epi_make_state(self, tiled_copy, epi_tile, shared):
@@ -224,7 +225,7 @@ class GroupedGemmDActGatheredSm90(GroupedGemmDActSm90):
         mOffsets: cute.Tensor,  # (G + 1,) int32
         mPre: cute.Tensor,  # (M, 2I) GLU, (M, I) srelu
         mDPre: cute.Tensor,  # like mPre
-        mAct: cute.Tensor,  # (M, I)
+        mAct: cute.Tensor,  # (M, I) with emit_act, else None
         mProbs: cute.Tensor,  # (M,) float32 or None
         mDProbsPart: cute.Tensor,  # (ceil(I / tile_n), M) float32 or None
         constants: ActivationConstants,
@@ -232,7 +233,8 @@ class GroupedGemmDActGatheredSm90(GroupedGemmDActSm90):
         stream,
     ):
         params = DActParams(mProbs, mDProbsPart, constants, cute.size(mIndex, mode=[0]))
-        self.launch(mDy, mW, mOffsets, (mDPre, mAct), (mPre,), params, max_clusters, stream, gather=(mDy, mIndex))
+        outputs = (mDPre, mAct) if const_expr(self.emit_act) else (mDPre,)
+        self.launch(mDy, mW, mOffsets, outputs, (mPre,), params, max_clusters, stream, gather=(mDy, mIndex))
 
 
 class GroupedGemmDActFp8Sm90(GroupedGemmDActSm90):

@@ -334,11 +334,12 @@ def compile_grouped_gemm_act_quant(dtype, activation, has_bias, tvm_ffi=None, cl
 
 @cached_kernel
 def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_m=2, epilogue_warps=False,
-                               pingpong=False, gathered=False, deep_operands=False, **kernel_opts):
+                               pingpong=False, gathered=False, deep_operands=False, emit_act=True, **kernel_opts):
     """Compile (once per configuration) and return the launcher of ``grouped_dgrad_dact_sm90``:
     fn(dy, [dy_index,] weight, offsets, pre, d_pre, act, probs, d_probs_part, constants,
     max_clusters[, stream]); ``gathered``: dy (T, H) read by dy_index (M,); ``deep_operands``:
-    one C stage and one store slot, the rest of shared memory as operand stages."""
+    one C stage and one store slot, the rest of shared memory as operand stages; without
+    ``emit_act`` act is None (not written)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -358,17 +359,18 @@ def compile_grouped_dgrad_dact(dtype, tile_n, activation, tvm_ffi=None, cluster_
         fake_tensor(cutlass.Int32, (g1,), 4),
         fake_tensor(dt, (m, i_pre)),
         fake_tensor(dt, (m, i_pre)),
-        fake_tensor(dt, (m, i)),
+        fake_tensor(dt, (m, i)) if emit_act else None,
         fake_tensor(cutlass.Float32, (m,), 4) if spec.takes_probs else None,
         fake_tensor(cutlass.Float32, (n_tiles, m), 4) if spec.takes_probs else None,
     )
     if deep_operands:
         kernel_opts = {**kernel_opts, **DEEP_OPERAND_SPLIT}
     if gathered:
-        kernel = GroupedGemmDActGatheredSm90(dt, tile_n, activation, cluster_m, pingpong=pingpong, **kernel_opts)
+        kernel = GroupedGemmDActGatheredSm90(dt, tile_n, activation, cluster_m, pingpong=pingpong, emit_act=emit_act,
+                                             **kernel_opts)
     else:
         kernel = GroupedGemmDActSm90(dt, tile_n, activation, cluster_m, epilogue_warps=epilogue_warps,
-                                     pingpong=pingpong, **kernel_opts)
+                                     pingpong=pingpong, emit_act=emit_act, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -1087,7 +1089,7 @@ def _check_fp8_operands(fn_name, a, b, offsets):
 def grouped_dgrad_dact_sm90(
     dy, weight, offsets, pre, *, activation, probs=None, out=None, act_out=None, dy_index=None,
     sm_margin=None, tile_n=None, cluster_m=None, epilogue_warps=None, pingpong=None, deep_operands=False,
-    d_probs_parts=False, **constants,
+    d_probs_parts=False, emit_act=True, **constants,
 ):
     """Backward of FC2 fused with the activation's backward: h = dy_g @ W[g], then dActivation.
 
@@ -1102,7 +1104,8 @@ def grouped_dgrad_dact_sm90(
     Returns (d_pre like pre, act (M, I) = activation(pre) (times probs for scaled_swiglu: the input
     of FC2's weight gradient), d_probs (M,) float32 for scaled_swiglu else None). With
     ``d_probs_parts`` d_probs is the kernel's (P, M) float32 partial sums over its column tiles
-    instead (their sum over dim 0), for a caller whose next pass sums them.
+    instead (their sum over dim 0), for a caller whose next pass sums them. Without ``emit_act``
+    act is not written and None is returned in its place (a caller that kept it).
     Rows >= offsets[G] are zero. No host sync. H a multiple of 8; I a multiple of 32 (GLU) or 8.
     ``epilogue_warps`` (None: False): True runs the dActivation on three warps of its own, on h
     rounded to dy's dtype (as the unfused path stores it), while the MMA warpgroups run the next
@@ -1113,12 +1116,16 @@ def grouped_dgrad_dact_sm90(
     Checks run once per argument signature, as for `grouped_gemm_sm90`.
     """
     tvm_ffi = tvm_ffi_available()
+    if not isinstance(emit_act, bool):
+        raise TypeError(f"{_DACT}: emit_act must be a bool, got {type(emit_act).__name__}")
+    if act_out is not None and not emit_act:
+        raise ValueError(f"{_DACT}: act_out given with emit_act=False")
     key = (
         call_signature(tvm_ffi, dy, weight, offsets, pre, probs, out, act_out, dy_index),
-        _DACT, activation, tile_n, cluster_m, sm_margin, epilogue_warps, pingpong, deep_operands,
+        _DACT, activation, tile_n, cluster_m, sm_margin, epilogue_warps, pingpong, deep_operands, emit_act,
     )
     args = (dy, weight, offsets, pre, activation, probs, out, act_out, tile_n, cluster_m, sm_margin, epilogue_warps,
-            pingpong, dy_index, deep_operands)
+            pingpong, dy_index, deep_operands, emit_act)
     launch = _MEMO.get(key)
     if launch is None:
         launch = _dact_launch(*args)
@@ -1127,23 +1134,23 @@ def grouped_dgrad_dact_sm90(
             conflict = _dact_conflict(epilogue_warps)
             config = tuning.tuned_config(
                 _DACT, (dy.dtype, weight.shape[0], i, dy.shape[1], tuning.rows_bucket(m), activation,
-                        epilogue_warps, dy_index is not None),
+                        epilogue_warps, dy_index is not None) + (() if emit_act else ("no act",)),
                 lambda cfg: grouped_dgrad_dact_sm90(dy, weight, offsets, pre, activation=activation, probs=probs,
                                                     dy_index=dy_index, sm_margin=sm_margin, tile_n=cfg.tile_n,
                                                     cluster_m=cfg.cluster_m, epilogue_warps=epilogue_warps,
                                                     pingpong=cfg.pingpong, deep_operands=cfg.deep_operands,
-                                                    **constants),
+                                                    emit_act=emit_act, **constants),
                 heuristic_config(m, i, dy.shape[1], weight.shape[0], num_sms(dy.get_device()),
                                  conflict=conflict, act_epilogue=True),
                 _candidates(conflict) + (() if conflict else tuning.DEEP_OPERAND_CANDIDATES))
             if config is not None:
                 args = (*args[:8], config.tile_n, config.cluster_m, *args[10:12], config.pingpong, dy_index,
-                        config.deep_operands)
+                        config.deep_operands, emit_act)
                 launch = _dact_launch(*args)
         _MEMO.put(key, launch)
     fn, act_shape, partial_shape, clusters = launch
     d_pre = out if out is not None else torch.empty_like(pre)
-    act = act_out if act_out is not None else dy.new_empty(act_shape)
+    act = None if not emit_act else act_out if act_out is not None else dy.new_empty(act_shape)
     d_probs_part = None if partial_shape is None else dy.new_empty(partial_shape, dtype=torch.float32)
     operands = (dy,) if dy_index is None else (dy, dy_index)
     _run(fn, tvm_ffi, _dact_launch, args, (*operands, weight, offsets, pre, d_pre, act, probs, d_probs_part),
@@ -1164,7 +1171,7 @@ def _dact_conflict(epilogue_warps) -> str | None:
 
 
 def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile_n, cluster_m, sm_margin,
-                 epilogue_warps, pingpong=None, dy_index=None, deep_operands=False):
+                 epilogue_warps, pingpong=None, dy_index=None, deep_operands=False, emit_act=True):
     """Every check of `grouped_dgrad_dact_sm90`; (launcher or None when M == 0, act shape,
     d_probs partials shape or None, persistent grid in clusters)."""
     dev = check_input(_DACT, dy, "dy")
@@ -1221,7 +1228,7 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
     if m == 0:
         return None, (m, i), partial_shape, clusters
     key = (_DACT, dy.dtype, tile_n, activation, tvm_ffi_available(), cluster_m, epilogue_warps, pingpong,
-           dy_index is not None, deep_operands)
+           dy_index is not None, deep_operands, emit_act)
     fn = _LAUNCHERS.get(key)
     if fn is None:
         fn = _LAUNCHERS[key] = compile_grouped_dgrad_dact(*key[1:])
