@@ -33,6 +33,8 @@ objects, gradients None before every step):
   c          the fused layer: Sequential(Permute(E), GroupedLinear, ScaledSwiGLU, GroupedLinear,
              Unpermute())(x, indices=indices, probs=probs)
   c-combine  the same with SwiGLU: Unpermute applies the probs
+  c-keep-act the fused layer with ScaledSwiGLU(recompute_output=False): the activation's output
+             kept for FC2's weight gradient, the dActivation writing only d_pre
 With ``--recipe fp8_blockwise`` (or another recipe name) two more, and no router rows:
   c-fp8      Sequential(Permute(E), Quantize(recipe), GroupedLinear, ScaledSwiGLU, Quantize(recipe),
              Transpose(), GroupedLinear, Unpermute()): both GEMMs in FP8, the weights cast every step
@@ -402,8 +404,8 @@ def under_gather_rows(setting: str, forward):
 def build_contenders(p: Problem, compiled: bool = True, fused: bool = True, recipe: str | None = None,
                      gather_rows: tuple = ()) -> dict:
     """label -> Contender for the layer with the given routing: a, b, and (``fused`` and the ops
-    importable) c, c-combine, c-rows-<setting> for each of ``gather_rows`` and, with a ``recipe``,
-    c-fp8 and c-fp8-4mb."""
+    importable) c, c-combine, c-keep-act (`ScaledSwiGLU(recompute_output=False)`), c-rows-<setting>
+    for each of ``gather_rows`` and, with a ``recipe``, c-fp8 and c-fp8-4mb."""
     math = layer_math(compiled)
     w1, w2 = p.fc1.weight, p.fc2.weight
     leaves = {"x": p.x, "probs": p.probs, "w1": w1, "w2": w2}
@@ -421,6 +423,14 @@ def build_contenders(p: Problem, compiled: bool = True, fused: bool = True, reci
         for label, act in (("c", ScaledSwiGLU), ("c-combine", SwiGLU)):
             layer = Sequential(permute(p.e), p.fc1, act(), p.fc2, unpermute())
             runs[label] = Contender(lambda layer=layer: layer(p.x, indices=p.indices, probs=p.probs), leaves, inputs)
+        try:  # the activation's output kept for FC2's weight gradient (a build that has the option)
+            keep_act = ScaledSwiGLU(recompute_output=False)
+        except TypeError:
+            keep_act = None
+        if keep_act is not None:
+            layer = Sequential(permute(p.e), p.fc1, keep_act, p.fc2, unpermute())
+            runs["c-keep-act"] = Contender(lambda layer=layer: layer(p.x, indices=p.indices, probs=p.probs), leaves,
+                                           inputs)
         for setting in gather_rows:
             layer = Sequential(permute(p.e), p.fc1, ScaledSwiGLU(), p.fc2, unpermute())
             forward = under_gather_rows(setting, lambda layer=layer: layer(p.x, indices=p.indices, probs=p.probs))
