@@ -87,10 +87,10 @@ DY_GATHERS = []  # dy's shape of each stood-in dActivation reading dy's rows by 
 
 
 def dgrad_dact(dy, weight, offsets, pre, *, activation, probs=None, limit=7.0, alpha=1.702, out=None, dy_index=None,
-               d_probs_parts=False, **_):
+               d_probs_parts=False, emit_act=True, **_):
     """`grouped_dgrad_dact_sm90`'s contract: (d_pre (into ``out``, which may be pre itself), act(pre)
-    (times probs), d_probs or None, with ``d_probs_parts`` as (2, M) partial sums over two column
-    halves); with ``dy_index`` on the rows dy[dy_index]."""
+    (times probs; None without ``emit_act``), d_probs or None, with ``d_probs_parts`` as (2, M)
+    partial sums over two column halves); with ``dy_index`` on the rows dy[dy_index]."""
     if dy_index is not None:
         DY_GATHERS.append(tuple(dy.shape))
         dy = dy[dy_index.long().clamp(0, dy.shape[0] - 1)]
@@ -107,7 +107,7 @@ def dgrad_dact(dy, weight, offsets, pre, *, activation, probs=None, limit=7.0, a
         half = h.shape[1] // 2
         d_probs = torch.stack([(h * unscaled)[:, :half].sum(1), (h * unscaled)[:, half:].sum(1)])
     d_pre = d_pre.to(dy.dtype) if out is None else out.copy_(d_pre)
-    return d_pre, act.to(dy.dtype), d_probs
+    return d_pre, act.to(dy.dtype) if emit_act else None, d_probs
 
 
 def _expand(scale_inv, sizes):
@@ -397,6 +397,44 @@ def test_bf16_plan_glue_matches_the_torch_backend(act, sm90_stand_ins, monkeypat
     for i, (a, b) in enumerate(zip(got, want)):
         assert ref.rel_err(a, b) <= 1e-2, i
     assert torch.all(got[0][SPLITS.sum():] == 0)
+
+
+@pytest.mark.parametrize("routed", [False, True])
+def test_frozen_fc2_weight_skips_the_dactivation_act(routed, sm90_stand_ins, monkeypatch):
+    """With FC2's weight frozen nothing reads the activation's output in the backward: the
+    dActivation kernel is asked not to write it (``emit_act=False``; in the routed layer with dy
+    read by index), and every other gradient is bit for bit the trainable step's."""
+    import te_fused_ops.backends.sm90.rules as dact_rule
+
+    if routed:
+        seq, x, indices, probs, dy = routed_layer(monkeypatch, act=ScaledSwiGLU)
+        side = {"indices": indices, "probs": probs}
+    else:
+        torch.manual_seed(0)
+        seq = Sequential(GroupedLinear(G, H, 2 * I, dtype=torch.bfloat16), ScaledSwiGLU(),
+                         GroupedLinear(G, I, H, dtype=torch.bfloat16))
+        x = torch.randn(ROWS, H, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(ROWS, H, dtype=torch.bfloat16)
+        side = {"split_sizes": SPLITS, "probs": torch.rand(ROWS, requires_grad=True)}
+    emitted, dact = [], dact_rule.grouped_dgrad_dact_sm90
+    monkeypatch.setattr(dact_rule, "grouped_dgrad_dact_sm90",
+                        lambda *a, **kw: emitted.append(kw.get("emit_act", True)) or dact(*a, **kw))
+
+    def grads():
+        leaves = (x, side["probs"], *seq.parameters())
+        for t in leaves:
+            t.grad = None
+        y = seq(x, **side)
+        y.backward(dy)
+        return [y.detach(), *(None if t.grad is None else t.grad.clone() for t in leaves)]
+
+    trainable = grads()
+    seq[-2 if routed else -1].weight.requires_grad_(False)
+    frozen = grads()
+    assert emitted == [True, False]
+    assert frozen[-1] is None and trainable[-1] is not None
+    for a, b in zip(trainable[:-1], frozen[:-1]):
+        assert torch.equal(a, b)
 
 
 def _check_in_place_unless_retained(seq, outs) -> torch.Tensor:

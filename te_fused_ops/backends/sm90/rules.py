@@ -326,11 +326,12 @@ def _dact_bf16(ops, ctxs, dy, dy_index=None, wgrad_dy=None, wgrad_dy_to_wait=Fal
     if linear_ctx.saved.recipe is not None or is_quantized(dy):
         return backward_reference(ops, ctxs, dy)
     dy = dy.contiguous()
-    # the act FC2's weight gradient reads: written by the kernel where the forward kept it as a
-    # recompute from pre (`act_from_pre`), else loaded before the kernel (a recompute must run
-    # before d_pre takes pre's place)
-    emit_act = not linear_ctx.needs_grad("weight") or act_from_pre(act, linear_ctx)
-    kept_act = None if emit_act else linear_ctx.load_input()
+    # the act FC2's weight gradient reads (none for a frozen weight): written by the kernel where
+    # the forward kept it as a recompute from pre (`act_from_pre`), else loaded before the kernel
+    # (a recompute must run before d_pre takes pre's place)
+    wants_act = linear_ctx.needs_grad("weight")
+    emit_act = wants_act and act_from_pre(act, linear_ctx)
+    kept_act = linear_ctx.load_input() if wants_act and not emit_act else None
     pre = act_ctx.load_input()
     over_pre = act_ctx.input_overwritable()
     d_pre, out, d_probs = grouped_dgrad_dact_sm90(
@@ -344,7 +345,8 @@ def _dact_bf16(ops, ctxs, dy, dy_index=None, wgrad_dy=None, wgrad_dy_to_wait=Fal
         wgrad_dy = None  # no wait, or not one holding dy: the weight gradient reads dy's rows now
     if wgrad_dy is not None:
         dy, dy_index = wgrad_dy
-    held = (out,) if dy_index is not None else (out, dy)  # dy in token order: the caller's, alive anyway
+    # dy in token order: the caller's, alive anyway; no act for a frozen weight
+    held = tuple(t for t in ((out,) if dy_index is not None else (out, dy)) if t is not None)
     defer = _wgrad_after_d_pre(act_ctx, linear_ctx, d_pre if over_pre else None, *held)
     return d_pre, [_act_grads(act_ctx, d_probs),
                    linear_param_grads(linear_ctx, dy, x=out, dy_index=dy_index, defer=defer)]
