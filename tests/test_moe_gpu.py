@@ -462,18 +462,33 @@ def test_backward_writes_d_pre_over_the_saved_pre_activation():
         assert torch.equal(a, b)
 
 
+def step_from_none(moe, x0, dy, indices, probs0) -> list:
+    """One step of ``moe`` with its gradients set to None first, on fresh leaves copied from ``x0``
+    and ``probs0``: [y, dx, d_probs, the trainable parameters' gradients]."""
+    for p in moe.parameters():
+        p.grad = None
+    x, probs = x0.clone().requires_grad_(), probs0.clone().requires_grad_()
+    y = step(moe, x, dy, indices=indices, probs=probs)
+    return [y.detach(), *grads(moe, x, probs)]
+
+
+def record_emit_act(monkeypatch) -> list:
+    """The ``emit_act`` of each call of the layer's bf16 dActivation kernel, in order."""
+    import te_fused_ops.backends.sm90.rules as rules
+
+    emitted, dact = [], rules.grouped_dgrad_dact_sm90
+    monkeypatch.setattr(rules, "grouped_dgrad_dact_sm90",
+                        lambda *a, **kw: emitted.append(kw["emit_act"]) or dact(*a, **kw))
+    return emitted
+
+
 def test_activation_output_kept_skips_the_dactivation_act(monkeypatch):
     """``ScaledSwiGLU(recompute_output=False)``: FC2 keeps the act the forward wrote, the
     dActivation kernel writes only d_pre (``emit_act=False``) and FC2's weight gradient reads the
     kept act. Output, dx, d_probs and dW1 bit for bit the default layer's; dW2 (from the forward's
     act, rounded once from fp32 pre, where the default recomputes it from the bf16 pre) within bf16
     error of it and of float64; one (M, I) tensor more saved."""
-    import te_fused_ops.backends.sm90.rules as rules
-
-    emitted = []
-    dact = rules.grouped_dgrad_dact_sm90
-    monkeypatch.setattr(rules, "grouped_dgrad_dact_sm90",
-                        lambda *a, **kw: emitted.append(kw["emit_act"]) or dact(*a, **kw))
+    emitted = record_emit_act(monkeypatch)
     default = layer()
     kept = Sequential(*(ScaledSwiGLU(recompute_output=False) if i == 2 else op for i, op in enumerate(default)))
     x0 = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -481,11 +496,7 @@ def test_activation_output_kept_skips_the_dactivation_act(monkeypatch):
     indices, probs0 = routing(11, drop=0.0)
     results = []
     for moe in (default, kept):  # the same parameters: their gradients set to None before each step
-        for p in moe.parameters():
-            p.grad = None
-        x, probs = x0.clone().requires_grad_(), probs0.clone().requires_grad_()
-        y = step(moe, x, dy, indices=indices, probs=probs)
-        results.append([y.detach(), *grads(moe, x, probs)])
+        results.append(step_from_none(moe, x0, dy, indices, probs0))
     assert emitted == [True, False]
     (y, dx, dp, dw1, dw2), (y_k, dx_k, dp_k, dw1_k, dw2_k) = results
     for a, b in ((y, y_k), (dx, dx_k), (dp, dp_k), (dw1, dw1_k)):
@@ -495,3 +506,24 @@ def test_activation_output_kept_skips_the_dactivation_act(monkeypatch):
     saved_default = saved_bytes(lambda: default(x0.clone().requires_grad_(), indices=indices, probs=probs0))
     saved_kept = saved_bytes(lambda: kept(x0.clone().requires_grad_(), indices=indices, probs=probs0))
     assert saved_kept - saved_default == T * K * I * 2
+
+
+def test_frozen_fc2_weight_skips_the_dactivation_act(monkeypatch):
+    """FC2's weight frozen: the dActivation kernel (dy read by index) writes no act, and the
+    output, dx, d_probs and dW1 are bit for bit the trainable layer's; sync-free."""
+    emitted = record_emit_act(monkeypatch)
+    moe = layer()
+    x0 = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    indices, probs0 = routing(12, drop=0.1)
+    results = []
+    for frozen in (False, True):
+        moe[3].weight.requires_grad_(not frozen)
+        results.append(step_from_none(moe, x0, dy, indices, probs0))
+    assert emitted == [True, False]
+    trainable, frozen = results
+    assert len(frozen) == len(trainable) - 1 and moe[3].weight.grad is None
+    for a, b in zip(trainable[:-1], frozen):
+        assert torch.equal(a, b)
+    x = x0.clone().requires_grad_()
+    assert_step_sync_free(moe, x, dy, indices=indices, probs=probs0.clone().requires_grad_())
