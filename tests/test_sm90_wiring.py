@@ -399,15 +399,18 @@ def test_bf16_plan_glue_matches_the_torch_backend(act, sm90_stand_ins, monkeypat
     assert torch.all(got[0][SPLITS.sum():] == 0)
 
 
-@pytest.mark.parametrize("routed", [False, True])
+@pytest.mark.parametrize("routed", [None, "narrow", "wide"])
 def test_frozen_fc2_weight_skips_the_dactivation_act(routed, sm90_stand_ins, monkeypatch):
     """With FC2's weight frozen nothing reads the activation's output in the backward: the
     dActivation kernel is asked not to write it (``emit_act=False``; in the routed layer with dy
-    read by index), and every other gradient is bit for bit the trainable step's."""
+    read by index where FC2 is narrow, on dy's copy where FC2's weight gradient would wait for
+    d_pre), and every other gradient is bit for bit the trainable step's."""
     import te_fused_ops.backends.sm90.rules as dact_rule
+    from te_fused_ops.backends.sm90.rules import GATHER_DY_MAX_WIDTH
 
     if routed:
-        seq, x, indices, probs, dy = routed_layer(monkeypatch, act=ScaledSwiGLU)
+        width = I if routed == "narrow" else GATHER_DY_MAX_WIDTH + 32
+        seq, x, indices, probs, dy = routed_layer(monkeypatch, act=ScaledSwiGLU, width=width, tokens=40)
         side = {"indices": indices, "probs": probs}
     else:
         torch.manual_seed(0)

@@ -345,8 +345,7 @@ def _dact_bf16(ops, ctxs, dy, dy_index=None, wgrad_dy=None, wgrad_dy_to_wait=Fal
         wgrad_dy = None  # no wait, or not one holding dy: the weight gradient reads dy's rows now
     if wgrad_dy is not None:
         dy, dy_index = wgrad_dy
-    # dy in token order: the caller's, alive anyway; no act for a frozen weight
-    held = tuple(t for t in ((out,) if dy_index is not None else (out, dy)) if t is not None)
+    held = (out,) if dy_index is not None else (out, dy)  # dy in token order: the caller's, alive anyway
     defer = _wgrad_after_d_pre(act_ctx, linear_ctx, d_pre if over_pre else None, *held)
     return d_pre, [_act_grads(act_ctx, d_probs),
                    linear_param_grads(linear_ctx, dy, x=out, dy_index=dy_index, defer=defer)]
@@ -370,9 +369,9 @@ def _wgrad_after_d_pre(act_ctx, linear_ctx, d_pre, *held) -> bool:
 def _waits_for_d_pre(linear_ctx, d_pre, *held) -> bool:
     """Whether FC2's weight gradient, its operands ``held``, waits for d_pre's storage to be freed
     (`_wgrad_after_d_pre`)."""
-    held_numel = sum(t.numel() for t in held)
-    return (not linear_ctx.grad_buffers and linear_ctx.needs_grad("weight")
-            and held_numel <= min(linear_ctx.saved.weight.numel(), d_pre.numel()))
+    if linear_ctx.grad_buffers or not linear_ctx.needs_grad("weight"):
+        return False  # a frozen weight holds no act (None)
+    return sum(t.numel() for t in held) <= min(linear_ctx.saved.weight.numel(), d_pre.numel())
 
 
 def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool = False, d_pre_recipe=None, dy_casts=None):
