@@ -9,7 +9,7 @@ order. The contenders are not timed against each other here: their ratios come f
 `bench_moe_layer.py` or `bench_tree_ab.py`, run in rotation.
 
     python benchmarks/bench_moe_layer_profile.py [--shapes mixtral-8x7b,dsv3-ep8]
-        [--contenders c,c-fp8,c-fp8-4mb] [--recipe fp8_blockwise] [--out DIR]
+        [--contenders c,c-fp8,c-fp8-4mb] [--recipe fp8_blockwise|none] [--out DIR]
 """
 
 import argparse
@@ -74,15 +74,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="mixtral-8x7b,dsv3-ep8", help=f"comma-separated, of {','.join(layer.SHAPES)}")
     ap.add_argument("--contenders", default="c,c-fp8,c-fp8-4mb", help="bench_moe_layer labels to profile")
-    ap.add_argument("--recipe", default="fp8_blockwise", help="the FP8 contenders' recipe")
+    ap.add_argument("--recipe", default="fp8_blockwise",
+                    help="the FP8 contenders' recipe ('none': the bf16 contenders only)")
     ap.add_argument("--out", default=None, help="folder for the .json/.md (default: benchmarks/results)")
     args = ap.parse_args()
     labels = [label for label in args.contenders.split(",") if label and label != "a"]
     device = torch.cuda.get_device_name()
-    results = [run_shape(name, labels, args.recipe) for name in args.shapes.split(",")]
+    recipe = None if args.recipe == "none" else args.recipe
+    results = [run_shape(name, labels, recipe) for name in args.shapes.split(",")]
     text = table(device, results)
     write_results(args.out or layer.RESULTS, f"moe_layer_step_profile_{device_tag(device)}",
-                  {"device": device, "recipe": args.recipe, "results": results}, text)
+                  {"device": device, "recipe": recipe, "results": results}, text)
     print(text)
 
 
