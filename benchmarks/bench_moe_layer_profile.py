@@ -32,7 +32,7 @@ def kernel_class(name: str) -> str:
     return match.group(1) if match else name[:60]
 
 
-def run_shape(name: str, labels: list, recipe: str) -> dict:
+def run_shape(name: str, labels: list, recipe: str | None) -> dict:
     p = layer.make_problem(name, layer.SHAPES[name])
     runs = layer.build_contenders(p, recipe=recipe)
     runs = {label: runs[label] for label in ("a", *labels)}
