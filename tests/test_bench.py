@@ -245,6 +245,28 @@ def test_moe_layer_fp8_contenders_match_and_cast_weights_once_per_four_steps(mon
     assert per_step[0] == 0 and per_step[1] == per_step[2] and 0 < per_step[1] <= every_step, (every_step, per_step)
 
 
+def test_step_profile_groups_launches_by_kernel_class(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_moe_layer_profile",
+                                                  ROOT / "benchmarks" / "bench_moe_layer_profile.py")
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    mangled = ("kernel_cutlass_kernel_te_fused_opsbackendssm90kernelsgrouped_dact_sm90GroupedGemmDActQuantFp8Sm90"
+               "_object_at__CopyAtom_ThrID")
+    assert profile.kernel_class(mangled) == "GroupedGemmDActQuantFp8Sm90"
+    route = "kernel_cutlass_place_kernel_te_fused_opsbackendssm90kernelsroute_sm90RouteSm90_object_at__tensorptri64"
+    assert profile.kernel_class(route) == "RouteSm90"
+    assert profile.kernel_class("void at::native::indexFuncLargeIndex<c10::BFloat16>") == (
+        "void at::native::indexFuncLargeIndex<c10::BFloat16>")
+    results = [{"shape": "s", "contenders": {
+        "c": {"kernel_ms": 1.5, "clocks": {"sm_mhz": 1500.0, "power_w": 699.0},
+              "classes_us": {"GroupedGemmActSm90": 1400.0, "RouteSm90": 5.0}},
+        "c-fp8": {"status": "mismatch"}}}]
+    rows = profile.table("GPU", results).splitlines()
+    assert rows[-2] == "| s | c | 1.500 | 1500 / 699 | GroupedGemmActSm90 1400 |"  # launches under 20 us left out
+    assert rows[-1] == "| s | c-fp8 | mismatch | | |"
+
+
 def test_timeline_counts_only_time_no_kernel_covers_as_idle():
     common = load_common()
     work = [(0.0, 10.0, "a"), (2.0, 14.0, "b"), (5.0, 8.0, "c"), (20.0, 25.0, "d"), (26.0, 30.0, "e")]
