@@ -13,6 +13,7 @@ import torch
 from . import env
 from .backends import backends_version
 from .context import DeferredGrad, OpContext
+from .errors import OpValueError
 from .overlap import ChunkedSegment
 from .fusion import (
     PlanInfo,
@@ -86,8 +87,25 @@ def get_plan(ops, info: PlanInfo, cache: dict, fuse: bool):
     )
     plan = cache.get(key)
     if plan is None:
+        check_side_value_experts(ops)
         plan = cache[key] = make_plan(ops, info, fuse)
     return plan
+
+
+def check_side_value_experts(ops) -> None:
+    """Each side value an op produces spans as many experts as each op after it that consumes it
+    expects (`BasicOp.side_value_experts`), up to the next op producing the same name."""
+    for i, producer in enumerate(ops):
+        for name in producer.side_outputs:
+            made = producer.side_value_experts(name)
+            for j in range(i + 1, len(ops)):
+                expected = ops[j].side_value_experts(name) if name in ops[j].side_inputs else None
+                if made is not None and expected is not None and made != expected:
+                    raise OpValueError(
+                        f"{ops[j].op_name} (op {j}): side input '{name}' from {producer.op_name} (op {i}) spans "
+                        f"{made} experts, this op has {expected}")
+                if name in ops[j].side_outputs:
+                    break
 
 
 def side_input_names(ops) -> list:

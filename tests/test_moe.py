@@ -232,6 +232,24 @@ def test_bad_input_names_op_and_argument():
         Sequential(Unpermute())(x)
 
 
+def test_expert_counts_that_disagree_are_refused_when_the_plan_is_made():
+    x, indices, probs = inputs(8, 2)
+    wide_permute = Sequential(Permute(E + 1), GroupedLinear(E, H, 2 * I, dtype=F64), ScaledSwiGLU(),
+                              GroupedLinear(E, I, H, dtype=F64), Unpermute())
+    with pytest.raises(OpValueError, match=r"GroupedLinear \(op 1\): side input 'split_sizes' from Permute \(op 0\) "
+                                           r"spans 5 experts, this op has 4"):
+        wide_permute(x, indices=indices, probs=probs)
+    narrow_fc2 = Sequential(Permute(E), GroupedLinear(E, H, 2 * I, dtype=F64), ScaledSwiGLU(),
+                            GroupedLinear(E - 1, I, H, dtype=F64), Unpermute())
+    with pytest.raises(OpValueError, match=r"GroupedLinear \(op 3\): .* spans 4 experts, this op has 3"):
+        narrow_fc2(x, indices=indices, probs=probs)
+    routed = layer(router=TopKRouter(H, 2 * E, 2, dtype=F64))
+    with pytest.raises(OpValueError, match=r"Permute \(op 1\): side input 'indices' from TopKRouter \(op 0\) "
+                                           r"spans 8 experts, this op has 4"):
+        routed(x)
+    assert layer(router=TopKRouter(H, E, 2, dtype=F64))(x).shape == x.shape
+
+
 def test_compiled_layer_compiles_once_for_new_routing():
     moe = layer("scaled", dtype=torch.float32)
     frames = []

@@ -75,6 +75,13 @@ class BasicOp(nn.Module):
         visible here by name; ``memo``: binding state shared by the ops of one call."""
         return {name: side[name] for name in self.side_inputs if name in side}
 
+    def side_value_experts(self, name: str):
+        """How many experts side value ``name``, produced or consumed by this op, spans where the
+        op's configuration fixes it (a permute's ``split_sizes``: its local experts; a router's
+        ``indices``: ids below its num_experts), else None. A plan is made only where each
+        producer and its consumers agree."""
+        return None
+
     def bound_side_outputs(self, ctx: OpContext) -> dict:
         """The side values this op produces once bound (before its forward runs), by name."""
         return {}

@@ -103,6 +103,9 @@ class GroupedLinear(BasicOp):
     def plan_signature(self) -> tuple:
         return (GroupedLinear, self.num_groups, self.in_features, self.out_features, self.bias is not None)
 
+    def side_value_experts(self, name: str):
+        return self.num_groups if name == "split_sizes" else None
+
     def bind_side_inputs(self, side: dict, x: torch.Tensor, memo: dict) -> dict:
         experts = memo.get("chunk experts")  # in a chunked segment: (first, stop) of the chunk's experts
         groups = self.num_groups if experts is None else experts[1] - experts[0]

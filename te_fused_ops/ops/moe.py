@@ -158,6 +158,9 @@ class Permute(BasicOp):
         return (Permute, self.num_experts, None if self.group is None else id(self.group), self.capacity_factor,
                 self.chunks)
 
+    def side_value_experts(self, name: str):
+        return {"indices": self.num_experts, "split_sizes": self.num_experts // self.world_size()}.get(name)
+
     def check_index_values(self, indices: torch.Tensor) -> None:
         bad = indices[(indices < -1) | (indices >= self.num_experts)]
         if bad.numel():
@@ -452,6 +455,9 @@ class TopKRouter(BasicOp):
     def plan_signature(self) -> tuple:
         return (TopKRouter, self.num_experts, self.k, self.score, self.normalize, self.scale, self.num_groups,
                 self.group_topk, self.aux_loss_coeff)
+
+    def side_value_experts(self, name: str):
+        return self.num_experts if name == "indices" else None
 
     def scores(self, logits: torch.Tensor, dtype) -> torch.Tensor:
         """(T, E) scores in ``dtype`` (float32, or float64 for a float64 x) of 16-bit or wider logits."""
