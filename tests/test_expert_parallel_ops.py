@@ -137,7 +137,7 @@ def test_expert_parallel_layer_equals_one_process(capacity_factor, chunks, tmp_p
 def _bad_input_worker(rank, init_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        from te_fused_ops import OpValueError, Permute, Sequential, Unpermute
+        from te_fused_ops import GroupedLinear, OpValueError, Permute, Sequential, Unpermute
 
         with pytest.raises(OpValueError, match=r"Permute: argument 'num_experts' \(5\) must split evenly over the 2"):
             Permute(5, group=dist.group.WORLD)
@@ -155,6 +155,11 @@ def _bad_input_worker(rank, init_file):
         with pytest.raises(ValueError, match=r"Permute \(op 0\): chunks=2 needs an op that closes the chunks"):
             Sequential(Permute(4, group=dist.group.WORLD, chunks=2))(torch.randn(3, 8),
                                                                      indices=torch.zeros(3, 1, dtype=torch.int64))
+        global_experts = Sequential(Permute(4, group=dist.group.WORLD), GroupedLinear(4, 8, 8),
+                                    Unpermute(group=dist.group.WORLD))
+        with pytest.raises(OpValueError, match=r"GroupedLinear \(op 1\): side input 'split_sizes' from Permute "
+                                               r"\(op 0\) spans 2 experts, this op has 4"):  # local experts, not all
+            global_experts(torch.randn(3, 8), indices=torch.zeros(3, 1, dtype=torch.int64))
         message = (r"Permute: argument 'indices' holds 4, outside \[0, 4\)" if rank == 1 else
                    r"Permute: argument 'indices' holds ids outside \[0, 4\) on another rank")
         with pytest.raises(OpValueError, match=message):  # bad ids on rank 1 only: both raise, none waits
