@@ -503,20 +503,27 @@ class Plan:
         return "\n".join(lines)
 
 
+def side_value_users(ops, i: int, name: str) -> list:
+    """Indices of the ops after op ``i`` that consume its side value ``name``, up to the next op
+    producing the same name."""
+    users = []
+    for j in range(i + 1, len(ops)):
+        if name in ops[j].side_inputs:
+            users.append(j)
+        if name in ops[j].side_outputs:
+            break
+    return users
+
+
 def _side_value_lines(ops) -> list:
     """Per op producing side values: ``"Permute (op 0) -> routing [ops 4], split_sizes [ops 1, 3]"``
-    (the ops that consume each value, up to the next op producing the same name)."""
+    (`side_value_users`)."""
     lines = []
     for i, op in enumerate(ops):
         values = []
         for name in op.side_outputs:
-            users = []
-            for j in range(i + 1, len(ops)):
-                if name in ops[j].side_inputs:
-                    users.append(str(j))
-                if name in ops[j].side_outputs:
-                    break
-            values.append(f"{name} [ops {', '.join(users)}]" if users else f"{name} [unused]")
+            users = side_value_users(ops, i, name)
+            values.append(f"{name} [ops {', '.join(map(str, users))}]" if users else f"{name} [unused]")
         if values:
             lines.append(f"{op.op_name} (op {i}) -> {', '.join(values)}")
     return lines

@@ -21,6 +21,7 @@ from .fusion import (
     fusion_enabled_by_env,
     make_plan,
     registry_version,
+    side_value_users,
 )
 from .quantization import is_quantized
 from .saved import pack, storage_bases, unpack
@@ -93,19 +94,17 @@ def get_plan(ops, info: PlanInfo, cache: dict, fuse: bool):
 
 
 def check_side_value_experts(ops) -> None:
-    """Each side value an op produces spans as many experts as each op after it that consumes it
-    expects (`BasicOp.side_value_experts`), up to the next op producing the same name."""
+    """Each side value an op produces spans as many experts as each of its consumers
+    (`fusion.side_value_users`) expects (`BasicOp.side_value_experts`)."""
     for i, producer in enumerate(ops):
         for name in producer.side_outputs:
             made = producer.side_value_experts(name)
-            for j in range(i + 1, len(ops)):
-                expected = ops[j].side_value_experts(name) if name in ops[j].side_inputs else None
-                if made is not None and expected is not None and made != expected:
+            for j in side_value_users(ops, i, name) if made is not None else ():
+                expected = ops[j].side_value_experts(name)
+                if expected is not None and made != expected:
                     raise OpValueError(
                         f"{ops[j].op_name} (op {j}): side input '{name}' from {producer.op_name} (op {i}) spans "
                         f"{made} experts, this op has {expected}")
-                if name in ops[j].side_outputs:
-                    break
 
 
 def side_input_names(ops) -> list:
