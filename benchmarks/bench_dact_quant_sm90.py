@@ -7,8 +7,6 @@ Kernels (uneven seeded routing; dy (M, H) and W^T (E, I, H) cast as the FP8 step
   dact + cast     the same, then block_columns_sm90(d_pre, rows=True): the row-wise and per-group
                   column-wise 1x128 copies FC1's data and weight gradients read (the unfused step)
   dact quant      grouped_dgrad_dact_quant_fp8_sm90: both copies from the epilogue, no bf16 d_pre
-  dact pp, dact quant pp   the two kernels ping-pong (each MMA warpgroup on tiles of its own, one's
-                  epilogue with its casts under the other's mainloop; outputs checked bit-equal)
 Both paths' copies are checked bit for bit first. Step: the all-fp8_blockwise MLP step
 (Quantize, GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear; gradients set to None
 first) with rule 'grouped_linear+dactivation+quantize+transpose+grouped_linear' casting d_pre in
@@ -76,12 +74,6 @@ def kernels(name):
     def dact_wide():
         return grouped_dgrad_dact_fp8_sm90(*fp8, offsets, pre, activation="swiglu", tile_n=256)[0]
 
-    def dact_pingpong():
-        return grouped_dgrad_dact_fp8_sm90(*fp8, offsets, pre, activation="swiglu", pingpong=True)[0]
-
-    def dact_quant_pingpong():
-        return grouped_dgrad_dact_quant_fp8_sm90(*fp8, offsets, pre, activation="swiglu", pingpong=True)
-
     assert torch.equal(dact_wide().view(torch.int16), dact().view(torch.int16)), f"{name}: dact t256 differs"
     columns, rows, row_scale = dact_cast()
     (q_rows, q_row_scale), q_columns, _ = dact_quant()
@@ -89,13 +81,8 @@ def kernels(name):
     assert torch.equal(q_rows.view(torch.uint8), rows.view(torch.uint8)) and torch.equal(q_row_scale, row_scale)
     assert torch.equal(q_columns.data.view(torch.uint8)[:, : 128 * used], columns.data.view(torch.uint8)[:, : 128 * used])
     assert torch.equal(q_columns.scale_inv[:used], columns.scale_inv[:used])
-    assert torch.equal(dact_pingpong().view(torch.int16), dact().view(torch.int16)), f"{name}: dact pp differs"
-    (p_rows, p_row_scale), p_columns, _ = dact_quant_pingpong()
-    assert torch.equal(p_rows.view(torch.uint8), rows.view(torch.uint8)) and torch.equal(p_row_scale, row_scale)
-    assert torch.equal(p_columns.data.view(torch.uint8)[:, : 128 * used], columns.data.view(torch.uint8)[:, : 128 * used])
-    assert torch.equal(p_columns.scale_inv[:used], columns.scale_inv[:used]), f"{name}: dact quant pp differs"
-    us = rotated_medians({"dact": dact, "dact t256": dact_wide, "dact + cast": dact_cast, "dact quant": dact_quant,
-                          "dact pp": dact_pingpong, "dact quant pp": dact_quant_pingpong}, time_us)
+    us = rotated_medians({"dact": dact, "dact t256": dact_wide, "dact + cast": dact_cast, "dact quant": dact_quant},
+                         time_us)
     return {"shape": name, "us": us, "dact_tflops": 2 * m * h * i / us["dact"] / 1e6,
             "dact_t256_tflops": 2 * m * h * i / us["dact t256"] / 1e6}
 
@@ -146,22 +133,22 @@ def main():
             print(step_rows[-1], flush=True)
     lines = [f"FC2 FP8 dgrad + dSwiGLU, d_pre cast to its row- and column-wise E4M3 copies, {device}; median us",
              "", "| shape | dact (TFLOPS) | dact t256 (TFLOPS) | dact + cast | dact quant | quant vs dact + cast | "
-             "quant over dact | dact pp | dact quant pp | quant pp vs quant |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "quant over dact |", "|---|---|---|---|---|---|---|"]
     for r in kernel_rows:
         us = r["us"]
         lines.append(f"| {r['shape']} | {us['dact']:.0f} ({r['dact_tflops']:.0f}) | "
                      f"{us['dact t256']:.0f} ({r['dact_t256_tflops']:.0f}) | {us['dact + cast']:.0f} | "
                      f"{us['dact quant']:.0f} | {us['dact + cast'] / us['dact quant']:.2f}x | "
-                     f"{us['dact quant'] / us['dact'] - 1:+.0%} | {us['dact pp']:.0f} | {us['dact quant pp']:.0f} | "
-                     f"{us['dact quant'] / us['dact quant pp']:.3f}x |")
-    lines += ["", "All-fp8_blockwise step (outputs and gradients bit-equal); median us, extra peak MiB of one step",
-              "", "| shape | cast in epilogue | cast after | bf16 fused | epilogue vs after | peak MiB epilogue / after |",
-              "|---|---|---|---|---|---|"]
-    for r in step_rows:
-        us, mib = r["us"], r["peak_mib"]
-        lines.append(f"| {r['shape']} | {us['fp8 cast in epilogue']:.0f} | {us['fp8 cast after']:.0f} | "
-                     f"{us['bf16 fused']:.0f} | {us['fp8 cast after'] / us['fp8 cast in epilogue']:.3f}x | "
-                     f"{mib['fp8 cast in epilogue']:.0f} / {mib['fp8 cast after']:.0f} |")
+                     f"{us['dact quant'] / us['dact'] - 1:+.0%} |")
+    if step_rows:
+        lines += ["", "All-fp8_blockwise step (outputs and gradients bit-equal); median us, extra peak MiB of one step",
+                  "", "| shape | cast in epilogue | cast after | bf16 fused | epilogue vs after | "
+                  "peak MiB epilogue / after |", "|---|---|---|---|---|---|"]
+        for r in step_rows:
+            us, mib = r["us"], r["peak_mib"]
+            lines.append(f"| {r['shape']} | {us['fp8 cast in epilogue']:.0f} | {us['fp8 cast after']:.0f} | "
+                         f"{us['bf16 fused']:.0f} | {us['fp8 cast after'] / us['fp8 cast in epilogue']:.3f}x | "
+                         f"{mib['fp8 cast in epilogue']:.0f} / {mib['fp8 cast after']:.0f} |")
     text = "\n".join(lines)
     print(text)
     stem = "dact_quant_sm90" if len(parts) == 2 else f"dact_quant_sm90_{parts[0]}"

@@ -73,17 +73,6 @@ def test_tile_256_halves(activation, i):
     assert torch.equal(wide[0].view(torch.int16), narrow[0].view(torch.int16))
 
 
-@pytest.mark.parametrize("activation,cluster_m", [("swiglu", 2), ("scaled_swiglu", 1), ("srelu", 2)])
-def test_pingpong_bit_equal_to_the_cooperative_tiles(activation, cluster_m):
-    """Ping-pong (each MMA warpgroup on tiles of its own, each block's product in 64-column halves
-    over two 64-row slabs with per-slab row multipliers): d_pre bit for bit the cooperative
-    kernel's (the same block sums in the same order), both against float64; I = 320: a partial
-    last tile."""
-    pingpong = run(UNEVEN, 500, 400, 320, activation, seed=7, tile_n=128, cluster_m=cluster_m, pingpong=True)
-    cooperative = run(UNEVEN, 500, 400, 320, activation, seed=7, tile_n=128, cluster_m=cluster_m)
-    assert torch.equal(pingpong[0].view(torch.int16), cooperative[0].view(torch.int16))
-
-
 @pytest.mark.parametrize("activation,cluster_m,i", [("swiglu", 2, 320), ("scaled_swiglu", 1, 320), ("srelu", 2, 320),
                                                   ("clamped_swiglu", 1, 320), ("scaled_swiglu", 2, 512)])
 def test_d_pre_amax_from_the_epilogue(activation, cluster_m, i):

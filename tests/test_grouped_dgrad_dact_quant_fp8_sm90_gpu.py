@@ -74,22 +74,6 @@ def test_dtypes_clusters_scales(dtype, cluster_m, power_2_scales):
     check([700, 0, 1, 255, 0], 1000, 256, 384, "swiglu", dtype, power_2_scales, seed=1, cluster_m=cluster_m)
 
 
-@pytest.mark.parametrize("activation,cluster_m", [("scaled_swiglu", 2), ("swiglu", 1), ("srelu", 2)])
-def test_pingpong_bit_equal_to_the_cooperative_kernel(activation, cluster_m):
-    """Ping-pong: d_pre staged step by step in shared memory and cast by one warpgroup (a thread
-    a column) while the other's mainloop runs; every byte and multiplier the cooperative kernel's
-    (and, through `check`, the unfused casts' of the ping-pong d_pre)."""
-    m = sum(SPLITS) + 40
-    _, offsets, (rows, row_scale), columns = check(SPLITS, m, 400, 256, activation, seed=6, cluster_m=cluster_m,
-                                                   pingpong=True)
-    _, _, (rows_want, row_scale_want), columns_want = check(SPLITS, m, 400, 256, activation, seed=6,
-                                                            cluster_m=cluster_m)
-    grouped = sum(SPLITS)
-    assert torch.equal(rows.view(torch.uint8)[:grouped], rows_want.view(torch.uint8)[:grouped])
-    assert torch.equal(row_scale[:grouped], row_scale_want[:grouped])
-    check_columns(columns, columns_want, used_blocks(offsets, m))
-
-
 def test_against_the_torch_quantizer():
     """The copies equal the torch backend's (`quantize` rows and columns, block-padded)."""
     m = sum(SPLITS) + 40
@@ -131,5 +115,3 @@ def test_argument_errors():
     fp8, _, _, pre, _ = operands([64, 64], 128, 256, 128, "swiglu", torch.bfloat16, 4)
     with pytest.raises(TypeError, match=f"{name}: power_2_scales must be a bool"):
         grouped_dgrad_dact_quant_fp8_sm90(*fp8, offsets, pre, activation="swiglu", power_2_scales=1)
-    with pytest.raises(TypeError, match=f"{name}: pingpong must be a bool"):
-        grouped_dgrad_dact_quant_fp8_sm90(*fp8, offsets, pre, activation="swiglu", pingpong=1)

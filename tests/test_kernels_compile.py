@@ -192,21 +192,6 @@ def test_grouped_dgrad_dact_quant_fp8_compiles(activation, dtype, cluster_m, pow
     assert compile_grouped_dgrad_dact_quant_fp8(dtype, activation, False, cluster_m, power_2_scales) is not None
 
 
-@pytest.mark.parametrize("activation,kind", [("scaled_swiglu", "quant"), ("swiglu", "dact")])
-def test_grouped_dgrad_dact_fp8_pingpong_compiles(activation, kind):
-    """FP8 ping-pong: each MMA warpgroup on tiles of its own, block products in 64-column halves
-    over two 64-row slabs; with the casts, one warpgroup's epilogue casts a tile alone."""
-    from te_fused_ops.backends.sm90.kernels.grouped_gemm import (
-        compile_grouped_dgrad_dact_fp8,
-        compile_grouped_dgrad_dact_quant_fp8,
-    )
-
-    if kind == "quant":
-        assert compile_grouped_dgrad_dact_quant_fp8(torch.bfloat16, activation, False, 2, False, pingpong=True)
-    else:
-        assert compile_grouped_dgrad_dact_fp8(torch.bfloat16, activation, False, 2, pingpong=True) is not None
-
-
 @pytest.mark.parametrize(
     "activation,has_bias,weight_layout,tile_n,columns",
     [("scaled_swiglu", True, "nk", 256, False), ("geglu", False, "kn", 256, True), (None, True, "nk", 128, True)],

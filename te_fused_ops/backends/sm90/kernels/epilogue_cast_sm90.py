@@ -98,18 +98,16 @@ def quad_gather(values, q):
 
 
 @cute.jit
-def store_quad_rows(mData: cute.Tensor, chunks: list, quad_pairs, tile: Tile, tRS_cD, col0, col_end, m_total):
-    """32 columns of E4M3 bytes into mData (M, C) at columns col0 ..: ``chunks``, a thread's
-    fragments of one 32-column chunk or of two adjacent 16-column ones (ping-pong). A quad holds a
-    row's 8-column groups two bytes per lane (`quad_column_groups` ``quad_pairs``), so a transpose
-    across the quad (`quad_gather`) of the four groups gives lane q group q whole: one 8-byte
-    store per row slot, rows of the tile's group and columns below ``col_end`` only (C % 8 == 0)."""
-    words = [cute.recast_tensor(data, cutlass.Int16) for data in chunks]
+def store_quad_rows(mData: cute.Tensor, data: cute.Tensor, quad_pairs, tile: Tile, tRS_cD, col0, col_end, m_total):
+    """One chunk's E4M3 bytes ``data`` (a thread's fragment) into mData (M, C) at columns col0 ..:
+    a quad holds a row's 8-column groups two bytes per lane (`quad_column_groups` ``quad_pairs``),
+    so a transpose across the quad (`quad_gather`) gives lane q group q whole: one 8-byte store per
+    row slot, rows of the tile's group and columns below ``col_end`` only (C % 8 == 0)."""
+    pairs = cute.recast_tensor(data, cutlass.Int16)
     mDataGroups = cute.recast_tensor(mData, cutlass.Uint64)
     q = cute.arch.lane_idx() % 4
     for slot in cutlass.range_constexpr(len(quad_pairs)):
-        groups = [Uint32(pairs[p]) & Uint32(0xFFFF) for pairs in words for p in quad_pairs[slot]]
-        word0, word1 = quad_gather(groups, q)
+        word0, word1 = quad_gather([Uint32(pairs[p]) & Uint32(0xFFFF) for p in quad_pairs[slot]], q)
         row = tile.row0 + tRS_cD[2 * quad_pairs[slot][0]][0]
         col = col0 + 8 * q
         if row < tile.end and row < m_total and col < col_end:
@@ -133,53 +131,45 @@ def stage_transposed(sScratch: cute.Tensor, value, tile: Tile, row, col, dtype: 
 @cute.jit
 def store_staged_columns(mColData: cute.Tensor, mColScale: cute.Tensor, sScratch: cute.Tensor, sEdges: cute.Tensor,
                          tile: Tile, col0, dtype: cutlass.Constexpr, power_2_scales: cutlass.Constexpr[bool],
-                         barrier, threads: cutlass.Constexpr[int]):
+                         barrier):
     """The column-wise 1 x 128 E4M3 copy (`BlockColumns`: data (C, 128 * blocks), scale_inv
     (blocks, C)) of a varlen-M tile's 128 columns col0 .. col0 + 127, staged by every consumer
-    thread of the tile with `stage_transposed`: the tile's 128 rows are one column block of its
-    group (tiles start at their group's first row; ``sEdges`` from `scan_group_blocks`). The
-    tile's ``threads`` consumer threads take the columns: 256, two per column (64 rows each); 128
-    (ping-pong), one per column (both 64-row parts). Per part the amax over 16 8-byte loads, then
-    the loads again, 16 values at a time, scaled and stored as 16 bytes. Waits on ``barrier`` (the
-    tile's consumer threads) before, and after, so the next staging cannot overwrite what is read."""
+    thread with `stage_transposed`: the tile's 128 rows are one column block of its group (tiles
+    start at their group's first row; ``sEdges`` from `scan_group_blocks`). Two consumer threads
+    per column, 64 rows each: the amax over 16 8-byte loads, then the loads again, 16 values at a
+    time, scaled and stored as 16 bytes. Waits on ``barrier`` (the consumer threads) before, and
+    after, so the next staging cannot overwrite what is read."""
     barrier.arrive_and_wait()
     block = sEdges[SORT_MAX_G + 1 + tile.seg] + tile.mt
     tidx, _, _ = cute.arch.thread_idx()
-    per_column = threads // 128
-    consumer = (tidx - 128) % threads
-    column, first_part = consumer // per_column, consumer % per_column  # rows 64 part .. of this column
-    parts = 2 // per_column
+    column, part = (tidx - 128) // 2, tidx % 2  # the column this thread casts, rows 64 part ..
     sUnits = cute.recast_tensor(sScratch, cutlass.Uint64)
     rUnits = cute.make_rmem_tensor((4,), cutlass.Uint64)
     rValues = cute.recast_tensor(rUnits, dtype)
     amax = Float32(0.0)
-    for p in cutlass.range_constexpr(parts):
-        for b in cutlass.range_constexpr(4):
-            for k in cutlass.range_constexpr(4):
-                rUnits[k] = sUnits[column * (COLUMN_STRIDE // 4) + 16 * (first_part + p) + 4 * b + k]
-            amax = cute.arch.fmax(amax, packed_finite_abs_max(rValues))  # NaN, Inf count as 0
-    if cutlass.const_expr(per_column == 2):
-        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
+    for b in cutlass.range_constexpr(4):
+        for k in cutlass.range_constexpr(4):
+            rUnits[k] = sUnits[column * (COLUMN_STRIDE // 4) + 16 * part + 4 * b + k]
+        amax = cute.arch.fmax(amax, packed_finite_abs_max(rValues))  # NaN, Inf count as 0
+    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
     scale_inv, m1, m2 = e4m3_scale_inv(amax, power_2_scales)
     col_out = col0 + column
     in_bounds = block < sEdges[SORT_MAX_G + 2 + tile.seg]  # offsets that decrease give fewer blocks
-    if first_part == 0 and in_bounds:
+    if part == 0 and in_bounds:
         mColScale[block, col_out] = scale_inv
     scaled = cute.make_rmem_tensor((16,), Float32)
     data = cute.make_rmem_tensor((16,), cutlass.Float8E4M3FN)
     words = cute.recast_tensor(data, cutlass.Uint64)
     mColUnits = cute.recast_tensor(mColData, cutlass.Uint64)
-    for p in cutlass.range_constexpr(parts):
-        part = first_part + p
-        for b in cutlass.range_constexpr(4):
-            for k in cutlass.range_constexpr(4):
-                rUnits[k] = sUnits[column * (COLUMN_STRIDE // 4) + 16 * part + 4 * b + k]
-            for j in cutlass.range_constexpr(16):
-                scaled[j] = e4m3_scaled(rValues[j].to(Float32), scale_inv, m1, m2, power_2_scales)
-            data.store(scaled.load().to(cutlass.Float8E4M3FN))
-            if in_bounds:
-                for w in cutlass.range_constexpr(2):
-                    mColUnits[col_out, block * 16 + part * 8 + 2 * b + w] = words[w]
+    for b in cutlass.range_constexpr(4):
+        for k in cutlass.range_constexpr(4):
+            rUnits[k] = sUnits[column * (COLUMN_STRIDE // 4) + 16 * part + 4 * b + k]
+        for j in cutlass.range_constexpr(16):
+            scaled[j] = e4m3_scaled(rValues[j].to(Float32), scale_inv, m1, m2, power_2_scales)
+        data.store(scaled.load().to(cutlass.Float8E4M3FN))
+        if in_bounds:
+            for w in cutlass.range_constexpr(2):
+                mColUnits[col_out, block * 16 + part * 8 + 2 * b + w] = words[w]
     barrier.arrive_and_wait()
 
 

@@ -383,12 +383,12 @@ class GroupedGemmActQuantSm90(GroupedGemmActSm90):
             slot = step // self.block_steps * slots + self.row_slot[v]
             scaled[v] = e4m3_scaled(stored.to(Float32), scale_inv[slot], m1[slot], m2[slot], self.power_2_scales)
         data.store(scaled.load().to(cutlass.Float8E4M3FN))  # round to nearest even, saturating
-        store_quad_rows(mData, [data], self.quad_pairs, tile, tRS_cD, chunk * self.epi_n, n_box, m_total)
+        store_quad_rows(mData, data, self.quad_pairs, tile, tRS_cD, chunk * self.epi_n, n_box, m_total)
         if const_expr(self.columns and step % self.block_steps == self.block_steps - 1):
             col0 = (chunk + 1) * self.epi_n - 128  # the block's first column
             if tile.is_group and tile.row0 < tile.end and col0 < n_box:  # the same for every thread of the CTA
                 store_staged_columns(params.col_data, params.col_scale, state[4], state[5], tile, col0, self.dtype,
-                                     self.power_2_scales, self.epi_barrier, 128 * self.mma_atoms)
+                                     self.power_2_scales, self.epi_barrier)
 
 
 class GroupedGemmActFp8Sm90(GroupedGemmActSm90):

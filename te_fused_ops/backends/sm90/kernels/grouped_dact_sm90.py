@@ -31,7 +31,6 @@ from .activation_math_sm90 import ACTIVATION_MATH, ActivationConstants
 from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled
 from .epilogue_cast_sm90 import (
     COLUMN_SCRATCH,
-    COLUMN_STRIDE,
     fragment_row_slots,
     load_row_values,
     make_amax_state,
@@ -79,27 +78,6 @@ class DActParams(NamedTuple):
     row_scale: object = None
     col_data: object = None
     col_scale: object = None
-
-
-class DActQuantState(NamedTuple):
-    """An MMA thread's state in `GroupedGemmDActQuantFp8Sm90`'s epilogue, None where unused:
-    the parent's `DActState`; values, the tile's d_pre as stored (dtype, per step then half;
-    cooperative); row_amax (halves * slots,) the rows' running amax of the tile (ping-pong);
-    d_pre, one step's d_pre in fp32 per half; row_scales, per row slot (one half at a time)
-    scale_inv and the two multipliers of `e4m3_scale_inv`; scaled, fp32 scratch of one chunk;
-    data, E4M3 scratch of one row store (`_steps_per_store` chunks); scratch, the transposed
-    staging (shared); edges, the groups' first blocks (shared); barrier, the tile's threads'."""
-
-    parent: object
-    values: object
-    row_amax: object
-    d_pre: object
-    row_scales: object
-    scaled: object
-    data: object
-    scratch: object
-    edges: object
-    barrier: object
 
 
 class GroupedGemmDActSm90(GroupedGemmSm90):
@@ -311,26 +289,20 @@ class GroupedGemmDActQuantFp8Sm90(GroupedGemmDActFp8Sm90):
     are one block of every row, and (varlen-M tiles start at their group's first row) its 128 rows
     one column block of its group.
 
-    Cooperative: each step keeps its d_pre chunk in registers (dtype). After the tile's last step,
-    per half: each row's amax across the quad (two shuffles), the row bytes stored per quad
-    (`store_quad_rows`); then the half staged transposed in shared memory (128 columns x 128 rows
-    of dtype, rows past the group's end as zeros), two threads per column (64 rows each) take its
-    amax, scale and store 64 bytes. ``pingpong``: one warpgroup casts its own tiles while the
-    other one's mainloop runs. Its whole-tile accumulator keeps 128 registers a thread through the
-    epilogue, so d_pre cannot wait in registers too: each step stages its chunk transposed into
-    one shared tile per half as it is made (the rows' running amax kept per row slot), and after
-    the last step a thread reads its own values back for the row bytes (16-column steps paired
-    per `store_quad_rows`) and casts one column of each half (all 128 rows).
+    Each step keeps its d_pre chunk in registers (dtype). After the tile's last step, per half:
+    each row's amax across the quad (two shuffles), the row bytes stored per quad (`store_quad_rows`);
+    then the half staged transposed in shared memory (128 columns x 128 rows of dtype, rows
+    past the group's end as zeros), two threads per column (64 rows each) take its amax, scale and
+    store 64 bytes.
     """
 
     group_blocks = True
 
     def __init__(self, dtype, activation, cluster_m=2, power_2_scales=False, **opts):
         self.power_2_scales = power_2_scales
-        self.halves = 2 if activation_spec(activation, "GroupedGemmDActQuantFp8Sm90").glu else 1
-        # the transposed staging: one half at a time, or (ping-pong) every half of the tile
-        self.epi_scratch = COLUMN_SCRATCH * (self.halves if opts.get("pingpong") else 1)
+        self.epi_scratch = COLUMN_SCRATCH  # one half of the tile, transposed
         super().__init__(dtype, activation, cluster_m, store_d_pre=False, **opts)
+        self.halves = 2 if self.spec.glu else 1
 
     @cute.jit
     def __call__(
@@ -357,106 +329,60 @@ class GroupedGemmDActQuantFp8Sm90(GroupedGemmDActFp8Sm90):
         self.launch(mDy, mW, mOffsets, (), (mPre,), params, max_clusters, stream, scales=(mDyScale, mWScale))
 
     def epi_make_state(self, tiled_copy, epi_tile, shared):
-        """The tile's `DActQuantState` beside the parent's."""
+        """(the parent's state; the tile's d_pre as stored (dtype, step- then half-major); one
+        step's d_pre in fp32 per half; per row slot (one half at a time) scale_inv and the two
+        multipliers of `e4m3_scale_inv`; fp32 and E4M3 scratch of one chunk; the transposed tile
+        (shared); the groups' first blocks (shared))."""
         parent = super().epi_make_state(tiled_copy, epi_tile, shared)
         self.row_slot, self.slot_value = fragment_row_slots(tiled_copy, epi_tile)
         self.quad_pairs = quad_column_groups(tiled_copy, epi_tile, self.row_slot)
         frag, slots = len(self.row_slot), len(self.slot_value)
         sScratch, sEdges = shared
-        values, row_amax = None, None
-        if const_expr(self.pingpong):
-            row_amax = cute.make_rmem_tensor((self.halves * slots,), Float32)
-        else:
-            values = [cute.make_rmem_tensor((frag,), self.dtype) for _ in range(self.num_steps * self.halves)]
-        return DActQuantState(
+        return (
             parent,
-            values,
-            row_amax,
+            [cute.make_rmem_tensor((frag,), self.dtype) for _ in range(self.num_steps * self.halves)],
             [cute.make_rmem_tensor((frag,), Float32) for _ in range(self.halves)],
             [cute.make_rmem_tensor((slots,), Float32) for _ in range(3)],
             cute.make_rmem_tensor((frag,), Float32),
-            [cute.make_rmem_tensor((frag,), cutlass.Float8E4M3FN) for _ in range(self._steps_per_store())],
+            cute.make_rmem_tensor((frag,), cutlass.Float8E4M3FN),
             sScratch,
             sEdges,
-            self.tile_barrier(),
         )
 
-    def _steps_per_store(self) -> int:
-        """Epilogue steps whose row bytes leave in one `store_quad_rows` (32 columns)."""
-        return 32 // self.epi_n
-
-    def _staging(self, state, h: int):
-        """The transposed staging tile of half h (ping-pong: one per half)."""
-        if const_expr(not self.pingpong):
-            return state.scratch
-        return cute.make_tensor(state.scratch.iterator + h * COLUMN_SCRATCH, cute.make_layout(COLUMN_SCRATCH))
-
     def epi_begin_tile(self, params, tile: Tile, n_box, tRS_rAcc, tRS_cD, state):
-        super().epi_begin_tile(params, tile, n_box, tRS_rAcc, tRS_cD, state.parent)
-        if const_expr(self.pingpong):
-            state.row_amax.fill(0.0)
+        super().epi_begin_tile(params, tile, n_box, tRS_rAcc, tRS_cD, state[0])
 
     @cute.jit
     def epi_visit(self, params, tile: Tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
-        rDPre = state.d_pre
+        values, rDPre = state[1], state[2]
         # the parent named: the DSL's rewrite of a jit method resolves super() from type(self)
-        GroupedGemmDActFp8Sm90.epi_visit(self, params, tile, step, chunk, n_box, rAcc, rIn, rDPre, tRS_cD,
-                                         state.parent)
-        if const_expr(self.pingpong):  # staged as stored (dtype), the rows' amax kept
-            slots = len(self.slot_value)
-            for h in cutlass.range_constexpr(self.halves):
-                sStage = self._staging(state, h)
-                for v in cutlass.range_constexpr(len(self.row_slot)):
-                    stored = rDPre[h][v].to(self.dtype)
-                    magnitude = cutlass.max(stored.to(Float32), -stored.to(Float32))
-                    slot = h * slots + self.row_slot[v]
-                    if magnitude < Float32(float("inf")):  # NaN, Inf count as 0
-                        state.row_amax[slot] = cutlass.max(state.row_amax[slot], magnitude)
-                    stage_transposed(sStage, stored, tile, tRS_cD[v][0], step * self.epi_n + tRS_cD[v][1],
-                                     self.dtype)
-        else:
-            for h in cutlass.range_constexpr(self.halves):  # packed conversions: two values per register
-                state.values[step * self.halves + h].store(rDPre[h].load().to(self.dtype))
+        GroupedGemmDActFp8Sm90.epi_visit(self, params, tile, step, chunk, n_box, rAcc, rIn, rDPre, tRS_cD, state[0])
+        for h in cutlass.range_constexpr(self.halves):  # packed conversions: two values per register
+            values[step * self.halves + h].store(rDPre[h].load().to(self.dtype))
 
     @cute.jit
     def epi_end_tile(self, params, tile: Tile, n_box, tRS_cD, state):
-        GroupedGemmDActFp8Sm90.epi_end_tile(self, params, tile, n_box, tRS_cD, state.parent)
-        if tile.is_group and tile.row0 < tile.end:  # the same for every thread of the tile
+        GroupedGemmDActFp8Sm90.epi_end_tile(self, params, tile, n_box, tRS_cD, state[0])
+        if tile.is_group and tile.row0 < tile.end:  # the same for every thread of the CTA
             for h in cutlass.range_constexpr(self.halves):  # a half's values are dead after its pass
                 self._store_rows(params, tile, n_box, tRS_cD, state, h)
                 self._store_columns(params, tile, n_box, tRS_cD, state, h)
 
     @cute.jit
-    def _chunk_values(self, state, tile: Tile, tRS_cD, step, h: cutlass.Constexpr[int]):
-        """state.scaled = half h's d_pre of chunk ``step`` as stored, in fp32: from registers, or
-        (ping-pong) read back from where this thread staged it."""
-        if const_expr(self.pingpong):
-            sStage = self._staging(state, h)
-            for v in cutlass.range_constexpr(len(self.row_slot)):
-                col = step * self.epi_n + tRS_cD[v][1]
-                state.scaled[v] = sStage[col * COLUMN_STRIDE + tRS_cD[v][0]].to(Float32)
-        else:
-            state.scaled.store(state.values[step * self.halves + h].load().to(Float32))
-
-    @cute.jit
     def _store_rows(self, params, tile: Tile, n_box, tRS_cD, state, h: cutlass.Constexpr[int]):
-        """Half h's row-wise copy of the tile: scale_inv per row, then the bytes, 32 columns at a time."""
+        """Half h's row-wise copy of the tile: scale_inv per row, then the bytes, chunk by chunk."""
         m_total, mRowData, mRowScale = params.m_total, params.row_data, params.row_scale
-        (scale_inv, m1, m2), scaled, data = state.row_scales, state.scaled, state.data
+        values, (scale_inv, m1, m2), scaled, data = state[1], state[3], state[4], state[5]
         frag, slots = len(self.row_slot), len(self.slot_value)
         amax = scale_inv
-        if const_expr(self.pingpong):
-            for slot in cutlass.range_constexpr(slots):
-                amax[slot] = state.row_amax[h * slots + slot]
-        else:
-            amax.fill(0.0)
-            for step in cutlass.range_constexpr(self.num_steps):
-                self._chunk_values(state, tile, tRS_cD, step, h)
-                for v in cutlass.range_constexpr(frag):
-                    value = scaled[v]
-                    magnitude = cutlass.max(value, -value)
-                    if magnitude < Float32(float("inf")):  # NaN, Inf count as 0
-                        amax[self.row_slot[v]] = cutlass.max(amax[self.row_slot[v]], magnitude)
+        amax.fill(0.0)
+        for step in cutlass.range_constexpr(self.num_steps):
+            scaled.store(values[step * self.halves + h].load().to(Float32))
+            for v in cutlass.range_constexpr(frag):
+                value = scaled[v]
+                magnitude = cutlass.max(value, -value)
+                if magnitude < Float32(float("inf")):  # NaN, Inf count as 0
+                    amax[self.row_slot[v]] = cutlass.max(amax[self.row_slot[v]], magnitude)
         lane = cute.arch.lane_idx()
         for slot in cutlass.range_constexpr(slots):
             row_amax = amax[slot]
@@ -466,25 +392,22 @@ class GroupedGemmDActQuantFp8Sm90(GroupedGemmDActFp8Sm90):
             row = tile.row0 + tRS_cD[self.slot_value[slot]][0]
             if lane % 4 == 0 and row < tile.end:
                 mRowScale[row, h * (n_box // 128) + tile.nt] = scale_inv[slot]
-        paired = self._steps_per_store()
-        for first in cutlass.range_constexpr(0, self.num_steps, paired):
-            for c in cutlass.range_constexpr(paired):
-                self._chunk_values(state, tile, tRS_cD, first + c, h)
-                for v in cutlass.range_constexpr(frag):
-                    slot = self.row_slot[v]
-                    scaled[v] = e4m3_scaled(scaled[v], scale_inv[slot], m1[slot], m2[slot], self.power_2_scales)
-                data[c].store(scaled.load().to(cutlass.Float8E4M3FN))  # round to nearest even, saturating
-            col0 = h * n_box + (tile.nt * self.num_steps + first) * self.epi_n
+        for step in cutlass.range_constexpr(self.num_steps):
+            scaled.store(values[step * self.halves + h].load().to(Float32))
+            for v in cutlass.range_constexpr(frag):
+                slot = self.row_slot[v]
+                scaled[v] = e4m3_scaled(scaled[v], scale_inv[slot], m1[slot], m2[slot], self.power_2_scales)
+            data.store(scaled.load().to(cutlass.Float8E4M3FN))  # round to nearest even, saturating
+            col0 = h * n_box + (tile.nt * self.num_steps + step) * self.epi_n
             store_quad_rows(mRowData, data, self.quad_pairs, tile, tRS_cD, col0, (h + 1) * n_box, m_total)
 
     @cute.jit
     def _store_columns(self, params, tile: Tile, n_box, tRS_cD, state, h: cutlass.Constexpr[int]):
         """Half h's column-wise copy of the tile, staged transposed (`store_staged_columns`)."""
-        sStage = self._staging(state, h)
-        if const_expr(not self.pingpong):  # ping-pong: staged step by step
-            for step in cutlass.range_constexpr(self.num_steps):
-                for v in cutlass.range_constexpr(len(self.row_slot)):
-                    stage_transposed(sStage, state.values[step * self.halves + h][v], tile, tRS_cD[v][0],
-                                     step * self.epi_n + tRS_cD[v][1], self.dtype)
-        store_staged_columns(params.col_data, params.col_scale, sStage, state.edges, tile, h * n_box + tile.nt * 128,
-                             self.dtype, self.power_2_scales, state.barrier, 128 * self.mma_atoms)
+        values, sScratch, sEdges = state[1], state[6], state[7]
+        for step in cutlass.range_constexpr(self.num_steps):
+            for v in cutlass.range_constexpr(len(self.row_slot)):
+                stage_transposed(sScratch, values[step * self.halves + h][v], tile, tRS_cD[v][0],
+                                 step * self.epi_n + tRS_cD[v][1], self.dtype)
+        store_staged_columns(params.col_data, params.col_scale, sScratch, sEdges, tile, h * n_box + tile.nt * 128,
+                             self.dtype, self.power_2_scales, self.epi_barrier)

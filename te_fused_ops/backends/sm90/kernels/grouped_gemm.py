@@ -1238,7 +1238,7 @@ def _dact_launch(dy, weight, offsets, pre, activation, probs, out, act_out, tile
 def grouped_dgrad_dact_fp8_sm90(
     dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, activation, probs=None, out=None,
     tile_n=None, cluster_m=None, sm_margin=None, d_pre_amax=False, emit_act=False, d_probs_parts=False,
-    pingpong=False, **constants,
+    **constants,
 ):
     """`grouped_dgrad_dact_sm90` on block-scaled FP8 operands: h = dy_g @ W[g] in FP8, then dActivation.
 
@@ -1254,22 +1254,20 @@ def grouped_dgrad_dact_fp8_sm90(
     8. tile_n (over I): 128 or 256 (each block's product in two 128-column halves); None:
     `tuning.fp8_dact_tile_n`. ``d_pre_amax``: also return d_pre's amax parts, as ``act_amax`` of
     `grouped_gemm_sm90` (the fp8_current cast of FC1's data gradient). ``d_probs_parts`` as for
-    `grouped_dgrad_dact_sm90`. ``pingpong`` (tile_n 128): each MMA warpgroup on tiles of its own,
-    one's epilogue under the other's mainloop (bit for bit the same outputs). No host sync; checks
-    run once per argument signature.
+    `grouped_dgrad_dact_sm90`. No host sync; checks run once per argument signature.
     """
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, probs, out),
-        _DACT_FP8, pre.dtype, activation, tile_n, cluster_m, sm_margin, d_pre_amax, emit_act, pingpong,
+        _DACT_FP8, pre.dtype, activation, tile_n, cluster_m, sm_margin, d_pre_amax, emit_act,
     )
     args = (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation, probs, cluster_m, sm_margin,
-            d_pre_amax, None, tile_n, emit_act, pingpong)
+            d_pre_amax, None, tile_n, emit_act)
     launch = _MEMO.get(key)
     if launch is None:
         launch = _dact_fp8_launch(*args)
         _check_d_pre_out(_DACT_FP8, out, pre)
-        if tile_n is None and cluster_m is None and not pingpong and launch[0] is not None:
+        if tile_n is None and cluster_m is None and launch[0] is not None:
             m, (g, i, h) = dy.shape[0], weight_t.shape
             config = tuning.tuned_config(
                 _DACT_FP8, (pre.dtype, g, i, h, tuning.rows_bucket(m), activation, bool(d_pre_amax), emit_act),
@@ -1280,7 +1278,7 @@ def grouped_dgrad_dact_fp8_sm90(
                 (tuning.fp8_dact_tile_n(i), _fp8_cluster_m(m, i, g, dy.get_device(), sm_margin)),
                 tuning.fp8_candidates(tile_ns=(128, 256)))
             if config is not None:
-                args = (*args[:8], config.cluster_m, *args[9:12], config.tile_n, emit_act, pingpong)
+                args = (*args[:8], config.cluster_m, *args[9:12], config.tile_n, emit_act)
                 launch = _dact_fp8_launch(*args)
         _MEMO.put(key, launch)
     fn, partial_shape, clusters, num_parts = launch
@@ -1304,7 +1302,7 @@ def _check_d_pre_out(name, out, pre):
 
 
 def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activation, probs, cluster_m, sm_margin,
-                     d_pre_amax=False, power_2_scales=None, tile_n=None, emit_act=False, pingpong=False):
+                     d_pre_amax=False, power_2_scales=None, tile_n=None, emit_act=False):
     """Every check of `grouped_dgrad_dact_fp8_sm90` (with ``power_2_scales`` a bool: of
     `grouped_dgrad_dact_quant_fp8_sm90`, tile_n 128); (launcher or None when M == 0, d_probs
     partials shape or None, persistent grid in clusters, d_pre amax parts or 0)."""
@@ -1333,33 +1331,27 @@ def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activ
     _check_probs(name, spec, probs, m, dev)
     if tile_n not in (None, 128, 256) or (quantize and tile_n == 256):
         raise ValueError(f"{name}: tile_n must be {'128' if quantize else '128 or 256'}, got {tile_n!r}")
-    if not isinstance(pingpong, bool):
-        raise TypeError(f"{name}: pingpong must be a bool, got {type(pingpong).__name__}")
-    if pingpong and tile_n == 256:
-        raise ValueError(f"{name}: pingpong needs tile_n 128, got 256")
-    tile_n = 128 if quantize or pingpong else tile_n or tuning.fp8_dact_tile_n(i)
+    tile_n = 128 if quantize else tile_n or tuning.fp8_dact_tile_n(i)
     _, cluster_m, clusters, _ = _launch_config(name, m, i, g, dev, tile_n, cluster_m, sm_margin)
     partial_shape = (-(-i // tile_n), m) if spec.takes_probs else None
     num_parts = _check_amax_request(name, "d_pre_amax", d_pre_amax, True, clusters, cluster_m)
     if m == 0:
         return None, partial_shape, clusters, num_parts
     if quantize:
-        key = (_DACT_QUANT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, power_2_scales, pingpong)
+        key = (_DACT_QUANT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, power_2_scales)
         compile_fn = compile_grouped_dgrad_dact_quant_fp8
     else:
-        key = (_DACT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, bool(d_pre_amax), tile_n, emit_act,
-               pingpong)
+        key = (_DACT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, bool(d_pre_amax), tile_n, emit_act)
         compile_fn = compile_grouped_dgrad_dact_fp8
     fn = _LAUNCHERS.get(key)
     if fn is None:
-        # ping-pong is a kernel option: compiled only when on, so the default keys stay as they were
-        fn = _LAUNCHERS[key] = compile_fn(*key[1:-1], **({"pingpong": True} if pingpong else {}))
+        fn = _LAUNCHERS[key] = compile_fn(*key[1:])
     return fn, partial_shape, clusters, num_parts
 
 
 def grouped_dgrad_dact_quant_fp8_sm90(
     dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, activation, probs=None,
-    power_2_scales=False, cluster_m=None, sm_margin=None, d_probs_parts=False, pingpong=False, **constants,
+    power_2_scales=False, cluster_m=None, sm_margin=None, d_probs_parts=False, **constants,
 ):
     """`grouped_dgrad_dact_fp8_sm90` whose d_pre leaves only as the E4M3 copies FC1's backward
     reads (fp8_blockwise), cast in the epilogue: bit for bit the torch quantizer
@@ -1369,16 +1361,15 @@ def grouped_dgrad_dact_quant_fp8_sm90(
     ((row data (M, C) float8_e4m3fn, row scale_inv (M, C/128) float32), columns (`BlockColumns`,
     as `block_columns_sm90` makes them), d_probs (M,) float32 for scaled_swiglu else None), C =
     pre.shape[1]; row-wise rows >= offsets[G] are not written. ``d_probs_parts`` as for
-    `grouped_dgrad_dact_sm90`. ``pingpong``: each MMA warpgroup on tiles of its own, one's
-    epilogue (with its casts) under the other's mainloop, bit for bit the same outputs. No host sync.
+    `grouped_dgrad_dact_sm90`. No host sync.
     """
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, probs),
-        _DACT_QUANT_FP8, pre.dtype, activation, cluster_m, sm_margin, power_2_scales, pingpong,
+        _DACT_QUANT_FP8, pre.dtype, activation, cluster_m, sm_margin, power_2_scales,
     )
     args = (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation, probs, cluster_m, sm_margin,
-            False, power_2_scales, None, False, pingpong)
+            False, power_2_scales)
     launch = _MEMO.get(key) or _MEMO.put(key, _dact_fp8_launch(*args))
     fn, partial_shape, clusters, _ = launch
     (m, c), g = pre.shape, offsets.shape[0] - 1

@@ -32,15 +32,13 @@ warpgroup run the same hooks on 8-row blocks with 16-byte loads and stores strai
 global memory and registers (no TMA, no C or D buffers). A fourth warpgroup would cap every thread
 at 128 registers (ptxas budgets the kernel by its thread count, whatever setmaxnreg says later).
 
-With ``pingpong`` (varlen-M kernels, tile_n 128 or 192; FP8 operands tile_n 128) each MMA warpgroup
-takes every other tile whole (two 64-row WGMMA slabs, tile_n fp32 accumulator registers a thread):
-both read every tile-ring entry and pass over the other's k-tiles and C chunks; their mainloops
-take turns on the tensor cores and each one's epilogue (16-column chunks, so a thread holds as many
-values per chunk as on two warpgroups) runs under the other's mainloop, the turns kept by named
-barriers (`named_barriers_sm90`). The epilogues take turns too, so the hooks' shared scratch is one
-for both. FP8: each block's product in 64-column halves (`split_products`: 64 registers beside the
-accumulator's 128), the mainloop's turn passed once the last block is promoted. It pays where the
-epilogue is a large share of a tile (short K, several outputs, loaded inputs, casts).
+With ``pingpong`` (16-bit varlen-M kernels, tile_n 128 or 192) each MMA warpgroup takes every other
+tile whole (two 64-row WGMMA slabs, tile_n fp32 accumulator registers a thread): both read every
+tile-ring entry and pass over the other's k-tiles and C chunks; their mainloops take turns on the
+tensor cores and each one's epilogue (16-column chunks, so a thread holds as many values per chunk
+as on two warpgroups) runs under the other's mainloop, the turns kept by named barriers
+(`named_barriers_sm90`). It pays where the epilogue is a large share of a tile (short K, several
+outputs, loaded inputs).
 
 With ``gather_a`` (16-bit varlen-M, cooperative or ping-pong) A's rows are read by index, A[r]
 = x[a_index[r]] (sm90 has no TMA gather): the producer warpgroup's 128 threads each load 16 bytes
@@ -238,9 +236,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         self.stage_scales = self.varlen_k and self.block_scaled
         self.box_n = tile_n // self.b_boxes
         self.box_may_split = 128 % self.box_n != 0  # FP8: a B box can cross a W scale block
-        # FP8 block products in two halves: at tile 256 (each half inside one W scale block), and
-        # with ping-pong at 128 (a warpgroup's whole-tile accumulator is 128 registers a thread)
-        self.split_products = self.block_scaled and (tile_n == 256 or pingpong)
+        self.split_products = self.block_scaled and tile_n == 256  # each half inside one W scale block
         # FP8 GLU at tile 256 with N/2 an odd multiple of 64: the up box starts 64 rows into a W
         # scale block, so its half's first and last 64 columns take two blocks' multipliers
         if up_box_split and not (self.split_products and self.b_boxes == 2):
@@ -260,13 +256,11 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             raise ValueError(f"{type(self).__name__}: epilogue_warps needs 16-bit operands and stored outputs")
         if defer_stores and (self.num_out != 1 or self.num_in or self.b_boxes != 1 or epilogue_warps):
             raise ValueError(f"{type(self).__name__}: defer_stores needs one output and no loaded inputs")
-        # ping-pong epilogues take turns (EPI_TURN), so one epilogue scratch serves both warpgroups
-        if pingpong and (tile_n not in ((128,) if self.block_scaled else (128, 192)) or dtype.width != 16
-                         or (self.block_scaled and (self.varlen_k or overlap_promotion)) or epilogue_warps
-                         or defer_stores):
+        if pingpong and (tile_n not in (128, 192) or self.block_scaled or dtype.width != 16 or epilogue_warps
+                         or defer_stores or self.group_blocks or self.epi_scratch):
             raise ValueError(
-                f"{type(self).__name__}: pingpong needs tile_n 128 or 192 (FP8 operands: varlen-M, tile_n 128, no "
-                "overlap_promotion), 16-bit outputs, and an epilogue of the MMA warpgroups"
+                f"{type(self).__name__}: pingpong needs tile_n 128 or 192, 16-bit operands and outputs, and an "
+                "epilogue of the MMA warpgroups without shared scratch"
             )
         # FP8: two block products in flight (`_fp8_overlapped_k_tiles`): 3 x 64 fp32 registers a
         # thread at tile_n 128
@@ -673,15 +667,6 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             sSFB = storage.sSFB.get_tensor(sSFB_layout)
         return SmemTensors(sA, sB, sD, sC, sAcc, sB_boxes, sSFA, sSFB)
 
-    def tile_barrier(self):
-        """The named barrier of the consumer threads of the calling thread's tiles (traced on an
-        MMA thread): both MMA warpgroups', or with ping-pong its own warpgroup's."""
-        if const_expr(not self.pingpong):
-            return self.epi_barrier
-        tidx, _, _ = cute.arch.thread_idx()
-        mma_wg = cute.arch.make_warp_uniform(tidx // 128 - 1)
-        return pipeline.NamedBarrier(barrier_id=EPI_BARRIER + mma_wg, num_threads=128)
-
     @cute.jit
     def _consume(self, pipes, sTiles, smem_tensors, tiled_mma, store_tmas, load_tmas, epi_params, epi_shared, scales,
                  num_groups, n_box, half_chunks, k_tiles, m_total, tidx, warp_idx):
@@ -720,7 +705,9 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             )
         # the first warp of the tile's warpgroup(s) issues the TMA stores and C loads
         is_store_warp = warp_idx % 4 == 0 if const_expr(self.pingpong) else warp_idx == 4
-        epi_barrier = self.tile_barrier()
+        epi_barrier = self.epi_barrier
+        if const_expr(self.pingpong):
+            epi_barrier = pipeline.NamedBarrier(barrier_id=EPI_BARRIER + mma_wg, num_threads=128)
         store_args = (epi.tiled_copy_r2s, epi.tRS_sD, smem_tensors.sD, store_tmas, store_pipe, is_store_warp)
         context = TileContext(pipes, mainloop_args, epi, state, smem_tensors, store_tmas, load_tmas, store_pipe,
                               is_store_warp, epi_barrier, epi_params, scales, n_box, half_chunks, m_total, mma_wg,

@@ -413,8 +413,6 @@ class Sm90Mainloop:
             if tile_k_tiles > 0:
                 ab_pipe.consumer_release(release_state)
                 release_state.advance()
-        elif const_expr(self.pingpong):  # FP8: the turn passes once the last block is promoted
-            cute.arch.barrier_arrive(barrier_id=MMA_TURN + 1 - mma_wg, number_of_threads=256)
         return tiled_mma, read_state, release_state, epi_count
 
     @cute.jit
@@ -432,12 +430,12 @@ class Sm90Mainloop:
     @cute.jit
     def _block_scales(self, scales, tile: Tile, tCcAcc, k, n_box, m_total):
         """FP8: the multipliers of scale block ``k`` for this thread's accumulator (`_promote`
-        applies them): A's rows (row 0, row 1 of each 64-row slab, `_slabs`) and, per B box h,
-        (first, second, split): the multipliers of the two 128-row blocks of W the box can touch
-        and the first 8-column group of the box inside the second one.
+        applies them): (row 0, row 1) of A and, per B box h, (first, second, split): the
+        multipliers of the two 128-row blocks of W the box can touch and the first 8-column
+        group of the box inside the second one.
 
         The WGMMA accumulator of one thread holds values (i, r, j) at row row0 + 8 r and column
-        col0 + i + 8 j (``tCcAcc``), per slab (rows 64 apart); B box h = 0 covers columns [0, box_n), h = 1 (GLU)
+        col0 + i + 8 j (``tCcAcc``): two rows; B box h = 0 covers columns [0, box_n), h = 1 (GLU)
         [box_n, tile_n) and W rows from h n_box + nt box_n. A box of 64 or 128 rows lies inside
         one block (n_box a multiple of 64); 96 or 192 rows can cross one block edge (never two:
         the box starts at a multiple of 32 or 64 inside its block). Indices are clamped to what
@@ -448,8 +446,7 @@ class Sm90Mainloop:
         seg = cutlass.min(tile.seg, cute.size(mSFB, mode=[0]) - 1)
         last_block = cute.size(mSFB, mode=[1]) - 1
         row0 = tile.row0 + tCcAcc[0][0]
-        rows = tuple(mSFA[cutlass.min(row0 + 64 * slab + 8 * r, m_total - 1), k]
-                     for slab in range(self._slabs()) for r in range(2))
+        rows = (mSFA[cutlass.min(row0, m_total - 1), k], mSFA[cutlass.min(row0 + 8, m_total - 1), k])
         boxes = []
         for h in cutlass.range_constexpr(self.b_boxes):
             first_row = h * n_box + tile.nt * self.box_n
@@ -533,31 +530,21 @@ class Sm90Mainloop:
                 self._promote_half(acc, acc_block, held, h)
         return ahead
 
-    def _slabs(self) -> int:
-        """64-row WGMMA slabs of one thread's accumulator: 1, or 2 with ping-pong (a warpgroup's
-        whole 128-row tile)."""
-        return self.tile_m // (64 * self.mma_atoms)
-
     @cute.jit
     def _promote_half(self, acc, acc_block, multipliers, h: cutlass.Constexpr[int]):
         """acc's values of half h += acc_block scaled per row by that half's W block multiplier
         (``up_box_split``, the up half: its first 64 columns by the first block's, the rest by the
-        next one's; a thread's value v lies in column group v // 4 of 8 columns). Per slab s the
-        product's values [s p, s p + p) (p per slab) are acc's [2 s p + h p, ...): a thread's
-        values take their 8-column groups last within a slab."""
+        next one's; a thread's value v lies in column group v // 4 of 8 columns)."""
         rows, boxes = multipliers
         w_block = boxes[h][0] if const_expr(self.b_boxes == 2) else boxes[0][h]
-        scale = [rows[r] * w_block for r in range(len(rows))]
+        scale = [rows[r] * w_block for r in range(2)]
         scale_after = scale
         if const_expr(self.up_box_split and h == 1):
-            scale_after = [rows[r] * boxes[h][1] for r in range(len(rows))]
-        per_slab = cute.size(acc_block) // self._slabs()
-        for v in cutlass.range_constexpr(cute.size(acc_block)):
-            slab, local = v // per_slab, v % per_slab
-            row = 2 * slab + local // 2 % 2
-            multiplier = scale[row] if const_expr(local // 4 < 8) else scale_after[row]
-            a = 2 * slab * per_slab + h * per_slab + local
-            acc[a] = acc[a] + acc_block[v] * multiplier
+            scale_after = [rows[r] * boxes[h][1] for r in range(2)]
+        half = cute.size(acc_block)
+        for v in cutlass.range_constexpr(half):
+            multiplier = scale[v // 2 % 2] if const_expr(v // 4 < 8) else scale_after[v // 2 % 2]
+            acc[v + h * half] = acc[v + h * half] + acc_block[v] * multiplier
 
     @cute.jit
     def _issue_block(self, ab_pipe, read_state, tiled_mma, product, tCrA, tCrB):
