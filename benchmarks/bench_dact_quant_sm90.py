@@ -7,14 +7,12 @@ Kernels (uneven seeded routing; dy (M, H) and W^T (E, I, H) cast as the FP8 step
   dact + cast     the same, then block_columns_sm90(d_pre, rows=True): the row-wise and per-group
                   column-wise 1x128 copies FC1's data and weight gradients read (the unfused step)
   dact quant      grouped_dgrad_dact_quant_fp8_sm90: both copies from the epilogue, no bf16 d_pre
-  dact quant deferred   the same with defer_casts: a tile's casts under the next tile's WGMMAs
 Both paths' copies are checked bit for bit first. Step: the all-fp8_blockwise MLP step
 (Quantize, GroupedLinear, SwiGLU, Quantize, Transpose, GroupedLinear; gradients set to None
 first) with rule 'grouped_linear+dactivation+quantize+transpose+grouped_linear' casting d_pre in
-the epilogue (as it is and with ``defer_casts``), and the same plan with FC1's casts unfused (its
-FP8 weight-gradient check patched off, which takes the rule's unfused order), plus the bf16 fused
-step; outputs and gradients checked bit-equal between the FP8 paths; extra peak memory of one
-step. Times:
+the epilogue, and the same plan with FC1's casts unfused (its FP8 weight-gradient check patched
+off, which takes the rule's unfused order), plus the bf16 fused step; outputs and gradients
+checked bit-equal between the two FP8 paths; extra peak memory of one step. Times:
 `common.sustained_ms` medians, variants in rotated order. gptoss-120b-ep4 (I = 2880) is not a
 multiple of 128: not run.
 
@@ -73,9 +71,6 @@ def kernels(name):
     def dact_quant():
         return grouped_dgrad_dact_quant_fp8_sm90(*fp8, offsets, pre, activation="swiglu")
 
-    def dact_quant_deferred():
-        return grouped_dgrad_dact_quant_fp8_sm90(*fp8, offsets, pre, activation="swiglu", defer_casts=True)
-
     def dact_wide():
         return grouped_dgrad_dact_fp8_sm90(*fp8, offsets, pre, activation="swiglu", tile_n=256)[0]
 
@@ -86,12 +81,8 @@ def kernels(name):
     assert torch.equal(q_rows.view(torch.uint8), rows.view(torch.uint8)) and torch.equal(q_row_scale, row_scale)
     assert torch.equal(q_columns.data.view(torch.uint8)[:, : 128 * used], columns.data.view(torch.uint8)[:, : 128 * used])
     assert torch.equal(q_columns.scale_inv[:used], columns.scale_inv[:used])
-    (d_rows, d_row_scale), d_columns, _ = dact_quant_deferred()
-    assert torch.equal(d_rows.view(torch.uint8), rows.view(torch.uint8)) and torch.equal(d_row_scale, row_scale)
-    assert torch.equal(d_columns.data.view(torch.uint8)[:, : 128 * used], columns.data.view(torch.uint8)[:, : 128 * used])
-    assert torch.equal(d_columns.scale_inv[:used], columns.scale_inv[:used]), f"{name}: deferred casts differ"
-    us = rotated_medians({"dact": dact, "dact t256": dact_wide, "dact + cast": dact_cast, "dact quant": dact_quant,
-                          "dact quant deferred": dact_quant_deferred}, time_us)
+    us = rotated_medians({"dact": dact, "dact t256": dact_wide, "dact + cast": dact_cast, "dact quant": dact_quant},
+                         time_us)
     return {"shape": name, "us": us, "dact_tflops": 2 * m * h * i / us["dact"] / 1e6,
             "dact_t256_tflops": 2 * m * h * i / us["dact t256"] / 1e6}
 
@@ -101,27 +92,25 @@ def step(name):
     fp8 = Sequential(Quantize("fp8_blockwise"), fc1, SwiGLU(), Quantize("fp8_blockwise"), Transpose(), fc2)
     assert "grouped_linear+dactivation+grouped_linear" in fp8.explain(x, split_sizes=splits)
     leaves = [x, fc1.weight, fc2.weight]
-    applies, deferred = dact_rule.fp8_wgrad_applies, dact_rule.FP8_DEFER_CASTS
+    applies = dact_rule.fp8_wgrad_applies
 
-    def run(model, fused, defer_casts=False):
+    def run(model, fused):
         dact_rule.fp8_wgrad_applies = applies if fused else (lambda *args: False)
-        dact_rule.FP8_DEFER_CASTS = defer_casts
         try:
             for t in leaves:
                 t.grad = None
             y = model(x, split_sizes=splits)
             y.backward(dy)
         finally:
-            dact_rule.fp8_wgrad_applies, dact_rule.FP8_DEFER_CASTS = applies, deferred
+            dact_rule.fp8_wgrad_applies = applies
         return [y.detach(), *[t.grad for t in leaves]]
 
-    variants = {"fp8 cast in epilogue": (fp8, True), "fp8 casts deferred": (fp8, True, True),
-                "fp8 cast after": (fp8, False), "bf16 fused": (Sequential(fc1, SwiGLU(), fc2), True)}
+    variants = {"fp8 cast in epilogue": (fp8, True), "fp8 cast after": (fp8, False),
+                "bf16 fused": (Sequential(fc1, SwiGLU(), fc2), True)}
     outputs = {label: run(*v) for label, v in variants.items()}
     peak_mib = {label: extra_peak_mib(lambda v=v: run(*v)) for label, v in variants.items()}
-    for other in ("fp8 cast after", "fp8 casts deferred"):
-        pairs = zip(outputs["fp8 cast in epilogue"], outputs[other])
-        assert all(torch.equal(a, b) for a, b in pairs), f"{name}: {other} differs from the cast in the epilogue"
+    pairs = zip(outputs["fp8 cast in epilogue"], outputs["fp8 cast after"])
+    assert all(torch.equal(a, b) for a, b in pairs), f"{name}: the two FP8 steps differ"
     us = rotated_medians({label: (lambda v=v: run(*v)) for label, v in variants.items()}, time_us)
     return {"shape": name, "us": us, "peak_mib": peak_mib}
 
@@ -144,24 +133,21 @@ def main():
             print(step_rows[-1], flush=True)
     lines = [f"FC2 FP8 dgrad + dSwiGLU, d_pre cast to its row- and column-wise E4M3 copies, {device}; median us",
              "", "| shape | dact (TFLOPS) | dact t256 (TFLOPS) | dact + cast | dact quant | quant vs dact + cast | "
-             "quant over dact | quant deferred | deferred vs quant |", "|---|---|---|---|---|---|---|---|---|"]
+             "quant over dact |", "|---|---|---|---|---|---|---|"]
     for r in kernel_rows:
         us = r["us"]
         lines.append(f"| {r['shape']} | {us['dact']:.0f} ({r['dact_tflops']:.0f}) | "
                      f"{us['dact t256']:.0f} ({r['dact_t256_tflops']:.0f}) | {us['dact + cast']:.0f} | "
                      f"{us['dact quant']:.0f} | {us['dact + cast'] / us['dact quant']:.2f}x | "
-                     f"{us['dact quant'] / us['dact'] - 1:+.0%} | {us['dact quant deferred']:.0f} | "
-                     f"{us['dact quant'] / us['dact quant deferred']:.3f}x |")
+                     f"{us['dact quant'] / us['dact'] - 1:+.0%} |")
     if step_rows:
         lines += ["", "All-fp8_blockwise step (outputs and gradients bit-equal); median us, extra peak MiB of one step",
-                  "", "| shape | cast in epilogue | casts deferred | cast after | bf16 fused | epilogue vs after | "
-                  "deferred vs epilogue | peak MiB epilogue / after |", "|---|---|---|---|---|---|---|---|"]
+                  "", "| shape | cast in epilogue | cast after | bf16 fused | epilogue vs after | "
+                  "peak MiB epilogue / after |", "|---|---|---|---|---|---|"]
         for r in step_rows:
             us, mib = r["us"], r["peak_mib"]
-            lines.append(f"| {r['shape']} | {us['fp8 cast in epilogue']:.0f} | {us['fp8 casts deferred']:.0f} | "
-                         f"{us['fp8 cast after']:.0f} | {us['bf16 fused']:.0f} | "
-                         f"{us['fp8 cast after'] / us['fp8 cast in epilogue']:.3f}x | "
-                         f"{us['fp8 cast in epilogue'] / us['fp8 casts deferred']:.3f}x | "
+            lines.append(f"| {r['shape']} | {us['fp8 cast in epilogue']:.0f} | {us['fp8 cast after']:.0f} | "
+                         f"{us['bf16 fused']:.0f} | {us['fp8 cast after'] / us['fp8 cast in epilogue']:.3f}x | "
                          f"{mib['fp8 cast in epilogue']:.0f} / {mib['fp8 cast after']:.0f} |")
     text = "\n".join(lines)
     print(text)

@@ -37,7 +37,7 @@ def poison(m, c, g):
     del held
 
 
-def check(splits, m, h, i, activation, dtype=torch.bfloat16, power_2_scales=False, seed=0, defer_casts=False, **cfg):
+def check(splits, m, h, i, activation, dtype=torch.bfloat16, power_2_scales=False, seed=0, **cfg):
     fp8, _, _, pre, probs = operands(splits, m, h, i, activation, dtype, seed)
     pre[m // 3] = float("nan")  # a NaN row of d_pre (and of its column blocks: they count as 0 in the amax)
     pre[m // 2, :7] = float("inf")
@@ -48,7 +48,7 @@ def check(splits, m, h, i, activation, dtype=torch.bfloat16, power_2_scales=Fals
                                                                  power_2_scales=power_2_scales)
     poison(m, pre.shape[1], len(splits))
     (rows, row_scale), columns, d_probs_q = grouped_dgrad_dact_quant_fp8_sm90(
-        *fp8, offsets, pre, power_2_scales=power_2_scales, defer_casts=defer_casts, **kwargs)
+        *fp8, offsets, pre, power_2_scales=power_2_scales, **kwargs)
     grouped, used = sum(splits), used_blocks(offsets, m)
     assert rows.shape == pre.shape and rows.dtype == torch.float8_e4m3fn
     assert torch.equal(rows.view(torch.uint8)[:grouped], rows_want.view(torch.uint8)[:grouped])
@@ -74,29 +74,6 @@ def test_dtypes_clusters_scales(dtype, cluster_m, power_2_scales):
     check([700, 0, 1, 255, 0], 1000, 256, 384, "swiglu", dtype, power_2_scales, seed=1, cluster_m=cluster_m)
 
 
-@pytest.mark.parametrize("activation,h,cluster_m", [("scaled_swiglu", 1408, 2), ("swiglu", 400, 1), ("srelu", 256, 2),
-                                                    ("geglu", 1408, 1)])
-def test_deferred_casts_bit_equal(activation, h, cluster_m):
-    """defer_casts: a tile's casts run in pieces under the next tile's WGMMAs (H 1408: 11 blocks,
-    more than the pieces; 400 and 256: fewer, the rest after the k-loop) and after the CTA's last
-    tile: every byte and multiplier the unfused casts' and the kernel casting in its epilogue's."""
-    m = sum(SPLITS) + 40
-    _, offsets, (rows, row_scale), columns = check(SPLITS, m, h, 256, activation, seed=8, cluster_m=cluster_m,
-                                                   defer_casts=True)
-    _, _, (rows_want, row_scale_want), columns_want = check(SPLITS, m, h, 256, activation, seed=8,
-                                                            cluster_m=cluster_m)
-    grouped = sum(SPLITS)
-    assert torch.equal(rows.view(torch.uint8)[:grouped], rows_want.view(torch.uint8)[:grouped])
-    assert torch.equal(row_scale[:grouped], row_scale_want[:grouped])
-    check_columns(columns, columns_want, used_blocks(offsets, m))
-
-
-def test_deferred_casts_on_many_tiles_a_cta():
-    """More tiles than CTAs (each CTA defers casts from tile to tile), power-of-two scales, fp16."""
-    splits = [900, 0, 1, 2000, 383, 640, 0, 1300]
-    check(splits, sum(splits) + 9, 1024, 640, "swiglu", torch.float16, True, seed=9, defer_casts=True, sm_margin=120)
-
-
 def test_against_the_torch_quantizer():
     """The copies equal the torch backend's (`quantize` rows and columns, block-padded)."""
     m = sum(SPLITS) + 40
@@ -111,11 +88,9 @@ def test_against_the_torch_quantizer():
 def test_no_rows_decreasing_offsets_and_no_host_sync():
     fp8, _, _, pre, _ = operands([0, 0], 40, 128, 128, "srelu", torch.bfloat16, 3)
     grouped_dgrad_dact_quant_fp8_sm90(*fp8, offsets_from_splits([0, 0]), pre, activation="srelu")
-    grouped_dgrad_dact_quant_fp8_sm90(*fp8, offsets_from_splits([0, 0]), pre, activation="srelu", defer_casts=True)
     fp8, _, _, pre, _ = operands([300, 200], 500, 256, 128, "swiglu", torch.bfloat16, 3)
     bad = torch.tensor([0, 300, 100], dtype=torch.int32, device="cuda")  # decreasing: no fault, no overrun
     grouped_dgrad_dact_quant_fp8_sm90(*fp8, bad, pre, activation="swiglu")
-    grouped_dgrad_dact_quant_fp8_sm90(*fp8, bad, pre, activation="swiglu", defer_casts=True)
     offsets = offsets_from_splits([300, 200])
     grouped_dgrad_dact_quant_fp8_sm90(*fp8, offsets, pre, activation="swiglu")
     torch.cuda.synchronize()
@@ -140,5 +115,3 @@ def test_argument_errors():
     fp8, _, _, pre, _ = operands([64, 64], 128, 256, 128, "swiglu", torch.bfloat16, 4)
     with pytest.raises(TypeError, match=f"{name}: power_2_scales must be a bool"):
         grouped_dgrad_dact_quant_fp8_sm90(*fp8, offsets, pre, activation="swiglu", power_2_scales=1)
-    with pytest.raises(TypeError, match=f"{name}: defer_casts must be a bool"):
-        grouped_dgrad_dact_quant_fp8_sm90(*fp8, offsets, pre, activation="swiglu", defer_casts=1)

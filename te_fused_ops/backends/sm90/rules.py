@@ -72,10 +72,6 @@ GATHER_MAX_WIDTH = 4096
 # 3505 -> 2929 MiB, I 1408 shapes 17-25% lower, their steps level)
 GATHER_DY_MAX_WIDTH = 2048
 
-# FC2's FP8 data gradient + dActivation casting d_pre in its epilogue leaves each tile's casts to
-# the next tile's first blocks, under their WGMMAs (`grouped_dgrad_dact_quant_fp8_sm90(defer_casts=True)`)
-FP8_DEFER_CASTS = False
-
 # ---------------------------------------------------------------------------------------------
 # casts: a lone Quantize, and a Quantize folded before a GroupedLinear
 
@@ -411,7 +407,7 @@ def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool = False, d_pre_recipe=None, dy_cas
             x, outputs = outputs[1], (outputs[0], *outputs[2:])
     else:
         rows, columns, d_probs = grouped_dgrad_dact_quant_fp8_sm90(
-            *operands, power_2_scales=d_pre_recipe.power_2_scales, defer_casts=FP8_DEFER_CASTS, **kwargs)
+            *operands, power_2_scales=d_pre_recipe.power_2_scales, **kwargs)
         outputs = ((rows, columns), d_probs)
     del operands, dy_rows  # dy's E4M3 rows are read by the kernel alone
     if isinstance(dy, Recompute):

@@ -71,12 +71,6 @@ class Sm90Epilogue:
     def epi_end_kernel(self, params, consumer_warp, state):
         """After the CTA's last tile (all consumer threads; ``consumer_warp`` 0..7)."""
 
-    def epi_deferred(self, piece, deferred):
-        """Piece ``piece`` (static, < ``deferred_pieces``) of the previous tile's epilogue, run by
-        every MMA thread under the next tile's WGMMAs (or after the CTA's last tile); ``deferred``
-        (params, state, tRS_cD) as the hooks see them. Subclasses with ``deferred_pieces``."""
-        raise NotImplementedError
-
 
     def _partition_store(self, atom_and_view, sD, seg, start, length):
         """TMA partitions (smem buffers, gmem chunks (mt, chunk)) of one output for a tile of segment

@@ -24,14 +24,13 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float32, Int32, const_expr
+from cutlass import Float32, Int32, const_expr
 
 from ....activations import activation_spec
 from .activation_math_sm90 import ACTIVATION_MATH, ActivationConstants
 from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled
 from .epilogue_cast_sm90 import (
     COLUMN_SCRATCH,
-    COLUMN_STRIDE,
     fragment_row_slots,
     load_row_values,
     make_amax_state,
@@ -278,28 +277,6 @@ class GroupedGemmDActFp8Sm90(GroupedGemmDActSm90):
                     max_clusters, stream, scales=(mDyScale, mWScale))
 
 
-class DActQuantState(NamedTuple):
-    """An MMA thread's state in `GroupedGemmDActQuantFp8Sm90`'s epilogue, None where unused:
-    parent, the parent's `DActState`; values, the tile's d_pre as stored (dtype, per step then
-    half; without ``defer_casts``); row_amax (halves * slots,), the rows' running amax of the tile
-    (``defer_casts``); d_pre, one step's d_pre in fp32 per half; row_scales, per row slot scale_inv
-    and the two multipliers of `e4m3_scale_inv` (one half at a time, or with ``defer_casts`` every
-    half's, half-major); scaled and data, fp32 and E4M3 scratch of one chunk; scratch, the
-    transposed staging (shared); edges, the groups' first blocks (shared); pending (Int32: valid,
-    seg, end, mt, nt, row0), the tile whose casts are deferred (``defer_casts``)."""
-
-    parent: object
-    values: object
-    row_amax: object
-    d_pre: object
-    row_scales: object
-    scaled: object
-    data: object
-    scratch: object
-    edges: object
-    pending: object
-
-
 class GroupedGemmDActQuantFp8Sm90(GroupedGemmDActFp8Sm90):
     """`GroupedGemmDActFp8Sm90` whose d_pre leaves only as the two E4M3 copies FC1's backward reads
     ("fp8_blockwise", 1 x 128 blocks), bit for bit the torch quantizer (``Float8BlockScaling(
@@ -317,25 +294,15 @@ class GroupedGemmDActQuantFp8Sm90(GroupedGemmDActFp8Sm90):
     then the half staged transposed in shared memory (128 columns x 128 rows of dtype, rows
     past the group's end as zeros), two threads per column (64 rows each) take its amax, scale and
     store 64 bytes.
-
-    ``defer_casts``: the casts run under the next tile's WGMMAs instead, where the MMA threads
-    otherwise wait for them (`deferred_pieces`). Each step stages its d_pre chunk transposed into
-    one shared tile per half as it is made, the rows' amax kept as it goes; the tile's last step
-    turns them into the rows' multipliers; then the next tile's first blocks each carry one piece:
-    a chunk's row bytes (read back from where this thread staged them) or a half's columns.
     """
 
     group_blocks = True
 
-    def __init__(self, dtype, activation, cluster_m=2, power_2_scales=False, defer_casts=False, **opts):
+    def __init__(self, dtype, activation, cluster_m=2, power_2_scales=False, **opts):
         self.power_2_scales = power_2_scales
-        self.defer_casts = defer_casts
-        self.halves = 2 if activation_spec(activation, "GroupedGemmDActQuantFp8Sm90").glu else 1
-        # the transposed staging: one half at a time, or (defer_casts) every half until its pieces ran
-        self.epi_scratch = COLUMN_SCRATCH * (self.halves if defer_casts else 1)
-        if defer_casts:  # per half: one piece per 32-column chunk of rows, one of columns
-            self.deferred_pieces = self.halves * (128 // self.epi_n + 1)
+        self.epi_scratch = COLUMN_SCRATCH  # one half of the tile, transposed
         super().__init__(dtype, activation, cluster_m, store_d_pre=False, **opts)
+        self.halves = 2 if self.spec.glu else 1
 
     @cute.jit
     def __call__(
@@ -362,169 +329,85 @@ class GroupedGemmDActQuantFp8Sm90(GroupedGemmDActFp8Sm90):
         self.launch(mDy, mW, mOffsets, (), (mPre,), params, max_clusters, stream, scales=(mDyScale, mWScale))
 
     def epi_make_state(self, tiled_copy, epi_tile, shared):
-        """The tile's `DActQuantState` beside the parent's."""
+        """(the parent's state; the tile's d_pre as stored (dtype, step- then half-major); one
+        step's d_pre in fp32 per half; per row slot (one half at a time) scale_inv and the two
+        multipliers of `e4m3_scale_inv`; fp32 and E4M3 scratch of one chunk; the transposed tile
+        (shared); the groups' first blocks (shared))."""
         parent = super().epi_make_state(tiled_copy, epi_tile, shared)
         self.row_slot, self.slot_value = fragment_row_slots(tiled_copy, epi_tile)
         self.quad_pairs = quad_column_groups(tiled_copy, epi_tile, self.row_slot)
         frag, slots = len(self.row_slot), len(self.slot_value)
         sScratch, sEdges = shared
-        values, row_amax, pending = None, None, None
-        kept = self.halves if const_expr(self.defer_casts) else 1  # halves whose row multipliers are kept
-        if const_expr(self.defer_casts):
-            row_amax = cute.make_rmem_tensor((self.halves * slots,), Float32)
-            pending = cute.make_rmem_tensor((6,), Int32)
-            pending[0] = Int32(0)
-        else:
-            values = [cute.make_rmem_tensor((frag,), self.dtype) for _ in range(self.num_steps * self.halves)]
-        return DActQuantState(
+        return (
             parent,
-            values,
-            row_amax,
+            [cute.make_rmem_tensor((frag,), self.dtype) for _ in range(self.num_steps * self.halves)],
             [cute.make_rmem_tensor((frag,), Float32) for _ in range(self.halves)],
-            [cute.make_rmem_tensor((kept * slots,), Float32) for _ in range(3)],
+            [cute.make_rmem_tensor((slots,), Float32) for _ in range(3)],
             cute.make_rmem_tensor((frag,), Float32),
             cute.make_rmem_tensor((frag,), cutlass.Float8E4M3FN),
             sScratch,
             sEdges,
-            pending,
         )
 
-    def _staging(self, scratch, h: int):
-        """The transposed staging tile of half h (one tile for every half, or one per half with
-        ``defer_casts``)."""
-        if const_expr(not self.defer_casts):
-            return scratch
-        return cute.make_tensor(scratch.iterator + h * COLUMN_SCRATCH, cute.make_layout(COLUMN_SCRATCH))
-
     def epi_begin_tile(self, params, tile: Tile, n_box, tRS_rAcc, tRS_cD, state):
-        super().epi_begin_tile(params, tile, n_box, tRS_rAcc, tRS_cD, state.parent)
-        if const_expr(self.defer_casts):
-            state.row_amax.fill(0.0)
+        super().epi_begin_tile(params, tile, n_box, tRS_rAcc, tRS_cD, state[0])
 
     @cute.jit
     def epi_visit(self, params, tile: Tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
-        rDPre = state.d_pre
+        values, rDPre = state[1], state[2]
         # the parent named: the DSL's rewrite of a jit method resolves super() from type(self)
-        GroupedGemmDActFp8Sm90.epi_visit(self, params, tile, step, chunk, n_box, rAcc, rIn, rDPre, tRS_cD,
-                                         state.parent)
-        if const_expr(self.defer_casts):  # staged as stored (dtype), the rows' amax kept
-            slots = len(self.slot_value)
-            stored = state.scaled
-            for h in cutlass.range_constexpr(self.halves):
-                sStage = self._staging(state.scratch, h)
-                stored.store(rDPre[h].load().to(self.dtype).to(Float32))  # packed conversions
-                for v in cutlass.range_constexpr(len(self.row_slot)):
-                    magnitude = cutlass.max(stored[v], -stored[v])
-                    slot = h * slots + self.row_slot[v]
-                    if magnitude < Float32(float("inf")):  # NaN, Inf count as 0
-                        state.row_amax[slot] = cutlass.max(state.row_amax[slot], magnitude)
-                    stage_transposed(sStage, stored[v].to(self.dtype), tile, tRS_cD[v][0],
-                                     step * self.epi_n + tRS_cD[v][1], self.dtype)
-        else:
-            for h in cutlass.range_constexpr(self.halves):  # packed conversions: two values per register
-                state.values[step * self.halves + h].store(rDPre[h].load().to(self.dtype))
+        GroupedGemmDActFp8Sm90.epi_visit(self, params, tile, step, chunk, n_box, rAcc, rIn, rDPre, tRS_cD, state[0])
+        for h in cutlass.range_constexpr(self.halves):  # packed conversions: two values per register
+            values[step * self.halves + h].store(rDPre[h].load().to(self.dtype))
 
     @cute.jit
     def epi_end_tile(self, params, tile: Tile, n_box, tRS_cD, state):
-        GroupedGemmDActFp8Sm90.epi_end_tile(self, params, tile, n_box, tRS_cD, state.parent)
-        has_casts = Int32(0)
+        GroupedGemmDActFp8Sm90.epi_end_tile(self, params, tile, n_box, tRS_cD, state[0])
         if tile.is_group and tile.row0 < tile.end:  # the same for every thread of the CTA
-            has_casts = Int32(1)
-        if const_expr(self.defer_casts):
-            if has_casts != 0:
-                for h in cutlass.range_constexpr(self.halves):
-                    self._row_scales(params, tile, n_box, tRS_cD, state, h)
-            for i, value in enumerate((has_casts, tile.seg, tile.end, tile.mt, tile.nt, tile.row0)):
-                state.pending[i] = Int32(value)
-        elif has_casts != 0:
             for h in cutlass.range_constexpr(self.halves):  # a half's values are dead after its pass
-                self._row_scales(params, tile, n_box, tRS_cD, state, h)
-                for step in cutlass.range_constexpr(self.num_steps):
-                    self._store_row_chunk(params, tile, n_box, tRS_cD, state, h, step)
+                self._store_rows(params, tile, n_box, tRS_cD, state, h)
                 self._store_columns(params, tile, n_box, tRS_cD, state, h)
 
     @cute.jit
-    def epi_deferred(self, piece: cutlass.Constexpr[int], deferred):
-        """Piece ``piece`` of the pending tile's casts: per half, its chunks' row bytes, then its
-        columns (`DActQuantState.pending`; nothing when that tile has no rows)."""
-        params, state, tRS_cD = deferred
-        pending = state.pending
-        if pending[0] != 0:  # the same for every thread of the CTA
-            tile = Tile(pending[1], pending[5], pending[2], pending[3], pending[4], pending[5], Boolean(True))
-            n_box = cute.size(params.row_data, mode=[1]) // self.halves
-            h, step = piece // (self.num_steps + 1), piece % (self.num_steps + 1)
-            if const_expr(step < self.num_steps):
-                self._store_row_chunk(params, tile, n_box, tRS_cD, state, h, step)
-            else:
-                self._store_columns(params, tile, n_box, tRS_cD, state, h)
-
-    @cute.jit
-    def _chunk_values(self, state, tile: Tile, tRS_cD, step: cutlass.Constexpr[int], h: cutlass.Constexpr[int]):
-        """state.scaled = half h's d_pre of chunk ``step`` as stored, in fp32: from registers, or
-        (``defer_casts``) read back from where this thread staged it."""
-        if const_expr(self.defer_casts):
-            sStage = self._staging(state.scratch, h)
-            for v in cutlass.range_constexpr(len(self.row_slot)):
-                col = step * self.epi_n + tRS_cD[v][1]
-                state.scaled[v] = sStage[col * COLUMN_STRIDE + tRS_cD[v][0]].to(Float32)
-        else:
-            state.scaled.store(state.values[step * self.halves + h].load().to(Float32))
-
-    @cute.jit
-    def _row_scales(self, params, tile: Tile, n_box, tRS_cD, state, h: cutlass.Constexpr[int]):
-        """Half h's row multipliers: each row's amax across the quad (two shuffles), scale_inv
-        stored, it and the multipliers of `e4m3_scale_inv` kept (``defer_casts``: at half h's slots)."""
-        mRowScale = params.row_scale
-        scale_inv, m1, m2 = state.row_scales
-        slots = len(self.slot_value)
-        kept = h * slots if const_expr(self.defer_casts) else 0
-        amax = cute.make_rmem_tensor((slots,), Float32)
-        if const_expr(self.defer_casts):
-            for slot in cutlass.range_constexpr(slots):
-                amax[slot] = state.row_amax[h * slots + slot]
-        else:
-            amax.fill(0.0)
-            for step in cutlass.range_constexpr(self.num_steps):
-                self._chunk_values(state, tile, tRS_cD, step, h)
-                for v in cutlass.range_constexpr(len(self.row_slot)):
-                    value = state.scaled[v]
-                    magnitude = cutlass.max(value, -value)
-                    if magnitude < Float32(float("inf")):  # NaN, Inf count as 0
-                        amax[self.row_slot[v]] = cutlass.max(amax[self.row_slot[v]], magnitude)
+    def _store_rows(self, params, tile: Tile, n_box, tRS_cD, state, h: cutlass.Constexpr[int]):
+        """Half h's row-wise copy of the tile: scale_inv per row, then the bytes, chunk by chunk."""
+        m_total, mRowData, mRowScale = params.m_total, params.row_data, params.row_scale
+        values, (scale_inv, m1, m2), scaled, data = state[1], state[3], state[4], state[5]
+        frag, slots = len(self.row_slot), len(self.slot_value)
+        amax = scale_inv
+        amax.fill(0.0)
+        for step in cutlass.range_constexpr(self.num_steps):
+            scaled.store(values[step * self.halves + h].load().to(Float32))
+            for v in cutlass.range_constexpr(frag):
+                value = scaled[v]
+                magnitude = cutlass.max(value, -value)
+                if magnitude < Float32(float("inf")):  # NaN, Inf count as 0
+                    amax[self.row_slot[v]] = cutlass.max(amax[self.row_slot[v]], magnitude)
         lane = cute.arch.lane_idx()
         for slot in cutlass.range_constexpr(slots):
             row_amax = amax[slot]
             row_amax = cutlass.max(row_amax, cute.arch.shuffle_sync_bfly(row_amax, offset=1))
             row_amax = cutlass.max(row_amax, cute.arch.shuffle_sync_bfly(row_amax, offset=2))
-            scale_inv[kept + slot], m1[kept + slot], m2[kept + slot] = e4m3_scale_inv(row_amax, self.power_2_scales)
+            scale_inv[slot], m1[slot], m2[slot] = e4m3_scale_inv(row_amax, self.power_2_scales)
             row = tile.row0 + tRS_cD[self.slot_value[slot]][0]
             if lane % 4 == 0 and row < tile.end:
-                mRowScale[row, h * (n_box // 128) + tile.nt] = scale_inv[kept + slot]
-
-    @cute.jit
-    def _store_row_chunk(self, params, tile: Tile, n_box, tRS_cD, state, h: cutlass.Constexpr[int],
-                         step: cutlass.Constexpr[int]):
-        """Half h's row bytes of chunk ``step``, scaled by the kept row multipliers (`_row_scales`)."""
-        scale_inv, m1, m2 = state.row_scales
-        scaled = state.scaled
-        kept = h * len(self.slot_value) if const_expr(self.defer_casts) else 0
-        self._chunk_values(state, tile, tRS_cD, step, h)
-        for v in cutlass.range_constexpr(len(self.row_slot)):
-            slot = kept + self.row_slot[v]
-            scaled[v] = e4m3_scaled(scaled[v], scale_inv[slot], m1[slot], m2[slot], self.power_2_scales)
-        state.data.store(scaled.load().to(cutlass.Float8E4M3FN))  # round to nearest even, saturating
-        col0 = h * n_box + (tile.nt * self.num_steps + step) * self.epi_n
-        store_quad_rows(params.row_data, state.data, self.quad_pairs, tile, tRS_cD, col0, (h + 1) * n_box,
-                        params.m_total)
+                mRowScale[row, h * (n_box // 128) + tile.nt] = scale_inv[slot]
+        for step in cutlass.range_constexpr(self.num_steps):
+            scaled.store(values[step * self.halves + h].load().to(Float32))
+            for v in cutlass.range_constexpr(frag):
+                slot = self.row_slot[v]
+                scaled[v] = e4m3_scaled(scaled[v], scale_inv[slot], m1[slot], m2[slot], self.power_2_scales)
+            data.store(scaled.load().to(cutlass.Float8E4M3FN))  # round to nearest even, saturating
+            col0 = h * n_box + (tile.nt * self.num_steps + step) * self.epi_n
+            store_quad_rows(mRowData, data, self.quad_pairs, tile, tRS_cD, col0, (h + 1) * n_box, m_total)
 
     @cute.jit
     def _store_columns(self, params, tile: Tile, n_box, tRS_cD, state, h: cutlass.Constexpr[int]):
         """Half h's column-wise copy of the tile, staged transposed (`store_staged_columns`)."""
-        sStage = self._staging(state.scratch, h)
-        if const_expr(not self.defer_casts):  # else staged step by step
-            for step in cutlass.range_constexpr(self.num_steps):
-                for v in cutlass.range_constexpr(len(self.row_slot)):
-                    stage_transposed(sStage, state.values[step * self.halves + h][v], tile, tRS_cD[v][0],
-                                     step * self.epi_n + tRS_cD[v][1], self.dtype)
-        store_staged_columns(params.col_data, params.col_scale, sStage, state.edges, tile, h * n_box + tile.nt * 128,
+        values, sScratch, sEdges = state[1], state[6], state[7]
+        for step in cutlass.range_constexpr(self.num_steps):
+            for v in cutlass.range_constexpr(len(self.row_slot)):
+                stage_transposed(sScratch, values[step * self.halves + h][v], tile, tRS_cD[v][0],
+                                 step * self.epi_n + tRS_cD[v][1], self.dtype)
+        store_staged_columns(params.col_data, params.col_scale, sScratch, sEdges, tile, h * n_box + tile.nt * 128,
                              self.dtype, self.power_2_scales, self.epi_barrier)

@@ -1302,7 +1302,7 @@ def _check_d_pre_out(name, out, pre):
 
 
 def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activation, probs, cluster_m, sm_margin,
-                     d_pre_amax=False, power_2_scales=None, tile_n=None, emit_act=False, defer_casts=False):
+                     d_pre_amax=False, power_2_scales=None, tile_n=None, emit_act=False):
     """Every check of `grouped_dgrad_dact_fp8_sm90` (with ``power_2_scales`` a bool: of
     `grouped_dgrad_dact_quant_fp8_sm90`, tile_n 128); (launcher or None when M == 0, d_probs
     partials shape or None, persistent grid in clusters, d_pre amax parts or 0)."""
@@ -1324,8 +1324,6 @@ def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activ
         raise ValueError(f"{name}: weight_t holds {g} groups, at most {FP8_MAX_GROUPS} are supported")
     if quantize and not isinstance(power_2_scales, bool):
         raise TypeError(f"{name}: power_2_scales must be a bool, got {type(power_2_scales).__name__}")
-    if not isinstance(defer_casts, bool):
-        raise TypeError(f"{name}: defer_casts must be a bool, got {type(defer_casts).__name__}")
     if not isinstance(pre, torch.Tensor) or pre.dtype not in DTYPES:
         raise TypeError(f"{name}: pre must be a bfloat16 or float16 tensor, got {getattr(pre, 'dtype', type(pre))}")
     check_tensor(name, pre, "pre", pre.dtype, 2, dev)
@@ -1342,20 +1340,18 @@ def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activ
     if quantize:
         key = (_DACT_QUANT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, power_2_scales)
         compile_fn = compile_grouped_dgrad_dact_quant_fp8
-        opts = {"defer_casts": True} if defer_casts else {}  # a kernel option, compiled only when on
     else:
         key = (_DACT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, bool(d_pre_amax), tile_n, emit_act)
         compile_fn = compile_grouped_dgrad_dact_fp8
-        opts = {}
-    fn = _LAUNCHERS.get((key, defer_casts))
+    fn = _LAUNCHERS.get(key)
     if fn is None:
-        fn = _LAUNCHERS[(key, defer_casts)] = compile_fn(*key[1:], **opts)
+        fn = _LAUNCHERS[key] = compile_fn(*key[1:])
     return fn, partial_shape, clusters, num_parts
 
 
 def grouped_dgrad_dact_quant_fp8_sm90(
     dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, activation, probs=None,
-    power_2_scales=False, cluster_m=None, sm_margin=None, d_probs_parts=False, defer_casts=False, **constants,
+    power_2_scales=False, cluster_m=None, sm_margin=None, d_probs_parts=False, **constants,
 ):
     """`grouped_dgrad_dact_fp8_sm90` whose d_pre leaves only as the E4M3 copies FC1's backward
     reads (fp8_blockwise), cast in the epilogue: bit for bit the torch quantizer
@@ -1365,16 +1361,15 @@ def grouped_dgrad_dact_quant_fp8_sm90(
     ((row data (M, C) float8_e4m3fn, row scale_inv (M, C/128) float32), columns (`BlockColumns`,
     as `block_columns_sm90` makes them), d_probs (M,) float32 for scaled_swiglu else None), C =
     pre.shape[1]; row-wise rows >= offsets[G] are not written. ``d_probs_parts`` as for
-    `grouped_dgrad_dact_sm90`. ``defer_casts``: the casts of a tile run under the next tile's
-    WGMMAs (bit for bit the same outputs). No host sync.
+    `grouped_dgrad_dact_sm90`. No host sync.
     """
     tvm_ffi = tvm_ffi_available()
     key = (
         call_signature(tvm_ffi, dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, probs),
-        _DACT_QUANT_FP8, pre.dtype, activation, cluster_m, sm_margin, power_2_scales, defer_casts,
+        _DACT_QUANT_FP8, pre.dtype, activation, cluster_m, sm_margin, power_2_scales,
     )
     args = (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation, probs, cluster_m, sm_margin,
-            False, power_2_scales, None, False, defer_casts)
+            False, power_2_scales)
     launch = _MEMO.get(key) or _MEMO.put(key, _dact_fp8_launch(*args))
     fn, partial_shape, clusters, _ = launch
     (m, c), g = pre.shape, offsets.shape[0] - 1

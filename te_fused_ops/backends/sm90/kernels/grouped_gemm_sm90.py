@@ -114,8 +114,8 @@ class TileContext(NamedTuple):
     state, the shared-memory tensors, the store / load TMA atoms and views, the TMA store pipeline
     and whether this warp issues the stores, the barrier of the tile's consumer threads, the
     hooks' parameters, the FP8 multipliers, N / b_boxes, the chunk offset of a [gate, up] tensor's
-    half 1, the rows the offsets index, the MMA warpgroup (0, 1), defer_stores' store arguments
-    and pending outputs, and what the ``deferred_pieces`` hook reads (None where unused)."""
+    half 1, the rows the offsets index, the MMA warpgroup (0, 1), and defer_stores' store
+    arguments and pending outputs (None where unused)."""
 
     pipes: object
     mainloop_args: object
@@ -136,7 +136,6 @@ class TileContext(NamedTuple):
     store_args: object
     pending: object
     pending_tile: object
-    deferred: object
 
 
 class TileStates(NamedTuple):
@@ -198,9 +197,6 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
     # epilogue hooks (per-group column-wise casts), G <= SORT_MAX_G
     group_blocks = False
     epi_scratch = 0  # elements of dtype of shared memory the epilogue hooks use themselves
-    # FP8 varlen-M: epilogue work a subclass leaves for the next tile's mainloop, in this many
-    # pieces (`epi_deferred`), one between each of its first blocks' WGMMAs and their wait
-    deferred_pieces = 0
     sort_groups = False  # varlen-K: visit groups largest first (ranked in shared memory, G <= SORT_MAX_G)
 
     supports_epilogue_warps = False  # subclasses whose hooks are element-wise over (row, col)
@@ -272,10 +268,6 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
             raise ValueError(f"{type(self).__name__}: overlap_promotion needs FP8 operands, tile_n 128 and stores "
                              "that are not deferred")
         self.overlap_promotion = overlap_promotion
-        if self.deferred_pieces and (not self.block_scaled or self.varlen_k or self.split_products or overlap_promotion
-                                     or pingpong or defer_stores or epilogue_warps):
-            raise ValueError(f"{type(self).__name__}: deferred epilogue pieces need FP8 varlen-M tiles of 128 "
-                             "columns on both MMA warpgroups, without overlap_promotion")
         # gather_a: the producer warpgroup reads A's rows (varlen-M) / tokens (varlen-K) by index (module docstring)
         if gather_a and (self.block_scaled or a_major != ("mn" if self.varlen_k else "k") or epilogue_warps
                          or (self.varlen_k and pingpong)):
@@ -717,10 +709,9 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         if const_expr(self.pingpong):
             epi_barrier = pipeline.NamedBarrier(barrier_id=EPI_BARRIER + mma_wg, num_threads=128)
         store_args = (epi.tiled_copy_r2s, epi.tRS_sD, smem_tensors.sD, store_tmas, store_pipe, is_store_warp)
-        deferred = (epi_params, state, epi.tRS_cD) if const_expr(self.deferred_pieces) else None
         context = TileContext(pipes, mainloop_args, epi, state, smem_tensors, store_tmas, load_tmas, store_pipe,
                               is_store_warp, epi_barrier, epi_params, scales, n_box, half_chunks, m_total, mma_wg,
-                              store_args, pending, pending_tile, deferred)
+                              store_args, pending, pending_tile)
         loop = self.consumer_loop_state(tiled_mma, mma_wg)
         if const_expr(self.pingpong):
             if mma_wg == 0:  # the first turns are warpgroup 0's
@@ -764,8 +755,6 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
                 for step in cutlass.range_constexpr(self.num_steps):
                     self._store_chunk(store_args, pending[step], pending_tile, step, epi_count)
                     epi_count = epi_count + 1
-        for piece in cutlass.range_constexpr(self.deferred_pieces):  # the last tile's
-            self.epi_deferred(piece, deferred)
         if const_expr(self.epilogue_warps):
             pipes.acc.producer_tail(loop.acc_write)
         else:
@@ -780,7 +769,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
         ``states`` advanced."""
         (pipes, mainloop_args, epi, state, smem_tensors, store_tmas, load_tmas, store_pipe, is_store_warp,
          epi_barrier, epi_params, scales, n_box, half_chunks, m_total, mma_wg, store_args, pending,
-         pending_tile, deferred) = context
+         pending_tile) = context
         tiled_mma, read_state, release_state, epi_count, c_read, c_write, acc_write = states
         # C-tile loads of the first steps run under the mainloop (padding tiles: none, their inputs
         # read as zeros); ping-pong: at the start of the epilogue's turn, the C stages being the
@@ -793,7 +782,7 @@ class GroupedGemmSm90(GroupTileScheduler, Sm90Mainloop, Sm90Epilogue):
 
         tiled_mma, read_state, release_state, epi_count = self._mainloop_tile(
             pipes.ab, read_state, release_state, tiled_mma, mainloop_args, scales, tile, tile_k_tiles, n_box,
-            m_total, store_args, pending, pending_tile, epi_count, mma_wg, deferred,
+            m_total, store_args, pending, pending_tile, epi_count, mma_wg,
         )
 
         # ------------------------------------------------------ epilogue

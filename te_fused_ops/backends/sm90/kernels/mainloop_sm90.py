@@ -308,7 +308,7 @@ class Sm90Mainloop:
 
     @cute.jit
     def _mainloop_tile(self, ab_pipe, read_state, release_state, tiled_mma, mainloop_args, scales, tile: Tile,
-                       tile_k_tiles, n_box, m_total, store_args, pending, pending_tile, epi_count, mma_wg, deferred):
+                       tile_k_tiles, n_box, m_total, store_args, pending, pending_tile, epi_count, mma_wg):
         """acc = the tile's product over its ``tile_k_tiles`` k-tiles (0: padding tiles, empty groups,
         acc stays zero). FP8: each block's WGMMAs, then its promotion (`_fp8_k_tile`). The first
         k-tiles are issued outside the k-loop: with defer_stores num_steps, each followed by one
@@ -320,9 +320,7 @@ class Sm90Mainloop:
         but waits for and releases every stage; a ping-pong warpgroup issues its first 64 rows'
         only, in a k-loop of their own (one loop whose k-tiles branch between the two made ptxas
         serialize every WGMMA). The rows left out keep acc's zeros and the stores clip them.
-        ``deferred_pieces``: piece p of the previous tile's epilogue (`epi_deferred`, reading
-        ``deferred``) runs under block p's WGMMAs, the pieces beyond the tile's blocks after its
-        k-loop. Returns (tiled_mma, read_state, release_state, epi_count)."""
+        Returns (tiled_mma, read_state, release_state, epi_count)."""
         acc, tCrA, tCrB, fp8_args = mainloop_args
         if const_expr(self.pingpong):
             cute.arch.barrier(barrier_id=MMA_TURN + mma_wg, number_of_threads=256)
@@ -347,7 +345,7 @@ class Sm90Mainloop:
             loop = dict(ab_pipe=ab_pipe, tiled_mma=tiled_mma, mainloop_args=mainloop_args, tile=tile,
                         tile_k_tiles=tile_k_tiles, multipliers=multipliers, n_box=n_box, m_total=m_total,
                         store_args=store_args, pending=pending, pending_tile=pending_tile, mma_wg=mma_wg,
-                        computes=computes, deferred=deferred)
+                        computes=computes)
             if const_expr(self.mma_atoms == 1 and self.tile_m == 128 and not self.varlen_k and not self.block_scaled):
                 # a group's last tile, half full or less: the warpgroup computes its first 64 rows
                 if tile.end - tile.row0 <= 64:
@@ -362,28 +360,23 @@ class Sm90Mainloop:
         if const_expr(self.pingpong):
             if not runs:  # a tile without k-tiles passes the turn on at once
                 cute.arch.barrier_arrive(barrier_id=MMA_TURN + 1 - mma_wg, number_of_threads=256)
-        for piece in cutlass.range_constexpr(self.deferred_pieces):  # beyond the tile's blocks (or none ran)
-            if piece >= tile_k_tiles:
-                self.epi_deferred(piece, deferred)
         return tiled_mma, read_state, release_state, epi_count
 
     @cute.jit
     def _k_tiles(self, read_state, release_state, epi_count, *, ab_pipe, tiled_mma, mainloop_args, tile,
                  tile_k_tiles, multipliers, n_box, m_total, store_args, pending, pending_tile, mma_wg, computes,
-                 first_rows, deferred):
+                 first_rows):
         """The k-loop of `_mainloop_tile` over a tile with k-tiles; ``first_rows`` (16-bit ping-pong):
         the WGMMAs of the tile's first 64 rows only. Returns (tiled_mma, read_state, release_state,
         epi_count)."""
         acc, tCrA, tCrB, fp8_args = mainloop_args
-        peeled = self.num_steps if const_expr(self.defer_stores) else 1
-        if const_expr(self.block_scaled and not self.defer_stores):  # FP8: the blocks with deferred pieces
-            peeled = self.deferred_pieces
+        peeled = self.num_steps if const_expr(self.defer_stores) else 0 if const_expr(self.block_scaled) else 1
         for step in cutlass.range_constexpr(peeled):
             if step < tile_k_tiles:
                 if const_expr(self.block_scaled):
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
                     multipliers = self._fp8_k_tile(ab_pipe, read_state, tiled_mma, acc, fp8_args, tile,
-                                                   step, multipliers, n_box, m_total, step, deferred)
+                                                   step, multipliers, n_box, m_total)
                     read_state.advance()
                 else:
                     if const_expr(step == 0):
@@ -484,13 +477,11 @@ class Sm90Mainloop:
             acc[v] = acc[v] + acc_block[v] * scale
 
     @cute.jit
-    def _fp8_k_tile(self, ab_pipe, read_state, tiled_mma, acc, fp8_args, tile: Tile, k, held, n_box, m_total,
-                    piece: cutlass.Constexpr[int] = -1, deferred=None):
+    def _fp8_k_tile(self, ab_pipe, read_state, tiled_mma, acc, fp8_args, tile: Tile, k, held, n_box, m_total):
         """FP8: acc += the product of the k-tile in ``read_state``'s stage (one scale block; the caller
         has turned ACCUMULATE off) scaled by its multipliers, and release the stage. Varlen-M: ``held``
         are this block's multipliers (`_block_scales`), the next block's are loaded under the WGMMAs
-        and returned; varlen-K: they ride in the stage (`_stage_multipliers`), ``held`` is returned.
-        ``piece`` >= 0: that deferred epilogue piece (`epi_deferred`) runs under the WGMMAs too."""
+        and returned; varlen-K: they ride in the stage (`_stage_multipliers`), ``held`` is returned."""
         acc_block, tCrA, tCrB, scales, tCcAcc = fp8_args
         ab_pipe.consumer_wait(read_state)
         if const_expr(self.split_products):
@@ -507,8 +498,6 @@ class Sm90Mainloop:
             self._promote_columns(acc, acc_block, current)
         else:
             ahead = self._block_scales(scales, tile, tCcAcc, k + 1, n_box, m_total)
-            if const_expr(piece >= 0):
-                self.epi_deferred(piece, deferred)
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipe.consumer_release(read_state)
             self._promote(acc, acc_block, held)
