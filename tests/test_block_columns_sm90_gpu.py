@@ -1,5 +1,6 @@
-"""GPU tests of the block-padded column-wise cast (`block_columns_sm90`): bit for bit the torch
-quantizer's per-group column-wise copy (and row-wise copy), laid out as the FP8 weight gradient reads it."""
+"""GPU tests of the block-padded column-wise cast (`block_columns_sm90`: the columns alone from 16-bit or
+E4M3 rows, or rows and columns from one read, two kernels): bit for bit the torch quantizer's per-group
+column-wise copy (and row-wise copy), laid out as the FP8 weight gradient reads it."""
 
 import pytest
 import torch
@@ -58,6 +59,31 @@ def test_from_16bit_with_rows(dtype, power_2_scales, c):
     grouped = sum(SPLITS)
     assert torch.equal(row_data.view(torch.uint8)[:grouped], q.rowwise_data.view(torch.uint8)[:grouped])
     assert torch.equal(row_scale_inv[:grouped], q.rowwise_scale_inv[:grouped])
+    alone = block_columns_sm90(x, offsets, power_2_scales=power_2_scales)
+    check_columns(alone, columns, used_blocks(offsets, m))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("power_2_scales", [False, True])
+def test_tiny_and_large_blocks(dtype, power_2_scales):
+    """Blocks whose multipliers fall below 2**-60 (the scaled division) or sit near the format's
+    largest values, subnormal inputs, and columns whose 128 tokens mix both."""
+    m, c = 700, 264
+    x = make_x(m, c, torch.float32, seed=11, specials=False)
+    if dtype == torch.bfloat16:
+        x[:, :64] *= 2.0**-120
+        x[:, 64:128] *= 2.0**100
+    else:
+        x[:, :64] *= 2.0**-20  # fp16 subnormals
+        x[:, 64:128] = x[:, 64:128].clamp(-1, 1) * 60000.0
+    x[::7, 200:] *= 2.0**-30
+    x = x.to(dtype)
+    offsets = offsets_from_splits([300, 0, 129, 271])
+    columns, row_data, row_scale_inv = block_columns_sm90(x, offsets, rows=True, power_2_scales=power_2_scales)
+    q = quantize(x, Float8BlockScaling(power_2_scales), rowwise=True, columnwise=True, offsets=offsets)
+    check_columns(columns, block_padded(q.columnwise_data, q.columnwise_scale_inv, offsets), used_blocks(offsets, m))
+    assert torch.equal(row_data.view(torch.uint8), q.rowwise_data.view(torch.uint8))
+    assert torch.equal(row_scale_inv, q.rowwise_scale_inv)
     alone = block_columns_sm90(x, offsets, power_2_scales=power_2_scales)
     check_columns(alone, columns, used_blocks(offsets, m))
 

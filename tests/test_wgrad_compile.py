@@ -112,7 +112,8 @@ def test_fp8_wgrad_compiles(main_grad, cluster_m):
 
 
 @needs_cutlass
-@pytest.mark.parametrize("from_rows, rows, power_2_scales", [(False, True, True), (True, False, False)])
+@pytest.mark.parametrize("from_rows, rows, power_2_scales", [(False, True, True), (True, False, False),
+                                                          (False, False, True)])
 def test_block_columns_compile(from_rows, rows, power_2_scales):
     from te_fused_ops.backends.sm90.kernels.block_quantize import COLUMN_MAX_GROUPS, compile_block_columns
     from te_fused_ops.backends.sm90.kernels.block_quantize_sm90 import COLUMN_SCAN_GROUPS

@@ -208,36 +208,51 @@ def _abs_max(value: Float32, amax: Float32, finite_only: cutlass.Constexpr[bool]
 
 
 @dsl_user_op
-def _finite_pairs_max(running: Int32, pair: Int32, ptx_type: str, inf_bits: int, *, loc=None, ip=None) -> Int32:
-    """Two 16-bit lanes at once: max(running, |pair| where finite, else 0) per lane, the
-    magnitudes compared as unsigned integers (their order as floats): a sign mask, a packed float
-    compare with +Inf (false for NaN and Inf) as a lane mask, an and, a packed integer max."""
+def _finite_magnitudes(pair: Int32, ptx_type: str, inf_bits: int, *, loc=None, ip=None) -> Int32:
+    """|value| of both 16-bit lanes of ``pair``, 0 where NaN or +-Inf: a sign mask, a packed float
+    compare with +Inf (false for NaN and Inf) as a lane mask, an and. Magnitudes of one sign order
+    as their bit patterns, so `_max_u16x2` of them is their float max."""
     asm = ("{ .reg .b32 m, k, inf;\n"
            f"mov.b32 inf, {inf_bits:#x};\n"
-           "and.b32 m, $2, 0x7FFF7FFF;\n"
+           "and.b32 m, $1, 0x7FFF7FFF;\n"
            f"set.lt.u32.{ptx_type} k, m, inf;\n"
-           "and.b32 m, m, k;\n"
-           "max.u16x2 $0, $1, m; }")
-    return Int32(ptx_value(T.i32(), [Int32(running), Int32(pair)], asm, "=r,r,r", loc=loc, ip=ip))
+           "and.b32 $0, m, k; }")
+    return Int32(ptx_value(T.i32(), [Int32(pair)], asm, "=r,r", loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _max_u16x2(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
+    """The unsigned max of each 16-bit lane of a and b."""
+    return Int32(ptx_value(T.i32(), [Int32(a), Int32(b)], "max.u16x2 $0, $1, $2;", "=r,r,r", loc=loc, ip=ip))
+
+
+def _pairs_format(dtype):
+    """(PTX packed type, +Inf in both lanes) of 16-bit ``dtype``."""
+    if dtype not in (cutlass.BFloat16, cutlass.Float16):
+        raise TypeError(f"packed 16-bit values expected, not {dtype}")
+    return ("bf16x2", 0x7F807F80) if dtype == cutlass.BFloat16 else ("f16x2", 0x7C007C00)
+
+
+@cute.jit
+def _magnitude_value(magnitude: Int32, dtype: cutlass.Constexpr) -> Float32:
+    """The float32 value of a 16-bit ``dtype`` magnitude held in the low half of ``magnitude``."""
+    word = cute.make_rmem_tensor(cute.make_layout(1), Int32)
+    word[0] = magnitude
+    return Float32(cute.recast_tensor(word, dtype)[0])
 
 
 @cute.jit
 def packed_finite_abs_max(tX: cute.Tensor) -> Float32:
     """max |value| over the finite values (NaN and +-Inf count as 0) of the 16-bit (bf16 / fp16)
-    register tensor tX of an even size, on the packed pairs (`_finite_pairs_max`, 2 instructions a
-    value against 6 on float32 values); the two lanes' maxima compared as integers and the larger
-    converted once."""
-    if const_expr(tX.element_type not in (cutlass.BFloat16, cutlass.Float16)):
-        raise TypeError(f"packed_finite_abs_max: 16-bit values, not {tX.element_type}")
-    bf16 = const_expr(tX.element_type == cutlass.BFloat16)
-    ptx_type, inf_bits = ("bf16x2", 0x7F807F80) if bf16 else ("f16x2", 0x7C007C00)
+    register tensor tX of an even size, on the packed pairs (`_finite_magnitudes`, `_max_u16x2`:
+    2 instructions a value against 6 on float32 values); the two lanes' maxima compared as
+    integers and the larger converted once."""
+    ptx_type, inf_bits = _pairs_format(tX.element_type)
     words = cute.recast_tensor(tX, Int32)
     running = Int32(0)
     for i in cutlass.range_constexpr(cute.size(words)):
-        running = _finite_pairs_max(running, words[i], ptx_type, inf_bits)
-    magnitude = cute.make_rmem_tensor(cute.make_layout(1), Int32)  # the larger lane's, in the low half
-    magnitude[0] = cutlass.max(running & Int32(0xFFFF), (running >> 16) & Int32(0xFFFF))
-    return Float32(cute.recast_tensor(magnitude, tX.element_type)[0])
+        running = _max_u16x2(running, _finite_magnitudes(words[i], ptx_type, inf_bits))
+    return _magnitude_value(cutlass.max(running & Int32(0xFFFF), (running >> 16) & Int32(0xFFFF)), tX.element_type)
 
 
 @cute.jit
@@ -520,8 +535,12 @@ class BlockDequantizeSm90:
             item = item + gdim * WARPS
 
 
-COLUMN_SCAN_GROUPS = 512  # groups `BlockColumnQuantizeSm90` scans into shared memory
-ROW_LANES = 4  # lanes per row in its load phase, 4 segments of VEC columns each
+COLUMN_SCAN_GROUPS = 512  # groups the column-wise casts scan into shared memory
+ROW_PIECES = COLS // VEC  # `BlockColumnQuantizeSm90`: pieces of VEC columns in an item's token row
+COLUMN_WARPS = ROW_PIECES  # its warps: warp w the item's piece w, columns 8w .. 8w + 7
+LANE_TOKENS = COLS // WARP  # consecutive tokens a lane holds: its 4 bytes of each column-wise row
+PIECE_COPIES = COLS * ROW_PIECES // (WARP * COLUMN_WARPS)  # a thread's cp.async pieces of an item
+ROW_LANES = 4  # `BlockRowsColumnsQuantizeSm90`: lanes per row in its load phase, 4 segments of VEC columns each
 ROW_SEGMENTS_PER_LANE = COLS // (ROW_LANES * VEC)
 ROW_PASSES = COLS * ROW_LANES // (WARP * WARPS)  # rows per thread
 COLUMN_HALVES = WARP * WARPS // COLS  # threads per column in its cast phase
@@ -530,11 +549,21 @@ TILE_STRIDE = COLS + 4  # float32 row stride of the staging tile: conflict-free 
 
 
 @cute.jit
-def _lanes_max(value: Float32, lanes: cutlass.Constexpr[int]) -> Float32:
-    """The max of ``value`` over aligned groups of ``lanes`` lanes (butterfly; NaN-free input)."""
-    for step in cutlass.range_constexpr(lanes.bit_length() - 1):
-        value = cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, 1 << step))
-    return value
+def _locate_block(sScan: cute.Tensor, item, col_blocks, num_groups):
+    """(block, column block, first row, the group's end row) of work item ``item`` of a column-wise
+    cast (items: blocks x column blocks; sScan as `scan_group_blocks` fills it with second =
+    COLUMN_SCAN_GROUPS + 1): the group holding the block is the last g whose first block is <= block
+    (binary search)."""
+    first_blocks = COLUMN_SCAN_GROUPS + 1
+    block = item // col_blocks
+    lo, hi = Int32(0), num_groups - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sScan[first_blocks + mid] <= block:
+            lo = mid
+        else:
+            hi = mid - 1
+    return block, item % col_blocks, sScan[lo] + (block - sScan[first_blocks + lo]) * COLS, sScan[lo + 1]
 
 
 class BlockColumnQuantizeSm90:
@@ -549,31 +578,217 @@ class BlockColumnQuantizeSm90:
 
     Source: bf16/fp16 x, or with ``from_rows`` x's E4M3 row-wise copy and its 1 x 128
     multipliers mXScale (M, ceil(C / 128)), dequantized to float32 first (as
-    `QuantizedTensor.dequantize` does before `add_columnwise` requantizes). With ``rows`` (16-bit
-    source) the same read also writes the row-wise copy mRowData (M, C) and mRowScale (M,
-    ceil(C / 128)) of the grouped rows, as `BlockQuantizeSm90` (block_rows 1) does. Every value
+    `QuantizedTensor.dequantize` does before `add_columnwise` requantizes). Every value and
+    multiplier bit for bit what the torch quantizer computes. (The row-wise copy from the same
+    read: `BlockRowsColumnsQuantizeSm90`.)
+
+    Work item: one block x 128 columns, copied by cp.async into one of two shared-memory tiles
+    while the CTA casts the item before it (the tile: 128 token rows of 16 pieces of 8 columns,
+    piece p of row r stored at p ^ (r / 4 % 16), so both the copies and the reads below are free
+    of bank conflicts). Warp w casts its columns 8w .. 8w + 7 over all 128 tokens, lane l tokens
+    4l .. 4l + 3, so a column's amax is the warp's: the lane's maxima over its tokens (packed 16-bit
+    magnitudes, NaN and +-Inf as 0; or float32 maxima of the dequantized values, NaN ignored, a
+    rare Inf recomputed without), then one `redux.sync` per column. Lane c < 8 makes
+    column c's multipliers for the warp (through shared memory), and each lane casts its 4 bytes
+    of each column and stores them as one word: a warp stores a column's 128 tokens as one
+    128-byte line. One CTA barrier an item.
+    """
+
+    def __init__(self, from_rows: bool, power_2_scales: bool = False):
+        self.from_rows = from_rows
+        self.power_2_scales = power_2_scales
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mXScale, mOffsets: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor,
+                 max_ctas: cutlass.Int32, stream):
+        self.kernel(mX, mXScale, mOffsets, mData, mScaleInv).launch(
+            grid=(max_ctas, 1, 1), block=(WARP * COLUMN_WARPS, 1, 1), stream=stream, min_blocks_per_mp=2,
+            preferred_smem_carveout=100,  # two CTAs of two tiles; given, so no device is queried
+        )
+
+    @cute.jit
+    def _issue_copies(self, mX: cute.Tensor, mXScale, sTile: cute.Tensor, sMult, first_row, row_end, cb, cols):
+        """This thread's cp.async pieces of an item into sTile (COLS, ROW_PIECES, VEC) (zeros past the
+        group's end or C) and, ``from_rows``, thread t < 128 row t's multiplier into sMult (COLS,)
+        (1 past the group's end); one commit group."""
+        tidx, _, _ = cute.arch.thread_idx()
+        atom = cute.make_copy_atom(
+            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL
+                                         if const_expr(mX.element_type.width == 16)
+                                         else cute.nvgpu.cpasync.LoadCacheMode.ALWAYS),
+            mX.element_type, num_bits_per_copy=VEC * mX.element_type.width,
+        )
+        for k in cutlass.range_constexpr(PIECE_COPIES):
+            index = tidx + k * WARP * COLUMN_WARPS
+            token = index // ROW_PIECES
+            piece = index % ROW_PIECES
+            dst = sTile[token, piece ^ (token // LANE_TOKENS % ROW_PIECES), None]
+            col = cb * COLS + piece * VEC
+            if first_row + token < row_end and col < cols:
+                cute.copy(atom, cute.local_tile(mX[first_row + token, None], (VEC,), (col // VEC,)), dst)
+            else:
+                dst.fill(0.0)
+        if const_expr(self.from_rows):
+            if tidx < COLS:
+                if first_row + tidx < row_end:
+                    scale_atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+                    cute.copy(scale_atom, cute.local_tile(mXScale[first_row + tidx, None], (1,), (cb,)),
+                              cute.local_tile(sMult, (1,), (tidx,)))
+                else:
+                    sMult[tidx] = Float32(1.0)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _column_amax_16bit(self, tX: cute.Tensor, column: Int32):
+        """The finite amax of this warp's column ``column`` (a lane's own, 0 .. 7) over the item,
+        from tX (LANE_TOKENS, VEC) 16-bit."""
+        ptx_type, inf_bits = _pairs_format(tX.element_type)
+        pairs = [Int32(0)] * (VEC // 2)  # the lane's column pairs' maxima
+        for i in cutlass.range_constexpr(LANE_TOKENS):
+            words = cute.recast_tensor(tX[i, None], Int32)
+            for w in cutlass.range_constexpr(VEC // 2):
+                pairs[w] = _max_u16x2(pairs[w], _finite_magnitudes(words[w], ptx_type, inf_bits))
+        mine = Int32(0)
+        for c in cutlass.range_constexpr(VEC):
+            half = (pairs[c // 2] >> (16 * (c % 2))) & Int32(0xFFFF)
+            amax = cute.arch.warp_redux_sync(half, "max")
+            if column == c:
+                mine = amax
+        return _magnitude_value(mine, tX.element_type)
+
+    @cute.jit
+    def _column_amax_dequantized(self, tV: cute.Tensor, column: Int32):
+        """The finite amax of this warp's column ``column`` over the item, from the dequantized
+        float32 values tV (LANE_TOKENS, VEC); Infs (rare) recomputed without."""
+        mine = Float32(0.0)
+        for c in cutlass.range_constexpr(VEC):
+            lane_max = Float32(0.0)
+            for i in cutlass.range_constexpr(LANE_TOKENS):
+                lane_max = _abs_max(tV[i, c], lane_max, False)
+            amax = _from_bits(cute.arch.warp_redux_sync(_bits(lane_max), "max"))  # >= 0: bits order as floats
+            if amax == Float32(float("inf")):  # warp-uniform
+                lane_max = Float32(0.0)
+                for i in cutlass.range_constexpr(LANE_TOKENS):
+                    lane_max = _abs_max(tV[i, c], lane_max, True)
+                amax = _from_bits(cute.arch.warp_redux_sync(_bits(lane_max), "max"))
+            if column == c:
+                mine = amax
+        return mine
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mXScale, mOffsets: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(tidx // WARP)
+        lane = cute.arch.lane_idx()
+        m_total = cute.size(mX, mode=[0])
+        cols = cute.size(mX, mode=[1])
+        num_groups = cute.size(mOffsets) - 1
+        dtype = mX.element_type
+        smem = cutlass.memory.SmemAllocator()
+        sScan = smem.allocate_tensor(Int32, cute.make_layout(2 * (COLUMN_SCAN_GROUPS + 1)), byte_alignment=16)
+        tile_layout = cute.make_layout((2, COLS, ROW_PIECES, VEC), stride=(COLS * COLS, COLS, VEC, 1))
+        sTiles = smem.allocate_tensor(dtype, tile_layout, byte_alignment=128)
+        sMults = None
+        if const_expr(self.from_rows):
+            sMults = smem.allocate_tensor(Float32, cute.make_layout((2, COLS), stride=(COLS, 1)), byte_alignment=16)
+        # per warp, column c's (scale_inv, m1, m2) at [:, c, warp]
+        sColScale = smem.allocate_tensor(Float32, cute.make_layout((4, VEC, COLUMN_WARPS)), byte_alignment=16)
+        if warp == 0:
+            scan_group_blocks(sScan, COLUMN_SCAN_GROUPS + 1, mOffsets, num_groups, m_total, COLS)
+        cute.arch.sync_threads()
+        col_blocks = (cols + COLS - 1) // COLS
+        num_items = sScan[COLUMN_SCAN_GROUPS + 1 + num_groups] * col_blocks
+        column = lane % VEC  # the column whose multipliers this lane makes
+        tX = cute.make_rmem_tensor(cute.make_layout((LANE_TOKENS, VEC), stride=(VEC, 1)), dtype)
+        tV = tX  # the values cast: 16-bit x converted where read, or x dequantized
+        if const_expr(self.from_rows):
+            tV = cute.make_rmem_tensor(cute.make_layout((LANE_TOKENS, VEC), stride=(VEC, 1)), Float32)
+        tBytes = cute.make_rmem_tensor(cute.make_layout(LANE_TOKENS), Float32)
+        item = bidx
+        buffer = Int32(0)
+        if item < num_items:
+            _, cb, first_row, row_end = _locate_block(sScan, item, col_blocks, num_groups)
+            self._issue_copies(mX, mXScale, sTiles[0, None, None, None], sMults[0, None] if const_expr(self.from_rows)
+                               else None, first_row, row_end, cb, cols)
+        while item < num_items:
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()  # the item's tile landed; the other tile is no longer read
+            following = item + gdim
+            if following < num_items:
+                _, f_cb, f_first_row, f_row_end = _locate_block(sScan, following, col_blocks, num_groups)
+                self._issue_copies(mX, mXScale, sTiles[1 - buffer, None, None, None],
+                                   sMults[1 - buffer, None] if const_expr(self.from_rows) else None,
+                                   f_first_row, f_row_end, f_cb, cols)
+            block, cb, first_row, row_end = _locate_block(sScan, item, col_blocks, num_groups)
+            col = cb * COLS + warp * VEC
+            # ---- the lane's 4 tokens x 8 columns from the tile
+            for i in cutlass.range_constexpr(LANE_TOKENS):
+                tX[i, None].store(sTiles[buffer, lane * LANE_TOKENS + i, warp ^ (lane % ROW_PIECES), None].load())
+            amax = Float32(0.0)
+            if const_expr(self.from_rows):
+                for i in cutlass.range_constexpr(LANE_TOKENS):
+                    multiplier = sMults[buffer, lane * LANE_TOKENS + i]
+                    for c in cutlass.range_constexpr(VEC):
+                        tV[i, c] = Float32(tX[i, c]) * multiplier
+                amax = self._column_amax_dequantized(tV, column)
+            else:
+                amax = self._column_amax_16bit(tX, column)
+            # ---- column multipliers, made by lanes 0..7 for the warp
+            scale_inv, m1, m2 = e4m3_scale_inv(amax, self.power_2_scales)
+            cute.arch.sync_warp()  # the previous item's multipliers are read
+            if lane < VEC:
+                sColScale[0, column, warp] = scale_inv
+                sColScale[1, column, warp] = m1
+                sColScale[2, column, warp] = m2
+                if col < cols:
+                    mScaleInv[block, col + column] = scale_inv
+            cute.arch.sync_warp()
+            # ---- the column-wise copy: 4 bytes of each column, one word a lane
+            if col < cols:
+                for c in cutlass.range_constexpr(VEC):
+                    c_scale_inv, c_m1, c_m2 = sColScale[0, c, warp], sColScale[1, c, warp], sColScale[2, c, warp]
+                    for i in cutlass.range_constexpr(LANE_TOKENS):
+                        tBytes[i] = e4m3_scaled(Float32(tV[i, c]), c_scale_inv, c_m1, c_m2, self.power_2_scales)
+                    cute.local_tile(
+                        mData[col + c, None], (LANE_TOKENS,), (block * WARP + lane,)
+                    ).store(tBytes.load().to(cutlass.Float8E4M3FN))
+            item = following
+            buffer = 1 - buffer
+
+
+@cute.jit
+def _lanes_max(value: Float32, lanes: cutlass.Constexpr[int]) -> Float32:
+    """The max of ``value`` over aligned groups of ``lanes`` lanes (butterfly; NaN-free input)."""
+    for step in cutlass.range_constexpr(lanes.bit_length() - 1):
+        value = cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, 1 << step))
+    return value
+
+
+class BlockRowsColumnsQuantizeSm90:
+    """16-bit x (M, C)'s row-wise 1 x 128 E4M3 copy and its block-padded per-group column-wise copy
+    (`BlockColumnQuantizeSm90`'s layout and values) from one read: the row-wise copy mRowData (M, C)
+    and mRowScale (M, ceil(C / 128)) of the grouped rows, as `BlockQuantizeSm90` (block_rows 1)
+    makes it, the column-wise mData and mScaleInv as `BlockColumnQuantizeSm90` makes them. Every value
     and multiplier bit for bit what the torch quantizer computes.
 
     Work item: one block x 128 columns, in a float32 tile in shared memory (rows past the
     group's end as zeros). Rows: 4 lanes per row, lane q the columns 8 q + 32 i (i < 4), all
-    loads issued before any is used; with ``rows`` each row is cast from registers on the way.
+    loads issued before any is used; each row is cast from registers on the way.
     Columns: thread t takes column t % 128, tokens 64 (t // 128) .. + 63: its amax over them,
     the other half's through shared memory, then four 16-byte stores of 16 tokens each.
     Amaxes are plain maxima of |x| (NaN ignored); a warp that meets an Inf recomputes its
     amaxes without Infs, so the common case pays one instruction per value.
     """
 
-    def __init__(self, from_rows: bool, rows: bool, power_2_scales: bool = False):
-        if from_rows and rows:
-            raise ValueError("the row-wise copy is written from a 16-bit source only")
-        self.from_rows = from_rows
-        self.rows = rows
+    def __init__(self, power_2_scales: bool = False):
         self.power_2_scales = power_2_scales
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mXScale, mOffsets: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor,
-                 mRowData, mRowScale, max_ctas: cutlass.Int32, stream):
-        self.kernel(mX, mXScale, mOffsets, mData, mScaleInv, mRowData, mRowScale).launch(
+    def __call__(self, mX: cute.Tensor, mOffsets: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor,
+                 mRowData: cute.Tensor, mRowScale: cute.Tensor, max_ctas: cutlass.Int32, stream):
+        self.kernel(mX, mOffsets, mData, mScaleInv, mRowData, mRowScale).launch(
             grid=(max_ctas, 1, 1), block=(WARP * WARPS, 1, 1), stream=stream
         )
 
@@ -606,41 +821,21 @@ class BlockColumnQuantizeSm90:
                 mRowScale[row, cb] = scales[0]
 
     @cute.jit
-    def _locate(self, sScan: cute.Tensor, item, col_blocks, num_groups):
-        """(block, column block, first row, the group's end row) of work item ``item``: the group
-        holding the block is the last g whose first block is <= block (binary search)."""
-        first_blocks = COLUMN_SCAN_GROUPS + 1
-        block = item // col_blocks
-        lo, hi = Int32(0), num_groups - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if sScan[first_blocks + mid] <= block:
-                lo = mid
-            else:
-                hi = mid - 1
-        return block, item % col_blocks, sScan[lo] + (block - sScan[first_blocks + lo]) * COLS, sScan[lo + 1]
-
-    @cute.jit
-    def _load(self, mX: cute.Tensor, mXScale, tXs: cute.Tensor, tRowScale: cute.Tensor, first_row, row_end, cb,
-              cols, row_in_pass, lane_cols):
+    def _load(self, mX: cute.Tensor, tXs: cute.Tensor, first_row, row_end, cb, cols, row_in_pass, lane_cols):
         """Issue this thread's loads of a work item: rows first_row + row_in_pass + 64 p, columns
-        cb * 128 + lane_cols + 32 s, into tXs (zeros out of bounds), their multipliers into
-        tRowScale with ``from_rows`` (1 out of bounds)."""
+        cb * 128 + lane_cols + 32 s, into tXs (zeros out of bounds)."""
         tXs.fill(0.0)
         for p in cutlass.range_constexpr(ROW_PASSES):
             row = first_row + row_in_pass + p * (COLS // ROW_PASSES)
-            tRowScale[p] = Float32(1.0)
             if row < row_end:
-                if const_expr(self.from_rows):
-                    tRowScale[p] = mXScale[row, cb]
                 for s in cutlass.range_constexpr(ROW_SEGMENTS_PER_LANE):
                     col = cb * COLS + lane_cols + s * ROW_LANES * VEC
                     if col < cols:
                         tXs[p, s, None].store(cute.local_tile(mX[row, None], (VEC,), (col // VEC,)).load())
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mXScale, mOffsets: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor,
-               mRowData, mRowScale):
+    def kernel(self, mX: cute.Tensor, mOffsets: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor,
+               mRowData: cute.Tensor, mRowScale: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -664,7 +859,6 @@ class BlockColumnQuantizeSm90:
             cute.make_layout((ROW_PASSES, ROW_SEGMENTS_PER_LANE, VEC), stride=(COLS // ROW_LANES, VEC, 1)),
             mX.element_type,
         )
-        tRowScale = cute.make_rmem_tensor(cute.make_layout(ROW_PASSES), Float32)
         tRow = cute.make_rmem_tensor(cute.make_layout((ROW_SEGMENTS_PER_LANE, VEC), stride=(VEC, 1)), Float32)
         # columns: thread t column t % 128, tokens 64 (t // 128) + j
         tile_col = tidx % COLS
@@ -673,20 +867,16 @@ class BlockColumnQuantizeSm90:
         tCol = cute.make_rmem_tensor(cute.make_layout(COLUMN_CHUNK), Float32)
         item = bidx
         while item < num_items:
-            block, cb, first_row, row_end = self._locate(sScan, item, col_blocks, num_groups)
-            self._load(mX, mXScale, tXs, tRowScale, first_row, row_end, cb, cols, row_in_pass, lane_cols)
-            # ---- stage the item in the tile, casting its rows with ``rows``
+            block, cb, first_row, row_end = _locate_block(sScan, item, col_blocks, num_groups)
+            self._load(mX, tXs, first_row, row_end, cb, cols, row_in_pass, lane_cols)
+            # ---- stage the item in the tile, casting its rows
             for p in cutlass.range_constexpr(ROW_PASSES):
                 r = row_in_pass + p * (COLS // ROW_PASSES)
                 for s in cutlass.range_constexpr(ROW_SEGMENTS_PER_LANE):
                     tRow[s, None].store(tXs[p, s, None].load().to(Float32))
-                    if const_expr(self.from_rows):  # dequantized
-                        for i in cutlass.range_constexpr(VEC):
-                            tRow[s, i] = tRow[s, i] * tRowScale[p]
                     segment = cute.local_tile(sTile[r, None], (VEC,), (quarter + s * ROW_LANES,))
                     segment.store(tRow[s, None].load())
-                if const_expr(self.rows):
-                    self._cast_row(mRowData, mRowScale, tRow, first_row + r, row_end, cb, lane_cols, cols, quarter)
+                self._cast_row(mRowData, mRowScale, tRow, first_row + r, row_end, cb, lane_cols, cols, quarter)
             cute.arch.sync_threads()
             # ---- columns: this thread's half-column amax, the column's from both halves
             amax = Float32(0.0)
