@@ -293,6 +293,8 @@ def get_rule(name: str) -> FusionRule:
 def list_rules(passes: Optional[str] = None) -> list:
     """Registered rules in the order the planner tries them at one position: higher priority
     first, then the longer pattern, then the older rule."""
+    if passes is not None and passes not in PASSES:
+        raise ValueError(f"list_rules: argument 'passes' must be one of {PASSES} or None, got {passes!r}")
     entries = sorted(_registry.values(), key=lambda e: (-e.priority, -len(e.rule.pattern), e.order))
     return [e.rule for e in entries if passes is None or e.rule.passes == passes]
 

@@ -756,6 +756,12 @@ def cast_weights_once_per_step(optimizer, model) -> StepCasts:
     did not find cast are cast in the graph, on every replay. Do not replay such a graph after
     ``remove()``: its copies are freed.
     """
+    if not all(hasattr(optimizer, hook) for hook in ("register_step_pre_hook", "register_step_post_hook")):
+        raise TypeError(f"cast_weights_once_per_step: argument 'optimizer' must be a torch optimizer (its step "
+                        f"hooks drop the copies; arguments: optimizer, model), got {type(optimizer).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"cast_weights_once_per_step: argument 'model' must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
     return StepCasts(optimizer, model)
 
 

@@ -165,6 +165,8 @@ class Sequential(nn.Module):
             dtype = compute_dtype(param) if param is not None else torch.get_default_dtype()
             info = plan_info(ops, device, dtype, False, grad_side_names(side), params_need_grad(op_params))
         else:
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"Sequential.plan: argument 'x' must be a torch.Tensor or None, got {type(x).__name__}")
             info = plan_info(ops, x.device, compute_dtype(x), x.requires_grad, grad_side_names(side),
                              params_need_grad(op_params), recipe_of(x))
         return get_plan(ops, info, self._plans, self.fuse)

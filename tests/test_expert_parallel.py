@@ -63,6 +63,15 @@ def test_example_passes_on_two_gloo_processes():
     assert dropped and int(dropped.group(1)) > 0, f"the default run should exercise the capacity:\n{result.stdout}"
 
 
+def test_example_passes_with_one_expert_a_token():
+    """Top-1: the router's renormalized probabilities are all 1, so its gradient is not compared."""
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--device", "cpu", "--top-k", "1"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASS" in result.stdout and "router grad" not in result.stdout, result.stdout
+
+
 def _worker(rank, init_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:

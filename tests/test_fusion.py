@@ -160,6 +160,8 @@ def test_explain_names_rules_backends_and_reasons():
     assert "sm90 backend: no CUDA device" in text
     assert "backward:" in text and "dactivation+grouped_linear" in text
     assert "basic op" in Sequential(SwiGLU()).explain(torch.randn(2, 4))
+    with pytest.raises(TypeError, match=r"Sequential.plan: argument 'x' must be a torch.Tensor or None, got list"):
+        seq.explain([1, 2], split_sizes=SPLITS)
 
 
 def test_explain_reports_first_failing_condition_of_user_rule():
@@ -212,6 +214,8 @@ def test_duplicate_registration_and_unknown_unregister():
         tfo.register_rule(tfo.list_rules("forward")[0])
     with pytest.raises(KeyError, match="no rule named"):
         tfo.unregister_rule("does-not-exist")
+    with pytest.raises(ValueError, match=r"list_rules: argument 'passes' must be one of \('forward', 'backward'\)"):
+        tfo.list_rules("sideways")
 
 
 def test_plan_cached_per_key_not_per_split_values():

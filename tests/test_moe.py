@@ -230,6 +230,12 @@ def test_bad_input_names_op_and_argument():
         moe(x, indices=indices, probs=probs, split_sizes=torch.ones(E, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"Unpermute \(op 0\): missing side input 'routing'"):
         Sequential(Unpermute())(x)
+    with pytest.raises(OpValueError, match=r"ScaledSwiGLU: argument 'probs' must have shape \(16,\) \(one per row\) "
+                                           r"or, as the tokens' probabilities, the shape of the permute's 'indices' "
+                                           r"\(8, 2\), got \(8,\)"):
+        moe(x, indices=indices, probs=probs[:, 0])
+    with pytest.raises(OpValueError, match=r"Permute: argument 'capacity_factor' must be > 0 or None, got -1"):
+        Permute(E, capacity_factor=-1)
 
 
 def test_expert_counts_that_disagree_are_refused_when_the_plan_is_made():

@@ -5,6 +5,7 @@ import torch
 
 import reference as ref
 from te_fused_ops import ClampedSwiGLU, GeGLU, GroupedLinear, ScaledSwiGLU, SReLU, SwiGLU
+from te_fused_ops.errors import OpValueError
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SPLITS = {
@@ -101,6 +102,10 @@ def test_clamped_swiglu_options():
     x = torch.randn(8, 16, dtype=torch.float64) * 3
     y = ClampedSwiGLU(limit=2.0, alpha=1.0)(x)
     assert torch.allclose(y, ref.clamped_swiglu(x, limit=2.0, alpha=1.0))
+    with pytest.raises(OpValueError, match=r"ClampedSwiGLU: argument 'alpha' must be finite, got nan"):
+        ClampedSwiGLU(alpha=float("nan"))
+    with pytest.raises(OpValueError, match=r"ClampedSwiGLU: argument 'limit' must be positive, got 0"):
+        ClampedSwiGLU(limit=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -370,6 +370,15 @@ def test_weights_cast_once_per_optimizer_step(fused, monkeypatch):
     assert len(casts) == 2  # detached: a cast per call again
 
 
+def test_step_casts_name_swapped_or_missing_arguments():
+    seq = mlp()
+    optimizer = torch.optim.SGD(seq.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"argument 'optimizer' must be a torch optimizer .* got Sequential"):
+        tfo.cast_weights_once_per_step(seq, optimizer)
+    with pytest.raises(TypeError, match=r"argument 'model' must be a torch.nn.Module, got NoneType"):
+        tfo.cast_weights_once_per_step(optimizer, None)
+
+
 def test_step_casts_see_writes_through_the_parameter_and_new_tensors():
     seq = mlp()
     x = batch(1)

@@ -196,6 +196,8 @@ class ClampedSwiGLU(_GLU):
         super().__init__(recompute_output)
         if not limit > 0:
             raise OpValueError(f"ClampedSwiGLU: argument 'limit' must be positive, got {limit!r}")
+        if not math.isfinite(alpha):
+            raise OpValueError(f"ClampedSwiGLU: argument 'alpha' must be finite, got {alpha!r}")
         self.limit, self.alpha = float(limit), float(alpha)
 
     def extra_repr(self) -> str:
@@ -253,8 +255,11 @@ class ScaledSwiGLU(SwiGLU):
             memo["probs_applied"] = True
             return {"probs": slots_to_rows(probs, routing), "routing": routing, "slot_probs_dtype": probs.dtype}
         if probs.dim() != 1 or probs.shape[0] != x.shape[0]:
+            after_permute = "" if routing is None else (
+                f" or, as the tokens' probabilities, the shape of the permute's 'indices' {tuple(routing.slot_rows.shape)}")
             raise OpValueError(
-                f"ScaledSwiGLU: argument 'probs' must have shape ({x.shape[0]},) (one per row), got {tuple(probs.shape)}"
+                f"ScaledSwiGLU: argument 'probs' must have shape ({x.shape[0]},) (one per row){after_permute}, "
+                f"got {tuple(probs.shape)}"
             )
         return {"probs": probs}
 

@@ -71,7 +71,8 @@ class Permute(BasicOp):
     order expert, token, slot; ``permute.dropped`` holds this rank's count of the last call, a
     device tensor). ``capacity_factor=None`` drops nothing: every slot is sent, the exchanged
     counts read on the host once per call to size the exchanges exactly (shapes change with the
-    routing). The output is the rows this rank received (W * C with a static capacity), grouped by its E / W local
+    routing); without ``group`` nothing is dropped for capacity and ``capacity_factor`` is only
+    checked. The output is the rows this rank received (W * C with a static capacity), grouped by its E / W local
     experts (``split_sizes`` (E / W,)); the grouped ops after it hold the local experts. Pair it
     with ``Unpermute(group=...)``, which takes the probabilities. The rows move on the torch path
     (an all-to-all each way). Where values are checked (CPU, TE_FUSED_OPS_VALIDATE=1), ids out of
@@ -103,6 +104,8 @@ class Permute(BasicOp):
         if group is None and chunks > 1:
             raise OpValueError("Permute: argument 'chunks' > 1 overlaps the exchanges of expert parallelism and "
                                "needs 'group'")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise OpValueError(f"Permute: argument 'capacity_factor' must be > 0 or None, got {capacity_factor!r}")
         if group is not None:
             import torch.distributed as dist
 
@@ -113,8 +116,6 @@ class Permute(BasicOp):
             if num_experts // world % chunks:
                 raise OpValueError(f"Permute: argument 'chunks' ({chunks}) must divide the {num_experts // world} "
                                    "experts of each rank")
-            if capacity_factor is not None and not capacity_factor > 0:
-                raise OpValueError(f"Permute: argument 'capacity_factor' must be > 0 or None, got {capacity_factor!r}")
 
     def extra_repr(self) -> str:
         ep = "" if self.group is None else f", group of {self.world_size()}, capacity_factor={self.capacity_factor}"
