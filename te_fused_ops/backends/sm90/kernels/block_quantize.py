@@ -108,13 +108,13 @@ def compile_block_dequantize(dtype, tvm_ffi=None):
 @cached_kernel
 def compile_block_columns(dtype, from_rows, rows, power_2_scales, tvm_ffi=None):
     """Compile (once per configuration) and return fn(x (M, C), x multipliers or None, offsets
-    (G+1,), data (C, 128 blocks), scale_inv (blocks, C), max_ctas), x E4M3 with ``from_rows``, else
-    ``dtype``; with ``rows`` (16-bit x) fn(x, offsets, data, scale_inv, row data, row scale_inv,
-    max_ctas)."""
+    (G+1,), data (C, 128 blocks), scale_inv (blocks, C), row data or None, row scale_inv or None,
+    max_ctas), x E4M3 with ``from_rows``, else ``dtype``; the row-wise copy (M, C) and its
+    multipliers (M, ceil(C / 128)) with ``rows`` (16-bit x)."""
     import cutlass
     import cutlass.cute as cute
 
-    from .block_quantize_sm90 import BlockColumnQuantizeSm90, BlockRowsColumnsQuantizeSm90
+    from .block_quantize_sm90 import BlockColumnQuantizeSm90
 
     if from_rows and rows:
         raise ValueError("the row-wise copy is written from a 16-bit source only")
@@ -123,15 +123,12 @@ def compile_block_columns(dtype, from_rows, rows, power_2_scales, tvm_ffi=None):
     f8 = cutlass.Float8E4M3FN
     source = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
     x = fake_tensor(f8 if from_rows else source, (m, c))
+    x_scale = fake_tensor(cutlass.Float32, (m, cb), 4) if from_rows else None
     columns = (fake_tensor(cutlass.Int32, (cute.sym_int(),), 4), fake_tensor(f8, (c, padded)),
                fake_tensor(cutlass.Float32, (blocks, c)))
-    if rows:
-        row_outputs = (fake_tensor(f8, (m, c)), fake_tensor(cutlass.Float32, (m, cb), 4))
-        args = (x, *columns, *row_outputs, cutlass.Int32(1))
-        return compile_launcher(BlockRowsColumnsQuantizeSm90(power_2_scales), args, tvm_ffi)
-    x_scale = fake_tensor(cutlass.Float32, (m, cb), 4) if from_rows else None
-    args = (x, x_scale, *columns, cutlass.Int32(1))
-    return compile_launcher(BlockColumnQuantizeSm90(from_rows, power_2_scales), args, tvm_ffi)
+    row_outputs = (fake_tensor(f8, (m, c)), fake_tensor(cutlass.Float32, (m, cb), 4)) if rows else (None, None)
+    args = (x, x_scale, *columns, *row_outputs, cutlass.Int32(1))
+    return compile_launcher(BlockColumnQuantizeSm90(from_rows, power_2_scales, rows), args, tvm_ffi)
 
 
 def _ctas(work_items: int, device_index: int) -> int:
@@ -321,7 +318,6 @@ class BlockColumns(NamedTuple):
 
 COLUMN_MAX_GROUPS = 512  # = block_quantize_sm90.COLUMN_SCAN_GROUPS
 COLUMN_CTAS_PER_SM = 2  # BlockColumnQuantizeSm90: 512 threads, two 32 KB tiles
-ROWS_COLUMNS_CTAS_PER_SM = 3  # BlockRowsColumnsQuantizeSm90: ~70 KB of shared memory
 
 
 def block_columns_sm90(x, offsets, *, x_scale_inv=None, rows=False, power_2_scales=False):
@@ -368,10 +364,8 @@ def block_columns_sm90(x, offsets, *, x_scale_inv=None, rows=False, power_2_scal
     if x.numel():
         dtype = torch.bfloat16 if from_rows else x.dtype
         fn = compile_block_columns(dtype, from_rows, bool(rows), bool(power_2_scales))
-        per_sm = ROWS_COLUMNS_CTAS_PER_SM if rows else COLUMN_CTAS_PER_SM
-        ctas = min(blocks * -(-c // 128), num_sms(x.get_device()) * per_sm)
-        tensors = (x, offsets, data, scale_inv, *row_outputs) if rows else (x, x_scale_inv, offsets, data, scale_inv)
-        _launch(fn, tensors, ctas)
+        ctas = min(blocks * -(-c // 128), num_sms(x.get_device()) * COLUMN_CTAS_PER_SM)
+        _launch(fn, (x, x_scale_inv, offsets, data, scale_inv, *row_outputs), ctas)
     columns = BlockColumns(data, scale_inv, m)
     return (columns, *row_outputs) if rows else columns
 

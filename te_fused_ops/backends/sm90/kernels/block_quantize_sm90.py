@@ -540,12 +540,8 @@ ROW_PIECES = COLS // VEC  # `BlockColumnQuantizeSm90`: pieces of VEC columns in 
 COLUMN_WARPS = ROW_PIECES  # its warps: warp w the item's piece w, columns 8w .. 8w + 7
 LANE_TOKENS = COLS // WARP  # consecutive tokens a lane holds: its 4 bytes of each column-wise row
 PIECE_COPIES = COLS * ROW_PIECES // (WARP * COLUMN_WARPS)  # a thread's cp.async pieces of an item
-ROW_LANES = 4  # `BlockRowsColumnsQuantizeSm90`: lanes per row in its load phase, 4 segments of VEC columns each
-ROW_SEGMENTS_PER_LANE = COLS // (ROW_LANES * VEC)
-ROW_PASSES = COLS * ROW_LANES // (WARP * WARPS)  # rows per thread
-COLUMN_HALVES = WARP * WARPS // COLS  # threads per column in its cast phase
-COLUMN_CHUNK = 16  # tokens per 16-byte store of the column-wise copy
-TILE_STRIDE = COLS + 4  # float32 row stride of the staging tile: conflict-free 16-byte row writes
+WARP_ROWS = COLS // COLUMN_WARPS  # its row-wise copy: warp w the item's token rows 8w .. 8w + 7
+LANE_COLUMNS = COLS // WARP  # consecutive columns a lane holds of each of those rows
 
 
 @cute.jit
@@ -579,8 +575,13 @@ class BlockColumnQuantizeSm90:
     Source: bf16/fp16 x, or with ``from_rows`` x's E4M3 row-wise copy and its 1 x 128
     multipliers mXScale (M, ceil(C / 128)), dequantized to float32 first (as
     `QuantizedTensor.dequantize` does before `add_columnwise` requantizes). Every value and
-    multiplier bit for bit what the torch quantizer computes. (The row-wise copy from the same
-    read: `BlockRowsColumnsQuantizeSm90`.)
+    multiplier bit for bit what the torch quantizer computes.
+
+    With ``rows`` (16-bit x) also x's row-wise 1 x 128 copy of the grouped rows from the same read:
+    mRowData (M, C) E4M3 and mRowScale (M, ceil(C / 128)) float32, as `BlockQuantizeSm90`
+    (block_rows 1) makes them. Warp w casts the item's token rows 8w .. 8w + 7 from the same tile,
+    lane l columns 4l .. 4l + 3, so a row's amax is one `redux.sync` too, lane r < 8 makes row r's
+    multipliers for the warp, and a warp stores a row's 128 bytes as one line.
 
     Work item: one block x 128 columns, copied by cp.async into one of two shared-memory tiles
     while the CTA casts the item before it (the tile: 128 token rows of 16 pieces of 8 columns,
@@ -591,17 +592,20 @@ class BlockColumnQuantizeSm90:
     rare Inf recomputed without), then one `redux.sync` per column. Lane c < 8 makes
     column c's multipliers for the warp (through shared memory), and each lane casts its 4 bytes
     of each column and stores them as one word: a warp stores a column's 128 tokens as one
-    128-byte line. One CTA barrier an item.
+    128-byte line. One CTA barrier an item, with or without ``rows``.
     """
 
-    def __init__(self, from_rows: bool, power_2_scales: bool = False):
+    def __init__(self, from_rows: bool, power_2_scales: bool = False, rows: bool = False):
+        if from_rows and rows:
+            raise ValueError("the row-wise copy is written from a 16-bit source only")
         self.from_rows = from_rows
         self.power_2_scales = power_2_scales
+        self.rows = rows
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mXScale, mOffsets: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor,
-                 max_ctas: cutlass.Int32, stream):
-        self.kernel(mX, mXScale, mOffsets, mData, mScaleInv).launch(
+                 mRowData, mRowScale, max_ctas: cutlass.Int32, stream):
+        self.kernel(mX, mXScale, mOffsets, mData, mScaleInv, mRowData, mRowScale).launch(
             grid=(max_ctas, 1, 1), block=(WARP * COLUMN_WARPS, 1, 1), stream=stream, min_blocks_per_mp=2,
             preferred_smem_carveout=100,  # two CTAs of two tiles; given, so no device is queried
         )
@@ -675,8 +679,55 @@ class BlockColumnQuantizeSm90:
                 mine = amax
         return mine
 
+    @cute.jit
+    def _cast_rows(self, sTile: cute.Tensor, sRowScale: cute.Tensor, mRowData: cute.Tensor, mRowScale: cute.Tensor,
+                   first_row, row_end, cb, cols):
+        """The row-wise copy of this warp's token rows 8w .. 8w + 7 of the item in sTile (COLS,
+        ROW_PIECES, VEC): lane l's columns 4l .. 4l + 3 of each, the row's finite amax by one
+        `redux.sync`, lane r < 8 row r's multipliers for the warp (through sRowScale (4, WARP_ROWS,
+        COLUMN_WARPS)), then one 4-byte store a lane a row."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(tidx // WARP)
+        lane = cute.arch.lane_idx()
+        dtype = sTile.element_type
+        ptx_type, inf_bits = _pairs_format(dtype)
+        tR = cute.make_rmem_tensor(cute.make_layout((WARP_ROWS, LANE_COLUMNS), stride=(LANE_COLUMNS, 1)), dtype)
+        tBytes = cute.make_rmem_tensor(cute.make_layout(LANE_COLUMNS), Float32)
+        mine = Int32(0)
+        for r in cutlass.range_constexpr(WARP_ROWS):
+            token = warp * WARP_ROWS + r
+            piece = sTile[token, (lane // 2) ^ (token // LANE_TOKENS % ROW_PIECES), None]
+            tR[r, None].store(cute.local_tile(piece, (LANE_COLUMNS,), (lane % 2,)).load())
+            words = cute.recast_tensor(tR[r, None], Int32)
+            pair = _max_u16x2(_finite_magnitudes(words[0], ptx_type, inf_bits),
+                              _finite_magnitudes(words[1], ptx_type, inf_bits))
+            amax = cute.arch.warp_redux_sync(cutlass.max(pair & Int32(0xFFFF), (pair >> 16) & Int32(0xFFFF)), "max")
+            if lane % WARP_ROWS == r:
+                mine = amax
+        scale_inv, m1, m2 = e4m3_scale_inv(_magnitude_value(mine, dtype), self.power_2_scales)
+        row_of_lane = first_row + warp * WARP_ROWS + lane
+        cute.arch.sync_warp()  # the previous item's multipliers are read
+        if lane < WARP_ROWS:
+            sRowScale[0, lane, warp] = scale_inv
+            sRowScale[1, lane, warp] = m1
+            sRowScale[2, lane, warp] = m2
+            if row_of_lane < row_end:
+                mRowScale[row_of_lane, cb] = scale_inv
+        cute.arch.sync_warp()
+        col = cb * COLS + lane * LANE_COLUMNS
+        if col < cols:
+            for r in cutlass.range_constexpr(WARP_ROWS):
+                row = first_row + warp * WARP_ROWS + r
+                if row < row_end:
+                    r_scale_inv, r_m1, r_m2 = sRowScale[0, r, warp], sRowScale[1, r, warp], sRowScale[2, r, warp]
+                    for j in cutlass.range_constexpr(LANE_COLUMNS):
+                        tBytes[j] = e4m3_scaled(Float32(tR[r, j]), r_scale_inv, r_m1, r_m2, self.power_2_scales)
+                    cute.local_tile(mRowData[row, None], (LANE_COLUMNS,), (col // LANE_COLUMNS,)).store(
+                        tBytes.load().to(cutlass.Float8E4M3FN))
+
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mXScale, mOffsets: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor):
+    def kernel(self, mX: cute.Tensor, mXScale, mOffsets: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor,
+               mRowData, mRowScale):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -695,6 +746,9 @@ class BlockColumnQuantizeSm90:
             sMults = smem.allocate_tensor(Float32, cute.make_layout((2, COLS), stride=(COLS, 1)), byte_alignment=16)
         # per warp, column c's (scale_inv, m1, m2) at [:, c, warp]
         sColScale = smem.allocate_tensor(Float32, cute.make_layout((4, VEC, COLUMN_WARPS)), byte_alignment=16)
+        sRowScale = None
+        if const_expr(self.rows):  # per warp, row r's (scale_inv, m1, m2) at [:, r, warp]
+            sRowScale = smem.allocate_tensor(Float32, cute.make_layout((4, WARP_ROWS, COLUMN_WARPS)), byte_alignment=16)
         if warp == 0:
             scan_group_blocks(sScan, COLUMN_SCAN_GROUPS + 1, mOffsets, num_groups, m_total, COLS)
         cute.arch.sync_threads()
@@ -708,20 +762,25 @@ class BlockColumnQuantizeSm90:
         tBytes = cute.make_rmem_tensor(cute.make_layout(LANE_TOKENS), Float32)
         item = bidx
         buffer = Int32(0)
+        # the item's (block, column block, first row, group end), located once, when its copies are issued
+        block, cb, first_row, row_end = Int32(0), Int32(0), Int32(0), Int32(0)
         if item < num_items:
-            _, cb, first_row, row_end = _locate_block(sScan, item, col_blocks, num_groups)
+            block, cb, first_row, row_end = _locate_block(sScan, item, col_blocks, num_groups)
             self._issue_copies(mX, mXScale, sTiles[0, None, None, None], sMults[0, None] if const_expr(self.from_rows)
                                else None, first_row, row_end, cb, cols)
         while item < num_items:
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()  # the item's tile landed; the other tile is no longer read
             following = item + gdim
+            f_block, f_cb, f_first_row, f_row_end = block, cb, first_row, row_end
             if following < num_items:
-                _, f_cb, f_first_row, f_row_end = _locate_block(sScan, following, col_blocks, num_groups)
+                f_block, f_cb, f_first_row, f_row_end = _locate_block(sScan, following, col_blocks, num_groups)
                 self._issue_copies(mX, mXScale, sTiles[1 - buffer, None, None, None],
                                    sMults[1 - buffer, None] if const_expr(self.from_rows) else None,
                                    f_first_row, f_row_end, f_cb, cols)
-            block, cb, first_row, row_end = _locate_block(sScan, item, col_blocks, num_groups)
+            if const_expr(self.rows):
+                self._cast_rows(sTiles[buffer, None, None, None], sRowScale, mRowData, mRowScale, first_row, row_end,
+                                cb, cols)
             col = cb * COLS + warp * VEC
             # ---- the lane's 4 tokens x 8 columns from the tile
             for i in cutlass.range_constexpr(LANE_TOKENS):
@@ -756,151 +815,4 @@ class BlockColumnQuantizeSm90:
                     ).store(tBytes.load().to(cutlass.Float8E4M3FN))
             item = following
             buffer = 1 - buffer
-
-
-@cute.jit
-def _lanes_max(value: Float32, lanes: cutlass.Constexpr[int]) -> Float32:
-    """The max of ``value`` over aligned groups of ``lanes`` lanes (butterfly; NaN-free input)."""
-    for step in cutlass.range_constexpr(lanes.bit_length() - 1):
-        value = cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, 1 << step))
-    return value
-
-
-class BlockRowsColumnsQuantizeSm90:
-    """16-bit x (M, C)'s row-wise 1 x 128 E4M3 copy and its block-padded per-group column-wise copy
-    (`BlockColumnQuantizeSm90`'s layout and values) from one read: the row-wise copy mRowData (M, C)
-    and mRowScale (M, ceil(C / 128)) of the grouped rows, as `BlockQuantizeSm90` (block_rows 1)
-    makes it, the column-wise mData and mScaleInv as `BlockColumnQuantizeSm90` makes them. Every value
-    and multiplier bit for bit what the torch quantizer computes.
-
-    Work item: one block x 128 columns, in a float32 tile in shared memory (rows past the
-    group's end as zeros). Rows: 4 lanes per row, lane q the columns 8 q + 32 i (i < 4), all
-    loads issued before any is used; each row is cast from registers on the way.
-    Columns: thread t takes column t % 128, tokens 64 (t // 128) .. + 63: its amax over them,
-    the other half's through shared memory, then four 16-byte stores of 16 tokens each.
-    Amaxes are plain maxima of |x| (NaN ignored); a warp that meets an Inf recomputes its
-    amaxes without Infs, so the common case pays one instruction per value.
-    """
-
-    def __init__(self, power_2_scales: bool = False):
-        self.power_2_scales = power_2_scales
-
-    @cute.jit
-    def __call__(self, mX: cute.Tensor, mOffsets: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor,
-                 mRowData: cute.Tensor, mRowScale: cute.Tensor, max_ctas: cutlass.Int32, stream):
-        self.kernel(mX, mOffsets, mData, mScaleInv, mRowData, mRowScale).launch(
-            grid=(max_ctas, 1, 1), block=(WARP * WARPS, 1, 1), stream=stream
-        )
-
-    @cute.jit
-    def _cast_row(self, mRowData: cute.Tensor, mRowScale: cute.Tensor, tRow: cute.Tensor, row, row_end, cb,
-                  lane_cols, cols, quarter):
-        """The row-wise copy of one row from tRow (ROW_SEGMENTS_PER_LANE, VEC) float32: its amax
-        over the row's 4 lanes, then the lane's segments and (lane 0 of the 4) the scale."""
-        amax = Float32(0.0)
-        for i in cutlass.range_constexpr(cute.size(tRow)):
-            amax = _abs_max(tRow[i], amax, False)
-        amax = _lanes_max(amax, ROW_LANES)
-        if cute.arch.vote_any_sync(amax == Float32(float("inf"))):
-            amax = Float32(0.0)
-            for i in cutlass.range_constexpr(cute.size(tRow)):
-                amax = _abs_max(tRow[i], amax, True)
-            amax = _lanes_max(amax, ROW_LANES)
-        scales = e4m3_scale_inv(amax, self.power_2_scales)
-        if row < row_end:
-            for s in cutlass.range_constexpr(ROW_SEGMENTS_PER_LANE):
-                col = cb * COLS + lane_cols + s * ROW_LANES * VEC
-                if col < cols:
-                    values = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
-                    for i in cutlass.range_constexpr(VEC):
-                        values[i] = e4m3_scaled(tRow[s, i], *scales, self.power_2_scales)
-                    cute.local_tile(mRowData[row, None], (VEC,), (col // VEC,)).store(
-                        values.load().to(cutlass.Float8E4M3FN)
-                    )
-            if quarter == 0:
-                mRowScale[row, cb] = scales[0]
-
-    @cute.jit
-    def _load(self, mX: cute.Tensor, tXs: cute.Tensor, first_row, row_end, cb, cols, row_in_pass, lane_cols):
-        """Issue this thread's loads of a work item: rows first_row + row_in_pass + 64 p, columns
-        cb * 128 + lane_cols + 32 s, into tXs (zeros out of bounds)."""
-        tXs.fill(0.0)
-        for p in cutlass.range_constexpr(ROW_PASSES):
-            row = first_row + row_in_pass + p * (COLS // ROW_PASSES)
-            if row < row_end:
-                for s in cutlass.range_constexpr(ROW_SEGMENTS_PER_LANE):
-                    col = cb * COLS + lane_cols + s * ROW_LANES * VEC
-                    if col < cols:
-                        tXs[p, s, None].store(cute.local_tile(mX[row, None], (VEC,), (col // VEC,)).load())
-
-    @cute.kernel
-    def kernel(self, mX: cute.Tensor, mOffsets: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor,
-               mRowData: cute.Tensor, mRowScale: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        m_total = cute.size(mX, mode=[0])
-        cols = cute.size(mX, mode=[1])
-        num_groups = cute.size(mOffsets) - 1
-        smem = cutlass.memory.SmemAllocator()
-        sScan = smem.allocate_tensor(Int32, cute.make_layout(2 * (COLUMN_SCAN_GROUPS + 1)), byte_alignment=16)
-        sHalfMax = smem.allocate_tensor(Float32, cute.make_layout((COLS, COLUMN_HALVES)), byte_alignment=16)
-        sTile = smem.allocate_tensor(Float32, cute.make_layout((COLS, COLS), stride=(TILE_STRIDE, 1)), byte_alignment=16)
-        if tidx // WARP == 0:
-            scan_group_blocks(sScan, COLUMN_SCAN_GROUPS + 1, mOffsets, num_groups, m_total, COLS)
-        cute.arch.sync_threads()
-        col_blocks = (cols + COLS - 1) // COLS
-        num_items = sScan[COLUMN_SCAN_GROUPS + 1 + num_groups] * col_blocks
-        # rows: thread t rows t // 4 + 64 p, columns 8 (t % 4) + 32 s
-        quarter = tidx % ROW_LANES
-        lane_cols = quarter * VEC
-        row_in_pass = tidx // ROW_LANES
-        tXs = cute.make_rmem_tensor(
-            cute.make_layout((ROW_PASSES, ROW_SEGMENTS_PER_LANE, VEC), stride=(COLS // ROW_LANES, VEC, 1)),
-            mX.element_type,
-        )
-        tRow = cute.make_rmem_tensor(cute.make_layout((ROW_SEGMENTS_PER_LANE, VEC), stride=(VEC, 1)), Float32)
-        # columns: thread t column t % 128, tokens 64 (t // 128) + j
-        tile_col = tidx % COLS
-        half = tidx // COLS
-        first_token = half * (COLS // COLUMN_HALVES)
-        tCol = cute.make_rmem_tensor(cute.make_layout(COLUMN_CHUNK), Float32)
-        item = bidx
-        while item < num_items:
-            block, cb, first_row, row_end = _locate_block(sScan, item, col_blocks, num_groups)
-            self._load(mX, tXs, first_row, row_end, cb, cols, row_in_pass, lane_cols)
-            # ---- stage the item in the tile, casting its rows
-            for p in cutlass.range_constexpr(ROW_PASSES):
-                r = row_in_pass + p * (COLS // ROW_PASSES)
-                for s in cutlass.range_constexpr(ROW_SEGMENTS_PER_LANE):
-                    tRow[s, None].store(tXs[p, s, None].load().to(Float32))
-                    segment = cute.local_tile(sTile[r, None], (VEC,), (quarter + s * ROW_LANES,))
-                    segment.store(tRow[s, None].load())
-                self._cast_row(mRowData, mRowScale, tRow, first_row + r, row_end, cb, lane_cols, cols, quarter)
-            cute.arch.sync_threads()
-            # ---- columns: this thread's half-column amax, the column's from both halves
-            amax = Float32(0.0)
-            for j in cutlass.range_constexpr(COLS // COLUMN_HALVES):
-                amax = _abs_max(sTile[first_token + j, tile_col], amax, False)
-            if cute.arch.vote_any_sync(amax == Float32(float("inf"))):
-                amax = Float32(0.0)
-                for j in cutlass.range_constexpr(COLS // COLUMN_HALVES):
-                    amax = _abs_max(sTile[first_token + j, tile_col], amax, True)
-            sHalfMax[tile_col, half] = amax
-            cute.arch.sync_threads()
-            for h in cutlass.range_constexpr(COLUMN_HALVES):
-                amax = cute.arch.fmax(amax, sHalfMax[tile_col, h])
-            scales = e4m3_scale_inv(amax, self.power_2_scales)
-            out_col = cb * COLS + tile_col
-            if out_col < cols:
-                for chunk in cutlass.range_constexpr(COLS // COLUMN_HALVES // COLUMN_CHUNK):
-                    first = first_token + chunk * COLUMN_CHUNK
-                    for j in cutlass.range_constexpr(COLUMN_CHUNK):
-                        tCol[j] = e4m3_scaled(sTile[first + j, tile_col], *scales, self.power_2_scales)
-                    cute.local_tile(
-                        mData[out_col, None], (COLUMN_CHUNK,), (block * (COLS // COLUMN_CHUNK) + first // COLUMN_CHUNK,)
-                    ).store(tCol.load().to(cutlass.Float8E4M3FN))
-                if half == 0:
-                    mScaleInv[block, out_col] = scales[0]
-            cute.arch.sync_threads()  # the tile and the half maxima are rewritten next
-            item = item + gdim
+            block, cb, first_row, row_end = f_block, f_cb, f_first_row, f_row_end
