@@ -251,9 +251,9 @@ def test_step_profile_groups_launches_by_kernel_class(monkeypatch):
                                                   ROOT / "benchmarks" / "bench_moe_layer_profile.py")
     profile = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(profile)
-    mangled = ("kernel_cutlass_kernel_te_fused_opsbackendssm90kernelsgrouped_dact_sm90GroupedGemmDActQuantFp8Sm90"
+    mangled = ("kernel_cutlass_kernel_te_fused_opsbackendssm90kernelsgrouped_dact_sm90GroupedGemmDActFp8Sm90"
                "_object_at__CopyAtom_ThrID")
-    assert profile.kernel_class(mangled) == "GroupedGemmDActQuantFp8Sm90"
+    assert profile.kernel_class(mangled) == "GroupedGemmDActFp8Sm90"
     route = "kernel_cutlass_place_kernel_te_fused_opsbackendssm90kernelsroute_sm90RouteSm90_object_at__tensorptri64"
     assert profile.kernel_class(route) == "RouteSm90"
     assert profile.kernel_class("void at::native::indexFuncLargeIndex<c10::BFloat16>") == (

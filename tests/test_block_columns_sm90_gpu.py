@@ -42,13 +42,15 @@ def check_columns(columns, expected, used):
     assert torch.equal(columns.scale_inv[:used], expected.scale_inv[:used])
 
 
-def poison_outputs(m, c, groups):
-    """Allocate and free NaN-byte tensors of `block_columns_sm90(rows=True)`'s output sizes, in its
-    order, so that its torch.empty outputs start from poisoned memory rather than zeros."""
-    blocks = -(-m // 128) + groups
-    sizes = [c * 128 * blocks, blocks * c * 4, m * c, m * -(-c // 128) * 4]
-    poisoned = [torch.full((n,), 0xFF, dtype=torch.uint8, device="cuda") for n in sizes]
-    del poisoned
+def poison(m, c, g):
+    """NaN bytes and multipliers where a wrapper's row-wise (M, C) and per-group column-wise copies
+    (and their multipliers) will be allocated, so that its torch.empty outputs start poisoned."""
+    blocks = -(-m // 128) + g
+    held = [torch.full((m * c,), 0xFF, dtype=torch.uint8, device="cuda"),
+            torch.full((m, -(-c // 128)), float("nan"), device="cuda"),
+            torch.full((c * 128 * blocks,), 0xFF, dtype=torch.uint8, device="cuda"),
+            torch.full((blocks, c), float("nan"), device="cuda")]
+    del held
 
 
 SPLITS = [0, 1, 127, 128, 129, 300, 0, 513, 17, 256]
@@ -62,7 +64,7 @@ def test_from_16bit_with_rows(dtype, power_2_scales, c):
     x = make_x(m, c, dtype, seed=c)
     offsets = offsets_from_splits(SPLITS)
     recipe = Float8BlockScaling(power_2_scales)
-    poison_outputs(m, c, len(SPLITS))
+    poison(m, c, len(SPLITS))
     columns, row_data, row_scale_inv = block_columns_sm90(x, offsets, rows=True, power_2_scales=power_2_scales)
     q = quantize(x, recipe, rowwise=True, columnwise=True, offsets=offsets)
     check_columns(columns, block_padded(q.columnwise_data, q.columnwise_scale_inv, offsets), used_blocks(offsets, m))

@@ -9,9 +9,8 @@ import math
 
 import pytest
 import torch
-from test_block_columns_sm90_gpu import check_columns, used_blocks
+from test_block_columns_sm90_gpu import check_columns, poison, used_blocks
 from test_block_quantize_sm90_gpu import assert_same_bytes
-from test_grouped_dgrad_dact_quant_fp8_sm90_gpu import poison
 from test_grouped_gemm_act_quant_sm90_gpu import check_cast
 from test_grouped_gemm_fp8_sm90_gpu import quantized_operands
 from test_grouped_gemm_sm90_gpu import ALPHA, LIMIT, offsets_from_splits

@@ -6,9 +6,8 @@ kernel's. With ``columns`` (+ Transpose) the per-group column-wise copy too, bit
 
 import pytest
 import torch
-from test_block_columns_sm90_gpu import check_columns, used_blocks
+from test_block_columns_sm90_gpu import check_columns, poison, used_blocks
 from test_block_quantize_sm90_gpu import assert_same_bytes
-from test_grouped_dgrad_dact_quant_fp8_sm90_gpu import poison
 from test_grouped_gemm_sm90_gpu import ALPHA, LIMIT, offsets_from_splits
 
 from te_fused_ops.backends.sm90.kernels import sm90_unavailable_reason

@@ -131,13 +131,6 @@ def test_unsupported_reasons():
     assert "H=12" in why_dact(torch.bfloat16, 12, 64, "swiglu")
     assert "needs an activation" in why_dact(torch.bfloat16, 64, 64, None)
 
-    from te_fused_ops.backends.sm90.kernels.grouped_gemm import sm90_grouped_dgrad_dact_quant_fp8_unsupported_reason as why_quant
-
-    assert why_quant(torch.bfloat16, 2048, 768, 128, "swiglu") is None
-    assert "I=2880" in why_quant(torch.bfloat16, 2880, 2880, 32, "swiglu")
-    assert "513 groups" in why_quant(torch.bfloat16, 256, 128, 513, "srelu")
-    assert "H=200" in why_quant(torch.bfloat16, 200, 128, 8, "swiglu")
-
 
 def test_split_offsets_compiles():
     from te_fused_ops.backends.sm90.kernels.split_offsets import compile_split_offsets
@@ -182,14 +175,6 @@ def test_grouped_dgrad_dact_fp8_compiles():
     assert compile_grouped_dgrad_dact_fp8(torch.float16, "scaled_swiglu", False, 1, d_pre_amax=True) is not None
     # the act for FC2's 16-bit weight gradient where the forward kept it only in E4M3
     assert compile_grouped_dgrad_dact_fp8(torch.bfloat16, "scaled_swiglu", False, 2, tile_n=256, emit_act=True) is not None
-
-
-@pytest.mark.parametrize("activation,dtype,cluster_m,power_2_scales", [("srelu", torch.float16, 1, True)])
-def test_grouped_dgrad_dact_quant_fp8_compiles(activation, dtype, cluster_m, power_2_scales):
-    """d_pre cast in the epilogue: rows and per-group columns (fp8_blockwise, FC1's backward)."""
-    from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_dgrad_dact_quant_fp8
-
-    assert compile_grouped_dgrad_dact_quant_fp8(dtype, activation, False, cluster_m, power_2_scales) is not None
 
 
 @pytest.mark.parametrize(

@@ -104,8 +104,6 @@ COMPILE = {  # name: Python that compiles one configuration (torch as torch, bf1
     "FP8 dgrad + dScaledSwiGLU tile 256, act emitted": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
                                                        " compile_grouped_dgrad_dact_fp8 as c;"
                                                        " c(bf16, 'scaled_swiglu', False, 2, False, 256, emit_act=True)",
-    "FP8 dgrad + dSwiGLU, d_pre cast": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
-                                       " compile_grouped_dgrad_dact_quant_fp8 as c; c(bf16, 'swiglu', False, 2, False)",
 }
 
 

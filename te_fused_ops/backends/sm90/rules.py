@@ -31,10 +31,8 @@ from .kernels.grouped_gemm import (
     GATHER_K_MULTIPLE,
     grouped_gemm_gathered_sm90,
     grouped_dgrad_dact_fp8_sm90,
-    grouped_dgrad_dact_quant_fp8_sm90,
     grouped_dgrad_dact_sm90,
     sm90_grouped_dgrad_dact_fp8_unsupported_reason,
-    sm90_grouped_dgrad_dact_quant_fp8_unsupported_reason,
     sm90_grouped_dgrad_dact_unsupported_reason,
 )
 from .linear import (
@@ -45,7 +43,6 @@ from .linear import (
     columns_unsupported_reason,
     emulated_recipe_reason,
     epilogue_args,
-    fp8_data_grad,
     fp8_dgrad_operands,
     fp8_grad_casts,
     fp8_wgrad_applies,
@@ -374,16 +371,14 @@ def _waits_for_d_pre(linear_ctx, d_pre, *held) -> bool:
     return sum(t.numel() for t in held) <= min(linear_ctx.saved.weight.numel(), d_pre.numel())
 
 
-def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool = False, d_pre_recipe=None, dy_casts=None):
+def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool = False, dy_casts=None):
     """One kernel: d_pre = act'(pre) * (dy @ W[g]) on FP8 operands (the forward's recipe),
     written over pre where the forward made pre for this backward alone; then the weight gradient
     (`fp8_grad_casts`: FP8 for fp8_blockwise, else bf16 on the dequantized input). A quantized dy
     takes the reference. ``dy_casts``: a `Recompute` making dy's copies as `fp8_grad_casts` makes
     them (the weight gradient must then run in FP8, or on dy: None, or a `Recompute` of the 16-bit
     rows made after the kernel); called here, so the copies live only while this backward runs.
-    Returns (d_pre, grads, d_pre's amax parts with ``d_pre_amax``, else None); with
-    ``d_pre_recipe`` (a Float8BlockScaling) d_pre is ((row data, row multipliers),
-    `BlockColumns`), cast in the kernel's epilogue."""
+    Returns (d_pre, grads, d_pre's amax parts with ``d_pre_amax``, else None)."""
     act, _ = ops
     act_ctx, linear_ctx = ctxs
     if dy_casts is None:
@@ -394,21 +389,16 @@ def _dact_fp8(ops, ctxs, dy, d_pre_amax: bool = False, d_pre_recipe=None, dy_cas
     # the act FC2's weight gradient reads: written by the kernel where the forward kept it as a
     # recompute from pre (`act_from_pre`), else loaded before the kernel (a recompute must run
     # before d_pre takes pre's place)
-    emit_act = d_pre_recipe is None and linear_ctx.needs_grad("weight") and act_from_pre(act, linear_ctx)
+    emit_act = linear_ctx.needs_grad("weight") and act_from_pre(act, linear_ctx)
     x = linear_ctx.load_input() if linear_ctx.needs_grad("weight") and not emit_act else None
     dy_rows, dy_columns = dy_casts() if dy_casts is not None else fp8_grad_casts(linear_ctx, dy, recipe, x, True)
     pre = act_ctx.load_input()
     operands = (*fp8_dgrad_operands(linear_ctx, dy_rows, recipe), linear_ctx.side["offsets"], pre)
     kwargs = dict(activation=act.kernel_name, sm_margin=sm_margin(), d_probs_parts=True, **epilogue_args(act, act_ctx))
-    if d_pre_recipe is None:
-        outputs = grouped_dgrad_dact_fp8_sm90(*operands, d_pre_amax=d_pre_amax, emit_act=emit_act,
-                                              out=pre if act_ctx.input_overwritable() else None, **kwargs)
-        if emit_act:
-            x, outputs = outputs[1], (outputs[0], *outputs[2:])
-    else:
-        rows, columns, d_probs = grouped_dgrad_dact_quant_fp8_sm90(
-            *operands, power_2_scales=d_pre_recipe.power_2_scales, **kwargs)
-        outputs = ((rows, columns), d_probs)
+    outputs = grouped_dgrad_dact_fp8_sm90(*operands, d_pre_amax=d_pre_amax, emit_act=emit_act,
+                                          out=pre if act_ctx.input_overwritable() else None, **kwargs)
+    if emit_act:
+        x, outputs = outputs[1], (outputs[0], *outputs[2:])
     del operands, dy_rows  # dy's E4M3 rows are read by the kernel alone
     if isinstance(dy, Recompute):
         dy = dy()
@@ -435,54 +425,30 @@ def _dactivation_grouped_linear(ops, ctxs, dy):
 
 def _supports_with_fc1(ops, info):
     """FC1's input fp8_current or fp8_blockwise (FC2's is quantized: the rule's own check), FC1's
-    input needing its gradient, both backwards on the kernels; fp8_blockwise with FP8 weight
-    gradients: d_pre's cast in the kernel's epilogue and no FC1 bias (its gradient would sum d_pre
-    in bf16); with `high_precision_wgrad` d_pre is made in 16 bits and cast after the kernel."""
+    input needing its gradient, both backwards on the kernels."""
     recipe = info.input_recipe[0]
     if not isinstance(recipe, (Float8CurrentScaling, Float8BlockScaling)):
         return "FC1's input is neither fp8_current nor fp8_blockwise (no cast of d_pre to feed)"
     if not info.input_requires_grad[0]:
         return "FC1's input needs no gradient (no cast of d_pre)"
-    reason = _supports_dactivation(ops[1:], info.window(1, 3)) or backward_unsupported_reason(ops[0], info, 0)
-    if reason or isinstance(recipe, Float8CurrentScaling) or recipe.high_precision_wgrad:
-        return reason
-    fc1, act, fc2 = ops
-    if fc1.bias is not None:
-        return "FC1 has a bias (its gradient sums d_pre in bf16)"
-    return kernel_reason(sm90_grouped_dgrad_dact_quant_fp8_unsupported_reason(
-        info.dtype, fc2.out_features, fc2.in_features, fc2.num_groups, act.kernel_name))
+    return _supports_dactivation(ops[1:], info.window(1, 3)) or backward_unsupported_reason(ops[0], info, 0)
 
 
 @SM90.implement("grouped_linear+dactivation+grouped_linear", supports=_supports_with_fc1)
 def _grouped_linear_dactivation_grouped_linear(ops, ctxs, dy, dy_casts=None, dy_rows16=None):
-    """fp8_current: `_dact_fp8` with d_pre's amax from its epilogue, then FC1's backward
-    (`linear_backward`), whose cast of d_pre takes that amax. fp8_blockwise: d_pre cast in the
-    kernel's epilogue, FC1's FP8 data and weight gradients on those copies (the unfused order
-    where FC1's weight gradient does not run in FP8, or dy arrives quantized). ``dy_casts``: a
-    `Recompute` of FC2's copies of dy (`_dact_fp8`); dy then gives only the dtype, and
-    ``dy_rows16`` (a `Recompute`) the 16-bit expert rows FC2's `high_precision_wgrad` weight and
-    bias gradients read (None: none). Both are made inside FC2's backward and freed after it,
-    before FC1's backward allocates."""
+    """`_dact_fp8`, d_pre written in 16 bits over the saved pre-activation, then FC1's backward
+    (`linear_backward`) on it. fp8_current: d_pre's amax comes from the kernel's epilogue, and
+    FC1's cast of d_pre takes it. fp8_blockwise: FC1's backward casts d_pre to its two E4M3 copies
+    in one kernel (`block_columns_sm90`: rows and columns from one read), which measured faster
+    than casting them in the dActivation's epilogue. ``dy_casts``: a `Recompute` of FC2's copies of
+    dy (`_dact_fp8`); dy then gives only the dtype, and ``dy_rows16`` (a `Recompute`) the 16-bit
+    expert rows FC2's `high_precision_wgrad` weight and bias gradients read (None: none). Both are
+    made inside FC2's backward and freed after it, before FC1's backward allocates."""
     fc1, fc1_ctx = ops[0], ctxs[0]
-    recipe = fc1_ctx.saved.recipe
-    dtype = dy.dtype
+    current = isinstance(fc1_ctx.saved.recipe, Float8CurrentScaling)
     fc2_dy = dy if dy_casts is None else dy_rows16
-    if isinstance(recipe, Float8CurrentScaling):
-        d_pre, grads, amax_parts = _dact_fp8(ops[1:], ctxs[1:], fc2_dy, d_pre_amax=True, dy_casts=dy_casts)
-        dx, fc1_grads = linear_backward(fc1, fc1_ctx, d_pre, amax_parts)
-        return dx, [fc1_grads, *grads]
-    quantized_dy = fc2_dy is not None and is_quantized(fc2_dy)
-    x = None  # with a 16-bit weight gradient FC1's input is read where that runs (perhaps by index)
-    if not (quantized_dy or not fc1_ctx.needs_grad("weight") or recipe.high_precision_wgrad):
-        x = fc1_ctx.load_input()
-    if not fp8_wgrad_applies(fc1_ctx, recipe, x):  # x loaded once, whichever order runs
-        d_pre, grads, _ = _dact_fp8(ops[1:], ctxs[1:], fc2_dy, dy_casts=dy_casts)
-        dx, fc1_grads = linear_backward(fc1, fc1_ctx, d_pre, x=x)
-        return dx, [fc1_grads, *grads]
-    (d_pre_rows, d_pre_columns), grads, _ = _dact_fp8(ops[1:], ctxs[1:], fc2_dy, d_pre_recipe=recipe,
-                                                      dy_casts=dy_casts)
-    dx = fp8_data_grad(fc1_ctx, d_pre_rows, recipe, dtype)
-    fc1_grads = quantized_input_param_grads(fc1_ctx, None, x, d_pre_columns, out_dtype=dtype)
+    d_pre, grads, amax_parts = _dact_fp8(ops[1:], ctxs[1:], fc2_dy, d_pre_amax=current, dy_casts=dy_casts)
+    dx, fc1_grads = linear_backward(fc1, fc1_ctx, d_pre, amax_parts)
     return dx, [fc1_grads, *grads]
 
 

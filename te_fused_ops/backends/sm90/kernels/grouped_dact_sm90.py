@@ -28,16 +28,10 @@ from cutlass import Float32, Int32, const_expr
 
 from ....activations import activation_spec
 from .activation_math_sm90 import ACTIVATION_MATH, ActivationConstants
-from .block_quantize_sm90 import e4m3_scale_inv, e4m3_scaled
 from .epilogue_cast_sm90 import (
-    COLUMN_SCRATCH,
     fragment_row_slots,
     load_row_values,
     make_amax_state,
-    quad_column_groups,
-    stage_transposed,
-    store_quad_rows,
-    store_staged_columns,
     track_amax,
     write_amax_parts,
 )
@@ -85,23 +79,21 @@ class GroupedGemmDActSm90(GroupedGemmSm90):
 
     Compile-time configuration: ``dtype``, ``tile_n`` (over I), ``activation`` (a name of
     ``activations.ACTIVATIONS``), ``cluster_m``, ``b_major`` (bf16: "mn", W (G, H, I) read in
-    place), ``emit_act`` (store act), ``store_d_pre`` (False: a subclass writes d_pre itself),
-    ``d_pre_amax`` (`DActParams.amax_parts`) and the core's options.
+    place), ``emit_act`` (store act), ``d_pre_amax`` (`DActParams.amax_parts`) and the core's
+    options.
     """
 
     supports_epilogue_warps = True
 
     def __init__(self, dtype, tile_n, activation, cluster_m=2, b_major="mn", emit_act=True, d_pre_amax=False,
-                 store_d_pre=True, **opts):
+                 **opts):
         self.spec = activation_spec(activation, "GroupedGemmDActSm90")
         if self.spec is None:
             raise ValueError("GroupedGemmDActSm90 needs an activation")
         self.d_pre_amax = d_pre_amax
         # outputs: d_pre (gate and up halves for GLU), act (``emit_act``); input: pre (both halves)
         self.emit_act = emit_act
-        self.epi_stores = ()
-        if store_d_pre:
-            self.epi_stores = ((0, 0), (0, 1)) if self.spec.glu else ((0, 0),)
+        self.epi_stores = ((0, 0), (0, 1)) if self.spec.glu else ((0, 0),)
         if emit_act:
             self.epi_stores += ((1, 0),)
         self.epi_loads = ((0, 0), (0, 1)) if self.spec.glu else ((0, 0),)
@@ -275,139 +267,3 @@ class GroupedGemmDActFp8Sm90(GroupedGemmDActSm90):
         self.launch(mDy, mW, mOffsets, outputs, (mPre,),
                     DActParams(mProbs, mDProbsPart, constants, m_total, mDPreAmax),
                     max_clusters, stream, scales=(mDyScale, mWScale))
-
-
-class GroupedGemmDActQuantFp8Sm90(GroupedGemmDActFp8Sm90):
-    """`GroupedGemmDActFp8Sm90` whose d_pre leaves only as the two E4M3 copies FC1's backward reads
-    ("fp8_blockwise", 1 x 128 blocks), bit for bit the torch quantizer (``Float8BlockScaling(
-    power_2_scales)``) of the d_pre `GroupedGemmDActFp8Sm90` writes (its dtype rounding included):
-
-    rows (FC1's data gradient): data (M, C) float8_e4m3fn, scale_inv (M, C / 128) float32, rows of
-    the groups only; columns (FC1's weight gradient, `BlockColumns`): data (C, 128 * blocks) with
-    group g's 128-row block j at columns 128 (first_block[g] + j) (zeros past the group's end),
-    scale_inv (blocks, C). C = 2I (GLU) or I; I a multiple of 128, so a tile's columns of each half
-    are one block of every row, and (varlen-M tiles start at their group's first row) its 128 rows
-    one column block of its group.
-
-    Each step keeps its d_pre chunk in registers (dtype). After the tile's last step, per half:
-    each row's amax across the quad (two shuffles), the row bytes stored per quad (`store_quad_rows`);
-    then the half staged transposed in shared memory (128 columns x 128 rows of dtype, rows
-    past the group's end as zeros), two threads per column (64 rows each) take its amax, scale and
-    store 64 bytes.
-    """
-
-    group_blocks = True
-
-    def __init__(self, dtype, activation, cluster_m=2, power_2_scales=False, **opts):
-        self.power_2_scales = power_2_scales
-        self.epi_scratch = COLUMN_SCRATCH  # one half of the tile, transposed
-        super().__init__(dtype, activation, cluster_m, store_d_pre=False, **opts)
-        self.halves = 2 if self.spec.glu else 1
-
-    @cute.jit
-    def __call__(
-        self,
-        mDy: cute.Tensor,  # (M, H) E4M3
-        mDyScale: cute.Tensor,  # (M, ceil(H/128)) float32
-        mW: cute.Tensor,  # (G, I, H) E4M3
-        mWScale: cute.Tensor,  # (G, ceil(I/128), ceil(H/128)) float32
-        mOffsets: cute.Tensor,  # (G + 1,) int32
-        mPre: cute.Tensor,  # (M, C)
-        mRowData: cute.Tensor,  # (M, C) E4M3
-        mRowScale: cute.Tensor,  # (M, C/128) float32
-        mColData: cute.Tensor,  # (C, 128 * blocks) E4M3
-        mColScale: cute.Tensor,  # (blocks, C) float32
-        mProbs: cute.Tensor,  # (M,) float32 or None
-        mDProbsPart: cute.Tensor,  # (I / 128, M) float32 or None
-        constants: ActivationConstants,
-        max_clusters: Int32,
-        stream,
-    ):
-        m_total = cute.size(mDy, mode=[0])
-        params = DActParams(mProbs, mDProbsPart, constants, m_total, row_data=mRowData, row_scale=mRowScale,
-                            col_data=mColData, col_scale=mColScale)
-        self.launch(mDy, mW, mOffsets, (), (mPre,), params, max_clusters, stream, scales=(mDyScale, mWScale))
-
-    def epi_make_state(self, tiled_copy, epi_tile, shared):
-        """(the parent's state; the tile's d_pre as stored (dtype, step- then half-major); one
-        step's d_pre in fp32 per half; per row slot (one half at a time) scale_inv and the two
-        multipliers of `e4m3_scale_inv`; fp32 and E4M3 scratch of one chunk; the transposed tile
-        (shared); the groups' first blocks (shared))."""
-        parent = super().epi_make_state(tiled_copy, epi_tile, shared)
-        self.row_slot, self.slot_value = fragment_row_slots(tiled_copy, epi_tile)
-        self.quad_pairs = quad_column_groups(tiled_copy, epi_tile, self.row_slot)
-        frag, slots = len(self.row_slot), len(self.slot_value)
-        sScratch, sEdges = shared
-        return (
-            parent,
-            [cute.make_rmem_tensor((frag,), self.dtype) for _ in range(self.num_steps * self.halves)],
-            [cute.make_rmem_tensor((frag,), Float32) for _ in range(self.halves)],
-            [cute.make_rmem_tensor((slots,), Float32) for _ in range(3)],
-            cute.make_rmem_tensor((frag,), Float32),
-            cute.make_rmem_tensor((frag,), cutlass.Float8E4M3FN),
-            sScratch,
-            sEdges,
-        )
-
-    def epi_begin_tile(self, params, tile: Tile, n_box, tRS_rAcc, tRS_cD, state):
-        super().epi_begin_tile(params, tile, n_box, tRS_rAcc, tRS_cD, state[0])
-
-    @cute.jit
-    def epi_visit(self, params, tile: Tile, step, chunk, n_box, rAcc, rIn, rOut, tRS_cD, state):
-        values, rDPre = state[1], state[2]
-        # the parent named: the DSL's rewrite of a jit method resolves super() from type(self)
-        GroupedGemmDActFp8Sm90.epi_visit(self, params, tile, step, chunk, n_box, rAcc, rIn, rDPre, tRS_cD, state[0])
-        for h in cutlass.range_constexpr(self.halves):  # packed conversions: two values per register
-            values[step * self.halves + h].store(rDPre[h].load().to(self.dtype))
-
-    @cute.jit
-    def epi_end_tile(self, params, tile: Tile, n_box, tRS_cD, state):
-        GroupedGemmDActFp8Sm90.epi_end_tile(self, params, tile, n_box, tRS_cD, state[0])
-        if tile.is_group and tile.row0 < tile.end:  # the same for every thread of the CTA
-            for h in cutlass.range_constexpr(self.halves):  # a half's values are dead after its pass
-                self._store_rows(params, tile, n_box, tRS_cD, state, h)
-                self._store_columns(params, tile, n_box, tRS_cD, state, h)
-
-    @cute.jit
-    def _store_rows(self, params, tile: Tile, n_box, tRS_cD, state, h: cutlass.Constexpr[int]):
-        """Half h's row-wise copy of the tile: scale_inv per row, then the bytes, chunk by chunk."""
-        m_total, mRowData, mRowScale = params.m_total, params.row_data, params.row_scale
-        values, (scale_inv, m1, m2), scaled, data = state[1], state[3], state[4], state[5]
-        frag, slots = len(self.row_slot), len(self.slot_value)
-        amax = scale_inv
-        amax.fill(0.0)
-        for step in cutlass.range_constexpr(self.num_steps):
-            scaled.store(values[step * self.halves + h].load().to(Float32))
-            for v in cutlass.range_constexpr(frag):
-                value = scaled[v]
-                magnitude = cutlass.max(value, -value)
-                if magnitude < Float32(float("inf")):  # NaN, Inf count as 0
-                    amax[self.row_slot[v]] = cutlass.max(amax[self.row_slot[v]], magnitude)
-        lane = cute.arch.lane_idx()
-        for slot in cutlass.range_constexpr(slots):
-            row_amax = amax[slot]
-            row_amax = cutlass.max(row_amax, cute.arch.shuffle_sync_bfly(row_amax, offset=1))
-            row_amax = cutlass.max(row_amax, cute.arch.shuffle_sync_bfly(row_amax, offset=2))
-            scale_inv[slot], m1[slot], m2[slot] = e4m3_scale_inv(row_amax, self.power_2_scales)
-            row = tile.row0 + tRS_cD[self.slot_value[slot]][0]
-            if lane % 4 == 0 and row < tile.end:
-                mRowScale[row, h * (n_box // 128) + tile.nt] = scale_inv[slot]
-        for step in cutlass.range_constexpr(self.num_steps):
-            scaled.store(values[step * self.halves + h].load().to(Float32))
-            for v in cutlass.range_constexpr(frag):
-                slot = self.row_slot[v]
-                scaled[v] = e4m3_scaled(scaled[v], scale_inv[slot], m1[slot], m2[slot], self.power_2_scales)
-            data.store(scaled.load().to(cutlass.Float8E4M3FN))  # round to nearest even, saturating
-            col0 = h * n_box + (tile.nt * self.num_steps + step) * self.epi_n
-            store_quad_rows(mRowData, data, self.quad_pairs, tile, tRS_cD, col0, (h + 1) * n_box, m_total)
-
-    @cute.jit
-    def _store_columns(self, params, tile: Tile, n_box, tRS_cD, state, h: cutlass.Constexpr[int]):
-        """Half h's column-wise copy of the tile, staged transposed (`store_staged_columns`)."""
-        values, sScratch, sEdges = state[1], state[6], state[7]
-        for step in cutlass.range_constexpr(self.num_steps):
-            for v in cutlass.range_constexpr(len(self.row_slot)):
-                stage_transposed(sScratch, values[step * self.halves + h][v], tile, tRS_cD[v][0],
-                                 step * self.epi_n + tRS_cD[v][1], self.dtype)
-        store_staged_columns(params.col_data, params.col_scale, sScratch, sEdges, tile, h * n_box + tile.nt * 128,
-                             self.dtype, self.power_2_scales, self.epi_barrier)

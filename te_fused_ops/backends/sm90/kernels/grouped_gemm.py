@@ -7,8 +7,6 @@ e.g. the data gradient dx = dy @ W[g] of a GroupedLinear, W read in place), + bi
 ``grouped_gemm_fp8_sm90``: the forward on block-scaled FP8 operands (x 1x128, W 128x128 blocks).
 ``grouped_gemm_act_quant_sm90``: the forward + GLU activation with the activation (or, without an
 activation, the output) cast to E4M3 in 1x128 blocks in the epilogue (no bf16 round trip).
-``grouped_dgrad_dact_quant_fp8_sm90``: the FP8 backward of FC2 + dActivation whose d_pre leaves as
-its row-wise and per-group column-wise 1x128 E4M3 copies (no bf16 round trip).
 
 Tensors cross into the kernels through TVM-FFI (``apache-tvm-ffi``) when it is installed, which keeps
 the per-call host overhead to a few microseconds; without it the classic CuTe DSL call path is used.
@@ -51,7 +49,6 @@ _ACT_QUANT = "grouped_gemm_act_quant_sm90"
 _GATHERED = "grouped_gemm_gathered_sm90"
 GATHER_K_MULTIPLE = 64  # gathered A rows: whole 64-column k-tiles of 16-byte loads
 _ACT_QUANT_FP8 = "grouped_gemm_act_quant_fp8_sm90"
-_DACT_QUANT_FP8 = "grouped_dgrad_dact_quant_fp8_sm90"
 # the columns an epilogue casts with a column-wise copy (d_pre: each GLU half's) come in multiples of
 # this, so a tile's are one 1x128 block
 CAST_COLUMNS_MULTIPLE = 128
@@ -116,17 +113,6 @@ def sm90_grouped_dgrad_dact_fp8_unsupported_reason(dtype, h, i, activation) -> s
     reason = sm90_grouped_dgrad_dact_unsupported_reason(dtype, h, i, activation)
     if reason is None and h % 16 != 0:
         return f"sm90 backend: H={h} not a multiple of 16 (FP8)"
-    return reason
-
-
-def sm90_grouped_dgrad_dact_quant_fp8_unsupported_reason(dtype, h, i, g, activation) -> str | None:
-    """None if ``grouped_dgrad_dact_quant_fp8_sm90`` can run that FP8 dgrad + d``activation`` for
-    ``g`` groups with d_pre cast in the epilogue."""
-    reason = sm90_grouped_dgrad_dact_fp8_unsupported_reason(dtype, h, i, activation)
-    if reason is None and i % CAST_COLUMNS_MULTIPLE != 0:
-        return f"sm90 backend: I={i} not a multiple of {CAST_COLUMNS_MULTIPLE} (d_pre's 1x128 blocks cross tiles)"
-    if reason is None and g > FP8_MAX_GROUPS:
-        return f"sm90 backend: {g} groups, more than {FP8_MAX_GROUPS} (d_pre's column-wise cast)"
     return reason
 
 
@@ -402,38 +388,6 @@ def compile_grouped_dgrad_dact_fp8(dtype, activation, tvm_ffi=None, cluster_m=2,
     )
     kernel = GroupedGemmDActFp8Sm90(dt, activation, cluster_m, tile_n, d_pre_amax=d_pre_amax, emit_act=emit_act,
                                     **kernel_opts)
-    return _compile(kernel, args, tvm_ffi)
-
-
-@cached_kernel
-def compile_grouped_dgrad_dact_quant_fp8(dtype, activation, tvm_ffi=None, cluster_m=2, power_2_scales=False,
-                                         **kernel_opts):
-    """Compile (once per configuration) and return the launcher of ``grouped_dgrad_dact_quant_fp8_sm90``:
-    fn(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, row_data, row_scale, col_data, col_scale, probs,
-    d_probs_part, constants, max_clusters)."""
-    import cutlass
-    import cutlass.cute as cute
-
-    from .grouped_dact_sm90 import GroupedGemmDActQuantFp8Sm90
-
-    dt = _cutlass_dtype(dtype)
-    spec = activation_spec(activation, "compile_grouped_dgrad_dact_quant_fp8")
-    m, g, n_tiles, blocks, c_blocks = (cute.sym_int() for _ in range(5))
-    h = cute.sym_int(divisibility=16)
-    i = cute.sym_int(divisibility=CAST_COLUMNS_MULTIPLE)
-    c = cute.sym_int(divisibility=2 * CAST_COLUMNS_MULTIPLE) if spec.glu else i
-    f8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
-    args = (
-        *_fp8_operand_fakes(m, h, g, i),
-        fake_tensor(dt, (m, c)),
-        fake_tensor(f8, (m, c)),
-        fake_tensor(f32, (m, c_blocks), 4),
-        fake_tensor(f8, (c, cute.sym_int(divisibility=128))),
-        fake_tensor(f32, (blocks, c), 4),
-        fake_tensor(f32, (m,), 4) if spec.takes_probs else None,
-        fake_tensor(f32, (n_tiles, m), 4) if spec.takes_probs else None,
-    )
-    kernel = GroupedGemmDActQuantFp8Sm90(dt, activation, cluster_m, power_2_scales=power_2_scales, **kernel_opts)
     return _compile(kernel, args, tvm_ffi)
 
 
@@ -1262,7 +1216,7 @@ def grouped_dgrad_dact_fp8_sm90(
         _DACT_FP8, pre.dtype, activation, tile_n, cluster_m, sm_margin, d_pre_amax, emit_act,
     )
     args = (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation, probs, cluster_m, sm_margin,
-            d_pre_amax, None, tile_n, emit_act)
+            d_pre_amax, tile_n, emit_act)
     launch = _MEMO.get(key)
     if launch is None:
         launch = _dact_fp8_launch(*args)
@@ -1278,7 +1232,7 @@ def grouped_dgrad_dact_fp8_sm90(
                 (tuning.fp8_dact_tile_n(i), _fp8_cluster_m(m, i, g, dy.get_device(), sm_margin)),
                 tuning.fp8_candidates(tile_ns=(128, 256)))
             if config is not None:
-                args = (*args[:8], config.cluster_m, *args[9:12], config.tile_n, emit_act)
+                args = (*args[:8], config.cluster_m, *args[9:11], config.tile_n, emit_act)
                 launch = _dact_fp8_launch(*args)
         _MEMO.put(key, launch)
     fn, partial_shape, clusters, num_parts = launch
@@ -1302,87 +1256,40 @@ def _check_d_pre_out(name, out, pre):
 
 
 def _dact_fp8_launch(dy, dy_scale, weight_t, weight_t_scale, offsets, pre, activation, probs, cluster_m, sm_margin,
-                     d_pre_amax=False, power_2_scales=None, tile_n=None, emit_act=False):
-    """Every check of `grouped_dgrad_dact_fp8_sm90` (with ``power_2_scales`` a bool: of
-    `grouped_dgrad_dact_quant_fp8_sm90`, tile_n 128); (launcher or None when M == 0, d_probs
+                     d_pre_amax=False, tile_n=None, emit_act=False):
+    """Every check of `grouped_dgrad_dact_fp8_sm90`; (launcher or None when M == 0, d_probs
     partials shape or None, persistent grid in clusters, d_pre amax parts or 0)."""
+    name = _DACT_FP8
     if not isinstance(emit_act, bool):
-        raise TypeError(f"{_DACT_FP8}: emit_act must be a bool, got {type(emit_act).__name__}")
-    quantize = power_2_scales is not None
-    name = _DACT_QUANT_FP8 if quantize else _DACT_FP8
+        raise TypeError(f"{name}: emit_act must be a bool, got {type(emit_act).__name__}")
     dev, (m, h), (g, i, _) = _check_fp8_operands(
         name, ("dy", dy, dy_scale), ("weight_t", weight_t, weight_t_scale), offsets
     )
     spec = activation_spec(activation, name)
     if spec is None:
         raise ValueError(f"{name}: activation is required, one of {tuple(ACTIVATIONS)}")
-    multiple = CAST_COLUMNS_MULTIPLE if quantize else DACT_GLU_I_MULTIPLE if spec.glu else 8
+    multiple = DACT_GLU_I_MULTIPLE if spec.glu else 8
     if i % multiple:
         raise ValueError(f"{name}: I={i} (weight_t.shape[1]) must be a multiple of {multiple} for activation "
                          f"{activation!r}")
-    if quantize and g > FP8_MAX_GROUPS:
-        raise ValueError(f"{name}: weight_t holds {g} groups, at most {FP8_MAX_GROUPS} are supported")
-    if quantize and not isinstance(power_2_scales, bool):
-        raise TypeError(f"{name}: power_2_scales must be a bool, got {type(power_2_scales).__name__}")
     if not isinstance(pre, torch.Tensor) or pre.dtype not in DTYPES:
         raise TypeError(f"{name}: pre must be a bfloat16 or float16 tensor, got {getattr(pre, 'dtype', type(pre))}")
     check_tensor(name, pre, "pre", pre.dtype, 2, dev)
     _check_shape(name, pre, "pre", (m, 2 * i if spec.glu else i))
     _check_probs(name, spec, probs, m, dev)
-    if tile_n not in (None, 128, 256) or (quantize and tile_n == 256):
-        raise ValueError(f"{name}: tile_n must be {'128' if quantize else '128 or 256'}, got {tile_n!r}")
-    tile_n = 128 if quantize else tile_n or tuning.fp8_dact_tile_n(i)
+    if tile_n not in (None, 128, 256):
+        raise ValueError(f"{name}: tile_n must be 128 or 256, got {tile_n!r}")
+    tile_n = tile_n or tuning.fp8_dact_tile_n(i)
     _, cluster_m, clusters, _ = _launch_config(name, m, i, g, dev, tile_n, cluster_m, sm_margin)
     partial_shape = (-(-i // tile_n), m) if spec.takes_probs else None
     num_parts = _check_amax_request(name, "d_pre_amax", d_pre_amax, True, clusters, cluster_m)
     if m == 0:
         return None, partial_shape, clusters, num_parts
-    if quantize:
-        key = (_DACT_QUANT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, power_2_scales)
-        compile_fn = compile_grouped_dgrad_dact_quant_fp8
-    else:
-        key = (_DACT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, bool(d_pre_amax), tile_n, emit_act)
-        compile_fn = compile_grouped_dgrad_dact_fp8
+    key = (_DACT_FP8, pre.dtype, activation, tvm_ffi_available(), cluster_m, bool(d_pre_amax), tile_n, emit_act)
     fn = _LAUNCHERS.get(key)
     if fn is None:
-        fn = _LAUNCHERS[key] = compile_fn(*key[1:])
+        fn = _LAUNCHERS[key] = compile_grouped_dgrad_dact_fp8(*key[1:])
     return fn, partial_shape, clusters, num_parts
-
-
-def grouped_dgrad_dact_quant_fp8_sm90(
-    dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, *, activation, probs=None,
-    power_2_scales=False, cluster_m=None, sm_margin=None, d_probs_parts=False, **constants,
-):
-    """`grouped_dgrad_dact_fp8_sm90` whose d_pre leaves only as the E4M3 copies FC1's backward
-    reads (fp8_blockwise), cast in the epilogue: bit for bit the torch quantizer
-    (``Float8BlockScaling(power_2_scales)``) of the d_pre `grouped_dgrad_dact_fp8_sm90` returns.
-
-    Arguments as for `grouped_dgrad_dact_fp8_sm90`; I a multiple of 128, G <= 512. Returns
-    ((row data (M, C) float8_e4m3fn, row scale_inv (M, C/128) float32), columns (`BlockColumns`,
-    as `block_columns_sm90` makes them), d_probs (M,) float32 for scaled_swiglu else None), C =
-    pre.shape[1]; row-wise rows >= offsets[G] are not written. ``d_probs_parts`` as for
-    `grouped_dgrad_dact_sm90`. No host sync.
-    """
-    tvm_ffi = tvm_ffi_available()
-    key = (
-        call_signature(tvm_ffi, dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, probs),
-        _DACT_QUANT_FP8, pre.dtype, activation, cluster_m, sm_margin, power_2_scales,
-    )
-    args = (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, activation, probs, cluster_m, sm_margin,
-            False, power_2_scales)
-    launch = _MEMO.get(key) or _MEMO.put(key, _dact_fp8_launch(*args))
-    fn, partial_shape, clusters, _ = launch
-    (m, c), g = pre.shape, offsets.shape[0] - 1
-    blocks = -(-m // 128) + g
-    row_data = torch.empty(m, c, dtype=torch.float8_e4m3fn, device=pre.device)
-    row_scale = torch.empty(m, c // 128, dtype=torch.float32, device=pre.device)
-    col_data = torch.empty(c, 128 * blocks, dtype=torch.float8_e4m3fn, device=pre.device)
-    col_scale = torch.empty(blocks, c, dtype=torch.float32, device=pre.device)
-    d_probs_part = None if partial_shape is None else pre.new_empty(partial_shape, dtype=torch.float32)
-    _run(fn, tvm_ffi, _dact_fp8_launch, args,
-         (dy, dy_scale_inv, weight_t, weight_t_scale_inv, offsets, pre, row_data, row_scale, col_data, col_scale,
-          probs, d_probs_part), activation_constants(_DACT_QUANT_FP8, constants), clusters)
-    return (row_data, row_scale), BlockColumns(col_data, col_scale, m), _d_probs(d_probs_part, d_probs_parts)
 
 
 def _run(fn, tvm_ffi, checks, check_args, tensors, constants, clusters):

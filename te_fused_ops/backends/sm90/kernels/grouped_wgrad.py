@@ -36,7 +36,7 @@ _NAME = "grouped_wgrad_sm90"
 _FP8_NAME = "grouped_wgrad_fp8_sm90"
 _GATHERED_NAME = "grouped_wgrad_gathered_sm90"
 _MAX_ROWS = 2**30  # the ragged token view's mode extent
-FP8_MAX_GROUPS = 512  # FP8 wgrad and the d_pre cast scan the groups into shared memory: group_tile_scheduler.SORT_MAX_G
+FP8_MAX_GROUPS = 512  # FP8 wgrad and the cast epilogues scan the groups into shared memory: group_tile_scheduler.SORT_MAX_G
 
 
 def sm90_wgrad_unsupported_reason(dtype, n, k) -> str | None:
