@@ -562,6 +562,24 @@ def _locate_block(sScan: cute.Tensor, item, col_blocks, num_groups):
     return block, item % col_blocks, sScan[lo] + (block - sScan[first_blocks + lo]) * COLS, sScan[lo + 1]
 
 
+@cute.jit
+def _share_multipliers(sScale: cute.Tensor, amax: Float32, power_2_scales: cutlass.Constexpr[bool]) -> Float32:
+    """Lane s < 8 of each warp puts block s's multipliers (`e4m3_scale_inv` of the lane's ``amax``)
+    into sScale[:, s, warp] (sScale (4, 8, warps) float32) for the whole warp, after the warp has
+    read the previous ones; returns the lane's scale_inv."""
+    tidx, _, _ = cute.arch.thread_idx()
+    warp = cute.arch.make_warp_uniform(tidx // WARP)
+    lane = cute.arch.lane_idx()
+    scale_inv, m1, m2 = e4m3_scale_inv(amax, power_2_scales)
+    cute.arch.sync_warp()  # the previous item's multipliers are read
+    if lane < cute.size(sScale, mode=[1]):
+        sScale[0, lane, warp] = scale_inv
+        sScale[1, lane, warp] = m1
+        sScale[2, lane, warp] = m2
+    cute.arch.sync_warp()
+    return scale_inv
+
+
 class BlockColumnQuantizeSm90:
     """Block-padded per-group column-wise E4M3 copy of x (M, C) for the FP8 weight gradient.
 
@@ -704,16 +722,10 @@ class BlockColumnQuantizeSm90:
             amax = cute.arch.warp_redux_sync(cutlass.max(pair & Int32(0xFFFF), (pair >> 16) & Int32(0xFFFF)), "max")
             if lane % WARP_ROWS == r:
                 mine = amax
-        scale_inv, m1, m2 = e4m3_scale_inv(_magnitude_value(mine, dtype), self.power_2_scales)
+        scale_inv = _share_multipliers(sRowScale, _magnitude_value(mine, dtype), self.power_2_scales)
         row_of_lane = first_row + warp * WARP_ROWS + lane
-        cute.arch.sync_warp()  # the previous item's multipliers are read
-        if lane < WARP_ROWS:
-            sRowScale[0, lane, warp] = scale_inv
-            sRowScale[1, lane, warp] = m1
-            sRowScale[2, lane, warp] = m2
-            if row_of_lane < row_end:
-                mRowScale[row_of_lane, cb] = scale_inv
-        cute.arch.sync_warp()
+        if lane < WARP_ROWS and row_of_lane < row_end:
+            mRowScale[row_of_lane, cb] = scale_inv
         col = cb * COLS + lane * LANE_COLUMNS
         if col < cols:
             for r in cutlass.range_constexpr(WARP_ROWS):
@@ -795,15 +807,9 @@ class BlockColumnQuantizeSm90:
             else:
                 amax = self._column_amax_16bit(tX, column)
             # ---- column multipliers, made by lanes 0..7 for the warp
-            scale_inv, m1, m2 = e4m3_scale_inv(amax, self.power_2_scales)
-            cute.arch.sync_warp()  # the previous item's multipliers are read
-            if lane < VEC:
-                sColScale[0, column, warp] = scale_inv
-                sColScale[1, column, warp] = m1
-                sColScale[2, column, warp] = m2
-                if col < cols:
-                    mScaleInv[block, col + column] = scale_inv
-            cute.arch.sync_warp()
+            scale_inv = _share_multipliers(sColScale, amax, self.power_2_scales)
+            if lane < VEC and col < cols:
+                mScaleInv[block, col + column] = scale_inv
             # ---- the column-wise copy: 4 bytes of each column, one word a lane
             if col < cols:
                 for c in cutlass.range_constexpr(VEC):
