@@ -441,7 +441,7 @@ def _grouped_linear_dactivation_grouped_linear(ops, ctxs, dy, dy_casts=None, dy_
     FC1's cast of d_pre takes it. fp8_blockwise: FC1's backward casts d_pre to its two E4M3 copies
     in one kernel (`block_columns_sm90`: rows and columns from one read), which measured faster
     than casting them in the dActivation's epilogue. ``dy_casts``: a `Recompute` of FC2's copies of
-    dy (`_dact_fp8`); dy then gives only the dtype, and ``dy_rows16`` (a `Recompute`) the 16-bit
+    dy (`_dact_fp8`); dy is then not read, and ``dy_rows16`` (a `Recompute`) the 16-bit
     expert rows FC2's `high_precision_wgrad` weight and bias gradients read (None: none). Both are
     made inside FC2's backward and freed after it, before FC1's backward allocates."""
     fc1, fc1_ctx = ops[0], ctxs[0]

@@ -49,8 +49,8 @@ _ACT_QUANT = "grouped_gemm_act_quant_sm90"
 _GATHERED = "grouped_gemm_gathered_sm90"
 GATHER_K_MULTIPLE = 64  # gathered A rows: whole 64-column k-tiles of 16-byte loads
 _ACT_QUANT_FP8 = "grouped_gemm_act_quant_fp8_sm90"
-# the columns an epilogue casts with a column-wise copy (d_pre: each GLU half's) come in multiples of
-# this, so a tile's are one 1x128 block
+# the columns an epilogue casts with a column-wise copy (the act's) come in multiples of this, so a
+# tile's are one 1x128 block
 CAST_COLUMNS_MULTIPLE = 128
 
 
