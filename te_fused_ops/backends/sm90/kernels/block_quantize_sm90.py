@@ -595,12 +595,6 @@ class BlockColumnQuantizeSm90:
     `QuantizedTensor.dequantize` does before `add_columnwise` requantizes). Every value and
     multiplier bit for bit what the torch quantizer computes.
 
-    With ``rows`` (16-bit x) also x's row-wise 1 x 128 copy of the grouped rows from the same read:
-    mRowData (M, C) E4M3 and mRowScale (M, ceil(C / 128)) float32, as `BlockQuantizeSm90`
-    (block_rows 1) makes them. Warp w casts the item's token rows 8w .. 8w + 7 from the same tile,
-    lane l columns 4l .. 4l + 3, so a row's amax is one `redux.sync` too, lane r < 8 makes row r's
-    multipliers for the warp, and a warp stores a row's 128 bytes as one line.
-
     Work item: one block x 128 columns, copied by cp.async into one of two shared-memory tiles
     while the CTA casts the item before it (the tile: 128 token rows of 16 pieces of 8 columns,
     piece p of row r stored at p ^ (r / 4 % 16), so both the copies and the reads below are free
@@ -611,6 +605,12 @@ class BlockColumnQuantizeSm90:
     column c's multipliers for the warp (through shared memory), and each lane casts its 4 bytes
     of each column and stores them as one word: a warp stores a column's 128 tokens as one
     128-byte line. One CTA barrier an item, with or without ``rows``.
+
+    With ``rows`` (16-bit x) also x's row-wise 1 x 128 copy of the grouped rows from the same read:
+    mRowData (M, C) E4M3 and mRowScale (M, ceil(C / 128)) float32, as `BlockQuantizeSm90`
+    (block_rows 1) makes them. Warp w also casts the item's token rows 8w .. 8w + 7 from the same
+    tile, lane l columns 4l .. 4l + 3, so a row's amax is one `redux.sync` too, lane r < 8 makes
+    row r's multipliers for the warp, and a warp stores a row's 128 bytes as one line.
     """
 
     def __init__(self, from_rows: bool, power_2_scales: bool = False, rows: bool = False):
