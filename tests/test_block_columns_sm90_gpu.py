@@ -125,26 +125,35 @@ def test_pads_are_zero_and_offsets_clamped():
     assert torch.all(columns.data.view(torch.uint8)[:, 100:128] == 0)
 
 
-def test_many_groups_no_sync_cuda_graph():
+@pytest.mark.parametrize("rows", [False, True])
+def test_many_groups_no_sync_cuda_graph(rows):
+    """500 groups (empty ones among them), no host sync, and a CUDA graph's replay into NaN-filled
+    outputs; with ``rows`` the row-wise copy too, on the graph's 200-column width (a partial
+    column block)."""
     splits = [(g * 53) % 300 for g in range(500)]
-    m = sum(splits)
-    x = make_x(m, 64, torch.bfloat16, seed=5)
+    m, c = sum(splits), 200 if rows else 64
+    x = make_x(m, c, torch.bfloat16, seed=5)
     offsets = offsets_from_splits(splits)
-    q = quantize(x, "fp8_blockwise", rowwise=False, columnwise=True, offsets=offsets)
+    q = quantize(x, "fp8_blockwise", rowwise=rows, columnwise=True, offsets=offsets)
     expected = block_padded(q.columnwise_data, q.columnwise_scale_inv, offsets)
-    block_columns_sm90(x, offsets)
+    block_columns_sm90(x, offsets, rows=rows)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        block_columns_sm90(x, offsets)
+        block_columns_sm90(x, offsets, rows=rows)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        columns = block_columns_sm90(x, offsets)
-    columns.data.fill_(float("nan"))
+        made = block_columns_sm90(x, offsets, rows=rows)
+    columns = made[0] if rows else made
+    for t in (made[1:] if rows else ()) + (columns.data, columns.scale_inv):
+        t.view(torch.uint8).fill_(0xFF)
     graph.replay()
     check_columns(columns, expected, used_blocks(offsets, m))
+    if rows:
+        assert torch.equal(made[1].view(torch.uint8), q.rowwise_data.view(torch.uint8))
+        assert torch.equal(made[2], q.rowwise_scale_inv)
 
 
 def test_argument_errors():
