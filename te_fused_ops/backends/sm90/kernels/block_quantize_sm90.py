@@ -242,17 +242,24 @@ def _magnitude_value(magnitude: Int32, dtype: cutlass.Constexpr) -> Float32:
 
 
 @cute.jit
-def packed_finite_abs_max(tX: cute.Tensor) -> Float32:
-    """max |value| over the finite values (NaN and +-Inf count as 0) of the 16-bit (bf16 / fp16)
-    register tensor tX of an even size, on the packed pairs (`_finite_magnitudes`, `_max_u16x2`:
-    2 instructions a value against 6 on float32 values); the two lanes' maxima compared as
-    integers and the larger converted once."""
+def _finite_magnitude_max(tX: cute.Tensor) -> Int32:
+    """The largest finite magnitude (NaN and +-Inf count as 0) of the 16-bit (bf16 / fp16) register
+    tensor tX of an even size, as its bit pattern in the low half (magnitudes order as their bits,
+    so warps can reduce it as an integer): on the packed pairs (`_finite_magnitudes`,
+    `_max_u16x2`: 2 instructions a value against 6 on float32 values), then the two lanes'."""
     ptx_type, inf_bits = _pairs_format(tX.element_type)
     words = cute.recast_tensor(tX, Int32)
     running = Int32(0)
     for i in cutlass.range_constexpr(cute.size(words)):
         running = _max_u16x2(running, _finite_magnitudes(words[i], ptx_type, inf_bits))
-    return _magnitude_value(cutlass.max(running & Int32(0xFFFF), (running >> 16) & Int32(0xFFFF)), tX.element_type)
+    return cutlass.max(running & Int32(0xFFFF), (running >> 16) & Int32(0xFFFF))
+
+
+@cute.jit
+def packed_finite_abs_max(tX: cute.Tensor) -> Float32:
+    """max |value| over the finite values (NaN and +-Inf count as 0) of the 16-bit register
+    tensor tX of an even size (`_finite_magnitude_max`, converted once)."""
+    return _magnitude_value(_finite_magnitude_max(tX), tX.element_type)
 
 
 @cute.jit
@@ -708,7 +715,6 @@ class BlockColumnQuantizeSm90:
         warp = cute.arch.make_warp_uniform(tidx // WARP)
         lane = cute.arch.lane_idx()
         dtype = sTile.element_type
-        ptx_type, inf_bits = _pairs_format(dtype)
         tR = cute.make_rmem_tensor(cute.make_layout((WARP_ROWS, LANE_COLUMNS), stride=(LANE_COLUMNS, 1)), dtype)
         tBytes = cute.make_rmem_tensor(cute.make_layout(LANE_COLUMNS), Float32)
         mine = Int32(0)
@@ -716,10 +722,7 @@ class BlockColumnQuantizeSm90:
             token = warp * WARP_ROWS + r
             piece = sTile[token, (lane // 2) ^ (token // LANE_TOKENS % ROW_PIECES), None]
             tR[r, None].store(cute.local_tile(piece, (LANE_COLUMNS,), (lane % 2,)).load())
-            words = cute.recast_tensor(tR[r, None], Int32)
-            pair = _max_u16x2(_finite_magnitudes(words[0], ptx_type, inf_bits),
-                              _finite_magnitudes(words[1], ptx_type, inf_bits))
-            amax = cute.arch.warp_redux_sync(cutlass.max(pair & Int32(0xFFFF), (pair >> 16) & Int32(0xFFFF)), "max")
+            amax = cute.arch.warp_redux_sync(_finite_magnitude_max(tR[r, None]), "max")
             if lane % WARP_ROWS == r:
                 mine = amax
         scale_inv = _share_multipliers(sRowScale, _magnitude_value(mine, dtype), self.power_2_scales)
