@@ -116,8 +116,6 @@ def compile_block_columns(dtype, from_rows, rows, power_2_scales, tvm_ffi=None):
 
     from .block_quantize_sm90 import BlockColumnQuantizeSm90
 
-    if from_rows and rows:
-        raise ValueError("the row-wise copy is written from a 16-bit source only")
     m, c, cb, blocks = cute.sym_int(), cute.sym_int(divisibility=VEC), cute.sym_int(), cute.sym_int()
     padded = cute.sym_int(divisibility=128)
     f8 = cutlass.Float8E4M3FN
