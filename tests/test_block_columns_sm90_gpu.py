@@ -102,9 +102,11 @@ def test_tiny_and_large_blocks(dtype, power_2_scales):
 
 @pytest.mark.parametrize("power_2_scales", [False, True])
 def test_from_rowwise_e4m3(power_2_scales):
-    """The copy `add_columnwise` makes from the dequantized row-wise values (Quantize, Transpose)."""
+    """The copy `add_columnwise` makes from the dequantized row-wise values (Quantize, Transpose),
+    with NaN, a saturated Inf and signed zeros among the E4M3 bytes (converted two at a time)."""
     m, c = sum(SPLITS) + 3, 256
-    x = make_x(m, c, torch.bfloat16, seed=7, specials=False)
+    x = make_x(m, c, torch.bfloat16, seed=7)
+    x[5, 9], x[6, 130] = -0.0, -1e-30
     offsets = offsets_from_splits(SPLITS)
     q = quantize(x, Float8BlockScaling(power_2_scales))
     columns = block_columns_sm90(q.rowwise_data, offsets, x_scale_inv=q.rowwise_scale_inv, power_2_scales=power_2_scales)

@@ -68,6 +68,38 @@ def _prmt(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
                            loc=loc, ip=ip))
 
 
+@dsl_user_op
+def _e4m3_pair_to_f16x2(word: Int32, high: bool, *, loc=None, ip=None) -> Int32:
+    """The two E4M3 bytes in the low (or ``high``) 16 bits of ``word`` as an f16x2 pair, exactly
+    (one cvt.rn.f16x2.e4m3x2: the upper byte to the upper half)."""
+    asm = ("{ .reg .b16 lo, hi;\n"
+           "mov.b32 {lo, hi}, $1;\n"
+           f"cvt.rn.f16x2.e4m3x2 $0, {'hi' if high else 'lo'}; }}")
+    return Int32(ptx_value(T.i32(), [Int32(word)], asm, "=r,r", loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _f16_half_to_f32(pair: Int32, high: bool, *, loc=None, ip=None) -> Float32:
+    """The low (or ``high``) f16 half of ``pair`` as float32, exactly."""
+    asm = ("{ .reg .b16 lo, hi;\n"
+           "mov.b32 {lo, hi}, $1;\n"
+           f"cvt.f32.f16 $0, {'hi' if high else 'lo'}; }}")
+    return Float32(ptx_value(T.f32(), [Int32(pair)], asm, "=f,r", loc=loc, ip=ip))
+
+
+@cute.jit
+def _dequantized(tBytes: cute.Tensor, multiplier: Float32, tOut: cute.Tensor):
+    """tOut[j] = float32(tBytes[j]) * multiplier for the E4M3 register tensor tBytes (a multiple
+    of 4 values) into float32 tOut: the bytes converted two at a time through f16 (exact), about
+    1.5 instructions a value against 4 for one value at a time."""
+    words = cute.recast_tensor(tBytes, Int32)
+    for w in cutlass.range_constexpr(cute.size(words)):
+        for h in cutlass.range_constexpr(2):
+            pair = _e4m3_pair_to_f16x2(words[w], h == 1)
+            for e in cutlass.range_constexpr(2):
+                tOut[4 * w + 2 * h + e] = _f16_half_to_f32(pair, e == 1) * multiplier
+
+
 @cute.jit
 def _pow2_ceil(value: Float32) -> Float32:
     """The least power of two >= value (finite, >= 0; 0 stays 0), exactly, subnormals included:
@@ -803,9 +835,7 @@ class BlockColumnQuantizeSm90:
             amax = Float32(0.0)
             if const_expr(self.from_rows):
                 for i in cutlass.range_constexpr(LANE_TOKENS):
-                    multiplier = sMults[buffer, lane * LANE_TOKENS + i]
-                    for c in cutlass.range_constexpr(VEC):
-                        tV[i, c] = Float32(tX[i, c]) * multiplier
+                    _dequantized(tX[i, None], sMults[buffer, lane * LANE_TOKENS + i], tV[i, None])
                 amax = self._column_amax_dequantized(tV, column)
             else:
                 amax = self._column_amax_16bit(tX, column)
