@@ -114,6 +114,37 @@ def test_from_rowwise_e4m3(power_2_scales):
     check_columns(columns, block_padded(q.columnwise_data, q.columnwise_scale_inv, offsets), used_blocks(offsets, m))
 
 
+@pytest.mark.parametrize("source", ["16bit", "16bit_rows", "e4m3_rows"])
+def test_many_non_finite_values(source):
+    """NaN and +-Inf in many rows and columns: the kernel's amax (one instruction a value, NaN and
+    Inf recomputed out where a warp's columns or rows hold any) still ignores them as the torch
+    quantizer does, and finite neighbours keep their own multipliers."""
+    m, c = 3000, 392
+    x = make_x(m, c, torch.float32, seed=13, specials=False)
+    gen = torch.Generator(device="cuda").manual_seed(14)
+    draw = torch.rand(m, c, device="cuda", generator=gen)
+    x[draw < 0.003] = float("nan")
+    x[(draw >= 0.003) & (draw < 0.006)] = float("inf")
+    x[(draw >= 0.006) & (draw < 0.008)] = -float("inf")
+    x = x.bfloat16()
+    splits = [700, 0, 1, 1200, 99, 900]
+    offsets = offsets_from_splits(splits)
+    used = used_blocks(offsets, m)
+    if source == "e4m3_rows":
+        q = quantize(x, "fp8_blockwise")
+        columns = block_columns_sm90(q.rowwise_data, offsets, x_scale_inv=q.rowwise_scale_inv)
+        add_columnwise(q, offsets)
+    else:
+        q = quantize(x, "fp8_blockwise", rowwise=True, columnwise=True, offsets=offsets)
+        made = block_columns_sm90(x, offsets, rows=source == "16bit_rows")
+        columns = made[0] if source == "16bit_rows" else made
+        if source == "16bit_rows":
+            grouped = sum(splits)
+            assert torch.equal(made[1].view(torch.uint8)[:grouped], q.rowwise_data.view(torch.uint8)[:grouped])
+            assert torch.equal(made[2][:grouped], q.rowwise_scale_inv[:grouped])
+    check_columns(columns, block_padded(q.columnwise_data, q.columnwise_scale_inv, offsets), used)
+
+
 def test_pads_are_zero_and_offsets_clamped():
     """Tokens past a group's end read as zeros; offsets past M or decreasing are clamped as the
     torch quantizer clamps them."""

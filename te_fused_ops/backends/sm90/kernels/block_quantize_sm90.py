@@ -88,6 +88,20 @@ def _f16_half_to_f32(pair: Int32, high: bool, *, loc=None, ip=None) -> Float32:
 
 
 @cute.jit
+def _widened(t16: cute.Tensor, j: cutlass.Constexpr[int]) -> Float32:
+    """float32(t16[j]) of the 16-bit register tensor t16 (an even size): for bf16 one instruction
+    on the packed word (a shift for the low half, a mask for the high one, where the generic
+    conversion moves the high half down first)."""
+    result = Float32(0.0)
+    if const_expr(t16.element_type == cutlass.BFloat16):
+        word = cute.recast_tensor(t16, Int32)[j // 2]
+        result = _from_bits(word << 16 if j % 2 == 0 else word & Int32(-65536))
+    else:
+        result = Float32(t16[j])
+    return result
+
+
+@cute.jit
 def _dequantized(tBytes: cute.Tensor, multiplier: Float32, tOut: cute.Tensor):
     """tOut[j] = float32(tBytes[j]) * multiplier for the E4M3 register tensor tBytes (a multiple
     of 4 values) into float32 tOut: the bytes converted two at a time through f16 (exact), about
@@ -274,24 +288,34 @@ def _magnitude_value(magnitude: Int32, dtype: cutlass.Constexpr) -> Float32:
 
 
 @cute.jit
-def _finite_magnitude_max(tX: cute.Tensor) -> Int32:
-    """The largest finite magnitude (NaN and +-Inf count as 0) of the 16-bit (bf16 / fp16) register
-    tensor tX of an even size, as its bit pattern in the low half (magnitudes order as their bits,
-    so warps can reduce it as an integer): on the packed pairs (`_finite_magnitudes`,
-    `_max_u16x2`: 2 instructions a value against 6 on float32 values), then the two lanes'."""
+def _magnitude_max(tX: cute.Tensor, finite_only: cutlass.Constexpr[bool] = True) -> Int32:
+    """The largest magnitude of the 16-bit (bf16 / fp16) register tensor tX of an even size, as its
+    bit pattern in the low half (magnitudes order as their bits, so warps can reduce it as an
+    integer), on the packed pairs, then the two lanes'. ``finite_only``: NaN and +-Inf count as 0
+    (`_finite_magnitudes`, `_max_u16x2`: 2 instructions a value against 6 on float32 values); else
+    the sign bits cleared (1 instruction a value), at or above +Inf's bits (`_non_finite_bits`)
+    where a NaN or Inf is among the values."""
     ptx_type, inf_bits = _pairs_format(tX.element_type)
     words = cute.recast_tensor(tX, Int32)
     running = Int32(0)
     for i in cutlass.range_constexpr(cute.size(words)):
-        running = _max_u16x2(running, _finite_magnitudes(words[i], ptx_type, inf_bits))
+        magnitudes = words[i] & Int32(0x7FFF7FFF)
+        if const_expr(finite_only):
+            magnitudes = _finite_magnitudes(words[i], ptx_type, inf_bits)
+        running = _max_u16x2(running, magnitudes)
     return cutlass.max(running & Int32(0xFFFF), (running >> 16) & Int32(0xFFFF))
+
+
+def _non_finite_bits(dtype) -> int:
+    """+Inf's bit pattern in 16-bit ``dtype``: magnitudes at or above it are NaN or Inf."""
+    return _pairs_format(dtype)[1] & 0xFFFF
 
 
 @cute.jit
 def packed_finite_abs_max(tX: cute.Tensor) -> Float32:
     """max |value| over the finite values (NaN and +-Inf count as 0) of the 16-bit register
-    tensor tX of an even size (`_finite_magnitude_max`, converted once)."""
-    return _magnitude_value(_finite_magnitude_max(tX), tX.element_type)
+    tensor tX of an even size (`_magnitude_max`, converted once)."""
+    return _magnitude_value(_magnitude_max(tX), tX.element_type)
 
 
 @cute.jit
@@ -602,6 +626,18 @@ def _locate_block(sScan: cute.Tensor, item, col_blocks, num_groups):
 
 
 @cute.jit
+def _publish_location(sLocation: cute.Tensor, slot, item, num_items, sScan: cute.Tensor, col_blocks, num_groups):
+    """sLocation[slot, :] = `_locate_block` of ``item`` where it is < num_items (one thread
+    searches where every thread would)."""
+    if item < num_items:
+        block, cb, first_row, row_end = _locate_block(sScan, item, col_blocks, num_groups)
+        sLocation[slot, 0] = block
+        sLocation[slot, 1] = cb
+        sLocation[slot, 2] = first_row
+        sLocation[slot, 3] = row_end
+
+
+@cute.jit
 def _share_multipliers(sScale: cute.Tensor, amax: Float32, power_2_scales: cutlass.Constexpr[bool]) -> Float32:
     """Lane s < 8 of each warp puts block s's multipliers (`e4m3_scale_inv` of the lane's ``amax``)
     into sScale[:, s, warp] (sScale (4, 8, warps) float32) for the whole warp, after the warp has
@@ -639,16 +675,18 @@ class BlockColumnQuantizeSm90:
     piece p of row r stored at p ^ (r / 4 % 16), so both the copies and the reads below are free
     of bank conflicts). Warp w casts its columns 8w .. 8w + 7 over all 128 tokens, lane l tokens
     4l .. 4l + 3, so a column's amax is the warp's: the lane's maxima over its tokens (packed 16-bit
-    magnitudes, NaN and +-Inf as 0; or float32 maxima of the dequantized values, NaN ignored, a
-    rare Inf recomputed without), then one `redux.sync` per column. Lane c < 8 makes
-    column c's multipliers for the warp (through shared memory), and each lane casts its 4 bytes
-    of each column and stores them as one word: a warp stores a column's 128 tokens as one
-    128-byte line. One CTA barrier an item, with or without ``rows``.
+    magnitudes, or float32 maxima of the dequantized values, NaN ignored), then one `redux.sync`
+    per column, recomputed without NaN and Inf where the warp's columns hold any (rare). Lane
+    c < 8 makes column c's multipliers for the warp (through shared memory), and each lane casts
+    its 4 bytes of each column and stores them as one word: a warp stores a column's 128 tokens as
+    one 128-byte line. One CTA barrier an item, with or without ``rows``; thread 0 locates the
+    CTA's items two ahead (a binary search over the groups) and shares them in shared memory.
 
     With ``rows`` (16-bit x) also x's row-wise 1 x 128 copy of the grouped rows from the same read:
     mRowData (M, C) E4M3 and mRowScale (M, ceil(C / 128)) float32, as `BlockQuantizeSm90`
     (block_rows 1) makes them. Warp w also casts the item's token rows 8w .. 8w + 7 from the same
-    tile, lane l columns 4l .. 4l + 3, so a row's amax is one `redux.sync` too, lane r < 8 makes
+    tile, lane l columns 4l .. 4l + 3, so a row's amax is one `redux.sync` too (the warp's 8 rows
+    recomputed without NaN and Inf where they hold any), lane r < 8 makes
     row r's multipliers for the warp, and a warp stores a row's 128 bytes as one line.
     """
 
@@ -700,40 +738,62 @@ class BlockColumnQuantizeSm90:
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def _column_amax_16bit(self, tX: cute.Tensor, column: Int32):
-        """The finite amax of this warp's column ``column`` (a lane's own, 0 .. 7) over the item,
-        from tX (LANE_TOKENS, VEC) 16-bit."""
+    def _column_magnitude_max(self, tX: cute.Tensor, column: Int32, finite_only: cutlass.Constexpr[bool]):
+        """(the largest magnitude bits of this warp's column ``column`` (a lane's own, 0 .. 7) over
+        the item, the largest of the warp's 8 columns), from tX (LANE_TOKENS, VEC) 16-bit; NaN and
+        Inf count as 0 with ``finite_only`` (`_magnitude_max`)."""
         ptx_type, inf_bits = _pairs_format(tX.element_type)
         pairs = [Int32(0)] * (VEC // 2)  # the lane's column pairs' maxima
         for i in cutlass.range_constexpr(LANE_TOKENS):
             words = cute.recast_tensor(tX[i, None], Int32)
             for w in cutlass.range_constexpr(VEC // 2):
-                pairs[w] = _max_u16x2(pairs[w], _finite_magnitudes(words[w], ptx_type, inf_bits))
-        mine = Int32(0)
+                magnitudes = words[w] & Int32(0x7FFF7FFF)
+                if const_expr(finite_only):
+                    magnitudes = _finite_magnitudes(words[w], ptx_type, inf_bits)
+                pairs[w] = _max_u16x2(pairs[w], magnitudes)
+        mine, top = Int32(0), Int32(0)
         for c in cutlass.range_constexpr(VEC):
             half = (pairs[c // 2] >> (16 * (c % 2))) & Int32(0xFFFF)
             amax = cute.arch.warp_redux_sync(half, "max")
+            top = cutlass.max(top, amax)
             if column == c:
                 mine = amax
+        return mine, top
+
+    @cute.jit
+    def _column_amax_16bit(self, tX: cute.Tensor, column: Int32):
+        """The finite amax of this warp's column ``column`` over the item, from tX (LANE_TOKENS,
+        VEC) 16-bit: the magnitudes' max (one instruction a value), recomputed without NaN and Inf
+        where one of the warp's columns holds any (warp-uniform, rare)."""
+        mine, top = self._column_magnitude_max(tX, column, False)
+        if top >= Int32(_non_finite_bits(tX.element_type)):
+            mine, top = self._column_magnitude_max(tX, column, True)
         return _magnitude_value(mine, tX.element_type)
+
+    @cute.jit
+    def _column_float_max(self, tV: cute.Tensor, column: Int32, finite_only: cutlass.Constexpr[bool]):
+        """(max |value| of this warp's column ``column`` over the item, the largest of the warp's 8
+        columns) from the float32 values tV (LANE_TOKENS, VEC), NaN ignored (+-Inf too with
+        ``finite_only``)."""
+        mine, top = Float32(0.0), Float32(0.0)
+        for c in cutlass.range_constexpr(VEC):
+            lane_max = Float32(0.0)
+            for i in cutlass.range_constexpr(LANE_TOKENS):
+                lane_max = _abs_max(tV[i, c], lane_max, finite_only)
+            amax = _from_bits(cute.arch.warp_redux_sync(_bits(lane_max), "max"))  # >= 0: bits order as floats
+            top = cute.arch.fmax(top, amax)
+            if column == c:
+                mine = amax
+        return mine, top
 
     @cute.jit
     def _column_amax_dequantized(self, tV: cute.Tensor, column: Int32):
         """The finite amax of this warp's column ``column`` over the item, from the dequantized
-        float32 values tV (LANE_TOKENS, VEC); Infs (rare) recomputed without."""
-        mine = Float32(0.0)
-        for c in cutlass.range_constexpr(VEC):
-            lane_max = Float32(0.0)
-            for i in cutlass.range_constexpr(LANE_TOKENS):
-                lane_max = _abs_max(tV[i, c], lane_max, False)
-            amax = _from_bits(cute.arch.warp_redux_sync(_bits(lane_max), "max"))  # >= 0: bits order as floats
-            if amax == Float32(float("inf")):  # warp-uniform
-                lane_max = Float32(0.0)
-                for i in cutlass.range_constexpr(LANE_TOKENS):
-                    lane_max = _abs_max(tV[i, c], lane_max, True)
-                amax = _from_bits(cute.arch.warp_redux_sync(_bits(lane_max), "max"))
-            if column == c:
-                mine = amax
+        float32 values tV (LANE_TOKENS, VEC); the warp's 8 columns recomputed without Inf where
+        one holds any (warp-uniform, rare: one branch, not a predicated recompute per column)."""
+        mine, top = self._column_float_max(tV, column, False)
+        if top == Float32(float("inf")):
+            mine, top = self._column_float_max(tV, column, True)
         return mine
 
     @cute.jit
@@ -749,14 +809,20 @@ class BlockColumnQuantizeSm90:
         dtype = sTile.element_type
         tR = cute.make_rmem_tensor(cute.make_layout((WARP_ROWS, LANE_COLUMNS), stride=(LANE_COLUMNS, 1)), dtype)
         tBytes = cute.make_rmem_tensor(cute.make_layout(LANE_COLUMNS), Float32)
-        mine = Int32(0)
+        mine, top = Int32(0), Int32(0)
         for r in cutlass.range_constexpr(WARP_ROWS):
             token = warp * WARP_ROWS + r
             piece = sTile[token, (lane // 2) ^ (token // LANE_TOKENS % ROW_PIECES), None]
             tR[r, None].store(cute.local_tile(piece, (LANE_COLUMNS,), (lane % 2,)).load())
-            amax = cute.arch.warp_redux_sync(_finite_magnitude_max(tR[r, None]), "max")
+            amax = cute.arch.warp_redux_sync(_magnitude_max(tR[r, None], False), "max")
+            top = cutlass.max(top, amax)
             if lane % WARP_ROWS == r:
                 mine = amax
+        if top >= Int32(_non_finite_bits(dtype)):  # a NaN or Inf in the warp's rows (warp-uniform, rare)
+            for r in cutlass.range_constexpr(WARP_ROWS):
+                amax = cute.arch.warp_redux_sync(_magnitude_max(tR[r, None]), "max")
+                if lane % WARP_ROWS == r:
+                    mine = amax
         scale_inv = _share_multipliers(sRowScale, _magnitude_value(mine, dtype), self.power_2_scales)
         row_of_lane = first_row + warp * WARP_ROWS + lane
         if lane < WARP_ROWS and row_of_lane < row_end:
@@ -768,7 +834,8 @@ class BlockColumnQuantizeSm90:
                 if row < row_end:
                     r_scale_inv, r_m1, r_m2 = sRowScale[0, r, warp], sRowScale[1, r, warp], sRowScale[2, r, warp]
                     for j in cutlass.range_constexpr(LANE_COLUMNS):
-                        tBytes[j] = e4m3_scaled(Float32(tR[r, j]), r_scale_inv, r_m1, r_m2, self.power_2_scales)
+                        tBytes[j] = e4m3_scaled(_widened(tR[r, None], j), r_scale_inv, r_m1, r_m2,
+                                                self.power_2_scales)
                     cute.local_tile(mRowData[row, None], (LANE_COLUMNS,), (col // LANE_COLUMNS,)).store(
                         tBytes.load().to(cutlass.Float8E4M3FN))
 
@@ -796,11 +863,18 @@ class BlockColumnQuantizeSm90:
         sRowScale = None
         if const_expr(self.rows):  # per warp, row r's (scale_inv, m1, m2) at [:, r, warp]
             sRowScale = smem.allocate_tensor(Float32, cute.make_layout((4, WARP_ROWS, COLUMN_WARPS)), byte_alignment=16)
+        # the (block, column block, first row, group end) of this CTA's items n + 1 and n + 2 while it
+        # casts item n (n + 1 at [(n + 1) % 2]): located by thread 0, read by all after the item's barrier
+        sLocation = smem.allocate_tensor(Int32, cute.make_layout((2, 4), stride=(4, 1)), byte_alignment=16)
         if warp == 0:
             scan_group_blocks(sScan, COLUMN_SCAN_GROUPS + 1, mOffsets, num_groups, m_total, COLS)
         cute.arch.sync_threads()
         col_blocks = (cols + COLS - 1) // COLS
         num_items = sScan[COLUMN_SCAN_GROUPS + 1 + num_groups] * col_blocks
+        if tidx == 0:
+            for n in cutlass.range_constexpr(2):
+                _publish_location(sLocation, n, bidx + n * gdim, num_items, sScan, col_blocks, num_groups)
+        cute.arch.sync_threads()
         column = lane % VEC  # the column whose multipliers this lane makes
         tX = cute.make_rmem_tensor(cute.make_layout((LANE_TOKENS, VEC), stride=(VEC, 1)), dtype)
         tV = tX  # the values cast: 16-bit x converted where read, or x dequantized
@@ -812,7 +886,7 @@ class BlockColumnQuantizeSm90:
         # the item's (block, column block, first row, group end), located once, when its copies are issued
         block, cb, first_row, row_end = Int32(0), Int32(0), Int32(0), Int32(0)
         if item < num_items:
-            block, cb, first_row, row_end = _locate_block(sScan, item, col_blocks, num_groups)
+            block, cb, first_row, row_end = sLocation[0, 0], sLocation[0, 1], sLocation[0, 2], sLocation[0, 3]
             self._issue_copies(mX, mXScale, sTiles[0, None, None, None], sMults[0, None] if const_expr(self.from_rows)
                                else None, first_row, row_end, cb, cols)
         while item < num_items:
@@ -821,10 +895,13 @@ class BlockColumnQuantizeSm90:
             following = item + gdim
             f_block, f_cb, f_first_row, f_row_end = block, cb, first_row, row_end
             if following < num_items:
-                f_block, f_cb, f_first_row, f_row_end = _locate_block(sScan, following, col_blocks, num_groups)
+                f_block, f_cb = sLocation[1 - buffer, 0], sLocation[1 - buffer, 1]
+                f_first_row, f_row_end = sLocation[1 - buffer, 2], sLocation[1 - buffer, 3]
                 self._issue_copies(mX, mXScale, sTiles[1 - buffer, None, None, None],
                                    sMults[1 - buffer, None] if const_expr(self.from_rows) else None,
                                    f_first_row, f_row_end, f_cb, cols)
+            if tidx == 0:  # this item's slot was last read before the barrier above
+                _publish_location(sLocation, buffer, following + gdim, num_items, sScan, col_blocks, num_groups)
             if const_expr(self.rows):
                 self._cast_rows(sTiles[buffer, None, None, None], sRowScale, mRowData, mRowScale, first_row, row_end,
                                 cb, cols)
@@ -848,7 +925,8 @@ class BlockColumnQuantizeSm90:
                 for c in cutlass.range_constexpr(VEC):
                     c_scale_inv, c_m1, c_m2 = sColScale[0, c, warp], sColScale[1, c, warp], sColScale[2, c, warp]
                     for i in cutlass.range_constexpr(LANE_TOKENS):
-                        tBytes[i] = e4m3_scaled(Float32(tV[i, c]), c_scale_inv, c_m1, c_m2, self.power_2_scales)
+                        value = Float32(tV[i, c]) if const_expr(self.from_rows) else _widened(tV[i, None], c)
+                        tBytes[i] = e4m3_scaled(value, c_scale_inv, c_m1, c_m2, self.power_2_scales)
                     cute.local_tile(
                         mData[col + c, None], (LANE_TOKENS,), (block * WARP + lane,)
                     ).store(tBytes.load().to(cutlass.Float8E4M3FN))
