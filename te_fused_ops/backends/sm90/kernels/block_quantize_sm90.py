@@ -883,7 +883,7 @@ class BlockColumnQuantizeSm90:
         tBytes = cute.make_rmem_tensor(cute.make_layout(LANE_TOKENS), Float32)
         item = bidx
         buffer = Int32(0)
-        # the item's (block, column block, first row, group end), located once, when its copies are issued
+        # the item's (block, column block, first row, group end), read from sLocation when its copies are issued
         block, cb, first_row, row_end = Int32(0), Int32(0), Int32(0), Int32(0)
         if item < num_items:
             block, cb, first_row, row_end = sLocation[0, 0], sLocation[0, 1], sLocation[0, 2], sLocation[0, 3]
