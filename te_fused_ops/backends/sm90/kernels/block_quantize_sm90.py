@@ -288,21 +288,27 @@ def _magnitude_value(magnitude: Int32, dtype: cutlass.Constexpr) -> Float32:
 
 
 @cute.jit
+def _pair_magnitudes(pair: Int32, dtype: cutlass.Constexpr, finite_only: cutlass.Constexpr[bool]) -> Int32:
+    """|value| of both 16-bit ``dtype`` lanes of ``pair`` as bit patterns. ``finite_only``: NaN and
+    +-Inf as 0 (`_finite_magnitudes`, 3 instructions); else the sign bits cleared (1 instruction),
+    at or above +Inf's bits (`_non_finite_bits`) where a lane is NaN or Inf."""
+    magnitudes = pair & Int32(0x7FFF7FFF)
+    if const_expr(finite_only):
+        ptx_type, inf_bits = _pairs_format(dtype)
+        magnitudes = _finite_magnitudes(pair, ptx_type, inf_bits)
+    return magnitudes
+
+
+@cute.jit
 def _magnitude_max(tX: cute.Tensor, finite_only: cutlass.Constexpr[bool] = True) -> Int32:
     """The largest magnitude of the 16-bit (bf16 / fp16) register tensor tX of an even size, as its
     bit pattern in the low half (magnitudes order as their bits, so warps can reduce it as an
-    integer), on the packed pairs, then the two lanes'. ``finite_only``: NaN and +-Inf count as 0
-    (`_finite_magnitudes`, `_max_u16x2`: 2 instructions a value against 6 on float32 values); else
-    the sign bits cleared (1 instruction a value), at or above +Inf's bits (`_non_finite_bits`)
-    where a NaN or Inf is among the values."""
-    ptx_type, inf_bits = _pairs_format(tX.element_type)
+    integer): `_pair_magnitudes` of the packed pairs and `_max_u16x2` (2 instructions a value
+    against 6 on float32 values with ``finite_only``, 1 without), then the two lanes'."""
     words = cute.recast_tensor(tX, Int32)
     running = Int32(0)
     for i in cutlass.range_constexpr(cute.size(words)):
-        magnitudes = words[i] & Int32(0x7FFF7FFF)
-        if const_expr(finite_only):
-            magnitudes = _finite_magnitudes(words[i], ptx_type, inf_bits)
-        running = _max_u16x2(running, magnitudes)
+        running = _max_u16x2(running, _pair_magnitudes(words[i], tX.element_type, finite_only))
     return cutlass.max(running & Int32(0xFFFF), (running >> 16) & Int32(0xFFFF))
 
 
@@ -741,16 +747,12 @@ class BlockColumnQuantizeSm90:
     def _column_magnitude_max(self, tX: cute.Tensor, column: Int32, finite_only: cutlass.Constexpr[bool]):
         """(the largest magnitude bits of this warp's column ``column`` (a lane's own, 0 .. 7) over
         the item, the largest of the warp's 8 columns), from tX (LANE_TOKENS, VEC) 16-bit; NaN and
-        Inf count as 0 with ``finite_only`` (`_magnitude_max`)."""
-        ptx_type, inf_bits = _pairs_format(tX.element_type)
+        Inf count as 0 with ``finite_only`` (`_pair_magnitudes`)."""
         pairs = [Int32(0)] * (VEC // 2)  # the lane's column pairs' maxima
         for i in cutlass.range_constexpr(LANE_TOKENS):
             words = cute.recast_tensor(tX[i, None], Int32)
             for w in cutlass.range_constexpr(VEC // 2):
-                magnitudes = words[w] & Int32(0x7FFF7FFF)
-                if const_expr(finite_only):
-                    magnitudes = _finite_magnitudes(words[w], ptx_type, inf_bits)
-                pairs[w] = _max_u16x2(pairs[w], magnitudes)
+                pairs[w] = _max_u16x2(pairs[w], _pair_magnitudes(words[w], tX.element_type, finite_only))
         mine, top = Int32(0), Int32(0)
         for c in cutlass.range_constexpr(VEC):
             half = (pairs[c // 2] >> (16 * (c % 2))) & Int32(0xFFFF)
