@@ -35,6 +35,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .block_quantize import BLOCK_CTAS_PER_SM
 from .group_tile_scheduler import scan_group_blocks
 from .ptx_sm90 import ptx_value
 
@@ -216,6 +217,16 @@ def _row_staging(segments: int, dtype, transposed_tile: bool = False):
         layout = cute.make_layout((COLS, COLS // 16, 16), stride=(COLS, 16, 1))
         sT = smem.allocate_tensor(cutlass.Float8E4M3FN, layout, byte_alignment=128)
     return sMax, tXr, tAmax, sT
+
+
+def _block_stage(dtype):
+    """Shared memory of a 128 x 128 item's block as TMA writes it, (128, 128) row-major ``dtype``
+    (a warp's two rows of 16-byte segments are 512 contiguous bytes: conflict-free reads), and
+    the mbarrier its transaction completes on."""
+    smem = cutlass.memory.SmemAllocator()
+    sBlock = smem.allocate_tensor(dtype, cute.make_layout((COLS, COLS), stride=(COLS, 1)), byte_alignment=128)
+    bar = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), byte_alignment=8)
+    return sBlock, bar.iterator
 
 
 def _row_item(item, row_items, col_blocks, item_rows: int, half, lane_col):
@@ -406,10 +417,12 @@ class BlockQuantizeSm90:
     """mX (G, R, C) -> mData (G, R, C) E4M3, mScaleInv (G, ceil(R / block_rows), ceil(C / 128))
     float32. ``block_rows``: 1 (activations, 1 x 128) or 128 (weights, 128 x 128).
 
-    A lane loads all its row segments before reducing (several 16-byte loads in flight) and casts
-    from registers, so x is read once: 1 x 128 blocks, a warp item of 8 rows (4 per half-warp,
-    one scale per row); 128 x 128, a CTA item of one block (warp w rows 16w..16w+15, 8 per lane),
-    its amax across the warps through shared memory.
+    A lane holds all its row segments before reducing and casts from registers, so x is read
+    once: 1 x 128 blocks, a warp item of 8 rows (4 per half-warp, one scale per row; the lane's
+    16-byte loads all in flight); 128 x 128, a CTA item of one block (warp w rows 16w..16w+15, 8
+    per lane), its amax across the warps through shared memory. A 128 x 128 block arrives by TMA
+    into shared memory, and the CTA's next block is requested as soon as every thread has read
+    this one, so its load runs under this block's casts and stores (one wave of CTAs).
 
     ``tensor_scale`` (fp8_current): one scale from the amax parts mAmaxParts (P,) of
     `TensorAmaxSm90`, reduced by every CTA first; the work is split as for 1 x 128 blocks (or
@@ -439,12 +452,34 @@ class BlockQuantizeSm90:
     @cute.jit
     def __call__(self, mX: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor, mAmaxParts, mDataT,
                  mScaleInvT, max_ctas: cutlass.Int32, stream):
-        # 128 x 128: registers capped for 3 CTAs per SM (5-9% faster on H100 despite a few spills;
-        # 4 CTAs spill more and are 36-49% slower); the carveout given so no device is queried
-        occupancy = {} if self.row_items else dict(min_blocks_per_mp=3, preferred_smem_carveout=25)
-        self.kernel(mX, mData, mScaleInv, mAmaxParts, mDataT, mScaleInvT).launch(
+        # 128 x 128: registers capped for 3 CTAs per SM (4 spill and were 36-49% slower on an
+        # H100), each with 48 KB of shared memory; the carveout given so no device is queried
+        occupancy = {} if self.row_items else dict(min_blocks_per_mp=BLOCK_CTAS_PER_SM, preferred_smem_carveout=100)
+        block_load = None
+        if const_expr(not self.row_items):  # x as (R, C, G), its 128 x 128 boxes by TMA
+            view = cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[1, 2, 0]))
+            block_load = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), view,
+                cute.make_layout((COLS, COLS), stride=(COLS, 1)), (COLS, COLS),
+            )
+        self.kernel(mX, mData, mScaleInv, mAmaxParts, mDataT, mScaleInvT, block_load).launch(
             grid=(max_ctas, 1, 1), block=(WARP * WARPS, 1, 1), stream=stream, **occupancy
         )
+
+    @cute.jit
+    def _issue_block(self, block_load, sBlock: cute.Tensor, bar, item, num_items, row_blocks, col_blocks):
+        """128 x 128 items, thread 0: block ``item`` (if < num_items) of x into sBlock by TMA (zeros
+        past R and C), its bytes expected on ``bar``."""
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx == 0 and item < num_items:
+            tma, mX_boxes = block_load
+            g = item // (row_blocks * col_blocks)
+            gBlock = cute.local_tile(mX_boxes[None, None, g], (COLS, COLS), (item // col_blocks % row_blocks,
+                                                                            item % col_blocks))
+            sX, gX = cute.nvgpu.cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(sBlock, 0, 2),
+                                                      cute.group_modes(gBlock, 0, 2))
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, cute.size_in_bytes(sBlock.element_type, sBlock.layout))
+            cute.copy(tma, gX, sX, tma_bar_ptr=bar)
 
     @cute.jit
     def _store_cast(self, mData: cute.Tensor, g, row, row_end, col, cols, tXr_k: cute.Tensor, scales,
@@ -499,7 +534,8 @@ class BlockQuantizeSm90:
                 cute.local_tile(mDataT[g, cb * COLS + column, None], (16,), (row // 16,)).store(values)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor, mAmaxParts, mDataT, mScaleInvT):
+    def kernel(self, mX: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor, mAmaxParts, mDataT, mScaleInvT,
+               block_load):
         tidx, bidx, gdim, warp, half, lane_col, rows, cols = _row_kernel_indices(mX)
         col_blocks = cute.size(mScaleInv, mode=[2])
         sAmax, tXr, tAmax, sT = _row_staging(self.segments, mX.element_type, self.transposed)
@@ -535,23 +571,35 @@ class BlockQuantizeSm90:
         else:
             row_blocks = cute.size(mScaleInv, mode=[1])
             num_items = cute.size(mX, mode=[0]) * row_blocks * col_blocks
+            sBlock, bar = _block_stage(mX.element_type)
+            if tidx == 0:
+                cute.arch.mbarrier_init(bar, 1)
+                cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
             item = bidx
+            self._issue_block(block_load, sBlock, bar, item, num_items, row_blocks, col_blocks)
+            phase = Int32(0)
             while item < num_items:
                 g = item // (row_blocks * col_blocks)
                 rb = item // col_blocks % row_blocks
                 cb = item % col_blocks
                 col = cb * COLS + lane_col
-                first_row = rb * self.block_rows + warp * 2 * self.segments + half
-                _load_rows(mX, g, first_row, rows, col, cols, tXr, tAmax, self.segments, with_amax)
+                block_row = warp * 2 * self.segments + half
+                first_row = rb * self.block_rows + block_row
+                cute.arch.mbarrier_wait(bar, phase)
+                phase = phase ^ 1
+                for k in cutlass.range_constexpr(self.segments):
+                    tXr[k, None].store(cute.local_tile(sBlock[block_row + 2 * k, None], (VEC,), (lane_col // VEC,)).load())
                 if const_expr(with_amax):
                     block_amax = Float32(0.0)
                     for k in cutlass.range_constexpr(self.segments):
-                        block_amax = cute.arch.fmax(block_amax, tAmax[k])
+                        block_amax = cute.arch.fmax(block_amax, packed_finite_abs_max(tXr[k, None]))
                     scales = e4m3_scale_inv(_cta_max(block_amax, sAmax), self.power_2_scales)  # its barriers guard sT
                 else:
                     scales = tensor_scales
-                    if const_expr(self.transposed):
-                        cute.arch.sync_threads()  # the previous item's sT has been read
+                    cute.arch.sync_threads()  # sBlock read by every thread, the previous item's sT too
+                # past the barrier every thread has read sBlock: it takes the next item's block
+                self._issue_block(block_load, sBlock, bar, item + gdim, num_items, row_blocks, col_blocks)
                 for k in cutlass.range_constexpr(self.segments):
                     self._store_cast(mData, g, first_row + 2 * k, rows, col, cols, tXr[k, None], scales, tQr[k, None])
                 if const_expr(self.transposed):
