@@ -35,7 +35,6 @@ from .launch import DTYPES, cached_kernel, compile_launcher, fake_tensor, num_sm
 _NAME = "block_quantize_sm90"
 _DEQUANT_NAME = "block_dequantize_sm90"
 CTAS_PER_SM = 8
-BLOCK_CTAS_PER_SM = 3  # a CTA per 128 x 128 block: the CTAs resident on an SM (BlockQuantizeSm90's registers)
 AMAX_CTAS_PER_SM = 2  # the tensor amax's grid: each cast CTA reduces one part per amax CTA
 WARPS_PER_CTA = 8
 VEC = 8  # columns per lane: the kernels' 16-byte accesses need K % 8 == 0
@@ -243,6 +242,8 @@ def _transposed_outputs(name, x, x3, block_rows, data, scale_inv):
 
 def _block_ctas(scale_inv):
     """CTAs of a launch with a CTA per 128 x 128 block: one wave, each prefetching its next block."""
+    from .block_quantize_sm90 import BLOCK_CTAS_PER_SM
+
     return min(scale_inv.numel(), num_sms(scale_inv.get_device()) * BLOCK_CTAS_PER_SM)
 
 

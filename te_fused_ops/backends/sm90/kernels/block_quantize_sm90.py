@@ -35,7 +35,6 @@ from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .block_quantize import BLOCK_CTAS_PER_SM
 from .group_tile_scheduler import scan_group_blocks
 from .ptx_sm90 import ptx_value
 
@@ -44,6 +43,7 @@ WARPS = 8
 COLS = 128
 VEC = 8  # elements per lane per row
 E4M3_MAX = 448.0
+BLOCK_CTAS_PER_SM = 3  # 128 x 128 items: the CTAs resident on an SM (registers), the launch's grid
 
 
 @dsl_user_op
@@ -468,17 +468,19 @@ class BlockQuantizeSm90:
 
     @cute.jit
     def _issue_block(self, block_load, sBlock: cute.Tensor, bar, item, num_items, row_blocks, col_blocks):
-        """128 x 128 items, thread 0: block ``item`` (if < num_items) of x into sBlock by TMA (zeros
-        past R and C), its bytes expected on ``bar``."""
+        """128 x 128 items, warp 0 (the TMA copy elects its lane from the whole warp): block
+        ``item`` (if < num_items) of x into sBlock by TMA (zeros past R and C), its bytes expected
+        on ``bar`` by lane 0."""
         tidx, _, _ = cute.arch.thread_idx()
-        if tidx == 0 and item < num_items:
+        if tidx < WARP and item < num_items:
             tma, mX_boxes = block_load
             g = item // (row_blocks * col_blocks)
             gBlock = cute.local_tile(mX_boxes[None, None, g], (COLS, COLS), (item // col_blocks % row_blocks,
                                                                             item % col_blocks))
             sX, gX = cute.nvgpu.cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(sBlock, 0, 2),
                                                       cute.group_modes(gBlock, 0, 2))
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, cute.size_in_bytes(sBlock.element_type, sBlock.layout))
+            if tidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, cute.size_in_bytes(sBlock.element_type, sBlock.layout))
             cute.copy(tma, gX, sX, tma_bar_ptr=bar)
 
     @cute.jit
