@@ -43,7 +43,7 @@ WARPS = 8
 COLS = 128
 VEC = 8  # elements per lane per row
 E4M3_MAX = 448.0
-BLOCK_CTAS_PER_SM = 3  # 128 x 128 items: the CTAs resident on an SM (registers), the launch's grid
+BLOCK_CTAS_PER_SM = 3  # 128 x 128 items: the CTAs resident on an SM (register cap), the launch's grid
 
 
 @dsl_user_op
@@ -452,8 +452,8 @@ class BlockQuantizeSm90:
     @cute.jit
     def __call__(self, mX: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor, mAmaxParts, mDataT,
                  mScaleInvT, max_ctas: cutlass.Int32, stream):
-        # 128 x 128: registers capped for 3 CTAs per SM (4 spill and were 36-49% slower on an
-        # H100), each with 48 KB of shared memory; the carveout given so no device is queried
+        # 128 x 128: registers capped for BLOCK_CTAS_PER_SM CTAs per SM, each with 49 KB of shared
+        # memory (the block, the transposed staging tile); the carveout given so no device is queried
         occupancy = {} if self.row_items else dict(min_blocks_per_mp=BLOCK_CTAS_PER_SM, preferred_smem_carveout=100)
         block_load = None
         if const_expr(not self.row_items):  # x as (R, C, G), its 128 x 128 boxes by TMA
