@@ -43,6 +43,7 @@ WARPS = 8
 COLS = 128
 VEC = 8  # elements per lane per row
 E4M3_MAX = 448.0
+TINY_SCALE, TINY_SCALE_P2 = 2.0**-60, 2.0**-100  # scale_inv below these: m2 != 1 (`e4m3_scale_inv`)
 BLOCK_CTAS_PER_SM = 3  # 128 x 128 items: the CTAs resident on an SM (register cap), the launch's grid
 
 
@@ -60,6 +61,19 @@ def _from_bits(bits: Int32, *, loc=None, ip=None) -> Float32:
 def _fma(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
     """a * b + c with one rounding (fma.rn.f32)."""
     return Float32(llvm.intr_fma(*(Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c)), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def e4m3_word(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> Int32:
+    """E4M3(a) .. E4M3(d) packed into one word, a in the lowest byte (round to nearest even,
+    saturating to +-448, NaN stays NaN: torch's cast): two cvt.rn.satfinite.e4m3x2.f32 and one
+    move, where a vector conversion of four values shuffles the bytes with three PRMTs."""
+    asm = ("{ .reg .b16 lo, hi;\n"
+           "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+           "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+           "mov.b32 $0, {lo, hi}; }")
+    return Int32(ptx_value(T.i32(), [Float32(a), Float32(b), Float32(c), Float32(d)], asm, "=r,f,f,f,f",
+                           loc=loc, ip=ip))
 
 
 @dsl_user_op
@@ -148,13 +162,13 @@ def e4m3_scale_inv(amax: Float32, power_2_scales: cutlass.Constexpr[bool]):
     m1, m2 = Float32(1.0), Float32(1.0)
     if const_expr(power_2_scales):
         # powers of two: these reciprocals are exact, and value * m1 is exact (scaled up, normal)
-        if scale_inv < Float32(2.0**-100):
+        if scale_inv < Float32(TINY_SCALE_P2):
             m1 = Float32(2.0**-24) / scale_inv
             m2 = Float32(2.0**24)
         else:
             m1 = Float32(1.0) / scale_inv
     else:
-        if scale_inv < Float32(2.0**-60):
+        if scale_inv < Float32(TINY_SCALE):
             m2 = Float32(2.0**64)
         m1 = Float32(1.0) / (scale_inv * m2)
     return scale_inv, m1, m2
@@ -162,7 +176,8 @@ def e4m3_scale_inv(amax: Float32, power_2_scales: cutlass.Constexpr[bool]):
 
 @cute.jit
 def e4m3_scaled(value: Float32, scale_inv: Float32, m1: Float32, m2: Float32,
-                power_2_scales: cutlass.Constexpr[bool], above_amax: cutlass.Constexpr[bool] = False) -> Float32:
+                power_2_scales: cutlass.Constexpr[bool], above_amax: cutlass.Constexpr[bool] = False,
+                plain: cutlass.Constexpr[bool] = False) -> Float32:
     """value / scale_inv in float32, correctly rounded (the value the E4M3 cast rounds).
 
     Float32 scales (Markstein): with v = value * m2, s = scale_inv * m2 and m1 = RN(1 / s), q = RN(v m1)
@@ -173,10 +188,18 @@ def e4m3_scaled(value: Float32, scale_inv: Float32, m1: Float32, m2: Float32,
     values may exceed the amax the scale came from (a tensor scale whose amax skips padding rows),
     so q is clamped to +-2**126 first: past float32's range r stays finite (or +-Inf) and the
     result saturates to the same E4M3 value (below the amax the clamp changes nothing). A GPU test
-    casts every (block amax, value) pair of bf16 and fp16 bit for bit the torch quantizer."""
+    casts every (block amax, value) pair of bf16 and fp16 bit for bit the torch quantizer.
+
+    ``plain`` (float32 scales): the caller knows that m2 is 1 and that value is not +-Inf (NaN
+    may occur). Then three instructions give the same value: q, the residual turned, t = s q - v (= -r exactly),
+    and RN(q - t m1), with no test of r. Where r is +-0, t is +0 and q - (+0) keeps q, its sign
+    too; a NaN value gives NaN either way (only +-Inf needs the test: its r is NaN)."""
     result = Float32(0.0)
     if const_expr(power_2_scales):
         result = value * m1 * m2
+    elif const_expr(plain):
+        q = value * m1
+        result = _fma(-_fma(scale_inv, q, -value), m1, q)
     else:
         v = value * m2
         q = v * m1
@@ -711,6 +734,27 @@ def _share_multipliers(sScale: cute.Tensor, amax: Float32, power_2_scales: cutla
     return scale_inv
 
 
+@cute.jit
+def _store_word(dst: cute.Tensor, word: Int32):
+    """Four E4M3 bytes packed in ``word`` (`e4m3_word`) into dst (4,) E4M3, one 32-bit store."""
+    tBytes = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float8E4M3FN)
+    cute.recast_tensor(tBytes, Int32)[0] = word
+    dst.store(tBytes.load())
+
+
+@cute.jit
+def _warp_plain(scale_inv: Float32, finite: bool, power_2_scales: cutlass.Constexpr[bool]):
+    """Whether the warp casts with `e4m3_scaled`'s ``plain`` form: every lane's scale_inv has
+    m2 = 1 and ``finite`` (warp-uniform: no NaN or Inf among the values); one vote, so every lane
+    of the warp calls it. False with power-of-two scales, whose exact multiplications keep one
+    form (the plain one would save one of them, not worth a second copy of the cast under the
+    register cap)."""
+    plain = False
+    if const_expr(not power_2_scales):
+        plain = cute.arch.vote_all_sync(scale_inv >= Float32(TINY_SCALE)) and finite
+    return plain
+
+
 class BlockColumnQuantizeSm90:
     """Block-padded per-group column-wise E4M3 copy of x (M, C) for the FP8 weight gradient.
 
@@ -814,13 +858,15 @@ class BlockColumnQuantizeSm90:
 
     @cute.jit
     def _column_amax_16bit(self, tX: cute.Tensor, column: Int32):
-        """The finite amax of this warp's column ``column`` over the item, from tX (LANE_TOKENS,
-        VEC) 16-bit: the magnitudes' max (one instruction a value), recomputed without NaN and Inf
-        where one of the warp's columns holds any (warp-uniform, rare)."""
+        """(the finite amax of this warp's column ``column`` over the item, whether the warp's
+        columns are free of NaN and Inf (warp-uniform)) from tX (LANE_TOKENS, VEC) 16-bit: the
+        magnitudes' max (one instruction a value), recomputed without NaN and Inf where one of the
+        warp's columns holds any (rare)."""
         mine, top = self._column_magnitude_max(tX, column, False)
+        finite = top < Int32(_non_finite_bits(tX.element_type))
         if top >= Int32(_non_finite_bits(tX.element_type)):
             mine, top = self._column_magnitude_max(tX, column, True)
-        return _magnitude_value(mine, tX.element_type)
+        return _magnitude_value(mine, tX.element_type), finite
 
     @cute.jit
     def _column_float_max(self, tV: cute.Tensor, column: Int32, finite_only: cutlass.Constexpr[bool]):
@@ -860,7 +906,6 @@ class BlockColumnQuantizeSm90:
         lane = cute.arch.lane_idx()
         dtype = sTile.element_type
         tR = cute.make_rmem_tensor(cute.make_layout((WARP_ROWS, LANE_COLUMNS), stride=(LANE_COLUMNS, 1)), dtype)
-        tBytes = cute.make_rmem_tensor(cute.make_layout(LANE_COLUMNS), Float32)
         mine, top = Int32(0), Int32(0)
         for r in cutlass.range_constexpr(WARP_ROWS):
             token = warp * WARP_ROWS + r
@@ -879,17 +924,46 @@ class BlockColumnQuantizeSm90:
         row_of_lane = first_row + warp * WARP_ROWS + lane
         if lane < WARP_ROWS and row_of_lane < row_end:
             mRowScale[row_of_lane, cb] = scale_inv
+        plain = _warp_plain(scale_inv, top < Int32(_non_finite_bits(dtype)), self.power_2_scales)
         col = cb * COLS + lane * LANE_COLUMNS
         if col < cols:
-            for r in cutlass.range_constexpr(WARP_ROWS):
-                row = first_row + warp * WARP_ROWS + r
-                if row < row_end:
-                    r_scale_inv, r_m1, r_m2 = sRowScale[0, r, warp], sRowScale[1, r, warp], sRowScale[2, r, warp]
-                    for j in cutlass.range_constexpr(LANE_COLUMNS):
-                        tBytes[j] = e4m3_scaled(_widened(tR[r, None], j), r_scale_inv, r_m1, r_m2,
-                                                self.power_2_scales)
-                    cute.local_tile(mRowData[row, None], (LANE_COLUMNS,), (col // LANE_COLUMNS,)).store(
-                        tBytes.load().to(cutlass.Float8E4M3FN))
+            if plain:
+                self._store_rows(mRowData, tR, sRowScale, first_row, row_end, col, True)
+            else:
+                self._store_rows(mRowData, tR, sRowScale, first_row, row_end, col, False)
+
+    @cute.jit
+    def _store_rows(self, mRowData: cute.Tensor, tR: cute.Tensor, sRowScale: cute.Tensor, first_row, row_end, col,
+                    plain: cutlass.Constexpr[bool]):
+        """This warp's rows of the item (tR, `_cast_rows`) cast by their multipliers in sRowScale,
+        one word a lane a row (``plain``: `e4m3_scaled`'s plain form)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(tidx // WARP)
+        for r in cutlass.range_constexpr(WARP_ROWS):
+            row = first_row + warp * WARP_ROWS + r
+            if row < row_end:
+                r_scale_inv, r_m1, r_m2 = sRowScale[0, r, warp], sRowScale[1, r, warp], sRowScale[2, r, warp]
+                scaled = [e4m3_scaled(_widened(tR[r, None], j), r_scale_inv, r_m1, r_m2, self.power_2_scales,
+                                      plain=plain) for j in range(LANE_COLUMNS)]
+                _store_word(cute.local_tile(mRowData[row, None], (LANE_COLUMNS,), (col // LANE_COLUMNS,)),
+                            e4m3_word(*scaled))
+
+    @cute.jit
+    def _store_columns(self, mData: cute.Tensor, tV: cute.Tensor, sColScale: cute.Tensor, block, col,
+                       plain: cutlass.Constexpr[bool]):
+        """The lane's 4 tokens of each of the warp's 8 columns (tV) cast by the columns'
+        multipliers in sColScale and stored as one word a column (``plain``: `e4m3_scaled`'s plain
+        form)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(tidx // WARP)
+        lane = cute.arch.lane_idx()
+        for c in cutlass.range_constexpr(VEC):
+            c_scale_inv, c_m1, c_m2 = sColScale[0, c, warp], sColScale[1, c, warp], sColScale[2, c, warp]
+            scaled = [e4m3_scaled(Float32(tV[i, c]) if const_expr(self.from_rows) else _widened(tV[i, None], c),
+                                  c_scale_inv, c_m1, c_m2, self.power_2_scales, plain=plain)
+                      for i in range(LANE_TOKENS)]
+            _store_word(cute.local_tile(mData[col + c, None], (LANE_TOKENS,), (block * WARP + lane,)),
+                        e4m3_word(*scaled))
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mXScale, mOffsets: cute.Tensor, mData: cute.Tensor, mScaleInv: cute.Tensor,
@@ -932,7 +1006,6 @@ class BlockColumnQuantizeSm90:
         tV = tX  # the values cast: 16-bit x converted where read, or x dequantized
         if const_expr(self.from_rows):
             tV = cute.make_rmem_tensor(cute.make_layout((LANE_TOKENS, VEC), stride=(VEC, 1)), Float32)
-        tBytes = cute.make_rmem_tensor(cute.make_layout(LANE_TOKENS), Float32)
         item = bidx
         buffer = Int32(0)
         # the item's (block, column block, first row, group end), read from sLocation when its copies are issued
@@ -962,26 +1035,24 @@ class BlockColumnQuantizeSm90:
             for i in cutlass.range_constexpr(LANE_TOKENS):
                 tX[i, None].store(sTiles[buffer, lane * LANE_TOKENS + i, warp ^ (lane % ROW_PIECES), None].load())
             amax = Float32(0.0)
+            finite = True  # dequantized E4M3 rows hold no Inf (NaN casts alike in either form)
             if const_expr(self.from_rows):
                 for i in cutlass.range_constexpr(LANE_TOKENS):
                     _dequantized(tX[i, None], sMults[buffer, lane * LANE_TOKENS + i], tV[i, None])
                 amax = self._column_amax_dequantized(tV, column)
             else:
-                amax = self._column_amax_16bit(tX, column)
+                amax, finite = self._column_amax_16bit(tX, column)
             # ---- column multipliers, made by lanes 0..7 for the warp
             scale_inv = _share_multipliers(sColScale, amax, self.power_2_scales)
             if lane < VEC and col < cols:
                 mScaleInv[block, col + column] = scale_inv
+            plain = _warp_plain(scale_inv, finite, self.power_2_scales)
             # ---- the column-wise copy: 4 bytes of each column, one word a lane
             if col < cols:
-                for c in cutlass.range_constexpr(VEC):
-                    c_scale_inv, c_m1, c_m2 = sColScale[0, c, warp], sColScale[1, c, warp], sColScale[2, c, warp]
-                    for i in cutlass.range_constexpr(LANE_TOKENS):
-                        value = Float32(tV[i, c]) if const_expr(self.from_rows) else _widened(tV[i, None], c)
-                        tBytes[i] = e4m3_scaled(value, c_scale_inv, c_m1, c_m2, self.power_2_scales)
-                    cute.local_tile(
-                        mData[col + c, None], (LANE_TOKENS,), (block * WARP + lane,)
-                    ).store(tBytes.load().to(cutlass.Float8E4M3FN))
+                if plain:
+                    self._store_columns(mData, tV, sColScale, block, col, True)
+                else:
+                    self._store_columns(mData, tV, sColScale, block, col, False)
             item = following
             buffer = 1 - buffer
             block, cb, first_row, row_end = f_block, f_cb, f_first_row, f_row_end
