@@ -4,6 +4,7 @@ column-wise copy (and row-wise copy), laid out as the FP8 weight gradient reads 
 
 import pytest
 import torch
+from test_block_quantize_sm90_gpu import every_amax_value_pair
 from test_grouped_wgrad_fp8_sm90_gpu import block_padded
 from test_grouped_wgrad_sm90_gpu import offsets_from_splits
 
@@ -112,6 +113,33 @@ def test_from_rowwise_e4m3(power_2_scales):
     columns = block_columns_sm90(q.rowwise_data, offsets, x_scale_inv=q.rowwise_scale_inv, power_2_scales=power_2_scales)
     add_columnwise(q, offsets)
     check_columns(columns, block_padded(q.columnwise_data, q.columnwise_scale_inv, offsets), used_blocks(offsets, m))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_amax_value_pair_in_rows_and_columns(dtype):
+    """Both passes divide in the plain form wherever a warp's multipliers and values allow it and in
+    the general form elsewhere: every (block amax, value) pair of ``dtype`` (with both signs) as 1 x
+    128 row blocks (the rows pass) and the same blocks transposed into 128-token columns (the columns
+    pass), each bit for bit the torch quantizer."""
+    parts = 8
+    for part in range(parts):
+        blocks = every_amax_value_pair(dtype, part, parts)  # (R, 128): row r one block
+        m = blocks.shape[0]
+        offsets = torch.tensor([0, m], dtype=torch.int32, device="cuda")
+        columns, row_data, row_scale_inv = block_columns_sm90(blocks, offsets, rows=True)
+        q = quantize(blocks, "fp8_blockwise", rowwise=True, columnwise=True, offsets=offsets)
+        assert torch.equal(row_data.view(torch.uint8), q.rowwise_data.view(torch.uint8))
+        assert torch.equal(row_scale_inv, q.rowwise_scale_inv)
+        check_columns(columns, block_padded(q.columnwise_data, q.columnwise_scale_inv, offsets), used_blocks(offsets, m))
+        del columns, row_data, row_scale_inv, q
+        width = -(-m // 8) * 8  # the blocks as columns, zero columns up to a multiple of 8
+        tokens = torch.zeros(128, width, dtype=dtype, device="cuda")
+        tokens[:, :m] = blocks.t()
+        one_block = torch.tensor([0, 128], dtype=torch.int32, device="cuda")
+        columns = block_columns_sm90(tokens, one_block)
+        q = quantize(tokens, "fp8_blockwise", rowwise=False, columnwise=True, offsets=one_block)
+        check_columns(columns, block_padded(q.columnwise_data, q.columnwise_scale_inv, one_block), 1)
+        del blocks, tokens, columns, q
 
 
 @pytest.mark.parametrize("source", ["16bit", "16bit_rows", "e4m3_rows"])
