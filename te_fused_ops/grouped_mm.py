@@ -107,15 +107,17 @@ def align_groups(offsets: torch.Tensor, *tensors: torch.Tensor, align: int = 8):
 
 def grouped_row_sum(dy: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Per-group column sums (the bias gradient): dy (M, N) -> (G, N) in dy's dtype, summed in
-    float32 in a fixed order (run to run identical). CUDA: the (G, M) row-membership matrix times
-    dy, one read of dy and no host sync; CPU: each group's rows summed over host offsets."""
+    float32 (16-bit dy) or dy's dtype in a fixed order (run to run identical). CUDA: the (G, M)
+    row-membership matrix times dy, one read of dy and no host sync; CPU: each group's rows summed
+    over host offsets."""
     num_groups = offsets.shape[0] - 1
     if dy.device.type == "cpu":
         bounds = _host_bounds(offsets)
-        sums = dy.new_zeros(num_groups, dy.shape[1], dtype=torch.float32)
+        accumulate = torch.float32 if dy.dtype in (torch.bfloat16, torch.float16) else dy.dtype
+        sums = dy.new_zeros(num_groups, dy.shape[1], dtype=accumulate)
         for g in range(num_groups):
             if bounds[g + 1] > bounds[g]:
-                sums[g] = dy[bounds[g] : bounds[g + 1]].float().sum(0)
+                sums[g] = dy[bounds[g] : bounds[g + 1]].to(accumulate).sum(0)
         return sums.to(dy.dtype)
     rows = torch.arange(dy.shape[0], device=dy.device, dtype=offsets.dtype)
     members = ((rows >= offsets[:-1, None]) & (rows < offsets[1:, None])).to(dy.dtype)

@@ -277,6 +277,25 @@ def test_compiled_layer_compiles_once_for_new_routing():
     assert len(frames) == 1
 
 
+@pytest.mark.parametrize("fuse", [True, False])
+def test_frozen_router_and_an_input_needing_no_gradient(fuse):
+    """Fine-tuning the experts alone: with the router frozen and x needing no gradient the
+    router's backward is not run (it saved nothing), and the experts' gradients are those of the
+    same layer whose router trains."""
+    grads = {}
+    for frozen in (True, False):
+        torch.manual_seed(5)
+        router = TopKRouter(H, E, 2, dtype=F64)
+        model = Sequential(router, *layer()[:], fuse=fuse)
+        router.weight.requires_grad_(not frozen)
+        x = torch.randn(11, H, dtype=F64)
+        model(x).sum().backward()
+        grads[frozen] = [p.grad for p in model.parameters()]
+    assert grads[True][0] is None and grads[False][0] is not None
+    for got, want in zip(grads[True][1:], grads[False][1:]):
+        assert torch.equal(got, want)
+
+
 def test_router_layer_under_compile_equals_eager():
     torch.manual_seed(0)
     moe = layer("scaled", dtype=torch.float32, router=TopKRouter(H, E, 2, normalize=True, aux_loss_coeff=0.01))

@@ -126,6 +126,14 @@ def test_scaled_swiglu(dtype):
     assert probs.grad.dtype == torch.float32
 
 
+def test_scaled_swiglu_takes_rows():
+    """A probability per row of a 2-D x; another rank is refused by name, not left to a broadcast
+    inside the op."""
+    x, probs = torch.randn(3, 5, 16), torch.rand(3)
+    with pytest.raises(OpValueError, match=r"ScaledSwiGLU: argument 'x' must be 2-D \(rows, 2 I\), got shape \(3, 5, 16\)"):
+        ScaledSwiGLU()(x, probs=probs)
+
+
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_current", "mxfp8"])
 @pytest.mark.parametrize("transpose", [False, True])
 def test_grouped_linear_on_quantized_input(recipe, transpose):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import reference as ref
-from te_fused_ops import GroupedLinear, Sequential, SReLU, SwiGLU, Transpose, validation
+from te_fused_ops import GroupedLinear, Quantize, Sequential, SReLU, SwiGLU, Transpose, validation
 
 
 def mlp(**kw):
@@ -102,3 +102,20 @@ def test_validation_mode_context_and_env(monkeypatch):
     monkeypatch.setenv("TE_FUSED_OPS_VALIDATE", "1")
     with pytest.raises(ValueError, match="sums to 11"):
         seq(x, split_sizes=torch.tensor([3, 4, 4]))
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_frozen_first_linear_of_an_fp8_chain_with_an_input_needing_no_gradient(fuse):
+    """Quantize, FC1 (frozen), SwiGLU, FC2 on an input that needs no gradient: only FC2's backward
+    runs (the ops before it get no dy to quantize), and FC2's weight gradient is the one of the
+    same chain whose FC1 trains."""
+    grads = {}
+    for frozen in (True, False):
+        torch.manual_seed(3)
+        chain = Sequential(Quantize("fp8_blockwise"), GroupedLinear(2, 128, 256), SwiGLU(),
+                           GroupedLinear(2, 128, 128), fuse=fuse)
+        chain[1].weight.requires_grad_(not frozen)
+        chain(torch.randn(16, 128), split_sizes=torch.tensor([8, 8])).sum().backward()
+        grads[frozen] = (chain[1].weight.grad, chain[3].weight.grad)
+    assert grads[True][0] is None and grads[False][0] is not None
+    assert torch.equal(grads[True][1], grads[False][1])

@@ -225,16 +225,18 @@ class ClampedSwiGLU(_GLU):
 class ScaledSwiGLU(SwiGLU):
     """``silu(gate) * up * probs[row]``: SwiGLU times a per-row scale (router probability).
 
-    Side input ``probs``: (M,) floating tensor on x's device, one per row; after a `Permute`, the
-    router's (T, k) per-slot probabilities, which it takes to the rows (in float32) through the
-    permute's ``routing`` (a later `Unpermute` then sums without weighting). Its gradient is
-    returned too, in the dtype and shape of ``probs``.
+    x: (M, 2I). Side input ``probs``: (M,) floating tensor on x's device, one per row; after a
+    `Permute`, the router's (T, k) per-slot probabilities, which it takes to the rows (in float32)
+    through the permute's ``routing`` (a later `Unpermute` then sums without weighting). Its
+    gradient is returned too, in the dtype and shape of ``probs``.
     """
 
     kernel_name = "scaled_swiglu"
     side_inputs = ("probs",)
 
     def bind_side_inputs(self, side: dict, x: torch.Tensor, memo: dict) -> dict:
+        if x.dim() != 2:  # a probability per row: rows are x's first dim
+            raise OpValueError(f"ScaledSwiGLU: argument 'x' must be 2-D (rows, 2 I), got shape {tuple(x.shape)}")
         probs = side["probs"]
         if not isinstance(probs, torch.Tensor):
             raise OpTypeError(f"ScaledSwiGLU: argument 'probs' must be a torch.Tensor, got {type(probs).__name__}")
