@@ -52,6 +52,13 @@ class PlanInfo:
     params_require_grad: tuple  # per op: does any of its parameters need a gradient
     input_recipe: tuple  # per op: the Recipe of a QuantizedTensor input, else None
 
+    def needs_backward(self, start: int, stop: int) -> bool:
+        """Whether any of ops[start:stop] needs its backward: a gradient for its input, or for its
+        parameters and side inputs. The ops that need none form a prefix of the sequence (once one
+        needs a gradient, every later op's input does), so the backward runs none of them and the
+        sequence's input gets no gradient."""
+        return any(self.input_requires_grad[i] or self.params_require_grad[i] for i in range(start, stop))
+
     def select(self, indices, input_format=None, output_format=None) -> "StepInfo":
         """The info with the per-op fields cut to ``ops[i] for i in indices``, with the formats
         folded before and after each of them (default: none)."""
@@ -499,6 +506,8 @@ class Plan:
                 line = "  " + step.label(ops)
                 if step.skipped_backends:
                     line += "; " + _reasons(step.skipped_backends)
+                if passes == "backward" and not self.info.needs_backward(step.start, step.stop):
+                    line += "; not run: no gradient needed"
                 lines.append(line)
             for name, start, stop, reason in self.not_fired[passes]:
                 lines.append(f"  not fired: rule '{name}' on [{start}:{stop}]: {reason}")
@@ -564,7 +573,12 @@ def _candidates(rules, ops, info: PlanInfo, pos: int, passes: str, not_fired: li
         attempts = []  # (match, step or None, skipped), the most folded first
         for match in matches:
             base_ops = [ops[i] for i in match.base]
-            backend, skipped = _choose_backend(rule, base_ops, rule.step_info(ops, info, match))
+            step_info = rule.step_info(ops, info, match)
+            idle = _without_backward(base_ops, step_info) if passes == "backward" else None
+            if idle:
+                attempts.append((match, None, [(None, idle)]))
+                continue
+            backend, skipped = _choose_backend(rule, base_ops, step_info)
             step = None if backend is None else Step(
                 match.start, match.stop, rule, backend, skipped, match.base, match.formats,
                 get_backend(backend).implementation_of(rule).run)
@@ -583,6 +597,14 @@ def _candidates(rules, ops, info: PlanInfo, pos: int, passes: str, not_fired: li
             not_fired.append((rule.name, match.start, match.stop,
                               f"ran on [{chosen.start}:{chosen.stop}] instead; {_reasons(better)}"))
     return steps
+
+
+def _without_backward(ops, info: StepInfo) -> Optional[str]:
+    """Why a backward rule may not take these ops: some need no gradient (neither for their input
+    nor for their parameters and side inputs), so their backward does not run (`runner`), or None."""
+    idle = [op.op_name for op, grad_in, grad_params in zip(ops, info.input_requires_grad, info.params_require_grad)
+            if not (grad_in or grad_params)]
+    return f"{', '.join(idle)} need no gradient (their backward does not run)" if idle else None
 
 
 def _reasons(skipped) -> str:

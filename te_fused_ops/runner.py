@@ -273,7 +273,7 @@ class Run:
             seg = self.plan.segment
             if seg is not None and index - 1 == self.plan.segment_steps["backward"][0]:
                 stop = self.plan.segment_steps["backward"][1]
-                if not needs_backward(ctxs[seg.start:seg.stop]):
+                if not self.plan.info.needs_backward(seg.start, seg.stop):
                     dy, index = None, stop
                     continue
                 chunked = ctxs[seg.start].chunked
@@ -283,7 +283,7 @@ class Run:
                 index = stop
                 step_start = seg.start
             else:
-                if not needs_backward(ctxs[step.start:step.stop]):
+                if not self.plan.info.needs_backward(step.start, step.stop):
                     dy = None
                     continue
                 dy, grads = step.run(self.ops, ctxs, dy, "backward")
@@ -314,14 +314,6 @@ class Run:
                 slot = self.param_slots[(i, name)]
                 param_grads[slot] = grad if param_grads[slot] is None else param_grads[slot] + grad
         return dy, [side_grads[n] for n in self.grad_side_names], param_grads
-
-
-def needs_backward(ctxs) -> bool:
-    """Whether any of these ops needs its backward: a gradient for its input or its parameters and
-    side inputs. The ops that need none form a prefix of the sequence (`plan_info`: once one does,
-    every later op's input needs a gradient), so a step of them ends the backward's work and the
-    sequence's input gets no gradient."""
-    return any(ctx.input_requires_grad or ctx.params_require_grad for ctx in ctxs)
 
 
 def free_unread_grads_over_inputs(ctxs, dy, op_grads) -> None:

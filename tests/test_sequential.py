@@ -104,18 +104,25 @@ def test_validation_mode_context_and_env(monkeypatch):
         seq(x, split_sizes=torch.tensor([3, 4, 4]))
 
 
+@pytest.mark.parametrize("fc2_input_cast", [False, True])
 @pytest.mark.parametrize("fuse", [True, False])
-def test_frozen_first_linear_of_an_fp8_chain_with_an_input_needing_no_gradient(fuse):
-    """Quantize, FC1 (frozen), SwiGLU, FC2 on an input that needs no gradient: only FC2's backward
-    runs (the ops before it get no dy to quantize), and FC2's weight gradient is the one of the
-    same chain whose FC1 trains."""
+def test_frozen_first_linear_of_an_fp8_chain_with_an_input_needing_no_gradient(fuse, fc2_input_cast):
+    """Quantize, FC1 (frozen), SwiGLU, [Quantize, Transpose,] FC2 on an input that needs no
+    gradient: only FC2's backward runs (the ops before it get no dy to quantize, and no backward
+    rule takes FC1 or the activation with FC2), and FC2's weight gradient is the one of the same
+    chain whose FC1 trains."""
     grads = {}
     for frozen in (True, False):
         torch.manual_seed(3)
-        chain = Sequential(Quantize("fp8_blockwise"), GroupedLinear(2, 128, 256), SwiGLU(),
+        casts = [Quantize("fp8_blockwise"), Transpose()] if fc2_input_cast else []
+        chain = Sequential(Quantize("fp8_blockwise"), GroupedLinear(2, 128, 256), SwiGLU(), *casts,
                            GroupedLinear(2, 128, 128), fuse=fuse)
         chain[1].weight.requires_grad_(not frozen)
-        chain(torch.randn(16, 128), split_sizes=torch.tensor([8, 8])).sum().backward()
-        grads[frozen] = (chain[1].weight.grad, chain[3].weight.grad)
+        x, split_sizes = torch.randn(16, 128), torch.tensor([8, 8])
+        chain(x, split_sizes=split_sizes).sum().backward()
+        grads[frozen] = (chain[1].weight.grad, chain[-1].weight.grad)
+        if frozen:
+            backward = chain.explain(x, split_sizes=split_sizes).split("backward:")[1]
+            assert "[1] GroupedLinear -> basic op (backend torch); not run: no gradient needed" in backward
     assert grads[True][0] is None and grads[False][0] is not None
     assert torch.equal(grads[True][1], grads[False][1])
