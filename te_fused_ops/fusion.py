@@ -31,6 +31,7 @@ from .backends import (
     Implementation,
     as_check,
     backend_names,
+    drop_implementations,
     get_backend,
     list_backends,
 )
@@ -164,6 +165,7 @@ class FusionRule:
     def set_reference(self, fn):
         """Decorator setting the reference implementation (runs on every device)."""
         self.reference = fn
+        _registry_version[0] += 1  # plans made before it are stale
         return fn
 
     def implementation(self, backend: str, supports: Optional[Callable] = None):
@@ -174,6 +176,7 @@ class FusionRule:
 
         def decorate(fn):
             self.implementations[backend] = Implementation(fn, supports)
+            _registry_version[0] += 1
             return fn
 
         return decorate
@@ -181,6 +184,7 @@ class FusionRule:
     def supports(self, fn):
         """Decorator setting the rule's ``supports(ops, info)`` check."""
         self._supports = as_check(fn)
+        _registry_version[0] += 1
         return fn
 
     def has_implementation(self) -> bool:
@@ -220,7 +224,22 @@ class FusionRule:
 
     def rule_failure(self, ops, info: StepInfo) -> Optional[str]:
         """Why the rule's own conditions (whatever the backend) fail for ``ops``, or None."""
-        return None if self._supports is None else self._supports(ops, info, None)
+        return None if self._supports is None else self._checked(self._supports, ops, info, None)
+
+    def _checked(self, check, ops, info, backend: Optional[str]) -> Optional[str]:
+        """``check(ops, info, backend)`` (a rule's or an implementation's ``supports``): None or a
+        reason; a check that raises, or returns anything else, is the rule author's error."""
+        where = f"fusion rule '{self.name}'" + ("" if backend is None else f" (backend {backend})")
+        try:
+            reason = check(ops, info, backend)
+        except OpInputError:
+            raise
+        except Exception as error:
+            raise FusionRuleError(f"{where}: its supports check raised {type(error).__name__}: {error}") from error
+        if reason is not None and not isinstance(reason, str):
+            raise FusionRuleTypeError(f"{where}: its supports check must return None (the rule applies) or a str "
+                                      f"(why not), got {type(reason).__name__} {reason!r}")
+        return "(no reason given)" if reason == "" else reason
 
     def first_failure(self, ops, info: PlanInfo, backend: str) -> Optional[str]:
         """Why this rule cannot run ``ops`` (exactly its pattern, or a `StepInfo`'s ops) on
@@ -234,7 +253,9 @@ class FusionRule:
         implementation = backend.implementation_of(self)
         if implementation is None:
             return "no implementation"
-        return backend.unavailable_reason(info) or implementation.unsupported_reason(ops, info, backend.name)
+        if implementation.supports is None:
+            return backend.unavailable_reason(info)
+        return backend.unavailable_reason(info) or self._checked(as_check(implementation.supports), ops, info, backend.name)
 
     def __repr__(self) -> str:
         names = ", ".join(t.__name__ for t in self.pattern)
@@ -269,13 +290,17 @@ def registry_version() -> int:
 
 
 def register_rule(rule: FusionRule, priority: int = 0, replace: bool = False) -> FusionRule:
-    """Add ``rule``. See `make_plan` for how priorities decide between rules."""
+    """Add ``rule``. See `make_plan` for how priorities decide between rules. ``replace=True``
+    replaces a registered rule of the same name, and the implementations backends registered by
+    that name (`Backend.implement`) go with it: they were written for the other rule's pattern."""
     if not isinstance(rule, FusionRule):
         raise TypeError(f"register_rule: argument 'rule' must be a FusionRule, got {type(rule).__name__}")
     if not rule.has_implementation():
         raise ValueError(f"register_rule: rule '{rule.name}' has no implementation")
     if rule.name in _registry and not replace:
         raise ValueError(f"register_rule: a rule named '{rule.name}' is already registered (pass replace=True)")
+    if rule.name in _registry and _registry[rule.name].rule is not rule:
+        drop_implementations(rule.name)  # made for the replaced rule's pattern, not this one's
     _registry[rule.name] = _Entry(rule, int(priority), _registry_version[0])
     _registry_version[0] += 1
     return rule
@@ -442,10 +467,18 @@ class Step:
                 "each a dict from parameter or side-input name to gradient, or None)"
             )
         dx, base_grads = result
+        self._check_backward_contents(ops, passes, window_ctxs[0], dx)
         grads = [{} for _ in range(self.start, self.stop)]
         for i, grad in zip(self.base, base_grads):
             grads[i - self.start] = grad
         return dx, grads
+
+    def _check_backward_contents(self, ops, passes, first_ctx, dx) -> None:
+        """FusionRuleValueError naming the rule where a backward result leaves out dx while the
+        step's input needs a gradient (the gradients' names are checked by the runner)."""
+        if dx is None and first_ctx.input_requires_grad:
+            raise FusionRuleValueError(
+                f"{self._where(ops, passes)}returned dx None, but the input of op {self.start} needs a gradient")
 
     def _bind_formats(self, ops, ctxs, base_ctxs) -> None:
         for boundary, first, stop in self.formats:

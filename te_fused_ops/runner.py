@@ -16,6 +16,7 @@ from .context import DeferredGrad, OpContext
 from .errors import OpValueError
 from .overlap import ChunkedSegment
 from .fusion import (
+    FusionRuleValueError,
     PlanInfo,
     forced_backend,
     fusion_enabled_by_env,
@@ -287,6 +288,7 @@ class Run:
                     dy = None
                     continue
                 dy, grads = step.run(self.ops, ctxs, dy, "backward")
+                check_grad_names(step, self.ops, grads, self.param_slots)
                 step_start = step.start
             op_grads[step_start : step_start + len(grads or ())] = grads or ()
             free_unread_grads_over_inputs(ctxs, dy, op_grads)
@@ -314,6 +316,17 @@ class Run:
                 slot = self.param_slots[(i, name)]
                 param_grads[slot] = grad if param_grads[slot] is None else param_grads[slot] + grad
         return dy, [side_grads[n] for n in self.grad_side_names], param_grads
+
+
+def check_grad_names(step, ops, grads, param_slots) -> None:
+    """FusionRuleValueError naming the step's rule where it returned a gradient under a name that
+    is neither a parameter its op read in this call nor one of its side inputs (a misspelled key)."""
+    for i, op_grad in enumerate(grads or (), step.start):
+        for name in op_grad or {}:
+            if (i, name) not in param_slots and name not in ops[i].side_inputs:
+                raise FusionRuleValueError(
+                    f"{step.label(ops)}: its backward returned a gradient named {name!r} for {ops[i].op_name} "
+                    f"(op {i}), which has no such parameter or side input")
 
 
 def free_unread_grads_over_inputs(ctxs, dy, op_grads) -> None:

@@ -5,6 +5,7 @@ import torch
 
 import te_fused_ops as tfo
 from te_fused_ops import FusionRuleError, GroupedLinear, Sequential, SReLU
+from te_fused_ops.fusion import FusionRuleTypeError, FusionRuleValueError
 
 SPLITS = torch.tensor([3, 2])
 
@@ -125,3 +126,87 @@ def test_correct_user_rules_match_unfused(rules):
         tfo.unregister_rule(rules.pop())
     unfused = call()
     torch.testing.assert_close(fused[0].weight.grad, unfused[0].weight.grad)
+
+
+def correct_backward(ops, ctxs, dy):
+    d_pre, act_grads = ops[1].op_backward(ctxs[1], dy)
+    dx, linear_grads = ops[0].op_backward(ctxs[0], d_pre)
+    return dx, [linear_grads, act_grads]
+
+
+@pytest.mark.parametrize("fault", ["misspelled", "no dx"])
+def test_backward_result_contents_name_the_rule(rules, fault):
+    """A gradient under a name that is not a parameter or side input of its op, or dx left out
+    while the input needs one: errors naming the rule, not a KeyError or a silent None."""
+    def backward(ops, ctxs, dy):
+        dx, grads = correct_backward(ops, ctxs, dy)
+        if fault == "misspelled":
+            grads[0] = {"weigth": grads[0]["weight"]}
+            return dx, grads
+        return None, grads
+
+    backward_rule(rules, backward)
+    message = (r"rule 'user_backward'.*returned a gradient named 'weigth' for GroupedLinear \(op 0\), which has no such "
+               r"parameter or side input" if fault == "misspelled" else
+               r"fusion rule 'user_backward' \(backward.*returned dx None, but the input of op 0 needs a gradient")
+    with pytest.raises(FusionRuleValueError, match=message):
+        call()
+
+
+@pytest.mark.parametrize("result", [False, True, 3])
+def test_supports_must_return_none_or_a_reason(rules, result):
+    rules.append("checked")
+    tfo.fusion_rule(name="checked", pattern=(GroupedLinear, SReLU), passes="forward", priority=100,
+                    supports=lambda ops, info: result)(unfused_forward)
+    with pytest.raises(FusionRuleTypeError, match=r"fusion rule 'checked': its supports check must return None "
+                                                      r"\(the rule applies\) or a str \(why not\), got"):
+        call()
+
+
+def test_raising_supports_names_the_rule(rules):
+    def supports(ops, info):
+        raise AttributeError("oops")
+
+    rules.append("checked")
+    tfo.fusion_rule(name="checked", pattern=(GroupedLinear, SReLU), passes="forward", priority=100,
+                    supports=supports)(unfused_forward)
+    with pytest.raises(FusionRuleError, match=r"fusion rule 'checked': its supports check raised AttributeError: oops"):
+        call()
+
+
+def test_late_changes_to_a_registered_rule_reach_plans_already_made(rules):
+    """A check or an implementation added to a registered rule applies to the next call of a
+    Sequential that already ran (its cached plan was made without it)."""
+    calls = []
+
+    def traced(ops, ctxs, x):
+        calls.append(1)
+        return unfused_forward(ops, ctxs, x)
+
+    rule = forward_rule(rules, unfused_forward)
+    seq = Sequential(GroupedLinear(2, 8, 8), SReLU())
+    x = torch.randn(5, 8)
+    seq(x, split_sizes=SPLITS)
+    rule.set_reference(traced)
+    seq(x, split_sizes=SPLITS)
+    assert calls == [1]
+    rule.supports(lambda ops, info: "disabled now")
+    seq(x, split_sizes=SPLITS)
+    assert calls == [1] and "disabled now" in seq.explain(x, split_sizes=SPLITS)
+
+
+def test_replacing_a_rule_drops_the_backend_implementations_of_its_name(rules):
+    """Implementations a backend registered by name were written for the replaced rule's pattern:
+    the new rule of that name does not inherit them."""
+    from te_fused_ops.backends import Backend, register_backend, unregister_backend
+
+    fast = register_backend(Backend("fast_user", lambda info: None, preference=5))
+    try:
+        fast.implement("user_rule")(lambda ops, ctxs, x: ops[0].op_forward(ctxs[0], x))  # for a one-op pattern
+        forward_rule(rules, unfused_forward)
+        forward_rule(rules, unfused_forward)  # replaced: a new rule object of the same name
+        assert "user_rule" not in fast.implementations
+        seq = call(backward=False)
+        assert "backend torch" in seq.explain(torch.randn(5, 8), split_sizes=SPLITS).split("backward:")[0]
+    finally:
+        unregister_backend("fast_user")

@@ -34,9 +34,6 @@ class Implementation:
     run: Callable
     supports: Optional[Callable] = None
 
-    def unsupported_reason(self, ops, info, backend: str) -> Optional[str]:
-        return None if self.supports is None else as_check(self.supports)(ops, info, backend)
-
 
 class Backend:
     """One kernel backend.
@@ -113,6 +110,13 @@ def unregister_backend(name: str) -> None:
     get_backend(name)
     del _backends[name]
     _version[0] += 1
+
+
+def drop_implementations(rule_name: str) -> None:
+    """Forget every backend's implementation registered for the rule named ``rule_name``."""
+    for backend in _backends.values():
+        if backend.implementations.pop(rule_name, None) is not None:
+            _version[0] += 1
 
 
 def list_backends() -> list:
