@@ -122,8 +122,9 @@ def _saturating_cast(x: torch.Tensor) -> torch.Tensor:
 
 
 def _saturate_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 dequantized values -> dtype, clamped to its finite range (NaN stays NaN)."""
-    finite_max = torch.finfo(dtype).max
+    """float32 dequantized values -> dtype, clamped to its finite range (NaN stays NaN; float64
+    takes every float32 value)."""
+    finite_max = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
     return values.clamp(-finite_max, finite_max).to(dtype)
 
 
@@ -271,7 +272,8 @@ def _quantize_per_tensor(x32, recipe, offsets=None):
     values = _finite_abs(x32)
     if offsets is not None and x32.numel():
         rows = values.reshape(-1, x32.shape[-1])
-        valid_end = offsets.amax().clamp(0, rows.shape[0])
+        # the last offset as sanitized (offsets[0] taken as 0: no groups, no grouped rows)
+        valid_end = offsets[1:].amax().clamp(0, rows.shape[0]) if offsets.numel() > 1 else 0
         row_ids = torch.arange(rows.shape[0], device=x32.device)
         values = rows.masked_fill((row_ids >= valid_end).unsqueeze(1), 0)
     amax = values.amax() if x32.numel() else x32.new_zeros(())
@@ -553,12 +555,12 @@ def _quantize(x, recipe, rowwise, columnwise, offsets, role, op, name):
                 data, scale_inv = _quantize_per_tensor(x32, recipe, offsets)
                 row = (data, scale_inv) if rowwise else row
                 if columnwise:
-                    column = (data.reshape(-1, x.shape[-1]).t().contiguous(), scale_inv)
+                    column = (data.reshape(x.shape[:-1].numel(), x.shape[-1]).t().contiguous(), scale_inv)
             else:
                 if rowwise:
                     row = _quantize_last_dim(x32, recipe)
                 if columnwise:
-                    column = _quantize_columnwise(x32.reshape(-1, x.shape[-1]), recipe, offsets)
+                    column = _quantize_columnwise(x32.reshape(x.shape[:-1].numel(), x.shape[-1]), recipe, offsets)
     return QuantizedTensor(
         x.shape,
         x.dtype,
@@ -616,7 +618,7 @@ def add_columnwise(qt: QuantizedTensor, offsets=None) -> QuantizedTensor:
             scale_inv if scale_inv.dim() == 0 else scale_inv.transpose(-1, -2).contiguous()
         )
     elif qt.has_rowwise and qt.recipe.block_size is None:
-        qt.columnwise_data = qt.rowwise_data.reshape(-1, qt.shape[-1]).t().contiguous()
+        qt.columnwise_data = qt.rowwise_data.reshape(qt.shape[:-1].numel(), qt.shape[-1]).t().contiguous()
         qt.columnwise_scale_inv = qt.rowwise_scale_inv
     else:
         source = qt.dequantize(torch.float32)

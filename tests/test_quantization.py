@@ -561,3 +561,26 @@ ERROR_CASES = [
 def test_errors_name_the_argument(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "fp8_current", "mxfp8"])
+def test_dequantize_to_float64_and_empty_features(recipe):
+    """float64 dequantization gives the float32 values (it clamped to float64's range in float32
+    and failed); an input with no features has empty copies of both orientations."""
+    x = torch.randn(20, 40)
+    q = quantize(x, recipe, columnwise=True)
+    assert torch.equal(q.dequantize(torch.float64), q.dequantize(torch.float32).double())
+    assert torch.equal(q.dequantize_columnwise(torch.float64), q.dequantize_columnwise(torch.float32).double())
+    for shape in ((8, 0), (0, 0), (2, 3, 0)):
+        empty = quantize(torch.randn(*shape), recipe, columnwise=True)
+        assert empty.rowwise_data.shape == shape and empty.columnwise_data.shape == (0, math.prod(shape[:-1]))
+
+
+def test_tensor_scale_offsets_take_the_first_as_zero():
+    """fp8_current with offsets: the grouped rows end at the last sanitized offset, so padding rows
+    never set the scale, whatever offsets[0] holds."""
+    x = torch.ones(4, 2)
+    x[3] = 100.0  # a padding row
+    want = quantize(x, "fp8_current", offsets=torch.tensor([0, 3])).rowwise_scale_inv
+    assert torch.equal(quantize(x, "fp8_current", offsets=torch.tensor([4, 3])).rowwise_scale_inv, want)
+    assert want.item() == pytest.approx(1 / 448)

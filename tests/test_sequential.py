@@ -126,3 +126,9 @@ def test_frozen_first_linear_of_an_fp8_chain_with_an_input_needing_no_gradient(f
             assert "[1] GroupedLinear -> basic op (backend torch); not run: no gradient needed" in backward
     assert grads[True][0] is None and grads[False][0] is not None
     assert torch.equal(grads[True][1], grads[False][1])
+
+
+def test_repr_names_every_option():
+    assert repr(GroupedLinear(2, 4, 6, recompute_output=True, accumulate_main_grad=True)) == (
+        "GroupedLinear(num_groups=2, in_features=4, out_features=6, bias=False, recompute_output=True, "
+        "accumulate_main_grad=True)")

@@ -98,6 +98,7 @@ class GroupedLinear(BasicOp):
             f"num_groups={self.num_groups}, in_features={self.in_features}, "
             f"out_features={self.out_features}, bias={self.bias is not None}"
             + (", recompute_output=True" if self.recompute_output else "")
+            + (", accumulate_main_grad=True" if self.accumulate_main_grad else "")
         )
 
     def plan_signature(self) -> tuple:
