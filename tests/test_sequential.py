@@ -132,3 +132,21 @@ def test_repr_names_every_option():
     assert repr(GroupedLinear(2, 4, 6, recompute_output=True, accumulate_main_grad=True)) == (
         "GroupedLinear(num_groups=2, in_features=4, out_features=6, bias=False, recompute_output=True, "
         "accumulate_main_grad=True)")
+
+
+def test_a_called_layer_pickles_without_its_plans():
+    """torch.save of a whole module after a call: the plan cache (rules and their checks, of this
+    process's registry) stays behind, and the loaded copy plans again and computes the same."""
+    import io
+
+    from te_fused_ops import Permute, Unpermute
+
+    torch.manual_seed(2)
+    layer = Sequential(Permute(4), GroupedLinear(4, 16, 16), SwiGLU(), GroupedLinear(4, 8, 16), Unpermute())
+    x, indices, probs = torch.randn(8, 16), torch.randint(0, 4, (8, 2)), torch.rand(8, 2)
+    y = layer(x, indices=indices, probs=probs)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded._plans == {} and torch.equal(loaded(x, indices=indices, probs=probs), y)

@@ -38,6 +38,13 @@ class BasicOp(nn.Module):
         self._plans: dict = {}
         self._owner_id = register_owner(self)
 
+    def __getstate__(self):
+        """The module without its plan cache: plans hold rules and their checks, which need not
+        pickle, and belong to this process's rule registry (a copy plans again)."""
+        state = self.__dict__.copy()
+        state["_plans"] = {}
+        return state
+
     def __setstate__(self, state):
         super().__setstate__(state)
         self._owner_id = register_owner(self)  # a copy is another owner
