@@ -402,8 +402,9 @@ def autocast_eligible(t: torch.Tensor) -> bool:
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a call computes in: autocast's for x's device where it is on, else x's."""
-    if torch.is_autocast_enabled(x.device.type) and autocast_eligible(x):
+    """The dtype a call computes in: autocast's for x's device where it is on, else x's (a meta
+    tensor has no autocast to ask)."""
+    if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type) and autocast_eligible(x):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
 

@@ -150,3 +150,11 @@ def test_a_called_layer_pickles_without_its_plans():
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     assert loaded._plans == {} and torch.equal(loaded(x, indices=indices, probs=probs), y)
+
+
+def test_explain_plans_a_meta_module():
+    """Planning reads only metadata: a module built on the meta device explains its plan."""
+    with torch.device("meta"):
+        layer = Sequential(GroupedLinear(4, 16, 32), SwiGLU(), GroupedLinear(4, 16, 16))
+    text = layer.explain(torch.randn(30, 16, device="meta"), split_sizes=torch.tensor([5, 5, 10, 10], device="meta"))
+    assert text.startswith("plan for meta, dtype float32\nforward:")
