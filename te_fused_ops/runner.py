@@ -124,9 +124,9 @@ def check_side_inputs(owner: str, ops, side: dict) -> None:
         produced = [n for n in unknown if any(n in op.side_outputs for op in ops)]
         if produced:
             op = next(op for op in ops if produced[0] in op.side_outputs)
-            raise ValueError(f"{owner}: side input '{produced[0]}' is produced by {op.op_name} in this sequence; "
+            raise OpValueError(f"{owner}: side input '{produced[0]}' is produced by {op.op_name} in this sequence; "
                              "do not pass it")
-        raise ValueError(
+        raise OpValueError(
             f"{owner}: side input(s) {', '.join(map(repr, unknown))} not consumed by any op "
             f"(consumed: {', '.join(sorted(consumed)) or 'none'})"
         )
@@ -136,7 +136,7 @@ def check_side_inputs(owner: str, ops, side: dict) -> None:
             if name not in available and name not in op.optional_side_inputs:
                 producer = next((p.op_name for p in ops[i + 1:] if name in p.side_outputs), None)
                 hint = f" (produced by {producer}, which must come before it)" if producer else ""
-                raise ValueError(f"{op.op_name} (op {i}): missing side input '{name}'{hint}")
+                raise OpValueError(f"{op.op_name} (op {i}): missing side input '{name}'{hint}")
         available.update(op.side_outputs)
 
 

@@ -158,3 +158,17 @@ def test_explain_plans_a_meta_module():
         layer = Sequential(GroupedLinear(4, 16, 32), SwiGLU(), GroupedLinear(4, 16, 16))
     text = layer.explain(torch.randn(30, 16, device="meta"), split_sizes=torch.tensor([5, 5, 10, 10], device="meta"))
     assert text.startswith("plan for meta, dtype float32\nforward:")
+
+
+def test_side_input_errors_are_op_value_errors():
+    """A missing, unknown or self-produced side input is bad input like a wrong shape: an
+    OpValueError (so also a ValueError) naming the op or the sequence."""
+    from te_fused_ops import OpValueError, Permute, Unpermute
+
+    with pytest.raises(OpValueError, match=r"GroupedLinear \(op 0\): missing side input 'split_sizes'"):
+        GroupedLinear(4, 16, 8)(torch.randn(20, 16))
+    with pytest.raises(OpValueError, match=r"side input\(s\) 'foo' not consumed by any op"):
+        mlp()(torch.randn(6, 16), split_sizes=torch.tensor([2, 2, 2]), foo=1)
+    layer = Sequential(Permute(2), GroupedLinear(2, 4, 4), Unpermute())
+    with pytest.raises(OpValueError, match=r"side input 'routing' is produced by Permute in this sequence"):
+        layer(torch.randn(3, 4), indices=torch.zeros(3, 1, dtype=torch.long), probs=torch.ones(3, 1), routing=None)
