@@ -26,6 +26,26 @@ def register_owner(module: nn.Module) -> int:
     return uid
 
 
+class PlanOwner:
+    """What a `Sequential` and a `BasicOp` share as owners of a plan cache (mixed in before
+    ``nn.Module``): the cache ``_plans`` and the id torch.compile finds them by. A copy (deepcopy,
+    pickle) is another owner and leaves the cache behind: plans hold rules and their checks, which
+    need not pickle, and belong to this process's rule registry (the copy plans again)."""
+
+    def _init_plan_owner(self) -> None:
+        self._plans: dict = {}
+        self._owner_id = register_owner(self)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_plans"] = {}
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._owner_id = register_owner(self)
+
+
 def registered_owner(uid: int) -> nn.Module:
     """The module registered as ``uid``."""
     return _owners[uid]

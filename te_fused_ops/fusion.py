@@ -253,9 +253,10 @@ class FusionRule:
         implementation = backend.implementation_of(self)
         if implementation is None:
             return "no implementation"
-        if implementation.supports is None:
-            return backend.unavailable_reason(info)
-        return backend.unavailable_reason(info) or self._checked(as_check(implementation.supports), ops, info, backend.name)
+        reason = backend.unavailable_reason(info)
+        if reason is None and implementation.supports is not None:
+            reason = self._checked(as_check(implementation.supports), ops, info, backend.name)
+        return reason
 
     def __repr__(self) -> str:
         names = ", ".join(t.__name__ for t in self.pattern)
@@ -635,8 +636,7 @@ def _candidates(rules, ops, info: PlanInfo, pos: int, passes: str, not_fired: li
 def _without_backward(ops, info: StepInfo) -> Optional[str]:
     """Why a backward rule may not take these ops: some need no gradient (neither for their input
     nor for their parameters and side inputs), so their backward does not run (`runner`), or None."""
-    idle = [op.op_name for op, grad_in, grad_params in zip(ops, info.input_requires_grad, info.params_require_grad)
-            if not (grad_in or grad_params)]
+    idle = [op.op_name for k, op in enumerate(ops) if not info.needs_backward(k, k + 1)]
     return f"{', '.join(idle)} need no gradient (their backward does not run)" if idle else None
 
 

@@ -288,7 +288,6 @@ class Run:
                     dy = None
                     continue
                 dy, grads = step.run(self.ops, ctxs, dy, "backward")
-                check_grad_names(step, self.ops, grads, self.param_slots)
                 step_start = step.start
             op_grads[step_start : step_start + len(grads or ())] = grads or ()
             free_unread_grads_over_inputs(ctxs, dy, op_grads)
@@ -313,20 +312,19 @@ class Run:
                 if name in side_grads:
                     side_grads[name] = grad if side_grads[name] is None else side_grads[name] + grad
                     continue
-                slot = self.param_slots[(i, name)]
+                slot = self.param_slots.get((i, name))
+                if slot is None:
+                    raise self._unknown_grad(i, name)
                 param_grads[slot] = grad if param_grads[slot] is None else param_grads[slot] + grad
         return dy, [side_grads[n] for n in self.grad_side_names], param_grads
 
-
-def check_grad_names(step, ops, grads, param_slots) -> None:
-    """FusionRuleValueError naming the step's rule where it returned a gradient under a name that
-    is neither a parameter its op read in this call nor one of its side inputs (a misspelled key)."""
-    for i, op_grad in enumerate(grads or (), step.start):
-        for name in op_grad or {}:
-            if (i, name) not in param_slots and name not in ops[i].side_inputs:
-                raise FusionRuleValueError(
-                    f"{step.label(ops)}: its backward returned a gradient named {name!r} for {ops[i].op_name} "
-                    f"(op {i}), which has no such parameter or side input")
+    def _unknown_grad(self, i: int, name: str) -> FusionRuleValueError:
+        """The error for a gradient op ``i``'s backward step returned under ``name``, neither a
+        parameter the op read in this call nor a side input needing one (a misspelled key)."""
+        step = next(s for s in self.plan.backward if s.start <= i < s.stop)
+        op = self.ops[i]
+        return FusionRuleValueError(f"{step.label(self.ops)}: its backward returned a gradient named {name!r} for "
+                                    f"{op.op_name} (op {i}), which has no such parameter or side input needing one")
 
 
 def free_unread_grads_over_inputs(ctxs, dy, op_grads) -> None:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .call import run_ops
-from .context import register_owner
+from .context import PlanOwner
 from .ops.base import BasicOp
 from .runner import (
     compute_dtype,
@@ -108,7 +108,7 @@ def _run_with_op_hooks(seq: "Sequential", ops: list, x, side: dict):
         raise
 
 
-class Sequential(nn.Module):
+class Sequential(PlanOwner, nn.Module):
     """A container of basic ops, run through the fusion pass.
 
     ``seq(x, split_sizes=s, probs=p)``: side inputs by name, each consumed by the ops declaring it.
@@ -123,19 +123,7 @@ class Sequential(nn.Module):
                 raise TypeError(f"Sequential: argument 'ops' [{i}] must be a te_fused_ops basic op, got {type(op).__name__}")
             self.add_module(str(i), op)
         self.fuse = fuse
-        self._plans: dict = {}
-        self._owner_id = register_owner(self)
-
-    def __getstate__(self):
-        """The module without its plan cache: plans hold rules and their checks, which need not
-        pickle, and belong to this process's rule registry (a copy plans again)."""
-        state = self.__dict__.copy()
-        state["_plans"] = {}
-        return state
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        self._owner_id = register_owner(self)  # a copy is another owner
+        self._init_plan_owner()
 
     def __len__(self) -> int:
         return len(self._modules)

@@ -4,13 +4,13 @@ import torch
 from torch import nn
 
 from ..call import run_ops
-from ..context import OpContext, Recompute, register_owner
+from ..context import OpContext, PlanOwner, Recompute
 from ..quantization import is_quantized
 
 __all__ = ["BasicOp", "OpContext", "Recompute", "is_quantized"]
 
 
-class BasicOp(nn.Module):
+class BasicOp(PlanOwner, nn.Module):
     """A fusible op. Subclasses implement `op_forward` / `op_backward` and may declare side inputs.
 
     ``side_inputs``: names of keyword inputs the op consumes (``split_sizes``, ``probs``);
@@ -35,19 +35,7 @@ class BasicOp(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self._plans: dict = {}
-        self._owner_id = register_owner(self)
-
-    def __getstate__(self):
-        """The module without its plan cache: plans hold rules and their checks, which need not
-        pickle, and belong to this process's rule registry (a copy plans again)."""
-        state = self.__dict__.copy()
-        state["_plans"] = {}
-        return state
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        self._owner_id = register_owner(self)  # a copy is another owner
+        self._init_plan_owner()
 
     @property
     def op_name(self) -> str:
