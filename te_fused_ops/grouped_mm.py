@@ -62,11 +62,14 @@ def grouped_mm_nn(dy: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     return grouped_mm_nt(dy, weight.transpose(-2, -1), offsets)
 
 
-def grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Per group ``dW[g] = dy_g.T @ x_g`` over the token dim. dy (M, N), x (M, K) -> (G, N, K)."""
+def grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, out_dtype=None) -> torch.Tensor:
+    """Per group ``dW[g] = dy_g.T @ x_g`` over the token dim. dy (M, N), x (M, K) -> (G, N, K) in
+    ``out_dtype`` (default dy's). A float32 ``out_dtype`` of 16-bit operands keeps the float32 sums
+    unrounded, except on ``torch._grouped_mm`` (CUDA, sm90+), whose output is 16-bit."""
     num_groups = offsets.shape[0] - 1
+    out_dtype = out_dtype or dy.dtype
     if x.device.type == "cpu":
-        dw = dy.new_zeros(num_groups, dy.shape[1], x.shape[1])
+        dw = dy.new_zeros(num_groups, dy.shape[1], x.shape[1], dtype=out_dtype)
         bounds = _host_bounds(offsets)
         for g in range(num_groups):
             lo, hi = bounds[g], bounds[g + 1]
@@ -75,9 +78,11 @@ def grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> t
         return dw
     if _grouped_mm_ok(dy, x):
         dy_aligned, x_aligned, aligned_ends = align_groups(offsets, dy, x)
-        return torch._grouped_mm(dy_aligned.t(), x_aligned, offs=aligned_ends)
+        return torch._grouped_mm(dy_aligned.t(), x_aligned, offs=aligned_ends).to(out_dtype)
     group_ids = row_group_ids(offsets, x.shape[0]).unsqueeze(1)
-    return torch.stack([torch.where(group_ids == g, dy, 0).t() @ x for g in range(num_groups)])
+    compute = torch.float32 if out_dtype == torch.float32 else dy.dtype
+    dy_c, x_c = dy.to(compute), x.to(compute)
+    return torch.stack([torch.where(group_ids == g, dy_c, 0).t() @ x_c for g in range(num_groups)]).to(out_dtype)
 
 
 def align_groups(offsets: torch.Tensor, *tensors: torch.Tensor, align: int = 8):

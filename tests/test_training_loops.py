@@ -538,6 +538,20 @@ def test_accumulate_main_grad_adds_weight_gradients_in_float32():
     assert ref.rel_err(seq[0].weight.main_grad, 2 * plain[0].weight.grad.float()) <= 1e-2
 
 
+def test_main_grad_gets_the_float32_sums_unrounded_on_the_cpu():
+    """The torch backend's weight gradient reaches main_grad as its float32 sums: within float32
+    rounding of the float64 products of the same bf16 operands, not a bf16 rounding away."""
+    torch.manual_seed(4)
+    lin = GroupedLinear(G, H, I, dtype=torch.bfloat16, accumulate_main_grad=True)
+    lin.weight.main_grad = torch.zeros(lin.weight.shape, dtype=torch.float32)
+    x = batch(13).bfloat16()
+    dy = torch.randn(x.shape[0], I).bfloat16()
+    Sequential(lin)(x, split_sizes=SPLITS).backward(dy)
+    bounds = [0, *torch.tensor(SPLITS).cumsum(0).tolist()]
+    expected = torch.stack([dy[lo:hi].double().t() @ x[lo:hi].double() for lo, hi in zip(bounds, bounds[1:])])
+    assert ref.rel_err(lin.weight.main_grad, expected) <= 1e-6
+
+
 def test_sm90_fp8_weight_casts_are_made_once_per_reuse_scope(monkeypatch):
     """The sm90 FP8 path's weight casts (forward, and with the data gradient's transposed copy)
     are fresh on every call, and made once inside `reuse_quantized_weights` (the kernel is stood

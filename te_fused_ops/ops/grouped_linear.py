@@ -193,11 +193,13 @@ class GroupedLinear(BasicOp):
         # the weight gradient first: an input the backward recomputes (a Permute's rows) is freed
         # before dx is allocated
         if ctx.needs_grad("weight"):
-            dw = grouped_wgrad(dy_wgrad, columnwise_view(ctx.load_input()), offsets)
-            if "weight" in ctx.main_grads:
-                ctx.main_grads["weight"].add_(dw.float())
-            else:
+            main_grad = ctx.main_grads.get("weight")
+            out_dtype = None if main_grad is None else torch.float32
+            dw = grouped_wgrad(dy_wgrad, columnwise_view(ctx.load_input()), offsets, out_dtype=out_dtype)
+            if main_grad is None:
                 grads["weight"] = dw
+            else:
+                main_grad.add_(dw)
         if ctx.needs_grad("bias"):
             grads["bias"] = grouped_row_sum(dy_data, offsets)
         if ctx.input_requires_grad:
