@@ -96,7 +96,13 @@ def valid_rows_mask(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
 def remember_offsets(memo: dict, split_sizes: torch.Tensor, num_rows: int, offsets: torch.Tensor) -> None:
     """Tell `bind_offsets` of the same call that ``split_sizes`` over ``num_rows`` rows has
     ``offsets`` (e.g. a permute's, computed with its routing): no second computation."""
-    memo[("offsets", id(split_sizes), num_rows)] = offsets
+    memo[_offsets_key(split_sizes, num_rows)] = offsets
+
+
+def _offsets_key(split_sizes: torch.Tensor, num_rows) -> tuple:
+    """The memo key of ``split_sizes`` over ``num_rows`` rows; a symbolic row count (the fake run
+    of a dynamic-shape torch.compile trace) by its expression, which SymInt does not hash."""
+    return ("offsets", id(split_sizes), num_rows if isinstance(num_rows, int) else str(num_rows))
 
 
 def bind_offsets(op_name: str, side: dict, x: torch.Tensor, memo: dict, num_groups=None) -> torch.Tensor:
@@ -107,7 +113,7 @@ def bind_offsets(op_name: str, side: dict, x: torch.Tensor, memo: dict, num_grou
     if num_groups is None and isinstance(split_sizes, torch.Tensor):
         num_groups = split_sizes.shape[0] if split_sizes.dim() == 1 else -1
     check_split_sizes(op_name, split_sizes, num_groups, x.device)
-    key = ("offsets", id(split_sizes), x.shape[0])
+    key = _offsets_key(split_sizes, x.shape[0])
     if key not in memo:
         if validation_enabled(split_sizes.device):
             validate_split_values(op_name, split_sizes, x.shape[0])

@@ -277,6 +277,39 @@ def test_compiled_layer_compiles_once_for_new_routing():
     assert len(frames) == 1
 
 
+@pytest.mark.parametrize("with_router", [False, True])
+def test_compiled_layer_takes_a_new_token_count_without_recompiling_each(with_router):
+    """Batches of another length: dynamo recompiles once with a symbolic token count (the fake run
+    of the ops sees SymInt shapes), then every later length runs that graph; results equal eager."""
+    torch._dynamo.reset()  # dynamo remembers sizes it saw change per code object, across modules
+    torch.manual_seed(1)
+    router = TopKRouter(H, E, 2, normalize=True, aux_loss_coeff=0.01, dtype=torch.float32) if with_router else None
+    moe = layer("scaled", dtype=torch.float32, router=router)
+    frames = []
+
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        return gm
+
+    compiled = torch.compile(moe, backend=backend)
+    for step, tokens in enumerate((16, 12, 21, 7, 30)):
+        x, indices, probs = inputs(tokens, 2, seed=step)
+        x, probs = x.float().detach().requires_grad_(), probs.float().detach().requires_grad_()
+        side = {} if with_router else {"indices": indices, "probs": probs}
+        y = compiled(x, **side)
+        y.square().sum().backward()
+        got = [x.grad, *(p.grad for p in moe.parameters())]
+        x.grad = None
+        moe.zero_grad(set_to_none=True)
+        want = moe(x, **side)
+        want.square().sum().backward()
+        assert torch.equal(y, want)
+        for a, b in zip(got, [x.grad, *(p.grad for p in moe.parameters())]):
+            assert torch.equal(a, b)
+        moe.zero_grad(set_to_none=True)
+    assert len(frames) == 2
+
+
 @pytest.mark.parametrize("fuse", [True, False])
 def test_frozen_router_and_an_input_needing_no_gradient(fuse):
     """Fine-tuning the experts alone: with the router frozen and x needing no gradient the
