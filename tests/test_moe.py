@@ -125,6 +125,20 @@ def test_router_matches_autograd_reference(score, normalize, groups, group_topk,
         assert rel_err(param.grad, want) <= 1e-10
 
 
+@pytest.mark.parametrize("score,groups,bias", [("softmax", 1, False), ("sigmoid", 4, True), ("softmax", 2, False)])
+def test_router_on_no_tokens(score, groups, bias):
+    """An empty batch through every routing form (group-limited too): an empty output, zero
+    gradients, a zero balance loss."""
+    router = TopKRouter(H, 8, 3, score=score, num_groups=groups, group_topk=min(2, groups), expert_bias=bias,
+                        aux_loss_coeff=0.01, dtype=F64)
+    moe = layer(num_experts=8, router=router)
+    x = torch.randn(0, H, dtype=F64, requires_grad=True)
+    y = moe(x)
+    y.sum().backward()
+    assert y.shape == (0, H) and x.grad.shape == (0, H)
+    assert router.aux_loss.item() == 0.0 and not router.weight.grad.any()
+
+
 def test_explain_names_the_side_values():
     moe = layer()
     x, indices, probs = inputs(8, 2)

@@ -470,7 +470,7 @@ class TopKRouter(BasicOp):
         """((T, k) int64 expert ids of the top-k (no gradient), their (T, k) scores)."""
         ranking = scores if bias is None else scores + bias
         if self.num_groups > 1:
-            grouped = ranking.view(ranking.shape[0], self.num_groups, -1)
+            grouped = ranking.view(ranking.shape[0], self.num_groups, self.num_experts // self.num_groups)
             top = min(2, grouped.shape[-1]) if self.score == "sigmoid" else 1
             group_scores = grouped.topk(top, -1).values.sum(-1)
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
