@@ -119,6 +119,7 @@ def test_router_matches_autograd_reference(score, normalize, groups, group_topk,
     params = (x, router.weight, moe[2].weight, moe[4].weight)
     grads = torch.autograd.grad((ref * dy).sum() + balance, params)
     assert rel_err(y, ref) <= 1e-12
+    assert torch.equal(router.tokens_per_expert, share)
     if aux:
         assert abs(router.aux_loss.item() - balance.item()) <= 1e-12
     for param, want in zip(params, grads):

@@ -228,7 +228,8 @@ class ScaledSwiGLU(SwiGLU):
     x: (M, 2I). Side input ``probs``: (M,) floating tensor on x's device, one per row; after a
     `Permute`, the router's (T, k) per-slot probabilities, which it takes to the rows (in float32)
     through the permute's ``routing`` (a later `Unpermute` then sums without weighting). Its
-    gradient is returned too, in the dtype and shape of ``probs``.
+    gradient is returned too, in the dtype and shape of ``probs``. A bias of the next
+    GroupedLinear is not scaled: for ``sum_slots p (W2 h + b2)`` use `SwiGLU` and a weighted `Unpermute`.
     """
 
     kernel_name = "scaled_swiglu"

@@ -407,11 +407,15 @@ class TopKRouter(BasicOp):
     with softmax); probs = the chosen scores, divided by their sum when ``normalize`` (Qwen3,
     DeepSeek-V3), times ``scale``. ``aux_loss_coeff`` > 0: the load-balancing loss
     ``coeff * E * sum_e f_e * P_e`` (f_e: share of slots routed to expert e, P_e: mean score of e,
-    scores normalized per token for sigmoid) is added to the training objective: its gradient
-    joins the router's in the backward, and ``router.aux_loss`` holds its value (detached) after
-    each forward for logging. Its gradient is added as is, whatever the caller scales the main
-    loss by (divide the coefficient likewise when averaging over micro-batches or ranks). The
-    choice is never differentiated; probs are.
+    scores normalized per token for sigmoid; Megatron's switch loss; Hugging Face's
+    ``load_balancing_loss_func`` takes f_e over tokens, k times this: multiply its coefficient by
+    k to port it) is added to the training objective: its gradient joins the router's in the
+    backward, and ``router.aux_loss`` holds its value (detached) after each forward for logging.
+    Its gradient is added as is, whatever the caller scales the main loss by (divide the
+    coefficient likewise when averaging over micro-batches or ranks). The choice is never
+    differentiated; probs are. ``router.tokens_per_expert``: (E,) float32 (float64 for a float64
+    x), detached, the slots routed to each expert by the last forward (they sum to T k): what
+    DeepSeek-V3's update of ``expert_bias`` and load logging read.
     """
 
     side_outputs = ("indices", "probs")
@@ -446,7 +450,7 @@ class TopKRouter(BasicOp):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device))
         self.expert_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device),
                                          requires_grad=False) if expert_bias else None)
-        self.aux_loss = None
+        self.aux_loss = self.tokens_per_expert = None
         nn.init.normal_(self.weight, std=hidden**-0.5)
 
     def extra_repr(self) -> str:
@@ -492,12 +496,15 @@ class TopKRouter(BasicOp):
             chosen = chosen / total
         return (chosen * self.scale if self.scale != 1.0 else chosen), total
 
-    def balance_loss(self, scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """0-d float32: ``coeff * E * sum_e f_e * P_e``."""
+    def slots_per_expert(self, indices: torch.Tensor, dtype) -> torch.Tensor:
+        """(E,) ``dtype``: how many of the (T, k) slots chose each expert (no host sync)."""
+        routed = torch.zeros(self.num_experts, dtype=dtype, device=indices.device)
+        return routed.scatter_add_(0, indices.reshape(-1), torch.ones(indices.numel(), dtype=dtype,
+                                                                      device=indices.device))
+
+    def balance_loss(self, scores: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """0-d float32: ``coeff * E * sum_e f_e * P_e``; ``routed`` from `slots_per_expert`."""
         tokens = max(scores.shape[0], 1)
-        routed = torch.zeros(self.num_experts, dtype=scores.dtype, device=scores.device)
-        routed.scatter_add_(0, indices.reshape(-1), torch.ones(indices.numel(), dtype=scores.dtype,
-                                                                device=scores.device))
         share = routed / (tokens * self.k)
         per_token = scores if self.score == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
         return self.aux_loss_coeff * self.num_experts * (share * per_token.sum(0) / tokens).sum()
@@ -512,8 +519,10 @@ class TopKRouter(BasicOp):
         scores = self.scores(x @ weight.t(), torch.promote_types(x.dtype, torch.float32))
         indices, chosen = self.choose(scores, ctx.params.get("expert_bias"))
         probs, total = self.slot_probs(chosen)
+        routed = self.slots_per_expert(indices, scores.dtype)
+        self.tokens_per_expert = routed.detach()
         if self.aux_loss_coeff:
-            self.aux_loss = self.balance_loss(scores, indices).detach()
+            self.aux_loss = self.balance_loss(scores, routed).detach()
         ctx.produced = {"indices": indices, "probs": probs}
         if ctx.input_requires_grad or ctx.params_require_grad:
             ctx.saved.scores, ctx.saved.indices, ctx.saved.weight = scores, indices, weight
@@ -546,9 +555,7 @@ class TopKRouter(BasicOp):
             d_scores.scatter_add_(1, indices, d_chosen)
         if self.aux_loss_coeff:
             tokens = max(scores.shape[0], 1)
-            routed = torch.zeros(self.num_experts, dtype=scores.dtype, device=scores.device)
-            routed.scatter_add_(0, indices.reshape(-1), torch.ones(indices.numel(), dtype=scores.dtype,
-                                                                    device=scores.device))
+            routed = self.slots_per_expert(indices, scores.dtype)
             weight = self.aux_loss_coeff * self.num_experts * routed / (tokens * self.k) / tokens  # (E,)
             if self.score == "softmax":
                 d_scores += weight
