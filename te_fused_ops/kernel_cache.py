@@ -31,6 +31,7 @@ import atexit
 import contextlib
 import dataclasses
 import fcntl
+import errno
 import functools
 import hashlib
 import inspect
@@ -62,13 +63,25 @@ def cache_dir() -> pathlib.Path:
     configured = env.read("TE_FUSED_OPS_KERNEL_CACHE_DIR")
     if configured:
         return pathlib.Path(configured).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):  # the XDG specification: a relative value is ignored
+        base = os.path.join(os.path.expanduser("~"), ".cache")
     return pathlib.Path(base) / "te_fused_ops" / "kernels"
+
+
+def _trusted_shared() -> bool:
+    return bool(env.read("TE_FUSED_OPS_KERNEL_CACHE_TRUST"))
+
+
+def new_file_mode() -> int:
+    """Mode of the entries, tables and locks this process creates: the owner's alone, or
+    readable by everyone in a trusted shared directory (others load what precompile wrote)."""
+    return 0o644 if _trusted_shared() else 0o600
 
 
 def file_unsafe_reason(st: os.stat_result, what: str) -> str | None:
     """Why a file or directory with stat ``st`` may not be trusted (None: it may)."""
-    if env.read("TE_FUSED_OPS_KERNEL_CACHE_TRUST"):
+    if _trusted_shared():
         return None
     if st.st_uid != os.getuid():
         return f"{what} is owned by uid {st.st_uid}, not this user ({os.getuid()})"
@@ -79,12 +92,17 @@ def file_unsafe_reason(st: os.stat_result, what: str) -> str | None:
 
 def directory_unsafe_reason(path: pathlib.Path) -> str | None:
     """Why the cache directory ``path`` may not be used (None: it may). A missing one is created
-    (mode 0700)."""
+    (mode 0700; 0755 in a trusted shared cache)."""
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.mkdir(mode=0o755 if _trusted_shared() else 0o700, parents=True, exist_ok=True)
+    except FileExistsError:  # something else than a directory is there: judged below
+        pass
+    except OSError as e:
+        return f"cannot create {path}: {e}"
+    try:
         st = os.lstat(path)
     except OSError as e:
-        return f"cannot create or read {path}: {e}"
+        return f"cannot read {path}: {e}"
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         return f"{path} is not a directory (symlinks are not followed)"
     return file_unsafe_reason(st, str(path))
@@ -97,20 +115,25 @@ def _warn(message: str) -> None:
 def read_trusted(path: pathlib.Path, untrusted) -> bytes | None:
     """The bytes of ``path`` if it is a regular file (not followed through a symlink) passing the
     owner rules above; None when it is absent, else ``untrusted(reason)`` and None."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:  # O_NONBLOCK: a FIFO planted at the path must not block the open
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
-    except OSError as e:  # ELOOP: a symlink
-        untrusted(f"{path} not opened ({e.strerror}; symlinks are not followed)")
+    except OSError as e:
+        symlink = " (a symlink: symlinks are not followed)" if e.errno == errno.ELOOP else ""
+        untrusted(f"{path} not opened: {e.strerror}{symlink}")
         return None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        reason = "not a regular file" if not stat.S_ISREG(st.st_mode) else file_unsafe_reason(st, str(path))
+    try:
+        st = os.fstat(fd)
+        reason = f"{path} is not a regular file" if not stat.S_ISREG(st.st_mode) else file_unsafe_reason(st, str(path))
         if reason:
             untrusted(reason)
             return None
-        return f.read()
+        os.set_blocking(fd, True)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    finally:
+        os.close(fd)
 
 
 def read_entry(path: pathlib.Path, key: str) -> tuple[dict, bytes] | None:
@@ -143,6 +166,7 @@ def write_entry(path: pathlib.Path, key: str, payload: bytes, **fields) -> None:
     header = json.dumps({"key": key, "sha256": hashlib.sha256(payload).hexdigest(), **fields}).encode()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
+        os.fchmod(fd, new_file_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(MAGIC + _HEADER_LEN.pack(len(header)) + header + payload)
             f.flush()
@@ -158,9 +182,12 @@ def write_entry(path: pathlib.Path, key: str, payload: bytes, **fields) -> None:
 def entry_lock(path: pathlib.Path):
     """An exclusive lock beside entry ``path`` (released when the holder exits or dies); none
     where it cannot be made (a read-only shared directory)."""
-    try:
-        fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    except OSError:
+    fd = None
+    for access in (os.O_RDWR, os.O_RDONLY):  # read-only: another user's lock in a shared cache
+        with contextlib.suppress(OSError):
+            fd = os.open(str(path) + ".lock", access | os.O_CREAT | os.O_NOFOLLOW, new_file_mode())
+            break
+    if fd is None:
         yield
         return
     try:

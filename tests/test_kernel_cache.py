@@ -101,6 +101,54 @@ def test_symlinked_directory_is_refused(cache, tmp_path):
     assert "not a directory" in kernel_cache.directory_unsafe_reason(link)
 
 
+def test_entry_path_holding_a_directory_or_a_fifo_is_refused_without_blocking(cache):
+    """Something other than a regular file planted at an entry's path: a warning, never an
+    uncaught error, never a process blocked opening a FIFO."""
+    (cache / "dir.tfok").mkdir()
+    os.mkfifo(cache / "fifo.tfok")
+    for name in ("dir.tfok", "fifo.tfok"):
+        with pytest.warns(UserWarning, match="is not a regular file"):
+            assert kernel_cache.read_entry(cache / name, KEY) is None
+
+
+def test_cache_path_holding_a_file_is_named_as_not_a_directory(tmp_path):
+    (tmp_path / "kernels").write_text("")
+    assert "is not a directory" in kernel_cache.directory_unsafe_reason(tmp_path / "kernels")
+
+
+def test_relative_xdg_cache_home_is_ignored(monkeypatch, tmp_path):
+    monkeypatch.delenv("TE_FUSED_OPS_KERNEL_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", "~/.cache")  # relative (not expanded): the specification ignores it
+    assert kernel_cache.cache_dir() == tmp_path / ".cache" / "te_fused_ops" / "kernels"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert kernel_cache.cache_dir() == tmp_path / "xdg" / "te_fused_ops" / "kernels"
+
+
+def test_trusted_shared_cache_writes_what_others_can_read(cache, monkeypatch, tmp_path):
+    """Under TE_FUSED_OPS_KERNEL_CACHE_TRUST=1 the entries, locks and new directories are readable
+    by the other users who load them (writable by the owner only); private otherwise."""
+    path, _ = _entry(cache)
+    with kernel_cache.entry_lock(path):
+        pass
+    assert os.stat(path).st_mode & 0o777 == 0o600 and os.stat(str(path) + ".lock").st_mode & 0o777 == 0o600
+    monkeypatch.setenv("TE_FUSED_OPS_KERNEL_CACHE_TRUST", "1")
+    shared = tmp_path / "shared" / "kernels"
+    assert kernel_cache.directory_unsafe_reason(shared) is None
+    path, payload = _entry(shared)
+    with kernel_cache.entry_lock(path):
+        pass
+    assert os.stat(shared).st_mode & 0o777 == 0o755 & ~_umask()
+    assert os.stat(path).st_mode & 0o777 == 0o644 and os.stat(str(path) + ".lock").st_mode & 0o777 == 0o644 & ~_umask()
+    assert kernel_cache.read_entry(path, KEY)[1] == payload
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _hammer(path, payload_byte, rounds):
     for _ in range(rounds):
         kernel_cache.write_entry(pathlib.Path(path), KEY, bytes([payload_byte]) * 300_000, tvm_ffi=False, symbol="s")

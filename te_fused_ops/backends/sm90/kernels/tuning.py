@@ -180,6 +180,7 @@ def _store(key: str, config: tuple) -> None:
         merged = {**_read_table(), key: config}
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TABLE_NAME + ".", suffix=".tmp")
         try:
+            os.fchmod(fd, kernel_cache.new_file_mode())
             with os.fdopen(fd, "w") as f:
                 json.dump({k: list(v) for k, v in sorted(merged.items())}, f, indent=0)
             os.replace(tmp, path)
