@@ -400,6 +400,8 @@ def main(variants, shapes, check_only=False):
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        sys.exit(print(__doc__))
     args = [a for a in sys.argv[1:] if a != "--check-only"]
     main((args[0] if args else "halves,nofma,onedrain,quarters,rsquart").split(","),
          (args[1] if len(args) > 1 else "dsv3-ep8,mixtral-8x7b,qwen3-30b-a3b").split(","),

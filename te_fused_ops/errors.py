@@ -5,6 +5,8 @@ error inside a rule's own code is wrapped in `te_fused_ops.FusionRuleError`. Eac
 builtin error it names, so ``except ValueError`` / ``except TypeError`` catch them.
 """
 
+import numbers
+
 
 class OpInputError(Exception):
     """Base of the bad-input errors of the ops."""
@@ -16,3 +18,19 @@ class OpValueError(OpInputError, ValueError):
 
 class OpTypeError(OpInputError, TypeError):
     pass
+
+
+def real_argument(op_name: str, arg: str, value) -> float:
+    """``value`` as a float; `OpTypeError` naming the op and argument for a bool or a non-number."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise OpTypeError(f"{op_name}: argument '{arg}' must be a real number, got {value!r}")
+    return float(value)
+
+
+def floating_dtype_argument(op_name: str, dtype):
+    """``dtype`` (None: torch's default) if it makes floating parameters; `OpTypeError` otherwise."""
+    import torch
+
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise OpTypeError(f"{op_name}: argument 'dtype' must be a floating torch.dtype, got {dtype!r}")
+    return dtype

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from te_fused_ops import (
-    FusionRule, GroupedLinear, Quantize, ScaledSwiGLU, Sequential, SwiGLU, TopKRouter, register_rule,
+    ClampedSwiGLU, FusionRule, GroupedLinear, Permute, Quantize, ScaledSwiGLU, Sequential, SwiGLU, TopKRouter, register_rule,
 )
 from te_fused_ops.quantization import quantize
 
@@ -100,6 +100,20 @@ def test_top_k_router_constructor(kwargs, match):
     args = dict(hidden=8, num_experts=8, k=2) | kwargs
     with pytest.raises(ValueError, match="TopKRouter: argument " + match):
         TopKRouter(**args)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: ClampedSwiGLU(limit="7"), r"ClampedSwiGLU: argument 'limit' must be a real number"),
+    (lambda: ClampedSwiGLU(alpha=None), r"ClampedSwiGLU: argument 'alpha' must be a real number"),
+    (lambda: Permute(4, capacity_factor="1.0"), r"Permute: argument 'capacity_factor' must be a real number"),
+    (lambda: TopKRouter(8, 8, 2, aux_loss_coeff="x"), r"TopKRouter: argument 'aux_loss_coeff' must be a real number"),
+    (lambda: TopKRouter(8, 8, 2, dtype=torch.int64), r"TopKRouter: argument 'dtype' must be a floating torch.dtype"),
+    (lambda: GroupedLinear(4, 8, 8, dtype=torch.int32), r"GroupedLinear: argument 'dtype' must be a floating"),
+    (lambda: GroupedLinear(4, 8, 8, dtype="bf16"), r"GroupedLinear: argument 'dtype' must be a floating"),
+])
+def test_constructor_arguments_of_the_wrong_type(make, match):
+    with pytest.raises(TypeError, match=match):
+        make()
 
 
 def test_sequential_rejects_non_ops():

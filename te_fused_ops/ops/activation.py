@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from .. import env
-from ..errors import OpTypeError, OpValueError
+from ..errors import OpTypeError, OpValueError, real_argument
 from ..routing import ExpertParallelRouting, rows_to_slots, slots_to_rows
 from .base import BasicOp, OpContext, Recompute, is_quantized
 
@@ -194,6 +194,7 @@ class ClampedSwiGLU(_GLU):
 
     def __init__(self, limit: float = 7.0, alpha: float = 1.702, recompute_output: bool = True):
         super().__init__(recompute_output)
+        limit, alpha = real_argument("ClampedSwiGLU", "limit", limit), real_argument("ClampedSwiGLU", "alpha", alpha)
         if not limit > 0:
             raise OpValueError(f"ClampedSwiGLU: argument 'limit' must be positive, got {limit!r}")
         if not math.isfinite(alpha):

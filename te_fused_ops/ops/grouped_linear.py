@@ -5,7 +5,7 @@ import math
 import torch
 from torch import nn
 
-from ..errors import OpTypeError, OpValueError
+from ..errors import OpTypeError, OpValueError, floating_dtype_argument
 from ..grouped_mm import grouped_mm_nn, grouped_mm_nt, grouped_row_sum, grouped_wgrad
 from ..quantization import high_precision_wgrad, quantize, quantized_weight_values, wgrad_source
 from ..splits import bind_offsets, row_group_ids
@@ -77,7 +77,7 @@ class GroupedLinear(BasicOp):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise OpValueError(f"GroupedLinear: argument '{arg}' must be a positive int, got {value!r}")
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
-        factory = {"dtype": dtype, "device": device}
+        factory = {"dtype": floating_dtype_argument("GroupedLinear", dtype), "device": device}
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(num_groups, out_features, **factory)) if bias else None
         self.accumulate_main_grad = bool(accumulate_main_grad)

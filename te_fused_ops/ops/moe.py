@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .. import routing as rows
-from ..errors import OpTypeError, OpValueError
+from ..errors import OpTypeError, OpValueError, floating_dtype_argument, real_argument
 from ..quantization import QuantizedTensor, high_precision_wgrad, quantize
 from ..splits import remember_offsets, validation_enabled
 from .base import BasicOp, OpContext, Recompute, is_quantized
@@ -104,7 +104,7 @@ class Permute(BasicOp):
         if group is None and chunks > 1:
             raise OpValueError("Permute: argument 'chunks' > 1 overlaps the exchanges of expert parallelism and "
                                "needs 'group'")
-        if capacity_factor is not None and not capacity_factor > 0:
+        if capacity_factor is not None and not real_argument("Permute", "capacity_factor", capacity_factor) > 0:
             raise OpValueError(f"Permute: argument 'capacity_factor' must be > 0 or None, got {capacity_factor!r}")
         if group is not None:
             import torch.distributed as dist
@@ -438,7 +438,7 @@ class TopKRouter(BasicOp):
         if k > num_experts // num_groups * group_topk:
             raise OpValueError(f"TopKRouter: argument 'k' ({k}) exceeds the experts of the chosen groups "
                                f"({num_experts // num_groups * group_topk})")
-        if not aux_loss_coeff >= 0:
+        if not real_argument("TopKRouter", "aux_loss_coeff", aux_loss_coeff) >= 0:
             raise OpValueError(f"TopKRouter: argument 'aux_loss_coeff' must be >= 0, got {aux_loss_coeff!r}")
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
             raise OpValueError(f"TopKRouter: argument 'scale' must be positive and finite (the backward divides by "
@@ -447,6 +447,7 @@ class TopKRouter(BasicOp):
         self.score, self.normalize, self.scale = score, bool(normalize), float(scale)
         self.num_groups, self.group_topk = num_groups, group_topk
         self.aux_loss_coeff = float(aux_loss_coeff)
+        dtype = floating_dtype_argument("TopKRouter", dtype)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device))
         self.expert_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device),
                                          requires_grad=False) if expert_bias else None)
