@@ -15,12 +15,14 @@ from .runner import (
 )
 
 
-def _autocast_cast(x, op_params, dtype):
-    """x and the floating parameters cast to ``dtype`` through autograd (as nn.Linear under autocast)."""
+def _autocast_cast(x, ops, op_params, dtype):
+    """x and the floating parameters cast to ``dtype`` through autograd (as nn.Linear under
+    autocast), but an op's ``float32_params``."""
     def cast(t):
         return t.to(dtype) if autocast_eligible(t) else t
 
-    return cast(x), [{name: cast(p) for name, p in params.items()} for params in op_params]
+    return cast(x), [{name: p if name in op.float32_params else cast(p) for name, p in params.items()}
+                     for op, params in zip(ops, op_params)]
 
 
 def check_devices(owner_name: str, ops, x: torch.Tensor, op_params: list) -> None:
@@ -53,7 +55,7 @@ def run_ops(owner: nn.Module, ops, x, side: dict, cache: dict, fuse: bool):
     check_devices(owner_name, ops, x, op_params)
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
-        x, op_params = _autocast_cast(x, op_params, compute_dtype(x))
+        x, op_params = _autocast_cast(x, ops, op_params, compute_dtype(x))
         with torch.autocast(device_type, enabled=False):
             return _run(owner, ops, x, side, cache, fuse, op_params)
     return _run(owner, ops, x, side, cache, fuse, op_params)

@@ -140,6 +140,25 @@ def test_router_on_no_tokens(score, groups, bias):
     assert router.aux_loss.item() == 0.0 and not router.weight.grad.any()
 
 
+def test_expert_bias_stays_float32_through_module_casts_and_autocast():
+    """DeepSeek-V3's selection bias takes small updates: a bf16 module keeps it in float32 (moved,
+    never rounded), and autocast adds it to the float32 scores unrounded."""
+    router = TopKRouter(H, 8, 2, score="sigmoid", expert_bias=True)
+    router.expert_bias.data = torch.linspace(0, 1e-3, 8)
+    want = router.expert_bias.detach().clone()
+    moe = layer(num_experts=8, router=router, dtype=torch.float32).to(torch.bfloat16)
+    assert router.weight.dtype == torch.bfloat16 and moe[2].weight.dtype == torch.bfloat16
+    assert router.expert_bias.dtype == torch.float32 and torch.equal(router.expert_bias, want)
+    moe.half().float()
+    assert torch.equal(router.expert_bias, want)
+    seen = []
+    choose = router.choose
+    router.choose = lambda scores, bias: seen.append(bias) or choose(scores, bias)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        moe(torch.randn(5, H))
+    assert seen[0].dtype == torch.float32 and torch.equal(seen[0], want)
+
+
 def test_explain_names_the_side_values():
     moe = layer()
     x, indices, probs = inputs(8, 2)

@@ -30,12 +30,24 @@ class BasicOp(PlanOwner, nn.Module):
     grad_side_outputs: tuple = ()
     param_names: tuple = ()
     expert_params: tuple = ()  # parameters whose first dimension indexes the op's experts (groups)
+    float32_params: tuple = ()  # parameters kept in float32 by module casts and autocast (moved, never cast)
     chunks = 1  # > 1: the op opens a chunked segment (te_fused_ops.overlap) ...
     closes_chunks = False  # ... which the next op with closes_chunks ends
 
     def __init__(self):
         super().__init__()
         self._init_plan_owner()
+
+    def _apply(self, fn, recurse=True):
+        """`nn.Module._apply` (``to()``, ``half()``, ...), except that ``float32_params`` keep their
+        float32 values: moved with the module, never rounded to its dtype."""
+        kept = {name: getattr(self, name).data for name in self.float32_params if getattr(self, name) is not None}
+        module = super()._apply(fn, recurse)
+        for name, values in kept.items():
+            param = getattr(self, name)
+            if param.dtype != values.dtype:
+                param.data = values.to(param.device)
+        return module
 
     @property
     def op_name(self) -> str:

@@ -402,7 +402,7 @@ class TopKRouter(BasicOp):
 
     logits = x @ weight.T (E, H), scored with ``score`` ("softmax" over the experts, or "sigmoid");
     the top ``k`` experts by score (plus ``expert_bias`` when given: DeepSeek-V3's load-balancing
-    bias, used for the choice only) within the ``group_topk`` best of ``num_groups`` expert groups
+    bias, used for the choice only, float32 whatever the module's dtype or autocast) within the ``group_topk`` best of ``num_groups`` expert groups
     (DeepSeek-V3's group-limited routing; a group scores as the sum of its top two, or its top one
     with softmax); probs = the chosen scores, divided by their sum when ``normalize`` (Qwen3,
     DeepSeek-V3), times ``scale``. ``aux_loss_coeff`` > 0: the load-balancing loss
@@ -421,6 +421,7 @@ class TopKRouter(BasicOp):
     side_outputs = ("indices", "probs")
     grad_side_outputs = ("probs",)
     param_names = ("weight", "expert_bias")
+    float32_params = ("expert_bias",)
 
     def __init__(self, hidden: int, num_experts: int, k: int, score: str = "softmax", normalize: bool = False,
                  scale: float = 1.0, num_groups: int = 1, group_topk: int = 1, expert_bias: bool = False,
