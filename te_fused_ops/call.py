@@ -25,15 +25,23 @@ def _autocast_cast(x, ops, op_params, dtype):
                      for op, params in zip(ops, op_params)]
 
 
-def check_devices(owner_name: str, ops, x: torch.Tensor, op_params: list) -> None:
-    """x on a real device and every parameter on x's device, before any kernel runs."""
+def check_params(owner_name: str, ops, x: torch.Tensor, op_params: list) -> None:
+    """x on a real device, every parameter on x's device and of its op's shape (a weight
+    substituted by ``functional_call``, ``.data`` or a parametrization too), before any kernel
+    runs."""
     if x.device.type == "meta":
         raise OpValueError(
             f"{owner_name}: argument 'x' is on the meta device (no data to compute on); "
             "pass a tensor on the CPU or a GPU"
         )
     for i, (op, params) in enumerate(zip(ops, op_params)):
+        shapes = op.param_shapes()
         for name, param in params.items():
+            if name in shapes and tuple(param.shape) != shapes[name]:
+                raise OpValueError(
+                    f"{op.op_name} (op {i}): parameter '{name}' must have shape {shapes[name]}, got "
+                    f"{tuple(param.shape)}"
+                )
             if param.device != x.device:
                 raise OpValueError(
                     f"{op.op_name} (op {i}): parameter '{name}' is on {param.device} but argument 'x' is on "
@@ -50,9 +58,14 @@ def run_ops(owner: nn.Module, ops, x, side: dict, cache: dict, fuse: bool):
     owner_name = type(owner).__name__
     if not isinstance(x, torch.Tensor):
         raise OpTypeError(f"{owner_name}: argument 'x' must be a torch.Tensor, got {type(x).__name__}")
+    if torch._C._are_functorch_transforms_active():
+        raise NotImplementedError(
+            f"{owner_name}: torch.func transforms (grad, vmap, jacrev, ...) are not supported; torch.autograd "
+            "and torch.func.functional_call outside them are"
+        )
     check_side_inputs(owner_name, ops, side)
     op_params = [op.call_params() for op in ops]
-    check_devices(owner_name, ops, x, op_params)
+    check_params(owner_name, ops, x, op_params)
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         x, op_params = _autocast_cast(x, ops, op_params, compute_dtype(x))

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from te_fused_ops import (
-    ClampedSwiGLU, FusionRule, GroupedLinear, Permute, Quantize, ScaledSwiGLU, Sequential, SwiGLU, TopKRouter, register_rule,
+    ClampedSwiGLU, FusionRule, GroupedLinear, Permute, Quantize, ScaledSwiGLU, Sequential, SwiGLU, TopKRouter, Unpermute,
+    register_rule,
 )
 from te_fused_ops.quantization import quantize
 
@@ -114,6 +115,35 @@ def test_top_k_router_constructor(kwargs, match):
 def test_constructor_arguments_of_the_wrong_type(make, match):
     with pytest.raises(TypeError, match=match):
         make()
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_parameters_of_another_shape_are_named_before_any_kernel(fuse):
+    """A weight substituted with another expert count or layout (functional_call, .data, a
+    parametrization) is the op's own error, fused or not, never zero rows or a rule's error."""
+    model = Sequential(TopKRouter(8, 4, 2), Permute(4), GroupedLinear(4, 8, 16, bias=True), SwiGLU(),
+                       GroupedLinear(4, 8, 8), Unpermute(), fuse=fuse)
+    x = torch.randn(6, 8)
+    cases = {
+        "2.weight": (torch.randn(3, 16, 8), r"GroupedLinear \(op 2\): parameter 'weight' must have shape \(4, 16, 8\)"),
+        "4.weight": (torch.randn(4, 8, 8).transpose(1, 2)[:, :, :4], r"GroupedLinear \(op 4\): parameter 'weight'"),
+        "2.bias": (torch.randn(3, 16), r"GroupedLinear \(op 2\): parameter 'bias' must have shape \(4, 16\)"),
+        "0.weight": (torch.randn(5, 8), r"TopKRouter \(op 0\): parameter 'weight' must have shape \(4, 8\)"),
+    }
+    for name, (value, match) in cases.items():
+        with pytest.raises(ValueError, match=match):
+            torch.func.functional_call(model, {name: value}, (x,))
+    model(x).sum().backward()  # the module's own parameters still run
+
+
+def test_torch_func_transforms_are_refused_by_name():
+    mlp = seq()
+    params = {n: p.detach() for n, p in mlp.named_parameters()}
+    with pytest.raises(NotImplementedError, match="Sequential: torch.func transforms"):
+        torch.func.grad(lambda p: torch.func.functional_call(mlp, p, (X,), {"split_sizes": S}).sum())(params)
+    with pytest.raises(NotImplementedError, match="GroupedLinear: torch.func transforms"):
+        torch.func.vmap(lambda x: mlp[0](x, split_sizes=S))(X.expand(2, -1, -1))
+    torch.func.functional_call(mlp, params, (X,), {"split_sizes": S}).sum()  # outside a transform: runs
 
 
 def test_sequential_rejects_non_ops():

@@ -67,6 +67,10 @@ class BasicOp(PlanOwner, nn.Module):
         (plan time)."""
         return None
 
+    def param_shapes(self) -> dict:
+        """name -> the shape each parameter must have (checked at every call, before any kernel)."""
+        return {}
+
     def call_params(self) -> dict:
         """name -> parameter tensor as this call sees it (read once per call)."""
         params = {}

@@ -112,6 +112,10 @@ class GroupedLinear(BasicOp):
         groups = self.num_groups if experts is None else experts[1] - experts[0]
         return {"offsets": bind_offsets("GroupedLinear", side, x, memo, groups)}
 
+    def param_shapes(self) -> dict:
+        return {"weight": (self.num_groups, self.out_features, self.in_features),
+                "bias": (self.num_groups, self.out_features)}
+
     def check_input(self, x, weight: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
             raise OpTypeError(f"GroupedLinear: argument 'x' must be a torch.Tensor, got {type(x).__name__}")

@@ -412,7 +412,8 @@ class TopKRouter(BasicOp):
     k to port it) is added to the training objective: its gradient joins the router's in the
     backward, and ``router.aux_loss`` holds its value (detached) after each forward for logging.
     Its gradient is added as is, whatever the caller scales the main loss by (divide the
-    coefficient likewise when averaging over micro-batches or ranks). The choice is never
+    coefficient likewise when averaging over micro-batches or ranks; under fp16's
+    ``torch.amp.GradScaler`` multiply it by the scale, or ``unscale_`` divides it away). The choice is never
     differentiated; probs are. ``router.tokens_per_expert``: (E,) float32 (float64 for a float64
     x), detached, the slots routed to each expert by the last forward (they sum to T k): what
     DeepSeek-V3's update of ``expert_bias`` and load logging read.
@@ -465,6 +466,9 @@ class TopKRouter(BasicOp):
 
     def side_value_experts(self, name: str):
         return self.num_experts if name == "indices" else None
+
+    def param_shapes(self) -> dict:
+        return {"weight": (self.num_experts, self.hidden), "expert_bias": (self.num_experts,)}
 
     def scores(self, logits: torch.Tensor, dtype) -> torch.Tensor:
         """(T, E) scores in ``dtype`` (float32, or float64 for a float64 x) of 16-bit or wider logits."""
