@@ -35,9 +35,9 @@ def check_params(owner_name: str, ops, x: torch.Tensor, op_params: list) -> None
             "pass a tensor on the CPU or a GPU"
         )
     for i, (op, params) in enumerate(zip(ops, op_params)):
-        shapes = op.param_shapes()
+        shapes = op.param_shapes
         for name, param in params.items():
-            if name in shapes and tuple(param.shape) != shapes[name]:
+            if param.shape != shapes.get(name, param.shape):
                 raise OpValueError(
                     f"{op.op_name} (op {i}): parameter '{name}' must have shape {shapes[name]}, got "
                     f"{tuple(param.shape)}"

@@ -31,6 +31,7 @@ class BasicOp(PlanOwner, nn.Module):
     param_names: tuple = ()
     expert_params: tuple = ()  # parameters whose first dimension indexes the op's experts (groups)
     float32_params: tuple = ()  # parameters kept in float32 by module casts and autocast (moved, never cast)
+    param_shapes: dict = {}  # name -> the shape it must have, checked at every call (set by __init__; read only)
     chunks = 1  # > 1: the op opens a chunked segment (te_fused_ops.overlap) ...
     closes_chunks = False  # ... which the next op with closes_chunks ends
 
@@ -66,10 +67,6 @@ class BasicOp(PlanOwner, nn.Module):
         """The Recipe of the output if it is a QuantizedTensor, else None, given the input's
         (plan time)."""
         return None
-
-    def param_shapes(self) -> dict:
-        """name -> the shape each parameter must have (checked at every call, before any kernel)."""
-        return {}
 
     def call_params(self) -> dict:
         """name -> parameter tensor as this call sees it (read once per call)."""

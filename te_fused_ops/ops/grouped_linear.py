@@ -77,6 +77,7 @@ class GroupedLinear(BasicOp):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise OpValueError(f"GroupedLinear: argument '{arg}' must be a positive int, got {value!r}")
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
+        self.param_shapes = {"weight": (num_groups, out_features, in_features), "bias": (num_groups, out_features)}
         factory = {"dtype": floating_dtype_argument("GroupedLinear", dtype), "device": device}
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(num_groups, out_features, **factory)) if bias else None
@@ -111,10 +112,6 @@ class GroupedLinear(BasicOp):
         experts = memo.get("chunk experts")  # in a chunked segment: (first, stop) of the chunk's experts
         groups = self.num_groups if experts is None else experts[1] - experts[0]
         return {"offsets": bind_offsets("GroupedLinear", side, x, memo, groups)}
-
-    def param_shapes(self) -> dict:
-        return {"weight": (self.num_groups, self.out_features, self.in_features),
-                "bias": (self.num_groups, self.out_features)}
 
     def check_input(self, x, weight: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):

@@ -446,6 +446,7 @@ class TopKRouter(BasicOp):
             raise OpValueError(f"TopKRouter: argument 'scale' must be positive and finite (the backward divides by "
                                f"it), got {scale!r}")
         self.hidden, self.num_experts, self.k = hidden, num_experts, k
+        self.param_shapes = {"weight": (num_experts, hidden), "expert_bias": (num_experts,)}
         self.score, self.normalize, self.scale = score, bool(normalize), float(scale)
         self.num_groups, self.group_topk = num_groups, group_topk
         self.aux_loss_coeff = float(aux_loss_coeff)
@@ -467,8 +468,6 @@ class TopKRouter(BasicOp):
     def side_value_experts(self, name: str):
         return self.num_experts if name == "indices" else None
 
-    def param_shapes(self) -> dict:
-        return {"weight": (self.num_experts, self.hidden), "expert_bias": (self.num_experts,)}
 
     def scores(self, logits: torch.Tensor, dtype) -> torch.Tensor:
         """(T, E) scores in ``dtype`` (float32, or float64 for a float64 x) of 16-bit or wider logits."""
