@@ -62,10 +62,9 @@ class RunTemplate:
         self.side_names = side_input_names(ops)
         side = dict(zip(self.side_names, side_key))
         for i, op in enumerate(ops):
-            if getattr(op, "accumulate_main_grad", False):
-                raise ValueError(
-                    f"{op.op_name} (op {i}): accumulate_main_grad=True is not supported under torch.compile"
-                )
+            reason = op.compile_unsupported_reason()
+            if reason is not None:
+                raise NotImplementedError(f"{op.op_name} (op {i}): {reason} is not supported under torch.compile")
             if op.output_recipe(None) is not None:
                 raise NotImplementedError(
                     f"{op.op_name} (op {i}): quantized outputs are not supported under torch.compile yet; "

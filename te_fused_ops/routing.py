@@ -153,7 +153,6 @@ class ExpertParallelRouting(Routing):
     send_slot_rows: (T, k) int32, the send row of each slot; N for a slot not sent
     send_kept:   (1,) int32 holding N (send rows below it are kept: the row kernels' num_kept)
     dropped:     () int64, this rank's slots past their destination's capacity
-    tokens, slots_per_token: T and k
     group:       the process group
     splits:      None (W equal blocks each way), or (rows sent to each rank, rows received from
                  each rank) as host lists (dropless: read once when the routing was made)
@@ -163,10 +162,19 @@ class ExpertParallelRouting(Routing):
     send_slot_rows: torch.Tensor
     send_kept: torch.Tensor
     dropped: torch.Tensor
-    tokens: int
-    slots_per_token: int
     group: object
     splits: tuple = None
+
+    @property
+    def tokens(self) -> int:
+        """T, from ``send_slot_rows``' shape (a shape, not a saved int: under torch.compile one
+        packed routing serves every token count)."""
+        return self.send_slot_rows.shape[0]
+
+    @property
+    def slots_per_token(self) -> int:
+        """k."""
+        return self.send_slot_rows.shape[1]
 
     def send_tokens(self) -> torch.Tensor:
         """(N,) int64: the token of each send row (T for an unused row)."""
@@ -272,7 +280,7 @@ def route_expert_parallel(indices: torch.Tensor, num_experts: int, group, capaci
         routings.append(ExpertParallelRouting(
             local.slot_rows, local.row_slots, local.row_tokens, local.offsets, local.counts, send_slots[first:first + sending],
             send_slot_rows, torch.full((1,), sending, dtype=torch.int32, device=device),
-            dropped if chunk == 0 else torch.zeros_like(dropped), indices.shape[0], indices.shape[1], group,
+            dropped if chunk == 0 else torch.zeros_like(dropped), group,
             None if capacity is not None else (send_sizes[chunk], recv_sizes[chunk])))
         first += sending
     return routings[0] if chunks == 1 else routings

@@ -185,10 +185,10 @@ def _compile_worker(rank, init_file, chunks):
                            Unpermute(group=group))
         torch._dynamo.reset()
         compiled = torch.compile(layer)
-        for step in range(3):  # a new routing each step
+        for step, tokens in enumerate((T, T, T, T + 4, T - 5)):  # a new routing each step, then new counts
             gen = torch.Generator().manual_seed(10 * step + rank)
-            x = torch.randn(T, H, generator=gen, requires_grad=True)
-            indices, probs = torch.randint(0, E, (T, K), generator=gen), torch.rand(T, K, generator=gen)
+            x = torch.randn(tokens, H, generator=gen, requires_grad=True)
+            indices, probs = torch.randint(0, E, (tokens, K), generator=gen), torch.rand(tokens, K, generator=gen)
             y = compiled(x, indices=indices, probs=probs)
             y.square().sum().backward()
             x_eager = x.detach().clone().requires_grad_(True)
@@ -196,7 +196,14 @@ def _compile_worker(rank, init_file, chunks):
             y_eager.square().sum().backward()
             torch.testing.assert_close(y, y_eager)
             torch.testing.assert_close(x.grad, x_eager.grad)
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # compiled once
+            if step == 2:
+                assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # compiled once for new routing
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # and once more with a symbolic count
+        dropless = Sequential(Permute(E, group=group, capacity_factor=None), GroupedLinear(E // WORLD, H, H),
+                              Unpermute(group=group))
+        with pytest.raises(Exception, match=r"Permute \(op 0\): capacity_factor=None with group .* not supported "
+                                            r"under torch.compile"):
+            torch.compile(dropless)(x, indices=indices, probs=probs)
 
         # activation checkpointing: the recomputed forward exchanges again; bit-equal gradients
         from torch.utils.checkpoint import checkpoint

@@ -68,6 +68,10 @@ class BasicOp(PlanOwner, nn.Module):
         (plan time)."""
         return None
 
+    def compile_unsupported_reason(self):
+        """What in this op's configuration torch.compile cannot trace (a phrase), or None."""
+        return None
+
     def call_params(self) -> dict:
         """name -> parameter tensor as this call sees it (read once per call)."""
         params = {}

@@ -113,6 +113,9 @@ class GroupedLinear(BasicOp):
         groups = self.num_groups if experts is None else experts[1] - experts[0]
         return {"offsets": bind_offsets("GroupedLinear", side, x, memo, groups)}
 
+    def compile_unsupported_reason(self):
+        return "accumulate_main_grad=True" if self.accumulate_main_grad else None
+
     def check_input(self, x, weight: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
             raise OpTypeError(f"GroupedLinear: argument 'x' must be a torch.Tensor, got {type(x).__name__}")

@@ -162,6 +162,12 @@ class Permute(BasicOp):
     def side_value_experts(self, name: str):
         return {"indices": self.num_experts, "split_sizes": self.num_experts // self.world_size()}.get(name)
 
+    def compile_unsupported_reason(self):
+        """Dropless exchanges size their buffers from counts read on the host."""
+        if self.group is not None and self.capacity_factor is None:
+            return "capacity_factor=None with group (the exchange's sizes are read on the host; pass a capacity_factor)"
+        return None
+
     def check_index_values(self, indices: torch.Tensor) -> None:
         bad = indices[(indices < -1) | (indices >= self.num_experts)]
         if bad.numel():
