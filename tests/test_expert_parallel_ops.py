@@ -164,6 +164,29 @@ def _bad_input_worker(rank, init_file):
                    r"Permute: argument 'indices' holds ids outside \[0, 4\) on another rank")
         with pytest.raises(OpValueError, match=message):  # bad ids on rank 1 only: both raise, none waits
             layer(torch.randn(3, 8), indices=torch.full((3, 1), 4 if rank == 1 else 0))
+        # an input failing its own checks on rank 1 only: rank 1 names it, rank 0 raises too
+        others = r"an input failed its checks on another rank of 'group'"
+        combine = Sequential(Permute(4, group=dist.group.WORLD), GroupedLinear(2, 8, 8), Unpermute(group=dist.group.WORLD))
+        indices = torch.zeros(3, 2, dtype=torch.float32 if rank == 1 else torch.int64)
+        with pytest.raises((TypeError, ValueError), match="must have dtype int32 or int64" if rank == 1 else
+                           "Permute: " + others):
+            combine(torch.randn(3, 8), indices=indices, probs=torch.rand(3, 2))
+        probs = torch.rand(3, 3 if rank == 1 else 2)
+        with pytest.raises(OpValueError, match="Unpermute: argument 'probs'" if rank == 1 else "Unpermute: " + others):
+            combine(torch.randn(3, 8), indices=torch.zeros(3, 2, dtype=torch.int64), probs=probs)
+        with pytest.raises(OpValueError, match=r"Permute: argument 'x' is 8 to 9 wide on the ranks of 'group'"):
+            combine(torch.randn(3, 8 + rank), indices=torch.zeros(3, 2, dtype=torch.int64), probs=torch.rand(3, 2))
+        with pytest.raises(OpValueError, match="Unpermute: argument 'group' is another group object"):
+            Sequential(Permute(4, group=dist.group.WORLD), Unpermute(group=dist.new_group([0, 1])))(
+                torch.randn(3, 8), indices=torch.zeros(3, 1, dtype=torch.int64))
+        with pytest.raises(OpValueError, match=r"'capacity_factor' must be > 0 and finite"):
+            Permute(4, group=dist.group.WORLD, capacity_factor=float("inf"))
+        huge = Sequential(Permute(4, group=dist.group.WORLD, capacity_factor=1e300), Unpermute(group=dist.group.WORLD))
+        huge(torch.randn(3, 8), indices=torch.zeros(3, 2, dtype=torch.int64))  # C is at most T * k: no overflow
+        alone = dist.new_group([0])
+        if rank == 1:
+            with pytest.raises(OpValueError, match=r"Permute: this rank \(1\) is not a member of argument 'group'"):
+                Permute(4, group=alone)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -268,7 +268,7 @@ def test_bad_input_names_op_and_argument():
                                            r"or, as the tokens' probabilities, the shape of the permute's 'indices' "
                                            r"\(8, 2\), got \(8,\)"):
         moe(x, indices=indices, probs=probs[:, 0])
-    with pytest.raises(OpValueError, match=r"Permute: argument 'capacity_factor' must be > 0 or None, got -1"):
+    with pytest.raises(OpValueError, match=r"Permute: argument 'capacity_factor' must be > 0 and finite, or None, got -1"):
         Permute(E, capacity_factor=-1)
 
 

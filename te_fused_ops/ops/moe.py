@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .. import routing as rows
-from ..errors import OpTypeError, OpValueError, floating_dtype_argument, real_argument
+from ..errors import OpInputError, OpTypeError, OpValueError, floating_dtype_argument, real_argument
 from ..quantization import QuantizedTensor, high_precision_wgrad, quantize
 from ..splits import remember_offsets, validation_enabled
 from .base import BasicOp, OpContext, Recompute, is_quantized
@@ -66,8 +66,8 @@ class Permute(BasicOp):
 
     Expert parallelism: with ``group`` (a `torch.distributed` process group of W ranks) the E
     experts are split evenly over the ranks (rank r owns experts r * E / W ..), ``indices`` hold
-    global ids, and each rank sends every destination rank at most C = ceil(capacity_factor * T * k
-    / W) rows (static shapes: no host sync; slots past a destination's capacity are dropped, in the
+    global ids, and each rank sends every destination rank at most C = min(ceil(capacity_factor * T
+    * k / W), T * k) rows (static shapes: no host sync; slots past a destination's capacity are dropped, in the
     order expert, token, slot; ``permute.dropped`` holds this rank's count of the last call, a
     device tensor). ``capacity_factor=None`` drops nothing: every slot is sent, the exchanged
     counts read on the host once per call to size the exchanges exactly (shapes change with the
@@ -76,7 +76,8 @@ class Permute(BasicOp):
     experts (``split_sizes`` (E / W,)); the grouped ops after it hold the local experts. Pair it
     with ``Unpermute(group=...)``, which takes the probabilities. The rows move on the torch path
     (an all-to-all each way). Where values are checked (CPU, TE_FUSED_OPS_VALIDATE=1), ids out of
-    range or capacities that differ on any rank raise on every rank.
+    range, capacities or widths of x that differ, or an input failing its checks on any rank
+    (here or in the ``Unpermute``'s probabilities) raise on every rank.
 
     ``chunks=n`` (with ``group``) overlaps the exchanges with the experts: the ops up to the
     ``Unpermute`` run as n chunks of the local experts (chunk c: experts [c L/n, (c+1) L/n) of
@@ -104,11 +105,14 @@ class Permute(BasicOp):
         if group is None and chunks > 1:
             raise OpValueError("Permute: argument 'chunks' > 1 overlaps the exchanges of expert parallelism and "
                                "needs 'group'")
-        if capacity_factor is not None and not real_argument("Permute", "capacity_factor", capacity_factor) > 0:
-            raise OpValueError(f"Permute: argument 'capacity_factor' must be > 0 or None, got {capacity_factor!r}")
+        if capacity_factor is not None and not 0 < real_argument("Permute", "capacity_factor", capacity_factor) < math.inf:
+            raise OpValueError(f"Permute: argument 'capacity_factor' must be > 0 and finite, or None, got "
+                               f"{capacity_factor!r}")
         if group is not None:
             import torch.distributed as dist
 
+            if dist.get_rank(group) < 0:
+                raise OpValueError(f"Permute: this rank ({dist.get_rank()}) is not a member of argument 'group'")
             world = dist.get_world_size(group)
             if num_experts % world:
                 raise OpValueError(f"Permute: argument 'num_experts' ({num_experts}) must split evenly over the "
@@ -129,26 +133,39 @@ class Permute(BasicOp):
 
     def capacity(self, indices: torch.Tensor):
         """C, the rows every rank sends every rank (per chunk) in this call, or None (dropless);
-        where values are checked, bad ids or differing capacities on any rank raise on every rank
-        (no rank is left waiting in a collective)."""
-        import torch.distributed as dist
-
+        at most the T k slots a rank has (more would drop nothing more)."""
         if self.capacity_factor is None:
             return None
-        world = self.world_size()
-        capacity = max(1, math.ceil(self.capacity_factor * indices.numel() / (world * self.chunks)))
-        if validation_enabled(indices.device):
-            bad = ((indices < -1) | (indices >= self.num_experts)).sum()
-            bounds = torch.stack([bad, bad.new_tensor(capacity), bad.new_tensor(-capacity)])
-            dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.group)
-            if int(bounds[0]):
-                self.check_index_values(indices)  # names the id on the rank that holds it
-                raise OpValueError(f"Permute: argument 'indices' holds ids outside [0, {self.num_experts}) on another "
-                                   "rank of 'group'")
-            if int(bounds[1]) != -int(bounds[2]):
-                raise OpValueError(f"Permute: the ranks of 'group' send {-int(bounds[2])} to {int(bounds[1])} rows per "
-                                   "rank pair (capacity_factor * tokens * k / ranks); every rank needs the same")
-        return capacity
+        wanted = self.capacity_factor * indices.numel() / (self.world_size() * self.chunks)
+        return max(1, min(math.ceil(wanted), indices.numel()))
+
+    def agree_on_inputs(self, x: torch.Tensor, indices, local_error) -> None:
+        """Where values are checked (CPU, ``TE_FUSED_OPS_VALIDATE=1``), before any exchange: one
+        all-reduce over the group, so that an input failing its checks on any rank (``local_error``
+        on this one), bad ids, capacities or widths that differ raise on every rank instead of
+        leaving the others waiting in the exchange."""
+        import torch.distributed as dist
+
+        failed = local_error is not None
+        bad = 0 if failed else int(((indices < -1) | (indices >= self.num_experts)).sum())
+        capacity = 0 if failed else self.capacity(indices) or 0
+        width = x.shape[1] if x.dim() == 2 else 0
+        bounds = torch.tensor([int(failed), bad, capacity, -capacity, width, -width], device=x.device)
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.group)
+        if failed:
+            raise local_error
+        if int(bounds[0]):
+            raise OpValueError("Permute: an input failed its checks on another rank of 'group' (that rank names it)")
+        if int(bounds[1]):
+            self.check_index_values(indices)  # names the id on the rank that holds it
+            raise OpValueError(f"Permute: argument 'indices' holds ids outside [0, {self.num_experts}) on another "
+                               "rank of 'group'")
+        if int(bounds[2]) != -int(bounds[3]):
+            raise OpValueError(f"Permute: the ranks of 'group' send {-int(bounds[3])} to {int(bounds[2])} rows per "
+                               "rank pair (capacity_factor * tokens * k / ranks); every rank needs the same")
+        if int(bounds[4]) != -int(bounds[5]):
+            raise OpValueError(f"Permute: argument 'x' is {-int(bounds[5])} to {int(bounds[4])} wide on the ranks of "
+                               "'group'; every rank needs the same width")
 
     def world_size(self) -> int:
         import torch.distributed as dist
@@ -188,13 +205,21 @@ class Permute(BasicOp):
             self.check_index_values(indices)
 
     def bind_side_inputs(self, side: dict, x: torch.Tensor, memo: dict) -> dict:
-        if x.dim() != 2:
-            raise OpValueError(f"Permute: argument 'x' must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
         indices = side["indices"]
-        self.check_indices(indices, x, values=self.group is None)  # with a group: checked with the capacity
+        agree = self.group is not None and validation_enabled(x.device) and x.device.type != "meta"
+        try:
+            if x.dim() != 2:
+                raise OpValueError(f"Permute: argument 'x' must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
+            self.check_indices(indices, x, values=self.group is None)  # with a group: checked by agree_on_inputs
+        except OpInputError as error:
+            if not agree:
+                raise
+            self.agree_on_inputs(x, indices, error)
         key = ("routing", id(indices), self.num_experts, id(self.group))
         if key not in memo:
             chunk = memo.get("chunk")
+            if agree and chunk in (None, 0):
+                self.agree_on_inputs(x, indices, None)
             if self.group is None:
                 memo[key] = rows.route(indices, self.num_experts)
             elif chunk is None:
@@ -270,6 +295,25 @@ class Permute(BasicOp):
         return rows.gather_sum(dy, routing), {}
 
 
+def _agree_on_check(group, device, check) -> None:
+    """Run ``check`` (raises an `OpInputError` for bad input), then one all-reduce over ``group``:
+    its error on this rank, and an error naming the other rank's failure on every other one, so no
+    rank waits in the next exchange."""
+    import torch.distributed as dist
+
+    try:
+        check()
+        error = None
+    except OpInputError as raised:
+        error = raised
+    failed = torch.tensor([int(error is not None)], device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if error is not None:
+        raise error
+    if int(failed[0]):
+        raise OpValueError("Unpermute: an input failed its checks on another rank of 'group' (that rank names it)")
+
+
 def _quantize_rows(x, recipe, offsets):
     """`Permute.forward_cast_rows`' torch cast of the rows that arrived: (data, scales)."""
     made = quantize(x, recipe, rowwise=True, offsets=offsets)
@@ -322,15 +366,21 @@ class Unpermute(BasicOp):
         if routing is None:
             raise OpValueError("Unpermute: no 'routing'; a Permute must come before it in the sequence")
         expert_parallel = isinstance(routing, rows.ExpertParallelRouting)
-        if expert_parallel != (self.group is not None) or (expert_parallel and routing.group is not self.group):
+        if expert_parallel != (self.group is not None):
             raise OpValueError("Unpermute: argument 'group' must be the group of the Permute before it "
                                f"(got {'None' if self.group is None else 'a group'}, the Permute has "
                                f"{'one' if expert_parallel else 'none'})")
+        if expert_parallel and routing.group is not self.group:
+            raise OpValueError("Unpermute: argument 'group' is another group object than the Permute's before it; "
+                               "pass the same one")
         bound = {"routing": routing}
         probs = side.get("probs")
         if probs is not None and not memo.get("probs_applied"):
             slots = (routing.tokens, routing.slots_per_token) if expert_parallel else routing.slot_rows.shape
-            check_slot_probs("Unpermute", probs, slots, x.device)
+            if expert_parallel and validation_enabled(x.device) and x.device.type != "meta":
+                _agree_on_check(self.group, x.device, lambda: check_slot_probs("Unpermute", probs, slots, x.device))
+            else:
+                check_slot_probs("Unpermute", probs, slots, x.device)
             bound["probs"] = probs
         return bound
 
