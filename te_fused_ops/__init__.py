@@ -3,7 +3,8 @@
 Compose basic ops (`GroupedLinear`, `SwiGLU`, ...) in a `Sequential`; the fusion pass runs fused
 rules where they apply (`Sequential.explain()` says which, and why others did not fire).
 
-Environment switches (read at each use; a bad value raises ValueError listing the accepted ones):
+Environment switches (read at each use; a bad value raises ValueError listing the accepted ones, and
+importing the package warns about it and about unknown TE_FUSED_OPS_* names):
 
 """
 
@@ -99,4 +100,4 @@ _load_builtin_rules()
 from .backends import sm90 as _sm90, torch as _torch  # noqa: E402,F401  (the backends register themselves)
 
 __doc__ += env.markdown_table() + "\n"
-env.warn_unknown()
+env.warn_about_environment()

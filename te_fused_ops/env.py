@@ -206,8 +206,10 @@ def read(name: str, where: str = "te_fused_ops"):
         ) from None
 
 
-def warn_unknown() -> None:
-    """Warn about ``TE_FUSED_OPS_*`` variables that are not switches (typos are otherwise ignored)."""
+def warn_about_environment() -> None:
+    """Warn (at import) about ``TE_FUSED_OPS_*`` variables that are not switches (typos are
+    otherwise ignored) and about switches set to a bad value: each raises only where it is read,
+    and some are read on CUDA paths alone."""
     unknown = sorted(n for n in os.environ if n.startswith(PREFIX) and n not in SWITCHES)
     if unknown:
         warnings.warn(
@@ -215,6 +217,11 @@ def warn_unknown() -> None:
             f"known: {', '.join(SWITCHES)}",
             stacklevel=3,
         )
+    for name in SWITCHES:
+        try:
+            read(name)
+        except ValueError as error:
+            warnings.warn(f"{error} (raised where it is read)", stacklevel=3)
 
 
 def markdown_table() -> str:

@@ -67,10 +67,14 @@ def test_sm_margin_values(monkeypatch, raw, expected):
         assert env.read("TE_FUSED_OPS_SM_MARGIN") == expected
 
 
-def test_unknown_variable_warns(monkeypatch):
+def test_unknown_variable_or_bad_value_warns_at_import(monkeypatch):
     monkeypatch.setenv("TE_FUSED_OPS_BACKENDS", "torch")
     with pytest.warns(UserWarning, match="unknown environment variable.*TE_FUSED_OPS_BACKENDS"):
-        env.warn_unknown()
+        env.warn_about_environment()
+    monkeypatch.delenv("TE_FUSED_OPS_BACKENDS")
+    monkeypatch.setenv("TE_FUSED_OPS_COMPILE", "bogus")  # read on CUDA paths alone: named at import
+    with pytest.warns(UserWarning, match="environment variable TE_FUSED_OPS_COMPILE must be one of 1, 0"):
+        env.warn_about_environment()
 
 
 def test_every_switch_documented_in_readme_and_help():
