@@ -159,6 +159,51 @@ def test_expert_bias_stays_float32_through_module_casts_and_autocast():
     assert seen[0].dtype == torch.float32 and torch.equal(seen[0], want)
 
 
+def test_router_with_float32_logits_on_16_bit_operands():
+    """``float32_logits``: a bf16 router's logits as the float32 product of its bf16 operands (the
+    choice of experts of that product), gradients within a bf16 rounding of the float32 autograd
+    reference."""
+    torch.manual_seed(2)
+    tokens, num_experts, k = 64, 16, 4
+    router = TopKRouter(H, num_experts, k, score="sigmoid", normalize=True, float32_logits=True,
+                        aux_loss_coeff=0.01, dtype=torch.bfloat16)
+    assert "float32_logits=True" in repr(router)
+    moe = layer(num_experts=num_experts, router=router, dtype=torch.bfloat16)
+    x = torch.randn(tokens, H, dtype=torch.bfloat16, requires_grad=True)
+    seen = []
+    choose = router.choose
+    router.choose = lambda scores, bias: seen.append(scores) or choose(scores, bias)
+    y = moe(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    logits = x.detach().double() @ router.weight.detach().double().t()
+    assert seen[0].dtype == torch.float32 and rel_err(seen[0], torch.sigmoid(logits)) <= 1e-6
+    x_ref = x.detach().float().requires_grad_()
+    w_ref = router.weight.detach().float().requires_grad_()
+    scores = torch.sigmoid(x_ref @ w_ref.t())
+    top, indices = scores.topk(k, -1)
+    assert torch.equal(indices.sort(-1).values, router_indices(moe, x).sort(-1).values)
+    probs = top / top.sum(-1, keepdim=True)
+    w1, w2 = (moe[i].weight.detach().float() for i in (2, 4))
+    ref = moe_layer(x_ref.double(), indices, probs.double(), w1.double(), w2.double())
+    share = router.tokens_per_expert.double() / (tokens * k)
+    balance = 0.01 * num_experts * (share * (scores / scores.sum(-1, keepdim=True)).mean(0)).sum()
+    ((ref * dy.double()).sum() + balance).backward()
+    assert rel_err(router.weight.grad, w_ref.grad) <= 2e-2 and rel_err(x.grad, x_ref.grad) <= 2e-2
+
+
+def router_indices(moe, x):
+    """The experts ``moe``'s router chooses for ``x`` (its forward run again, without gradients)."""
+    got = []
+    permute = moe[1]
+    bind = permute.bind_side_inputs
+    permute.bind_side_inputs = lambda side, x, memo: got.append(side["indices"]) or bind(side, x, memo)
+    with torch.no_grad():
+        moe(x)
+    del permute.bind_side_inputs
+    return got[0]
+
+
 def test_explain_names_the_side_values():
     moe = layer()
     x, indices, probs = inputs(8, 2)

@@ -470,7 +470,9 @@ class TopKRouter(BasicOp):
     Its gradient is added as is, whatever the caller scales the main loss by (divide the
     coefficient likewise when averaging over micro-batches or ranks; under fp16's
     ``torch.amp.GradScaler`` multiply it by the scale, or ``unscale_`` divides it away). The choice is never
-    differentiated; probs are. ``router.tokens_per_expert``: (E,) float32 (float64 for a float64
+    differentiated; probs are. ``float32_logits``: a 16-bit x and weight multiplied in float32
+    (their products are exact there; Megatron's fp32 router dtype, Hugging Face DeepSeek-V3's
+    router), its gradients computed in float32 and rounded once. ``router.tokens_per_expert``: (E,) float32 (float64 for a float64
     x), detached, the slots routed to each expert by the last forward (they sum to T k): what
     DeepSeek-V3's update of ``expert_bias`` and load logging read.
     """
@@ -482,7 +484,7 @@ class TopKRouter(BasicOp):
 
     def __init__(self, hidden: int, num_experts: int, k: int, score: str = "softmax", normalize: bool = False,
                  scale: float = 1.0, num_groups: int = 1, group_topk: int = 1, expert_bias: bool = False,
-                 aux_loss_coeff: float = 0.0, dtype=None, device=None):
+                 aux_loss_coeff: float = 0.0, float32_logits: bool = False, dtype=None, device=None):
         super().__init__()
         for arg, value in (("hidden", hidden), ("num_experts", num_experts), ("k", k), ("num_groups", num_groups),
                            ("group_topk", group_topk)):
@@ -506,6 +508,7 @@ class TopKRouter(BasicOp):
         self.score, self.normalize, self.scale = score, bool(normalize), float(scale)
         self.num_groups, self.group_topk = num_groups, group_topk
         self.aux_loss_coeff = float(aux_loss_coeff)
+        self.float32_logits = bool(float32_logits)
         dtype = floating_dtype_argument("TopKRouter", dtype)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device))
         self.expert_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device),
@@ -515,7 +518,15 @@ class TopKRouter(BasicOp):
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, num_experts={self.num_experts}, k={self.k}, score={self.score!r}, "
-                f"normalize={self.normalize}, scale={self.scale}")
+                f"normalize={self.normalize}, scale={self.scale}"
+                + (", float32_logits=True" if self.float32_logits else ""))
+
+    def logits_operands(self, x: torch.Tensor, weight: torch.Tensor) -> tuple:
+        """(x, weight) as the logits' product takes them: widened to float32 with
+        ``float32_logits`` (16-bit products are exact in float32), else as they are."""
+        if self.float32_logits and x.dtype in (torch.bfloat16, torch.float16):
+            return x.float(), weight.float()
+        return x, weight
 
     def plan_signature(self) -> tuple:
         return (TopKRouter, self.num_experts, self.k, self.score, self.normalize, self.scale, self.num_groups,
@@ -577,7 +588,8 @@ class TopKRouter(BasicOp):
             raise OpValueError(f"TopKRouter: argument 'x' must have shape (tokens, {self.hidden}), got {tuple(x.shape)}")
         if x.dtype != weight.dtype:
             raise OpTypeError(f"TopKRouter: argument 'x' has dtype {x.dtype} but the weight has {weight.dtype}")
-        scores = self.scores(x @ weight.t(), torch.promote_types(x.dtype, torch.float32))
+        x_logits, w_logits = self.logits_operands(x, weight)
+        scores = self.scores(x_logits @ w_logits.t(), torch.promote_types(x.dtype, torch.float32))
         indices, chosen = self.choose(scores, ctx.params.get("expert_bias"))
         probs, total = self.slot_probs(chosen)
         routed = self.slots_per_expert(indices, scores.dtype)
@@ -642,10 +654,14 @@ class TopKRouter(BasicOp):
 
     def op_backward(self, ctx: OpContext, dy):
         x, weight, saved = ctx.load_input(), ctx.saved.weight, ctx.saved
+        x_logits, w_logits = self.logits_operands(x, weight.detach())
         d_logits = self.score_grads(saved.scores, saved.indices, saved.probs, saved.total,
-                                    ctx.produced_grads.get("probs")).to(x.dtype)
-        grads = {"weight": d_logits.t() @ x} if ctx.needs_grad("weight") else {}
+                                    ctx.produced_grads.get("probs")).to(x_logits.dtype)
+        grads = {"weight": (d_logits.t() @ x_logits).to(weight.dtype)} if ctx.needs_grad("weight") else {}
         dx = None
         if ctx.input_requires_grad:
-            dx = d_logits @ weight.detach() if dy is None else torch.addmm(dy, d_logits, weight.detach())
+            if dy is None:
+                dx = (d_logits @ w_logits).to(x.dtype)
+            else:
+                dx = torch.addmm(dy.to(d_logits.dtype), d_logits, w_logits).to(dy.dtype)
         return dx, grads
