@@ -66,9 +66,9 @@ class Permute(BasicOp):
 
     Expert parallelism: with ``group`` (a `torch.distributed` process group of W ranks) the E
     experts are split evenly over the ranks (rank r owns experts r * E / W ..), ``indices`` hold
-    global ids, and each rank sends every destination rank at most C = min(ceil(capacity_factor * T
-    * k / W), T * k) rows (static shapes: no host sync; slots past a destination's capacity are dropped, in the
-    order expert, token, slot; ``permute.dropped`` holds this rank's count of the last call, a
+    global ids, and each rank sends every destination rank at most
+    C = min(ceil(capacity_factor * T * k / W), T * k) rows (static shapes: no host sync; slots
+    past a destination's capacity are dropped, in the order expert, token, slot; ``permute.dropped`` holds this rank's count of the last call, a
     device tensor). ``capacity_factor=None`` drops nothing: every slot is sent, the exchanged
     counts read on the host once per call to size the exchanges exactly (shapes change with the
     routing); without ``group`` nothing is dropped for capacity and ``capacity_factor`` is only
@@ -105,7 +105,8 @@ class Permute(BasicOp):
         if group is None and chunks > 1:
             raise OpValueError("Permute: argument 'chunks' > 1 overlaps the exchanges of expert parallelism and "
                                "needs 'group'")
-        if capacity_factor is not None and not 0 < real_argument("Permute", "capacity_factor", capacity_factor) < math.inf:
+        if capacity_factor is not None and not 0 < real_argument("Permute", "capacity_factor",
+                                                                 capacity_factor) < math.inf:
             raise OpValueError(f"Permute: argument 'capacity_factor' must be > 0 and finite, or None, got "
                                f"{capacity_factor!r}")
         if group is not None:
@@ -458,23 +459,24 @@ class TopKRouter(BasicOp):
 
     logits = x @ weight.T (E, H), scored with ``score`` ("softmax" over the experts, or "sigmoid");
     the top ``k`` experts by score (plus ``expert_bias`` when given: DeepSeek-V3's load-balancing
-    bias, used for the choice only, float32 whatever the module's dtype or autocast) within the ``group_topk`` best of ``num_groups`` expert groups
-    (DeepSeek-V3's group-limited routing; a group scores as the sum of its top two, or its top one
-    with softmax); probs = the chosen scores, divided by their sum when ``normalize`` (Qwen3,
-    DeepSeek-V3), times ``scale``. ``aux_loss_coeff`` > 0: the load-balancing loss
-    ``coeff * E * sum_e f_e * P_e`` (f_e: share of slots routed to expert e, P_e: mean score of e,
-    scores normalized per token for sigmoid; Megatron's switch loss; Hugging Face's
-    ``load_balancing_loss_func`` takes f_e over tokens, k times this: multiply its coefficient by
-    k to port it) is added to the training objective: its gradient joins the router's in the
-    backward, and ``router.aux_loss`` holds its value (detached) after each forward for logging.
-    Its gradient is added as is, whatever the caller scales the main loss by (divide the
-    coefficient likewise when averaging over micro-batches or ranks; under fp16's
-    ``torch.amp.GradScaler`` multiply it by the scale, or ``unscale_`` divides it away). The choice is never
-    differentiated; probs are. ``float32_logits``: a 16-bit x and weight multiplied in float32
-    (their products are exact there; Megatron's fp32 router dtype, Hugging Face DeepSeek-V3's
-    router), its gradients computed in float32 and rounded once. ``router.tokens_per_expert``: (E,) float32 (float64 for a float64
-    x), detached, the slots routed to each expert by the last forward (they sum to T k): what
-    DeepSeek-V3's update of ``expert_bias`` and load logging read.
+    bias, used for the choice only, float32 whatever the module's dtype or autocast) within the
+    ``group_topk`` best of ``num_groups`` expert groups (DeepSeek-V3's group-limited routing; a
+    group scores as the sum of its top two, or its top one with softmax); probs = the chosen scores,
+    divided by their sum when ``normalize`` (Qwen3, DeepSeek-V3), times ``scale``.
+    ``aux_loss_coeff`` > 0: the load-balancing loss ``coeff * E * sum_e f_e * P_e`` (f_e: share of
+    slots routed to expert e, P_e: mean score of e, scores normalized per token for sigmoid;
+    Megatron's switch loss; Hugging Face's ``load_balancing_loss_func`` takes f_e over tokens, k
+    times this: multiply its coefficient by k to port it) is added to the training objective: its
+    gradient joins the router's in the backward, and ``router.aux_loss`` holds its value (detached)
+    after each forward for logging. Its gradient is added as is, whatever the caller scales the main
+    loss by (divide the coefficient likewise when averaging over micro-batches or ranks; under
+    fp16's ``torch.amp.GradScaler`` multiply it by the scale, or ``unscale_`` divides it away). The
+    choice is never differentiated; probs are. ``float32_logits``: a 16-bit x and weight multiplied
+    in float32 (their products are exact there; Megatron's fp32 router dtype, Hugging Face
+    DeepSeek-V3's router), its gradients computed in float32 and rounded once.
+    ``router.tokens_per_expert``: (E,) float32 (float64 for a float64 x), detached, the slots routed
+    to each expert by the last forward (they sum to T k): what DeepSeek-V3's update of
+    ``expert_bias`` and load logging read.
     """
 
     side_outputs = ("indices", "probs")
