@@ -69,6 +69,8 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map_only
 
 from .cuda_graphs import capturing
@@ -638,16 +640,26 @@ _reuse = threading.local()
 
 @dataclass
 class WeightCopy:
-    """A copy kept in a `ReuseScope`: ``value`` = ``make()``, derived from ``weight`` (kept so its
-    address cannot be reused); ``captured``: a CUDA graph read it during its capture, so its
-    storage must stay where it is and be recast (`StepCasts`), never dropped; ``make_into``:
-    ``make`` writing into the kept value instead (None: a fresh ``make()`` is copied in)."""
+    """A copy kept in a `ReuseScope`: ``value`` = ``make()``, derived from ``weight`` (the
+    parameter); ``source``: a weak reference to the storage it was made from (expired once that
+    storage is freed: ``p.data = t`` or a freed all-gather, whose address a later tensor may
+    take); ``captured``: a CUDA graph read it during its capture, so its storage must stay where
+    it is and be recast (`StepCasts`), never dropped; ``make_into``: ``make`` writing into the
+    kept value instead (None: a fresh ``make()`` is copied in)."""
 
     weight: torch.Tensor
     value: object
     make: object
     make_into: object = None
     captured: bool = False
+    source: object = None
+
+    def __post_init__(self):
+        self.source = StorageWeakRef(self.weight.untyped_storage())
+
+    def stale(self) -> bool:
+        """Whether the storage the copy was made from is gone (another tensor may hold its address)."""
+        return self.source.expired()
 
     def recast(self) -> None:
         """``value`` made again from the weight as it is now, in its own storage."""
@@ -695,8 +707,10 @@ class StepCasts:
                              f"cast_weights_once_per_step (remove() it first)")
         for module in self.modules:
             _step_scopes[module] = self.scope
+        self._optimizer = weakref.ref(optimizer)
         self._hooks = [optimizer.register_step_pre_hook(lambda *args: self._drop_uncaptured()),
                        optimizer.register_step_post_hook(lambda *args: self.drop())]
+        _watch_other_optimizers(self)
 
     def drop(self) -> None:
         """Drop the copies kept (the next forward casts again), except those a CUDA graph read
@@ -707,6 +721,7 @@ class StepCasts:
         with torch.no_grad():
             for key, copy in list(copies.items()):
                 copy.recast()
+                copy.source = StorageWeakRef(copy.weight.untyped_storage())
                 del copies[key]
                 recipe, kind = key[-2:]
                 copies[copy_key(copy.weight, recipe, kind)] = copy  # the weight's version moved
@@ -716,7 +731,17 @@ class StepCasts:
         for key in [key for key, copy in copies.items() if not copy.captured]:
             del copies[key]
 
+    def after_other_optimizer(self, optimizer) -> None:
+        """``optimizer`` (not ours) stepped: drop the copies if it holds any weight they came
+        from (a fused step bumps no version counter)."""
+        if optimizer is self._optimizer():
+            return
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if any(id(copy.weight) in stepped for copy in self.scope.copies.values()):
+            self.drop()
+
     def remove(self) -> None:
+        _live_step_casts.discard(self)
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -730,6 +755,19 @@ class StepCasts:
 
     def __exit__(self, *exc):
         self.remove()
+
+
+_live_step_casts: weakref.WeakSet = weakref.WeakSet()  # the StepCasts not removed
+_other_optimizers_hook = []  # the handle of the one global optimizer post-step hook, once made
+
+
+def _watch_other_optimizers(casts: StepCasts) -> None:
+    """Let every optimizer's step reach ``casts`` (`StepCasts.after_other_optimizer`): a second
+    optimizer over the same weights, or one made again after a checkpoint load."""
+    _live_step_casts.add(casts)
+    if not _other_optimizers_hook:
+        _other_optimizers_hook.append(register_optimizer_step_post_hook(
+            lambda optimizer, args, kwargs: [c.after_other_optimizer(optimizer) for c in list(_live_step_casts)]))
 
 
 def cast_weights_once_per_step(optimizer, model) -> StepCasts:
@@ -747,7 +785,8 @@ def cast_weights_once_per_step(optimizer, model) -> StepCasts:
     A copy is keyed on the weight tensor (address, shape, dtype), its version counter and the
     recipe: a write through the parameter (``load_state_dict``, ``p.copy_(...)``, any in-place op)
     or a new tensor (``p.data = t``, FSDP2's all-gathered weights, a parametrization) gets a fresh
-    copy. Not seen: in-place writes through ``p.data`` outside ``optimizer.step()``
+    copy; so does any other optimizer's step over the model's weights (a fused step bumps no
+    version counter). Not seen: in-place writes through ``p.data`` outside an optimizer's step
     (``p.data.mul_(...)`` bumps no version counter): call ``casts.drop()`` after such a write.
     Other models (a copy of ``model`` too) are not affected. The copies of one step stay alive until
     the next: an FP8 copy of each weight, plus its transposed copy where the data gradient reads one.
@@ -812,10 +851,10 @@ def reuse_or_make(weight: torch.Tensor, recipe, kind: str, make, scope, make_int
     except RuntimeError:  # an inference tensor: no version counter to key on
         return make()
     if capturing():
-        if not scope.serves_graphs or key not in copies:
+        if not scope.serves_graphs or key not in copies or copies[key].stale():
             return make()
         copies[key].captured = True
-    elif key not in copies:
+    elif key not in copies or copies[key].stale():
         copies[key] = WeightCopy(weight, make(), make, make_into)
     return copies[key].value
 

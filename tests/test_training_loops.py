@@ -370,6 +370,37 @@ def test_weights_cast_once_per_optimizer_step(fused, monkeypatch):
     assert len(casts) == 2  # detached: a cast per call again
 
 
+def test_step_casts_never_reuse_a_copy_of_a_freed_weight():
+    """``p.data = t`` inside a step frees the old storage, whose address a later tensor often takes
+    (same shape, same version counter): each forward still equals a fresh model's, not the copy
+    of the weight that lived there before."""
+    seq = mlp()
+    opt = torch.optim.SGD(seq.parameters(), lr=0.1)
+    x = batch(3)
+    with torch.no_grad(), tfo.cast_weights_once_per_step(opt, seq):
+        for i in range(12):
+            torch.testing.assert_close(seq(x, split_sizes=SPLITS), fresh_copy(seq)(x, split_sizes=SPLITS),
+                                       rtol=0, atol=0, msg=f"stale copy after write {i}")
+            seq[1].weight.data = torch.randn_like(seq[1].weight)
+
+
+def test_step_casts_see_another_optimizers_fused_step():
+    """A second optimizer over the same weights (an expert optimizer, or one made again after a
+    checkpoint load): its fused step bumps no version counter, and still the next forward reads
+    the weights it wrote."""
+    seq = mlp()
+    registered = torch.optim.SGD(seq.parameters(), lr=0.1)
+    other = torch.optim.AdamW(seq.parameters(), lr=0.1, fused=True)
+    x = batch(4)
+    with tfo.cast_weights_once_per_step(registered, seq):
+        seq(x, split_sizes=SPLITS).square().mean().backward()
+        version = seq[1].weight._version
+        other.step()
+        assert seq[1].weight._version == version  # unseen by the version counter
+        with torch.no_grad():
+            torch.testing.assert_close(seq(x, split_sizes=SPLITS), fresh_copy(seq)(x, split_sizes=SPLITS), rtol=0, atol=0)
+
+
 def test_step_casts_name_swapped_or_missing_arguments():
     seq = mlp()
     optimizer = torch.optim.SGD(seq.parameters(), lr=0.1)
