@@ -28,7 +28,10 @@ give Inf.
 
 Non-finite inputs: ``amax`` is taken over the finite values of the block only, so the block's
 finite values are quantized as if the non-finite ones were absent; +-Inf saturates to +-448 (it
-dequantizes to ``+-448 * scale_inv``); NaN stays NaN in the data and dequantizes to NaN.
+dequantizes to ``+-448 * scale_inv``); NaN stays NaN in the data and dequantizes to NaN. So an
+output gradient holding Inf (an fp16 loss-scale overflow) leaves an FP8 layer's gradients finite,
+where ``torch.amp.GradScaler`` would look for it: scale fp16 losses before the FP8 layers see them,
+or train in bf16.
 
 Ragged blocks: no size needs to be a multiple of the block size; the last block along a dim is
 shorter and is scaled by its own amax.
@@ -61,6 +64,7 @@ as 0, the others are clamped to ``[0, M]`` and made nondecreasing (running max).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from contextlib import contextmanager
@@ -141,6 +145,12 @@ class Recipe:
     name: ClassVar[str] = "recipe"
     block_size: ClassVar[int | None] = None
     weight_blocks_2d: ClassVar[bool] = False
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type in (bool, "bool") and not isinstance(value, bool):
+                raise OpTypeError(f"{type(self).__name__}: argument '{field.name}' must be a bool, got {value!r}")
 
     def scale_inv_from_amax(self, amax: torch.Tensor) -> torch.Tensor:
         """float32 amax (any shape) -> float32 dequantization multipliers of the same shape."""
@@ -881,9 +891,14 @@ def refill(kept, fresh) -> None:
         raise TypeError(f"refill: cannot refill a {type(kept).__name__} in place")
 
 
-def quantized_weight_values(weight: torch.Tensor, recipe, scope) -> torch.Tensor:
-    """``weight`` quantized with ``recipe`` and dequantized (the values an FP8 GEMM computes with);
-    fresh on every call unless ``scope`` (the op context's `ReuseScope`) is open."""
+def quantized_weight_values(weight: torch.Tensor, recipe, scope, dgrad: bool = False) -> torch.Tensor:
+    """``weight`` (G, N, K) quantized with ``recipe`` and dequantized (the values an FP8 GEMM
+    computes with); fresh on every call unless ``scope`` (the op context's `ReuseScope`) is open.
+    ``dgrad``: the values of the data gradient's GEMM, which contracts over N: from the column-wise
+    copy where its blocks are not the row-wise ones transposed (MXFP8's 1x32 along N)."""
+    if dgrad and recipe.block_size is not None and not recipe.weight_blocks_2d:
+        return reuse_or_make(weight, recipe, "dgrad values", lambda: quantize_weight(
+            weight.detach(), recipe, columnwise=True).dequantize_columnwise().transpose(-1, -2), scope)
     return reuse_or_make(
         weight, recipe, "values", lambda: quantize_weight(weight.detach(), recipe).dequantize(), scope
     )

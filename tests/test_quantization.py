@@ -584,3 +584,33 @@ def test_tensor_scale_offsets_take_the_first_as_zero():
     want = quantize(x, "fp8_current", offsets=torch.tensor([0, 3])).rowwise_scale_inv
     assert torch.equal(quantize(x, "fp8_current", offsets=torch.tensor([4, 3])).rowwise_scale_inv, want)
     assert want.item() == pytest.approx(1 / 448)
+
+
+def test_mxfp8_data_gradient_reads_the_weights_column_wise_copy():
+    """dx = dy @ W contracts over N: with MXFP8 the GEMM reads W's column-wise copy (1x32 blocks
+    along N), not the row-wise one (blocks along K, the forward's)."""
+    import te_fused_ops as tfo
+
+    torch.manual_seed(0)
+    m, k, n = 16, 64, 64
+    linear = tfo.GroupedLinear(1, k, n)
+    with torch.no_grad():  # magnitudes that vary along N inside each 32-block along K
+        linear.weight.mul_(torch.logspace(-3, 0, n)[None, :, None])
+    x = torch.randn(m, k, requires_grad=True)
+    dy = quantize(torch.randn(m, n), "mxfp8").dequantize()  # on the MX grid: its own cast is exact
+    tfo.Sequential(tfo.Quantize("mxfp8"), linear)(x, split_sizes=torch.tensor([m])).backward(dy)
+    weight = quantize_weight(linear.weight.detach(), "mxfp8", columnwise=True)
+    assert torch.equal(x.grad, dy @ weight.dequantize_columnwise()[0].t())
+    assert not torch.equal(x.grad, dy @ weight.dequantize()[0])
+
+
+def test_recipe_and_quantize_flags_must_be_bools():
+    """A string flag is truthy: ``power_2_scales="False"`` would turn power-of-two scales on."""
+    import te_fused_ops as tfo
+
+    with pytest.raises(TypeError, match=r"Float8BlockScaling: argument 'power_2_scales' must be a bool, got 'False'"):
+        Float8BlockScaling(power_2_scales="False")
+    with pytest.raises(TypeError, match=r"Float8BlockScaling: argument 'high_precision_wgrad' must be a bool"):
+        Float8BlockScaling(high_precision_wgrad=1)
+    with pytest.raises(TypeError, match=r"Quantize: argument 'quantize_grad' must be a bool, got 'no'"):
+        tfo.Quantize("fp8_blockwise", quantize_grad="no")

@@ -24,12 +24,13 @@ def _main_grad(weight: torch.Tensor) -> torch.Tensor:
     return main_grad
 
 
-def gemm_weight(weight: torch.Tensor, recipe, reuse_scope) -> torch.Tensor:
+def gemm_weight(weight: torch.Tensor, recipe, reuse_scope, dgrad: bool = False) -> torch.Tensor:
     """The weight as the GEMM sees it: itself, or quantized with ``recipe`` and dequantized
-    (reused while the op context's ``reuse_scope`` is open)."""
+    (reused while the op context's ``reuse_scope`` is open); ``dgrad``: as the data gradient's
+    GEMM reads it (`quantized_weight_values`)."""
     if recipe is None:
         return weight
-    return quantized_weight_values(weight, recipe, reuse_scope)
+    return quantized_weight_values(weight, recipe, reuse_scope, dgrad)
 
 
 def columnwise_view(x) -> torch.Tensor:
@@ -207,6 +208,6 @@ class GroupedLinear(BasicOp):
         if ctx.needs_grad("bias"):
             grads["bias"] = grouped_row_sum(dy_data, offsets)
         if ctx.input_requires_grad:
-            weight = gemm_weight(ctx.saved.weight, ctx.saved.recipe, ctx.reuse_scope)
+            weight = gemm_weight(ctx.saved.weight, ctx.saved.recipe, ctx.reuse_scope, dgrad=True)
             dx = grouped_mm_nn(dy_data, weight.detach(), offsets)
         return dx, grads

@@ -30,7 +30,9 @@ class Quantize(BasicOp):
     def __init__(self, recipe, quantize_grad: bool = False):
         super().__init__()
         self.recipe = get_recipe(recipe)
-        self.quantize_grad = bool(quantize_grad)
+        if not isinstance(quantize_grad, bool):
+            raise OpTypeError(f"Quantize: argument 'quantize_grad' must be a bool, got {quantize_grad!r}")
+        self.quantize_grad = quantize_grad
 
     def extra_repr(self) -> str:
         changed = [f"{field.name}={getattr(self.recipe, field.name)!r}" for field in dataclasses.fields(self.recipe)
