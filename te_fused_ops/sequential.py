@@ -5,10 +5,11 @@ import warnings
 import torch
 from torch import nn
 
-from .call import run_ops
+from .call import check_params, run_ops
 from .context import PlanOwner
 from .ops.base import BasicOp
 from .runner import (
+    check_side_inputs,
     compute_dtype,
     get_plan,
     grad_side_names,
@@ -118,6 +119,8 @@ class Sequential(PlanOwner, nn.Module):
 
     def __init__(self, *ops, fuse: bool = True):
         super().__init__()
+        if not isinstance(fuse, bool):
+            raise TypeError(f"Sequential: argument 'fuse' must be a bool, got {fuse!r}")
         for i, op in enumerate(ops):
             if not isinstance(op, BasicOp):
                 raise TypeError(f"Sequential: argument 'ops' [{i}] must be a te_fused_ops basic op, got {type(op).__name__}")
@@ -132,16 +135,34 @@ class Sequential(PlanOwner, nn.Module):
         return iter(self._modules.values())
 
     def __getitem__(self, index):
-        ops = list(self._modules.values())
+        """An op, or for a slice a Sequential of the same ops (parameters shared) under the same
+        names, as ``torch.nn.Sequential`` slices: its state_dict keys are the parent's."""
         if isinstance(index, slice):
-            return Sequential(*ops[index], fuse=self.fuse)
+            part = Sequential(fuse=self.fuse)
+            for name, op in list(self._modules.items())[index]:
+                part.add_module(name, op)
+            return part
+        ops = list(self._modules.values())
+        if not -len(ops) <= index < len(ops):
+            raise IndexError(f"Sequential: index {index} out of range for {len(ops)} ops")
         return ops[index]
 
     def append(self, op: BasicOp) -> "Sequential":
         if not isinstance(op, BasicOp):
             raise TypeError(f"Sequential.append: argument 'op' must be a te_fused_ops basic op, got {type(op).__name__}")
-        self.add_module(str(len(self)), op)
+        self.add_module(str(int(next(reversed(self._modules))) + 1) if self._modules else "0", op)
         return self
+
+    def extend(self, ops) -> "Sequential":
+        for op in ops:
+            self.append(op)
+        return self
+
+    def _refuse_in_place(self, *args, **kwargs):
+        raise TypeError("Sequential: ops are appended, never inserted, removed or replaced in place (the names in "
+                        "state_dict would shift); build a new Sequential from its ops or slices (parameters shared)")
+
+    insert = pop = __setitem__ = __delitem__ = _refuse_in_place
 
     def forward(self, x, **side):
         ops = list(self)
@@ -154,6 +175,10 @@ class Sequential(PlanOwner, nn.Module):
         under autocast, the autocast dtype)."""
         ops = list(self)
         op_params = [op.call_params() for op in ops]
+        if isinstance(x, torch.Tensor):  # the checks a call makes before planning (a meta x plans only)
+            check_side_inputs("Sequential", ops, side)
+            if x.device.type != "meta":
+                check_params("Sequential", ops, x, op_params)
         if x is None:
             param = next(self.parameters(), None)
             device = param.device if param is not None else torch.device("cpu")

@@ -172,3 +172,29 @@ def test_side_input_errors_are_op_value_errors():
     layer = Sequential(Permute(2), GroupedLinear(2, 4, 4), Unpermute())
     with pytest.raises(OpValueError, match=r"side input 'routing' is produced by Permute in this sequence"):
         layer(torch.randn(3, 4), indices=torch.zeros(3, 1, dtype=torch.long), probs=torch.ones(3, 1), routing=None)
+
+
+def test_slices_keep_names_and_the_container_refuses_in_place_edits():
+    """A slice keeps the parent's names (its state_dict loads from the parent's, as with
+    torch.nn.Sequential); append and extend continue after the last name; inserting, removing or
+    replacing an op is refused naming Sequential; ``fuse`` must be a bool."""
+    from te_fused_ops import OpValueError, Permute, Unpermute
+
+    layer = Sequential(Permute(4), GroupedLinear(4, 16, 32), SwiGLU(), GroupedLinear(4, 16, 16), Unpermute())
+    experts = layer[1:4]
+    assert list(experts.state_dict()) == ["1.weight", "3.weight"]
+    experts.load_state_dict({k: v for k, v in layer.state_dict().items()}, strict=True)
+    experts.extend([Unpermute()])
+    assert list(experts._modules) == ["1", "2", "3", "4"] and experts[1] is layer[2]
+    for edit in (lambda: experts.insert(0, SwiGLU()), lambda: experts.pop(), lambda: experts.__delitem__(0),
+                 lambda: experts.__setitem__(0, SwiGLU())):
+        with pytest.raises(TypeError, match="Sequential: ops are appended, never inserted, removed or replaced"):
+            edit()
+    with pytest.raises(IndexError, match="Sequential: index 5 out of range for 5 ops"):
+        layer[5]
+    with pytest.raises(TypeError, match="Sequential: argument 'fuse' must be a bool, got 'no'"):
+        Sequential(SwiGLU(), fuse="no")
+    with pytest.raises(OpValueError, match=r"side input\(s\) 'foo' not consumed"):
+        mlp().explain(torch.randn(6, 16), split_sizes=torch.tensor([2, 2, 2]), foo=1)
+    with pytest.raises(OpValueError, match=r"GroupedLinear \(op 0\): missing side input 'split_sizes'"):
+        mlp().plan(torch.randn(6, 16))

@@ -13,7 +13,9 @@ from .base import BasicOp, OpContext
 class Quantize(BasicOp):
     """Cast the input to ``recipe`` (a `te_fused_ops.quantization.Recipe` or its name).
 
-    Output: a `QuantizedTensor` with row-wise data and scales (dequantize() gives the values).
+    Output: a `QuantizedTensor` with row-wise data and scales (``dequantize()`` gives the values,
+    without a gradient; torch ops on the output itself, e.g. ``y * 1``, and the ops after it in a
+    `Sequential` keep the straight-through gradient).
     With ``recipe.high_precision_wgrad`` the output keeps the input as its ``source`` for the
     16-bit weight gradient of the GroupedLinear after it.
     Backward: straight-through; with ``quantize_grad=True`` the gradient is quantized with the
