@@ -386,8 +386,13 @@ class SequenceFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
+        if torch.is_grad_enabled():  # create_graph=True: the kernels' gradients have no graph of their own
+            names = ", ".join(dict.fromkeys(op.op_name for op in ctx.run.ops))
+            raise NotImplementedError(
+                f"te_fused_ops ({names}): double backward (create_graph=True, e.g. a gradient penalty) is not "
+                "supported; the gradients these ops return are not differentiable"
+            )
         dx, side_grads, param_grads = ctx.run.backward(dy, ctx.saved_tensors)
         if is_quantized(dx):
             dx = dx.dequantize()

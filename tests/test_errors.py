@@ -146,6 +146,15 @@ def test_torch_func_transforms_are_refused_by_name():
     torch.func.functional_call(mlp, params, (X,), {"split_sizes": S}).sum()  # outside a transform: runs
 
 
+def test_double_backward_is_refused_by_name():
+    """create_graph=True (a gradient penalty): refused naming the ops, never a first-order
+    gradient with no graph that would silently drop the penalty's term."""
+    x = X.clone().requires_grad_(True)
+    y = seq()(x, split_sizes=S)
+    with pytest.raises(NotImplementedError, match=r"te_fused_ops \(GroupedLinear, SwiGLU\): double backward"):
+        torch.autograd.grad(y, x, torch.randn_like(y), create_graph=True)
+
+
 def test_sequential_rejects_non_ops():
     with pytest.raises(TypeError, match=r"Sequential: argument 'ops' \[1\] must be a te_fused_ops basic op"):
         Sequential(GroupedLinear(2, 4, 4), torch.nn.ReLU())
