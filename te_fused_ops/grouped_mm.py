@@ -80,7 +80,7 @@ def grouped_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, out_
         dy_aligned, x_aligned, aligned_ends = align_groups(offsets, dy, x)
         return torch._grouped_mm(dy_aligned.t(), x_aligned, offs=aligned_ends).to(out_dtype)
     group_ids = row_group_ids(offsets, x.shape[0]).unsqueeze(1)
-    compute = torch.float32 if out_dtype == torch.float32 else dy.dtype
+    compute = torch.promote_types(dy.dtype, out_dtype)
     dy_c, x_c = dy.to(compute), x.to(compute)
     return torch.stack([torch.where(group_ids == g, dy_c, 0).t() @ x_c for g in range(num_groups)]).to(out_dtype)
 

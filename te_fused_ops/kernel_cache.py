@@ -30,8 +30,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import fcntl
 import errno
+import fcntl
 import functools
 import hashlib
 import inspect

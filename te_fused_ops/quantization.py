@@ -662,7 +662,7 @@ class WeightCopy:
     make: object
     make_into: object = None
     captured: bool = False
-    source: object = None
+    source: object = dataclasses.field(init=False)
 
     def __post_init__(self):
         self.source = StorageWeakRef(self.weight.untyped_storage())
@@ -672,11 +672,12 @@ class WeightCopy:
         return self.source.expired()
 
     def recast(self) -> None:
-        """``value`` made again from the weight as it is now, in its own storage."""
+        """``value`` made again from the weight as it is now, in its own storage (``source`` follows)."""
         if self.make_into is not None:
             self.make_into(self.value)
         else:
             refill(self.value, self.make())
+        self.source = StorageWeakRef(self.weight.untyped_storage())
 
 
 class ReuseScope:
@@ -731,7 +732,6 @@ class StepCasts:
         with torch.no_grad():
             for key, copy in list(copies.items()):
                 copy.recast()
-                copy.source = StorageWeakRef(copy.weight.untyped_storage())
                 del copies[key]
                 recipe, kind = key[-2:]
                 copies[copy_key(copy.weight, recipe, kind)] = copy  # the weight's version moved

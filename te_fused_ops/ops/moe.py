@@ -68,8 +68,8 @@ class Permute(BasicOp):
     experts are split evenly over the ranks (rank r owns experts r * E / W ..), ``indices`` hold
     global ids, and each rank sends every destination rank at most
     C = min(ceil(capacity_factor * T * k / W), T * k) rows (static shapes: no host sync; slots
-    past a destination's capacity are dropped, in the order expert, token, slot; ``permute.dropped`` holds this rank's count of the last call, a
-    device tensor). ``capacity_factor=None`` drops nothing: every slot is sent, the exchanged
+    past a destination's capacity are dropped, in the order expert, token, slot;
+    ``permute.dropped`` holds this rank's count of the last call, a device tensor). ``capacity_factor=None`` drops nothing: every slot is sent, the exchanged
     counts read on the host once per call to size the exchanges exactly (shapes change with the
     routing); without ``group`` nothing is dropped for capacity and ``capacity_factor`` is only
     checked. The output is the rows this rank received (W * C with a static capacity), grouped by its E / W local
@@ -148,10 +148,11 @@ class Permute(BasicOp):
         import torch.distributed as dist
 
         failed = local_error is not None
-        bad = 0 if failed else int(((indices < -1) | (indices >= self.num_experts)).sum())
         capacity = 0 if failed else self.capacity(indices) or 0
         width = x.shape[1] if x.dim() == 2 else 0
-        bounds = torch.tensor([int(failed), bad, capacity, -capacity, width, -width], device=x.device)
+        bounds = torch.tensor([int(failed), 0, capacity, -capacity, width, -width], device=x.device)
+        if not failed:
+            bounds[1] = ((indices < -1) | (indices >= self.num_experts)).sum()
         dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.group)
         if failed:
             raise local_error
@@ -537,7 +538,6 @@ class TopKRouter(BasicOp):
     def side_value_experts(self, name: str):
         return self.num_experts if name == "indices" else None
 
-
     def scores(self, logits: torch.Tensor, dtype) -> torch.Tensor:
         """(T, E) scores in ``dtype`` (float32, or float64 for a float64 x) of 16-bit or wider logits."""
         if self.score == "softmax":
@@ -601,15 +601,16 @@ class TopKRouter(BasicOp):
         ctx.produced = {"indices": indices, "probs": probs}
         if ctx.input_requires_grad or ctx.params_require_grad:
             ctx.saved.scores, ctx.saved.indices, ctx.saved.weight = scores, indices, weight
-            ctx.saved.probs, ctx.saved.total = probs, total
+            ctx.saved.probs, ctx.saved.total, ctx.saved.routed = probs, total, routed
             ctx.save_input(x)
         return x
 
-    def score_grads(self, scores, indices, probs, total, d_probs) -> torch.Tensor:
+    def score_grads(self, scores, indices, probs, total, routed, d_probs) -> torch.Tensor:
         """d objective / d logits (T, E), the objective being ``<probs, d_probs>`` plus the balance
         loss (explicit: the backward may run where autograd records nothing, e.g. in a custom op).
 
-        ``scores`` (T, E), ``probs`` (T, k) and ``total`` (T, 1) or None as the forward made them.
+        ``scores`` (T, E), ``probs`` (T, k), ``total`` (T, 1) or None and ``routed`` (E,) (the slot
+        counts) as the forward made them.
         The probs' gradient reaches k scores a token: d chosen = scale * d_probs, then through the
         normalization (d chosen - <d chosen, probs / scale>) / total; the softmax's backward
         s * (d_s - <d_s, s>) then needs <d_s, s> over the k chosen only."""
@@ -630,7 +631,6 @@ class TopKRouter(BasicOp):
             d_scores.scatter_add_(1, indices, d_chosen)
         if self.aux_loss_coeff:
             tokens = max(scores.shape[0], 1)
-            routed = self.slots_per_expert(indices, scores.dtype)
             weight = self.aux_loss_coeff * self.num_experts * routed / (tokens * self.k) / tokens  # (E,)
             if self.score == "softmax":
                 d_scores += weight
@@ -657,7 +657,7 @@ class TopKRouter(BasicOp):
     def op_backward(self, ctx: OpContext, dy):
         x, weight, saved = ctx.load_input(), ctx.saved.weight, ctx.saved
         x_logits, w_logits = self.logits_operands(x, weight.detach())
-        d_logits = self.score_grads(saved.scores, saved.indices, saved.probs, saved.total,
+        d_logits = self.score_grads(saved.scores, saved.indices, saved.probs, saved.total, saved.routed,
                                     ctx.produced_grads.get("probs")).to(x_logits.dtype)
         grads = {"weight": (d_logits.t() @ x_logits).to(weight.dtype)} if ctx.needs_grad("weight") else {}
         dx = None
