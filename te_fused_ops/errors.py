@@ -27,6 +27,16 @@ def real_argument(op_name: str, arg: str, value) -> float:
     return float(value)
 
 
+def bool_argument(op_name: str, arg: str, value) -> bool:
+    """``value`` as a bool (a Python or numpy bool); `OpTypeError` naming the op and argument for
+    anything else (a string "false" or a 0/1 would otherwise read as a choice)."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and str(getattr(value, "dtype", "")) == "bool" and value.shape == ():
+        return bool(value)
+    raise OpTypeError(f"{op_name}: argument '{arg}' must be a bool, got {value!r}")
+
+
 def floating_dtype_argument(op_name: str, dtype):
     """``dtype`` (None: torch's default) if it makes floating parameters; `OpTypeError` otherwise."""
     import torch

@@ -92,10 +92,10 @@ def test_grouped_linear_constructor():
     (dict(score="relu"), "'score' must be one of"),
     (dict(num_groups=3), "'num_groups' \\(3\\) must divide num_experts"),
     (dict(k=5, num_groups=4, group_topk=2), "'k' \\(5\\) exceeds the experts of the chosen groups"),
-    (dict(aux_loss_coeff=-1.0), "'aux_loss_coeff' must be >= 0"),
+    (dict(aux_loss_coeff=-1.0), "'aux_loss_coeff' must be >= 0 and finite"),
+    (dict(aux_loss_coeff=float("inf")), "'aux_loss_coeff' must be >= 0 and finite"),
     (dict(scale=0.0), "'scale' must be positive and finite"),
     (dict(scale=float("nan")), "'scale' must be positive and finite"),
-    (dict(scale="2"), "'scale' must be positive and finite"),
 ])
 def test_top_k_router_constructor(kwargs, match):
     args = dict(hidden=8, num_experts=8, k=2) | kwargs
@@ -108,6 +108,13 @@ def test_top_k_router_constructor(kwargs, match):
     (lambda: ClampedSwiGLU(alpha=None), r"ClampedSwiGLU: argument 'alpha' must be a real number"),
     (lambda: Permute(4, capacity_factor="1.0"), r"Permute: argument 'capacity_factor' must be a real number"),
     (lambda: TopKRouter(8, 8, 2, aux_loss_coeff="x"), r"TopKRouter: argument 'aux_loss_coeff' must be a real number"),
+    (lambda: TopKRouter(8, 8, 2, scale="2"), r"TopKRouter: argument 'scale' must be a real number"),
+    (lambda: TopKRouter(8, 8, 2, normalize="false"), r"TopKRouter: argument 'normalize' must be a bool, got 'false'"),
+    (lambda: TopKRouter(8, 8, 2, float32_logits=1), r"TopKRouter: argument 'float32_logits' must be a bool"),
+    (lambda: TopKRouter(8, 8, 2, expert_bias="no"), r"TopKRouter: argument 'expert_bias' must be a bool"),
+    (lambda: GroupedLinear(4, 8, 8, bias="False"), r"GroupedLinear: argument 'bias' must be a bool"),
+    (lambda: GroupedLinear(4, 8, 8, accumulate_main_grad=0), r"GroupedLinear: argument 'accumulate_main_grad'"),
+    (lambda: GroupedLinear(4, 8, 8, recompute_output=None), r"GroupedLinear: argument 'recompute_output'"),
     (lambda: TopKRouter(8, 8, 2, dtype=torch.int64), r"TopKRouter: argument 'dtype' must be a floating torch.dtype"),
     (lambda: GroupedLinear(4, 8, 8, dtype=torch.int32), r"GroupedLinear: argument 'dtype' must be a floating"),
     (lambda: GroupedLinear(4, 8, 8, dtype="bf16"), r"GroupedLinear: argument 'dtype' must be a floating"),
@@ -115,6 +122,14 @@ def test_top_k_router_constructor(kwargs, match):
 def test_constructor_arguments_of_the_wrong_type(make, match):
     with pytest.raises(TypeError, match=match):
         make()
+
+
+def test_numpy_numbers_and_bools_are_arguments_like_python_ones():
+    import numpy as np
+
+    router = TopKRouter(8, 8, 2, scale=np.float32(2.5), aux_loss_coeff=np.float64(0.01), normalize=np.bool_(True))
+    assert (router.scale, router.aux_loss_coeff, router.normalize) == (2.5, 0.01, True)
+    assert GroupedLinear(2, 8, 8, bias=np.bool_(True)).bias is not None
 
 
 @pytest.mark.parametrize("fuse", [True, False])

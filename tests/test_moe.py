@@ -192,6 +192,33 @@ def test_router_with_float32_logits_on_16_bit_operands():
     assert rel_err(router.weight.grad, w_ref.grad) <= 2e-2 and rel_err(x.grad, x_ref.grad) <= 2e-2
 
 
+def test_router_coefficient_scheduled_during_training():
+    """A balance-loss coefficient changed between steps (a schedule) is used by the next step's
+    loss and gradient, reuses the layer's one plan, and switched off leaves no stale
+    ``aux_loss``."""
+    torch.manual_seed(3)
+    router = TopKRouter(H, E, 2, aux_loss_coeff=0.01, dtype=F64)
+    moe = layer(router=router)
+    x = torch.randn(16, H, dtype=F64)
+    losses = []
+    for coeff in (0.01, 0.02, 0.03):
+        router.aux_loss_coeff = coeff
+        moe(x)
+        losses.append(float(router.aux_loss))
+    assert losses[1] == pytest.approx(2 * losses[0]) and losses[2] == pytest.approx(3 * losses[0])
+    assert len(moe._plans) == 1
+    router.aux_loss_coeff = 0.0
+    moe.zero_grad()
+    moe(x).sum().backward()
+    assert router.aux_loss is None
+    with_loss = router.weight.grad.clone()
+    plain = layer(router=TopKRouter(H, E, 2, dtype=F64))
+    plain.load_state_dict(moe.state_dict())
+    plain(x).sum().backward()
+    assert torch.equal(with_loss, plain[0].weight.grad)
+    assert "aux_loss_coeff" not in repr(router) and "aux_loss_coeff=0.01" in repr(TopKRouter(H, E, 2, aux_loss_coeff=0.01))
+
+
 def router_indices(moe, x):
     """The experts ``moe``'s router chooses for ``x`` (its forward run again, without gradients)."""
     got = []

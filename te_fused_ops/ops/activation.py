@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from .. import env
-from ..errors import OpTypeError, OpValueError, real_argument
+from ..errors import OpTypeError, OpValueError, bool_argument, real_argument
 from ..routing import ExpertParallelRouting, rows_to_slots, slots_to_rows
 from .base import BasicOp, OpContext, Recompute, is_quantized
 
@@ -76,10 +76,7 @@ class Activation(BasicOp):
 
     def __init__(self, recompute_output: bool = True):
         super().__init__()
-        if not isinstance(recompute_output, bool):
-            raise OpTypeError(f"{self.op_name}: argument 'recompute_output' must be a bool, got "
-                              f"{type(recompute_output).__name__}")
-        self.recompute_output = recompute_output
+        self.recompute_output = bool_argument(self.op_name, "recompute_output", recompute_output)
 
     def extra_repr(self) -> str:
         return "" if self.recompute_output else "recompute_output=False"

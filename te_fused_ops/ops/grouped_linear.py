@@ -5,7 +5,7 @@ import math
 import torch
 from torch import nn
 
-from ..errors import OpTypeError, OpValueError, floating_dtype_argument
+from ..errors import OpTypeError, OpValueError, bool_argument, floating_dtype_argument
 from ..grouped_mm import grouped_mm_nn, grouped_mm_nt, grouped_row_sum, grouped_wgrad
 from ..quantization import high_precision_wgrad, quantize, quantized_weight_values, wgrad_source
 from ..splits import bind_offsets, row_group_ids
@@ -81,9 +81,10 @@ class GroupedLinear(BasicOp):
         self.param_shapes = {"weight": (num_groups, out_features, in_features), "bias": (num_groups, out_features)}
         factory = {"dtype": floating_dtype_argument("GroupedLinear", dtype), "device": device}
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
-        self.bias = nn.Parameter(torch.empty(num_groups, out_features, **factory)) if bias else None
-        self.accumulate_main_grad = bool(accumulate_main_grad)
-        self.recompute_output = bool(recompute_output)
+        has_bias = bool_argument("GroupedLinear", "bias", bias)
+        self.bias = nn.Parameter(torch.empty(num_groups, out_features, **factory)) if has_bias else None
+        self.accumulate_main_grad = bool_argument("GroupedLinear", "accumulate_main_grad", accumulate_main_grad)
+        self.recompute_output = bool_argument("GroupedLinear", "recompute_output", recompute_output)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .. import routing as rows
-from ..errors import OpInputError, OpTypeError, OpValueError, floating_dtype_argument, real_argument
+from ..errors import OpInputError, OpTypeError, OpValueError, bool_argument, floating_dtype_argument, real_argument
 from ..quantization import QuantizedTensor, high_precision_wgrad, quantize
 from ..splits import remember_offsets, validation_enabled
 from .base import BasicOp, OpContext, Recompute, is_quantized
@@ -466,10 +466,12 @@ class TopKRouter(BasicOp):
     divided by their sum when ``normalize`` (Qwen3, DeepSeek-V3), times ``scale``.
     ``aux_loss_coeff`` > 0: the load-balancing loss ``coeff * E * sum_e f_e * P_e`` (f_e: share of
     slots routed to expert e, P_e: mean score of e, scores normalized per token for sigmoid;
-    Megatron's switch loss; Hugging Face's ``load_balancing_loss_func`` takes f_e over tokens, k
-    times this: multiply its coefficient by k to port it) is added to the training objective: its
-    gradient joins the router's in the backward, and ``router.aux_loss`` holds its value (detached)
-    after each forward for logging. Its gradient is added as is, whatever the caller scales the main
+    Megatron's switch loss) is added to the training objective: its gradient joins the router's in
+    the backward, and ``router.aux_loss`` holds its value (detached; None while the coefficient is
+    0) after each forward for logging. Hugging Face's ``load_balancing_loss_func`` is one loss over
+    every layer's logits pooled, its f_e taken over tokens: with one MoE layer it is k times this
+    loss (port its coefficient as k * coef); over L layers this library adds one loss per router,
+    so k * coef / L per router gives the same total where every layer routes alike. Its gradient is added as is, whatever the caller scales the main
     loss by (divide the coefficient likewise when averaging over micro-batches or ranks; under
     fp16's ``torch.amp.GradScaler`` multiply it by the scale, or ``unscale_`` divides it away). The
     choice is never differentiated; probs are. ``float32_logits``: a 16-bit x and weight multiplied
@@ -501,17 +503,19 @@ class TopKRouter(BasicOp):
         if k > num_experts // num_groups * group_topk:
             raise OpValueError(f"TopKRouter: argument 'k' ({k}) exceeds the experts of the chosen groups "
                                f"({num_experts // num_groups * group_topk})")
-        if not real_argument("TopKRouter", "aux_loss_coeff", aux_loss_coeff) >= 0:
-            raise OpValueError(f"TopKRouter: argument 'aux_loss_coeff' must be >= 0, got {aux_loss_coeff!r}")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+        if not 0 <= real_argument("TopKRouter", "aux_loss_coeff", aux_loss_coeff) < math.inf:
+            raise OpValueError(f"TopKRouter: argument 'aux_loss_coeff' must be >= 0 and finite, got {aux_loss_coeff!r}")
+        if not 0 < real_argument("TopKRouter", "scale", scale) < math.inf:
             raise OpValueError(f"TopKRouter: argument 'scale' must be positive and finite (the backward divides by "
                                f"it), got {scale!r}")
         self.hidden, self.num_experts, self.k = hidden, num_experts, k
         self.param_shapes = {"weight": (num_experts, hidden), "expert_bias": (num_experts,)}
-        self.score, self.normalize, self.scale = score, bool(normalize), float(scale)
+        self.score, self.scale = score, float(scale)
+        self.normalize = bool_argument("TopKRouter", "normalize", normalize)
         self.num_groups, self.group_topk = num_groups, group_topk
         self.aux_loss_coeff = float(aux_loss_coeff)
-        self.float32_logits = bool(float32_logits)
+        self.float32_logits = bool_argument("TopKRouter", "float32_logits", float32_logits)
+        expert_bias = bool_argument("TopKRouter", "expert_bias", expert_bias)
         dtype = floating_dtype_argument("TopKRouter", dtype)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device))
         self.expert_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device),
@@ -522,6 +526,9 @@ class TopKRouter(BasicOp):
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, num_experts={self.num_experts}, k={self.k}, score={self.score!r}, "
                 f"normalize={self.normalize}, scale={self.scale}"
+                + (f", num_groups={self.num_groups}, group_topk={self.group_topk}" if self.num_groups > 1 else "")
+                + (", expert_bias=True" if self.expert_bias is not None else "")
+                + (f", aux_loss_coeff={self.aux_loss_coeff}" if self.aux_loss_coeff else "")
                 + (", float32_logits=True" if self.float32_logits else ""))
 
     def logits_operands(self, x: torch.Tensor, weight: torch.Tensor) -> tuple:
@@ -532,8 +539,9 @@ class TopKRouter(BasicOp):
         return x, weight
 
     def plan_signature(self) -> tuple:
-        return (TopKRouter, self.num_experts, self.k, self.score, self.normalize, self.scale, self.num_groups,
-                self.group_topk, self.aux_loss_coeff)
+        # no rule reads the router's numbers (scale, aux_loss_coeff): a schedule that changes them
+        # every step reuses one plan
+        return (TopKRouter, self.num_experts, self.k, self.score, self.normalize, self.num_groups, self.group_topk)
 
     def side_value_experts(self, name: str):
         return self.num_experts if name == "indices" else None
@@ -596,8 +604,7 @@ class TopKRouter(BasicOp):
         probs, total = self.slot_probs(chosen)
         routed = self.slots_per_expert(indices, scores.dtype)
         self.tokens_per_expert = routed.detach()
-        if self.aux_loss_coeff:
-            self.aux_loss = self.balance_loss(scores, routed).detach()
+        self.aux_loss = self.balance_loss(scores, routed).detach() if self.aux_loss_coeff else None
         ctx.produced = {"indices": indices, "probs": probs}
         if ctx.input_requires_grad or ctx.params_require_grad:
             ctx.saved.scores, ctx.saved.indices, ctx.saved.weight = scores, indices, weight

@@ -4,7 +4,7 @@ import dataclasses
 
 import torch
 
-from ..errors import OpTypeError
+from ..errors import OpTypeError, bool_argument
 from ..quantization import QuantizedTensor, fake_quantize, get_recipe, high_precision_wgrad, quantize
 from ..splits import bind_offsets
 from .base import BasicOp, OpContext
@@ -32,9 +32,7 @@ class Quantize(BasicOp):
     def __init__(self, recipe, quantize_grad: bool = False):
         super().__init__()
         self.recipe = get_recipe(recipe)
-        if not isinstance(quantize_grad, bool):
-            raise OpTypeError(f"Quantize: argument 'quantize_grad' must be a bool, got {quantize_grad!r}")
-        self.quantize_grad = quantize_grad
+        self.quantize_grad = bool_argument("Quantize", "quantize_grad", quantize_grad)
 
     def extra_repr(self) -> str:
         changed = [f"{field.name}={getattr(self.recipe, field.name)!r}" for field in dataclasses.fields(self.recipe)
