@@ -90,13 +90,27 @@ def file_unsafe_reason(st: os.stat_result, what: str) -> str | None:
     return None
 
 
+def _make_directories(path: pathlib.Path) -> None:
+    """Create ``path`` and its missing parents, each made here set to mode 0700 (0755 in a trusted
+    shared cache: others load from it) whatever the umask."""
+    missing = []
+    while not os.path.lexists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    mode = 0o755 if _trusted_shared() else 0o700
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=mode)
+        except FileExistsError:  # made by a process beside this one
+            continue
+        os.chmod(directory, mode)
+
+
 def directory_unsafe_reason(path: pathlib.Path) -> str | None:
     """Why the cache directory ``path`` may not be used (None: it may). A missing one is created
     (mode 0700; 0755 in a trusted shared cache)."""
     try:
-        path.mkdir(mode=0o755 if _trusted_shared() else 0o700, parents=True, exist_ok=True)
-    except FileExistsError:  # something else than a directory is there: judged below
-        pass
+        _make_directories(path)
     except OSError as e:
         return f"cannot create {path}: {e}"
     try:
@@ -178,20 +192,54 @@ def write_entry(path: pathlib.Path, key: str, payload: bytes, **fields) -> None:
         raise
 
 
+LOCK_WARN_S, LOCK_GIVE_UP_S = 60.0, 600.0
+"""Seconds waited for another process's entry lock before a warning, and before compiling without
+it (safe: entries are written atomically; the lock only spares duplicate compiles)."""
+
+
+def _take_lock(fd: int, lock_path: str) -> bool:
+    """Whether the exclusive lock on ``fd`` was taken (False: the filesystem has no working flock,
+    or its holder kept it past `LOCK_GIVE_UP_S`)."""
+    started, warned, pause = time.monotonic(), False, 0.005
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        except OSError:  # no flock here (e.g. a Lustre or NFS mount without it)
+            return False
+        waited = time.monotonic() - started
+        if waited > LOCK_GIVE_UP_S:
+            warnings.warn(f"te_fused_ops kernel cache: {lock_path} still held after {waited:.0f} s; compiling "
+                          "without it", stacklevel=4)
+            return False
+        if waited > LOCK_WARN_S and not warned:
+            warnings.warn(f"te_fused_ops kernel cache: waiting for {lock_path}, held by another process (compiling "
+                          "this kernel, or stopped)", stacklevel=4)
+            warned = True
+        time.sleep(pause)
+        pause = min(2 * pause, 0.5)
+
+
 @contextlib.contextmanager
 def entry_lock(path: pathlib.Path):
     """An exclusive lock beside entry ``path`` (released when the holder exits or dies); none
-    where it cannot be made (a read-only shared directory)."""
-    fd = None
+    where it cannot be made (a read-only shared directory, a filesystem without flock) or is held
+    past `LOCK_GIVE_UP_S`."""
+    lock_path, fd = str(path) + ".lock", None
     for access in (os.O_RDWR, os.O_RDONLY):  # read-only: another user's lock in a shared cache
         with contextlib.suppress(OSError):
-            fd = os.open(str(path) + ".lock", access | os.O_CREAT | os.O_NOFOLLOW, new_file_mode())
+            fd = os.open(lock_path, access | os.O_CREAT | os.O_NOFOLLOW, new_file_mode())
             break
     if fd is None:
         yield
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if _trusted_shared() and os.fstat(fd).st_uid == os.getuid():
+            with contextlib.suppress(OSError):  # readable by the others whatever the umask
+                os.fchmod(fd, new_file_mode())
+        _take_lock(fd, lock_path)
         yield
     finally:
         os.close(fd)
@@ -258,6 +306,16 @@ def _entry_path(directory: pathlib.Path, key: str) -> pathlib.Path:
     return directory / (hashlib.sha256(key.encode()).hexdigest()[:40] + ".tfok")
 
 
+def _file_identity(path: pathlib.Path):
+    """(inode, size, mtime) of ``path`` itself (a symlink is not followed), None where absent:
+    which version of an entry a read saw."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def enabled() -> bool:
     return env.read("TE_FUSED_OPS_KERNEL_CACHE")
 
@@ -267,11 +325,12 @@ COMPILERS: list = []
 
 
 def stats() -> dict:
-    """Kernels this process compiled (and wrote, where the cache is on) and loaded from disk, and
-    the seconds each took."""
-    totals = {"compiled": 0, "loaded": 0, "compile s": 0.0, "write s": 0.0, "load s": 0.0}
+    """Kernels this process compiled, wrote to the cache and loaded from it, and the seconds each
+    took."""
+    totals = {"compiled": 0, "written": 0, "loaded": 0, "compile s": 0.0, "write s": 0.0, "load s": 0.0}
     for c in COMPILERS:
-        for name, value in (("compiled", c.compiled_here), ("loaded", c.loaded_from_disk), *c.seconds.items()):
+        for name, value in (("compiled", c.compiled_here), ("written", c.written_here),
+                            ("loaded", c.loaded_from_disk), *c.seconds.items()):
             totals[name] += value
     return totals
 
@@ -291,6 +350,7 @@ class DiskCachedCompile:
         self.memo: dict = {}
         self.loaded_from_disk = 0  # entries this process loaded instead of compiling
         self.compiled_here = 0
+        self.written_here = 0  # entries this process wrote
         self.seconds = {"compile s": 0.0, "write s": 0.0, "load s": 0.0}
         COMPILERS.append(self)
 
@@ -361,10 +421,18 @@ class DiskCachedCompile:
         key, tvm_ffi = self._entry_key(args, kwargs)
         path = _entry_path(directory, key)
         symbol = "tfo_" + path.stem[:24]
-        with entry_lock(path):
+        # a complete entry loads without the lock (ranks starting on a warm cache do not queue);
+        # the lock is for a miss, so that one process compiles while the others wait
+        seen = _file_identity(path)
+        if seen is not None:
             loaded = self._load(path, key, tvm_ffi)
             if loaded is not None:
                 return loaded
+        with entry_lock(path):
+            if _file_identity(path) not in (None, seen):  # written while this process waited
+                loaded = self._load(path, key, tvm_ffi)
+                if loaded is not None:
+                    return loaded
             compiled = self._compile(args, kwargs)
             started = time.perf_counter()
             try:
@@ -372,6 +440,7 @@ class DiskCachedCompile:
                     obj = pathlib.Path(scratch) / "kernel.o"
                     self.export(compiled, obj, symbol, tvm_ffi)
                     write_entry(path, key, obj.read_bytes(), tvm_ffi=tvm_ffi, symbol=symbol)
+                self.written_here += 1
                 self.seconds["write s"] += time.perf_counter() - started
             except Exception as e:  # a kernel that cannot be kept still runs
                 warnings.warn(f"te_fused_ops kernel cache: {path} not written ({type(e).__name__}: {e})", stacklevel=3)

@@ -24,6 +24,7 @@ import time
 import torch
 
 from . import kernel_cache
+from .fusion import forced_backend
 from .ops import ClampedSwiGLU, GeGLU, GroupedLinear, Permute, Quantize, ScaledSwiGLU, SReLU, SwiGLU, Transpose, Unpermute
 from .sequential import Sequential
 
@@ -92,36 +93,63 @@ def compile_step_kernels(step, workers: int | None = None, timeout_s: float = 60
     return {**kernel_cache.compile_in_workers(requests, workers, timeout_s), "record s": recorded}
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+    return value
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m te_fused_ops.precompile", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--experts", type=int, required=True, help="experts (groups) on this rank")
-    parser.add_argument("--hidden", type=int, required=True, help="model width H")
-    parser.add_argument("--ffn", type=int, required=True, help="expert width I (FC1 makes 2I for a GLU)")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[8192], help="tokens per step (several allowed)")
+    parser.add_argument("--experts", type=_positive_int, required=True, help="experts (groups) on this rank")
+    parser.add_argument("--hidden", type=_positive_int, required=True, help="model width H")
+    parser.add_argument("--ffn", type=_positive_int, required=True, help="expert width I (FC1 makes 2I for a GLU)")
+    parser.add_argument("--tokens", type=_positive_int, nargs="+", action="extend",
+                        help="tokens per step (several allowed, repeatable; default 8192)")
     parser.add_argument("--activation", default="swiglu", choices=sorted(ACTIVATION_OPS))
     parser.add_argument("--recipe", action="append", choices=RECIPES, help="bf16 (default) or an FP8 recipe; repeatable")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--moe", action="store_true", help="the routed layer: Permute .. Unpermute around the MLP")
-    parser.add_argument("--topk", type=int, default=8, help="slots per token with --moe")
-    parser.add_argument("--jobs", type=int, default=1,
+    parser.add_argument("--topk", type=_positive_int, default=8, help="slots per token with --moe")
+    parser.add_argument("--jobs", type=_positive_int, default=1,
                         help="compile the steps' kernels in this many processes first (forked; 1: one after another)")
     args = parser.parse_args(argv)
     args.dtype = getattr(torch, args.dtype)
     args.recipe = args.recipe or ["bf16"]
+    args.tokens = args.tokens or [8192]
     return args
+
+
+def _refuse(reason: str):
+    raise SystemExit(f"te_fused_ops.precompile: {reason}")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("te_fused_ops.precompile: needs the GPU the job runs on (the kernels are built for it)")
-    device = torch.device("cuda", torch.cuda.current_device())
-    directory = kernel_cache.cache_dir()
-    reason = kernel_cache.directory_unsafe_reason(directory)
+        _refuse("needs the GPU the job runs on (the kernels are built for it)")
+    from .backends.sm90.kernels import sm90_unavailable_reason
+
+    major, minor = torch.cuda.get_device_capability()
+    reason = sm90_unavailable_reason() or ((major, minor) != (9, 0) and f"compute capability {major}.{minor}, needs 9.0")
     if reason:
-        raise SystemExit(f"te_fused_ops.precompile: cache directory not usable: {reason}")
-    if not kernel_cache.enabled():
-        raise SystemExit("te_fused_ops.precompile: TE_FUSED_OPS_KERNEL_CACHE=0 turns the cache off")
+        _refuse(f"the sm90 kernels cannot run here ({reason}): there is nothing to compile")
+    try:  # a bad switch value is one line, as the other refusals
+        if forced_backend() not in (None, "sm90"):
+            _refuse(f"TE_FUSED_OPS_BACKEND={forced_backend()} runs no sm90 kernel: there is nothing to compile")
+        if not kernel_cache.enabled():
+            _refuse("TE_FUSED_OPS_KERNEL_CACHE=0 turns the cache off")
+        directory = kernel_cache.cache_dir()
+        reason = kernel_cache.directory_unsafe_reason(directory)
+    except ValueError as e:
+        _refuse(str(e))
+    if reason:
+        _refuse(f"cache directory not usable: {reason}")
+    device = torch.device("cuda", torch.cuda.current_device())
     started = time.perf_counter()
     if args.jobs > 1:
         layers = {recipe: build_layer(args, recipe, device) for recipe in args.recipe}
@@ -144,9 +172,13 @@ def main(argv=None) -> int:
     if not kernel_cache.wait_for_background():  # the kernels the steps ran stand-ins for
         print("background compiles still running after 600 s: stopped, their kernels not written", flush=True)
     stats = kernel_cache.stats()
-    print(f"kernel cache {directory}: {stats['compiled']} compiled and written, {stats['loaded']} already there; "
-          f"{time.perf_counter() - started:.1f} s (compiling {stats['compile s']:.1f}, writing {stats['write s']:.1f}, "
-          f"loading {stats['load s']:.1f})")
+    print(f"kernel cache {directory}: {stats['compiled']} compiled, {stats['written']} written, {stats['loaded']} "
+          f"already there; {time.perf_counter() - started:.1f} s (compiling {stats['compile s']:.1f}, writing "
+          f"{stats['write s']:.1f}, loading {stats['load s']:.1f})")
+    if stats["written"] < stats["compiled"]:
+        print(f"te_fused_ops.precompile: {stats['compiled'] - stats['written']} compiled kernels could not be written "
+              "(see the warnings above): the job would compile them again", flush=True)
+        return 1
     return 0
 
 

@@ -17,7 +17,7 @@ from .kernels.slot_values import (
     slots_to_rows_sm90,
 )
 from .kernels.launch import ffi_kernels_available
-from .kernels.split_offsets import split_offsets_sm90
+from .kernels.split_offsets import compile_split_offsets, split_offsets_sm90
 
 
 def kernel_reason(reason):
@@ -34,8 +34,12 @@ def _unavailable_reason(info):
 
 
 def _split_offsets(split_sizes, num_rows: int):
-    """One launch for plain CUDA sizes where the kernel runs, else None."""
+    """One launch for plain CUDA sizes where the kernel runs, else None (also inside
+    `kernel_cache.recording()`, as for the routing: torch ops may read the offsets there)."""
     if type(split_sizes) is torch.Tensor and split_sizes.is_cuda and num_rows < 2**31 and ffi_kernels_available():
+        if kernel_cache.is_recording():
+            compile_split_offsets(split_sizes.dtype)
+            return None
         return split_offsets_sm90(split_sizes.contiguous(), num_rows)
     return None
 
