@@ -6,6 +6,7 @@ from torch import nn
 
 from .custom_ops import compiled_call
 from .errors import OpTypeError, OpValueError
+from .quantization import AUTOCAST_SOURCE
 from .runner import (
     SequenceFunction,
     autocast_eligible,
@@ -17,11 +18,20 @@ from .runner import (
 
 def _autocast_cast(x, ops, op_params, dtype):
     """x and the floating parameters cast to ``dtype`` through autograd (as nn.Linear under
-    autocast), but an op's ``float32_params``."""
+    autocast), but an op's ``float32_params``. A parameter's cast copy names its parameter
+    (`AUTOCAST_SOURCE`: kept weight casts are found by it) and carries its ``main_grad``."""
     def cast(t):
         return t.to(dtype) if autocast_eligible(t) else t
 
-    return cast(x), [{name: p if name in op.float32_params else cast(p) for name, p in params.items()}
+    def cast_param(param):
+        copy = cast(param)
+        if copy is not param:
+            setattr(copy, AUTOCAST_SOURCE, param)
+            if hasattr(param, "main_grad"):
+                copy.main_grad = param.main_grad
+        return copy
+
+    return cast(x), [{name: p if name in op.float32_params else cast_param(p) for name, p in params.items()}
                      for op, params in zip(ops, op_params)]
 
 
@@ -43,9 +53,12 @@ def check_params(owner_name: str, ops, x: torch.Tensor, op_params: list) -> None
                     f"{tuple(param.shape)}"
                 )
             if param.device != x.device:
+                fix = ("materialize it first (module.to_empty(device=...), then initialize or load the "
+                       "parameters)" if param.device.type == "meta" else "move the module to the input's device "
+                       "(module.to(x.device))")
                 raise OpValueError(
                     f"{op.op_name} (op {i}): parameter '{name}' is on {param.device} but argument 'x' is on "
-                    f"{x.device}; move the module to the input's device (module.to(x.device))"
+                    f"{x.device}; {fix}"
                 )
 
 

@@ -647,6 +647,9 @@ def fake_quantize(x, recipe, role="activation", offsets=None) -> torch.Tensor:
 
 _reuse = threading.local()
 
+AUTOCAST_SOURCE = "_te_fused_ops_autocast_source"
+"""Attribute of a parameter's autocast copy (`call._autocast_cast`) naming the parameter."""
+
 
 @dataclass
 class WeightCopy:
@@ -856,23 +859,28 @@ def reuse_or_make(weight: torch.Tensor, recipe, kind: str, make, scope, make_int
     copies = None if scope is None else scope.copies
     if copies is None:
         return make()
+    # an autocast copy of a parameter, new at every call, is kept by its parameter and dtype
+    source = getattr(weight, AUTOCAST_SOURCE, None)
     try:
-        key = copy_key(weight, recipe, kind)
+        key = copy_key(weight if source is None else source, recipe, kind, weight.dtype)
     except RuntimeError:  # an inference tensor: no version counter to key on
         return make()
     if capturing():
-        if not scope.serves_graphs or key not in copies or copies[key].stale():
+        # an autocast copy is cast in the graph: a recast would read the copy of an old call
+        if source is not None or not scope.serves_graphs or key not in copies or copies[key].stale():
             return make()
         copies[key].captured = True
     elif key not in copies or copies[key].stale():
-        copies[key] = WeightCopy(weight, make(), make, make_into)
+        copies[key] = WeightCopy(weight if source is None else source, make(), make, make_into)
     return copies[key].value
 
 
-def copy_key(weight: torch.Tensor, recipe, kind: str) -> tuple:
+def copy_key(weight: torch.Tensor, recipe, kind: str, dtype=None) -> tuple:
     """What a kept copy of ``weight`` is found by: the tensor (address, shape, dtype, device), its
-    version counter (RuntimeError for an inference tensor), the recipe and the kind of copy."""
-    return (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, weight._version, recipe, kind)
+    version counter (RuntimeError for an inference tensor), the recipe and the kind of copy.
+    ``dtype``: the dtype the copy is made from where not the weight's (an autocast copy's)."""
+    return (weight.data_ptr(), tuple(weight.shape), dtype or weight.dtype, weight.device, weight._version, recipe,
+            kind)
 
 
 def refill(kept, fresh) -> None:

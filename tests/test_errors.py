@@ -200,7 +200,7 @@ def test_parameters_on_another_device_raise_before_any_kernel():
     parameter, never a tensor of uninitialised memory."""
     op = GroupedLinear(4, 32, 64, device="meta")
     with pytest.raises(ValueError, match=r"GroupedLinear \(op 0\): parameter 'weight' is on meta but argument 'x' "
-                                         r"is on cpu; move the module to the input's device"):
+                                         r"is on cpu; materialize it first \(module.to_empty"):
         op(torch.randn(8, 32), split_sizes=torch.tensor([2, 2, 2, 2]))
     mixed = Sequential(GroupedLinear(3, 8, 16), SwiGLU(), GroupedLinear(3, 8, 8, device="meta"))
     with pytest.raises(ValueError, match=r"GroupedLinear \(op 2\): parameter 'weight' is on meta"):

@@ -549,3 +549,37 @@ def test_activation_output_kept_for_the_backward(act_op):
 def test_activation_recompute_output_must_be_a_bool():
     with pytest.raises(TypeError, match="SwiGLU: argument 'recompute_output' must be a bool"):
         SwiGLU(recompute_output=1)
+
+
+def test_router_initializes_after_meta_construction_and_keeps_its_bias_as_a_float32_buffer():
+    """Large-model init: built on the meta device, ``to_empty`` then ``reset_parameters()`` gives
+    the constructor's values; ``expert_bias`` is a buffer (no gradient, no optimizer, no weight
+    decay; in the state dict) that stays float32 through loads of 16-bit checkpoints and casts."""
+    with torch.device("meta"):
+        router = TopKRouter(256, 8, 2, score="sigmoid", expert_bias=True)
+    router.to_empty(device="cpu")
+    for module in router.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    assert torch.equal(router.expert_bias, torch.zeros(8))
+    assert abs(router.weight.std().item() - 256**-0.5) < 0.1 * 256**-0.5
+    assert [name for name, _ in router.named_parameters()] == ["weight"]
+    assert "expert_bias" in router.state_dict() and [name for name, _ in router.named_buffers()] == ["expert_bias"]
+    router.requires_grad_(True)
+    assert not router.expert_bias.requires_grad
+    state = {name: t.bfloat16() for name, t in router.state_dict().items()}
+    with torch.device("meta"):
+        loaded = TopKRouter(256, 8, 2, score="sigmoid", expert_bias=True)
+    loaded.load_state_dict(state, assign=True)
+    assert loaded.expert_bias.dtype == torch.float32 and loaded.weight.dtype == torch.bfloat16
+    loaded.float()
+    assert loaded.expert_bias.dtype == torch.float32
+    loaded.half()
+    assert loaded.expert_bias.dtype == torch.float32 and loaded.weight.dtype == torch.float16
+
+
+def test_a_meta_module_is_named_with_how_to_materialize_it():
+    with torch.device("meta"):
+        moe = layer(router=TopKRouter(H, E, 2, dtype=F64))
+    with pytest.raises(ValueError, match=r"is on meta .*to_empty"):
+        moe(torch.randn(4, H, dtype=F64))

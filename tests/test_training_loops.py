@@ -617,3 +617,44 @@ def test_sm90_fp8_weight_casts_are_made_once_per_reuse_scope(monkeypatch):
     assert torch.equal(both[3], first[1].transpose(1, 2))
     sm90.quantize_weight_blocks(w, recipe, scope)
     assert len(casts) == 5  # fresh again once the scope closed
+
+
+def test_weights_cast_once_per_optimizer_step_under_autocast(monkeypatch):
+    """Under autocast each call casts the float32 weight to bf16 first (a new tensor every call):
+    the FP8 copies are still made once per optimizer step, kept by their parameter (not piling up),
+    and equal a fresh model's under autocast after each step."""
+    casts = _count_weight_casts(monkeypatch)
+    seq = mlp()
+    opt = torch.optim.AdamW(seq.parameters(), lr=1e-2)
+    with tfo.cast_weights_once_per_step(opt, seq) as step_casts:
+        for step in range(2):
+            fresh = fresh_copy(seq)
+            casts.clear()
+            for micro_batch in range(3):
+                x = batch(10 * step + micro_batch)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    y = seq(x, split_sizes=SPLITS)
+                    expected = fresh(x, split_sizes=SPLITS)
+                y.float().square().mean().backward()
+                assert torch.equal(y, expected), f"stale weights at step {step}"
+                assert len(step_casts.scope.copies) == 1
+            assert len(casts) == 1 + 3  # this model: one a step; the fresh copy: one a forward
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def test_main_grad_accumulates_under_autocast():
+    """accumulate_main_grad=True under autocast adds to the parameter's main_grad (the autocast
+    copy of the weight carries it), the same sums as the bf16 gradient widened."""
+    torch.manual_seed(0)
+    seq = Sequential(GroupedLinear(4, 32, 16, accumulate_main_grad=True))
+    plain = Sequential(GroupedLinear(4, 32, 16))
+    plain.load_state_dict(seq.state_dict())
+    seq[0].weight.main_grad = torch.zeros_like(seq[0].weight)
+    x = batch(1)
+    for model in (seq, plain):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(x, split_sizes=SPLITS)
+        y.float().square().mean().backward()
+    assert seq[0].weight.grad is None and seq[0].weight.main_grad.abs().sum() > 0
+    torch.testing.assert_close(seq[0].weight.main_grad, plain[0].weight.grad, rtol=1e-2, atol=1e-4)

@@ -30,7 +30,7 @@ class BasicOp(PlanOwner, nn.Module):
     grad_side_outputs: tuple = ()
     param_names: tuple = ()
     expert_params: tuple = ()  # parameters whose first dimension indexes the op's experts (groups)
-    float32_params: tuple = ()  # parameters kept in float32 by module casts and autocast (moved, never cast)
+    float32_params: tuple = ()  # parameters or buffers kept in float32 by module casts, loads and autocast
     param_shapes: dict = {}  # name -> the shape it must have, checked at every call (set by __init__; read only)
     chunks = 1  # > 1: the op opens a chunked segment (te_fused_ops.overlap) ...
     closes_chunks = False  # ... which the next op with closes_chunks ends
@@ -40,15 +40,25 @@ class BasicOp(PlanOwner, nn.Module):
         self._init_plan_owner()
 
     def _apply(self, fn, recurse=True):
-        """`nn.Module._apply` (``to()``, ``half()``, ...), except that ``float32_params`` keep their
-        float32 values: moved with the module, never rounded to its dtype."""
+        """`nn.Module._apply` (``to()``, ``half()``, ...), except that ``float32_params`` stay
+        float32: moved with the module, never rounded to its dtype (and made float32 again where a
+        load left another dtype)."""
         kept = {name: getattr(self, name).data for name in self.float32_params if getattr(self, name) is not None}
         module = super()._apply(fn, recurse)
         for name, values in kept.items():
-            param = getattr(self, name)
-            if param.dtype != values.dtype:
-                param.data = values.to(param.device)
+            tensor = getattr(self, name)
+            if tensor.dtype != torch.float32:
+                tensor.data = values.to(tensor.device, torch.float32)
         return module
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """`nn.Module._load_from_state_dict`; ``float32_params`` stay float32 (``assign=True`` would
+        take a checkpoint's 16-bit tensor as it is)."""
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        for name in self.float32_params:
+            tensor = getattr(self, name)
+            if tensor is not None and tensor.is_floating_point() and tensor.dtype != torch.float32:
+                tensor.data = tensor.data.float()
 
     @property
     def op_name(self) -> str:

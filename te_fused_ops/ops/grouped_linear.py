@@ -49,7 +49,9 @@ class GroupedLinear(BasicOp):
     x's device; rows past ``sum(split_sizes)`` give zero output and zero gradient.
     ``accumulate_main_grad=True`` (Megatron's gradient-accumulation fusion): the weight gradient
     is added in float32 to ``weight.main_grad`` (a float32 tensor of the weight's shape that the
-    caller owns and zeroes) and ``weight.grad`` stays None.
+    caller owns and zeroes) and ``weight.grad`` stays None. As in Transformer Engine, it is added in
+    every backward that reaches the op, ``torch.autograd.grad(loss, x)`` and
+    ``backward(inputs=[x])`` too (a leaf's ``.grad`` would be left alone there).
     A quantized input (`te_fused_ops.quantization.QuantizedTensor`) computes in its format: the
     weight is quantized with the same recipe on every call (see `reuse_quantized_weights`).
     ``recompute_output=True`` (bf16/fp16 input): the op's output is not kept for the backward of

@@ -460,7 +460,8 @@ class TopKRouter(BasicOp):
 
     logits = x @ weight.T (E, H), scored with ``score`` ("softmax" over the experts, or "sigmoid");
     the top ``k`` experts by score (plus ``expert_bias`` when given: DeepSeek-V3's load-balancing
-    bias, used for the choice only, float32 whatever the module's dtype or autocast) within the
+    bias, used for the choice only, a float32 buffer whatever the module's dtype or autocast, which
+    the caller updates) within the
     ``group_topk`` best of ``num_groups`` expert groups (DeepSeek-V3's group-limited routing; a
     group scores as the sum of its top two, or its top one with softmax); probs = the chosen scores,
     divided by their sum when ``normalize`` (Qwen3, DeepSeek-V3), times ``scale``.
@@ -518,10 +519,20 @@ class TopKRouter(BasicOp):
         expert_bias = bool_argument("TopKRouter", "expert_bias", expert_bias)
         dtype = floating_dtype_argument("TopKRouter", dtype)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device))
-        self.expert_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device),
-                                         requires_grad=False) if expert_bias else None)
+        # a buffer, as Megatron and Hugging Face keep it: updated by the caller, never by gradients
+        # or an optimizer (whose weight decay would shrink it)
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
+                             if expert_bias else None)
         self.aux_loss = self.tokens_per_expert = None
-        nn.init.normal_(self.weight, std=hidden**-0.5)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The weight ~ N(0, 1/hidden), the expert bias zeros (as constructed; after
+        ``to_empty`` on a module built on the meta device)."""
+        with torch.no_grad():
+            nn.init.normal_(self.weight, std=self.hidden**-0.5)
+            if self.expert_bias is not None:
+                self.expert_bias.zero_()
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, num_experts={self.num_experts}, k={self.k}, score={self.score!r}, "
