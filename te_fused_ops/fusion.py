@@ -32,6 +32,7 @@ from .backends import (
     as_check,
     backend_names,
     drop_implementations,
+    restore_implementations,
     get_backend,
     list_backends,
 )
@@ -253,10 +254,26 @@ class FusionRule:
         implementation = backend.implementation_of(self)
         if implementation is None:
             return "no implementation"
-        reason = backend.unavailable_reason(info)
+        reason = self._backend_available(backend, info)
         if reason is None and implementation.supports is not None:
             reason = self._checked(as_check(implementation.supports), ops, info, backend.name)
         return reason
+
+    @staticmethod
+    def _backend_available(backend, info) -> Optional[str]:
+        """``backend.unavailable_reason(info)``: None or a reason; a check that raises, or returns
+        anything else (a bool), is the backend author's error."""
+        try:
+            reason = backend.unavailable_reason(info)
+        except OpInputError:
+            raise
+        except Exception as error:
+            raise FusionRuleError(f"backend '{backend.name}': its unavailable_reason check raised "
+                                  f"{type(error).__name__}: {error}") from error
+        if reason is not None and not isinstance(reason, str):
+            raise FusionRuleTypeError(f"backend '{backend.name}': its unavailable_reason check must return None "
+                                      f"(available) or a str (why not), got {type(reason).__name__} {reason!r}")
+        return "(no reason given)" if reason == "" else reason
 
     def __repr__(self) -> str:
         names = ", ".join(t.__name__ for t in self.pattern)
@@ -290,29 +307,45 @@ def registry_version() -> int:
     return _registry_version[0]
 
 
+_set_aside: dict = {}  # id(rule) -> (rule, {backend name: Implementation}) of rules replaced or removed
+
+
+def _set_implementations_aside(rule: FusionRule) -> None:
+    """The implementations backends registered by ``rule``'s name leave with it (they were written
+    for its pattern); registering this rule object again brings them back."""
+    _set_aside[id(rule)] = (rule, drop_implementations(rule.name))
+
+
 def register_rule(rule: FusionRule, priority: int = 0, replace: bool = False) -> FusionRule:
-    """Add ``rule``. See `make_plan` for how priorities decide between rules. ``replace=True``
-    replaces a registered rule of the same name, and the implementations backends registered by
-    that name (`Backend.implement`) go with it: they were written for the other rule's pattern."""
+    """Add ``rule``. See `make_plan` for how priorities decide between rules (``priority``: an
+    int). ``replace=True`` replaces a registered rule of the same name, and the implementations
+    backends registered by that name (`Backend.implement`) go with it: they were written for the
+    other rule's pattern (as with `unregister_rule`). A rule registered again after it was
+    replaced or removed gets its backends' implementations back."""
     if not isinstance(rule, FusionRule):
         raise TypeError(f"register_rule: argument 'rule' must be a FusionRule, got {type(rule).__name__}")
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TypeError(f"register_rule: argument 'priority' must be an int, got {priority!r}")
     if not rule.has_implementation():
         raise ValueError(f"register_rule: rule '{rule.name}' has no implementation")
     if rule.name in _registry and not replace:
         raise ValueError(f"register_rule: a rule named '{rule.name}' is already registered (pass replace=True)")
     if rule.name in _registry and _registry[rule.name].rule is not rule:
-        drop_implementations(rule.name)  # made for the replaced rule's pattern, not this one's
-    _registry[rule.name] = _Entry(rule, int(priority), _registry_version[0])
+        _set_implementations_aside(_registry[rule.name].rule)
+    _, implementations = _set_aside.pop(id(rule), (None, {}))
+    restore_implementations(rule.name, implementations)
+    _registry[rule.name] = _Entry(rule, priority, _registry_version[0])
     _registry_version[0] += 1
     return rule
 
 
 def unregister_rule(rule) -> None:
-    """Remove a rule by name or object; unknown names raise KeyError."""
+    """Remove a rule by name or object, with the implementations backends registered by its name
+    (`register_rule` of the same rule object brings them back); unknown names raise KeyError."""
     name = rule.name if isinstance(rule, FusionRule) else rule
     if name not in _registry:
         raise KeyError(f"unregister_rule: no rule named {name!r}")
-    del _registry[name]
+    _set_implementations_aside(_registry.pop(name).rule)
     _registry_version[0] += 1
 
 
@@ -651,7 +684,8 @@ def _plan_pass(ops, info: PlanInfo, passes: str, fuse: bool):
     At each position not yet covered, of the rules that match there (their first op there in the
     forward, their last op in the backward) and can run, the planner takes the highest
     priority, then the most preferred backend (a shorter rule on a kernel backend beats a longer
-    one on the reference backend), then the longer span, then the older rule; the positions it
+    one on the reference backend), then the longer span, then the longer pattern, then the older
+    rule; the positions it
     spans are then covered. A rule matching at a covered position does not fire: explain() says
     which rule covered it."""
     rules = list_rules(passes) if fuse else []

@@ -267,6 +267,7 @@ class Run:
         memo = {}
         ctxs = [self._unpacked(ctx, saved_tensors, memo) for ctx in self.ctxs]
         op_grads = [None] * len(self.ops)
+        returned = [set() for _ in self.ops]  # per op: the names a step returned a gradient for
         steps, index = self.plan.backward, 0
         while index < len(steps):
             step = steps[index]
@@ -292,6 +293,7 @@ class Run:
             op_grads[step_start : step_start + len(grads or ())] = grads or ()
             free_unread_grads_over_inputs(ctxs, dy, op_grads)
             for i, op_grad in enumerate(grads or (), step_start):
+                returned[i].update(name for name, grad in (op_grad or {}).items() if grad is not None)
                 for name, grad in list((op_grad or {}).items()):
                     producer = ctxs[i].side_sources.get(name)
                     if producer is not None and grad is not None:  # for the op that produced it
@@ -314,17 +316,31 @@ class Run:
                     continue
                 slot = self.param_slots.get((i, name))
                 if slot is None:
-                    raise self._unknown_grad(i, name)
+                    if name in self.ops[i].side_inputs:  # a side input needing none: as for a frozen parameter
+                        continue
+                    raise self._rule_error(i, f"a gradient named {name!r} for {{op}}, which has no such parameter or "
+                                              "side input needing one")
+                shape = self.ops[i].param_shapes.get(name)
+                if shape is not None and tuple(grad.shape) != tuple(shape):
+                    raise self._rule_error(i, f"a gradient of shape {tuple(grad.shape)} for parameter {name!r} of "
+                                              f"{{op}}, which has shape {tuple(shape)}")
                 param_grads[slot] = grad if param_grads[slot] is None else param_grads[slot] + grad
+        side_returned = set().union(*returned)  # a side value's gradient may come from any of its users
+        for i, ctx in enumerate(ctxs):
+            for name in sorted(ctx.grad_names):
+                is_param = (i, name) in self.param_slots
+                if name not in (returned[i] if is_param else side_returned) and not self.ops[i].grad_kept_elsewhere(name):
+                    raise self._rule_error(i, f"no gradient for {name!r} of {{op}}, which needs one")
         return dy, [side_grads[n] for n in self.grad_side_names], param_grads
 
-    def _unknown_grad(self, i: int, name: str) -> FusionRuleValueError:
-        """The error for a gradient op ``i``'s backward step returned under ``name``, neither a
-        parameter the op read in this call nor a side input needing one (a misspelled key)."""
+    def _rule_error(self, i: int, what: str) -> FusionRuleValueError:
+        """The error for what the backward step covering op ``i`` returned (``what``, its
+        ``{op}`` naming the op): a gradient under a name neither a parameter the op read in this
+        call nor a side input (a misspelled key), of a parameter's other shape, or none where one
+        is needed."""
         step = next(s for s in self.plan.backward if s.start <= i < s.stop)
-        op = self.ops[i]
-        return FusionRuleValueError(f"{step.label(self.ops)}: its backward returned a gradient named {name!r} for "
-                                    f"{op.op_name} (op {i}), which has no such parameter or side input needing one")
+        return FusionRuleValueError(f"{step.label(self.ops)}: its backward returned "
+                                    + what.format(op=f"{self.ops[i].op_name} (op {i})"))
 
 
 def free_unread_grads_over_inputs(ctxs, dy, op_grads) -> None:

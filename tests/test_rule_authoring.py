@@ -210,3 +210,107 @@ def test_replacing_a_rule_drops_the_backend_implementations_of_its_name(rules):
         assert "backend torch" in seq.explain(torch.randn(5, 8), split_sizes=SPLITS).split("backward:")[0]
     finally:
         unregister_backend("fast_user")
+
+
+@pytest.mark.parametrize("fault", ["no weight gradient", "weight gradient of another shape"])
+def test_backward_results_missing_or_misshapen_gradients_name_the_rule(rules, fault):
+    """A weight that needs a gradient and gets none (the optimizer would skip it), or one of
+    another shape (autograd would sum a leading dimension away): errors naming the rule."""
+    def backward(ops, ctxs, dy):
+        dx, grads = correct_backward(ops, ctxs, dy)
+        grads[0] = {} if fault == "no weight gradient" else {"weight": grads[0]["weight"].expand(3, -1, -1, -1)}
+        return dx, grads
+
+    backward_rule(rules, backward)
+    message = (r"rule 'user_backward'.*returned no gradient for 'weight' of GroupedLinear \(op 0\), which needs one"
+               if fault == "no weight gradient" else
+               r"rule 'user_backward'.*returned a gradient of shape \(3, 2, 8, 8\) for parameter 'weight' of "
+               r"GroupedLinear \(op 0\), which has shape \(2, 8, 8\)")
+    with pytest.raises(FusionRuleValueError, match=message):
+        call()
+
+
+def test_a_side_input_gradient_is_required_where_needed_and_dropped_where_not(rules):
+    from te_fused_ops import ScaledSwiGLU
+
+    def backward(ops, ctxs, dy, keep_probs):
+        d_act, linear_grads = ops[1].op_backward(ctxs[1], dy)
+        dx, act_grads = ops[0].op_backward(ctxs[0], d_act)
+        return dx, [act_grads if keep_probs else {}, linear_grads]
+
+    for keep_probs in (True, False):
+        rules.append(f"scaled_{keep_probs}")
+        tfo.fusion_rule(name=f"scaled_{keep_probs}", pattern=(ScaledSwiGLU, GroupedLinear), passes="backward",
+                        priority=100)(lambda ops, ctxs, dy, keep=keep_probs: backward(ops, ctxs, dy, keep))
+        seq = Sequential(ScaledSwiGLU(), GroupedLinear(2, 4, 8))
+        x = torch.randn(5, 8, requires_grad=True)
+        for probs_grad in (False, True):
+            probs = torch.rand(5, requires_grad=probs_grad)
+            y = seq(x, split_sizes=SPLITS, probs=probs)
+            if probs_grad and not keep_probs:
+                with pytest.raises(FusionRuleValueError, match=r"returned no gradient for 'probs' of ScaledSwiGLU"):
+                    y.sum().backward()
+            else:
+                y.sum().backward()  # a probs gradient nobody needs is dropped
+                assert (probs.grad is not None) == probs_grad
+        tfo.unregister_rule(rules.pop())
+
+
+def test_a_removed_or_replaced_rule_takes_its_backend_implementations_and_gets_them_back(rules):
+    """unregister_rule drops what backends registered by the rule's name, as replace=True does, so
+    a new rule of that name never runs them; registering the same rule object again (a built-in put
+    back after a temporary replacement) restores them."""
+    from te_fused_ops.backends import Backend, register_backend, unregister_backend
+
+    fast = register_backend(Backend("fast_user", lambda info: None, preference=5))
+    try:
+        fast.implement("user_rule")(lambda ops, ctxs, x: unfused_forward(ops, ctxs, x))
+        original = forward_rule(rules, unfused_forward)
+        assert "backend fast_user" in call(backward=False).explain(torch.randn(5, 8), split_sizes=SPLITS)
+        tfo.unregister_rule("user_rule")
+        assert "user_rule" not in fast.implementations
+        tfo.register_rule(original, priority=100)
+        assert "user_rule" in fast.implementations
+        replacement = tfo.FusionRule("user_rule", (GroupedLinear, SReLU), "forward", reference=unfused_forward)
+        tfo.register_rule(replacement, priority=100, replace=True)
+        assert "user_rule" not in fast.implementations
+        tfo.register_rule(original, priority=100, replace=True)
+        assert "user_rule" in fast.implementations
+    finally:
+        unregister_backend("fast_user")
+
+
+@pytest.mark.parametrize("check", [lambda info: True, lambda info: 1 / 0])
+def test_a_backend_availability_check_is_held_to_the_rules_of_checks(rules, check):
+    from te_fused_ops.backends import Backend, register_backend, unregister_backend
+
+    mine = register_backend(Backend("mine", check, preference=5))
+    try:
+        mine.implement("user_rule")(unfused_forward)
+        forward_rule(rules, unfused_forward)
+        with pytest.raises(FusionRuleError, match=r"backend 'mine': its unavailable_reason check (must return None|raised "
+                                                  r"ZeroDivisionError)"):
+            call(backward=False)
+    finally:
+        unregister_backend("mine")
+
+
+def test_a_swiglu_subclass_with_its_own_gate_is_not_the_swiglu_kernel():
+    from te_fused_ops import ScaledSwiGLU, SwiGLU
+
+    class SiGLU(SwiGLU):
+        def gate_fn(self, gate):
+            s = torch.sigmoid(gate)
+            return s, s * (1 - s)
+
+    class NamedSwiGLU(SwiGLU):
+        pass
+
+    assert SiGLU.kernel_name is None and NamedSwiGLU.kernel_name == "swiglu" and ScaledSwiGLU.kernel_name == "scaled_swiglu"
+
+
+def test_priority_must_be_an_int(rules):
+    rule = tfo.FusionRule("user_rule", (GroupedLinear, SReLU), "forward", reference=unfused_forward)
+    for bad in (0.9, "10", None, True):
+        with pytest.raises(TypeError, match="register_rule: argument 'priority' must be an int"):
+            tfo.register_rule(rule, priority=bad)

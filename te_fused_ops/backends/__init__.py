@@ -112,10 +112,25 @@ def unregister_backend(name: str) -> None:
     _version[0] += 1
 
 
-def drop_implementations(rule_name: str) -> None:
-    """Forget every backend's implementation registered for the rule named ``rule_name``."""
+def drop_implementations(rule_name: str) -> dict:
+    """Forget every backend's implementation registered for the rule named ``rule_name``; returns
+    them by backend name."""
+    dropped = {}
     for backend in _backends.values():
-        if backend.implementations.pop(rule_name, None) is not None:
+        implementation = backend.implementations.pop(rule_name, None)
+        if implementation is not None:
+            dropped[backend.name] = implementation
+            _version[0] += 1
+    return dropped
+
+
+def restore_implementations(rule_name: str, implementations: dict) -> None:
+    """Give back implementations `drop_implementations` returned, to the backends still
+    registered that have none for ``rule_name`` now."""
+    for backend_name, implementation in implementations.items():
+        backend = _backends.get(backend_name)
+        if backend is not None and rule_name not in backend.implementations:
+            backend.implementations[rule_name] = implementation
             _version[0] += 1
 
 

@@ -55,6 +55,9 @@ def _run_math(op, name: str, *args):
     return method(op, *args)
 
 
+_MATH_METHODS = ("act", "act_grad", "gate_fn", "forward_math", "backward_math", "compute", "input_grad")
+
+
 def _upcast(t: torch.Tensor) -> torch.Tensor:
     """The tensor in the math precision: float32, or wider when it already is."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
@@ -73,6 +76,12 @@ class Activation(BasicOp):
 
     glu = False
     kernel_name = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # a subclass with math of its own (a SwiGLU with another gate) is not its parent's kernel
+        if "kernel_name" not in cls.__dict__ and any(name in cls.__dict__ for name in _MATH_METHODS):
+            cls.kernel_name = None
 
     def __init__(self, recompute_output: bool = True):
         super().__init__()

@@ -78,6 +78,11 @@ class BasicOp(PlanOwner, nn.Module):
         (plan time)."""
         return None
 
+    def grad_kept_elsewhere(self, name: str) -> bool:
+        """Whether the backward leaves parameter ``name``'s gradient out on purpose (added to a
+        buffer of the caller's instead), so no gradient for it is no rule's mistake."""
+        return False
+
     def compile_unsupported_reason(self):
         """What in this op's configuration torch.compile cannot trace (a phrase), or None."""
         return None

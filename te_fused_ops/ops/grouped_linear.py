@@ -98,6 +98,9 @@ class GroupedLinear(BasicOp):
                 bound = 1.0 / math.sqrt(self.in_features)
                 nn.init.uniform_(self.bias, -bound, bound)
 
+    def grad_kept_elsewhere(self, name: str) -> bool:
+        return self.accumulate_main_grad and name == "weight"  # added to weight.main_grad
+
     def extra_repr(self) -> str:
         return (
             f"num_groups={self.num_groups}, in_features={self.in_features}, "
