@@ -2,7 +2,9 @@
 
 Every te_fused_ops path is sync-free with ``split_sizes`` on the GPU and its launches depend on
 shapes only, so a step's forward and backward can be captured once over static tensors and
-replayed; routing changes by writing new values into the same ``split_sizes`` tensor.
+replayed; routing changes by writing new values into the same ``split_sizes`` tensor. Two
+settings read values on the host and are refused during a capture: value checks
+(``TE_FUSED_OPS_VALIDATE=1``) and a dropless expert-parallel `Permute` (``capacity_factor=None``).
 """
 
 import torch
@@ -33,7 +35,21 @@ class CudaGraphStep:
     ``warmup`` eager runs on a side stream first compile kernels and torch.compile'd code and let
     autograd allocate; they change gradients and anything ``step`` updates, like the replays. Under
     `cast_weights_once_per_step` they also make the FP8 weight copies the graph reads, which each
-    optimizer step recasts in place (gradient accumulation: replay per micro-batch, step after).
+    optimizer step recasts in place.
+
+    - Every replay returns the same tensors (copy a loss out to keep it); the gradients are the
+      graph's tensors: ``optimizer.zero_grad()`` with its default ``set_to_none=True`` between
+      replays detaches them, and later replays write where no optimizer reads.
+    - Gradient accumulation: leave ``p.grad = None`` out of ``step`` (inside it, each replay would
+      overwrite the last micro-batch's gradient), zero in place (``zero_grad(set_to_none=False)``)
+      after each optimizer step and replay once per micro-batch (README, FP8 recipes).
+    - A router's ``aux_loss`` and ``tokens_per_expert`` are the tensors the capture made, written
+      by each replay until an eager call binds new ones; its ``aux_loss_coeff`` is the value at
+      capture.
+    - The optimizer step captured in ``step`` too runs no step hooks at replays: eager calls
+      between replays then read the weight copies of before (call ``drop()`` on what
+      `cast_weights_once_per_step` returned first). Under autocast the weights are cast in the
+      graph at every replay (their autocast copies are new at every call).
     """
 
     def __init__(self, step, warmup: int = 2, pool=None):

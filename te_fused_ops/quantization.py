@@ -664,6 +664,8 @@ class WeightCopy:
     value: object
     make: object
     make_into: object = None
+    recipe: object = None
+    kind: str = ""
     captured: bool = False
     source: object = dataclasses.field(init=False)
 
@@ -673,6 +675,13 @@ class WeightCopy:
     def stale(self) -> bool:
         """Whether the storage the copy was made from is gone (another tensor may hold its address)."""
         return self.source.expired()
+
+    def made_from(self, tensor: torch.Tensor) -> bool:
+        """Whether the copy was made from ``tensor``'s storage object, not another's that took its
+        address: FSDP2 frees an all-gathered weight by resizing its storage to 0, which keeps the
+        object (so `stale` stays False) while the next layer's weight may land at its address
+        with the same shape and version."""
+        return not self.stale() and self.source.cdata == StorageWeakRef(tensor.untyped_storage()).cdata
 
     def recast(self) -> None:
         """``value`` made again from the weight as it is now, in its own storage (``source`` follows)."""
@@ -692,6 +701,7 @@ class ReuseScope:
 
     def __init__(self, serves_graphs: bool = False):
         self.copies: dict = {}  # key -> WeightCopy
+        self.captured: list = []  # every copy a CUDA graph read, kept (and recast) while the scope lives
         self.serves_graphs = serves_graphs
 
 
@@ -724,20 +734,39 @@ class StepCasts:
         self._optimizer = weakref.ref(optimizer)
         self._hooks = [optimizer.register_step_pre_hook(lambda *args: self._drop_uncaptured()),
                        optimizer.register_step_post_hook(lambda *args: self.drop())]
+        self._hooks += [module.register_load_state_dict_post_hook(lambda module, keys: self._recast_loaded(module))
+                        for module in self.modules if next(module.parameters(recurse=False), None) is not None]
         _watch_other_optimizers(self)
 
     def drop(self) -> None:
         """Drop the copies kept (the next forward casts again), except those a CUDA graph read
         during its capture: each of those is cast again from its weight now, into its own storage,
         so the graph's next replay, and eager calls, read the current weights."""
-        self._drop_uncaptured()
-        copies = self.scope.copies
+        self.scope.copies.clear()
+        self._recast(self.scope.captured)
+
+    def _recast(self, captured) -> None:
+        """Cast the graph-read copies ``captured`` again in place and key them by their weights'
+        versions now (every one kept: two graphs may have read two copies of one weight whose keys
+        now coincide)."""
+        copies, failed = self.scope.copies, []
         with torch.no_grad():
-            for key, copy in list(copies.items()):
-                copy.recast()
-                del copies[key]
-                recipe, kind = key[-2:]
-                copies[copy_key(copy.weight, recipe, kind)] = copy  # the weight's version moved
+            for copy in list({id(copy): copy for copy in captured}.values()):
+                try:
+                    copy.recast()
+                except ValueError as error:  # another dtype or shape: no graph can read it any more
+                    self.scope.captured = [c for c in self.scope.captured if c is not copy]
+                    failed.append(str(error))
+                    continue
+                copies[copy_key(copy.weight, copy.recipe, copy.kind)] = copy  # the weight's version moved
+        if failed:
+            raise ValueError(failed[0])
+
+    def _recast_loaded(self, module) -> None:
+        """After ``module.load_state_dict``: its weights' graph-read copies cast again (the loaded
+        values copied into the parameters bump no step hook)."""
+        own = {id(p) for p in module.parameters(recurse=False)}
+        self._recast([copy for copy in self.scope.captured if id(copy.weight) in own])
 
     def _drop_uncaptured(self) -> None:
         copies = self.scope.copies
@@ -762,6 +791,7 @@ class StepCasts:
             if _step_scopes.get(module) is self.scope:
                 del _step_scopes[module]
         self.scope.copies.clear()
+        self.scope.captured = []
 
     def __enter__(self):
         return self
@@ -865,14 +895,19 @@ def reuse_or_make(weight: torch.Tensor, recipe, kind: str, make, scope, make_int
         key = copy_key(weight if source is None else source, recipe, kind, weight.dtype)
     except RuntimeError:  # an inference tensor: no version counter to key on
         return make()
+    param = weight if source is None else source
+    kept = copies.get(key)
+    if kept is not None and not kept.made_from(param):
+        kept = None
     if capturing():
         # an autocast copy is cast in the graph: a recast would read the copy of an old call
-        if source is not None or not scope.serves_graphs or key not in copies or copies[key].stale():
+        if source is not None or not scope.serves_graphs or kept is None:
             return make()
-        copies[key].captured = True
-    elif key not in copies or copies[key].stale():
-        copies[key] = WeightCopy(weight if source is None else source, make(), make, make_into)
-    return copies[key].value
+        kept.captured = True
+        scope.captured.append(kept)
+    elif kept is None:
+        kept = copies[key] = WeightCopy(param, make(), make, make_into, recipe, kind)
+    return kept.value
 
 
 def copy_key(weight: torch.Tensor, recipe, kind: str, dtype=None) -> tuple:
@@ -889,8 +924,8 @@ def refill(kept, fresh) -> None:
     if isinstance(kept, torch.Tensor):
         if kept.shape != fresh.shape or kept.dtype != fresh.dtype:
             raise ValueError(f"cast_weights_once_per_step: a weight copy a CUDA graph captured was {kept.dtype} "
-                             f"{tuple(kept.shape)}, its weight now casts to {fresh.dtype} {tuple(fresh.shape)}: "
-                             f"capture the graph again after changing a weight's shape")
+                             f"{tuple(kept.shape)}, its weight now casts to {fresh.dtype} {tuple(fresh.shape)}: the "
+                             f"graph cannot read it any more; capture it again (the copy is no longer recast)")
         kept.copy_(fresh)
     elif isinstance(kept, (tuple, list)):
         for k, f in zip(kept, fresh, strict=True):

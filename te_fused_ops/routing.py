@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .backends import helper_kernel
+from .cuda_graphs import capturing
 
 
 @dataclass(frozen=True)
@@ -254,6 +255,9 @@ def route_expert_parallel(indices: torch.Tensor, num_experts: int, group, capaci
     dropped = (sent & ~kept).sum()
     slot_row = torch.empty(num_slots, dtype=torch.int64, device=device).scatter_(0, order, row)
     if capacity is None:  # the block sizes, read on the host once: (chunk, rank) sent, (chunk, rank) received
+        if capturing():
+            raise RuntimeError("Permute: a dropless expert-parallel dispatch (capacity_factor=None) reads its block "
+                               "sizes on the host, which a CUDA graph capture cannot: give a capacity_factor")
         sizes = torch.stack([send_counts.view(world, chunks, per_chunk).sum(2).t(),
                              recv_counts.view(world, chunks, per_chunk).sum(2).t()]).tolist()
         send_sizes, recv_sizes = sizes

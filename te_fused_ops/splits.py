@@ -12,6 +12,7 @@ import torch
 
 from . import env
 from .backends import helper_kernel
+from .cuda_graphs import capturing
 from .errors import OpTypeError, OpValueError
 
 _SPLIT_DTYPES = (torch.int32, torch.int64)
@@ -23,9 +24,12 @@ def validation_enabled(device: torch.device = None) -> bool:
     always (reading them costs nothing there), elsewhere only with env TE_FUSED_OPS_VALIDATE=1
     (a host sync)."""
     override = getattr(_local, "validation", None)
-    if override is not None:
-        return override
-    return (device is not None and device.type == "cpu") or env.read("TE_FUSED_OPS_VALIDATE")
+    enabled = override if override is not None else (
+        (device is not None and device.type == "cpu") or env.read("TE_FUSED_OPS_VALIDATE"))
+    if enabled and (device is None or device.type == "cuda") and capturing():
+        raise RuntimeError("te_fused_ops: value checks (TE_FUSED_OPS_VALIDATE=1 or validation()) read values on the "
+                           "host, which a CUDA graph capture cannot: turn them off while capturing")
+    return enabled
 
 
 @contextmanager

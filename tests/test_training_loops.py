@@ -479,8 +479,76 @@ def test_a_captured_copy_whose_weight_changed_shape_is_refused(monkeypatch):
         seq(batch(0), split_sizes=SPLITS)
         _pretend_capturing(monkeypatch, False)
         seq[1].weight.data = torch.randn(1, 2 * I, H)  # would broadcast over the kept (G, 2I, H) copy
-        with pytest.raises(ValueError, match="cast_weights_once_per_step: a weight copy a CUDA graph captured"):
+        with pytest.raises(ValueError, match="cast_weights_once_per_step: a weight copy a CUDA graph captured.*"
+                                             "capture it again"):
             steps.drop()
+        steps.drop()  # said once: the copy no graph can read is no longer recast
+
+
+def _graph_copy_values(steps, weight):
+    """The values of the kept copy a (pretended) capture read for ``weight``."""
+    (copy,) = [c for c in steps.scope.captured if c.weight is weight]
+    return copy.value.dequantize() if hasattr(copy.value, "dequantize") else copy.value
+
+
+def test_load_state_dict_after_a_capture_recasts_the_copies_the_graph_reads(monkeypatch):
+    """A checkpoint loaded after a capture (a resume, or weights for evaluation) reaches the
+    graph's replays at once, not only after the next optimizer step."""
+    seq, other = mlp(), mlp(seed=1)
+    with tfo.cast_weights_once_per_step(torch.optim.SGD(seq.parameters(), lr=0.1), seq) as steps:
+        seq(batch(0), split_sizes=SPLITS)
+        _pretend_capturing(monkeypatch, True)
+        seq(batch(0), split_sizes=SPLITS)
+        _pretend_capturing(monkeypatch, False)
+        before = _graph_copy_values(steps, seq[1].weight).clone()
+        seq.load_state_dict(other.state_dict())
+        after = _graph_copy_values(steps, seq[1].weight)
+        want = fresh_copy(seq)
+        assert not torch.equal(before, after)
+        assert torch.equal(seq(batch(1), split_sizes=SPLITS), want(batch(1), split_sizes=SPLITS))
+
+
+def test_copies_two_captures_read_of_one_weight_are_both_kept_and_recast(monkeypatch):
+    """A weight written between two captures is read by each graph through its own copy; the
+    optimizer step keeps and recasts both (their keys then coincide), never freeing one a graph
+    still reads."""
+    seq = mlp()
+    opt = torch.optim.SGD(seq.parameters(), lr=0.1)
+    with tfo.cast_weights_once_per_step(opt, seq) as steps:
+        for _ in range(2):
+            seq(batch(0), split_sizes=SPLITS)
+            _pretend_capturing(monkeypatch, True)
+            seq(batch(0), split_sizes=SPLITS)
+            _pretend_capturing(monkeypatch, False)
+            with torch.no_grad():
+                seq[1].weight.mul_(0.5)
+        first, second = [c for c in steps.scope.captured if c.weight is seq[1].weight]
+        seq(batch(0), split_sizes=SPLITS).sum().backward()
+        opt.step()
+        for copy in (first, second):
+            assert torch.equal(copy.value.dequantize(), _graph_copy_values_fresh(seq[1].weight))
+
+
+def _graph_copy_values_fresh(weight):
+    from te_fused_ops.quantization import quantize_weight
+
+    return quantize_weight(weight.detach(), Float8BlockScaling()).dequantize()
+
+
+def test_a_kept_copy_is_never_read_for_another_weight_at_its_address(monkeypatch):
+    """FSDP2 frees an all-gathered weight by resizing its storage to 0 (the storage object lives
+    on), and the next layer's weight may land at its address with its shape and version: that
+    weight gets a copy of its own, not the other layer's."""
+    import te_fused_ops.quantization as quantization
+
+    real_key = quantization.copy_key
+    monkeypatch.setattr(quantization, "copy_key", lambda weight, recipe, kind, dtype=None: (
+        0,) + real_key(weight, recipe, kind, dtype)[1:])  # every weight at one address
+    scope = quantization.ReuseScope(serves_graphs=True)
+    a, b = torch.randn(2, 128, 128), torch.randn(2, 128, 128)
+    recipe = Float8BlockScaling()
+    made = [quantization.reuse_or_make(w, recipe, "blocks", lambda w=w: w.clone(), scope) for w in (a, b, a)]
+    assert torch.equal(made[0], a) and torch.equal(made[1], b) and torch.equal(made[2], a)
 
 
 def test_copies_outside_a_step_scope_are_not_read_or_kept_inside_a_capture(monkeypatch):
@@ -658,3 +726,16 @@ def test_main_grad_accumulates_under_autocast():
         y.float().square().mean().backward()
     assert seq[0].weight.grad is None and seq[0].weight.main_grad.abs().sum() > 0
     torch.testing.assert_close(seq[0].weight.main_grad, plain[0].weight.grad, rtol=1e-2, atol=1e-4)
+
+
+def test_host_reading_settings_are_refused_during_a_capture(monkeypatch):
+    """Value checks read split sizes on the host: during a capture that is a clear error naming
+    the setting, not the stream's "operation not permitted when stream is capturing"."""
+    from te_fused_ops.splits import validation_enabled
+
+    _pretend_capturing(monkeypatch, True)
+    with tfo.validation():
+        with pytest.raises(RuntimeError, match=r"value checks .* a CUDA graph capture cannot"):
+            validation_enabled(torch.device("cuda"))
+        assert validation_enabled(torch.device("cpu"))  # CPU tensors are never captured
+    assert not validation_enabled(torch.device("cuda"))

@@ -134,7 +134,7 @@ def run_grouped_gemm(linear: GroupedLinear, ctx, x: torch.Tensor, activation=Non
     if is_quantized(x):
         # with a data gradient ahead, the cast also writes its transposed copy, kept for it
         w_data, w_scale_inv, *w_transposed = quantize_weight_blocks(
-            weight.detach(), x.recipe, ctx.reuse_scope, transposed=ctx.input_requires_grad
+            weight, x.recipe, ctx.reuse_scope, transposed=ctx.input_requires_grad
         )
         operands = (x.rowwise_data, block_multipliers(x.rowwise_scale_inv, x.shape), w_data, w_scale_inv, offsets)
         if act_cast is not None:
@@ -254,10 +254,12 @@ def quantize_weight_blocks(weight: torch.Tensor, recipe, reuse_scope, transposed
     (128 x 128 blocks, or one scale broadcast to them); with ``transposed`` followed by both
     per-group transposed ((G, K, N), (G, K/128, N/128): the data gradient's K-major operand),
     written by the same cast (one read of the weight). Made on every call, unless
-    ``reuse_scope`` (the op context's) is open."""
+    ``reuse_scope`` (the op context's) is open. ``weight``: the parameter itself, not a detached
+    alias, so that a kept copy is recast from its data of the moment (``p.data = t`` too) and is
+    found as that parameter's."""
 
     def make(out=None):
-        return cast_kernel(weight.contiguous(), recipe, 128, transposed=transposed, out=out)
+        return cast_kernel(weight.detach().contiguous(), recipe, 128, transposed=transposed, out=out)
 
     return reuse_or_make(weight, recipe, "blocks and transposed" if transposed else "blocks", make, reuse_scope,
                          make_into=lambda kept: make(out=kept))
@@ -409,7 +411,7 @@ def fp8_dgrad_operands(ctx, dy_rows, recipe):
     transposed copy the forward's cast wrote (FP8 WGMMA reads K-major operands)."""
     w_transposed = ctx.saved.get("weight_fp8_t")
     if w_transposed is None:
-        w_transposed = quantize_weight_blocks(ctx.saved.weight.detach(), recipe, ctx.reuse_scope, True)[2:]
+        w_transposed = quantize_weight_blocks(ctx.saved.weight, recipe, ctx.reuse_scope, True)[2:]
     return (*dy_rows, *w_transposed)
 
 
