@@ -19,8 +19,9 @@ class BasicOp(PlanOwner, nn.Module):
     ``ctx.produced``, set by `bind_side_inputs`' caller from `bound_side_outputs` or by the
     forward); ``grad_side_outputs``: those of them that take a gradient (the backward finds it
     in ``ctx.produced_grads``).
-    ``param_names``: attributes holding the op's parameters (None entries are skipped); each
-    call reads them once and the op's forward and backward use only what it read (``ctx.params``).
+    ``param_names``: attributes holding the op's parameters and the buffers it computes with (a
+    router's ``expert_bias``; None entries are skipped); each call reads them once and the op's
+    forward and backward use only what it read (``ctx.params``).
     """
 
     side_inputs: tuple = ()
