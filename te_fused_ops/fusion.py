@@ -231,16 +231,7 @@ class FusionRule:
         """``check(ops, info, backend)`` (a rule's or an implementation's ``supports``): None or a
         reason; a check that raises, or returns anything else, is the rule author's error."""
         where = f"fusion rule '{self.name}'" + ("" if backend is None else f" (backend {backend})")
-        try:
-            reason = check(ops, info, backend)
-        except OpInputError:
-            raise
-        except Exception as error:
-            raise FusionRuleError(f"{where}: its supports check raised {type(error).__name__}: {error}") from error
-        if reason is not None and not isinstance(reason, str):
-            raise FusionRuleTypeError(f"{where}: its supports check must return None (the rule applies) or a str "
-                                      f"(why not), got {type(reason).__name__} {reason!r}")
-        return "(no reason given)" if reason == "" else reason
+        return _reason_of(lambda: check(ops, info, backend), f"{where}: its supports check", "the rule applies")
 
     def first_failure(self, ops, info: PlanInfo, backend: str) -> Optional[str]:
         """Why this rule cannot run ``ops`` (exactly its pattern, or a `StepInfo`'s ops) on
@@ -254,31 +245,31 @@ class FusionRule:
         implementation = backend.implementation_of(self)
         if implementation is None:
             return "no implementation"
-        reason = self._backend_available(backend, info)
+        reason = _reason_of(lambda: backend.unavailable_reason(info),
+                            f"backend '{backend.name}': its unavailable_reason check", "available")
         if reason is None and implementation.supports is not None:
             reason = self._checked(as_check(implementation.supports), ops, info, backend.name)
         return reason
-
-    @staticmethod
-    def _backend_available(backend, info) -> Optional[str]:
-        """``backend.unavailable_reason(info)``: None or a reason; a check that raises, or returns
-        anything else (a bool), is the backend author's error."""
-        try:
-            reason = backend.unavailable_reason(info)
-        except OpInputError:
-            raise
-        except Exception as error:
-            raise FusionRuleError(f"backend '{backend.name}': its unavailable_reason check raised "
-                                  f"{type(error).__name__}: {error}") from error
-        if reason is not None and not isinstance(reason, str):
-            raise FusionRuleTypeError(f"backend '{backend.name}': its unavailable_reason check must return None "
-                                      f"(available) or a str (why not), got {type(reason).__name__} {reason!r}")
-        return "(no reason given)" if reason == "" else reason
 
     def __repr__(self) -> str:
         names = ", ".join(t.__name__ for t in self.pattern)
         with_backends = [b.name for b in list_backends() if b.implementation_of(self) is not None]
         return f"FusionRule({self.name!r}, [{names}], {self.passes}, backends={with_backends})"
+
+
+def _reason_of(check, what: str, none_means: str) -> Optional[str]:
+    """``check()``: None or a reason (a str); a check that raises, or returns anything else (a
+    bool), is its author's error, named by ``what``. Bad input raises as it is."""
+    try:
+        reason = check()
+    except OpInputError:
+        raise
+    except Exception as error:
+        raise FusionRuleError(f"{what} raised {type(error).__name__}: {error}") from error
+    if reason is not None and not isinstance(reason, str):
+        raise FusionRuleTypeError(f"{what} must return None ({none_means}) or a str (why not), got "
+                                  f"{type(reason).__name__} {reason!r}")
+    return "(no reason given)" if reason == "" else reason
 
 
 def _format_lengths(ops, pos: int) -> tuple:

@@ -197,23 +197,23 @@ LOCK_WARN_S, LOCK_GIVE_UP_S = 60.0, 600.0
 it (safe: entries are written atomically; the lock only spares duplicate compiles)."""
 
 
-def _take_lock(fd: int, lock_path: str) -> bool:
-    """Whether the exclusive lock on ``fd`` was taken (False: the filesystem has no working flock,
-    or its holder kept it past `LOCK_GIVE_UP_S`)."""
+def _take_lock(fd: int, lock_path: str) -> None:
+    """Take the exclusive lock on ``fd``, or go on without it where the filesystem has no working
+    flock or its holder keeps it past `LOCK_GIVE_UP_S`."""
     started, warned, pause = time.monotonic(), False, 0.005
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
+            return
         except BlockingIOError:
             pass
         except OSError:  # no flock here (e.g. a Lustre or NFS mount without it)
-            return False
+            return
         waited = time.monotonic() - started
         if waited > LOCK_GIVE_UP_S:
             warnings.warn(f"te_fused_ops kernel cache: {lock_path} still held after {waited:.0f} s; compiling "
                           "without it", stacklevel=4)
-            return False
+            return
         if waited > LOCK_WARN_S and not warned:
             warnings.warn(f"te_fused_ops kernel cache: waiting for {lock_path}, held by another process (compiling "
                           "this kernel, or stopped)", stacklevel=4)

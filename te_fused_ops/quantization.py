@@ -751,11 +751,12 @@ class StepCasts:
         now coincide)."""
         copies, failed = self.scope.copies, []
         with torch.no_grad():
-            for copy in list({id(copy): copy for copy in captured}.values()):
+            for copy in list(captured):
                 try:
                     copy.recast()
                 except ValueError as error:  # another dtype or shape: no graph can read it any more
-                    self.scope.captured = [c for c in self.scope.captured if c is not copy]
+                    copy.captured = False
+                    self.scope.captured.remove(copy)
                     failed.append(str(error))
                     continue
                 copies[copy_key(copy.weight, copy.recipe, copy.kind)] = copy  # the weight's version moved
@@ -891,11 +892,11 @@ def reuse_or_make(weight: torch.Tensor, recipe, kind: str, make, scope, make_int
         return make()
     # an autocast copy of a parameter, new at every call, is kept by its parameter and dtype
     source = getattr(weight, AUTOCAST_SOURCE, None)
+    param = weight if source is None else source
     try:
-        key = copy_key(weight if source is None else source, recipe, kind, weight.dtype)
+        key = copy_key(param, recipe, kind, weight.dtype)
     except RuntimeError:  # an inference tensor: no version counter to key on
         return make()
-    param = weight if source is None else source
     kept = copies.get(key)
     if kept is not None and not kept.made_from(param):
         kept = None
@@ -903,8 +904,9 @@ def reuse_or_make(weight: torch.Tensor, recipe, kind: str, make, scope, make_int
         # an autocast copy is cast in the graph: a recast would read the copy of an old call
         if source is not None or not scope.serves_graphs or kept is None:
             return make()
-        kept.captured = True
-        scope.captured.append(kept)
+        if not kept.captured:
+            kept.captured = True
+            scope.captured.append(kept)
     elif kept is None:
         kept = copies[key] = WeightCopy(param, make(), make, make_into, recipe, kind)
     return kept.value

@@ -67,17 +67,18 @@ class Permute(BasicOp):
     Expert parallelism: with ``group`` (a `torch.distributed` process group of W ranks) the E
     experts are split evenly over the ranks (rank r owns experts r * E / W ..), ``indices`` hold
     global ids, and each rank sends every destination rank at most
-    C = min(ceil(capacity_factor * T * k / W), T * k) rows (static shapes: no host sync; slots
-    past a destination's capacity are dropped, in the order expert, token, slot;
-    ``permute.dropped`` holds this rank's count of the last call, a device tensor). ``capacity_factor=None`` drops nothing: every slot is sent, the exchanged
-    counts read on the host once per call to size the exchanges exactly (shapes change with the
-    routing); without ``group`` nothing is dropped for capacity and ``capacity_factor`` is only
-    checked. The output is the rows this rank received (W * C with a static capacity), grouped by its E / W local
-    experts (``split_sizes`` (E / W,)); the grouped ops after it hold the local experts. Pair it
-    with ``Unpermute(group=...)``, which takes the probabilities. The rows move on the torch path
-    (an all-to-all each way). Where values are checked (CPU, TE_FUSED_OPS_VALIDATE=1), ids out of
-    range, capacities or widths of x that differ, or an input failing its checks on any rank
-    (here or in the ``Unpermute``'s probabilities) raise on every rank.
+    C = min(ceil(capacity_factor * T * k / W), T * k) rows (static shapes: no host sync; slots past
+    a destination's capacity are dropped, in the order expert, token, slot; ``permute.dropped``
+    holds this rank's count of the last call, a device tensor). ``capacity_factor=None`` drops
+    nothing: every slot is sent, the exchanged counts read on the host once per call to size the
+    exchanges exactly (shapes change with the routing); without ``group`` nothing is dropped for
+    capacity and ``capacity_factor`` is only checked. The output is the rows this rank received
+    (W * C with a static capacity), grouped by its E / W local experts (``split_sizes`` (E / W,));
+    the grouped ops after it hold the local experts. Pair it with ``Unpermute(group=...)``, which
+    takes the probabilities. The rows move on the torch path (an all-to-all each way). Where values
+    are checked (CPU, TE_FUSED_OPS_VALIDATE=1), ids out of range, capacities or widths of x that
+    differ, or an input failing its checks on any rank (here or in the ``Unpermute``'s
+    probabilities) raise on every rank.
 
     ``chunks=n`` (with ``group``) overlaps the exchanges with the experts: the ops up to the
     ``Unpermute`` run as n chunks of the local experts (chunk c: experts [c L/n, (c+1) L/n) of
@@ -461,18 +462,18 @@ class TopKRouter(BasicOp):
     logits = x @ weight.T (E, H), scored with ``score`` ("softmax" over the experts, or "sigmoid");
     the top ``k`` experts by score (plus ``expert_bias`` when given: DeepSeek-V3's load-balancing
     bias, used for the choice only, a float32 buffer whatever the module's dtype or autocast, which
-    the caller updates) within the
-    ``group_topk`` best of ``num_groups`` expert groups (DeepSeek-V3's group-limited routing; a
-    group scores as the sum of its top two, or its top one with softmax); probs = the chosen scores,
-    divided by their sum when ``normalize`` (Qwen3, DeepSeek-V3), times ``scale``.
-    ``aux_loss_coeff`` > 0: the load-balancing loss ``coeff * E * sum_e f_e * P_e`` (f_e: share of
-    slots routed to expert e, P_e: mean score of e, scores normalized per token for sigmoid;
-    Megatron's switch loss) is added to the training objective: its gradient joins the router's in
-    the backward, and ``router.aux_loss`` holds its value (detached; None while the coefficient is
-    0) after each forward for logging. Hugging Face's ``load_balancing_loss_func`` is one loss over
-    every layer's logits pooled, its f_e taken over tokens: with one MoE layer it is k times this
-    loss (port its coefficient as k * coef); over L layers this library adds one loss per router,
-    so k * coef / L per router gives the same total where every layer routes alike. Its gradient is added as is, whatever the caller scales the main
+    the caller updates) within the ``group_topk`` best of ``num_groups`` expert groups
+    (DeepSeek-V3's group-limited routing; a group scores as the sum of its top two, or its top one
+    with softmax); probs = the chosen scores, divided by their sum when ``normalize`` (Qwen3,
+    DeepSeek-V3), times ``scale``. ``aux_loss_coeff`` > 0: the load-balancing loss
+    ``coeff * E * sum_e f_e * P_e`` (f_e: share of slots routed to expert e, P_e: mean score of e,
+    scores normalized per token for sigmoid; Megatron's switch loss) is added to the training
+    objective: its gradient joins the router's in the backward, and ``router.aux_loss`` holds its
+    value (detached; None while the coefficient is 0) after each forward for logging. Hugging Face's
+    ``load_balancing_loss_func`` is one loss over every layer's logits pooled, its f_e taken over
+    tokens: with one MoE layer it is k times this loss (port its coefficient as k * coef); over L
+    layers this library adds one loss per router, so k * coef / L per router gives the same total
+    where every layer routes alike. Its gradient is added as is, whatever the caller scales the main
     loss by (divide the coefficient likewise when averaging over micro-batches or ranks; under
     fp16's ``torch.amp.GradScaler`` multiply it by the scale, or ``unscale_`` divides it away). The
     choice is never differentiated; probs are. ``float32_logits``: a 16-bit x and weight multiplied
