@@ -78,7 +78,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map_only
 
 from .cuda_graphs import capturing
-from .errors import OpTypeError, OpValueError
+from .errors import OpTypeError, OpValueError, bool_argument
 
 __all__ = [
     "Recipe",
@@ -149,8 +149,8 @@ class Recipe:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.type in (bool, "bool") and not isinstance(value, bool):
-                raise OpTypeError(f"{type(self).__name__}: argument '{field.name}' must be a bool, got {value!r}")
+            if field.type in (bool, "bool"):
+                object.__setattr__(self, field.name, bool_argument(type(self).__name__, field.name, value))
 
     def scale_inv_from_amax(self, amax: torch.Tensor) -> torch.Tensor:
         """float32 amax (any shape) -> float32 dequantization multipliers of the same shape."""

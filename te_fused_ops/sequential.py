@@ -7,6 +7,7 @@ from torch import nn
 
 from .call import check_params, run_ops
 from .context import PlanOwner
+from .errors import bool_argument
 from .ops.base import BasicOp
 from .runner import (
     check_side_inputs,
@@ -119,8 +120,7 @@ class Sequential(PlanOwner, nn.Module):
 
     def __init__(self, *ops, fuse: bool = True):
         super().__init__()
-        if not isinstance(fuse, bool):
-            raise TypeError(f"Sequential: argument 'fuse' must be a bool, got {fuse!r}")
+        fuse = bool_argument("Sequential", "fuse", fuse)
         for i, op in enumerate(ops):
             if not isinstance(op, BasicOp):
                 raise TypeError(f"Sequential: argument 'ops' [{i}] must be a te_fused_ops basic op, got {type(op).__name__}")

@@ -4,6 +4,7 @@ stands in for the sync-free check: a value-dependent shape or a host read fails 
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -614,3 +615,6 @@ def test_recipe_and_quantize_flags_must_be_bools():
         Float8BlockScaling(high_precision_wgrad=1)
     with pytest.raises(TypeError, match=r"Quantize: argument 'quantize_grad' must be a bool, got 'no'"):
         tfo.Quantize("fp8_blockwise", quantize_grad="no")
+    # numpy bools (a config loaded with numpy) read as the bools they are, as every other flag takes them
+    recipe = Float8BlockScaling(power_2_scales=np.bool_(True))
+    assert recipe.power_2_scales is True and recipe == Float8BlockScaling(power_2_scales=True)

@@ -1,5 +1,6 @@
 """Sequential behaves like torch.nn.Sequential; side inputs; padding and clamping contracts."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -194,6 +195,7 @@ def test_slices_keep_names_and_the_container_refuses_in_place_edits():
         layer[5]
     with pytest.raises(TypeError, match="Sequential: argument 'fuse' must be a bool, got 'no'"):
         Sequential(SwiGLU(), fuse="no")
+    assert Sequential(SwiGLU(), fuse=np.bool_(False)).fuse is False
     with pytest.raises(OpValueError, match=r"side input\(s\) 'foo' not consumed"):
         mlp().explain(torch.randn(6, 16), split_sizes=torch.tensor([2, 2, 2]), foo=1)
     with pytest.raises(OpValueError, match=r"GroupedLinear \(op 0\): missing side input 'split_sizes'"):
