@@ -104,9 +104,12 @@ def remember_offsets(memo: dict, split_sizes: torch.Tensor, num_rows: int, offse
 
 
 def _offsets_key(split_sizes: torch.Tensor, num_rows) -> tuple:
-    """The memo key of ``split_sizes`` over ``num_rows`` rows; a symbolic row count (the fake run
-    of a dynamic-shape torch.compile trace) by its expression, which SymInt does not hash."""
-    return ("offsets", id(split_sizes), num_rows if isinstance(num_rows, int) else str(num_rows))
+    """The memo key of ``split_sizes`` over ``num_rows`` rows. A symbolic row count (the fake run
+    of a dynamic-shape torch.compile trace) keys as any other: one call's ops read one routing's
+    rows, and dynamo may name that count by two symbols that it cannot prove equal (x's token
+    count and the probabilities' after a broadcast), so keying by the expression computed the
+    offsets twice and the traced call saved other values than its first run."""
+    return ("offsets", id(split_sizes), num_rows if isinstance(num_rows, int) else "symbolic")
 
 
 def bind_offsets(op_name: str, side: dict, x: torch.Tensor, memo: dict, num_groups=None) -> torch.Tensor:

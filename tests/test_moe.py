@@ -416,6 +416,28 @@ def test_compiled_layer_takes_a_new_token_count_without_recompiling_each(with_ro
     assert len(frames) == 2
 
 
+def test_compiled_function_with_two_symbols_for_the_token_count():
+    """A compiled function whose arguments dynamo names x, idx, p gives x's and the
+    probabilities' token counts two symbols it cannot prove equal, and ScaledSwiGLU's output rows
+    take the probabilities' one: FC2 must still find the permute's offsets (computing them again
+    made the trace save other values than its first run, an error at the second token count)."""
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    moe = layer("scaled", dtype=torch.float32)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def loss(x, idx, p):
+        return moe(x, indices=idx, probs=p).square().sum()
+
+    for step, tokens in enumerate((24, 16, 9)):
+        x, indices, probs = inputs(tokens, 2, seed=step)
+        x, probs = x.float().detach().requires_grad_(), probs.float().detach().requires_grad_()
+        got = torch.autograd.grad(loss(x, indices, probs), (x, probs, *moe.parameters()))
+        want = torch.autograd.grad(moe(x, indices=indices, probs=probs).square().sum(), (x, probs, *moe.parameters()))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("fuse", [True, False])
 def test_frozen_router_and_an_input_needing_no_gradient(fuse):
     """Fine-tuning the experts alone: with the router frozen and x needing no gradient the
