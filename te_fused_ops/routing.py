@@ -101,10 +101,10 @@ def gather_sum(src: torch.Tensor, routing: Routing, weights=None) -> torch.Tenso
     """(M, H) -> (T, H): ``sum_j weights[t, j] * src[slot_rows[t, j]]`` over the kept slots, in
     float32, rounded once. The combine's forward; without weights, the permute's backward."""
     picked = _math(src)[routing.slot_rows.long()]  # (T, k, H)
-    factor = routing.kept_slots().to(picked.dtype)
     if weights is not None:
-        factor = factor * _math(weights)
-    return (picked * factor.unsqueeze(-1)).sum(1).to(src.dtype)
+        picked = picked * _math(weights).unsqueeze(-1)
+    # a dropped slot adds nothing, whatever its weight (an inf or NaN probability times 0 is NaN)
+    return torch.where(routing.kept_slots().unsqueeze(-1), picked, 0).sum(1).to(src.dtype)
 
 
 def slot_dots(dy: torch.Tensor, src: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -112,7 +112,7 @@ def slot_dots(dy: torch.Tensor, src: torch.Tensor, routing: Routing) -> torch.Te
     gradient of the combine's weights)."""
     picked = _math(src)[routing.slot_rows.long()]
     dots = (picked * _math(dy).unsqueeze(1)).sum(-1)
-    return dots * routing.kept_slots()
+    return torch.where(routing.kept_slots(), dots, 0)
 
 
 def rows_to_slots(row_values: torch.Tensor, routing: Routing, dtype: torch.dtype) -> torch.Tensor:

@@ -416,6 +416,31 @@ def test_compiled_layer_takes_a_new_token_count_without_recompiling_each(with_ro
     assert len(frames) == 2
 
 
+@pytest.mark.parametrize("act", ["scaled", "plain"])
+def test_a_dropped_slot_adds_nothing_whatever_its_probability(act):
+    """A dropped slot's probability is never read: inf or NaN there leaves the token's output, and
+    every gradient, equal to the same layer's with that probability 0 (the weighted combine
+    multiplied it by a 0 mask, and inf * 0 is NaN)."""
+    torch.manual_seed(4)
+    moe = layer(act)
+    x, indices, probs = inputs(6, 3, seed=4)
+    indices[0, 1] = indices[2, 0] = indices[5, 2] = -1
+    results = []
+    for fill in (0.0, float("inf"), float("nan")):
+        p = probs.detach().clone()
+        p[indices < 0] = fill
+        p.requires_grad_()
+        y = moe(x, indices=indices, probs=p)
+        y.square().sum().backward()
+        results.append((y.detach(), x.grad, p.grad.masked_fill(indices < 0, 0), *(q.grad for q in moe.parameters())))
+        x.grad = None
+        moe.zero_grad(set_to_none=True)
+    assert all(torch.isfinite(t).all() for t in results[1] + results[2])
+    for got in results[1:]:
+        for a, b in zip(got, results[0]):
+            assert torch.equal(a, b)
+
+
 def test_compiled_function_with_two_symbols_for_the_token_count():
     """A compiled function whose arguments dynamo names x, idx, p gives x's and the
     probabilities' token counts two symbols it cannot prove equal, and ScaledSwiGLU's output rows
