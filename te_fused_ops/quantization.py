@@ -651,26 +651,28 @@ AUTOCAST_SOURCE = "_te_fused_ops_autocast_source"
 """Attribute of a parameter's autocast copy (`call._autocast_cast`) naming the parameter."""
 
 
-@dataclass
 class WeightCopy:
-    """A copy kept in a `ReuseScope`: ``value`` = ``make()``, derived from ``weight`` (the
-    parameter); ``source``: a weak reference to the storage it was made from (expired once that
-    storage is freed: ``p.data = t`` or a freed all-gather, whose address a later tensor may
-    take); ``captured``: a CUDA graph read it during its capture, so its storage must stay where
-    it is and be recast (`StepCasts`), never dropped; ``make_into``: ``make`` writing into the
-    kept value instead (None: a fresh ``make()`` is copied in)."""
+    """A copy kept in a `ReuseScope`: ``value``, made from the parameter ``weight``.
 
-    weight: torch.Tensor
-    value: object
-    make: object
-    make_into: object = None
-    recipe: object = None
-    kind: str = ""
-    captured: bool = False
-    source: object = dataclasses.field(init=False)
+    ``weight`` is held weakly (None once it is gone): a kept copy must not keep a per-call tensor
+    alive (a parametrization's weight, an autocast copy's 16-bit duplicate). ``source``: a weak
+    reference to the storage it was made from (expired once that storage is freed: ``p.data = t``,
+    a parametrization's tensor of an earlier call, or a freed all-gather, whose address a later
+    tensor may take). ``captured``: a CUDA graph read it during its capture, so its storage must
+    stay where it is and be recast (`StepCasts`), never dropped; `capture` then holds the weight
+    and the capturing call's ``make`` / ``make_into`` (``make`` writing into the kept value; None:
+    a fresh ``make()`` is copied in)."""
 
-    def __post_init__(self):
-        self.source = StorageWeakRef(self.weight.untyped_storage())
+    def __init__(self, weight: torch.Tensor, value, recipe, kind: str):
+        self._weight = weakref.ref(weight)
+        self.value, self.recipe, self.kind = value, recipe, kind
+        self.captured = False
+        self._held = self.make = self.make_into = None
+        self.source = StorageWeakRef(weight.untyped_storage())
+
+    @property
+    def weight(self):
+        return self._weight()
 
     def stale(self) -> bool:
         """Whether the storage the copy was made from is gone (another tensor may hold its address)."""
@@ -683,13 +685,18 @@ class WeightCopy:
         with the same shape and version."""
         return not self.stale() and self.source.cdata == StorageWeakRef(tensor.untyped_storage()).cdata
 
+    def capture(self, weight: torch.Tensor, make, make_into) -> None:
+        """Mark the copy read by a graph's capture: hold ``weight`` and the makers that recast it."""
+        self.captured = True
+        self._held, self.make, self.make_into = weight, make, make_into
+
     def recast(self) -> None:
         """``value`` made again from the weight as it is now, in its own storage (``source`` follows)."""
         if self.make_into is not None:
             self.make_into(self.value)
         else:
             refill(self.value, self.make())
-        self.source = StorageWeakRef(self.weight.untyped_storage())
+        self.source = StorageWeakRef(self._held.untyped_storage())
 
 
 class ReuseScope:
@@ -734,7 +741,11 @@ class StepCasts:
         self._optimizer = weakref.ref(optimizer)
         self._hooks = [optimizer.register_step_pre_hook(lambda *args: self._drop_uncaptured()),
                        optimizer.register_step_post_hook(lambda *args: self.drop())]
-        self._hooks += [module.register_load_state_dict_post_hook(lambda module, keys: self._recast_loaded(module))
+        # the modules' hooks reach this object weakly (the optimizer's hold it): a strong reference
+        # would make a cycle through self.modules, freed only by the cyclic collector
+        this = weakref.ref(self)
+        self._hooks += [module.register_load_state_dict_post_hook(
+                            lambda module, keys: this() is not None and this()._recast_loaded(module))
                         for module in self.modules if next(module.parameters(recurse=False), None) is not None]
         _watch_other_optimizers(self)
 
@@ -905,11 +916,23 @@ def reuse_or_make(weight: torch.Tensor, recipe, kind: str, make, scope, make_int
         if source is not None or not scope.serves_graphs or kept is None:
             return make()
         if not kept.captured:
-            kept.captured = True
+            kept.capture(param, make, make_into)
             scope.captured.append(kept)
     elif kept is None:
-        kept = copies[key] = WeightCopy(param, make(), make, make_into, recipe, kind)
+        _forget_outdated(copies, param, key)
+        kept = copies[key] = WeightCopy(param, make(), recipe, kind)
     return kept.value
+
+
+def _forget_outdated(copies: dict, param: torch.Tensor, key: tuple) -> None:
+    """Drop the copies no later call can read: those whose storage is gone, and those ``param``
+    made at another address or version for what ``key`` (a `copy_key`) asks (FSDP2 all-gathers a
+    weight at a new address each time; a scope kept every one until it closed)."""
+    def outdated(other, copy):
+        return copy.stale() or (copy.weight is param and other[2:4] == key[2:4] and other[5:] == key[5:])
+
+    for other in [other for other, copy in copies.items() if not copy.captured and outdated(other, copy)]:
+        del copies[other]
 
 
 def copy_key(weight: torch.Tensor, recipe, kind: str, dtype=None) -> tuple:

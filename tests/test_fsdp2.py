@@ -241,3 +241,44 @@ def _routed_per_op_worker(rank, init_file):
 
 def test_per_op_fully_shard_of_the_routed_layer(tmp_path):
     spawn(_routed_per_op_worker, (str(tmp_path / "init"),), WORLD)
+
+
+def _micro_batch_worker(rank, init_file):
+    """FSDP2 all-gathers each weight at a new address for every forward and backward: the copies
+    `cast_weights_once_per_step` keeps must not pile up over the micro-batches of a step (each
+    gather made one more, kept until the optimizer step), and each forward reads that step's
+    weights."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        import reference as ref
+        import te_fused_ops as tfo
+
+        torch.manual_seed(0)
+        sharded = Model("fp8_blockwise")
+        _shard_per_op(sharded, init_device_mesh("cpu", (WORLD,)))
+        opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+        casts = tfo.cast_weights_once_per_step(opt, sharded)
+        for step in range(3):
+            fresh = Model("fp8_blockwise")
+            fresh.load_state_dict({k: v.full_tensor() for k, v in sharded.state_dict().items()})
+            kept = []
+            for micro_batch in range(4):
+                x, sizes = local_batch(4 * step + micro_batch, rank)
+                y = sharded(x, sizes)
+                assert ref.rel_err(y, fresh(x, sizes)) <= 1e-6, f"rank {rank} step {step}: stale weights"
+                y.square().mean().backward()
+                kept.append(len(casts.scope.copies))
+            assert kept == kept[:1] * 4, f"rank {rank} step {step}: copies kept after each micro-batch {kept}"
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        casts.remove()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_weight_copies_do_not_pile_up_over_micro_batches(tmp_path):
+    spawn(_micro_batch_worker, (str(tmp_path / "init"),), WORLD)

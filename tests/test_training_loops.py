@@ -711,6 +711,69 @@ def test_weights_cast_once_per_optimizer_step_under_autocast(monkeypatch):
             opt.zero_grad(set_to_none=True)
 
 
+def test_kept_copies_hold_no_autocast_duplicate_of_the_weight():
+    """A copy kept by its parameter under autocast keeps nothing of the call that made it: the
+    16-bit duplicate of the weight autocast made for that call is freed with the call."""
+    from te_fused_ops.quantization import AUTOCAST_SOURCE
+
+    seq = mlp()
+    opt = torch.optim.AdamW(seq.parameters(), lr=1e-2)
+
+    def duplicates():
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and hasattr(o, AUTOCAST_SOURCE))
+
+    before = duplicates()
+    with tfo.cast_weights_once_per_step(opt, seq) as step_casts:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            seq(batch(0), split_sizes=SPLITS).float().square().mean().backward()
+        assert len(step_casts.scope.copies) == 1
+        assert duplicates() == before
+
+
+def test_a_parametrized_weight_keeps_one_copy_over_an_evaluation_loop():
+    """A parametrization makes a new weight tensor at every call: the copy of an earlier call's
+    tensor is dropped once that tensor is gone, so evaluating between two optimizer steps (or
+    inference in `reuse_quantized_weights`) keeps one copy, not one per batch."""
+    from te_fused_ops.quantization import current_reuse_scope
+
+    seq = mlp()
+    parametrize.register_parametrization(seq[1], "weight", _Scale())
+    opt = torch.optim.AdamW(seq.parameters(), lr=1e-2)
+    with torch.no_grad():
+        with tfo.cast_weights_once_per_step(opt, seq) as step_casts:
+            for i in range(20):
+                y = seq(batch(i), split_sizes=SPLITS)
+                assert torch.equal(y, fresh_copy(seq)(batch(i), split_sizes=SPLITS))
+                assert len(step_casts.scope.copies) == 1
+        with tfo.reuse_quantized_weights():
+            for i in range(20):
+                seq(batch(i), split_sizes=SPLITS)
+            assert len(current_reuse_scope().copies) == 1
+
+
+def test_a_model_under_step_casts_is_freed_without_the_cyclic_collector():
+    """``del model, optimizer`` frees the model at once, `remove()` called or not (its hooks made
+    a reference cycle that only the cyclic collector freed, and device memory does not run it)."""
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # torch's first AdamW keeps its caller's frame
+    gc.collect()
+    gc.disable()
+    try:
+        for remove in (True, False):
+            seq = mlp()
+            opt = torch.optim.AdamW(seq.parameters(), lr=1e-2)
+            casts = tfo.cast_weights_once_per_step(opt, seq)
+            seq(batch(0), split_sizes=SPLITS).square().mean().backward()
+            opt.step()
+            if remove:
+                casts.remove()
+            alive = weakref.ref(seq)
+            del seq, opt, casts
+            assert alive() is None, f"remove()={remove}: the model outlived its last reference"
+    finally:
+        gc.enable()
+
+
 def test_main_grad_accumulates_under_autocast():
     """accumulate_main_grad=True under autocast adds to the parameter's main_grad (the autocast
     copy of the weight carries it), the same sums as the bf16 gradient widened."""
