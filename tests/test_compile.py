@@ -86,6 +86,25 @@ def test_inductor_no_recompile_on_new_routing():
     check_training_matches_eager(ScaledSwiGLU(), True, "inductor")
 
 
+def test_layers_compiled_one_by_one_past_dynamos_default_limit():
+    """Per-block compile (fullgraph) of more layers than dynamo's default recompile limit: each
+    layer is a graph of its own, so the README's remedy (the limit raised to the number of layers)
+    compiles every layer, and each equals its eager call."""
+    torch._dynamo.reset()
+    layers = [MoeModel(ScaledSwiGLU(), False) for _ in range(10)]
+    compiled = [torch.compile(layer, backend="aot_eager", fullgraph=True) for layer in layers]
+    side = routing(0)
+    x = torch.randn(ROWS, H)
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = len(layers)
+    try:
+        for layer, fn in zip(layers, compiled):
+            torch.testing.assert_close(fn(x, **side), layer(x, **side), rtol=1e-6, atol=1e-6)
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+        torch._dynamo.reset()
+
+
 def test_compiled_module_and_no_grad_call():
     torch._dynamo.reset()
     torch.manual_seed(0)
