@@ -42,8 +42,8 @@ if __name__ == "__main__":  # before torch and the kernels load: one line, exit 
 
 import torch
 from common import (
-    MODEL_SHAPES, _l2_flush_buffer, clock_and_power, device_tag, model_shape, rotated_medians, skewed_splits, sustained_ms,
-    write_results,
+    MODEL_SHAPES, _l2_flush_buffer, clock_and_power, device_tag, median_event_ms, model_shape, rotated_medians, skewed_splits,
+    sustained_ms, write_results,
 )
 
 from te_fused_ops.backends.sm90.kernels.block_quantize import block_columns_sm90
@@ -73,16 +73,21 @@ def relative_error(out, x64, w64, bounds):
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-def problem(name, linear, routing, other_tiles):
-    """(label -> call, label -> relative error, FLOPs, our default tile) of one GEMM."""
-    import deep_gemm
-
+def routed_problem(name, linear, routing):
+    """(M, N, K, E, group sizes, offsets on the GPU, offsets as a list) of one linear; seeds torch."""
     m, h, i, e = model_shape(name)
     n, k = (2 * i, h) if linear == "fc1" else (h, i)
     torch.manual_seed(0)
     sizes = group_sizes(m, e, routing)
     offsets = split_offsets(sizes.cuda(), m)
-    bounds = offsets.tolist()
+    return m, n, k, e, sizes, offsets, offsets.tolist()
+
+
+def problem(name, linear, routing, other_tiles):
+    """(label -> call, label -> relative error, FLOPs, our default tile) of one GEMM."""
+    import deep_gemm
+
+    m, n, k, e, sizes, offsets, bounds = routed_problem(name, linear, routing)
     x = torch.randn(m, k, device="cuda")
     w = torch.randn(e, n, k, device="cuda") / k**0.5
     qx, qw = quantize(x, "fp8_blockwise"), quantize_weight(w, "fp8_blockwise")
@@ -122,12 +127,7 @@ def wgrad_problem(name, linear, routing, other_tiles):
     """`problem` for the weight gradient: dW (E, N, K) += dy^T x per group, float32."""
     import deep_gemm
 
-    m, h, i, e = model_shape(name)
-    n, k = (2 * i, h) if linear == "fc1" else (h, i)
-    torch.manual_seed(0)
-    sizes = group_sizes(m, e, routing)
-    offsets = split_offsets(sizes.cuda(), m)
-    bounds = offsets.tolist()
+    m, n, k, e, sizes, offsets, bounds = routed_problem(name, linear, routing)
     dy_cols = block_columns_sm90(torch.randn(m, n, device="cuda").bfloat16(), offsets)
     x_cols = block_columns_sm90(torch.randn(m, k, device="cuda").bfloat16(), offsets)
     # groups of multiples of 128 rows: group g's tokens are columns bounds[g]:bounds[g+1] of the
@@ -170,14 +170,7 @@ def burst_us(fn, calls=10):
     flush = _l2_flush_buffer()
     torch.cuda.synchronize()
     time.sleep(1.0)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
-    for begin, end in events:
-        flush.zero_()
-        begin.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return 1e3 * sorted(begin.elapsed_time(end) for begin, end in events)[calls // 2]
+    return 1e3 * median_event_ms(fn, calls, flush)
 
 
 def main():

@@ -259,16 +259,22 @@ def sustained_ms(fn, warm_s: float = 0.4, time_s: float = 0.4) -> float:
         elapsed = time.perf_counter() - start
         if elapsed >= warm_s:
             break
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(max(8, round(time_s * calls / elapsed)))]
+    return per_micro_batch(fn, median_event_ms(fn, max(8, round(time_s * calls / elapsed)), flush))
+
+
+def median_event_ms(fn, calls: int, flush) -> float:
+    """Median ms of ``calls`` calls of ``fn`` queued back to back, each timed by CUDA events with
+    the L2 flushed (``flush.zero_()``) before it."""
+    import torch
+
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
     for begin, end in events:
         flush.zero_()
         begin.record()
         fn()
         end.record()
     torch.cuda.synchronize()
-    times = sorted(begin.elapsed_time(end) for begin, end in events)
-    return per_micro_batch(fn, times[len(times) // 2])
+    return sorted(begin.elapsed_time(end) for begin, end in events)[calls // 2]
 
 
 def clock_and_power(fn, seconds: float = 2.0, interval_ms: int = 50) -> dict:
