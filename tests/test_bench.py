@@ -336,3 +336,21 @@ def test_ep_layer_benchmark_smoke_on_two_gloo_processes(tmp_path):
     assert {"torch", "lib", "lib static", "lib x2", "lib x4", "fp8", "fp8 4mb", "fp8 x2"} <= set(rows), sorted(rows)
     assert all(row["status"] == "ok" and "ms" in row for row in rows.values()), rows
 
+
+
+def test_sass_loop_counts_split_each_batch_at_its_wait():
+    """`sass_fp8_mainloop.py` counts the innermost loop holding the WGMMAs (not the tile loop
+    around it), from each WARPGROUP.ARRIVE to its wait (issue) and from the wait on (promotion)."""
+    spec = importlib.util.spec_from_file_location("sass_fp8_mainloop", ROOT / "benchmarks" / "sass_fp8_mainloop.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    body = ["WARPGROUP.ARRIVE ;", "QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR20], RZ ;", "IMAD R1, R2, R3, RZ ;",
+            "WARPGROUP.DEPBAR.LE gsb0, 0x0 ;", "FFMA R4, R5, R6, R4 ;", "FFMA R7, R5, R6, R7 ;",
+            "@!P0 SYNCS.ARRIVE.TRANS64.RED.A1T0 RZ, [R8+URZ], R9 ;"]
+    sass = "\n".join([".L_x_1:", *(f"        /*{i:04x}*/                   {line}" for i, line in enumerate(body)),
+                      ".L_x_2:", *(f"        /*{16 + i:04x}*/                   {line}" for i, line in enumerate(body)),
+                      "        /*0040*/              @P1 BRA `(.L_x_2) ;",
+                      "        /*0050*/                   BRA `(.L_x_1) ;"])
+    ops = tool.innermost_gmma_loop(sass)
+    assert len(ops) == len(body) + 1 and ops[0] == "WARPGROUP.ARRIVE" and ops[-1] == "BRA"
+    assert tool.phases(ops) == [[3, 5, 2]]  # ARRIVE, QGMMA, IMAD | DEPBAR, 2 FFMA, SYNCS, BRA
