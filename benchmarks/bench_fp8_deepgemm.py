@@ -26,7 +26,8 @@ back (`common.clock_and_power`), and its "burst" time: the median of 10 calls ti
 often published).
 
 DeepGEMM is built on the GPU machine from the sources `benchmarks/deepgemm_env/prepare.sh` packs into
-.dgcarry/ (carry it beside .devcarry/):
+.dgcarry/ (carry it beside .devcarry/; the two and the project's files come within a few MiB of a 64 MiB
+carry limit, so leave out what the run does not read, e.g. benchmarks/results/):
 
     source .devcarry/bootstrap.sh && source .dgcarry/bootstrap.sh && \\
         python benchmarks/bench_fp8_deepgemm.py [--part gemm,wgrad] [--shapes dsv3-ep8,...] [--routing skewed,even] [--out DIR]
