@@ -84,7 +84,6 @@ tests/test_bench.py checks (a), (b) and, where its ops import, (c) there on the 
 
 import argparse
 import functools
-import operator
 import os
 from dataclasses import dataclass
 
@@ -107,6 +106,7 @@ from common import (
     per_micro_batch,
     print_timeline,
     rotated_medians,
+    slot_terms_sum,
     sustained_ms,
     write_results,
 )
@@ -195,13 +195,6 @@ def dswiglu_math(pre, d_act):  # as bench_train_step's dswiglu
     s = torch.sigmoid(gate)
     d = d_act.float()
     return torch.cat([d * up * s * (1 + gate * (1 - s)), d * gate * s], dim=-1).to(pre.dtype)
-
-
-def slot_terms_sum(terms):
-    """The sum over a token's k slots written out term by term: inductor compiles ``.sum(1)`` over
-    k >= 8 (its unroll threshold) into a reduction kernel, which ran the k = 8 gather-sums at about a
-    third of memory speed on an H100; the unrolled sum is one elementwise kernel."""
-    return functools.reduce(operator.add, terms)
 
 
 def combine_math(y_perm, probs, rows):
