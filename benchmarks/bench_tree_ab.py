@@ -4,8 +4,9 @@ PYTHONPATH; compare each build's ratio against the plain-torch contender timed i
 Per shape (qwen3-30b-a3b, gptoss-120b-ep4): the bf16 grouped-MLP training step (`bench_train_step`'s
 fused Sequential and plain-torch reference, gradients checked against each other) and the MoE layer
 step (`bench_moe_layer`'s a, c and c-fp8-4mb, checked against a); part ``kernels``: the layer's four
-varlen-M GEMMs alone at their cooperative configuration (no plain-torch contender: compare the two
-builds' times, run alternately on one machine). With ``--memory`` also each layer contender's peak
+varlen-M GEMMs alone at their cooperative configuration, part ``fp8-kernels`` its block-scaled FP8
+forward GEMMs (no plain-torch contender: compare the two builds' times, run alternately on one
+machine). With ``--memory`` also each layer contender's peak
 MiB above a step's start over four consecutive steps (min: a micro-batch reusing the weight copies;
 max: the one casting them). Prints one ``RESULT {json}`` line.
 
@@ -19,6 +20,7 @@ torch backend, and `common.require_sm90` then exits.)
     python benchmarks/bench_tree_ab.py a --shapes dsv3-ep8   # other shapes (default: qwen3, gpt-oss)
     python benchmarks/bench_tree_ab.py a --parts layer --contenders c   # a and c only
     python benchmarks/bench_tree_ab.py a --parts kernels --shapes qwen3-30b-a3b,dsv3-ep8
+    python benchmarks/bench_tree_ab.py a --parts fp8-kernels --shapes dsv3-ep8,mixtral-8x7b
     python benchmarks/bench_tree_ab.py a --parts layer --contenders c,c-fp8-4mb,c-fp8w16-4mb --memory
     python benchmarks/bench_tree_ab.py a --parts layer --contenders c,c-rows-wgrad,c-rows-1 --memory
     python benchmarks/bench_tree_ab.py a --parts layer --contenders c --shapes 8192x8x64x4096x1024
@@ -117,11 +119,48 @@ def kernel_steps(name):
     }
 
 
+def fp8_kernel_steps(name):
+    """label -> one call of the layer's block-scaled FP8 forward GEMMs on skewed top-k routing:
+    FC1 + SwiGLU and FC2 at the heuristic's tile, and FC1 without the activation at tiles 192 and
+    256 (the mainloop's two promotion forms: one product per block, or two halves). Each output is
+    first checked against float64 of its E4M3 operands (NaN-poisoned, relative error <= 1e-2)."""
+    from bench_fp8_deepgemm import relative_error
+
+    from te_fused_ops.backends.sm90.kernels.grouped_gemm import grouped_gemm_fp8_sm90
+    from te_fused_ops.quantization import quantize, quantize_weight
+    from te_fused_ops.routing import route
+
+    t, k, e, h, i = bench_moe_layer.SHAPES[name]
+    indices, _ = bench_moe_layer.skewed_topk(t, k, e)
+    offsets = route(indices.cuda(), e).offsets
+    bounds = offsets.tolist()
+    torch.manual_seed(0)
+
+    def operands(n, depth):
+        x = quantize(torch.randn(t * k, depth, device="cuda"), "fp8_blockwise")
+        w = quantize_weight(torch.randn(e, n, depth, device="cuda") / depth**0.5, "fp8_blockwise")
+        return (x.rowwise_data, x.rowwise_scale_inv, w.rowwise_data, w.rowwise_scale_inv,
+                x.dequantize(torch.float32).double(), w.dequantize(torch.float32).double())
+
+    fc1, fc2 = operands(2 * i, h), operands(h, i)
+    calls = {"fp8 fc1 + swiglu": (fc1, {"activation": "swiglu"}), "fp8 fc2": (fc2, {}),
+             "fp8 fc1 t192": (fc1, {"tile_n": 192}), "fp8 fc1 t256": (fc1, {"tile_n": 256})}
+    steps = {}
+    for label, ((xq, xs, wq, ws, x64, w64), options) in calls.items():
+        poisoned = torch.full((t * k, wq.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")
+        pre = grouped_gemm_fp8_sm90(xq, xs, wq, ws, offsets, out=poisoned, **options)[0]
+        error = relative_error(pre, x64, w64, bounds)
+        if not error <= 1e-2:
+            raise SystemExit(f"{name} {label}: relative error {error:.2e} against float64")
+        steps[label] = functools.partial(grouped_gemm_fp8_sm90, xq, xs, wq, ws, offsets, **options)
+    return steps
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("tag", help="name of this build in the output")
     ap.add_argument("--warm", action="store_true", help="compile and check only, no timing")
-    ap.add_argument("--parts", default="mlp,layer", help="comma-separated: mlp, layer, kernels")
+    ap.add_argument("--parts", default="mlp,layer", help="comma-separated: mlp, layer, kernels, fp8-kernels")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of bench_moe_layer.SHAPES, "
                     "or TxkxExHxI for the layer and kernel parts")
     ap.add_argument("--contenders", default=",".join(LAYER_CONTENDERS),
@@ -134,7 +173,7 @@ def main():
         if name not in bench_moe_layer.SHAPES:
             bench_moe_layer.SHAPES[name] = bench_moe_layer.layer_shape(name, ap)
         for kind, build, base in (("mlp", mlp_steps, "reference"), ("layer", layer, "a"),
-                                  ("kernels", kernel_steps, None)):
+                                  ("kernels", kernel_steps, None), ("fp8-kernels", fp8_kernel_steps, None)):
             if kind not in args.parts.split(","):
                 continue
             steps = build(name)
