@@ -90,6 +90,9 @@ def get_plan(ops, info: PlanInfo, cache: dict, fuse: bool):
     plan = cache.get(key)
     if plan is None:
         check_side_value_experts(ops)
+        # the two versions only grow: plans made under older ones can never be looked up again
+        for stale in [made for made in cache if made[:2] != key[:2]]:
+            del cache[stale]
         plan = cache[key] = make_plan(ops, info, fuse)
     return plan
 

@@ -247,6 +247,26 @@ def test_plan_cache_invalidated_by_registry_changes():
         tfo.unregister_rule(rule)
 
 
+def test_plans_of_older_registries_are_dropped():
+    """A rule registered and removed again and again (a notebook re-running its cell) leaves one
+    plan per live key in the cache, not one per registry version."""
+    seq = Sequential(GroupedLinear(G, H, I), SReLU())
+    x = torch.randn(ROWS, H)
+    for _ in range(5):
+        rule = FusionRule("temporary", pattern=(SReLU,), passes="forward")
+        rule.set_reference(lambda ops, ctxs, x: ops[0].op_forward(ctxs[0], x))
+        tfo.register_rule(rule)
+        try:
+            seq(x, split_sizes=SPLITS)
+            with torch.no_grad():
+                seq(x, split_sizes=SPLITS)
+        finally:
+            tfo.unregister_rule(rule)
+        assert len(seq._plans) == 2
+    seq(x, split_sizes=SPLITS)
+    assert len(seq._plans) == 1
+
+
 def test_fusion_disabled_by_env(monkeypatch):
     seq = Sequential(GroupedLinear(G, H, 2 * I), SwiGLU())
     x = torch.randn(ROWS, H)
