@@ -5,6 +5,7 @@ Depends on nothing in the package but `quantization`, so the ops, the runner, th
 the backends can all import it.
 """
 
+import copy
 import functools
 import itertools
 import weakref
@@ -44,6 +45,17 @@ class PlanOwner:
     def __setstate__(self, state):
         super().__setstate__(state)
         self._owner_id = register_owner(self)
+
+    def __deepcopy__(self, memo):
+        # defined here rather than left to __getstate__: a parametrized module's class (made by
+        # torch.nn.utils.parametrize) copies __dict__ directly unless its class has __deepcopy__
+        replica = self.__class__.__new__(self.__class__)
+        memo[id(self)] = replica
+        state = {name: value for name, value in self.__dict__.items() if name != "_plans"}
+        replica.__dict__.update(copy.deepcopy(state, memo))
+        replica._plans = {}
+        replica._owner_id = register_owner(replica)
+        return replica
 
 
 def registered_owner(uid: int) -> nn.Module:

@@ -654,25 +654,24 @@ AUTOCAST_SOURCE = "_te_fused_ops_autocast_source"
 class WeightCopy:
     """A copy kept in a `ReuseScope`: ``value``, made from the parameter ``weight``.
 
-    ``weight`` is held weakly (None once it is gone): a kept copy must not keep a per-call tensor
-    alive (a parametrization's weight, an autocast copy's 16-bit duplicate). ``source``: a weak
+    ``weight_id``: the parameter's ``id``, no reference to it: a kept copy must not keep a
+    per-call tensor alive (a parametrization's weight, an autocast copy's 16-bit duplicate), and
+    a Python weak reference would make `torch.utils.swap_tensors` refuse the parameter (what
+    ``module.to`` and ``load_state_dict`` use under
+    ``torch.__future__.set_swap_module_params_on_conversion``). ``source``: a weak
     reference to the storage it was made from (expired once that storage is freed: ``p.data = t``,
     a parametrization's tensor of an earlier call, or a freed all-gather, whose address a later
     tensor may take). ``captured``: a CUDA graph read it during its capture, so its storage must
     stay where it is and be recast (`StepCasts`), never dropped; `capture` then holds the weight
-    and the capturing call's ``make`` / ``make_into`` (``make`` writing into the kept value; None:
-    a fresh ``make()`` is copied in)."""
+    (``held``) and the capturing call's ``make`` / ``make_into`` (``make`` writing into the kept
+    value; None: a fresh ``make()`` is copied in)."""
 
     def __init__(self, weight: torch.Tensor, value, recipe, kind: str):
-        self._weight = weakref.ref(weight)
+        self.weight_id = id(weight)
         self.value, self.recipe, self.kind = value, recipe, kind
         self.captured = False
-        self._held = self.make = self.make_into = None
+        self.held = self.make = self.make_into = None
         self.source = StorageWeakRef(weight.untyped_storage())
-
-    @property
-    def weight(self):
-        return self._weight()
 
     def stale(self) -> bool:
         """Whether the storage the copy was made from is gone (another tensor may hold its address)."""
@@ -688,7 +687,7 @@ class WeightCopy:
     def capture(self, weight: torch.Tensor, make, make_into) -> None:
         """Mark the copy read by a graph's capture: hold ``weight`` and the makers that recast it."""
         self.captured = True
-        self._held, self.make, self.make_into = weight, make, make_into
+        self.held, self.make, self.make_into = weight, make, make_into
 
     def recast(self) -> None:
         """``value`` made again from the weight as it is now, in its own storage (``source`` follows)."""
@@ -696,7 +695,7 @@ class WeightCopy:
             self.make_into(self.value)
         else:
             refill(self.value, self.make())
-        self.source = StorageWeakRef(self._held.untyped_storage())
+        self.source = StorageWeakRef(self.held.untyped_storage())
 
 
 class ReuseScope:
@@ -717,12 +716,21 @@ def current_reuse_scope():
     return getattr(_reuse, "scope", None)
 
 
-_step_scopes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its StepCasts' scope
+_step_casts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> the StepCasts it belongs to
 
 
 def step_scope_of(op):
     """The `ReuseScope` of the `cast_weights_once_per_step` that ``op`` belongs to, or None."""
-    return _step_scopes.get(op)
+    casts = _step_casts.get(op)
+    return None if casts is None else casts.scope
+
+
+def _recast_after_load(module, incompatible_keys) -> None:
+    """A module's ``load_state_dict`` post-hook (module level, so that the module pickles, and a
+    no-op on its copies): the graph-read copies of its weights cast again."""
+    casts = _step_casts.get(module)
+    if casts is not None:
+        casts._recast_loaded(module)
 
 
 class StepCasts:
@@ -731,22 +739,22 @@ class StepCasts:
 
     def __init__(self, optimizer, model):
         self.scope = ReuseScope(serves_graphs=True)
-        self.modules = list(model.modules())
-        taken = [m for m in self.modules if m in _step_scopes]
+        modules = list(model.modules())
+        taken = [m for m in modules if m in _step_casts]
         if taken:
             raise ValueError(f"cast_weights_once_per_step: {type(taken[0]).__name__} already belongs to another "
                              f"cast_weights_once_per_step (remove() it first)")
-        for module in self.modules:
-            _step_scopes[module] = self.scope
+        # the modules hold this object (`_step_casts`) and it holds them weakly: it lives as long
+        # as the model, whatever becomes of the optimizer (an optimizer made again after a
+        # checkpoint load still reaches it, `after_other_optimizer`), with no reference cycle
+        self._modules = [weakref.ref(m) for m in modules]
+        for module in modules:
+            _step_casts[module] = self
         self._optimizer = weakref.ref(optimizer)
         self._hooks = [optimizer.register_step_pre_hook(lambda *args: self._drop_uncaptured()),
                        optimizer.register_step_post_hook(lambda *args: self.drop())]
-        # the modules' hooks reach this object weakly (the optimizer's hold it): a strong reference
-        # would make a cycle through self.modules, freed only by the cyclic collector
-        this = weakref.ref(self)
-        self._hooks += [module.register_load_state_dict_post_hook(
-                            lambda module, keys: this() is not None and this()._recast_loaded(module))
-                        for module in self.modules if next(module.parameters(recurse=False), None) is not None]
+        self._hooks += [module.register_load_state_dict_post_hook(_recast_after_load)
+                        for module in modules if next(module.parameters(recurse=False), None) is not None]
         _watch_other_optimizers(self)
 
     def drop(self) -> None:
@@ -770,7 +778,7 @@ class StepCasts:
                     self.scope.captured.remove(copy)
                     failed.append(str(error))
                     continue
-                copies[copy_key(copy.weight, copy.recipe, copy.kind)] = copy  # the weight's version moved
+                copies[copy_key(copy.held, copy.recipe, copy.kind)] = copy  # the weight's version moved
         if failed:
             raise ValueError(failed[0])
 
@@ -778,7 +786,7 @@ class StepCasts:
         """After ``module.load_state_dict``: its weights' graph-read copies cast again (the loaded
         values copied into the parameters bump no step hook)."""
         own = {id(p) for p in module.parameters(recurse=False)}
-        self._recast([copy for copy in self.scope.captured if id(copy.weight) in own])
+        self._recast([copy for copy in self.scope.captured if copy.weight_id in own])
 
     def _drop_uncaptured(self) -> None:
         copies = self.scope.copies
@@ -791,7 +799,7 @@ class StepCasts:
         if optimizer is self._optimizer():
             return
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if any(id(copy.weight) in stepped for copy in self.scope.copies.values()):
+        if any(copy.weight_id in stepped for copy in self.scope.copies.values()):
             self.drop()
 
     def remove(self) -> None:
@@ -799,9 +807,9 @@ class StepCasts:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        for module in self.modules:
-            if _step_scopes.get(module) is self.scope:
-                del _step_scopes[module]
+        for module in (ref() for ref in self._modules):
+            if module is not None and _step_casts.get(module) is self:
+                del _step_casts[module]
         self.scope.copies.clear()
         self.scope.captured = []
 
@@ -929,7 +937,7 @@ def _forget_outdated(copies: dict, param: torch.Tensor, key: tuple) -> None:
     made at another address or version for what ``key`` (a `copy_key`) asks (FSDP2 all-gathers a
     weight at a new address each time; a scope kept every one until it closed)."""
     def outdated(other, copy):
-        return copy.stale() or (copy.weight is param and other[2:4] == key[2:4] and other[5:] == key[5:])
+        return copy.stale() or (copy.weight_id == id(param) and other[2:4] == key[2:4] and other[5:] == key[5:])
 
     for other in [other for other, copy in copies.items() if not copy.captured and outdated(other, copy)]:
         del copies[other]

@@ -153,6 +153,34 @@ def test_a_called_layer_pickles_without_its_plans():
     assert loaded._plans == {} and torch.equal(loaded(x, indices=indices, probs=probs), y)
 
 
+def test_a_deepcopy_of_a_parametrized_op_is_an_owner_of_its_own():
+    """torch.nn.utils.parametrize gives the op a class whose deepcopy copies __dict__ directly
+    (skipping __getstate__) unless the class defines __deepcopy__: the copy must still get its own
+    id, by which torch.compile finds the module it runs, and no plans of the original."""
+    import copy
+
+    from torch.nn.utils import parametrize
+
+    from te_fused_ops.context import registered_owner
+
+    class Scaled(torch.nn.Module):
+        def forward(self, weight):
+            return 2 * weight
+
+    torch.manual_seed(3)
+    op = GroupedLinear(2, 8, 8)
+    parametrize.register_parametrization(op, "weight", Scaled())
+    x, splits = torch.randn(6, 8), torch.tensor([2, 4])
+    y = op(x, split_sizes=splits)
+    replica = copy.deepcopy(op)
+    assert replica._owner_id != op._owner_id and registered_owner(replica._owner_id) is replica
+    assert replica._plans == {} and op._plans
+    with torch.no_grad():
+        replica.parametrizations.weight.original.mul_(0.5)
+    assert torch.equal(op(x, split_sizes=splits), y)
+    torch.testing.assert_close(replica(x, split_sizes=splits), y / 2)
+
+
 def test_explain_plans_a_meta_module():
     """Planning reads only metadata: a module built on the meta device explains its plan."""
     with torch.device("meta"):

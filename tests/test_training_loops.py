@@ -8,6 +8,8 @@ weight copy is involved: that copy is what went stale.
 
 import copy
 import gc
+import io
+import pickle
 import threading
 import weakref
 
@@ -401,6 +403,71 @@ def test_step_casts_see_another_optimizers_fused_step():
             torch.testing.assert_close(seq(x, split_sizes=SPLITS), fresh_copy(seq)(x, split_sizes=SPLITS), rtol=0, atol=0)
 
 
+def test_step_casts_outlive_their_optimizer():
+    """The README's loop keeps no handle: once the optimizer is made again (a checkpoint resumed),
+    the first one's hooks are gone, and still the new optimizer's fused steps are seen (the model
+    keeps its `StepCasts`) and ``load_state_dict`` works."""
+    seq = mlp()
+    opt = torch.optim.AdamW(seq.parameters(), lr=1e-2, fused=True)
+    tfo.cast_weights_once_per_step(opt, seq)
+    x = batch(6)
+    seq(x, split_sizes=SPLITS).square().mean().backward()
+    opt.step()
+    state = {name: value.clone() for name, value in seq.state_dict().items()}
+    del opt
+    gc.collect()
+    opt = torch.optim.AdamW(seq.parameters(), lr=1e-2, fused=True)
+    for _ in range(3):
+        seq(x, split_sizes=SPLITS).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            assert torch.equal(seq(x, split_sizes=SPLITS), fresh_copy(seq)(x, split_sizes=SPLITS))
+    seq.load_state_dict(state)
+    assert torch.equal(seq(x, split_sizes=SPLITS), fresh_copy(seq)(x, split_sizes=SPLITS))
+
+
+def test_a_model_under_step_casts_saves_whole_and_so_do_its_copies():
+    """``torch.save(model)`` while attached, and a deepcopy made then (an EMA model), saved after
+    ``remove()``: nothing the library attaches to the modules is a local function."""
+    seq = mlp()
+    x = batch(7)
+    casts = tfo.cast_weights_once_per_step(torch.optim.SGD(seq.parameters(), lr=0.1), seq)
+    seq(x, split_sizes=SPLITS)
+    for model in (seq, copy.deepcopy(seq)):
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert torch.equal(loaded(x, split_sizes=SPLITS), fresh_copy(seq)(x, split_sizes=SPLITS))
+    ema = copy.deepcopy(seq)
+    casts.remove()
+    pickle.loads(pickle.dumps(ema))
+
+
+@pytest.mark.parametrize("conversion", ["to", "load_state_dict"])
+def test_kept_copies_let_parameters_be_swapped(conversion):
+    """Under ``torch.__future__.set_swap_module_params_on_conversion(True)`` ``module.to`` and
+    ``load_state_dict`` swap each parameter's tensor, which torch refuses for a tensor with a
+    Python weak reference: the kept copies hold none."""
+    seq = mlp()
+    x = batch(8)
+    state = mlp(seed=5).state_dict()
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with tfo.cast_weights_once_per_step(torch.optim.SGD(seq.parameters(), lr=0.1), seq), \
+                tfo.reuse_quantized_weights():
+            seq(x, split_sizes=SPLITS).square().mean().backward()
+            if conversion == "to":
+                seq.to(torch.float64).to(torch.float32)
+            else:
+                seq.load_state_dict(state)
+            assert torch.equal(seq(x, split_sizes=SPLITS), fresh_copy(seq)(x, split_sizes=SPLITS))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
 def test_step_casts_name_swapped_or_missing_arguments():
     seq = mlp()
     optimizer = torch.optim.SGD(seq.parameters(), lr=0.1)
@@ -487,7 +554,7 @@ def test_a_captured_copy_whose_weight_changed_shape_is_refused(monkeypatch):
 
 def _graph_copy_values(steps, weight):
     """The values of the kept copy a (pretended) capture read for ``weight``."""
-    (copy,) = [c for c in steps.scope.captured if c.weight is weight]
+    (copy,) = [c for c in steps.scope.captured if c.held is weight]
     return copy.value.dequantize() if hasattr(copy.value, "dequantize") else copy.value
 
 
@@ -522,7 +589,7 @@ def test_copies_two_captures_read_of_one_weight_are_both_kept_and_recast(monkeyp
             _pretend_capturing(monkeypatch, False)
             with torch.no_grad():
                 seq[1].weight.mul_(0.5)
-        first, second = [c for c in steps.scope.captured if c.weight is seq[1].weight]
+        first, second = [c for c in steps.scope.captured if c.held is seq[1].weight]
         seq(batch(0), split_sizes=SPLITS).sum().backward()
         opt.step()
         for copy in (first, second):
