@@ -159,6 +159,32 @@ def test_expert_bias_stays_float32_through_module_casts_and_autocast():
     assert seen[0].dtype == torch.float32 and torch.equal(seen[0], want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_top_k_takes_equal_values_lowest_index_first(dtype):
+    """The router's choice among equal scores is a rule, not `torch.topk`'s unspecified order
+    (which its CPU and CUDA kernels do not share): values of a few levels, -inf, and both zeros."""
+    from te_fused_ops.ops.moe import top_k_lowest_first
+
+    torch.manual_seed(0)
+    values = (torch.randn(64, 16) * 3).round().to(dtype)
+    values[0] = float("-inf")
+    values[1, 3], values[1, 5] = -0.0, 0.0
+    for k in (1, 5, 16):
+        expected = [sorted(range(16), key=lambda i: (-float(row[i]), i))[:k] for row in values]
+        assert top_k_lowest_first(values, k).tolist() == expected
+
+
+@pytest.mark.parametrize("groups,expected", [(1, [1, 2]), (4, [2, 3])])
+def test_router_ties_go_to_the_lowest_experts(groups, expected):
+    """Scores all equal but expert 0's: the two lowest of the rest (4 groups of 2, 2 kept: group 0
+    scores lower, groups 1 and 2 tie with 3 and are kept, then their lowest experts)."""
+    router = TopKRouter(16, 8, 2, score="sigmoid", num_groups=groups, group_topk=2 if groups > 1 else 1)
+    scores = torch.full((5, 8), 0.5)
+    scores[:, 0] = 0.1
+    indices, chosen = router.choose(scores, None)
+    assert indices.tolist() == [expected] * 5 and torch.equal(chosen, torch.full((5, 2), 0.5))
+
+
 def test_router_with_float32_logits_on_16_bit_operands():
     """``float32_logits``: a bf16 router's logits as the float32 product of its bf16 operands (the
     choice of experts of that product), gradients within a bf16 rounding of the float32 autograd

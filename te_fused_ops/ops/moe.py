@@ -455,6 +455,20 @@ def _expert_parallel_combine_backward(ctx: OpContext, dy, routing: "rows.ExpertP
 _SCORES = ("softmax", "sigmoid")
 
 
+def top_k_lowest_first(values: torch.Tensor, k: int) -> torch.Tensor:
+    """(..., k) int64 indices of the k largest of ``values`` along the last dim, equal values taken
+    lowest index first (`torch.topk` leaves which of them unspecified, and its CPU and CUDA
+    kernels differ: a bf16 router ties at the k-th place on a few percent of tokens). Up to 32-bit
+    values: one `topk` over int64 keys, the value's bits made order-preserving above the reversed
+    index; float64: a stable sort."""
+    if values.dtype == torch.float64:
+        return values.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    bits = (values.float() + 0.0).view(torch.int32).long()  # + 0.0: -0.0 ranks as 0.0
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: larger magnitude lower
+    reversed_index = values.shape[-1] - 1 - torch.arange(values.shape[-1], device=values.device)
+    return ((ordered << 32) | reversed_index).topk(k, -1).indices
+
+
 class TopKRouter(BasicOp):
     """Router: x (T, H) passes through; produces ``indices`` (T, k) int64 and ``probs`` (T, k) float32
     (float64 for a float64 x).
@@ -481,7 +495,8 @@ class TopKRouter(BasicOp):
     DeepSeek-V3's router), its gradients computed in float32 and rounded once.
     ``router.tokens_per_expert``: (E,) float32 (float64 for a float64 x), detached, the slots routed
     to each expert by the last forward (they sum to T k): what DeepSeek-V3's update of
-    ``expert_bias`` and load logging read.
+    ``expert_bias`` and load logging read. Equal scores (and equal group scores) are taken lowest
+    expert index first, on every device.
     """
 
     side_outputs = ("indices", "probs")
@@ -572,12 +587,10 @@ class TopKRouter(BasicOp):
             top = min(2, grouped.shape[-1]) if self.score == "sigmoid" else 1
             group_scores = grouped.topk(top, -1).values.sum(-1)
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(self.group_topk, -1).indices, True)
+            keep.scatter_(1, top_k_lowest_first(group_scores, self.group_topk), True)
             ranking = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(ranking)
-        chosen, indices = ranking.topk(self.k, -1)
-        if ranking is not scores:  # ranked by other values: the scores of the chosen experts
-            chosen = scores.gather(1, indices)
-        return indices, chosen
+        indices = top_k_lowest_first(ranking, self.k)
+        return indices, scores.gather(1, indices)
 
     def slot_probs(self, chosen: torch.Tensor) -> tuple:
         """(probs (T, k), the sum the chosen scores were divided by (T, 1), or None without
