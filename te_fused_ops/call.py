@@ -81,7 +81,8 @@ def run_ops(owner: nn.Module, ops, x, side: dict, cache: dict, fuse: bool):
     check_params(owner_name, ops, x, op_params)
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
-        x, op_params = _autocast_cast(x, ops, op_params, compute_dtype(x))
+        if x.dtype != torch.float64:  # as nn.Linear: autocast leaves float64 (and so the weights) alone
+            x, op_params = _autocast_cast(x, ops, op_params, compute_dtype(x))
         with torch.autocast(device_type, enabled=False):
             return _run(owner, ops, x, side, cache, fuse, op_params)
     return _run(owner, ops, x, side, cache, fuse, op_params)

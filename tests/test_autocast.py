@@ -67,6 +67,14 @@ def test_autocast_off_inside_and_float64_untouched():
     torch.testing.assert_close(y, seq(x, split_sizes=SPLITS), rtol=0, atol=0)
 
 
+def test_a_float64_input_under_autocast_is_refused_by_float32_weights():
+    """As nn.Linear: autocast casts neither a float64 x nor, then, the weights, so the dtypes
+    differ and the op says so (the weights were cast up to float64 and the call ran)."""
+    seq = mlp(SwiGLU(), False)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match="GroupedLinear: .*float64"):
+        seq(torch.randn(ROWS, H, dtype=torch.float64), split_sizes=SPLITS)
+
+
 def test_autocast_under_torch_compile():
     torch._dynamo.reset()
     seq = mlp(ScaledSwiGLU(), True)
