@@ -490,7 +490,9 @@ class TopKRouter(BasicOp):
     where every layer routes alike. Its gradient is added as is, whatever the caller scales the main
     loss by (divide the coefficient likewise when averaging over micro-batches or ranks; under
     fp16's ``torch.amp.GradScaler`` multiply it by the scale, or ``unscale_`` divides it away). The
-    choice is never differentiated; probs are. ``float32_logits``: a 16-bit x and weight multiplied
+    backward reads ``aux_loss_coeff``, ``scale`` and ``normalize`` as they are when it runs (so a
+    CUDA graph or a compiled backward need not carry them): change them between steps, not between
+    a forward and its backward. The choice is never differentiated; probs are. ``float32_logits``: a 16-bit x and weight multiplied
     in float32 (their products are exact there; Megatron's fp32 router dtype, Hugging Face
     DeepSeek-V3's router), its gradients computed in float32 and rounded once; under autocast a
     float32 weight is first rounded to the autocast dtype, as any op's (and nn.Linear's).
