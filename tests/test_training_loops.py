@@ -592,8 +592,8 @@ def test_copies_two_captures_read_of_one_weight_are_both_kept_and_recast(monkeyp
         first, second = [c for c in steps.scope.captured if c.held is seq[1].weight]
         seq(batch(0), split_sizes=SPLITS).sum().backward()
         opt.step()
-        for copy in (first, second):
-            assert torch.equal(copy.value.dequantize(), _graph_copy_values_fresh(seq[1].weight))
+        for kept in (first, second):
+            assert torch.equal(kept.value.dequantize(), _graph_copy_values_fresh(seq[1].weight))
 
 
 def _graph_copy_values_fresh(weight):
