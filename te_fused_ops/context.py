@@ -46,11 +46,16 @@ class PlanOwner:
         super().__setstate__(state)
         self._owner_id = register_owner(self)
 
+    shared_on_copy: tuple = ()  # attributes a copy shares instead of copying (a process group)
+
     def __deepcopy__(self, memo):
         # defined here rather than left to __getstate__: a parametrized module's class (made by
         # torch.nn.utils.parametrize) copies __dict__ directly unless its class has __deepcopy__
         replica = self.__class__.__new__(self.__class__)
         memo[id(self)] = replica
+        for name in self.shared_on_copy:
+            shared = getattr(self, name)
+            memo[id(shared)] = shared
         state = {name: value for name, value in self.__dict__.items() if name != "_plans"}
         replica.__dict__.update(copy.deepcopy(state, memo))
         replica._plans = {}

@@ -181,6 +181,30 @@ def test_a_deepcopy_of_a_parametrized_op_is_an_owner_of_its_own():
     torch.testing.assert_close(replica(x, split_sizes=splits), y / 2)
 
 
+def test_a_deepcopy_of_an_expert_parallel_layer_shares_its_process_group(tmp_path):
+    """An EMA copy of a layer with ``group=``: a process group cannot be copied (nor pickled), so
+    the copy routes over the same group, with parameters of its own."""
+    import copy
+
+    import torch.distributed as dist
+
+    from te_fused_ops import Permute, Unpermute
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(4)
+        layer = Sequential(Permute(4, group=dist.group.WORLD, capacity_factor=2.0), GroupedLinear(4, 16, 16),
+                           Unpermute(group=dist.group.WORLD))
+        x, indices, probs = torch.randn(8, 16), torch.randint(0, 4, (8, 2)), torch.rand(8, 2)
+        y = layer(x, indices=indices, probs=probs)
+        replica = copy.deepcopy(layer)
+        assert replica[0].group is layer[0].group and replica[2].group is layer[2].group
+        assert replica[1].weight is not layer[1].weight
+        assert torch.equal(replica(x, indices=indices, probs=probs), y)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_explain_plans_a_meta_module():
     """Planning reads only metadata: a module built on the meta device explains its plan."""
     with torch.device("meta"):

@@ -88,6 +88,8 @@ class Permute(BasicOp):
     chunks overlap, the GEMMs leave ``overlap_sms`` SMs free for the exchanges' kernels.
     """
 
+    shared_on_copy = ("group",)  # a copy (an EMA model) routes over the same process group
+
     side_inputs = ("indices",)
     side_outputs = ("routing", "split_sizes")
 
@@ -347,6 +349,8 @@ class Unpermute(BasicOp):
     to the ranks they came from (an all-to-all) and are summed there into their tokens, weighted
     by ``probs`` (T, k) of the rank's own tokens.
     """
+
+    shared_on_copy = ("group",)  # a copy (an EMA model) routes over the same process group
 
     side_inputs = ("routing", "probs")
     optional_side_inputs = ("probs",)
