@@ -33,6 +33,8 @@ class PlanOwner:
     pickle) is another owner and leaves the cache behind: plans hold rules and their checks, which
     need not pickle, and belong to this process's rule registry (the copy plans again)."""
 
+    shared_on_copy: tuple = ()  # attributes a copy shares instead of copying (a process group)
+
     def _init_plan_owner(self) -> None:
         self._plans: dict = {}
         self._owner_id = register_owner(self)
@@ -46,20 +48,16 @@ class PlanOwner:
         super().__setstate__(state)
         self._owner_id = register_owner(self)
 
-    shared_on_copy: tuple = ()  # attributes a copy shares instead of copying (a process group)
-
     def __deepcopy__(self, memo):
-        # defined here rather than left to __getstate__: a parametrized module's class (made by
-        # torch.nn.utils.parametrize) copies __dict__ directly unless its class has __deepcopy__
+        # the pickling pair, called by name: a parametrized module's class (made by
+        # torch.nn.utils.parametrize) replaces __getstate__ with one that raises, and copies
+        # __dict__ directly unless its class has __deepcopy__
         replica = self.__class__.__new__(self.__class__)
         memo[id(self)] = replica
         for name in self.shared_on_copy:
             shared = getattr(self, name)
             memo[id(shared)] = shared
-        state = {name: value for name, value in self.__dict__.items() if name != "_plans"}
-        replica.__dict__.update(copy.deepcopy(state, memo))
-        replica._plans = {}
-        replica._owner_id = register_owner(replica)
+        PlanOwner.__setstate__(replica, copy.deepcopy(PlanOwner.__getstate__(self), memo))
         return replica
 
 

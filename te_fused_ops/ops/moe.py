@@ -496,10 +496,11 @@ class TopKRouter(BasicOp):
     fp16's ``torch.amp.GradScaler`` multiply it by the scale, or ``unscale_`` divides it away). The
     backward reads ``aux_loss_coeff``, ``scale`` and ``normalize`` as they are when it runs (so a
     CUDA graph or a compiled backward need not carry them): change them between steps, not between
-    a forward and its backward. The choice is never differentiated; probs are. ``float32_logits``: a 16-bit x and weight multiplied
-    in float32 (their products are exact there; Megatron's fp32 router dtype, Hugging Face
-    DeepSeek-V3's router), its gradients computed in float32 and rounded once; under autocast a
-    float32 weight is first rounded to the autocast dtype, as any op's (and nn.Linear's).
+    a forward and its backward. The choice is never differentiated; probs are.
+    ``float32_logits``: a 16-bit x and weight multiplied in float32 (their products are exact
+    there; Megatron's fp32 router dtype, Hugging Face DeepSeek-V3's router), its gradients computed
+    in float32 and rounded once; under autocast a float32 weight is first rounded to the autocast
+    dtype, as any op's (and nn.Linear's).
     ``router.tokens_per_expert``: (E,) float32 (float64 for a float64 x), detached, the slots routed
     to each expert by the last forward (they sum to T k): what DeepSeek-V3's update of
     ``expert_bias`` and load logging read. Equal scores (and equal group scores) are taken lowest
