@@ -469,7 +469,7 @@ def top_k_lowest_first(values: torch.Tensor, k: int) -> torch.Tensor:
         return values.sort(dim=-1, descending=True, stable=True).indices[..., :k]
     bits = (values.float() + 0.0).view(torch.int32).long()  # + 0.0: -0.0 ranks as 0.0
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: larger magnitude lower
-    reversed_index = values.shape[-1] - 1 - torch.arange(values.shape[-1], device=values.device)
+    reversed_index = torch.arange(values.shape[-1] - 1, -1, -1, device=values.device)
     return ((ordered << 32) | reversed_index).topk(k, -1).indices
 
 
