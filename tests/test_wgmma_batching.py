@@ -89,6 +89,8 @@ COMPILE = {  # name: Python that compiles one configuration (torch as torch, bf1
                                                   " c(bf16, 'swiglu', False, False, 2, 128, overlap_promotion=True)",
     "FP8 forward + SwiGLU": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import compile_grouped_gemm_fp8 as c;"
                             "c(bf16, 'swiglu', False, False, 2, 128)",
+    "FP8 forward tile 192, a k-loop per split": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
+                                                 " compile_grouped_gemm_fp8 as c; c(bf16, None, False, False, 2, 192)",
     "FP8 forward + SwiGLU tile 256, half products": "from te_fused_ops.backends.sm90.kernels.grouped_gemm import"
                                                     " compile_grouped_gemm_fp8 as c; c(bf16, 'swiglu', False, False, 2,"
                                                     " 256)",

@@ -278,11 +278,17 @@ class Sm90Mainloop:
         one view per 128-row half of the B stage; acc's values of half h are its
         [64 h, 64 h + 64) (the WGMMA accumulator orders a thread's values column group last)."""
         thr_mma = tiled_mma.get_slice(mma_tidx)
+        # the operand views depend on the warpgroup only: sliced by its first thread, warp-uniform,
+        # the FP8 k-loop builds its WGMMA descriptors in uniform registers
+        operand_tidx = mma_tidx
+        if const_expr(self.block_scaled):
+            operand_tidx = cute.arch.make_warp_uniform(mma_tidx // 128) * 128
+        thr_operands = tiled_mma.get_slice(operand_tidx)
         acc_shape = thr_mma.partition_shape_C((self.tile_m, self.tile_n))
         acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
         if const_expr(self.split_products):
             half_mma = self._half_tiled_mma()
-            thr_half = half_mma.get_slice(mma_tidx)
+            thr_half = half_mma.get_slice(operand_tidx)
             half = self.tile_n // 2
             tCrA = half_mma.make_fragment_A(thr_half.partition_A(smem_tensors.sA))
             tCrB = tuple(
@@ -293,8 +299,8 @@ class Sm90Mainloop:
             )
             block_shape = thr_half.partition_shape_C((self.tile_m, half))
         else:
-            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(smem_tensors.sA))
-            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(smem_tensors.sB))
+            tCrA = tiled_mma.make_fragment_A(thr_operands.partition_A(smem_tensors.sA))
+            tCrB = tiled_mma.make_fragment_B(thr_operands.partition_B(smem_tensors.sB))
             block_shape = acc_shape
         fp8_args = None
         if const_expr(self.block_scaled):
@@ -354,6 +360,15 @@ class Sm90Mainloop:
                 else:
                     tiled_mma, read_state, release_state, epi_count = self._k_tiles(
                         read_state, release_state, epi_count, first_rows=False, **loop)
+            elif const_expr(self.box_may_split and self.box_n == 192 and not self.stage_scales):
+                # one 192-row W box: its second W block starts at column group 16 on even n-tiles
+                # and 8 on odd ones; a k-loop for each keeps the choice out of every promotion
+                if tile.nt % 2 == 0:
+                    tiled_mma, read_state, release_state, epi_count = self._k_tiles(
+                        read_state, release_state, epi_count, first_rows=False, box_split=16, **loop)
+                else:
+                    tiled_mma, read_state, release_state, epi_count = self._k_tiles(
+                        read_state, release_state, epi_count, first_rows=False, box_split=8, **loop)
             else:
                 tiled_mma, read_state, release_state, epi_count = self._k_tiles(
                     read_state, release_state, epi_count, first_rows=False, **loop)
@@ -365,10 +380,10 @@ class Sm90Mainloop:
     @cute.jit
     def _k_tiles(self, read_state, release_state, epi_count, *, ab_pipe, tiled_mma, mainloop_args, tile,
                  tile_k_tiles, multipliers, n_box, m_total, store_args, pending, pending_tile, mma_wg, computes,
-                 first_rows):
+                 first_rows, box_split: cutlass.Constexpr[int] = 0):
         """The k-loop of `_mainloop_tile` over a tile with k-tiles; ``first_rows`` (16-bit ping-pong):
-        the WGMMAs of the tile's first 64 rows only. Returns (tiled_mma, read_state, release_state,
-        epi_count)."""
+        the WGMMAs of the tile's first 64 rows only; ``box_split``: see `_promote`. Returns (tiled_mma,
+        read_state, release_state, epi_count)."""
         acc, tCrA, tCrB, fp8_args = mainloop_args
         peeled = self.num_steps if const_expr(self.defer_stores) else 0 if const_expr(self.block_scaled) else 1
         for step in cutlass.range_constexpr(peeled):
@@ -376,7 +391,7 @@ class Sm90Mainloop:
                 if const_expr(self.block_scaled):
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
                     multipliers = self._fp8_k_tile(ab_pipe, read_state, tiled_mma, acc, fp8_args, tile,
-                                                   step, multipliers, n_box, m_total)
+                                                   step, multipliers, n_box, m_total, box_split)
                     read_state.advance()
                 else:
                     if const_expr(step == 0):
@@ -397,7 +412,7 @@ class Sm90Mainloop:
             if const_expr(self.block_scaled):
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
                 multipliers = self._fp8_k_tile(ab_pipe, read_state, tiled_mma, acc, fp8_args, tile, k,
-                                               multipliers, n_box, m_total)
+                                               multipliers, n_box, m_total, box_split)
                 read_state.advance()
             else:
                 ab_pipe.consumer_wait(read_state)
@@ -446,22 +461,32 @@ class Sm90Mainloop:
         seg = cutlass.min(tile.seg, cute.size(mSFB, mode=[0]) - 1)
         last_block = cute.size(mSFB, mode=[1]) - 1
         row0 = tile.row0 + tCcAcc[0][0]
-        rows = (mSFA[cutlass.min(row0, m_total - 1), k], mSFA[cutlass.min(row0 + 8, m_total - 1), k])
+        # 32-bit element offsets into flat views (2^31 multipliers of x would take 256 GiB of
+        # E4M3 rows, of W 32 TiB): the layouts' 64-bit strides cost wide multiplies every block
+        flat_a = cute.make_tensor(mSFA.iterator, cute.make_layout(cute.size(mSFA)))
+        flat_b = cute.make_tensor(mSFB.iterator, cute.make_layout(cute.size(mSFB)))
+        a_row, a_k = Int32(mSFA.layout.stride[0]), Int32(mSFA.layout.stride[1])  # a_k: 1 where compact
+        b_seg, b_block, b_k = (Int32(mSFB.layout.stride[0]), Int32(mSFB.layout.stride[1]),
+                               Int32(mSFB.layout.stride[2]))
+        rows = (flat_a[cutlass.min(row0, m_total - 1) * a_row + k * a_k],
+                flat_a[cutlass.min(row0 + 8, m_total - 1) * a_row + k * a_k])
         boxes = []
         for h in cutlass.range_constexpr(self.b_boxes):
             first_row = h * n_box + tile.nt * self.box_n
             block = first_row // 128
-            first = mSFB[seg, block, k]
+            first = flat_b[seg * b_seg + block * b_block + k * b_k]
             second, split = first, Int32(0)
             if const_expr(self.box_may_split or (self.up_box_split and h == 1)):
-                second = mSFB[seg, cutlass.min(block + 1, last_block), k]
+                second = flat_b[seg * b_seg + cutlass.min(block + 1, last_block) * b_block + k * b_k]
                 split = (128 - first_row % 128) // 8
             boxes.append((first, second, split))
         return rows, tuple(boxes)
 
     @cute.jit
-    def _promote(self, acc, acc_block, multipliers):
-        """acc += acc_block scaled per (row, W block) (`_block_scales` gives the multipliers)."""
+    def _promote(self, acc, acc_block, multipliers, box_split: cutlass.Constexpr[int] = 0):
+        """acc += acc_block scaled per (row, W block) (`_block_scales` gives the multipliers).
+        ``box_split``: where a box crosses a W block edge, the column group (of 8) where the second
+        block starts when it is known at compile time; 0: chosen per value at run time."""
         rows, boxes = multipliers
         cols_per_box = self.box_n // 8  # j values per B box
         first = [[rows[r] * boxes[h][0] for h in range(self.b_boxes)] for r in range(2)]
@@ -472,12 +497,15 @@ class Sm90Mainloop:
             r, j = v // 2 % 2, v // 4
             h = j // cols_per_box
             scale = first[r][h]
-            if const_expr(self.box_may_split):
+            if const_expr(self.box_may_split and box_split > 0):
+                scale = first[r][h] if const_expr(j % cols_per_box < box_split) else second[r][h]
+            elif const_expr(self.box_may_split):
                 scale = Float32(cutlass.select_(j % cols_per_box < boxes[h][2], first[r][h], second[r][h]))
             acc[v] = acc[v] + acc_block[v] * scale
 
     @cute.jit
-    def _fp8_k_tile(self, ab_pipe, read_state, tiled_mma, acc, fp8_args, tile: Tile, k, held, n_box, m_total):
+    def _fp8_k_tile(self, ab_pipe, read_state, tiled_mma, acc, fp8_args, tile: Tile, k, held, n_box, m_total,
+                    box_split: cutlass.Constexpr[int] = 0):
         """FP8: acc += the product of the k-tile in ``read_state``'s stage (one scale block; the caller
         has turned ACCUMULATE off) scaled by its multipliers, and release the stage. Varlen-M: ``held``
         are this block's multipliers (`_block_scales`), the next block's are loaded under the WGMMAs
@@ -500,7 +528,7 @@ class Sm90Mainloop:
             ahead = self._block_scales(scales, tile, tCcAcc, k + 1, n_box, m_total)
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipe.consumer_release(read_state)
-            self._promote(acc, acc_block, held)
+            self._promote(acc, acc_block, held, box_split)
         return ahead
 
     @cute.jit
