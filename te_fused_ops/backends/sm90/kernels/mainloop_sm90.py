@@ -6,6 +6,8 @@ A dynamic loop carries pipeline states only when its own body advances them, so 
 in the methods that own the states and hand them back.
 """
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -47,6 +49,20 @@ def mma_block(tiled_mma, acc_block, tCrA, tCrB, stage):
     for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
         cute.gemm(tiled_mma, acc_block, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc_block)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+
+
+class BlockScaledOperands(NamedTuple):
+    """An MMA thread's FP8 block-scaled operands: ``product`` the fp32 product of one scale block
+    before its promotion into acc (with ``overlap_promotion`` a pair, one in flight while the other
+    is promoted); tCrA, tCrB the WGMMA operand views of the stages; ``scales`` the multipliers'
+    source (global scale tensors, or varlen-K the staged (sSFA, sSFB)); ``acc_coords`` acc's
+    (row, column) coordinates in the tile."""
+
+    product: object
+    tCrA: object
+    tCrB: object
+    scales: object
+    acc_coords: object
 
 
 class Sm90Mainloop:
@@ -272,8 +288,7 @@ class Sm90Mainloop:
 
     def _mma_fragments(self, tiled_mma, mma_tidx, smem_tensors, scales):
         """(acc, tCrA, tCrB, fp8_args) of an MMA thread: the fp32 accumulator, the WGMMA operand
-        views of the stages and, FP8, (one scale block's product before its promotion into acc,
-        tCrA, tCrB, the multipliers (global, or staged for varlen-K), acc's coordinates).
+        views of the stages and, FP8, its `BlockScaledOperands` (None otherwise).
         `split_products`: the operand views and the product are those of the half-width MMA, tCrB
         one view per 128-row half of the B stage; acc's values of half h are its
         [64 h, 64 h + 64) (the WGMMA accumulator orders a thread's values column group last)."""
@@ -309,7 +324,7 @@ class Sm90Mainloop:
             acc_block = cute.make_rmem_tensor(block_shape, self.acc_dtype)
             if const_expr(self.overlap_promotion):  # two block products, one in flight while the other is promoted
                 acc_block = (acc_block, cute.make_rmem_tensor(acc_shape, self.acc_dtype))
-            fp8_args = (acc_block, tCrA, tCrB, block_scales, tCcAcc)
+            fp8_args = BlockScaledOperands(acc_block, tCrA, tCrB, block_scales, tCcAcc)
         return acc, tCrA, tCrB, fp8_args
 
     @cute.jit
@@ -333,7 +348,7 @@ class Sm90Mainloop:
         acc.fill(0.0)
         multipliers = Float32(0.0)
         if const_expr(self.block_scaled and not self.stage_scales):
-            multipliers = self._block_scales(scales, tile, fp8_args[4], 0, n_box, m_total)
+            multipliers = self._block_scales(scales, tile, fp8_args.acc_coords, 0, n_box, m_total)
         # varlen-M: one branch around the whole mainloop (k-tiles or none); defer_stores: the
         # previous tile's stores run whatever this tile's k-tile count
         runs = Boolean(True) if const_expr(self.defer_stores) else tile_k_tiles > 0
@@ -595,7 +610,7 @@ class Sm90Mainloop:
         from the stage while promoting (`_promote_from_stage`), which is released after."""
         cute.nvgpu.warpgroup.wait_group(in_flight)
         if const_expr(self.stage_scales):
-            self._promote_from_stage(acc, product, fp8_args[3], fp8_args[4], release_state.index)
+            self._promote_from_stage(acc, product, fp8_args.scales, fp8_args.acc_coords, release_state.index)
             ab_pipe.consumer_release(release_state)
         else:
             ab_pipe.consumer_release(release_state)
