@@ -56,7 +56,7 @@ class RunTemplate:
     """
 
     def __init__(self, ops, plan, key):
-        _, dtype, x_requires_grad, x_dim, grad_on, params_key, side_key = key
+        _, dtype, x_requires_grad, x_dim, grad_on, params_key, side_key, _ = key
         self.id = _new_template_id(ops, plan, key)
         self.ops, self.plan = ops, plan
         self.side_names = side_input_names(ops)
@@ -269,7 +269,7 @@ def _template_id(owner_id: int, key) -> int:
     (made and cached on first use; runs at trace time, outside the graph)."""
     owner = registered_owner(owner_id)
     ops, fuse = (list(owner), owner.fuse) if hasattr(owner, "fuse") else ([owner], True)
-    device, dtype, x_requires_grad, _, grad_on, params_key, side_key = key
+    device, dtype, x_requires_grad, _, grad_on, params_key, side_key, _ = key
     side_names = side_input_names(ops)
     side_grad = frozenset(n for n, v in zip(side_names, side_key) if v is not None and v[1])
     params_grad = [any(rg for _, _, rg, _ in params) for params in params_key]
@@ -286,6 +286,13 @@ def _template_id(owner_id: int, key) -> int:
 # What torch._dynamo.assume_constant_result(fn) sets; set directly because importing dynamo
 # slows every eager autograd call by ~5 us (measured on the CPU), and eager users need no dynamo.
 _template_id._dynamo_marked_constant = True
+
+
+def _guarded_signature(op) -> tuple:
+    """The plain values (numbers, strings, None, classes) of ``op.plan_signature()``: what dynamo
+    can hand to `_template_id` as constants. The rest (a `Quantize`'s recipe) belongs to ops that
+    refuse compilation anyway."""
+    return tuple(v for v in op.plan_signature() if v is None or isinstance(v, (bool, int, float, str, type)))
 
 
 def compiled_call(owner, ops, x, side: dict, op_params: list):
@@ -308,6 +315,9 @@ def compiled_call(owner, ops, x, side: dict, op_params: list):
         torch.is_grad_enabled(),
         tuple(tuple((n, p.dtype, p.requires_grad, p.dim()) for n, p in params.items()) for params in op_params),
         tuple(None if v is None else (v.dtype, v.requires_grad, v.dim()) for v in side_values),
+        # read here, in traced code, so that dynamo guards on the ops' settings: a setting that
+        # changes the plan (a router's ``normalize``) recompiles instead of reusing a template
+        tuple(_guarded_signature(op) for op in ops),
     )
     template = _template_id(owner._owner_id, key)
     params = [p for params in op_params for p in params.values()]

@@ -661,7 +661,10 @@ def _without_backward(ops, info: StepInfo) -> Optional[str]:
     """Why a backward rule may not take these ops: some need no gradient (neither for their input
     nor for their parameters and side inputs), so their backward does not run (`runner`), or None."""
     idle = [op.op_name for k, op in enumerate(ops) if not info.needs_backward(k, k + 1)]
-    return f"{', '.join(idle)} need no gradient (their backward does not run)" if idle else None
+    if not idle:
+        return None
+    one = len(idle) == 1
+    return f"{', '.join(idle)} need{'s' if one else ''} no gradient ({'its' if one else 'their'} backward does not run)"
 
 
 def _reasons(skipped) -> str:

@@ -99,8 +99,17 @@ def get_plan(ops, info: PlanInfo, cache: dict, fuse: bool):
 
 def check_side_value_experts(ops) -> None:
     """Each side value an op produces spans as many experts as each of its consumers
-    (`fusion.side_value_users`) expects (`BasicOp.side_value_experts`)."""
+    (`fusion.side_value_users`) expects (`BasicOp.side_value_experts`), and none is consumed after
+    the op that ends it (`BasicOp.side_outputs_end`)."""
     for i, producer in enumerate(ops):
+        for name, ender in producer.side_outputs_end.items():
+            ends = side_value_users(ops, i, ender)
+            late = [j for j in side_value_users(ops, i, name) if ends and j > ends[0]]
+            if late:
+                raise OpValueError(
+                    f"{ops[late[0]].op_name} (op {late[0]}): side input '{name}' from {producer.op_name} (op {i}) "
+                    f"describes rows that {ops[ends[0]].op_name} (op {ends[0]}) has already consumed; place this op "
+                    f"between op {i} and op {ends[0]}")
         for name in producer.side_outputs:
             made = producer.side_value_experts(name)
             for j in side_value_users(ops, i, name) if made is not None else ():

@@ -388,6 +388,18 @@ def test_expert_counts_that_disagree_are_refused_when_the_plan_is_made():
     assert layer(router=TopKRouter(H, E, 2, dtype=F64))(x).shape == x.shape
 
 
+def test_expert_counts_consumed_after_the_unpermute_are_refused():
+    """A grouped op after the Unpermute would split token-order rows by the expert counts (with
+    k = 1 the row counts even agree): refused when the plan is made, whatever k is."""
+    for k in (1, 2):
+        x, indices, probs = inputs(8, k)
+        late_fc2 = Sequential(Permute(E), GroupedLinear(E, H, 2 * I, dtype=F64), SwiGLU(), Unpermute(),
+                              GroupedLinear(E, I, H, dtype=F64))
+        with pytest.raises(OpValueError, match=r"GroupedLinear \(op 4\): side input 'split_sizes' from Permute "
+                                               r"\(op 0\) describes rows that Unpermute \(op 3\) has already consumed"):
+            late_fc2(x, indices=indices, probs=probs)
+
+
 def test_compiled_layer_compiles_once_for_new_routing():
     moe = layer("scaled", dtype=torch.float32)
     frames = []
@@ -520,6 +532,27 @@ def test_router_layer_under_compile_equals_eager():
     moe(x).sum().backward()
     for a, b in zip(got, [x.grad] + [p.grad for p in moe.parameters()]):
         assert torch.equal(a, b)
+
+
+def test_router_setting_changed_between_compiled_steps_recompiles():
+    """``normalize`` changes the plan (it decides what the router saves): a compiled layer whose
+    router changes it between steps recompiles and equals eager, both ways."""
+    torch.manual_seed(0)
+    router = TopKRouter(H, E, 2, normalize=True)
+    moe = layer("scaled", dtype=torch.float32, router=router)
+    compiled = torch.compile(moe, backend="aot_eager", dynamic=False)
+    x = torch.randn(16, H, requires_grad=True)
+    for normalize in (True, False, True):
+        router.normalize = normalize
+        results = []
+        for fn in (compiled, moe):
+            x.grad = None
+            moe.zero_grad(set_to_none=True)
+            y = fn(x)
+            y.sum().backward()
+            results.append([y, x.grad] + [p.grad for p in moe.parameters()])
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b)
 
 
 def test_two_runs_are_bit_equal():

@@ -18,7 +18,8 @@ class BasicOp(PlanOwner, nn.Module):
     ``side_outputs``: names of side values the op produces for the ops after it (in
     ``ctx.produced``, set by `bind_side_inputs`' caller from `bound_side_outputs` or by the
     forward); ``grad_side_outputs``: those of them that take a gradient (the backward finds it
-    in ``ctx.produced_grads``).
+    in ``ctx.produced_grads``); ``side_outputs_end``: side output -> another of them whose first
+    consumer ends it (the rows it describes are gone after that op).
     ``param_names``: attributes holding the op's parameters and the buffers it computes with (a
     router's ``expert_bias``; None entries are skipped); each call reads them once and the op's
     forward and backward use only what it read (``ctx.params``).
@@ -29,6 +30,7 @@ class BasicOp(PlanOwner, nn.Module):
     optional_side_inputs: tuple = ()
     side_outputs: tuple = ()
     grad_side_outputs: tuple = ()
+    side_outputs_end: dict = {}
     param_names: tuple = ()
     expert_params: tuple = ()  # parameters whose first dimension indexes the op's experts (groups)
     float32_params: tuple = ()  # parameters or buffers kept in float32 by module casts, loads and autocast

@@ -92,6 +92,7 @@ class Permute(BasicOp):
 
     side_inputs = ("indices",)
     side_outputs = ("routing", "split_sizes")
+    side_outputs_end = {"split_sizes": "routing"}  # the counts of expert-order rows: until the Unpermute
 
     def __init__(self, num_experts: int, group=None, capacity_factor: float | None = 1.0, chunks: int = 1,
                  overlap_sms: int = 16):
