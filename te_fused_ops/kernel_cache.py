@@ -169,7 +169,7 @@ def read_entry(path: pathlib.Path, key: str) -> tuple[dict, bytes] | None:
             raise ValueError("its key differs from the one asked for")
         if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
             raise ValueError("its content does not match its recorded digest")
-    except (ValueError, struct.error) as e:
+    except (ValueError, struct.error, RecursionError) as e:  # RecursionError: a header nested too deep
         _warn(f"{path} ignored: {e}")
         return None
     return header, payload

@@ -69,7 +69,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -932,23 +932,37 @@ def reuse_or_make(weight: torch.Tensor, recipe, kind: str, make, scope, make_int
     return kept.value
 
 
-def _forget_outdated(copies: dict, param: torch.Tensor, key: tuple) -> None:
+def _forget_outdated(copies: dict, param: torch.Tensor, key: CopyKey) -> None:
     """Drop the copies no later call can read: those whose storage is gone, and those ``param``
-    made at another address or version for what ``key`` (a `copy_key`) asks (FSDP2 all-gathers a
-    weight at a new address each time; a scope kept every one until it closed)."""
+    made at another address, shape, strides or version for what ``key`` asks (FSDP2 all-gathers
+    a weight at a new address each time; a scope kept every one until it closed)."""
     def outdated(other, copy):
-        return copy.stale() or (copy.weight_id == id(param) and other[2:4] == key[2:4] and other[5:] == key[5:])
+        return copy.stale() or (copy.weight_id == id(param) and other._replace(
+            address=key.address, shape=key.shape, strides=key.strides, version=key.version) == key)
 
     for other in [other for other, copy in copies.items() if not copy.captured and outdated(other, copy)]:
         del copies[other]
 
 
-def copy_key(weight: torch.Tensor, recipe, kind: str, dtype=None) -> tuple:
-    """What a kept copy of ``weight`` is found by: the tensor (address, shape, dtype, device), its
-    version counter (RuntimeError for an inference tensor), the recipe and the kind of copy.
-    ``dtype``: the dtype the copy is made from where not the weight's (an autocast copy's)."""
-    return (weight.data_ptr(), tuple(weight.shape), dtype or weight.dtype, weight.device, weight._version, recipe,
-            kind)
+class CopyKey(NamedTuple):
+    """What a kept copy of a weight is found by (`copy_key`)."""
+
+    address: int
+    shape: tuple
+    strides: tuple  # a ``.data`` set to a transposed view of the same storage is another weight
+    dtype: torch.dtype
+    device: torch.device
+    version: int
+    recipe: object
+    kind: str
+
+
+def copy_key(weight: torch.Tensor, recipe, kind: str, dtype=None) -> CopyKey:
+    """What a kept copy of ``weight`` is found by: the tensor (address, shape, strides, dtype,
+    device), its version counter (RuntimeError for an inference tensor), the recipe and the kind
+    of copy. ``dtype``: the dtype the copy is made from where not the weight's (an autocast copy's)."""
+    return CopyKey(weight.data_ptr(), tuple(weight.shape), weight.stride(), dtype or weight.dtype, weight.device,
+                   weight._version, recipe, kind)
 
 
 def refill(kept, fresh) -> None:

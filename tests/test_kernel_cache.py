@@ -62,6 +62,10 @@ def test_truncated_or_foreign_file_is_not_loaded(cache):
     path.write_bytes(kernel_cache.MAGIC + kernel_cache._HEADER_LEN.pack(len(header)) + header + b"payload")
     with pytest.warns(UserWarning, match="header is not one of this library's"):
         assert kernel_cache.read_entry(path, KEY) is None
+    header = b"[" * 100_000  # deeper than the JSON parser's stack
+    path.write_bytes(kernel_cache.MAGIC + kernel_cache._HEADER_LEN.pack(len(header)) + header)
+    with pytest.warns(UserWarning, match="ignored: maximum recursion depth"):
+        assert kernel_cache.read_entry(path, KEY) is None
 
 
 def test_entry_for_another_key_is_not_loaded(cache):

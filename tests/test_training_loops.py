@@ -489,6 +489,8 @@ def test_step_casts_see_writes_through_the_parameter_and_new_tensors():
         assert torch.equal(seq(x, split_sizes=SPLITS), fresh_copy(seq)(x, split_sizes=SPLITS))
         seq[1].weight.data = seq[1].weight.data * 2  # a new tensor
         assert torch.equal(seq(x, split_sizes=SPLITS), fresh_copy(seq)(x, split_sizes=SPLITS))
+        seq[1].weight.data = seq[1].weight.data.transpose(1, 2)  # same storage, shape and version; other strides
+        assert torch.equal(seq(x, split_sizes=SPLITS), fresh_copy(seq)(x, split_sizes=SPLITS))
         seq[1].weight.data.mul_(3)  # through .data: no version bump, not seen (documented) ...
         assert not torch.equal(seq(x, split_sizes=SPLITS), fresh_copy(seq)(x, split_sizes=SPLITS))
         casts.drop()  # ... until the copies are dropped

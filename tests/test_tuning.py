@@ -119,6 +119,27 @@ def test_untrusted_or_bad_table_is_ignored(cache, monkeypatch):
     monkeypatch.setattr(tuning, "_table", None)
     with pytest.warns(UserWarning, match="not JSON"):
         assert tuning.table() == {}
+    path.write_text("[" * 100_000)
+    monkeypatch.setattr(tuning, "_table", None)
+    with pytest.warns(UserWarning, match="not JSON"):
+        assert tuning.table() == {}
+
+
+def test_a_table_that_cannot_be_written_keeps_the_choice_in_memory(cache, monkeypatch):
+    """A cache directory that refuses new files (read-only, or a shared one): a warning, and the
+    tuned choice still holds in this process."""
+    monkeypatch.setattr(tuning, "_median_ms", lambda fn: {cfg(128, 1): 1.0}.get(fn.__defaults__[0], 2.0))
+    monkeypatch.setenv("TE_FUSED_OPS_AUTOTUNE", "1")
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(tuning.tempfile, "mkstemp", refuse)
+    dims = (torch.bfloat16, 8, 512, 256, 4096, "swiglu")
+    with pytest.warns(UserWarning, match="not written .*Operation not permitted"):
+        assert tuning.tuned_config("fwd", dims, fake_run(), (256, 2)) == cfg(128, 1)
+    assert tuning.tuned_config("fwd", dims, fake_run(), (256, 2)) == cfg(128, 1)
+    assert not (cache / tuning.TABLE_NAME).exists()
 
 
 def test_rows_bucket():

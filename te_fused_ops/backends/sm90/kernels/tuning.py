@@ -18,6 +18,7 @@ value that is not a candidate is ignored.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -153,7 +154,7 @@ def _read_table() -> dict:
         return {}
     try:
         table = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
         warnings.warn(f"te_fused_ops tuned configs: {path} is not JSON, ignored", stacklevel=4)
         return {}
     known = CANDIDATES + PINGPONG_CANDIDATES + DEEP_OPERAND_CANDIDATES
@@ -178,14 +179,17 @@ def _store(key: str, config: tuple) -> None:
         return
     with kernel_cache.entry_lock(path):  # read, merge and replace as one step among processes
         merged = {**_read_table(), key: config}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TABLE_NAME + ".", suffix=".tmp")
+        tmp = None
         try:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TABLE_NAME + ".", suffix=".tmp")
             os.fchmod(fd, kernel_cache.new_file_mode())
             with os.fdopen(fd, "w") as f:
                 json.dump({k: list(v) for k, v in sorted(merged.items())}, f, indent=0)
             os.replace(tmp, path)
-        except OSError as e:  # the choice still holds in this process
-            os.unlink(tmp)
+        except OSError as e:  # a read-only directory among them; the choice still holds in this process
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
             warnings.warn(f"te_fused_ops tuned configs: {path} not written ({e})", stacklevel=4)
 
 
