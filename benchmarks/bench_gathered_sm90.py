@@ -4,7 +4,7 @@ Per layer shape (`bench_moe_layer.SHAPES`: T tokens, top-k over E experts, H, I;
 routing, seed 0), bf16. Part ``fc1``, FC1 + SwiGLU (W1 (E, 2I, H)):
   permute + kernel       the library's permute (`moe_rows.scatter_rows`, x -> expert order) and
                          `grouped_gemm_sm90` on its output, the heuristic's configuration
-                         (ping-pong where it pays): what the fused layer runs today
+                         (ping-pong where it pays): what the fused layer runs
   permute + kernel coop  the same with the gathered kernel's cooperative tile and cluster
   gathered               `grouped_gemm_gathered_sm90(x, token of each row, W1, offsets)`
   gathered heuristic     the same with the heuristic's configuration of "permute + kernel"

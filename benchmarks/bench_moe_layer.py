@@ -29,7 +29,7 @@ objects, gradients None before every step):
   b          this library's expert Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear) with
              the torch permute of (a) around it (eager) and probs_perm = probs.flatten()[order],
              the combine the plain gather-sum y_perm[rows].sum(1) (eager, autograd): what a user
-             of the library writes today
+             of the library writes
   c          the fused layer: Sequential(Permute(E), GroupedLinear, ScaledSwiGLU, GroupedLinear,
              Unpermute())(x, indices=indices, probs=probs)
   c-combine  the same with SwiGLU: Unpermute applies the probs

@@ -32,11 +32,26 @@ from common import require_sm90
 if __name__ == "__main__":  # before torch, triton and the kernels load: one line, exit 2, on other machines
     require_sm90(__file__, kernels=False)  # quack's environment: its own CuTe DSL, this library's kernels not timed
 
-import quack
-import quack.gemm_interface as qg
 import torch
 from bench_train_step import SHAPES, ReferenceMLP, dswiglu, problem, rel_err, step_rows, step_timelines, swiglu
 from common import device_tag, model_shape, print_timeline, rotated_medians, sustained_ms, write_results
+
+
+def arguments() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names or MxHxIxE sizes")
+    ap.add_argument("--out", default=None, help="folder for the JSON/markdown result (default: print only)")
+    ap.add_argument("--no-tune", action="store_true", help="skip the autotuned quack variant")
+    ap.add_argument("--profile", action="store_true", help="also print the GPU timeline (busy, idle, largest "
+                    "gaps) of a quack and a reference step")
+    return ap
+
+
+if __name__ == "__main__":
+    arguments().parse_args()  # --help answers here, where quack is not installed too
+
+import quack  # noqa: E402
+import quack.gemm_interface as qg  # noqa: E402
 
 
 def interleave(w1):
@@ -181,13 +196,7 @@ def check(runs, dy, name):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names or MxHxIxE sizes")
-    ap.add_argument("--out", default=None, help="folder for the JSON/markdown result (default: print only)")
-    ap.add_argument("--no-tune", action="store_true", help="skip the autotuned quack variant")
-    ap.add_argument("--profile", action="store_true", help="also print the GPU timeline (busy, idle, largest "
-                    "gaps) of a quack and a reference step")
-    args = ap.parse_args()
+    args = arguments().parse_args()
     import cutlass
 
     device = torch.cuda.get_device_name()

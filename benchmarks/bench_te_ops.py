@@ -28,8 +28,6 @@ if __name__ == "__main__":  # before torch, triton and the kernels load: one lin
     require_sm90(__file__)
 
 import torch
-import transformer_engine
-import transformer_engine.pytorch as te
 from bench_train_step import ReferenceMLP
 from common import (
     MODEL_SHAPES, device_tag, gpu_us_per_kernel, host_us_per_call, rotated_medians, skewed_splits, sustained_ms,
@@ -38,6 +36,21 @@ from common import (
 
 from te_fused_ops import GroupedLinear, Sequential, SwiGLU
 from te_fused_ops.integrations import transformer_engine as tfo_te
+
+
+def arguments() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(MODEL_SHAPES))
+    ap.add_argument("--out", default=None, help="folder for the JSON/markdown result (default: print only)")
+    ap.add_argument("--profile", action="store_true", help="also print the kernels of a te+tfo and a tfo step")
+    return ap
+
+
+if __name__ == "__main__":
+    arguments().parse_args()  # --help answers here, where Transformer Engine is not installed too
+
+import transformer_engine  # noqa: E402
+import transformer_engine.pytorch as te  # noqa: E402
 
 
 def rel_err(a, b):
@@ -128,11 +141,7 @@ def kernel_diff(runs: dict, rows=14) -> str:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default=",".join(MODEL_SHAPES))
-    ap.add_argument("--out", default=None, help="folder for the JSON/markdown result (default: print only)")
-    ap.add_argument("--profile", action="store_true", help="also print the kernels of a te+tfo and a tfo step")
-    args = ap.parse_args()
+    args = arguments().parse_args()
     gpu = torch.cuda.get_device_name()
     rows, host_rows, payload = [], [], {"device": gpu, "te": transformer_engine.__version__, "shapes": {}}
     for name in args.shapes.split(","):

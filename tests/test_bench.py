@@ -44,7 +44,7 @@ def test_cpu_default_is_small_and_writes_the_documented_file(tmp_path):
     assert "GFLOP/s" in out and "TFLOP/s" not in out
     header = next(line for line in out.splitlines() if line.startswith("shape"))
     assert "step ms" in header and "step min..max ms" in header and "f+b" not in header
-    # the README's benchmarks/results/runs/grouped_mlp_<device>_<date>.json (and the chart beside it)
+    # benchmarks/results/runs/grouped_mlp_<device>_<date>.json (bench_grouped_mlp.py's docstring)
     written = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".json")
     assert len(written) == 1 and re.fullmatch(r"grouped_mlp_cpu_\d{8}-\d{6}\.json", written[0]), written
     data = json.loads((tmp_path / written[0]).read_text())
@@ -96,7 +96,8 @@ def test_gpu_only_benchmark_says_so_in_one_line(script):
 
 
 
-@pytest.mark.parametrize("script", ["bench_moe_layer.py", "bench_fc1_sm90.py", "bench_casts_sm90.py"])
+@pytest.mark.parametrize("script", ["bench_moe_layer.py", "bench_fc1_sm90.py", "bench_casts_sm90.py",
+                                    "bench_quack_step.py", "bench_te_ops.py"])
 def test_gpu_benchmark_help_reads_without_a_gpu(script):
     """The options of the commands the docs quote are readable on a machine without the GPU (or
     triton); the others exit as above only when they would run."""
