@@ -7,7 +7,8 @@ from torch import nn
 
 from .call import check_params, run_ops
 from .context import PlanOwner
-from .errors import bool_argument
+from .errors import OpValueError, bool_argument
+from .fusion import side_value_users
 from .ops.base import BasicOp
 from .runner import (
     check_side_inputs,
@@ -110,6 +111,62 @@ def _run_with_op_hooks(seq: "Sequential", ops: list, x, side: dict):
         raise
 
 
+def _expert_shards(seq: "Sequential", prefix: str):
+    """(state_dict key, process group) of each parameter that holds this rank's experts of an
+    expert-parallel layer: the ``expert_params`` of the ops that take the counts of a dispatch
+    with a ``group`` (dim 0: E / W local experts, rank r holding experts [r E / W, (r + 1) E / W))."""
+    ops = list(seq)
+    for i, op in enumerate(ops):
+        group = getattr(op, "group", None)
+        if group is None or "split_sizes" not in op.side_outputs:
+            continue
+        for j in side_value_users(ops, i, "split_sizes"):
+            for name in ops[j].expert_params:
+                if getattr(ops[j], name, None) is not None:
+                    yield f"{prefix}{j}.{name}", group
+
+
+_meshes: dict = {}  # (group, device type) -> its 1-D DeviceMesh
+
+
+def _mesh(group, device_type: str):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = (group, device_type)
+    if key not in _meshes:
+        _meshes[key] = DeviceMesh.from_group(group, device_type)
+    return _meshes[key]
+
+
+def _expert_shards_as_dtensors(seq, state_dict, prefix, local_metadata):
+    """state_dict post-hook: an expert-parallel layer's local experts as DTensors sharded on dim 0
+    over its group, so that a distributed checkpoint keeps every rank's experts (plain tensors of
+    one key on several ranks are saved once, as replicas) and can load them at another W."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for key, group in _expert_shards(seq, prefix):
+        local = state_dict.get(key)
+        if isinstance(local, torch.Tensor) and not isinstance(local, DTensor):
+            state_dict[key] = DTensor.from_local(local, _mesh(group, local.device.type), [Shard(0)], run_check=False)
+
+
+def _expert_shards_from_dtensors(seq, state_dict, prefix, *args):
+    """load_state_dict pre-hook: the DTensors of `_expert_shards_as_dtensors` back to this rank's shard."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for key, group in _expert_shards(seq, prefix):
+        value = state_dict.get(key)
+        if not isinstance(value, DTensor):
+            continue
+        import torch.distributed as dist
+
+        if tuple(value.placements) != (Shard(0),) or value.device_mesh.size() != dist.get_world_size(group):
+            raise OpValueError(f"Sequential.load_state_dict: '{key}' holds experts as a DTensor placed "
+                               f"{tuple(value.placements)} over {value.device_mesh.size()} ranks; this layer's are "
+                               f"sharded on dim 0 over its group's {dist.get_world_size(group)}")
+        state_dict[key] = value.to_local()
+
+
 class Sequential(PlanOwner, nn.Module):
     """A container of basic ops, run through the fusion pass.
 
@@ -127,6 +184,8 @@ class Sequential(PlanOwner, nn.Module):
             self.add_module(str(i), op)
         self.fuse = fuse
         self._init_plan_owner()
+        self.register_state_dict_post_hook(_expert_shards_as_dtensors)
+        self.register_load_state_dict_pre_hook(_expert_shards_from_dtensors)
 
     def __len__(self) -> int:
         return len(self._modules)

@@ -385,3 +385,48 @@ def _fsdp_worker(rank, init_file):
 
 def test_fsdp2_router_beside_expert_parallel_experts(tmp_path):
     spawn(_fsdp_worker, (str(tmp_path / "init"),), WORLD)
+
+
+def _checkpoint_worker(rank, init_file, path):
+    sys.path.insert(0, os.path.dirname(__file__))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        import torch.distributed.checkpoint as dcp
+
+        from te_fused_ops import GroupedLinear, Permute, Sequential, SwiGLU, Unpermute
+
+        local, group = E // WORLD, dist.group.WORLD
+
+        def layer(seed):
+            torch.manual_seed(seed)
+            return Sequential(Permute(E, group=group), GroupedLinear(local, H, 2 * I, bias=True), SwiGLU(),
+                              GroupedLinear(local, I, H), Unpermute(group=group))
+
+        saved = layer(rank)  # each rank's experts differ
+        dcp.save(saved.state_dict(), checkpoint_id=path)
+        loaded = layer(10 + rank)
+        state = loaded.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        loaded.load_state_dict(state)
+        for name, p in saved.named_parameters():
+            assert torch.equal(loaded.get_parameter(name), p), (rank, name)
+        # one process holding all E experts (no group) reads the same checkpoint: rank r's experts
+        # are its [r E / W, (r + 1) E / W)
+        whole = Sequential(Permute(E), GroupedLinear(E, H, 2 * I, bias=True), SwiGLU(), GroupedLinear(E, I, H),
+                           Unpermute())
+        state = whole.state_dict()
+        alone = [dist.new_group([r], backend="gloo") for r in range(WORLD)]  # made by every rank, in one order
+        dcp.load(state, checkpoint_id=path, process_group=alone[rank])
+        whole.load_state_dict(state)
+        for name, p in saved.named_parameters():
+            assert torch.equal(whole.get_parameter(name)[rank * local:(rank + 1) * local], p), (rank, name)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_checkpoint_keeps_every_ranks_experts(tmp_path):
+    """Each rank's experts sit under the same state_dict keys; as plain tensors a distributed
+    checkpoint would keep one rank's (it takes same-named tensors for replicas). They are DTensors
+    sharded on dim 0 over the layer's group: every rank gets its own back, and a process holding
+    all experts reads them in expert order."""
+    spawn(_checkpoint_worker, (str(tmp_path / "init"), str(tmp_path / "ckpt")), WORLD)
