@@ -45,8 +45,17 @@ def check_params(owner_name: str, ops, x: torch.Tensor, op_params: list) -> None
             "pass a tensor on the CPU or a GPU"
         )
     for i, (op, params) in enumerate(zip(ops, op_params)):
-        shapes = op.param_shapes
+        shapes, first_float = op.param_shapes, None
         for name, param in params.items():
+            if param.is_floating_point() and name not in op.float32_params:
+                if first_float is None:
+                    first_float = name, param.dtype
+                elif param.dtype != first_float[1]:
+                    raise OpTypeError(
+                        f"{op.op_name} (op {i}): parameter '{name}' has dtype {param.dtype} but parameter "
+                        f"'{first_float[0]}' has {first_float[1]}; give the op's parameters one dtype "
+                        "(module.to(dtype))"
+                    )
             if param.shape != shapes.get(name, param.shape):
                 raise OpValueError(
                     f"{op.op_name} (op {i}): parameter '{name}' must have shape {shapes[name]}, got "

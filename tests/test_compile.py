@@ -166,3 +166,30 @@ def test_template_ids_name_their_structure():
     other = _new_template_id(ops32, plan32, key)
     assert first >> 20 == second >> 20 and first != second  # the same structure: one digest, counted apart
     assert other >> 20 != first >> 20
+
+
+def test_settings_changed_between_compiled_calls_recompile():
+    """``recompute_output`` decides what a step saves, ``accumulate_main_grad`` where the weight
+    gradient goes: changed after a compiled call, the next call recompiles (equal to eager) or
+    refuses, never reuses the old template."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mlp = Sequential(GroupedLinear(G, H, 2 * I), SwiGLU(), GroupedLinear(G, I, H))
+    side = routing(0)
+    del side["probs"]
+    x = torch.randn(ROWS, H, requires_grad=True)
+    compiled = torch.compile(lambda x: mlp(x, **side).square().mean(), backend="aot_eager")
+    for op, setting in ((1, False), (0, True), (2, True)):
+        mlp[op].recompute_output = setting
+        grads = []
+        for fn in (compiled, lambda x: mlp(x, **side).square().mean()):
+            x.grad = None
+            mlp.zero_grad(set_to_none=True)
+            fn(x).backward()
+            grads.append([x.grad] + [p.grad for p in mlp.parameters()])
+        for got, want in zip(*grads):
+            torch.testing.assert_close(got, want)
+    mlp[0].weight.main_grad = torch.zeros_like(mlp[0].weight)
+    mlp[0].accumulate_main_grad = True
+    with pytest.raises(Exception, match=r"GroupedLinear \(op 0\): accumulate_main_grad"):
+        compiled(x)

@@ -226,6 +226,17 @@ def test_dtype_mismatch_is_the_ops_own_error_fused_or_not(fuse):
     assert str(info.value) == "GroupedLinear: argument 'x' has dtype torch.float64 but the weight has torch.float32"
 
 
+@pytest.mark.parametrize("fuse", [True, False])
+def test_a_bias_of_another_dtype_than_its_weight_raises_naming_the_op(fuse):
+    """A bias left in float64 (a checkpoint loaded with assign=True) would make a float64 output and
+    fail in the backward's GEMM or in the next op: refused before anything runs."""
+    model = Sequential(GroupedLinear(3, 8, 16), SwiGLU(), GroupedLinear(3, 8, 8, bias=True), fuse=fuse)
+    model[2].bias.data = model[2].bias.data.double()
+    with pytest.raises(TypeError, match=r"GroupedLinear \(op 2\): parameter 'bias' has dtype torch.float64 but "
+                                        r"parameter 'weight' has torch.float32"):
+        model(X, split_sizes=S)
+
+
 @pytest.mark.gpu
 def test_parameters_on_the_cpu_with_x_on_cuda_raise():
     if not torch.cuda.is_available():

@@ -90,6 +90,9 @@ class Activation(BasicOp):
     def extra_repr(self) -> str:
         return "" if self.recompute_output else "recompute_output=False"
 
+    def plan_signature(self) -> tuple:
+        return (type(self), self.recompute_output)  # what the backward is given: a plan (and compiled template) apart
+
     def act(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -211,7 +214,7 @@ class ClampedSwiGLU(_GLU):
         return ", ".join(filter(None, (f"limit={self.limit}, alpha={self.alpha}", super().extra_repr())))
 
     def plan_signature(self) -> tuple:
-        return (ClampedSwiGLU, self.limit, self.alpha)
+        return (ClampedSwiGLU, self.limit, self.alpha, self.recompute_output)
 
     def act(self, x):
         gate, up = x.chunk(2, dim=-1)

@@ -110,7 +110,8 @@ class GroupedLinear(BasicOp):
         )
 
     def plan_signature(self) -> tuple:
-        return (GroupedLinear, self.num_groups, self.in_features, self.out_features, self.bias is not None)
+        return (GroupedLinear, self.num_groups, self.in_features, self.out_features, self.bias is not None,
+                self.recompute_output, self.accumulate_main_grad)
 
     def side_value_experts(self, name: str):
         return self.num_groups if name == "split_sizes" else None
