@@ -421,6 +421,12 @@ class SequenceFunction(torch.autograd.Function):
                 f"te_fused_ops ({names}): double backward (create_graph=True, e.g. a gradient penalty) is not "
                 "supported; the gradients these ops return are not differentiable"
             )
+        if torch._C._functorch.is_legacy_batchedtensor(dy):  # batched gradients (is_grads_batched, jacobian)
+            names = ", ".join(dict.fromkeys(op.op_name for op in ctx.run.ops))
+            raise NotImplementedError(
+                f"te_fused_ops ({names}): batched gradients (is_grads_batched=True, jacobian(vectorize=True)) "
+                "are not supported; compute one gradient at a time"
+            )
         dx, side_grads, param_grads = ctx.run.backward(dy, ctx.saved_tensors)
         if is_quantized(dx):
             dx = dx.dequantize()

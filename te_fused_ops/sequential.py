@@ -187,6 +187,19 @@ class Sequential(PlanOwner, nn.Module):
         self.register_state_dict_post_hook(_expert_shards_as_dtensors)
         self.register_load_state_dict_pre_hook(_expert_shards_from_dtensors)
 
+    def add_module(self, name: str, module) -> None:
+        if not isinstance(module, BasicOp):
+            raise TypeError(f"Sequential: module '{name}' must be a te_fused_ops basic op, got {type(module).__name__}")
+        super().add_module(name, module)
+
+    register_module = add_module
+
+    def __setattr__(self, name: str, value) -> None:
+        if isinstance(value, nn.Module) and not isinstance(value, BasicOp):
+            raise TypeError(f"Sequential: attribute '{name}' would add a {type(value).__name__}, not a te_fused_ops "
+                            "basic op; a Sequential holds basic ops only (append them)")
+        super().__setattr__(name, value)
+
     def __len__(self) -> int:
         return len(self._modules)
 

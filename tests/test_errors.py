@@ -237,6 +237,27 @@ def test_a_bias_of_another_dtype_than_its_weight_raises_naming_the_op(fuse):
         model(X, split_sizes=S)
 
 
+def test_a_module_that_is_not_an_op_cannot_join_a_sequential():
+    model = seq()
+    with pytest.raises(TypeError, match=r"Sequential: module 'drop' must be a te_fused_ops basic op, got Dropout"):
+        model.add_module("drop", torch.nn.Dropout())
+    with pytest.raises(TypeError, match=r"Sequential: attribute 'extra' would add a Linear"):
+        model.extra = torch.nn.Linear(8, 8)
+    assert len(model) == 3 and model(X, split_sizes=S).shape == (6, 8)
+
+
+def test_batched_gradients_are_refused_naming_the_ops():
+    """is_grads_batched / jacobian(vectorize=True) vmap the backward: a clear refusal, not a rule's
+    failure inside a batched matmul."""
+    model = seq()
+    x = X.clone().requires_grad_()
+    y = model(x, split_sizes=S)
+    with pytest.raises(NotImplementedError, match=r"te_fused_ops \(GroupedLinear, SwiGLU\): batched gradients"):
+        torch.autograd.grad(y, x, torch.randn(2, *y.shape), is_grads_batched=True)
+    with pytest.raises(NotImplementedError, match=r"batched gradients"):
+        torch.autograd.functional.jacobian(lambda x: model(x, split_sizes=S), X, vectorize=True)
+
+
 @pytest.mark.gpu
 def test_parameters_on_the_cpu_with_x_on_cuda_raise():
     if not torch.cuda.is_available():
