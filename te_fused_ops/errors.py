@@ -27,6 +27,15 @@ def real_argument(op_name: str, arg: str, value) -> float:
     return float(value)
 
 
+def int_argument(op_name: str, arg: str, value, low: int = 1) -> int:
+    """``value`` as an int >= ``low`` (any integral number: a numpy int as well); `OpValueError`
+    naming the op and argument for a bool, a non-integer or a smaller value."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        wanted = "a positive int" if low == 1 else f"an int >= {low}"
+        raise OpValueError(f"{op_name}: argument '{arg}' must be {wanted}, got {value!r}")
+    return int(value)
+
+
 def bool_argument(op_name: str, arg: str, value) -> bool:
     """``value`` as a bool (a Python or numpy bool); `OpTypeError` naming the op and argument for
     anything else (a string "false" or a 0/1 would otherwise read as a choice)."""

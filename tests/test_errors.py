@@ -246,6 +246,19 @@ def test_a_module_that_is_not_an_op_cannot_join_a_sequential():
     assert len(model) == 3 and model(X, split_sizes=S).shape == (6, 8)
 
 
+def test_sizes_take_any_integral_number():
+    """Sizes computed with numpy (np.int64) are accepted as nn.Linear accepts them, and stored as int."""
+    np = pytest.importorskip("numpy")
+    from te_fused_ops import Permute, TopKRouter
+
+    op = GroupedLinear(np.int64(3), np.int32(8), 16)
+    assert (op.num_groups, op.in_features) == (3, 8) and type(op.num_groups) is int
+    assert type(Permute(np.int64(4), chunks=np.int64(1)).num_experts) is int
+    assert TopKRouter(np.int64(8), 4, np.int64(2)).k == 2
+    with pytest.raises(ValueError, match=r"GroupedLinear: argument 'num_groups' must be a positive int, got 3.0"):
+        GroupedLinear(3.0, 8, 16)
+
+
 def test_batched_gradients_are_refused_naming_the_ops():
     """is_grads_batched / jacobian(vectorize=True) vmap the backward: a clear refusal, not a rule's
     failure inside a batched matmul."""

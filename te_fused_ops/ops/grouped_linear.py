@@ -5,7 +5,7 @@ import math
 import torch
 from torch import nn
 
-from ..errors import OpTypeError, OpValueError, bool_argument, floating_dtype_argument
+from ..errors import OpTypeError, OpValueError, bool_argument, floating_dtype_argument, int_argument
 from ..grouped_mm import grouped_mm_nn, grouped_mm_nt, grouped_row_sum, grouped_wgrad
 from ..quantization import high_precision_wgrad, quantize, quantized_weight_values, wgrad_source
 from ..splits import bind_offsets, row_group_ids
@@ -76,9 +76,8 @@ class GroupedLinear(BasicOp):
         recompute_output: bool = False,
     ):
         super().__init__()
-        for arg, value in (("num_groups", num_groups), ("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise OpValueError(f"GroupedLinear: argument '{arg}' must be a positive int, got {value!r}")
+        num_groups, in_features, out_features = (int_argument("GroupedLinear", arg, value) for arg, value in (
+            ("num_groups", num_groups), ("in_features", in_features), ("out_features", out_features)))
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
         self.param_shapes = {"weight": (num_groups, out_features, in_features), "bias": (num_groups, out_features)}
         factory = {"dtype": floating_dtype_argument("GroupedLinear", dtype), "device": device}

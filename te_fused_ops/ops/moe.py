@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from .. import routing as rows
-from ..errors import OpInputError, OpTypeError, OpValueError, bool_argument, floating_dtype_argument, real_argument
+from ..errors import (
+    OpInputError, OpTypeError, OpValueError, bool_argument, floating_dtype_argument, int_argument, real_argument,
+)
 from ..quantization import QuantizedTensor, high_precision_wgrad, quantize
 from ..splits import remember_offsets, validation_enabled
 from .base import BasicOp, OpContext, Recompute, is_quantized
@@ -97,12 +99,8 @@ class Permute(BasicOp):
     def __init__(self, num_experts: int, group=None, capacity_factor: float | None = 1.0, chunks: int = 1,
                  overlap_sms: int = 16):
         super().__init__()
-        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
-            raise OpValueError(f"Permute: argument 'num_experts' must be a positive int, got {num_experts!r}")
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks <= 0:
-            raise OpValueError(f"Permute: argument 'chunks' must be a positive int, got {chunks!r}")
-        if not isinstance(overlap_sms, int) or isinstance(overlap_sms, bool) or overlap_sms < 0:
-            raise OpValueError(f"Permute: argument 'overlap_sms' must be an int >= 0, got {overlap_sms!r}")
+        num_experts, chunks = int_argument("Permute", "num_experts", num_experts), int_argument("Permute", "chunks", chunks)
+        overlap_sms = int_argument("Permute", "overlap_sms", overlap_sms, low=0)
         self.num_experts, self.group, self.capacity_factor = num_experts, group, capacity_factor
         self.chunks, self.overlap_sms = chunks, overlap_sms
         self.dropped = None  # with group: () int64, this rank's slots dropped by the last call
@@ -517,10 +515,9 @@ class TopKRouter(BasicOp):
                  scale: float = 1.0, num_groups: int = 1, group_topk: int = 1, expert_bias: bool = False,
                  aux_loss_coeff: float = 0.0, float32_logits: bool = False, dtype=None, device=None):
         super().__init__()
-        for arg, value in (("hidden", hidden), ("num_experts", num_experts), ("k", k), ("num_groups", num_groups),
-                           ("group_topk", group_topk)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise OpValueError(f"TopKRouter: argument '{arg}' must be a positive int, got {value!r}")
+        hidden, num_experts, k, num_groups, group_topk = (int_argument("TopKRouter", arg, value) for arg, value in (
+            ("hidden", hidden), ("num_experts", num_experts), ("k", k), ("num_groups", num_groups),
+            ("group_topk", group_topk)))
         if score not in _SCORES:
             raise OpValueError(f"TopKRouter: argument 'score' must be one of {_SCORES}, got {score!r}")
         if num_experts % num_groups or group_topk > num_groups:
