@@ -152,6 +152,9 @@ class FusionRule:
             raise ValueError(f"FusionRule '{name}': argument 'passes' must be 'forward' or 'backward', got {passes!r}")
         if supports is not None and not callable(supports):
             raise TypeError(f"FusionRule '{name}': argument 'supports' must be callable")
+        if not isinstance(formats, (list, tuple, set, frozenset, range)):
+            raise TypeError(f"FusionRule '{name}': argument 'formats' must be a collection of boundaries "
+                            f"0..{len(pattern)}, got {formats!r}")
         formats = tuple(formats)
         if any(not isinstance(b, int) or not 0 <= b <= len(pattern) for b in formats):
             raise ValueError(f"FusionRule '{name}': argument 'formats' must hold boundaries 0..{len(pattern)}")

@@ -314,3 +314,16 @@ def test_priority_must_be_an_int(rules):
     for bad in (0.9, "10", None, True):
         with pytest.raises(TypeError, match="register_rule: argument 'priority' must be an int"):
             tfo.register_rule(rule, priority=bad)
+
+
+def test_rule_and_backend_arguments_are_checked_by_name():
+    from te_fused_ops.backends import register_backend
+    from te_fused_ops.fusion import FusionRule
+
+    with pytest.raises(TypeError, match=r"FusionRule 'mine': argument 'formats' must be a collection of boundaries "
+                                        r"0..1, got 0"):
+        FusionRule("mine", [GroupedLinear], "forward", formats=0)
+    with pytest.raises(ValueError, match=r"FusionRule 'mine': argument 'formats' must hold boundaries 0..1"):
+        FusionRule("mine", [GroupedLinear], "forward", formats=[2])
+    with pytest.raises(TypeError, match=r"register_backend: argument 'backend' must be a te_fused_ops Backend, got str"):
+        register_backend("x")

@@ -100,6 +100,9 @@ def backends_version() -> int:
 
 def register_backend(backend: Backend) -> Backend:
     """Add ``backend`` (replacing one of the same name)."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"register_backend: argument 'backend' must be a te_fused_ops Backend, got "
+                        f"{type(backend).__name__}")
     _backends[backend.name] = backend
     _version[0] += 1
     return backend
