@@ -222,7 +222,9 @@ class Sequential(PlanOwner, nn.Module):
     def append(self, op: BasicOp) -> "Sequential":
         if not isinstance(op, BasicOp):
             raise TypeError(f"Sequential.append: argument 'op' must be a te_fused_ops basic op, got {type(op).__name__}")
-        self.add_module(str(int(next(reversed(self._modules))) + 1) if self._modules else "0", op)
+        # the next number after the last numeric name (a slice keeps its parent's names)
+        numbers = [int(name) for name in self._modules if name.isdecimal()]
+        self.add_module(str(max(numbers) + 1) if numbers else "0", op)
         return self
 
     def extend(self, ops) -> "Sequential":

@@ -252,3 +252,10 @@ def test_slices_keep_names_and_the_container_refuses_in_place_edits():
         mlp().explain(torch.randn(6, 16), split_sizes=torch.tensor([2, 2, 2]), foo=1)
     with pytest.raises(OpValueError, match=r"GroupedLinear \(op 0\): missing side input 'split_sizes'"):
         mlp().plan(torch.randn(6, 16))
+
+
+def test_append_after_a_named_op_takes_the_next_number():
+    seq = Sequential(GroupedLinear(2, 8, 16), SwiGLU())
+    seq.add_module("extra", GroupedLinear(2, 8, 8))
+    seq.append(SwiGLU())
+    assert list(seq._modules) == ["0", "1", "extra", "2"]
