@@ -1,5 +1,6 @@
 """`Sequential`: a container of basic ops run through the fusion pass (`call.run_ops`)."""
 
+import functools
 import warnings
 
 import torch
@@ -126,16 +127,12 @@ def _expert_shards(seq: "Sequential", prefix: str):
                     yield f"{prefix}{j}.{name}", group
 
 
-_meshes: dict = {}  # (group, device type) -> its 1-D DeviceMesh
-
-
+@functools.cache
 def _mesh(group, device_type: str):
+    """The 1-D DeviceMesh of ``group`` (made once per group and device type)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    key = (group, device_type)
-    if key not in _meshes:
-        _meshes[key] = DeviceMesh.from_group(group, device_type)
-    return _meshes[key]
+    return DeviceMesh.from_group(group, device_type)
 
 
 def _expert_shards_as_dtensors(seq, state_dict, prefix, local_metadata):
@@ -152,18 +149,18 @@ def _expert_shards_as_dtensors(seq, state_dict, prefix, local_metadata):
 
 def _expert_shards_from_dtensors(seq, state_dict, prefix, *args):
     """load_state_dict pre-hook: the DTensors of `_expert_shards_as_dtensors` back to this rank's shard."""
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
     for key, group in _expert_shards(seq, prefix):
         value = state_dict.get(key)
         if not isinstance(value, DTensor):
             continue
-        import torch.distributed as dist
-
-        if tuple(value.placements) != (Shard(0),) or value.device_mesh.size() != dist.get_world_size(group):
+        ranks = dist.get_world_size(group)
+        if tuple(value.placements) != (Shard(0),) or value.device_mesh.size() != ranks:
             raise OpValueError(f"Sequential.load_state_dict: '{key}' holds experts as a DTensor placed "
                                f"{tuple(value.placements)} over {value.device_mesh.size()} ranks; this layer's are "
-                               f"sharded on dim 0 over its group's {dist.get_world_size(group)}")
+                               f"sharded on dim 0 over its group's {ranks}")
         state_dict[key] = value.to_local()
 
 

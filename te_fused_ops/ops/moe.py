@@ -99,7 +99,8 @@ class Permute(BasicOp):
     def __init__(self, num_experts: int, group=None, capacity_factor: float | None = 1.0, chunks: int = 1,
                  overlap_sms: int = 16):
         super().__init__()
-        num_experts, chunks = int_argument("Permute", "num_experts", num_experts), int_argument("Permute", "chunks", chunks)
+        num_experts = int_argument("Permute", "num_experts", num_experts)
+        chunks = int_argument("Permute", "chunks", chunks)
         overlap_sms = int_argument("Permute", "overlap_sms", overlap_sms, low=0)
         self.num_experts, self.group, self.capacity_factor = num_experts, group, capacity_factor
         self.chunks, self.overlap_sms = chunks, overlap_sms
