@@ -35,6 +35,22 @@ def _autocast_cast(x, ops, op_params, dtype):
                      for op, params in zip(ops, op_params)]
 
 
+def _check_one_dtype(op, index: int, params: dict) -> None:
+    """The op's floating parameters (other than its ``float32_params``) share one dtype."""
+    first = None
+    for name, param in params.items():
+        dtype = param.dtype
+        if not dtype.is_floating_point or name in op.float32_params:
+            continue
+        if first is None:
+            first = name, dtype
+        elif dtype != first[1]:
+            raise OpTypeError(
+                f"{op.op_name} (op {index}): parameter '{name}' has dtype {dtype} but parameter '{first[0]}' "
+                f"has {first[1]}; give the op's parameters one dtype (module.to(dtype))"
+            )
+
+
 def check_params(owner_name: str, ops, x: torch.Tensor, op_params: list) -> None:
     """x on a real device, every parameter on x's device and of its op's shape (a weight
     substituted by ``functional_call``, ``.data`` or a parametrization too), before any kernel
@@ -45,17 +61,10 @@ def check_params(owner_name: str, ops, x: torch.Tensor, op_params: list) -> None
             "pass a tensor on the CPU or a GPU"
         )
     for i, (op, params) in enumerate(zip(ops, op_params)):
-        shapes, first_float = op.param_shapes, None
+        shapes = op.param_shapes
+        if len(params) > 1:
+            _check_one_dtype(op, i, params)
         for name, param in params.items():
-            if param.is_floating_point() and name not in op.float32_params:
-                if first_float is None:
-                    first_float = name, param.dtype
-                elif param.dtype != first_float[1]:
-                    raise OpTypeError(
-                        f"{op.op_name} (op {i}): parameter '{name}' has dtype {param.dtype} but parameter "
-                        f"'{first_float[0]}' has {first_float[1]}; give the op's parameters one dtype "
-                        "(module.to(dtype))"
-                    )
             if param.shape != shapes.get(name, param.shape):
                 raise OpValueError(
                     f"{op.op_name} (op {i}): parameter '{name}' must have shape {shapes[name]}, got "
